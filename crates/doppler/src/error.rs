@@ -1,0 +1,53 @@
+//! One error type for the whole library. Messages name the op and the shapes involved.
+
+use crate::gpu::DType;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "no GPU adapter found{detail}. On Linux without a GPU install Mesa's Vulkan driver \
+         (Debian/Ubuntu: `apt-get install mesa-vulkan-drivers`); on other systems update the GPU driver"
+    )]
+    NoAdapter { detail: String },
+
+    #[error("no adapter matches {wanted:?}; available: {available}")]
+    AdapterNotFound { wanted: String, available: String },
+
+    #[error("unknown backend {0:?} (expected one of vulkan, metal, dx12, gl, webgpu)")]
+    UnknownBackend(String),
+
+    #[error("could not open the device on {adapter}: {reason}")]
+    RequestDevice { adapter: String, reason: String },
+
+    #[error("{op}: shape mismatch: {detail}")]
+    Shape { op: &'static str, detail: String },
+
+    #[error("{op}: dtype {got:?} not supported (expected {expected})")]
+    DType { op: &'static str, got: DType, expected: &'static str },
+
+    #[error("{op}: needs GPU feature {feature}, which this adapter does not offer")]
+    MissingFeature { op: &'static str, feature: &'static str },
+
+    #[error("out of GPU memory allocating {bytes} bytes for {label}")]
+    OutOfMemory { label: String, bytes: u64 },
+
+    #[error("{label}: {bytes} bytes exceeds the device limit {limit_name} = {limit}")]
+    TooLarge { label: String, bytes: u64, limit_name: &'static str, limit: u64 },
+
+    #[error("upload to {label}: got {got} elements, tensor holds {expected}")]
+    UploadSize { label: String, got: usize, expected: usize },
+
+    #[error("shader {shader}: {message}")]
+    Shader { shader: String, message: String },
+
+    #[error("GPU error: {0}")]
+    Device(String),
+
+    #[error("reading back {label} failed: {reason}")]
+    Readback { label: String, reason: String },
+
+    #[error("I/O error on {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,324 @@
+//! The GPU layer: adapter and device ([`Gpu`]), tensors, the buffer pool, the command
+//! recorder, the pipeline cache and timing traces.
+
+mod pipeline;
+mod pool;
+mod recorder;
+mod tensor;
+pub mod trace;
+
+pub use pipeline::{Binding, Kernel, PipelineCache, Shader};
+pub use pool::{BufferPool, PoolStats};
+pub use recorder::{Grid, Recorder, Submission};
+pub use tensor::{DType, Tensor};
+pub use trace::{Trace, TraceEvent};
+
+use crate::error::{Error, Result};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+
+/// How to choose an adapter. Empty fields mean "the default": the first discrete GPU,
+/// then integrated, virtual, CPU.
+#[derive(Clone, Debug, Default)]
+pub struct GpuOptions {
+    /// Case-insensitive substring of the adapter name (`DOPPLER_ADAPTER`).
+    pub adapter: Option<String>,
+    /// vulkan, metal, dx12, gl or webgpu (`DOPPLER_BACKEND`).
+    pub backend: Option<String>,
+}
+
+impl GpuOptions {
+    /// Options from `DOPPLER_ADAPTER` and `DOPPLER_BACKEND`.
+    pub fn from_env() -> Self {
+        let get = |k| std::env::var(k).ok().filter(|v: &String| !v.is_empty());
+        GpuOptions { adapter: get("DOPPLER_ADAPTER"), backend: get("DOPPLER_BACKEND") }
+    }
+}
+
+/// Features we use when the adapter has them. Everything else stays off so that
+/// validation matches what the kernels were written against.
+fn wanted_features() -> wgpu::Features {
+    wgpu::Features::SHADER_F16
+        | wgpu::Features::SUBGROUP
+        | wgpu::Features::SUBGROUP_BARRIER
+        | wgpu::Features::TIMESTAMP_QUERY
+        | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS
+        | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES
+        | wgpu::Features::SHADER_INT64
+        | wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
+}
+
+fn parse_backend(name: &str) -> Result<wgpu::Backends> {
+    Ok(match name.to_ascii_lowercase().as_str() {
+        "vulkan" | "vk" => wgpu::Backends::VULKAN,
+        "metal" => wgpu::Backends::METAL,
+        "dx12" | "d3d12" => wgpu::Backends::DX12,
+        "gl" | "gles" | "opengl" => wgpu::Backends::GL,
+        "webgpu" | "browser" => wgpu::Backends::BROWSER_WEBGPU,
+        _ => return Err(Error::UnknownBackend(name.to_string())),
+    })
+}
+
+fn type_rank(t: wgpu::DeviceType) -> u32 {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Cpu => 3,
+        wgpu::DeviceType::Other => 4,
+    }
+}
+
+/// The adapter, device and queue, plus the objects every op shares: the buffer pool and
+/// the pipeline cache. Create one per process and pass `&Gpu` around.
+pub struct Gpu {
+    pub adapter: wgpu::Adapter,
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub info: wgpu::AdapterInfo,
+    pub features: wgpu::Features,
+    pub limits: wgpu::Limits,
+    pub pool: BufferPool,
+    pub pipelines: PipelineCache,
+    /// Errors the device reported outside any error scope; drained by [`Gpu::check_errors`].
+    errors: Arc<Mutex<Vec<String>>>,
+}
+
+impl Gpu {
+    /// Opens the adapter chosen by `opts` with every useful feature it offers and its own limits.
+    pub async fn new(opts: &GpuOptions) -> Result<Gpu> {
+        let backends = match &opts.backend {
+            Some(b) => parse_backend(b)?,
+            None => wgpu::Backends::all(),
+        };
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = backends;
+        let instance = wgpu::Instance::new(desc);
+        let adapter = Self::pick_adapter(&instance, backends, opts).await?;
+        let info = adapter.get_info();
+        let features = adapter.features() & wanted_features();
+        let limits = adapter.limits();
+        let experimental = if features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
+            // SAFETY: cooperative matrices are only used by kernels that check the feature,
+            // and those kernels are validated by naga and tested against CPU references.
+            unsafe { wgpu::ExperimentalFeatures::enabled() }
+        } else {
+            wgpu::ExperimentalFeatures::disabled()
+        };
+        let (device, queue) = adapter
+            .request_device(&wgpu::DeviceDescriptor {
+                label: Some("doppler"),
+                required_features: features,
+                required_limits: limits.clone(),
+                experimental_features: experimental,
+                memory_hints: wgpu::MemoryHints::Performance,
+                trace: wgpu::Trace::Off,
+            })
+            .await
+            .map_err(|e| Error::RequestDevice { adapter: info.name.clone(), reason: e.to_string() })?;
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let sink = errors.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            tracing::error!("wgpu: {e}");
+            sink.lock().unwrap().push(e.to_string());
+        }));
+        tracing::info!(adapter = %info.name, backend = ?info.backend, "opened GPU");
+        Ok(Gpu {
+            pool: BufferPool::new(),
+            pipelines: PipelineCache::new(),
+            adapter,
+            device,
+            queue,
+            info,
+            features,
+            limits,
+            errors,
+        })
+    }
+
+    /// Blocking [`Gpu::new`] for native programs.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn new_blocking(opts: &GpuOptions) -> Result<Gpu> {
+        pollster::block_on(Self::new(opts))
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    async fn pick_adapter(
+        instance: &wgpu::Instance,
+        backends: wgpu::Backends,
+        opts: &GpuOptions,
+    ) -> Result<wgpu::Adapter> {
+        let mut adapters = instance.enumerate_adapters(backends).await;
+        let names: Vec<String> = adapters
+            .iter()
+            .map(|a| {
+                let i = a.get_info();
+                format!("{} ({:?}, {:?})", i.name, i.backend, i.device_type)
+            })
+            .collect();
+        if adapters.is_empty() {
+            let detail = match &opts.backend {
+                Some(b) => format!(" for backend {b}"),
+                None => String::new(),
+            };
+            return Err(Error::NoAdapter { detail });
+        }
+        if let Some(want) = &opts.adapter {
+            let w = want.to_ascii_lowercase();
+            adapters.retain(|a| a.get_info().name.to_ascii_lowercase().contains(&w));
+            if adapters.is_empty() {
+                return Err(Error::AdapterNotFound { wanted: want.clone(), available: names.join(", ") });
+            }
+        }
+        // Stable sort: among equal types keep the driver's order.
+        adapters.sort_by_key(|a| type_rank(a.get_info().device_type));
+        Ok(adapters.remove(0))
+    }
+
+    #[cfg(target_arch = "wasm32")]
+    async fn pick_adapter(
+        instance: &wgpu::Instance,
+        _backends: wgpu::Backends,
+        opts: &GpuOptions,
+    ) -> Result<wgpu::Adapter> {
+        let adapter = instance
+            .request_adapter(&wgpu::RequestAdapterOptions {
+                power_preference: wgpu::PowerPreference::HighPerformance,
+                force_fallback_adapter: false,
+                compatible_surface: None,
+            })
+            .await
+            .map_err(|e| Error::NoAdapter { detail: format!(" ({e}; is WebGPU enabled?)") })?;
+        if let Some(want) = &opts.adapter {
+            let name = adapter.get_info().name;
+            if !name.to_ascii_lowercase().contains(&want.to_ascii_lowercase()) {
+                return Err(Error::AdapterNotFound { wanted: want.clone(), available: name });
+            }
+        }
+        Ok(adapter)
+    }
+
+    /// A new command recorder: record many ops, then submit them at once.
+    pub fn recorder(&self, label: &str) -> Recorder<'_> {
+        Recorder::new(self, label, false)
+    }
+
+    /// A recorder that writes a GPU timestamp around every dispatch (needs `TIMESTAMP_QUERY`;
+    /// without it the trace stays empty).
+    pub fn profiling_recorder(&self, label: &str) -> Recorder<'_> {
+        let on = self.features.contains(wgpu::Features::TIMESTAMP_QUERY);
+        Recorder::new(self, label, on)
+    }
+
+    /// Records `f` into a fresh recorder and submits it: the "run now" form of any op.
+    pub fn run<T>(&self, f: impl FnOnce(&mut Recorder<'_>) -> Result<T>) -> Result<T> {
+        let mut rec = self.recorder("run");
+        let out = f(&mut rec)?;
+        rec.submit()?;
+        Ok(out)
+    }
+
+    /// Returns (and clears) the first error the device reported outside an error scope.
+    pub fn check_errors(&self) -> Result<()> {
+        let mut errs = self.errors.lock().unwrap();
+        if errs.is_empty() {
+            return Ok(());
+        }
+        let msg = errs.join("; ");
+        errs.clear();
+        Err(Error::Device(msg))
+    }
+
+    /// Blocks until all submitted work has finished and buffers it used are back in the pool.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn wait(&self) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| Error::Device(e.to_string()))?;
+        self.pool.collect();
+        self.check_errors()
+    }
+
+    /// Processes finished work without blocking (returns finished buffers to the pool).
+    pub fn poll(&self) {
+        let _ = self.device.poll(wgpu::PollType::Poll);
+        self.pool.collect();
+    }
+
+    pub fn has_f16(&self) -> bool {
+        self.features.contains(wgpu::Features::SHADER_F16)
+    }
+
+    /// Largest workgroup count per grid dimension (65535 on most devices).
+    pub fn max_workgroups_per_dim(&self) -> u32 {
+        self.limits.max_compute_workgroups_per_dimension
+    }
+}
+
+/// Runs `f` inside an error scope; returns its value and the error message, if any.
+/// Natively the scope resolves at once; in the browser errors reach the uncaptured handler.
+pub(crate) fn scoped<T>(device: &wgpu::Device, filter: wgpu::ErrorFilter, f: impl FnOnce() -> T) -> (T, Option<String>) {
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let scope = device.push_error_scope(filter);
+        let value = f();
+        let err = pollster::block_on(scope.pop()).map(|e| e.to_string());
+        (value, err)
+    }
+    #[cfg(target_arch = "wasm32")]
+    {
+        let _ = (device, filter);
+        (f(), None)
+    }
+}
+
+/// Maps `buffer[..size]` for reading. Resolves when `map_async`'s callback has run: the
+/// browser runs it from its event loop; natively nothing does unless the device is polled,
+/// so there the future waits on the device.
+pub(crate) async fn map_read(gpu: &Gpu, buffer: &wgpu::Buffer, size: u64) -> std::result::Result<(), String> {
+    let state = Arc::new(Mutex::new(MapState::default()));
+    let s = state.clone();
+    buffer.map_async(wgpu::MapMode::Read, 0..size, move |r| {
+        let mut st = s.lock().unwrap();
+        st.result = Some(r.map_err(|e| e.to_string()));
+        if let Some(w) = st.waker.take() {
+            w.wake();
+        }
+    });
+    MapFuture { state, device: gpu.device.clone() }.await
+}
+
+#[derive(Default)]
+struct MapState {
+    result: Option<std::result::Result<(), String>>,
+    waker: Option<Waker>,
+}
+
+struct MapFuture {
+    state: Arc<Mutex<MapState>>,
+    #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
+    device: wgpu::Device,
+}
+
+impl Future for MapFuture {
+    type Output = std::result::Result<(), String>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        loop {
+            {
+                let mut st = self.state.lock().unwrap();
+                if let Some(r) = st.result.take() {
+                    return Poll::Ready(r);
+                }
+                st.waker = Some(cx.waker().clone());
+            }
+            #[cfg(target_arch = "wasm32")]
+            return Poll::Pending;
+            #[cfg(not(target_arch = "wasm32"))]
+            if let Err(e) = self.device.poll(wgpu::PollType::wait_indefinitely()) {
+                return Poll::Ready(Err(e.to_string()));
+            }
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! Compute pipelines, built once per (shader, entry point, override constants) and reused.
+
+use super::Gpu;
+use crate::error::{Error, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// A WGSL file embedded in the binary. `crate::shaders::ALL` lists every one.
+pub struct Shader {
+    pub name: &'static str,
+    pub source: &'static str,
+}
+
+/// How an entry point uses a storage buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Binding {
+    Read,
+    ReadWrite,
+}
+
+/// One entry point and its bind-group layout: binding 0 is always the uniform parameter
+/// block; `storage` lists the storage bindings (binding number, access) in the order the
+/// recorder's `tensors` argument fills them. A file's entry points may use different
+/// subsets of its bindings.
+pub struct Kernel {
+    pub shader: &'static Shader,
+    pub entry: &'static str,
+    pub storage: &'static [(u32, Binding)],
+    /// Features the entry point needs (e.g. `SHADER_F16`); checked before building.
+    pub features: wgpu::Features,
+}
+
+impl Kernel {
+    pub fn name(&self) -> String {
+        format!("{}.{}", self.shader.name, self.entry)
+    }
+}
+
+pub(crate) struct CachedPipeline {
+    pub pipeline: wgpu::ComputePipeline,
+    pub layout: wgpu::BindGroupLayout,
+    pub storage: &'static [(u32, Binding)],
+    /// "shader.entry[constants]": pipeline label and trace name.
+    pub name: Arc<str>,
+}
+
+type Key = (&'static str, &'static str, Vec<(&'static str, u64)>);
+
+#[derive(Default)]
+pub struct PipelineCache {
+    modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
+    pipelines: Mutex<HashMap<Key, Arc<CachedPipeline>>>,
+}
+
+impl PipelineCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of pipelines built so far.
+    pub fn len(&self) -> usize {
+        self.pipelines.lock().unwrap().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub(crate) fn get(
+        &self,
+        gpu: &Gpu,
+        kernel: &Kernel,
+        constants: &[(&'static str, f64)],
+    ) -> Result<Arc<CachedPipeline>> {
+        let key: Key = (
+            kernel.shader.name,
+            kernel.entry,
+            constants.iter().map(|(k, v)| (*k, v.to_bits())).collect(),
+        );
+        if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
+            return Ok(p.clone());
+        }
+        let missing = kernel.features - gpu.features;
+        if !missing.is_empty() {
+            return Err(Error::MissingFeature { op: kernel.entry, feature: feature_name(missing) });
+        }
+        let module = self.module(gpu, kernel.shader)?;
+        let name: Arc<str> = if constants.is_empty() {
+            kernel.name().into()
+        } else {
+            let c: Vec<String> = constants.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            format!("{}[{}]", kernel.name(), c.join(",")).into()
+        };
+        let mut entries = vec![wgpu::BindGroupLayoutEntry {
+            binding: 0,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Uniform,
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        }];
+        for &(binding, b) in kernel.storage {
+            entries.push(wgpu::BindGroupLayoutEntry {
+                binding,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Storage { read_only: b == Binding::Read },
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            });
+        }
+        let (built, err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
+            let layout = gpu.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                label: Some(&name),
+                entries: &entries,
+            });
+            let pl = gpu.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some(&name),
+                bind_group_layouts: &[Some(&layout)],
+                immediate_size: 0,
+            });
+            let pipeline = gpu.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(&name),
+                layout: Some(&pl),
+                module: &module,
+                entry_point: Some(kernel.entry),
+                compilation_options: wgpu::PipelineCompilationOptions {
+                    constants,
+                    // Every kernel writes its workgroup memory before reading it.
+                    zero_initialize_workgroup_memory: false,
+                },
+                cache: None,
+            });
+            (pipeline, layout)
+        });
+        if let Some(message) = err {
+            return Err(Error::Shader { shader: name.to_string(), message });
+        }
+        let (pipeline, layout) = built;
+        let cached = Arc::new(CachedPipeline { pipeline, layout, storage: kernel.storage, name });
+        self.pipelines.lock().unwrap().insert(key, cached.clone());
+        Ok(cached)
+    }
+
+    fn module(&self, gpu: &Gpu, shader: &'static Shader) -> Result<wgpu::ShaderModule> {
+        if let Some(m) = self.modules.lock().unwrap().get(shader.name) {
+            return Ok(m.clone());
+        }
+        let (module, err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
+            gpu.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(shader.name),
+                source: wgpu::ShaderSource::Wgsl(shader.source.into()),
+            })
+        });
+        if let Some(message) = err {
+            return Err(Error::Shader { shader: shader.name.to_string(), message });
+        }
+        self.modules.lock().unwrap().insert(shader.name, module.clone());
+        Ok(module)
+    }
+}
+
+fn feature_name(f: wgpu::Features) -> &'static str {
+    if f.contains(wgpu::Features::SHADER_F16) {
+        "SHADER_F16"
+    } else if f.contains(wgpu::Features::SUBGROUP) {
+        "SUBGROUP"
+    } else if f.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
+        "EXPERIMENTAL_COOPERATIVE_MATRIX"
+    } else {
+        "(other)"
+    }
+}

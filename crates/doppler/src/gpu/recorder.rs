@@ -1,0 +1,371 @@
+//! The command recorder: ops append dispatches, `submit` encodes them into one command
+//! encoder and one queue submission. Parameter blocks of all dispatches share one uniform
+//! buffer; every buffer the submission touches stays alive until the GPU has finished it.
+
+use super::pipeline::{CachedPipeline, Kernel};
+use super::pool::PooledBuffer;
+use super::tensor::Tensor;
+use super::trace::{Trace, TraceEvent};
+use super::Gpu;
+use crate::error::{Error, Result};
+use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// The workgroup grid of a dispatch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grid {
+    /// `n` workgroups numbered 0..n. Past the per-dimension limit (65535) the grid becomes
+    /// 2-D; the shader recovers the number as `wid.x + wid.y * nwg.x` and returns when it
+    /// is `>= n` (the last row may be partly empty).
+    Linear(u64),
+    /// An explicit 3-D grid.
+    Xyz([u32; 3]),
+}
+
+impl Grid {
+    /// Linear grid covering `items` items at `per_group` items a workgroup.
+    pub fn cover(items: u64, per_group: u64) -> Grid {
+        Grid::Linear(items.div_ceil(per_group))
+    }
+
+    pub fn resolve(self, max_per_dim: u32) -> Result<[u32; 3]> {
+        let max = max_per_dim as u64;
+        match self {
+            Grid::Linear(n) if n <= max => Ok([n as u32, 1, 1]),
+            Grid::Linear(n) => {
+                let y = n.div_ceil(max);
+                if y > max {
+                    return Err(Error::Shape {
+                        op: "dispatch",
+                        detail: format!("{n} workgroups exceed {max}x{max}"),
+                    });
+                }
+                Ok([max as u32, y as u32, 1])
+            }
+            Grid::Xyz(g) => {
+                if g.iter().any(|&d| d as u64 > max) {
+                    return Err(Error::Shape { op: "dispatch", detail: format!("grid {g:?} exceeds {max} per dimension") });
+                }
+                Ok(g)
+            }
+        }
+    }
+}
+
+enum Cmd {
+    Dispatch {
+        pipe: Arc<CachedPipeline>,
+        uniform_offset: u64,
+        uniform_size: u64,
+        tensors: Vec<Tensor>,
+        grid: [u32; 3],
+    },
+    Copy {
+        src: Tensor,
+        dst: Tensor,
+        bytes: u64,
+    },
+}
+
+pub struct Recorder<'g> {
+    gpu: &'g Gpu,
+    label: String,
+    cmds: Vec<Cmd>,
+    uniforms: Vec<u8>,
+    profile: bool,
+}
+
+/// Most timestamp queries in one query set (wgpu's `QUERY_SET_MAX_QUERIES`).
+const QUERIES_PER_SET: u32 = 4096;
+
+impl<'g> Recorder<'g> {
+    pub(crate) fn new(gpu: &'g Gpu, label: &str, profile: bool) -> Self {
+        Recorder { gpu, label: label.to_string(), cmds: Vec::new(), uniforms: Vec::new(), profile }
+    }
+
+    pub fn gpu(&self) -> &'g Gpu {
+        self.gpu
+    }
+
+    /// Number of recorded dispatches and copies.
+    pub fn len(&self) -> usize {
+        self.cmds.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.cmds.is_empty()
+    }
+
+    /// Records one dispatch of `kernel`. `params` is the uniform block at binding 0 (a
+    /// `#[repr(C)]` struct padded to 16 bytes); `tensors` are bindings 1.. in the kernel's
+    /// order. A grid with no workgroups records nothing.
+    pub fn dispatch(
+        &mut self,
+        kernel: &Kernel,
+        constants: &[(&'static str, f64)],
+        params: &[u8],
+        tensors: &[&Tensor],
+        grid: Grid,
+    ) -> Result<()> {
+        if tensors.len() != kernel.storage.len() {
+            return Err(Error::Shape {
+                op: kernel.entry,
+                detail: format!("{} buffers bound, kernel takes {}", tensors.len(), kernel.storage.len()),
+            });
+        }
+        let grid = grid.resolve(self.gpu.max_workgroups_per_dim())?;
+        if grid.contains(&0) {
+            return Ok(());
+        }
+        let pipe = self.gpu.pipelines.get(self.gpu, kernel, constants)?;
+        let align = self.gpu.limits.min_uniform_buffer_offset_alignment as usize;
+        let offset = self.uniforms.len().next_multiple_of(align);
+        self.uniforms.resize(offset, 0);
+        self.uniforms.extend_from_slice(params);
+        let size = params.len().max(16).next_multiple_of(16);
+        self.uniforms.resize(offset + size, 0);
+        self.cmds.push(Cmd::Dispatch {
+            pipe,
+            uniform_offset: offset as u64,
+            uniform_size: size as u64,
+            tensors: tensors.iter().map(|t| (*t).clone()).collect(),
+            grid,
+        });
+        Ok(())
+    }
+
+    /// Copies all of `src` into `dst` (same byte size).
+    pub fn copy(&mut self, src: &Tensor, dst: &Tensor) -> Result<()> {
+        if src.byte_size() != dst.byte_size() {
+            return Err(Error::Shape {
+                op: "copy",
+                detail: format!("{:?} {:?} into {:?} {:?}", src.shape(), src.dtype(), dst.shape(), dst.dtype()),
+            });
+        }
+        self.cmds.push(Cmd::Copy { src: src.clone(), dst: dst.clone(), bytes: src.binding_size() });
+        Ok(())
+    }
+
+    /// Encodes everything recorded into one command buffer and submits it.
+    pub fn submit(self) -> Result<Submission> {
+        let gpu = self.gpu;
+        let mut keep: Vec<Arc<PooledBuffer>> = Vec::new();
+        let uniform = if self.uniforms.is_empty() {
+            None
+        } else {
+            let u = gpu.pool.alloc(
+                &gpu.device,
+                &gpu.limits,
+                self.uniforms.len() as u64,
+                wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                "uniforms",
+            )?;
+            gpu.queue.write_buffer(&u.buffer, 0, &self.uniforms);
+            Some(u)
+        };
+        let n_dispatch = self.cmds.iter().filter(|c| matches!(c, Cmd::Dispatch { .. })).count() as u32;
+        let queries = if self.profile && n_dispatch > 0 { Some(Queries::new(gpu, n_dispatch)?) } else { None };
+
+        let (_, err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
+            let mut enc =
+                gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(&self.label) });
+            let mut names = Vec::new();
+            let mut i = 0;
+            while i < self.cmds.len() {
+                match &self.cmds[i] {
+                    Cmd::Copy { src, dst, bytes } => {
+                        enc.copy_buffer_to_buffer(src.buffer(), 0, dst.buffer(), 0, *bytes);
+                        i += 1;
+                    }
+                    Cmd::Dispatch { .. } => {
+                        // Without profiling, a run of dispatches shares one pass (wgpu inserts the
+                        // barriers between them); with it, each gets a pass with its own timestamps.
+                        let q = names.len() as u32;
+                        let timestamp_writes = queries.as_ref().map(|qs| qs.writes(q));
+                        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                            label: Some(&self.label),
+                            timestamp_writes,
+                        });
+                        while let Some(Cmd::Dispatch { pipe, uniform_offset, uniform_size, tensors, grid }) =
+                            self.cmds.get(i)
+                        {
+                            let mut entries = vec![wgpu::BindGroupEntry {
+                                binding: 0,
+                                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                                    buffer: &uniform.as_ref().expect("dispatch has uniforms").buffer,
+                                    offset: *uniform_offset,
+                                    size: NonZeroU64::new(*uniform_size),
+                                }),
+                            }];
+                            for (t, &(binding, _)) in tensors.iter().zip(pipe.storage) {
+                                entries.push(wgpu::BindGroupEntry {
+                                    binding,
+                                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                                        buffer: t.buffer(),
+                                        offset: 0,
+                                        size: NonZeroU64::new(t.binding_size()),
+                                    }),
+                                });
+                            }
+                            let bg = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                                label: Some(&pipe.name),
+                                layout: &pipe.layout,
+                                entries: &entries,
+                            });
+                            pass.set_pipeline(&pipe.pipeline);
+                            pass.set_bind_group(0, &bg, &[]);
+                            pass.dispatch_workgroups(grid[0], grid[1], grid[2]);
+                            names.push(pipe.name.clone());
+                            i += 1;
+                            if queries.is_some() {
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            if let Some(qs) = &queries {
+                qs.resolve(&mut enc);
+            }
+            let index = gpu.queue.submit([enc.finish()]);
+            (index, names)
+        });
+        if let Some(message) = err {
+            return Err(Error::Device(format!("{}: {message}", self.label)));
+        }
+        // Release buffers once the GPU is done with this submission.
+        for c in &self.cmds {
+            match c {
+                Cmd::Dispatch { tensors, .. } => keep.extend(tensors.iter().map(|t| t.pooled().clone())),
+                Cmd::Copy { src, dst, .. } => keep.extend([src.pooled().clone(), dst.pooled().clone()]),
+            }
+        }
+        keep.extend(uniform);
+        let done = Arc::new(AtomicBool::new(false));
+        let flag = done.clone();
+        gpu.queue.on_submitted_work_done(move || flag.store(true, Ordering::Release));
+        gpu.pool.retire(done, keep);
+        gpu.poll();
+        gpu.check_errors()?;
+        let names = self
+            .cmds
+            .iter()
+            .filter_map(|c| match c {
+                Cmd::Dispatch { pipe, .. } => Some(pipe.name.clone()),
+                Cmd::Copy { .. } => None,
+            })
+            .collect();
+        Ok(Submission { queries, names })
+    }
+}
+
+/// Timestamp query sets and their readback buffers for one profiled submission.
+struct Queries {
+    sets: Vec<(wgpu::QuerySet, u32)>,
+    resolve: Vec<wgpu::Buffer>,
+    readback: Vec<wgpu::Buffer>,
+}
+
+impl Queries {
+    fn new(gpu: &Gpu, n_dispatch: u32) -> Result<Queries> {
+        let total = n_dispatch * 2;
+        let mut q = Queries { sets: Vec::new(), resolve: Vec::new(), readback: Vec::new() };
+        let mut left = total;
+        while left > 0 {
+            let count = left.min(QUERIES_PER_SET);
+            left -= count;
+            let set = gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("timestamps"),
+                ty: wgpu::QueryType::Timestamp,
+                count,
+            });
+            let bytes = count as u64 * 8;
+            let mk = |usage| {
+                gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("timestamps"),
+                    size: bytes,
+                    usage,
+                    mapped_at_creation: false,
+                })
+            };
+            q.resolve.push(mk(wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC));
+            q.readback.push(mk(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST));
+            q.sets.push((set, count));
+        }
+        Ok(q)
+    }
+
+    /// Begin/end writes for dispatch `i`.
+    fn writes(&self, i: u32) -> wgpu::ComputePassTimestampWrites<'_> {
+        let q = i * 2;
+        let (set, _) = &self.sets[(q / QUERIES_PER_SET) as usize];
+        let base = q % QUERIES_PER_SET;
+        wgpu::ComputePassTimestampWrites {
+            query_set: set,
+            beginning_of_pass_write_index: Some(base),
+            end_of_pass_write_index: Some(base + 1),
+        }
+    }
+
+    fn resolve(&self, enc: &mut wgpu::CommandEncoder) {
+        for (k, (set, count)) in self.sets.iter().enumerate() {
+            enc.resolve_query_set(set, 0..*count, &self.resolve[k], 0);
+            enc.copy_buffer_to_buffer(&self.resolve[k], 0, &self.readback[k], 0, *count as u64 * 8);
+        }
+    }
+}
+
+/// A submitted recorder. Holds what is needed to read its timestamps back.
+pub struct Submission {
+    queries: Option<Queries>,
+    names: Vec<Arc<str>>,
+}
+
+impl Submission {
+    /// Number of dispatches in the submission.
+    pub fn dispatches(&self) -> usize {
+        self.names.len()
+    }
+
+    /// Per-dispatch GPU times. Empty unless the recorder was a profiling one on an adapter
+    /// with timestamp queries.
+    pub async fn trace(self, gpu: &Gpu) -> Result<Trace> {
+        let Some(q) = self.queries else { return Ok(Trace::default()) };
+        let mut ticks: Vec<u64> = Vec::new();
+        for buf in &q.readback {
+            super::map_read(gpu, buf, buf.size())
+                .await
+                .map_err(|reason| Error::Readback { label: "timestamps".into(), reason })?;
+            let view = buf
+                .get_mapped_range(..)
+                .map_err(|e| Error::Readback { label: "timestamps".into(), reason: e.to_string() })?;
+            ticks.extend_from_slice(bytemuck::cast_slice(&view));
+            drop(view);
+            buf.unmap();
+        }
+        let period = gpu.queue.get_timestamp_period() as f64;
+        let t0 = ticks.first().copied().unwrap_or(0);
+        let events = self
+            .names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let (b, e) = (ticks[2 * i], ticks[2 * i + 1]);
+                TraceEvent {
+                    name: name.to_string(),
+                    start_ns: b.wrapping_sub(t0) as f64 * period,
+                    dur_ns: e.saturating_sub(b) as f64 * period,
+                }
+            })
+            .collect();
+        Ok(Trace { events })
+    }
+
+    /// Blocks until the GPU has finished, then returns the trace.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn wait(self, gpu: &Gpu) -> Result<Trace> {
+        gpu.wait()?;
+        pollster::block_on(self.trace(gpu))
+    }
+}

@@ -1,0 +1,91 @@
+//! Per-dispatch GPU timings, written as Chrome trace-event JSON (opens in Perfetto or
+//! chrome://tracing).
+
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TraceEvent {
+    /// Pipeline name: "shader.entry[constants]".
+    pub name: String,
+    /// Nanoseconds since the first timestamp of the trace.
+    pub start_ns: f64,
+    pub dur_ns: f64,
+}
+
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Trace {
+    pub events: Vec<TraceEvent>,
+}
+
+/// Totals per kernel name.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct KernelTime {
+    pub name: String,
+    pub count: usize,
+    pub total_ns: f64,
+    pub median_ns: f64,
+}
+
+impl Trace {
+    pub fn extend(&mut self, other: Trace) {
+        let offset = self.events.last().map(|e| e.start_ns + e.dur_ns).unwrap_or(0.0);
+        self.events.extend(other.events.into_iter().map(|mut e| {
+            e.start_ns += offset;
+            e
+        }));
+    }
+
+    /// `{"traceEvents": [...]}` with complete ("X") events in microseconds.
+    pub fn to_chrome_json(&self) -> String {
+        let events: Vec<serde_json::Value> = self
+            .events
+            .iter()
+            .map(|e| {
+                serde_json::json!({
+                    "name": e.name, "cat": "gpu", "ph": "X", "pid": 0, "tid": 0,
+                    "ts": e.start_ns / 1e3, "dur": e.dur_ns / 1e3,
+                })
+            })
+            .collect();
+        serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ns" }).to_string()
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn write_chrome_json(&self, path: &std::path::Path) -> crate::Result<()> {
+        use crate::Error;
+        std::fs::write(path, self.to_chrome_json())
+            .map_err(|source| Error::Io { path: path.display().to_string(), source })
+    }
+
+    /// Per-kernel count, total and median, slowest total first.
+    pub fn by_kernel(&self) -> Vec<KernelTime> {
+        let mut map: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
+        for e in &self.events {
+            map.entry(&e.name).or_default().push(e.dur_ns);
+        }
+        let mut out: Vec<KernelTime> = map
+            .into_iter()
+            .map(|(name, mut d)| KernelTime {
+                name: name.to_string(),
+                count: d.len(),
+                total_ns: d.iter().sum(),
+                median_ns: median(&mut d),
+            })
+            .collect();
+        out.sort_by(|a, b| b.total_ns.total_cmp(&a.total_ns));
+        out
+    }
+}
+
+/// Median of `v` (sorts it). NaN for an empty slice.
+pub fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}

@@ -1,0 +1,155 @@
+//! Batched f32 matrix product with either operand transposed. Shader: `matmul.wgsl`.
+//!
+//! Derivatives of C = A @ B (no transposes), for upstream dC:
+//!   dA = dC @ B^T   (matmul with trans_b)
+//!   dB = A^T @ dC   (matmul with trans_a)
+//! so the backward is two calls of the same kernel; `beta = 1` accumulates into a gradient.
+
+use super::expect_f32;
+use crate::error::{Error, Result};
+use crate::gpu::{Binding::*, Grid, Kernel, Recorder, Tensor};
+use crate::shaders::MATMUL;
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Params {
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+    pub stride_a: u32,
+    pub stride_b: u32,
+    pub stride_c: u32,
+    pub alpha: f32,
+    pub beta: f32,
+}
+
+static MATMUL_KERNEL: Kernel = Kernel {
+    shader: &MATMUL,
+    entry: "matmul",
+    // a and b are each bound twice: as scalars and as vec4s.
+    storage: &[(1, Read), (2, Read), (3, Read), (4, Read), (5, ReadWrite)],
+    features: wgpu::Features::empty(),
+};
+
+/// Output tile of one workgroup.
+const TILE: u64 = 128;
+
+#[derive(Clone, Copy, Debug)]
+pub struct MatmulOpts {
+    /// A is stored (..., K, M) and used transposed.
+    pub trans_a: bool,
+    /// B is stored (..., N, K) and used transposed.
+    pub trans_b: bool,
+    pub alpha: f32,
+}
+
+impl Default for MatmulOpts {
+    fn default() -> Self {
+        MatmulOpts { trans_a: false, trans_b: false, alpha: 1.0 }
+    }
+}
+
+/// The problem a pair of operands describes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MatmulShape {
+    /// Leading (batch) dimensions of the output.
+    pub batch_dims: Vec<usize>,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    /// Whether A / B have a batch (otherwise broadcast over it).
+    pub batched_a: bool,
+    pub batched_b: bool,
+}
+
+impl MatmulShape {
+    pub fn batch(&self) -> usize {
+        self.batch_dims.iter().product()
+    }
+
+    pub fn out_shape(&self) -> Vec<usize> {
+        let mut s = self.batch_dims.clone();
+        s.extend([self.m, self.n]);
+        s
+    }
+
+    /// Operands are (..., rows, cols) with equal leading dims, or one of them 2-D (broadcast).
+    pub fn infer(a: &[usize], b: &[usize], opts: &MatmulOpts) -> Result<MatmulShape> {
+        let err = |why: &str| Error::Shape {
+            op: "matmul",
+            detail: format!("a {a:?}{} @ b {b:?}{}: {why}", if opts.trans_a { "^T" } else { "" }, if opts.trans_b { "^T" } else { "" }),
+        };
+        if a.len() < 2 || b.len() < 2 {
+            return Err(err("operands need at least 2 dimensions"));
+        }
+        let (ab, ar) = a.split_at(a.len() - 2);
+        let (bb, br) = b.split_at(b.len() - 2);
+        let (m, ka) = if opts.trans_a { (ar[1], ar[0]) } else { (ar[0], ar[1]) };
+        let (kb, n) = if opts.trans_b { (br[1], br[0]) } else { (br[0], br[1]) };
+        if ka != kb {
+            return Err(err(&format!("inner dimensions differ ({ka} vs {kb})")));
+        }
+        let batch_dims = match (ab.is_empty(), bb.is_empty()) {
+            (_, true) => ab.to_vec(),
+            (true, false) => bb.to_vec(),
+            (false, false) if ab == bb => ab.to_vec(),
+            _ => return Err(err("batch dimensions differ")),
+        };
+        Ok(MatmulShape { batch_dims, m, n, k: ka, batched_a: !ab.is_empty(), batched_b: !bb.is_empty() })
+    }
+}
+
+/// C = alpha * op(A) @ op(B), a new tensor of shape (batch..., M, N).
+pub fn matmul(rec: &mut Recorder<'_>, a: &Tensor, b: &Tensor, opts: MatmulOpts) -> Result<Tensor> {
+    let s = MatmulShape::infer(a.shape(), b.shape(), &opts)?;
+    let c = Tensor::empty(rec.gpu(), &s.out_shape(), a.dtype(), "matmul.out")?;
+    matmul_into(rec, a, b, &c, opts, 0.0)?;
+    Ok(c)
+}
+
+/// C = alpha * op(A) @ op(B) + beta * C, into an existing C. With beta = 0, C is not read.
+pub fn matmul_into(
+    rec: &mut Recorder<'_>,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    opts: MatmulOpts,
+    beta: f32,
+) -> Result<()> {
+    expect_f32("matmul", a)?;
+    expect_f32("matmul", b)?;
+    expect_f32("matmul", c)?;
+    let s = MatmulShape::infer(a.shape(), b.shape(), &opts)?;
+    if c.shape() != s.out_shape().as_slice() {
+        return Err(Error::Shape {
+            op: "matmul",
+            detail: format!("output {:?}, expected {:?}", c.shape(), s.out_shape()),
+        });
+    }
+    let (m, n, k) = (s.m, s.n, s.k);
+    // vec4 loads need the contiguous dimension of each operand to be a multiple of 4.
+    let a_inner = if opts.trans_a { m } else { k };
+    let b_inner = if opts.trans_b { k } else { n };
+    let vec = a_inner % 4 == 0 && b_inner % 4 == 0;
+    let params = Params {
+        m: m as u32,
+        n: n as u32,
+        k: k as u32,
+        stride_a: if s.batched_a { (m * k) as u32 } else { 0 },
+        stride_b: if s.batched_b { (k * n) as u32 } else { 0 },
+        stride_c: (m * n) as u32,
+        alpha: opts.alpha,
+        beta,
+    };
+    let constants = [
+        ("TRANS_A", opts.trans_a as u32 as f64),
+        ("TRANS_B", opts.trans_b as u32 as f64),
+        ("VEC", vec as u32 as f64),
+    ];
+    let grid = Grid::Xyz([
+        (n as u64).div_ceil(TILE) as u32,
+        (m as u64).div_ceil(TILE) as u32,
+        s.batch() as u32,
+    ]);
+    rec.dispatch(&MATMUL_KERNEL, &constants, bytemuck::bytes_of(&params), &[a, a, b, b, c], grid)
+}

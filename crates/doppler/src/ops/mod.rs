@@ -1,0 +1,25 @@
+//! Op families: one file each, with its WGSL twin in `shaders/`. Every op records into a
+//! [`crate::gpu::Recorder`]; "run now" is `gpu.run(|rec| op(rec, ...))`.
+
+pub mod elementwise;
+pub mod matmul;
+pub mod reduce;
+
+use crate::error::{Error, Result};
+use crate::gpu::{DType, Tensor};
+
+pub(crate) fn expect_f32(op: &'static str, t: &Tensor) -> Result<()> {
+    if t.dtype() != DType::F32 {
+        return Err(Error::DType { op, got: t.dtype(), expected: "f32" });
+    }
+    Ok(())
+}
+
+/// (uniform struct name, Rust size) for every parameter block, checked against naga's layout.
+pub fn param_sizes() -> Vec<(&'static str, usize)> {
+    vec![
+        ("elementwise", std::mem::size_of::<elementwise::Params>()),
+        ("reduce", std::mem::size_of::<reduce::Params>()),
+        ("matmul", std::mem::size_of::<matmul::Params>()),
+    ]
+}

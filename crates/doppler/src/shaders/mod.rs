@@ -1,0 +1,17 @@
+//! Every WGSL file, embedded in the binary. One file per op family, named like its
+//! `ops/<name>.rs`.
+
+use crate::gpu::Shader;
+
+macro_rules! shader {
+    ($id:ident, $name:literal) => {
+        pub static $id: Shader = Shader { name: $name, source: include_str!(concat!($name, ".wgsl")) };
+    };
+}
+
+shader!(ELEMENTWISE, "elementwise");
+shader!(REDUCE, "reduce");
+shader!(MATMUL, "matmul");
+
+/// All shaders, for validation and listing.
+pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL];

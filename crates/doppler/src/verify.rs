@@ -1,0 +1,191 @@
+//! Kernel checks on the current adapter: every op against the CPU reference on odd shapes,
+//! with batches, past 65535 workgroups, and reruns for determinism. `doppler verify`
+//! prints these; the test suite asserts them.
+
+use crate::check::{compare, same_bits, Rng, Stats, Tolerance};
+use crate::gpu::{Gpu, Tensor};
+use crate::ops::{elementwise, matmul, reduce};
+use crate::reference as cpu;
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CheckResult {
+    pub op: String,
+    pub shape: String,
+    pub max_abs: f64,
+    pub max_rel: f64,
+    pub pass: bool,
+    /// Why it failed: the first bad index, or the error the op returned.
+    pub error: Option<String>,
+}
+
+type Outcome = Result<Stats, String>;
+
+fn push(out: &mut Vec<CheckResult>, op: &str, shape: String, r: Outcome) {
+    let (stats, error) = match r {
+        Ok(s) => (s, None),
+        Err(e) => (Stats::default(), Some(e)),
+    };
+    out.push(CheckResult {
+        op: op.to_string(),
+        shape,
+        max_abs: stats.max_abs,
+        max_rel: stats.max_rel,
+        pass: error.is_none(),
+        error,
+    });
+}
+
+fn s<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+/// Every check whose op name contains `filter` (all when None).
+pub fn run(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
+    let mut out = Vec::new();
+    let want = |op: &str| filter.is_none_or(|f| op.contains(f));
+    let any = |ops: &[&str]| ops.iter().any(|op| want(op));
+    if any(&["add", "mul", "scale"]) {
+        elementwise_checks(gpu, &mut out);
+    }
+    if any(&["sum_rows"]) {
+        sum_checks(gpu, &mut out);
+    }
+    if any(&["matmul"]) {
+        matmul_checks(gpu, &mut out);
+    }
+    if any(&[RECORDER_CHAIN]) {
+        recorder_checks(gpu, &mut out);
+    }
+    out.retain(|c| want(&c.op));
+    out
+}
+
+/// Sizes: odd, a multiple of 4 (vec4 path), and one needing a 2-D grid (> 65535 groups of 256).
+pub const ELEMENTWISE_SIZES: [usize; 4] = [1, 1003, 4096, 65_539 * 256 + 1];
+
+fn elementwise_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    for (i, &n) in ELEMENTWISE_SIZES.iter().enumerate() {
+        let mut rng = Rng::new(100 + i as u64);
+        let (a, b) = (rng.vec(n), rng.vec(n));
+        let shape = format!("[{n}]");
+        let run = |f: &dyn Fn(&mut crate::gpu::Recorder<'_>, &Tensor, &Tensor) -> crate::Result<Tensor>, want: Vec<f64>, op: &str| -> Outcome {
+            let ta = Tensor::from_f32(gpu, &[n], &a, "a").map_err(s)?;
+            let tb = Tensor::from_f32(gpu, &[n], &b, "b").map_err(s)?;
+            let got = gpu.run(|rec| f(rec, &ta, &tb)).and_then(|t| t.read_f32(gpu)).map_err(s)?;
+            compare(op, &got, &want, None, Tolerance::ELEMENTWISE).map_err(s)
+        };
+        push(out, "add", shape.clone(), run(&|r, x, y| elementwise::add(r, x, y), cpu::add(&a, &b), "add"));
+        push(out, "mul", shape.clone(), run(&|r, x, y| elementwise::mul(r, x, y), cpu::mul(&a, &b), "mul"));
+        push(out, "scale", shape, run(&|r, x, _| elementwise::scale(r, x, -1.75), cpu::scale(&a, -1.75), "scale"));
+    }
+}
+
+/// (rows, n): a single element, odd lengths, multi-pass rows (n > 4096), and more rows
+/// than fit one grid dimension.
+pub const SUM_SHAPES: [(usize, usize); 5] = [(1, 1), (3, 1000), (5, 70_001), (1, (1 << 20) + 7), (70_000, 3)];
+
+fn sum_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    for (i, &(rows, n)) in SUM_SHAPES.iter().enumerate() {
+        let x = Rng::new(200 + i as u64).vec(rows * n);
+        let shape = format!("[{rows}, {n}]");
+        let run = || -> crate::Result<Vec<f32>> {
+            let t = Tensor::from_f32(gpu, &[rows, n], &x, "x")?;
+            gpu.run(|rec| reduce::sum_rows(rec, &t))?.read_f32(gpu)
+        };
+        let r = (|| {
+            let got = run().map_err(s)?;
+            let (want, mag) = cpu::sum_rows(&x, rows, n);
+            let stats = compare("sum_rows", &got, &want, Some(&mag), Tolerance::sum(n)).map_err(s)?;
+            same_bits("sum_rows", &got, &run().map_err(s)?).map_err(s)?;
+            Ok(stats)
+        })();
+        push(out, "sum_rows", shape, r);
+    }
+}
+
+/// (batch, m, n, k, trans_a, trans_b, batched_a, batched_b, beta): 1x1x1, odd sizes in
+/// every transpose combination, multiples of 4 (vec4 loads), several 128-tiles with
+/// ragged edges, a broadcast operand, and accumulation into C.
+#[allow(clippy::type_complexity)]
+pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f32); 9] = [
+    (1, 1, 1, 1, false, false, true, true, 0.0),
+    (3, 37, 45, 29, false, false, true, true, 0.0),
+    (2, 130, 129, 67, true, false, true, true, 0.0),
+    (2, 64, 200, 33, false, true, true, true, 0.0),
+    (2, 19, 23, 300, true, true, true, true, 0.0),
+    (1, 128, 256, 64, false, false, true, true, 0.0),
+    (3, 96, 68, 132, true, true, true, true, 0.0),
+    (3, 17, 19, 23, false, false, true, false, 0.0),
+    (2, 33, 40, 24, false, true, false, true, 1.0),
+];
+
+fn matmul_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    for (i, &(batch, m, n, k, ta, tb, ba, bb, beta)) in MATMUL_CASES.iter().enumerate() {
+        let mut rng = Rng::new(300 + i as u64);
+        let (ab, bb_) = (if ba { batch } else { 1 }, if bb { batch } else { 1 });
+        let a = rng.vec(ab * m * k);
+        let b = rng.vec(bb_ * k * n);
+        let c0 = rng.vec(batch * m * n);
+        let alpha = 0.75;
+        let a_shape: Vec<usize> = if ta { vec![k, m] } else { vec![m, k] };
+        let b_shape: Vec<usize> = if tb { vec![n, k] } else { vec![k, n] };
+        let with_batch = |batched: bool, s: &[usize]| if batched { [&[batch][..], s].concat() } else { s.to_vec() };
+        let (a_shape, b_shape) = (with_batch(ba, &a_shape), with_batch(bb, &b_shape));
+        let shape = format!(
+            "{:?}{} @ {:?}{}{}",
+            a_shape,
+            if ta { "^T" } else { "" },
+            b_shape,
+            if tb { "^T" } else { "" },
+            if beta != 0.0 { " + C" } else { "" }
+        );
+        let run = || -> crate::Result<Vec<f32>> {
+            let ta_ = Tensor::from_f32(gpu, &a_shape, &a, "a")?;
+            let tb_ = Tensor::from_f32(gpu, &b_shape, &b, "b")?;
+            let c = Tensor::from_f32(gpu, &[batch, m, n], &c0, "c")?;
+            let opts = matmul::MatmulOpts { trans_a: ta, trans_b: tb, alpha };
+            gpu.run(|rec| matmul::matmul_into(rec, &ta_, &tb_, &c, opts, beta))?;
+            c.read_f32(gpu)
+        };
+        let dims = cpu::MatmulDims { batch, m, n, k, trans_a: ta, trans_b: tb, batched_a: ba, batched_b: bb };
+        let r = (|| {
+            let got = run().map_err(s)?;
+            let (want, mag) = cpu::matmul(&a, &b, &c0, dims, alpha, beta);
+            let stats = compare("matmul", &got, &want, Some(&mag), Tolerance::sum(k)).map_err(s)?;
+            same_bits("matmul", &got, &run().map_err(s)?).map_err(s)?;
+            Ok(stats)
+        })();
+        push(out, "matmul", shape, r);
+    }
+}
+
+const RECORDER_CHAIN: &str = "recorder chain (add, scale, mul, sum_rows)";
+
+/// Several ops in one submission, sum_rows(0.5 * (a + b) * b): checks that the recorder
+/// orders dependent dispatches (the barriers between them).
+fn recorder_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    let (rows, n) = (7, 1001);
+    let mut rng = Rng::new(400);
+    let (a, b) = (rng.vec(rows * n), rng.vec(rows * n));
+    let r = (|| {
+        let ta = Tensor::from_f32(gpu, &[rows, n], &a, "a").map_err(s)?;
+        let tb = Tensor::from_f32(gpu, &[rows, n], &b, "b").map_err(s)?;
+        let mut rec = gpu.recorder("chain");
+        let sum = elementwise::add(&mut rec, &ta, &tb).map_err(s)?;
+        let half = elementwise::scale(&mut rec, &sum, 0.5).map_err(s)?;
+        let prod = elementwise::mul(&mut rec, &half, &tb).map_err(s)?;
+        let rowsum = reduce::sum_rows(&mut rec, &prod).map_err(s)?;
+        let dispatches = rec.len();
+        rec.submit().map_err(s)?;
+        if dispatches != 4 {
+            return Err(format!("expected 4 dispatches in one submission, recorded {dispatches}"));
+        }
+        let got = rowsum.read_f32(gpu).map_err(s)?;
+        let prod_ref: Vec<f32> = a.iter().zip(&b).map(|(&x, &y)| (x + y) * 0.5 * y).collect();
+        let (want, mag) = cpu::sum_rows(&prod_ref, rows, n);
+        // Each product carries up to 3 roundings before the sum.
+        let tol = Tolerance { abs: 0.0, rel: Tolerance::sum(n).rel + 4.0 * f32::EPSILON as f64 };
+        compare("recorder chain", &got, &want, Some(&mag), tol).map_err(s)
+    })();
+    push(out, RECORDER_CHAIN, format!("[{rows}, {n}]"), r);
+}

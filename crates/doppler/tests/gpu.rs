@@ -1,0 +1,170 @@
+//! GPU tests on whatever adapter exists (lavapipe in CI). They fail, not skip, without one:
+//! the README's test command installs the driver first.
+
+use doppler::check::Rng;
+use doppler::gpu::{DType, Gpu, GpuOptions, Grid, Tensor};
+use doppler::ops::{elementwise, matmul, reduce};
+use doppler::{verify, wgpu, Error};
+use std::sync::OnceLock;
+
+fn gpu() -> &'static Gpu {
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    GPU.get_or_init(|| Gpu::new_blocking(&GpuOptions::from_env()).expect("a GPU adapter (install mesa-vulkan-drivers)"))
+}
+
+fn assert_checks(filter: &str, min: usize) {
+    let results = verify::run(gpu(), Some(filter));
+    assert!(results.len() >= min, "{filter}: only {} checks ran", results.len());
+    let failed: Vec<String> = results
+        .iter()
+        .filter(|c| !c.pass)
+        .map(|c| format!("{} {}: {}", c.op, c.shape, c.error.as_deref().unwrap_or("")))
+        .collect();
+    assert!(failed.is_empty(), "failed:\n{}", failed.join("\n"));
+}
+
+#[test]
+fn elementwise_matches_reference() {
+    assert_checks("add", 4);
+    assert_checks("mul", 4);
+    assert_checks("scale", 4);
+}
+
+#[test]
+fn sum_rows_matches_reference_and_is_deterministic() {
+    assert_checks("sum_rows", verify::SUM_SHAPES.len());
+}
+
+#[test]
+fn matmul_matches_reference_and_is_deterministic() {
+    assert_checks("matmul", verify::MATMUL_CASES.len());
+}
+
+#[test]
+fn recorder_chains_dependent_ops_in_one_submit() {
+    assert_checks("recorder", 1);
+}
+
+#[test]
+fn sum_of_all_elements() {
+    let gpu = gpu();
+    let x: Vec<f32> = (0..10_000).map(|i| (i % 7) as f32).collect();
+    let t = Tensor::from_f32(gpu, &[100, 100], &x, "x").unwrap();
+    let s = gpu.run(|rec| reduce::sum(rec, &t)).unwrap();
+    assert_eq!(s.shape(), &[] as &[usize]);
+    assert_eq!(s.read_f32(gpu).unwrap(), vec![x.iter().sum::<f32>()]);
+}
+
+#[test]
+fn tensors_round_trip_every_dtype() {
+    let gpu = gpu();
+    let f: Vec<f32> = Rng::new(1).vec(37);
+    assert_eq!(Tensor::from_f32(gpu, &[37], &f, "f").unwrap().read_f32(gpu).unwrap(), f);
+    let u: Vec<u32> = (0..37).map(|i| i * 0x0101_0101).collect();
+    assert_eq!(Tensor::from_u32(gpu, &[37], &u, "u").unwrap().read_u32(gpu).unwrap(), u);
+    // Odd f16 count: 74 bytes, padded to a 4-byte write and trimmed on the way back.
+    let h: Vec<half::f16> = f.iter().map(|&v| half::f16::from_f32(v)).collect();
+    let th = Tensor::from_f16(gpu, &[37], &h, "h").unwrap();
+    assert_eq!(th.dtype(), DType::F16);
+    assert_eq!(th.byte_size(), 74);
+    assert_eq!(th.read_f16(gpu).unwrap(), h);
+    let widened: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
+    assert_eq!(th.read_f32(gpu).unwrap(), widened);
+}
+
+#[test]
+fn bad_input_gets_clear_errors() {
+    let gpu = gpu();
+    let a = Tensor::from_f32(gpu, &[2, 3], &[0.0; 6], "a").unwrap();
+    let b = Tensor::from_f32(gpu, &[4, 5], &[0.0; 20], "b").unwrap();
+    let e = gpu.run(|rec| matmul::matmul(rec, &a, &b, Default::default())).unwrap_err();
+    assert!(matches!(e, Error::Shape { op: "matmul", .. }), "{e}");
+    assert!(e.to_string().contains("[2, 3]") && e.to_string().contains("[4, 5]"), "{e}");
+    let e = gpu.run(|rec| elementwise::add(rec, &a, &b)).unwrap_err();
+    assert!(e.to_string().contains("add") && e.to_string().contains("[2, 3]"), "{e}");
+    let u = Tensor::from_u32(gpu, &[2, 3], &[0; 6], "u").unwrap();
+    let e = gpu.run(|rec| elementwise::add(rec, &a, &u)).unwrap_err();
+    assert!(matches!(e, Error::DType { op: "add", got: DType::U32, .. }), "{e}");
+    let e = Tensor::from_f32(gpu, &[2, 3], &[0.0; 5], "short").unwrap_err();
+    assert!(matches!(e, Error::UploadSize { got: 5, expected: 6, .. }), "{e}");
+    let e = a.reshape(&[4]).unwrap_err();
+    assert!(e.to_string().contains("reshape"), "{e}");
+    let e = Tensor::empty(gpu, &[1 << 40], DType::F32, "huge").unwrap_err();
+    assert!(matches!(e, Error::TooLarge { .. }), "{e}");
+    let empty = Tensor::empty(gpu, &[3, 0], DType::F32, "empty").unwrap();
+    let e = gpu.run(|rec| reduce::sum_rows(rec, &empty)).unwrap_err();
+    assert!(e.to_string().contains("sum_rows") && e.to_string().contains("[3, 0]"), "{e}");
+}
+
+#[test]
+fn grid_goes_2d_past_the_dimension_limit() {
+    assert_eq!(Grid::Linear(10).resolve(65535).unwrap(), [10, 1, 1]);
+    assert_eq!(Grid::Linear(65535).resolve(65535).unwrap(), [65535, 1, 1]);
+    assert_eq!(Grid::Linear(65536).resolve(65535).unwrap(), [65535, 2, 1]);
+    assert_eq!(Grid::cover(1000, 256), Grid::Linear(4));
+    assert!(Grid::Linear(65535 * 65535 + 1).resolve(65535).is_err());
+    assert!(Grid::Xyz([1, 70_000, 1]).resolve(65535).is_err());
+}
+
+#[test]
+fn pool_returns_buffers_only_after_the_gpu_is_done() {
+    // A device of its own, so the counters see only this test.
+    let gpu = Gpu::new_blocking(&GpuOptions::from_env()).unwrap();
+    let x = Tensor::from_f32(&gpu, &[1000], &[1.0; 1000], "x").unwrap();
+    let s0 = gpu.pool.stats();
+    assert_eq!(s0.misses, 1);
+    let mut rec = gpu.recorder("pool");
+    let y = elementwise::scale(&mut rec, &x, 2.0).unwrap();
+    drop(x); // the recorder still holds x's buffer
+    assert_eq!(gpu.pool.stats().pooled_bytes, s0.pooled_bytes, "x returned while recorded");
+    rec.submit().unwrap();
+    gpu.wait().unwrap();
+    let s1 = gpu.pool.stats();
+    assert_eq!(s1.in_flight, 0);
+    assert!(s1.pooled_bytes >= 4096, "x and the uniform buffer back in the pool: {s1:?}");
+    // Same size class again: a hit, no new buffer.
+    let z = Tensor::empty(&gpu, &[999], DType::F32, "z").unwrap();
+    let s2 = gpu.pool.stats();
+    assert_eq!(s2.hits, s1.hits + 1);
+    assert_eq!(s2.misses, s1.misses);
+    assert_eq!(y.read_f32(&gpu).unwrap(), vec![2.0; 1000]);
+    drop((y, z));
+    gpu.wait().unwrap();
+    assert_eq!(gpu.pool.stats().live_bytes, 0);
+}
+
+#[test]
+fn pipelines_are_built_once_per_key() {
+    let gpu = Gpu::new_blocking(&GpuOptions::from_env()).unwrap();
+    let a = Tensor::from_f32(&gpu, &[8, 8], &[1.0; 64], "a").unwrap();
+    for _ in 0..3 {
+        gpu.run(|rec| matmul::matmul(rec, &a, &a, Default::default())).unwrap();
+    }
+    assert_eq!(gpu.pipelines.len(), 1);
+    let opts = matmul::MatmulOpts { trans_b: true, ..Default::default() };
+    gpu.run(|rec| matmul::matmul(rec, &a, &a, opts)).unwrap();
+    assert_eq!(gpu.pipelines.len(), 2, "different override constants, different pipeline");
+}
+
+#[test]
+fn profiling_recorder_writes_a_chrome_trace() {
+    let gpu = gpu();
+    let a = Tensor::from_f32(gpu, &[4096], &[1.0; 4096], "a").unwrap();
+    let mut rec = gpu.profiling_recorder("trace");
+    let b = elementwise::add(&mut rec, &a, &a).unwrap();
+    let c = elementwise::mul(&mut rec, &b, &a).unwrap();
+    let _ = reduce::sum_rows(&mut rec, &c).unwrap();
+    let trace = rec.submit().unwrap().wait(gpu).unwrap();
+    if !gpu.features.contains(wgpu::Features::TIMESTAMP_QUERY) {
+        assert!(trace.events.is_empty());
+        return;
+    }
+    let names: Vec<&str> = trace.events.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, ["elementwise.add4", "elementwise.mul4", "reduce.sum_rows"]);
+    assert!(trace.events.iter().all(|e| e.dur_ns >= 0.0 && e.start_ns >= 0.0));
+    assert!(trace.events.windows(2).all(|w| w[1].start_ns >= w[0].start_ns));
+    let json: serde_json::Value = serde_json::from_str(&trace.to_chrome_json()).unwrap();
+    assert_eq!(json["traceEvents"].as_array().unwrap().len(), 3);
+    assert_eq!(json["traceEvents"][0]["ph"], "X");
+    assert_eq!(trace.by_kernel().len(), 3);
+}
