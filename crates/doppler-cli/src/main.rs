@@ -1,1 +1,149 @@
-fn main(){}
+//! `doppler`: run and check neural-network kernels on your GPU through WebGPU.
+
+mod bench;
+
+use clap::{Parser, Subcommand};
+use doppler::gpu::{Gpu, GpuOptions};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "doppler", version, about = "WebGPU runtime for running and training neural networks on your own GPU")]
+struct Cli {
+    /// Adapter to use: a case-insensitive part of its name (see `doppler info`).
+    #[arg(long, global = true, env = "DOPPLER_ADAPTER")]
+    adapter: Option<String>,
+    /// Backend to use: vulkan, metal, dx12 or webgpu.
+    #[arg(long, global = true, env = "DOPPLER_BACKEND")]
+    backend: Option<String>,
+    /// More log output (-v info, -vv debug); RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show the adapter: name, backend, driver, features and key limits.
+    Info {
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check every kernel against the CPU reference on this adapter.
+    Verify {
+        /// Only checks whose op name contains this.
+        #[arg(long)]
+        filter: Option<String>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Measure copy bandwidth and matmul throughput.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let level = match cli.verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{level},wgpu_hal=error,wgpu_core=error,naga=warn"))),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> doppler::Result<ExitCode> {
+    let gpu = Gpu::new_blocking(&GpuOptions { adapter: cli.adapter, backend: cli.backend })?;
+    match cli.command {
+        Command::Info { json } => info(&gpu, json),
+        Command::Verify { filter, json } => verify(&gpu, filter.as_deref(), json),
+        Command::Bench(args) => bench::run(&gpu, &args),
+    }
+}
+
+fn info(gpu: &Gpu, json: bool) -> doppler::Result<ExitCode> {
+    let i = &gpu.info;
+    let l = &gpu.limits;
+    let features: Vec<String> = gpu.features.iter_names().map(|(n, _)| n.to_string()).collect();
+    let coop: Vec<String> = gpu
+        .adapter
+        .cooperative_matrix_properties()
+        .iter()
+        .map(|p| format!("{}x{}x{} {:?}->{:?}", p.m_size, p.n_size, p.k_size, p.ab_type, p.cr_type))
+        .collect();
+    let limits = serde_json::json!({
+        "max_buffer_size": l.max_buffer_size,
+        "max_storage_buffer_binding_size": l.max_storage_buffer_binding_size,
+        "max_compute_workgroup_storage_size": l.max_compute_workgroup_storage_size,
+        "max_compute_invocations_per_workgroup": l.max_compute_invocations_per_workgroup,
+        "max_compute_workgroups_per_dimension": l.max_compute_workgroups_per_dimension,
+        "max_storage_buffers_per_shader_stage": l.max_storage_buffers_per_shader_stage,
+        "min_uniform_buffer_offset_alignment": l.min_uniform_buffer_offset_alignment,
+    });
+    if json {
+        let v = serde_json::json!({
+            "name": i.name, "backend": format!("{:?}", i.backend), "device_type": format!("{:?}", i.device_type),
+            "driver": i.driver, "driver_info": i.driver_info, "vendor": i.vendor, "device": i.device,
+            "subgroup_min_size": i.subgroup_min_size, "subgroup_max_size": i.subgroup_max_size,
+            "features": features, "cooperative_matrix": coop, "limits": limits,
+        });
+        println!("{}", serde_json::to_string_pretty(&v).unwrap());
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("adapter   {}", i.name);
+    println!("type      {:?}", i.device_type);
+    println!("backend   {:?}", i.backend);
+    println!("driver    {} {}", i.driver, i.driver_info);
+    println!("subgroups {}..{}", i.subgroup_min_size, i.subgroup_max_size);
+    println!("features  {}", if features.is_empty() { "(none)".into() } else { features.join(", ") });
+    if !coop.is_empty() {
+        println!("coop mat  {}", coop.join(", "));
+    }
+    println!("limits");
+    for (k, v) in limits.as_object().unwrap() {
+        println!("  {k:<40} {v}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn verify(gpu: &Gpu, filter: Option<&str>, json: bool) -> doppler::Result<ExitCode> {
+    let results = doppler::verify::run(gpu, filter);
+    let failed = results.iter().filter(|c| !c.pass).count();
+    if json {
+        let v = serde_json::json!({ "adapter": gpu.info.name, "checks": results, "failed": failed });
+        println!("{}", serde_json::to_string_pretty(&v).unwrap());
+    } else {
+        println!("adapter: {} ({:?})", gpu.info.name, gpu.info.backend);
+        println!("{:<44} {:<34} {:>10} {:>10}  result", "op", "shape", "max abs", "max rel");
+        for c in &results {
+            println!(
+                "{:<44} {:<34} {:>10.2e} {:>10.2e}  {}",
+                c.op,
+                c.shape,
+                c.max_abs,
+                c.max_rel,
+                if c.pass { "pass".to_string() } else { format!("FAIL: {}", c.error.as_deref().unwrap_or("")) }
+            );
+        }
+        println!("{} checks, {} passed, {} failed", results.len(), results.len() - failed, failed);
+    }
+    if results.is_empty() {
+        eprintln!("error: no check matches the filter");
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
