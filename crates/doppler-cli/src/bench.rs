@@ -27,6 +27,9 @@ pub struct BenchArgs {
     /// Matmul sizes M=N=K (default 4096 on a GPU, 256 on a CPU adapter); repeatable.
     #[arg(long)]
     size: Vec<usize>,
+    /// Matmul slab depths to try (8, 16); repeatable.
+    #[arg(long, default_values_t = [16u32])]
+    bk: Vec<u32>,
     /// Timed batches (the median is reported).
     #[arg(long, default_value_t = 10)]
     repeat: usize,
@@ -118,11 +121,22 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
             let a = Tensor::from_f32(gpu, &[s, s], &rng.vec(s * s), "bench.a")?;
             let b = Tensor::from_f32(gpu, &[s, s], &rng.vec(s * s), "bench.b")?;
             let c = Tensor::empty(gpu, &[s, s], a.dtype(), "bench.c")?;
-            let (wall, g) =
-                time(gpu, args, &mut trace, |rec| matmul::matmul_into(rec, &a, &b, &c, Default::default(), 0.0))?;
-            let flops = 2.0 * (s as f64).powi(3);
-            let t = g.unwrap_or(wall);
-            rows.push(Row { name: "matmul f32".into(), shape: format!("{s}x{s}x{s}"), wall_ms: wall, gpu_ms: g, value: flops / t / 1e9, unit: "TFLOP/s" });
+            for &bk in &args.bk {
+                let tuning = matmul::Tuning { bk };
+                let (wall, g) = time(gpu, args, &mut trace, |rec| {
+                    matmul::matmul_into_tuned(rec, &a, &b, &c, Default::default(), 0.0, tuning)
+                })?;
+                let flops = 2.0 * (s as f64).powi(3);
+                let t = g.unwrap_or(wall);
+                rows.push(Row {
+                    name: format!("matmul f32 (bk {bk})"),
+                    shape: format!("{s}x{s}x{s}"),
+                    wall_ms: wall,
+                    gpu_ms: g,
+                    value: flops / t / 1e9,
+                    unit: "TFLOP/s",
+                });
+            }
         }
     }
     if let Some(path) = &args.trace {
@@ -140,7 +154,7 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
         println!("{:<30} {:<16} {:>10} {:>10} {:>12}", "bench", "shape", "wall ms", "gpu ms", "throughput");
         for r in &rows {
             let g = r.gpu_ms.map_or("-".to_string(), |g| format!("{g:.4}"));
-            println!("{:<30} {:<16} {:>10.4} {:>10} {:>8.2} {}", r.name, r.shape, r.wall_ms, g, r.value, r.unit);
+            println!("{:<30} {:<16} {:>10.4} {:>10} {:>9.3} {}", r.name, r.shape, r.wall_ms, g, r.value, r.unit);
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -67,7 +67,8 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> doppler::Result<ExitCode> {
-    let gpu = Gpu::new_blocking(&GpuOptions { adapter: cli.adapter, backend: cli.backend })?;
+    let opts = GpuOptions { adapter: cli.adapter, backend: cli.backend, ..GpuOptions::from_env() };
+    let gpu = Gpu::new_blocking(&opts)?;
     match cli.command {
         Command::Info { json } => info(&gpu, json),
         Command::Verify { filter, json } => verify(&gpu, filter.as_deref(), json),

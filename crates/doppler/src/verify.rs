@@ -120,6 +120,12 @@ pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f3
 ];
 
 fn matmul_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    for bk in [8, 16] {
+        matmul_checks_bk(gpu, out, matmul::Tuning { bk });
+    }
+}
+
+fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tuning) {
     for (i, &(batch, m, n, k, ta, tb, ba, bb, beta)) in MATMUL_CASES.iter().enumerate() {
         let mut rng = Rng::new(300 + i as u64);
         let (ab, bb_) = (if ba { batch } else { 1 }, if bb { batch } else { 1 });
@@ -144,7 +150,7 @@ fn matmul_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let tb_ = Tensor::from_f32(gpu, &b_shape, &b, "b")?;
             let c = Tensor::from_f32(gpu, &[batch, m, n], &c0, "c")?;
             let opts = matmul::MatmulOpts { trans_a: ta, trans_b: tb, alpha };
-            gpu.run(|rec| matmul::matmul_into(rec, &ta_, &tb_, &c, opts, beta))?;
+            gpu.run(|rec| matmul::matmul_into_tuned(rec, &ta_, &tb_, &c, opts, beta, tuning))?;
             c.read_f32(gpu)
         };
         let dims = cpu::MatmulDims { batch, m, n, k, trans_a: ta, trans_b: tb, batched_a: ba, batched_b: bb };
@@ -155,7 +161,7 @@ fn matmul_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             same_bits("matmul", &got, &run().map_err(s)?).map_err(s)?;
             Ok(stats)
         })();
-        push(out, "matmul", shape, r);
+        push(out, &format!("matmul (bk {})", tuning.bk), shape, r);
     }
 }
 

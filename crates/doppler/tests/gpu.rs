@@ -37,7 +37,7 @@ fn sum_rows_matches_reference_and_is_deterministic() {
 
 #[test]
 fn matmul_matches_reference_and_is_deterministic() {
-    assert_checks("matmul", verify::MATMUL_CASES.len());
+    assert_checks("matmul", 2 * verify::MATMUL_CASES.len());
 }
 
 #[test]

@@ -27,13 +27,21 @@ pub struct GpuOptions {
     pub adapter: Option<String>,
     /// vulkan, metal, dx12, gl or webgpu (`DOPPLER_BACKEND`).
     pub backend: Option<String>,
+    /// Build shaders without the runtime bounds checks wgpu adds to every buffer access
+    /// (`DOPPLER_SHADER_CHECKS=off`). Faster; safe only because our kernels check their
+    /// own indices. Native only.
+    pub unchecked_shaders: bool,
 }
 
 impl GpuOptions {
     /// Options from `DOPPLER_ADAPTER` and `DOPPLER_BACKEND`.
     pub fn from_env() -> Self {
         let get = |k| std::env::var(k).ok().filter(|v: &String| !v.is_empty());
-        GpuOptions { adapter: get("DOPPLER_ADAPTER"), backend: get("DOPPLER_BACKEND") }
+        GpuOptions {
+            adapter: get("DOPPLER_ADAPTER"),
+            backend: get("DOPPLER_BACKEND"),
+            unchecked_shaders: get("DOPPLER_SHADER_CHECKS").is_some_and(|v| v == "off"),
+        }
     }
 }
 
@@ -82,6 +90,8 @@ pub struct Gpu {
     pub limits: wgpu::Limits,
     pub pool: BufferPool,
     pub pipelines: PipelineCache,
+    /// See [`GpuOptions::unchecked_shaders`].
+    pub unchecked_shaders: bool,
     /// Errors the device reported outside any error scope; drained by [`Gpu::check_errors`].
     errors: Arc<Mutex<Vec<String>>>,
 }
@@ -134,6 +144,7 @@ impl Gpu {
             info,
             features,
             limits,
+            unchecked_shaders: opts.unchecked_shaders && !cfg!(target_arch = "wasm32"),
             errors,
         })
     }

@@ -150,11 +150,18 @@ impl PipelineCache {
         if let Some(m) = self.modules.lock().unwrap().get(shader.name) {
             return Ok(m.clone());
         }
+        let desc = wgpu::ShaderModuleDescriptor {
+            label: Some(shader.name),
+            source: wgpu::ShaderSource::Wgsl(shader.source.into()),
+        };
         let (module, err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
-            gpu.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some(shader.name),
-                source: wgpu::ShaderSource::Wgsl(shader.source.into()),
-            })
+            if gpu.unchecked_shaders {
+                // SAFETY: opted into by the user (GpuOptions::unchecked_shaders); every kernel
+                // bounds-checks its own indices against the shapes in its parameters.
+                unsafe { gpu.device.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked()) }
+            } else {
+                gpu.device.create_shader_module(desc)
+            }
         });
         if let Some(message) = err {
             return Err(Error::Shader { shader: shader.name.to_string(), message });

@@ -107,6 +107,19 @@ pub fn matmul(rec: &mut Recorder<'_>, a: &Tensor, b: &Tensor, opts: MatmulOpts) 
     Ok(c)
 }
 
+/// Kernel shape choices that do not change the result's meaning (benchmarks sweep them).
+#[derive(Clone, Copy, Debug)]
+pub struct Tuning {
+    /// k depth of each slab staged in workgroup memory: 8 or 16.
+    pub bk: u32,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning { bk: 16 }
+    }
+}
+
 /// C = alpha * op(A) @ op(B) + beta * C, into an existing C. With beta = 0, C is not read.
 pub fn matmul_into(
     rec: &mut Recorder<'_>,
@@ -116,6 +129,22 @@ pub fn matmul_into(
     opts: MatmulOpts,
     beta: f32,
 ) -> Result<()> {
+    matmul_into_tuned(rec, a, b, c, opts, beta, Tuning::default())
+}
+
+/// [`matmul_into`] with an explicit kernel [`Tuning`].
+pub fn matmul_into_tuned(
+    rec: &mut Recorder<'_>,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    opts: MatmulOpts,
+    beta: f32,
+    tuning: Tuning,
+) -> Result<()> {
+    if !matches!(tuning.bk, 8 | 16) {
+        return Err(Error::Shape { op: "matmul", detail: format!("tuning bk = {} (must be 8 or 16)", tuning.bk) });
+    }
     expect_f32("matmul", a)?;
     expect_f32("matmul", b)?;
     expect_f32("matmul", c)?;
@@ -145,6 +174,7 @@ pub fn matmul_into(
         ("TRANS_A", opts.trans_a as u32 as f64),
         ("TRANS_B", opts.trans_b as u32 as f64),
         ("VEC", vec as u32 as f64),
+        ("BK", tuning.bk as f64),
     ];
     let grid = Grid::Xyz([
         (n as u64).div_ceil(TILE) as u32,

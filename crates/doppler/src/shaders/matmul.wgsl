@@ -12,6 +12,10 @@
 // distinct banks. Per k it does 4 vec4 loads from workgroup memory for 64 FMAs.
 // VEC: global loads as vec4 (host guarantees the contiguous dimension of each operand
 // and the batch strides are multiples of 4); otherwise scalar loads with bounds checks.
+// The next slab is loaded from global memory into registers while the current one is
+// multiplied (prefetch), so load latency overlaps the FMAs.
+// The accumulators are 16 named vec4s, not an array: an array indexed by a loop counter
+// can end up in local memory instead of registers (it did: 1.8 TFLOP/s on an H200).
 // Grid: (ceil(N/128), ceil(M/128), batch).
 
 struct Params {
@@ -28,13 +32,11 @@ struct Params {
 override TRANS_A: bool = false;
 override TRANS_B: bool = false;
 override VEC: bool = false;
+override BK: u32 = 8u;         // k depth of a slab: 8 or 16
 
 const BM: u32 = 128u;
 const BN: u32 = 128u;
-const BK: u32 = 8u;
 const NT: u32 = 256u;          // threads per workgroup
-const A_LOADS: u32 = BM * BK / (4u * NT);   // vec4 groups per thread per slab
-const B_LOADS: u32 = BN * BK / (4u * NT);
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> a: array<f32>;
@@ -46,28 +48,79 @@ const B_LOADS: u32 = BN * BK / (4u * NT);
 var<workgroup> As: array<vec4<f32>, BK * BM / 4u>;   // As[k * BM/4 + m/4][m % 4]
 var<workgroup> Bs: array<vec4<f32>, BK * BN / 4u>;   // Bs[k * BN/4 + n/4][n % 4]
 
-// 4 consecutive elements of a row-major (rows, cols) matrix at base, (r, c..c+3); zero
-// outside. Columns in range are all-or-nothing in VEC mode (cols % 4 == 0, c % 4 == 0).
+// 4 consecutive elements of a row-major (rows, cols) matrix at base, (r, col..col+3); zero
+// outside. In VEC mode cols % 4 == 0 and col % 4 == 0, so the 4 are all in or all out.
 fn load_a(base: u32, r: u32, col: u32, rows: u32, cols: u32) -> vec4<f32> {
     if (r >= rows || col >= cols) { return vec4<f32>(0.0); }
     let i = base + r * cols + col;
     if (VEC) { return a4[i / 4u]; }
-    var v = vec4<f32>(0.0);
-    for (var j = 0u; j < 4u; j++) {
-        if (col + j < cols) { v[j] = a[i + j]; }
-    }
-    return v;
+    return vec4<f32>(a[i], select(0.0, a[i + 1u], col + 1u < cols),
+                     select(0.0, a[i + 2u], col + 2u < cols), select(0.0, a[i + 3u], col + 3u < cols));
 }
 
 fn load_b(base: u32, r: u32, col: u32, rows: u32, cols: u32) -> vec4<f32> {
     if (r >= rows || col >= cols) { return vec4<f32>(0.0); }
     let i = base + r * cols + col;
     if (VEC) { return b4[i / 4u]; }
-    var v = vec4<f32>(0.0);
-    for (var j = 0u; j < 4u; j++) {
-        if (col + j < cols) { v[j] = b[i + j]; }
+    return vec4<f32>(b[i], select(0.0, b[i + 1u], col + 1u < cols),
+                     select(0.0, b[i + 2u], col + 2u < cols), select(0.0, b[i + 3u], col + 3u < cols));
+}
+
+// Load slot q (0 .. BM*BK/4) of the op(A) slab at k0: 4 values, and where they go.
+fn fetch_a(q: u32, m0: u32, k0: u32, off: u32) -> vec4<f32> {
+    if (TRANS_A) {   // A stored (K, M): 4 consecutive m of one k
+        return load_a(off, k0 + q / (BM / 4u), m0 + (q % (BM / 4u)) * 4u, p.k, p.m);
     }
-    return v;
+    // A stored (M, K): 4 consecutive k of one m
+    return load_a(off, m0 + q / (BK / 4u), k0 + (q % (BK / 4u)) * 4u, p.m, p.k);
+}
+
+fn stash_a(q: u32, v: vec4<f32>) {
+    if (TRANS_A) {
+        As[q] = v;   // q = kk * BM/4 + m/4 already
+    } else {
+        let row = q / (BK / 4u);
+        let kq = (q % (BK / 4u)) * 4u;
+        As[(kq + 0u) * (BM / 4u) + row / 4u][row % 4u] = v.x;
+        As[(kq + 1u) * (BM / 4u) + row / 4u][row % 4u] = v.y;
+        As[(kq + 2u) * (BM / 4u) + row / 4u][row % 4u] = v.z;
+        As[(kq + 3u) * (BM / 4u) + row / 4u][row % 4u] = v.w;
+    }
+}
+
+fn fetch_b(q: u32, n0: u32, k0: u32, off: u32) -> vec4<f32> {
+    if (TRANS_B) {   // B stored (N, K): 4 consecutive k of one n
+        return load_b(off, n0 + q / (BK / 4u), k0 + (q % (BK / 4u)) * 4u, p.n, p.k);
+    }
+    // B stored (K, N): 4 consecutive n of one k
+    return load_b(off, k0 + q / (BN / 4u), n0 + (q % (BN / 4u)) * 4u, p.k, p.n);
+}
+
+fn stash_b(q: u32, v: vec4<f32>) {
+    if (TRANS_B) {
+        let row = q / (BK / 4u);
+        let kq = (q % (BK / 4u)) * 4u;
+        Bs[(kq + 0u) * (BN / 4u) + row / 4u][row % 4u] = v.x;
+        Bs[(kq + 1u) * (BN / 4u) + row / 4u][row % 4u] = v.y;
+        Bs[(kq + 2u) * (BN / 4u) + row / 4u][row % 4u] = v.z;
+        Bs[(kq + 3u) * (BN / 4u) + row / 4u][row % 4u] = v.w;
+    } else {
+        Bs[q] = v;
+    }
+}
+
+// Row m of C, columns nb..nb+3 and nb+64..nb+67: C = alpha * acc + beta * C.
+fn store_row(c_off: u32, m: u32, nb: u32, v0: vec4<f32>, v1: vec4<f32>) {
+    if (m >= p.m) { return; }
+    let row = c_off + m * p.n;
+    for (var j = 0u; j < 8u; j++) {
+        let n = nb + select(j, 60u + j, j >= 4u);   // nb+0..3, nb+64..67
+        if (n < p.n) {
+            var r = p.alpha * select(v0[j % 4u], v1[j % 4u], j >= 4u);
+            if (p.beta != 0.0) { r += p.beta * c[row + n]; }
+            c[row + n] = r;
+        }
+    }
 }
 
 @compute @workgroup_size(256)
@@ -79,86 +132,70 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     let a_off = wid.z * p.stride_a;
     let b_off = wid.z * p.stride_b;
     let c_off = wid.z * p.stride_c;
+    let two = BK == 16u;   // two load slots per thread per operand
 
-    var acc: array<vec4<f32>, 16>;   // acc[2i + h]: row i of the block, column half h
-    for (var i = 0u; i < 16u; i++) { acc[i] = vec4<f32>(0.0); }
+    // Row i of the 8 x 8 block, column half h: c{i}{h}.
+    var c00 = vec4<f32>(0.0); var c01 = vec4<f32>(0.0);
+    var c10 = vec4<f32>(0.0); var c11 = vec4<f32>(0.0);
+    var c20 = vec4<f32>(0.0); var c21 = vec4<f32>(0.0);
+    var c30 = vec4<f32>(0.0); var c31 = vec4<f32>(0.0);
+    var c40 = vec4<f32>(0.0); var c41 = vec4<f32>(0.0);
+    var c50 = vec4<f32>(0.0); var c51 = vec4<f32>(0.0);
+    var c60 = vec4<f32>(0.0); var c61 = vec4<f32>(0.0);
+    var c70 = vec4<f32>(0.0); var c71 = vec4<f32>(0.0);
+
+    var pa0 = fetch_a(tid, m0, 0u, a_off);
+    var pb0 = fetch_b(tid, n0, 0u, b_off);
+    var pa1 = vec4<f32>(0.0);
+    var pb1 = vec4<f32>(0.0);
+    if (two) {
+        pa1 = fetch_a(tid + NT, m0, 0u, a_off);
+        pb1 = fetch_b(tid + NT, n0, 0u, b_off);
+    }
 
     for (var k0 = 0u; k0 < p.k; k0 += BK) {
-        for (var l = 0u; l < A_LOADS; l++) {
-            let q = tid + l * NT;
-            if (TRANS_A) {
-                // A stored (K, M): 4 consecutive m of one k.
-                let kk = q / (BM / 4u);
-                let mq = (q % (BM / 4u)) * 4u;
-                As[kk * (BM / 4u) + mq / 4u] = load_a(a_off, k0 + kk, m0 + mq, p.k, p.m);
-            } else {
-                // A stored (M, K): 4 consecutive k of one m, scattered k-major.
-                let row = q / (BK / 4u);
-                let kq = (q % (BK / 4u)) * 4u;
-                let v = load_a(a_off, m0 + row, k0 + kq, p.m, p.k);
-                for (var j = 0u; j < 4u; j++) {
-                    As[(kq + j) * (BM / 4u) + row / 4u][row % 4u] = v[j];
-                }
-            }
-        }
-        for (var l = 0u; l < B_LOADS; l++) {
-            let q = tid + l * NT;
-            if (TRANS_B) {
-                // B stored (N, K): 4 consecutive k of one n, scattered k-major.
-                let row = q / (BK / 4u);
-                let kq = (q % (BK / 4u)) * 4u;
-                let v = load_b(b_off, n0 + row, k0 + kq, p.n, p.k);
-                for (var j = 0u; j < 4u; j++) {
-                    Bs[(kq + j) * (BN / 4u) + row / 4u][row % 4u] = v[j];
-                }
-            } else {
-                // B stored (K, N): 4 consecutive n of one k.
-                let kk = q / (BN / 4u);
-                let nq = (q % (BN / 4u)) * 4u;
-                Bs[kk * (BN / 4u) + nq / 4u] = load_b(b_off, k0 + kk, n0 + nq, p.k, p.n);
-            }
+        stash_a(tid, pa0);
+        stash_b(tid, pb0);
+        if (two) {
+            stash_a(tid + NT, pa1);
+            stash_b(tid + NT, pb1);
         }
         workgroupBarrier();
+        let k1 = k0 + BK;
+        if (k1 < p.k) {
+            pa0 = fetch_a(tid, m0, k1, a_off);
+            pb0 = fetch_b(tid, n0, k1, b_off);
+            if (two) {
+                pa1 = fetch_a(tid + NT, m0, k1, a_off);
+                pb1 = fetch_b(tid + NT, n0, k1, b_off);
+            }
+        }
         for (var kk = 0u; kk < BK; kk++) {
             let a0 = As[kk * (BM / 4u) + ty];
             let a1 = As[kk * (BM / 4u) + 16u + ty];
             let b0 = Bs[kk * (BN / 4u) + tx];
             let b1 = Bs[kk * (BN / 4u) + 16u + tx];
-            acc[0] = fma(vec4<f32>(a0.x), b0, acc[0]);
-            acc[1] = fma(vec4<f32>(a0.x), b1, acc[1]);
-            acc[2] = fma(vec4<f32>(a0.y), b0, acc[2]);
-            acc[3] = fma(vec4<f32>(a0.y), b1, acc[3]);
-            acc[4] = fma(vec4<f32>(a0.z), b0, acc[4]);
-            acc[5] = fma(vec4<f32>(a0.z), b1, acc[5]);
-            acc[6] = fma(vec4<f32>(a0.w), b0, acc[6]);
-            acc[7] = fma(vec4<f32>(a0.w), b1, acc[7]);
-            acc[8] = fma(vec4<f32>(a1.x), b0, acc[8]);
-            acc[9] = fma(vec4<f32>(a1.x), b1, acc[9]);
-            acc[10] = fma(vec4<f32>(a1.y), b0, acc[10]);
-            acc[11] = fma(vec4<f32>(a1.y), b1, acc[11]);
-            acc[12] = fma(vec4<f32>(a1.z), b0, acc[12]);
-            acc[13] = fma(vec4<f32>(a1.z), b1, acc[13]);
-            acc[14] = fma(vec4<f32>(a1.w), b0, acc[14]);
-            acc[15] = fma(vec4<f32>(a1.w), b1, acc[15]);
+            c00 = fma(vec4<f32>(a0.x), b0, c00); c01 = fma(vec4<f32>(a0.x), b1, c01);
+            c10 = fma(vec4<f32>(a0.y), b0, c10); c11 = fma(vec4<f32>(a0.y), b1, c11);
+            c20 = fma(vec4<f32>(a0.z), b0, c20); c21 = fma(vec4<f32>(a0.z), b1, c21);
+            c30 = fma(vec4<f32>(a0.w), b0, c30); c31 = fma(vec4<f32>(a0.w), b1, c31);
+            c40 = fma(vec4<f32>(a1.x), b0, c40); c41 = fma(vec4<f32>(a1.x), b1, c41);
+            c50 = fma(vec4<f32>(a1.y), b0, c50); c51 = fma(vec4<f32>(a1.y), b1, c51);
+            c60 = fma(vec4<f32>(a1.z), b0, c60); c61 = fma(vec4<f32>(a1.z), b1, c61);
+            c70 = fma(vec4<f32>(a1.w), b0, c70); c71 = fma(vec4<f32>(a1.w), b1, c71);
         }
         workgroupBarrier();
     }
 
-    for (var i = 0u; i < 8u; i++) {
-        let m = m0 + select(4u * ty + i, 64u + 4u * ty + i - 4u, i >= 4u);
-        if (m >= p.m) { continue; }
-        for (var h = 0u; h < 2u; h++) {
-            let v = acc[2u * i + h];
-            let nb = n0 + 64u * h + 4u * tx;
-            for (var j = 0u; j < 4u; j++) {
-                let n = nb + j;
-                if (n < p.n) {
-                    let idx = c_off + m * p.n + n;
-                    var r = p.alpha * v[j];
-                    if (p.beta != 0.0) { r += p.beta * c[idx]; }
-                    c[idx] = r;
-                }
-            }
-        }
-    }
+    let nb = n0 + 4u * tx;
+    let r0 = m0 + 4u * ty;
+    let r1 = m0 + 64u + 4u * ty;
+    store_row(c_off, r0 + 0u, nb, c00, c01);
+    store_row(c_off, r0 + 1u, nb, c10, c11);
+    store_row(c_off, r0 + 2u, nb, c20, c21);
+    store_row(c_off, r0 + 3u, nb, c30, c31);
+    store_row(c_off, r1 + 0u, nb, c40, c41);
+    store_row(c_off, r1 + 1u, nb, c50, c51);
+    store_row(c_off, r1 + 2u, nb, c60, c61);
+    store_row(c_off, r1 + 3u, nb, c70, c71);
 }
