@@ -69,6 +69,7 @@ fn parse_backend(name: &str) -> Result<wgpu::Backends> {
     })
 }
 
+#[cfg(not(target_arch = "wasm32"))]
 fn type_rank(t: wgpu::DeviceType) -> u32 {
     match t {
         wgpu::DeviceType::DiscreteGpu => 0,
@@ -197,8 +198,7 @@ impl Gpu {
         let adapter = instance
             .request_adapter(&wgpu::RequestAdapterOptions {
                 power_preference: wgpu::PowerPreference::HighPerformance,
-                force_fallback_adapter: false,
-                compatible_surface: None,
+                ..Default::default()
             })
             .await
             .map_err(|e| Error::NoAdapter { detail: format!(" ({e}; is WebGPU enabled?)") })?;

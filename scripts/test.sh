@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test command: set-up, then every test. Runs on a machine with or without a GPU
+# (without one, wgpu runs the real WGSL on lavapipe, Mesa's CPU Vulkan driver).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+
+echo "== wasm32: the library builds for the browser"
+RUSTFLAGS="-D warnings" cargo check -p doppler --target wasm32-unknown-unknown --quiet
+
+echo "== cargo test (naga validation, CPU reference, GPU kernels, CLI)"
+cargo test --workspace
