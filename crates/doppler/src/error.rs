@@ -37,6 +37,12 @@ pub enum Error {
     #[error("upload to {label}: got {got} elements, tensor holds {expected}")]
     UploadSize { label: String, got: usize, expected: usize },
 
+    #[error("{op}: id {id} at position {position} is out of range (must be < {limit}; {count} bad ids in all)")]
+    IndexOutOfRange { op: &'static str, position: usize, id: u32, limit: u32, count: usize },
+
+    #[error("{op}: invalid argument: {detail}")]
+    Invalid { op: &'static str, detail: String },
+
     #[error("shader {shader}: {message}")]
     Shader { shader: String, message: String },
 

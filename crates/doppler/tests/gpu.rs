@@ -168,3 +168,8 @@ fn profiling_recorder_writes_a_chrome_trace() {
     assert_eq!(json["traceEvents"][0]["ph"], "X");
     assert_eq!(trace.by_kernel().len(), 3);
 }
+
+#[test]
+fn gelu_matches_reference_both_variants() {
+    assert_checks("gelu", 12);
+}

@@ -224,10 +224,27 @@ impl Gpu {
     }
 
     /// Records `f` into a fresh recorder and submits it: the "run now" form of any op.
+    /// Returns without waiting, unless a kernel validates its input on the GPU (token ids):
+    /// then it waits, so that bad input comes back as an error here.
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn run<T>(&self, f: impl FnOnce(&mut Recorder<'_>) -> Result<T>) -> Result<T> {
         let mut rec = self.recorder("run");
         let out = f(&mut rec)?;
-        rec.submit()?;
+        let sub = rec.submit()?;
+        if sub.has_checks() {
+            sub.wait(self)?;
+        }
+        Ok(out)
+    }
+
+    /// Records `f` into a fresh recorder, submits it and waits for its index checks.
+    pub async fn run_async<T>(&self, f: impl FnOnce(&mut Recorder<'_>) -> Result<T>) -> Result<T> {
+        let mut rec = self.recorder("run");
+        let out = f(&mut rec)?;
+        let sub = rec.submit()?;
+        if sub.has_checks() {
+            sub.finish(self).await?;
+        }
         Ok(out)
     }
 

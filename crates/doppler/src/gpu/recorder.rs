@@ -66,6 +66,16 @@ enum Cmd {
         dst: Tensor,
         bytes: u64,
     },
+    Clear(Tensor),
+}
+
+/// An index check done on the GPU: a kernel counts ids >= `limit` into `flag[0]` and
+/// keeps the first bad position as `u32::MAX - flag[1]` (atomicMax). Read after completion.
+struct IndexCheck {
+    op: &'static str,
+    flag: Tensor,
+    ids: Tensor,
+    limit: u32,
 }
 
 pub struct Recorder<'g> {
@@ -74,6 +84,7 @@ pub struct Recorder<'g> {
     cmds: Vec<Cmd>,
     uniforms: Vec<u8>,
     profile: bool,
+    checks: Vec<IndexCheck>,
 }
 
 /// Most timestamp queries in one query set (wgpu's `QUERY_SET_MAX_QUERIES`).
@@ -81,7 +92,7 @@ const QUERIES_PER_SET: u32 = 4096;
 
 impl<'g> Recorder<'g> {
     pub(crate) fn new(gpu: &'g Gpu, label: &str, profile: bool) -> Self {
-        Recorder { gpu, label: label.to_string(), cmds: Vec::new(), uniforms: Vec::new(), profile }
+        Recorder { gpu, label: label.to_string(), cmds: Vec::new(), uniforms: Vec::new(), profile, checks: Vec::new() }
     }
 
     pub fn gpu(&self) -> &'g Gpu {
@@ -147,6 +158,21 @@ impl<'g> Recorder<'g> {
         Ok(())
     }
 
+    /// Zero-fills `t`.
+    pub fn clear(&mut self, t: &Tensor) {
+        self.cmds.push(Cmd::Clear(t.clone()));
+    }
+
+    /// A zeroed 2-element u32 flag for a kernel that checks `ids < limit` on the GPU (see
+    /// `IndexCheck`). After the submission completes, [`Submission::finish`] turns a
+    /// non-zero flag into [`Error::IndexOutOfRange`] naming the op, position and id.
+    pub fn index_check(&mut self, op: &'static str, ids: &Tensor, limit: u32) -> Result<Tensor> {
+        let flag = Tensor::empty(self.gpu, &[2], super::DType::U32, "index_check")?;
+        self.clear(&flag);
+        self.checks.push(IndexCheck { op, flag: flag.clone(), ids: ids.clone(), limit });
+        Ok(flag)
+    }
+
     /// Encodes everything recorded into one command buffer and submits it.
     pub fn submit(self) -> Result<Submission> {
         let gpu = self.gpu;
@@ -176,6 +202,10 @@ impl<'g> Recorder<'g> {
                 match &self.cmds[i] {
                     Cmd::Copy { src, dst, bytes } => {
                         enc.copy_buffer_to_buffer(src.buffer(), 0, dst.buffer(), 0, *bytes);
+                        i += 1;
+                    }
+                    Cmd::Clear(t) => {
+                        enc.clear_buffer(t.buffer(), 0, Some(t.binding_size()));
                         i += 1;
                     }
                     Cmd::Dispatch { .. } => {
@@ -239,6 +269,7 @@ impl<'g> Recorder<'g> {
             match c {
                 Cmd::Dispatch { tensors, .. } => keep.extend(tensors.iter().map(|t| t.pooled().clone())),
                 Cmd::Copy { src, dst, .. } => keep.extend([src.pooled().clone(), dst.pooled().clone()]),
+                Cmd::Clear(t) => keep.push(t.pooled().clone()),
             }
         }
         keep.extend(uniform);
@@ -253,10 +284,10 @@ impl<'g> Recorder<'g> {
             .iter()
             .filter_map(|c| match c {
                 Cmd::Dispatch { pipe, .. } => Some(pipe.name.clone()),
-                Cmd::Copy { .. } => None,
+                _ => None,
             })
             .collect();
-        Ok(Submission { queries, names })
+        Ok(Submission { queries, names, checks: self.checks })
     }
 }
 
@@ -320,6 +351,7 @@ impl Queries {
 pub struct Submission {
     queries: Option<Queries>,
     names: Vec<Arc<str>>,
+    checks: Vec<IndexCheck>,
 }
 
 impl Submission {
@@ -328,9 +360,30 @@ impl Submission {
         self.names.len()
     }
 
-    /// Per-dispatch GPU times. Empty unless the recorder was a profiling one on an adapter
-    /// with timestamp queries.
-    pub async fn trace(self, gpu: &Gpu) -> Result<Trace> {
+    /// Whether kernels in this submission validate indices on the GPU (then
+    /// [`Submission::finish`] must be awaited to learn about bad input).
+    pub fn has_checks(&self) -> bool {
+        !self.checks.is_empty()
+    }
+
+    /// Waits for the GPU, reports the first failed index check as an error, and returns the
+    /// per-dispatch GPU times (empty unless the recorder was a profiling one on an adapter
+    /// with timestamp queries).
+    pub async fn finish(self, gpu: &Gpu) -> Result<Trace> {
+        for c in &self.checks {
+            let flag = c.flag.to_vec_u32(gpu).await?;
+            if flag[0] > 0 {
+                let position = (u32::MAX - flag[1]) as usize;
+                let ids = c.ids.to_vec_u32(gpu).await?;
+                return Err(Error::IndexOutOfRange {
+                    op: c.op,
+                    position,
+                    id: ids.get(position).copied().unwrap_or(u32::MAX),
+                    limit: c.limit,
+                    count: flag[0] as usize,
+                });
+            }
+        }
         let Some(q) = self.queries else { return Ok(Trace::default()) };
         let mut ticks: Vec<u64> = Vec::new();
         for buf in &q.readback {
@@ -362,10 +415,10 @@ impl Submission {
         Ok(Trace { events })
     }
 
-    /// Blocks until the GPU has finished, then returns the trace.
+    /// Blocking [`Submission::finish`].
     #[cfg(not(target_arch = "wasm32"))]
     pub fn wait(self, gpu: &Gpu) -> Result<Trace> {
         gpu.wait()?;
-        pollster::block_on(self.trace(gpu))
+        pollster::block_on(self.finish(gpu))
     }
 }

@@ -2,6 +2,7 @@
 //! [`crate::gpu::Recorder`]; "run now" is `gpu.run(|rec| op(rec, ...))`.
 
 pub mod elementwise;
+pub mod gelu;
 pub mod matmul;
 pub mod reduce;
 
@@ -21,5 +22,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("elementwise", std::mem::size_of::<elementwise::Params>()),
         ("reduce", std::mem::size_of::<reduce::Params>()),
         ("matmul", std::mem::size_of::<matmul::Params>()),
+        ("gelu", std::mem::size_of::<gelu::Params>()),
     ]
 }

@@ -1,5 +1,39 @@
 //! Plain CPU loops in f64: the oracle the GPU kernels are tested against. Same names as
-//! the ops they check.
+//! the ops they check. Every backward here is itself checked against central finite
+//! differences of its forward.
+
+pub mod gelu;
+
+/// Central finite differences of a scalar function: d f / d x_i ~ (f(x + h e_i) - f(x - h e_i)) / 2h,
+/// with h scaled to each x_i.
+pub fn finite_diff(f: impl Fn(&[f64]) -> f64, x: &[f64]) -> Vec<f64> {
+    let mut x = x.to_vec();
+    (0..x.len())
+        .map(|i| {
+            let v = x[i];
+            let h = 1e-5 * v.abs().max(1.0);
+            x[i] = v + h;
+            let up = f(&x);
+            x[i] = v - h;
+            let down = f(&x);
+            x[i] = v;
+            (up - down) / (2.0 * h)
+        })
+        .collect()
+}
+
+/// Panics naming the first index where |got - want| > tol * max(1, |want|).
+pub fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol * w.abs().max(1.0), "{what}: index {i}: {g} vs {w}");
+    }
+}
+
+/// f32 data as f64, for feeding GPU test inputs to the reference.
+pub fn widen(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| v as f64).collect()
+}
 
 /// a + b
 pub fn add(a: &[f32], b: &[f32]) -> Vec<f64> {

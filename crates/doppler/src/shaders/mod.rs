@@ -12,6 +12,7 @@ macro_rules! shader {
 shader!(ELEMENTWISE, "elementwise");
 shader!(REDUCE, "reduce");
 shader!(MATMUL, "matmul");
+shader!(GELU, "gelu");
 
 /// All shaders, for validation and listing.
-pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL];
+pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU];

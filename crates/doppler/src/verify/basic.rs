@@ -1,69 +1,15 @@
-//! Kernel checks on the current adapter: every op against the CPU reference on odd shapes,
-//! with batches, past 65535 workgroups, and reruns for determinism. `doppler verify`
-//! prints these; the test suite asserts them.
+//! Elementwise ops, sums, matmul and the recorder.
 
-use crate::check::{compare, same_bits, Rng, Stats, Tolerance};
+use super::{push, s, CheckResult, Outcome};
+use crate::check::{compare, same_bits, Rng, Tolerance};
 use crate::gpu::{Gpu, Tensor};
 use crate::ops::{elementwise, matmul, reduce};
 use crate::reference as cpu;
 
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct CheckResult {
-    pub op: String,
-    pub shape: String,
-    pub max_abs: f64,
-    pub max_rel: f64,
-    pub pass: bool,
-    /// Why it failed: the first bad index, or the error the op returned.
-    pub error: Option<String>,
-}
-
-type Outcome = Result<Stats, String>;
-
-fn push(out: &mut Vec<CheckResult>, op: &str, shape: String, r: Outcome) {
-    let (stats, error) = match r {
-        Ok(s) => (s, None),
-        Err(e) => (Stats::default(), Some(e)),
-    };
-    out.push(CheckResult {
-        op: op.to_string(),
-        shape,
-        max_abs: stats.max_abs,
-        max_rel: stats.max_rel,
-        pass: error.is_none(),
-        error,
-    });
-}
-
-fn s<E: std::fmt::Display>(e: E) -> String {
-    e.to_string()
-}
-
-/// Every check whose op name contains `filter` (all when None).
-pub fn run(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
-    let mut out = Vec::new();
-    let want = |op: &str| filter.is_none_or(|f| op.contains(f));
-    let any = |ops: &[&str]| ops.iter().any(|op| want(op));
-    if any(&["add", "mul", "scale"]) {
-        elementwise_checks(gpu, &mut out);
-    }
-    if any(&["sum_rows"]) {
-        sum_checks(gpu, &mut out);
-    }
-    if any(&["matmul"]) {
-        matmul_checks(gpu, &mut out);
-    }
-    if any(&[RECORDER_CHAIN]) {
-        recorder_checks(gpu, &mut out);
-    }
-    out.retain(|c| want(&c.op));
-    out
-}
-
 /// Sizes: odd, a multiple of 4 (vec4 path), and one needing a 2-D grid (> 65535 groups of 256).
 pub const ELEMENTWISE_SIZES: [usize; 4] = [1, 1003, 4096, 65_539 * 256 + 1];
 
-fn elementwise_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) fn elementwise_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &n) in ELEMENTWISE_SIZES.iter().enumerate() {
         let mut rng = Rng::new(100 + i as u64);
         let (a, b) = (rng.vec(n), rng.vec(n));
@@ -84,7 +30,7 @@ fn elementwise_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// than fit one grid dimension.
 pub const SUM_SHAPES: [(usize, usize); 5] = [(1, 1), (3, 1000), (5, 70_001), (1, (1 << 20) + 7), (70_000, 3)];
 
-fn sum_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) fn sum_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &(rows, n)) in SUM_SHAPES.iter().enumerate() {
         let x = Rng::new(200 + i as u64).vec(rows * n);
         let shape = format!("[{rows}, {n}]");
@@ -119,7 +65,7 @@ pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f3
     (2, 33, 40, 24, false, true, false, true, 1.0),
 ];
 
-fn matmul_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) fn matmul_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for bk in [8, 16] {
         matmul_checks_bk(gpu, out, matmul::Tuning { bk });
     }
@@ -165,11 +111,11 @@ fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tunin
     }
 }
 
-const RECORDER_CHAIN: &str = "recorder chain (add, scale, mul, sum_rows)";
+pub(super) const RECORDER_CHAIN: &str = "recorder chain (add, scale, mul, sum_rows)";
 
 /// Several ops in one submission, sum_rows(0.5 * (a + b) * b): checks that the recorder
 /// orders dependent dispatches (the barriers between them).
-fn recorder_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) fn recorder_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let (rows, n) = (7, 1001);
     let mut rng = Rng::new(400);
     let (a, b) = (rng.vec(rows * n), rng.vec(rows * n));

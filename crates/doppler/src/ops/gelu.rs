@@ -1,0 +1,53 @@
+//! GELU, exact (erf) and tanh-approximated, forward and backward. Shader: `gelu.wgsl`
+//! (the derivative formulas are in its header).
+
+use super::expect_f32;
+use crate::error::{Error, Result};
+use crate::gpu::{Binding::*, Grid, Kernel, Recorder, Tensor};
+use crate::shaders::GELU;
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Params {
+    pub n: u32,
+    pub _pad: [u32; 3],
+}
+
+/// PyTorch's `approximate='none'` and `approximate='tanh'`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum GeluMode {
+    #[default]
+    Exact,
+    Tanh,
+}
+
+static FWD: Kernel = Kernel { shader: &GELU, entry: "gelu_fwd", storage: &[(1, Read), (3, ReadWrite)], features: wgpu::Features::empty() };
+static BWD: Kernel =
+    Kernel { shader: &GELU, entry: "gelu_bwd", storage: &[(1, Read), (2, Read), (3, ReadWrite)], features: wgpu::Features::empty() };
+
+fn run(rec: &mut Recorder<'_>, k: &Kernel, mode: GeluMode, tensors: &[&Tensor]) -> Result<()> {
+    let n = tensors[0].numel() as u64;
+    let params = Params { n: n as u32, _pad: [0; 3] };
+    let tanh = [("TANH", (mode == GeluMode::Tanh) as u32 as f64)];
+    rec.dispatch(k, &tanh, bytemuck::bytes_of(&params), tensors, Grid::cover(n, 256))
+}
+
+/// y = gelu(x), any shape.
+pub fn gelu(rec: &mut Recorder<'_>, x: &Tensor, mode: GeluMode) -> Result<Tensor> {
+    expect_f32("gelu", x)?;
+    let y = Tensor::empty(rec.gpu(), x.shape(), x.dtype(), "gelu.out")?;
+    run(rec, &FWD, mode, &[x, &y])?;
+    Ok(y)
+}
+
+/// dx = dy * gelu'(x), from the forward's input x and the upstream gradient dy.
+pub fn gelu_backward(rec: &mut Recorder<'_>, x: &Tensor, dy: &Tensor, mode: GeluMode) -> Result<Tensor> {
+    expect_f32("gelu_backward", x)?;
+    expect_f32("gelu_backward", dy)?;
+    if x.shape() != dy.shape() {
+        return Err(Error::Shape { op: "gelu_backward", detail: format!("x {:?} vs dy {:?}", x.shape(), dy.shape()) });
+    }
+    let dx = Tensor::empty(rec.gpu(), x.shape(), x.dtype(), "gelu.dx")?;
+    run(rec, &BWD, mode, &[x, dy, &dx])?;
+    Ok(dx)
+}

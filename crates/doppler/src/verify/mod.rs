@@ -1,0 +1,81 @@
+//! Kernel checks on the current adapter: every op against the CPU reference on odd shapes,
+//! with batches, past 65535 workgroups, and reruns for determinism. `doppler verify`
+//! prints these; the test suite asserts them. One file per op family.
+
+mod basic;
+mod gelu;
+
+pub use basic::{ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES};
+
+use crate::check::Stats;
+use crate::gpu::Gpu;
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CheckResult {
+    pub op: String,
+    pub shape: String,
+    pub max_abs: f64,
+    pub max_rel: f64,
+    pub pass: bool,
+    /// Why it failed: the first bad index, or the error the op returned.
+    pub error: Option<String>,
+}
+
+pub(crate) type Outcome = Result<Stats, String>;
+
+pub(crate) fn push(out: &mut Vec<CheckResult>, op: &str, shape: String, r: Outcome) {
+    let (stats, error) = match r {
+        Ok(s) => (s, None),
+        Err(e) => (Stats::default(), Some(e)),
+    };
+    out.push(CheckResult {
+        op: op.to_string(),
+        shape,
+        max_abs: stats.max_abs,
+        max_rel: stats.max_rel,
+        pass: error.is_none(),
+        error,
+    });
+}
+
+/// Error to String, for `?` inside checks.
+pub(crate) fn s<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+/// A family of checks: the op names it reports, and the function that runs them.
+type Family = (&'static [&'static str], fn(&Gpu, &mut Vec<CheckResult>));
+
+const FAMILIES: &[Family] = &[
+    (&["add", "mul", "scale"], basic::elementwise_checks),
+    (&["sum_rows"], basic::sum_checks),
+    (&["matmul"], basic::matmul_checks),
+    (&[basic::RECORDER_CHAIN], basic::recorder_checks),
+    (&["gelu"], gelu::checks),
+];
+
+/// Every check whose op name contains `filter` (all when None).
+pub fn run(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
+    let mut out = Vec::new();
+    let want = |op: &str| filter.is_none_or(|f| op.contains(f));
+    for (ops, f) in FAMILIES {
+        if ops.iter().any(|op| want(op)) {
+            f(gpu, &mut out);
+        }
+    }
+    out.retain(|c| want(&c.op));
+    out
+}
+
+/// Runs `f` twice; the results must be the same bits. Returns the first run's outputs.
+pub(crate) fn twice<F>(op: &str, f: F) -> Result<Vec<Vec<f32>>, String>
+where
+    F: Fn() -> crate::Result<Vec<Vec<f32>>>,
+{
+    let first = f().map_err(s)?;
+    let second = f().map_err(s)?;
+    for (a, b) in first.iter().zip(&second) {
+        crate::check::same_bits(op, a, b).map_err(s)?;
+    }
+    Ok(first)
+}
