@@ -173,3 +173,8 @@ fn profiling_recorder_writes_a_chrome_trace() {
 fn gelu_matches_reference_both_variants() {
     assert_checks("gelu", 12);
 }
+
+#[test]
+fn cross_entropy_matches_reference() {
+    assert_checks("cross_entropy", 11);
+}

@@ -1,6 +1,7 @@
 //! Op families: one file each, with its WGSL twin in `shaders/`. Every op records into a
 //! [`crate::gpu::Recorder`]; "run now" is `gpu.run(|rec| op(rec, ...))`.
 
+pub mod cross_entropy;
 pub mod elementwise;
 pub mod gelu;
 pub mod matmul;
@@ -23,5 +24,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("reduce", std::mem::size_of::<reduce::Params>()),
         ("matmul", std::mem::size_of::<matmul::Params>()),
         ("gelu", std::mem::size_of::<gelu::Params>()),
+        ("cross_entropy", std::mem::size_of::<cross_entropy::Params>()),
     ]
 }

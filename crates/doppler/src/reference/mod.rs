@@ -2,6 +2,7 @@
 //! the ops they check. Every backward here is itself checked against central finite
 //! differences of its forward.
 
+pub mod cross_entropy;
 pub mod gelu;
 
 /// Central finite differences of a scalar function: d f / d x_i ~ (f(x + h e_i) - f(x - h e_i)) / 2h,

@@ -13,6 +13,7 @@ shader!(ELEMENTWISE, "elementwise");
 shader!(REDUCE, "reduce");
 shader!(MATMUL, "matmul");
 shader!(GELU, "gelu");
+shader!(CROSS_ENTROPY, "cross_entropy");
 
 /// All shaders, for validation and listing.
-pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU];
+pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY];

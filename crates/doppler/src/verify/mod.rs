@@ -3,6 +3,7 @@
 //! prints these; the test suite asserts them. One file per op family.
 
 mod basic;
+mod cross_entropy;
 mod gelu;
 
 pub use basic::{ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES};
@@ -52,6 +53,7 @@ const FAMILIES: &[Family] = &[
     (&["matmul"], basic::matmul_checks),
     (&[basic::RECORDER_CHAIN], basic::recorder_checks),
     (&["gelu"], gelu::checks),
+    (&["cross_entropy"], cross_entropy::checks),
 ];
 
 /// Every check whose op name contains `filter` (all when None).
