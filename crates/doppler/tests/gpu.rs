@@ -178,3 +178,8 @@ fn gelu_matches_reference_both_variants() {
 fn cross_entropy_matches_reference() {
     assert_checks("cross_entropy", 11);
 }
+
+#[test]
+fn embedding_matches_reference_and_is_deterministic() {
+    assert_checks("embedding", 10);
+}

@@ -3,6 +3,7 @@
 
 pub mod cross_entropy;
 pub mod elementwise;
+pub mod embedding;
 pub mod gelu;
 pub mod matmul;
 pub mod reduce;
@@ -25,5 +26,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("matmul", std::mem::size_of::<matmul::Params>()),
         ("gelu", std::mem::size_of::<gelu::Params>()),
         ("cross_entropy", std::mem::size_of::<cross_entropy::Params>()),
+        ("embedding", std::mem::size_of::<embedding::Params>()),
     ]
 }

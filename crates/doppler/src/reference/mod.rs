@@ -3,6 +3,7 @@
 //! differences of its forward.
 
 pub mod cross_entropy;
+pub mod embedding;
 pub mod gelu;
 
 /// Central finite differences of a scalar function: d f / d x_i ~ (f(x + h e_i) - f(x - h e_i)) / 2h,

@@ -14,6 +14,7 @@ shader!(REDUCE, "reduce");
 shader!(MATMUL, "matmul");
 shader!(GELU, "gelu");
 shader!(CROSS_ENTROPY, "cross_entropy");
+shader!(EMBEDDING, "embedding");
 
 /// All shaders, for validation and listing.
-pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY];
+pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING];

@@ -4,6 +4,7 @@
 
 mod basic;
 mod cross_entropy;
+mod embedding;
 mod gelu;
 
 pub use basic::{ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES};
@@ -54,6 +55,7 @@ const FAMILIES: &[Family] = &[
     (&[basic::RECORDER_CHAIN], basic::recorder_checks),
     (&["gelu"], gelu::checks),
     (&["cross_entropy"], cross_entropy::checks),
+    (&["embedding"], embedding::checks),
 ];
 
 /// Every check whose op name contains `filter` (all when None).

@@ -1,0 +1,132 @@
+//! Embedding: gather forward (f32 or f16 table), deterministic backward. Shader:
+//! `embedding.wgsl` (the backward's counting-sort pipeline is described in its header).
+//!
+//! d out[n, :] / d table[v, :] = [ids[n] == v], so dtable[v] = sum of dout rows whose id is
+//! v. Summing them in position order after a stable sort makes the result independent of
+//! thread timing; long runs of one id are cut into segments summed in parallel.
+
+use crate::error::{Error, Result};
+use crate::gpu::{Binding::*, DType, Grid, Kernel, Recorder, Tensor};
+use crate::shaders::EMBEDDING;
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Params {
+    pub n: u32,
+    pub h: u32,
+    pub v: u32,
+    pub _pad: u32,
+}
+
+/// Positions per segment (`S` in the shader).
+const SEGMENT: usize = 32;
+const NONE: wgpu::Features = wgpu::Features::empty();
+
+macro_rules! kernel {
+    ($id:ident, $entry:literal, $bind:expr) => {
+        static $id: Kernel = Kernel { shader: &EMBEDDING, entry: $entry, storage: $bind, features: NONE };
+    };
+}
+kernel!(FWD, "embed_fwd", &[(1, Read), (2, Read), (4, ReadWrite), (5, ReadWrite)]);
+kernel!(FWD16, "embed_fwd_f16", &[(1, Read), (3, Read), (4, ReadWrite), (5, ReadWrite)]);
+kernel!(COUNT, "embed_count", &[(1, Read), (5, ReadWrite), (6, ReadWrite)]);
+kernel!(SCAN, "embed_scan", &[(6, ReadWrite), (7, ReadWrite), (8, ReadWrite)]);
+kernel!(SORT, "embed_sort", &[(1, Read), (7, ReadWrite), (9, ReadWrite), (10, ReadWrite)]);
+kernel!(SEGMENTS, "embed_segments", &[(6, ReadWrite), (7, ReadWrite), (8, ReadWrite), (11, ReadWrite)]);
+kernel!(PARTIAL, "embed_partial", &[(8, ReadWrite), (10, ReadWrite), (11, ReadWrite), (12, Read), (13, ReadWrite)]);
+kernel!(
+    REDUCE,
+    "embed_reduce",
+    &[(6, ReadWrite), (7, ReadWrite), (8, ReadWrite), (10, ReadWrite), (12, Read), (13, ReadWrite), (14, ReadWrite)]
+);
+
+fn check_ids(op: &'static str, ids: &Tensor) -> Result<()> {
+    if ids.dtype() != DType::U32 {
+        return Err(Error::DType { op, got: ids.dtype(), expected: "u32 ids" });
+    }
+    Ok(())
+}
+
+fn table_dims(op: &'static str, table: &[usize]) -> Result<(usize, usize)> {
+    match table {
+        &[v, h] if v > 0 && h > 0 => Ok((v, h)),
+        _ => Err(Error::Shape { op, detail: format!("table {table:?}, expected (vocab, hidden)") }),
+    }
+}
+
+/// out (ids..., H) f32 = table[ids]. An id >= V is reported as [`Error::IndexOutOfRange`]
+/// when the submission finishes (its row reads as zeros).
+pub fn embedding(rec: &mut Recorder<'_>, table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    check_ids("embedding", ids)?;
+    let (v, h) = table_dims("embedding", table.shape())?;
+    let kernel = match table.dtype() {
+        DType::F32 => &FWD,
+        DType::F16 => &FWD16,
+        d => return Err(Error::DType { op: "embedding", got: d, expected: "f32 or f16 table" }),
+    };
+    let n = ids.numel();
+    let mut shape = ids.shape().to_vec();
+    shape.push(h);
+    let out = Tensor::empty(rec.gpu(), &shape, DType::F32, "embedding.out")?;
+    let flag = rec.index_check("embedding", ids, v as u32)?;
+    let p = Params { n: n as u32, h: h as u32, v: v as u32, _pad: 0 };
+    rec.dispatch(kernel, &[], bytemuck::bytes_of(&p), &[ids, table, &out, &flag], Grid::cover((n * h) as u64, 256))?;
+    Ok(out)
+}
+
+/// dtable (V, H) = scatter-add of dout (ids..., H) by id, as a new tensor.
+pub fn embedding_backward(rec: &mut Recorder<'_>, ids: &Tensor, dout: &Tensor, vocab: usize) -> Result<Tensor> {
+    let h = dout.shape().last().copied().unwrap_or(0);
+    let dtable = Tensor::empty(rec.gpu(), &[vocab, h], DType::F32, "embedding.dtable")?;
+    embedding_backward_into(rec, ids, dout, &dtable, false)?;
+    Ok(dtable)
+}
+
+/// dtable (V, H) (+)= scatter-add of dout (ids..., H) by id; `accumulate` adds to the
+/// existing gradient. Same bits on every run.
+pub fn embedding_backward_into(
+    rec: &mut Recorder<'_>,
+    ids: &Tensor,
+    dout: &Tensor,
+    dtable: &Tensor,
+    accumulate: bool,
+) -> Result<()> {
+    check_ids("embedding_backward", ids)?;
+    super::expect_f32("embedding_backward", dout)?;
+    super::expect_f32("embedding_backward", dtable)?;
+    let (v, h) = table_dims("embedding_backward", dtable.shape())?;
+    let n = ids.numel();
+    if dout.shape() != [ids.shape(), &[h][..]].concat().as_slice() {
+        return Err(Error::Shape {
+            op: "embedding_backward",
+            detail: format!("dout {:?} vs ids {:?} and dtable {:?}", dout.shape(), ids.shape(), dtable.shape()),
+        });
+    }
+    let gpu = rec.gpu();
+    let u32t = |len: usize, label| Tensor::empty(gpu, &[len.max(1)], DType::U32, label);
+    let max_segs = (2 * n).div_ceil(SEGMENT);
+    let counts = u32t(v, "embedding.counts")?;
+    let offsets = u32t(v + 1, "embedding.offsets")?;
+    let seg_offsets = u32t(v + 1, "embedding.seg_offsets")?;
+    let running = u32t(v, "embedding.running")?;
+    let sorted = u32t(n, "embedding.sorted")?;
+    let segs = u32t(2 * max_segs, "embedding.segs")?;
+    let partial = Tensor::empty(gpu, &[max_segs.max(1), h], DType::F32, "embedding.partial")?;
+    let flag = rec.index_check("embedding_backward", ids, v as u32)?;
+    rec.clear(&counts);
+    rec.clear(&running);
+    let p = Params { n: n as u32, h: h as u32, v: v as u32, _pad: 0 };
+    let pb = bytemuck::bytes_of(&p);
+    rec.dispatch(&COUNT, &[], pb, &[ids, &flag, &counts], Grid::cover(n as u64, 256))?;
+    rec.dispatch(&SCAN, &[], pb, &[&counts, &offsets, &seg_offsets], Grid::Linear(1))?;
+    rec.dispatch(&SORT, &[], pb, &[ids, &offsets, &running, &sorted], Grid::Linear(1))?;
+    rec.dispatch(&SEGMENTS, &[], pb, &[&counts, &offsets, &seg_offsets, &segs], Grid::cover(v as u64, 256))?;
+    rec.dispatch(&PARTIAL, &[], pb, &[&seg_offsets, &sorted, &segs, dout, &partial], Grid::Linear(max_segs as u64))?;
+    rec.dispatch(
+        &REDUCE,
+        &[("ACCUMULATE", accumulate as u32 as f64)],
+        pb,
+        &[&counts, &offsets, &seg_offsets, &sorted, dout, &partial, dtable],
+        Grid::cover((v * h) as u64, 256),
+    )
+}
