@@ -63,7 +63,8 @@ pub fn run(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
     let mut out = Vec::new();
     let want = |op: &str| filter.is_none_or(|f| op.contains(f));
     for (ops, f) in FAMILIES {
-        if ops.iter().any(|op| want(op)) {
+        // "embedding" runs the family; so does "embedding backward" (a name it reports).
+        if ops.iter().any(|op| want(op) || filter.is_some_and(|f| f.starts_with(op))) {
             f(gpu, &mut out);
         }
     }
