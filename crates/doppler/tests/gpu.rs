@@ -183,3 +183,8 @@ fn cross_entropy_matches_reference() {
 fn embedding_matches_reference_and_is_deterministic() {
     assert_checks("embedding", 10);
 }
+
+#[test]
+fn group_norm_matches_reference_and_is_deterministic() {
+    assert_checks("group_norm", 12);
+}

@@ -5,6 +5,7 @@ pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
 pub mod gelu;
+pub mod groupnorm;
 pub mod matmul;
 pub mod reduce;
 
@@ -27,5 +28,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("gelu", std::mem::size_of::<gelu::Params>()),
         ("cross_entropy", std::mem::size_of::<cross_entropy::Params>()),
         ("embedding", std::mem::size_of::<embedding::Params>()),
+        ("groupnorm", std::mem::size_of::<groupnorm::Params>()),
     ]
 }

@@ -15,6 +15,7 @@ shader!(MATMUL, "matmul");
 shader!(GELU, "gelu");
 shader!(CROSS_ENTROPY, "cross_entropy");
 shader!(EMBEDDING, "embedding");
+shader!(GROUPNORM, "groupnorm");
 
 /// All shaders, for validation and listing.
-pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING];
+pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM];

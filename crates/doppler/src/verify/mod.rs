@@ -6,6 +6,7 @@ mod basic;
 mod cross_entropy;
 mod embedding;
 mod gelu;
+mod groupnorm;
 
 pub use basic::{ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES};
 
@@ -56,6 +57,7 @@ const FAMILIES: &[Family] = &[
     (&["gelu"], gelu::checks),
     (&["cross_entropy"], cross_entropy::checks),
     (&["embedding"], embedding::checks),
+    (&["group_norm"], groupnorm::checks),
 ];
 
 /// Every check whose op name contains `filter` (all when None).
