@@ -23,6 +23,16 @@ impl Tolerance {
     }
 }
 
+impl Tolerance {
+    /// A dot product accumulated sequentially over `k` terms (matmul, convolution): the
+    /// rounding error behaves like a random walk, ~ sqrt(k) * eps * sum|terms| (Higham,
+    /// ch. 3, probabilistic bound); 4 sqrt(k) + 36 eps leaves room for the final
+    /// scaling and bias additions.
+    pub fn dot(k: usize) -> Tolerance {
+        Tolerance { abs: 1e-30, rel: (4.0 * (k.max(1) as f64).sqrt() + 36.0) * f32::EPSILON as f64 }
+    }
+}
+
 /// What a comparison found.
 #[derive(Clone, Copy, Debug, Default, serde::Serialize)]
 pub struct Stats {

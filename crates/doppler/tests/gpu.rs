@@ -188,3 +188,8 @@ fn embedding_matches_reference_and_is_deterministic() {
 fn group_norm_matches_reference_and_is_deterministic() {
     assert_checks("group_norm", 12);
 }
+
+#[test]
+fn conv2d_matches_reference_and_is_deterministic() {
+    assert_checks("conv2d", 12);
+}

@@ -1,6 +1,7 @@
 //! Op families: one file each, with its WGSL twin in `shaders/`. Every op records into a
 //! [`crate::gpu::Recorder`]; "run now" is `gpu.run(|rec| op(rec, ...))`.
 
+pub mod conv2d;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
@@ -29,5 +30,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("cross_entropy", std::mem::size_of::<cross_entropy::Params>()),
         ("embedding", std::mem::size_of::<embedding::Params>()),
         ("groupnorm", std::mem::size_of::<groupnorm::Params>()),
+        ("conv2d", std::mem::size_of::<conv2d::Params>()),
     ]
 }

@@ -2,6 +2,7 @@
 //! the ops they check. Every backward here is itself checked against central finite
 //! differences of its forward.
 
+pub mod conv2d;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod gelu;

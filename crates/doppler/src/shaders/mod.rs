@@ -16,6 +16,7 @@ shader!(GELU, "gelu");
 shader!(CROSS_ENTROPY, "cross_entropy");
 shader!(EMBEDDING, "embedding");
 shader!(GROUPNORM, "groupnorm");
+shader!(CONV2D, "conv2d");
 
 /// All shaders, for validation and listing.
-pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM];
+pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D];

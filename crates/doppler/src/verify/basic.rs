@@ -103,7 +103,7 @@ fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tunin
         let r = (|| {
             let got = run().map_err(s)?;
             let (want, mag) = cpu::matmul(&a, &b, &c0, dims, alpha, beta);
-            let stats = compare("matmul", &got, &want, Some(&mag), Tolerance::sum(k)).map_err(s)?;
+            let stats = compare("matmul", &got, &want, Some(&mag), Tolerance::dot(k)).map_err(s)?;
             same_bits("matmul", &got, &run().map_err(s)?).map_err(s)?;
             Ok(stats)
         })();

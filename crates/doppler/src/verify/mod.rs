@@ -3,6 +3,7 @@
 //! prints these; the test suite asserts them. One file per op family.
 
 mod basic;
+mod conv2d;
 mod cross_entropy;
 mod embedding;
 mod gelu;
@@ -58,6 +59,7 @@ const FAMILIES: &[Family] = &[
     (&["cross_entropy"], cross_entropy::checks),
     (&["embedding"], embedding::checks),
     (&["group_norm"], groupnorm::checks),
+    (&["conv2d"], conv2d::checks),
 ];
 
 /// Every check whose op name contains `filter` (all when None).

@@ -1,0 +1,89 @@
+//! conv2d forward and backward (dx, dw, db).
+
+use super::{push, s, twice, CheckResult};
+use crate::check::{compare, Rng, Tolerance};
+use crate::gpu::{Gpu, Tensor};
+use crate::ops::conv2d::{conv2d, conv2d_backward, conv_params, Conv2dOpts};
+use crate::reference::{conv2d as cpu, widen};
+
+type Case = (&'static [usize], &'static [usize], Conv2dOpts, bool);
+
+const fn opts(stride: (usize, usize), padding: (usize, usize), dilation: (usize, usize), groups: usize) -> Conv2dOpts {
+    Conv2dOpts { stride, padding, dilation, groups }
+}
+
+/// (x, w, options, bias): 3x3 with a batch and odd sizes; stride, padding and dilation per
+/// axis with groups; depthwise; 1x1; channels spanning several 64-tiles; and a 1x1 on
+/// 2 x 1450 x 1450 pixels (more than 65535 tiles, and a dw reduction of 8213 splits).
+pub const CONV_CASES: [Case; 6] = [
+    (&[2, 3, 7, 9], &[8, 3, 3, 3], opts((1, 1), (1, 1), (1, 1), 1), true),
+    (&[3, 4, 11, 10], &[6, 2, 3, 2], opts((2, 1), (1, 2), (1, 2), 2), true),
+    (&[2, 8, 9, 9], &[8, 1, 3, 3], opts((2, 2), (1, 1), (1, 1), 8), false),
+    (&[1, 5, 6, 7], &[3, 5, 1, 1], opts((1, 1), (0, 0), (1, 1), 1), false),
+    (&[2, 70, 5, 5], &[130, 70, 3, 3], opts((1, 1), (1, 1), (1, 1), 1), true),
+    (&[2, 1, 1450, 1450], &[1, 1, 1, 1], opts((1, 1), (0, 0), (1, 1), 1), true),
+];
+
+pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    for (i, &(xs, ws, o, has_bias)) in CONV_CASES.iter().enumerate() {
+        let p = conv_params(xs, ws, &o).expect("valid case");
+        let ys = [p.n as usize, p.cout as usize, p.oh as usize, p.ow as usize];
+        let mut rng = Rng::new(1000 + i as u64);
+        let x = rng.vec(xs.iter().product());
+        let w = rng.vec(ws.iter().product());
+        let b = rng.vec(ws[0]);
+        let dy = rng.vec(ys.iter().product());
+        let what = format!(
+            "x {xs:?} w {ws:?} s{:?} p{:?} d{:?} g{}{}",
+            o.stride,
+            o.padding,
+            o.dilation,
+            o.groups,
+            if has_bias { " +b" } else { "" }
+        );
+        let run = || -> crate::Result<Vec<Vec<f32>>> {
+            let tx = Tensor::from_f32(gpu, xs, &x, "x")?;
+            let tw = Tensor::from_f32(gpu, ws, &w, "w")?;
+            let tb = Tensor::from_f32(gpu, &[ws[0]], &b, "b")?;
+            let tdy = Tensor::from_f32(gpu, &ys, &dy, "dy")?;
+            let mut rec = gpu.recorder("conv2d");
+            let y = conv2d(&mut rec, &tx, &tw, has_bias.then_some(&tb), o)?;
+            let gr = conv2d_backward(&mut rec, &tx, &tw, &tdy, o, has_bias)?;
+            rec.submit()?;
+            let db = match &gr.db {
+                Some(db) => db.read_f32(gpu)?,
+                None => vec![],
+            };
+            Ok(vec![y.read_f32(gpu)?, gr.dx.read_f32(gpu)?, gr.dw.read_f32(gpu)?, db])
+        };
+        // The largest case is slow on a CPU adapter; the smaller ones check determinism.
+        let r = if i + 1 == CONV_CASES.len() { run().map_err(s) } else { twice("conv2d", run) };
+        let (fwd, bwd) = match r {
+            Err(e) => (Err(e.clone()), Err(e)),
+            Ok(got) => {
+                let (xd, wd, bd, dyd) = (widen(&x), widen(&w), widen(&b), widen(&dy));
+                let y = cpu::conv2d(&xd, &wd, has_bias.then_some(&bd[..]), &p);
+                let (dx, dw, db) = cpu::conv2d_backward(&xd, &wd, &dyd, &p);
+                let (my, mdx, mdw) = cpu::magnitudes(&xd, &wd, &dyd, &p);
+                let my: Vec<f64> = my.iter().enumerate().map(|(k, v)| v + if has_bias { bd[k / (ys[2] * ys[3]) % ys[1]].abs() } else { 0.0 }).collect();
+                let cig = xs[1] / o.groups;
+                let k_fwd = cig * ws[2] * ws[3];
+                let k_dx = (ws[0] / o.groups) * ws[2] * ws[3];
+                let k_dw = ys[0] * ys[2] * ys[3];
+                let fwd = compare("conv2d y", &got[0], &y, Some(&my), Tolerance::dot(k_fwd)).map_err(s);
+                let bwd = (|| {
+                    let st = compare("conv2d dx", &got[1], &dx, Some(&mdx), Tolerance::dot(k_dx)).map_err(s)?;
+                    compare("conv2d dw", &got[2], &dw, Some(&mdw), Tolerance::dot(k_dw)).map_err(s)?;
+                    if has_bias {
+                        let mdb: Vec<f64> = (0..ys[1]).map(|c| (0..dy.len()).filter(|k| k / (ys[2] * ys[3]) % ys[1] == c).map(|k| dyd[k].abs()).sum()).collect();
+                        compare("conv2d db", &got[3], &db, Some(&mdb), Tolerance::sum(k_dw)).map_err(s)?;
+                    }
+                    Ok(st)
+                })();
+                (fwd, bwd)
+            }
+        };
+        push(out, "conv2d", what.clone(), fwd);
+        push(out, "conv2d backward", what, bwd);
+    }
+}
