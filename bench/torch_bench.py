@@ -1,14 +1,18 @@
 """PyTorch reference figures for `doppler bench`, measured in the same call on the same GPU.
 
 Copy: y.copy_(x) on a buffer of --mib MiB, GB/s counting bytes read + written.
-Matmul: torch.matmul in f32 with TF32 off, TFLOP/s. Medians of CUDA-event timings.
-Usage: python3 bench/torch_bench.py [--mib 1024] [--size 4096 ...] [--repeat 20]
+Matmul: torch.matmul in f32 with TF32 off, TFLOP/s.
+Kernels (--kernels): the same shapes and work counts as `doppler bench kernels`, forward +
+backward through autograd (embedding: aten's dense backward alone), f32, TF32 off.
+Medians of CUDA-event timings.
+Usage: python3 bench/torch_bench.py [--mib 1024] [--size 4096 ...] [--repeat 20] [--kernels]
 """
 import argparse
 import json
 import statistics
 
 import torch
+import torch.nn.functional as F
 
 
 def timed(fn, repeat, batch):
@@ -27,12 +31,66 @@ def timed(fn, repeat, batch):
     return statistics.median(times)
 
 
+def kernels(a):
+    rows = []
+
+    def row(name, shape, ms, work, unit):
+        rows.append({"name": name, "shape": shape, "ms": ms, "value": work / ms / 1e6, "unit": unit})
+
+    dev = "cuda"
+    # conv2d 3x3, N=8, 64 -> 128, 64x64, padding 1: forward + backward (dx, dw, db).
+    n, ci, co, hw = 8, 64, 128, 64
+    x = torch.randn(n, ci, hw, hw, device=dev, requires_grad=True)
+    w = torch.randn(co, ci, 3, 3, device=dev, requires_grad=True)
+    b = torch.randn(co, device=dev, requires_grad=True)
+    dy = torch.randn(n, co, hw, hw, device=dev)
+
+    def conv():
+        F.conv2d(x, w, b, padding=1).backward(dy)
+
+    row("torch conv2d 3x3 fwd+bwd", f"{n}x{ci}->{co}x{hw}x{hw}", timed(conv, a.repeat, a.batch),
+        3 * 2 * n * co * hw * hw * ci * 9 / 1e3, "TFLOP/s")
+    # GroupNorm, 32 groups, N=8, C=256, 64x64.
+    n, c, hw = 8, 256, 64
+    x = torch.randn(n, c, hw, hw, device=dev, requires_grad=True)
+    g = torch.randn(c, device=dev, requires_grad=True)
+    bt = torch.randn(c, device=dev, requires_grad=True)
+    dy = torch.randn(n, c, hw, hw, device=dev)
+
+    def gn():
+        F.group_norm(x, 32, g, bt, 1e-5).backward(dy)
+
+    row("torch group_norm fwd+bwd", f"{n}x{c}x{hw}x{hw} g32", timed(gn, a.repeat, a.batch), 5 * 4 * n * c * hw * hw, "GB/s")
+    # Cross-entropy, 4096 x 49152.
+    t, v = 4096, 49152
+    logits = (torch.randn(t, v, device=dev) * 4).requires_grad_()
+    y = torch.randint(0, v, (t,), device=dev)
+
+    def ce():
+        F.cross_entropy(logits, y).backward()
+
+    row("torch cross_entropy fwd+bwd", f"{t}x{v}", timed(ce, a.repeat, a.batch), 3 * 4 * t * v, "GB/s")
+    del logits
+    # Embedding backward, 16384 x 576, vocabulary 49152, one id in half of the positions.
+    t, h, v = 16384, 576, 49152
+    ids = torch.randint(0, v, (t,), device=dev)
+    ids[::2] = 7
+    dout = torch.randn(t, h, device=dev)
+
+    def emb():
+        torch.ops.aten.embedding_dense_backward(dout, ids, v, -1, False)
+
+    row("torch embedding backward", f"{t}x{h} -> {v}x{h}", timed(emb, a.repeat, a.batch), 4 * (t * h + v * h), "GB/s")
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mib", type=int, default=1024)
     p.add_argument("--size", type=int, action="append")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--batch", type=int, default=10)
+    p.add_argument("--kernels", action="store_true")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -49,6 +107,8 @@ def main():
         ms = timed(lambda: torch.matmul(m1, m2), a.repeat, a.batch)
         rows.append({"name": "torch.matmul f32 (TF32 off)", "shape": f"{s}x{s}x{s}", "ms": ms,
                      "value": 2 * s**3 / ms / 1e9, "unit": "TFLOP/s"})
+    if a.kernels:
+        rows += kernels(a)
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": rows}, indent=2))
 
 

@@ -14,6 +14,8 @@ pub enum Which {
     All,
     Copy,
     Matmul,
+    /// The seed kernels: conv2d, group_norm, cross_entropy, embedding (forward + backward).
+    Kernels,
 }
 
 #[derive(Args)]
@@ -61,8 +63,10 @@ fn is_cpu(gpu: &Gpu) -> bool {
     gpu.info.device_type == doppler::wgpu::DeviceType::Cpu
 }
 
-/// Runs `record` (which records `batch` ops) `repeat` times after one warm-up; returns the
-/// median wall time per op and, if timestamps are on, the median GPU time per dispatch.
+/// Runs `record` (one op, possibly several dispatches) `batch` times per submission,
+/// `repeat` times after one warm-up. Returns the median wall time per op and, with
+/// timestamps, the median GPU time per op: from its first dispatch's start to its last
+/// dispatch's end.
 fn time(
     gpu: &Gpu,
     args: &BenchArgs,
@@ -78,23 +82,95 @@ fn time(
             record(&mut rec)?;
         }
         let t = Instant::now();
-        rec.submit()?;
-        gpu.wait()?;
+        rec.submit()?.wait(gpu)?;
         let wall = t.elapsed().as_secs_f64() * 1e3 / args.batch as f64;
         // Same batch again with a timestamp around every dispatch.
         let mut rec = gpu.profiling_recorder("bench");
+        let mut bounds = vec![0];
         for _ in 0..args.batch {
             record(&mut rec)?;
+            bounds.push(rec.dispatches());
         }
         let tr = rec.submit()?.wait(gpu)?;
         if r > 0 {
             walls.push(wall);
-            gpu_times.extend(tr.events.iter().map(|e| e.dur_ns / 1e6));
+            if !tr.events.is_empty() {
+                for w in bounds.windows(2) {
+                    let ev = &tr.events[w[0]..w[1]];
+                    if let (Some(a), Some(b)) = (ev.first(), ev.last()) {
+                        gpu_times.push((b.start_ns + b.dur_ns - a.start_ns) / 1e6);
+                    }
+                }
+            }
             trace.extend(tr);
         }
     }
     let g = if gpu_times.is_empty() { None } else { Some(median(&mut gpu_times)) };
     Ok((median(&mut walls), g))
+}
+
+/// The training-kernel shapes, forward + backward each (embedding: backward).
+fn kernels(gpu: &Gpu, args: &BenchArgs, trace: &mut doppler::gpu::Trace, rows: &mut Vec<Row>) -> doppler::Result<()> {
+    use doppler::ops::{conv2d, cross_entropy as ce, embedding, groupnorm};
+    let mut rng = Rng::new(3);
+    let cpu = is_cpu(gpu);
+    let mut push = |name: &str, shape: String, (wall, g): (f64, Option<f64>), work: f64, unit: &'static str| {
+        let t = g.unwrap_or(wall);
+        rows.push(Row { name: name.into(), shape, wall_ms: wall, gpu_ms: g, value: work / t / 1e6, unit });
+    };
+
+    // conv2d 3x3, N=8, 64 -> 128 channels, 64x64, padding 1: forward + dx + dw + db.
+    let (n, ci, co, hw) = if cpu { (1, 8, 16, 16) } else { (8, 64, 128, 64) };
+    let x = Tensor::from_f32(gpu, &[n, ci, hw, hw], &rng.vec(n * ci * hw * hw), "x")?;
+    let w = Tensor::from_f32(gpu, &[co, ci, 3, 3], &rng.vec(co * ci * 9), "w")?;
+    let b = Tensor::from_f32(gpu, &[co], &rng.vec(co), "b")?;
+    let dy = Tensor::from_f32(gpu, &[n, co, hw, hw], &rng.vec(n * co * hw * hw), "dy")?;
+    let o = conv2d::Conv2dOpts { padding: (1, 1), ..Default::default() };
+    let t = time(gpu, args, trace, |rec| {
+        conv2d::conv2d(rec, &x, &w, Some(&b), o)?;
+        conv2d::conv2d_backward(rec, &x, &w, &dy, o, true).map(|_| ())
+    })?;
+    let flops = 3.0 * 2.0 * (n * co * hw * hw * ci * 9) as f64;
+    push("conv2d 3x3 fwd+bwd", format!("{n}x{ci}->{co}x{hw}x{hw}"), t, flops / 1e3, "TFLOP/s");
+
+    // GroupNorm, 32 groups, N=8, C=256, 64x64: forward + backward.
+    let (n, c, hw) = if cpu { (2, 64, 16) } else { (8, 256, 64) };
+    let len = n * c * hw * hw;
+    let x = Tensor::from_f32(gpu, &[n, c, hw, hw], &rng.vec(len), "x")?;
+    let dy = Tensor::from_f32(gpu, &[n, c, hw, hw], &rng.vec(len), "dy")?;
+    let gamma = Tensor::from_f32(gpu, &[c], &rng.vec(c), "gamma")?;
+    let beta = Tensor::from_f32(gpu, &[c], &rng.vec(c), "beta")?;
+    let t = time(gpu, args, trace, |rec| {
+        let f = groupnorm::group_norm(rec, &x, &gamma, &beta, 32, 1e-5)?;
+        groupnorm::group_norm_backward(rec, &x, &gamma, &f, &dy, 32).map(|_| ())
+    })?;
+    // Least traffic: read x, write y; read x and dy, write dx.
+    push("group_norm fwd+bwd", format!("{n}x{c}x{hw}x{hw} g32"), t, 5.0 * 4.0 * len as f64, "GB/s");
+
+    // Cross-entropy, 4096 tokens x 49152 vocabulary: forward + backward.
+    let (tk, v) = if cpu { (64, 4096) } else { (4096, 49152) };
+    let logits = Tensor::from_f32(gpu, &[tk, v], &rng.vec(tk * v).iter().map(|a| a * 4.0).collect::<Vec<_>>(), "logits")?;
+    let targets: Vec<u32> = (0..tk).map(|_| (rng.next_u64() % v as u64) as u32).collect();
+    let targets = Tensor::from_u32(gpu, &[tk], &targets, "targets")?;
+    let g = Tensor::from_f32(gpu, &[1], &[1.0], "g")?;
+    let opts = ce::CrossEntropyOpts::default();
+    let t = time(gpu, args, trace, |rec| {
+        let f = ce::cross_entropy(rec, &logits, &targets, opts)?;
+        ce::cross_entropy_backward(rec, &logits, &targets, &f, ce::Upstream::Mean(&g), opts).map(|_| ())
+    })?;
+    // Least traffic: read the logits twice, write dlogits once.
+    push("cross_entropy fwd+bwd", format!("{tk}x{v}"), t, 3.0 * 4.0 * (tk * v) as f64, "GB/s");
+
+    // Embedding backward, 16384 tokens x 576 hidden, vocabulary 49152, one id in half the positions.
+    let (tk, h, v) = if cpu { (1024, 64, 4096) } else { (16384, 576, 49152) };
+    let ids: Vec<u32> = (0..tk).map(|i| if i % 2 == 0 { 7 } else { (rng.next_u64() % v as u64) as u32 }).collect();
+    let ids = Tensor::from_u32(gpu, &[tk], &ids, "ids")?;
+    let dout = Tensor::from_f32(gpu, &[tk, h], &rng.vec(tk * h), "dout")?;
+    let dtable = Tensor::empty(gpu, &[v, h], doppler::gpu::DType::F32, "dtable")?;
+    let t = time(gpu, args, trace, |rec| embedding::embedding_backward_into(rec, &ids, &dout, &dtable, false))?;
+    // Least traffic: read dout, write the table gradient.
+    push("embedding backward", format!("{tk}x{h} -> {v}x{h}"), t, 4.0 * (tk * h + v * h) as f64, "GB/s");
+    Ok(())
 }
 
 pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
@@ -139,6 +215,9 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
             }
         }
     }
+    if matches!(args.which, Which::All | Which::Kernels) {
+        kernels(gpu, args, &mut trace, &mut rows)?;
+    }
     if let Some(path) = &args.trace {
         trace.write_chrome_json(path)?;
     }
@@ -151,10 +230,10 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&v).unwrap());
     } else {
         println!("adapter: {} ({:?}), median of {} batches of {}", gpu.info.name, gpu.info.backend, args.repeat, args.batch);
-        println!("{:<30} {:<16} {:>10} {:>10} {:>12}", "bench", "shape", "wall ms", "gpu ms", "throughput");
+        println!("{:<30} {:<26} {:>10} {:>10} {:>12}", "bench", "shape", "wall ms", "gpu ms", "throughput");
         for r in &rows {
             let g = r.gpu_ms.map_or("-".to_string(), |g| format!("{g:.4}"));
-            println!("{:<30} {:<16} {:>10.4} {:>10} {:>9.3} {}", r.name, r.shape, r.wall_ms, g, r.value, r.unit);
+            println!("{:<30} {:<26} {:>10.4} {:>10} {:>9.3} {}", r.name, r.shape, r.wall_ms, g, r.value, r.unit);
         }
     }
     Ok(ExitCode::SUCCESS)

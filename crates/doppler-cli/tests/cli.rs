@@ -60,7 +60,7 @@ fn bench_json_reports_medians() {
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let rows = v["results"].as_array().unwrap();
-    assert_eq!(rows.len(), 3, "{out}");
+    assert_eq!(rows.len(), 7, "{out}");
     for r in rows {
         assert!(r["wall_ms"].as_f64().unwrap() > 0.0 && r["value"].as_f64().unwrap() > 0.0, "{r}");
     }

@@ -99,9 +99,14 @@ impl<'g> Recorder<'g> {
         self.gpu
     }
 
-    /// Number of recorded dispatches and copies.
+    /// Number of recorded commands (dispatches, copies, clears).
     pub fn len(&self) -> usize {
         self.cmds.len()
+    }
+
+    /// Number of recorded dispatches (what a profiling trace has events for).
+    pub fn dispatches(&self) -> usize {
+        self.cmds.iter().filter(|c| matches!(c, Cmd::Dispatch { .. })).count()
     }
 
     pub fn is_empty(&self) -> bool {
