@@ -15,11 +15,13 @@ pub struct Params {
     pub n: u32,
     pub h: u32,
     pub v: u32,
-    pub _pad: u32,
+    pub block: u32,
+    pub blocks: u32,
+    pub _pad: [u32; 3],
 }
 
 /// Positions per segment (`S` in the shader).
-const SEGMENT: usize = 32;
+pub const SEGMENT: usize = 32;
 const NONE: wgpu::Features = wgpu::Features::empty();
 
 macro_rules! kernel {
@@ -30,15 +32,23 @@ macro_rules! kernel {
 kernel!(FWD, "embed_fwd", &[(1, Read), (2, Read), (4, ReadWrite), (5, ReadWrite)]);
 kernel!(FWD16, "embed_fwd_f16", &[(1, Read), (3, Read), (4, ReadWrite), (5, ReadWrite)]);
 kernel!(COUNT, "embed_count", &[(1, Read), (5, ReadWrite), (6, ReadWrite)]);
-kernel!(SCAN, "embed_scan", &[(6, ReadWrite), (7, ReadWrite), (8, ReadWrite)]);
-kernel!(SORT, "embed_sort", &[(1, Read), (7, ReadWrite), (9, ReadWrite), (10, ReadWrite)]);
-kernel!(SEGMENTS, "embed_segments", &[(6, ReadWrite), (7, ReadWrite), (8, ReadWrite), (11, ReadWrite)]);
+kernel!(BLOCK_SCAN, "embed_block_scan", &[(6, ReadWrite), (9, ReadWrite)]);
+kernel!(TILE_SUMS, "embed_tile_sums", &[(9, ReadWrite), (15, ReadWrite)]);
+kernel!(TILE_SCAN, "embed_tile_scan", &[(7, ReadWrite), (8, ReadWrite), (9, ReadWrite), (15, ReadWrite)]);
+kernel!(SORT, "embed_sort", &[(1, Read), (6, ReadWrite), (7, ReadWrite), (10, ReadWrite)]);
+kernel!(SEGMENTS, "embed_segments", &[(7, ReadWrite), (8, ReadWrite), (9, ReadWrite), (11, ReadWrite)]);
 kernel!(PARTIAL, "embed_partial", &[(8, ReadWrite), (10, ReadWrite), (11, ReadWrite), (12, Read), (13, ReadWrite)]);
 kernel!(
     REDUCE,
     "embed_reduce",
-    &[(6, ReadWrite), (7, ReadWrite), (8, ReadWrite), (10, ReadWrite), (12, Read), (13, ReadWrite), (14, ReadWrite)]
+    &[(7, ReadWrite), (8, ReadWrite), (10, ReadWrite), (12, Read), (13, ReadWrite), (14, ReadWrite), (16, Read)]
 );
+
+/// Ids per scan tile (`TILE` in the shader).
+const SCAN_TILE: usize = 1024;
+/// Most sort blocks, and the most bytes their per-block histograms may take.
+const MAX_BLOCKS: usize = 64;
+const MAX_HIST_BYTES: usize = 64 << 20;
 
 fn check_ids(op: &'static str, ids: &Tensor) -> Result<()> {
     if ids.dtype() != DType::U32 {
@@ -69,7 +79,7 @@ pub fn embedding(rec: &mut Recorder<'_>, table: &Tensor, ids: &Tensor) -> Result
     shape.push(h);
     let out = Tensor::empty(rec.gpu(), &shape, DType::F32, "embedding.out")?;
     let flag = rec.index_check("embedding", ids, v as u32)?;
-    let p = Params { n: n as u32, h: h as u32, v: v as u32, _pad: 0 };
+    let p = Params { n: n as u32, h: h as u32, v: v as u32, block: 0, blocks: 0, _pad: [0; 3] };
     rec.dispatch(kernel, &[], bytemuck::bytes_of(&p), &[ids, table, &out, &flag], Grid::cover((n * h) as u64, 256))?;
     Ok(out)
 }
@@ -104,29 +114,39 @@ pub fn embedding_backward_into(
     }
     let gpu = rec.gpu();
     let u32t = |len: usize, label| Tensor::empty(gpu, &[len.max(1)], DType::U32, label);
+    // Sort blocks: up to 64 (fewer when the per-block histograms would be large), each a
+    // multiple of 256 positions.
+    let blocks = n.div_ceil(256).min(MAX_BLOCKS).min(MAX_HIST_BYTES / (4 * v)).max(1);
+    let block = n.div_ceil(blocks).next_multiple_of(256).max(256);
+    let blocks = n.div_ceil(block).max(1);
+    let tiles = v.div_ceil(SCAN_TILE);
     let max_segs = (2 * n).div_ceil(SEGMENT);
+    let hist = u32t(blocks * v, "embedding.hist")?;
     let counts = u32t(v, "embedding.counts")?;
+    let tile_sums = u32t(2 * tiles, "embedding.tile_sums")?;
     let offsets = u32t(v + 1, "embedding.offsets")?;
     let seg_offsets = u32t(v + 1, "embedding.seg_offsets")?;
-    let running = u32t(v, "embedding.running")?;
     let sorted = u32t(n, "embedding.sorted")?;
     let segs = u32t(2 * max_segs, "embedding.segs")?;
     let partial = Tensor::empty(gpu, &[max_segs.max(1), h], DType::F32, "embedding.partial")?;
     let flag = rec.index_check("embedding_backward", ids, v as u32)?;
-    rec.clear(&counts);
-    rec.clear(&running);
-    let p = Params { n: n as u32, h: h as u32, v: v as u32, _pad: 0 };
+    rec.clear(&hist);
+    let p = Params { n: n as u32, h: h as u32, v: v as u32, block: block as u32, blocks: blocks as u32, _pad: [0; 3] };
     let pb = bytemuck::bytes_of(&p);
-    rec.dispatch(&COUNT, &[], pb, &[ids, &flag, &counts], Grid::cover(n as u64, 256))?;
-    rec.dispatch(&SCAN, &[], pb, &[&counts, &offsets, &seg_offsets], Grid::Linear(1))?;
-    rec.dispatch(&SORT, &[], pb, &[ids, &offsets, &running, &sorted], Grid::Linear(1))?;
-    rec.dispatch(&SEGMENTS, &[], pb, &[&counts, &offsets, &seg_offsets, &segs], Grid::cover(v as u64, 256))?;
+    let ids_grid = Grid::cover(n as u64, 256);
+    let v_grid = Grid::cover(v as u64, 256);
+    rec.dispatch(&COUNT, &[], pb, &[ids, &flag, &hist], ids_grid)?;
+    rec.dispatch(&BLOCK_SCAN, &[], pb, &[&hist, &counts], v_grid)?;
+    rec.dispatch(&TILE_SUMS, &[], pb, &[&counts, &tile_sums], Grid::Xyz([tiles as u32, 1, 1]))?;
+    rec.dispatch(&TILE_SCAN, &[], pb, &[&offsets, &seg_offsets, &counts, &tile_sums], Grid::Xyz([tiles as u32, 1, 1]))?;
+    rec.dispatch(&SORT, &[], pb, &[ids, &hist, &offsets, &sorted], Grid::Xyz([blocks as u32, 1, 1]))?;
+    rec.dispatch(&SEGMENTS, &[], pb, &[&offsets, &seg_offsets, &counts, &segs], v_grid)?;
     rec.dispatch(&PARTIAL, &[], pb, &[&seg_offsets, &sorted, &segs, dout, &partial], Grid::Linear(max_segs as u64))?;
     rec.dispatch(
         &REDUCE,
         &[("ACCUMULATE", accumulate as u32 as f64)],
         pb,
-        &[&counts, &offsets, &seg_offsets, &sorted, dout, &partial, dtable],
+        &[&offsets, &seg_offsets, &sorted, dout, &partial, dtable, &counts],
         Grid::cover((v * h) as u64, 256),
     )
 }

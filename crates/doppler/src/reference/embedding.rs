@@ -16,6 +16,33 @@ pub fn embedding_backward(ids: &[u32], dout: &[f64], v: usize, h: usize) -> Vec<
     d
 }
 
+/// The GPU kernel's exact summation, in f32: each id's rows in increasing position; ids seen
+/// more than `segment` times as a sum, in order, of segments of `segment` rows (each summed
+/// in order). The GPU result must match this bit for bit.
+pub fn embedding_backward_f32_ordered(ids: &[u32], dout: &[f32], init: Option<&[f32]>, v: usize, h: usize, segment: usize) -> Vec<f32> {
+    let mut buckets = vec![Vec::new(); v];
+    for (n, &id) in ids.iter().enumerate() {
+        buckets[id as usize].push(n);
+    }
+    let mut out = vec![0f32; v * h];
+    for (id, pos) in buckets.iter().enumerate() {
+        for k in 0..h {
+            let mut a = init.map_or(0.0, |i| i[id * h + k]);
+            if pos.len() <= segment {
+                for &n in pos {
+                    a += dout[n * h + k];
+                }
+            } else {
+                for seg in pos.chunks(segment) {
+                    a += seg.iter().fold(0f32, |s, &n| s + dout[n * h + k]);
+                }
+            }
+            out[id * h + k] = a;
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,24 +6,33 @@
 // host reports it as an error) and its row is written as zeros.
 //
 // Backward: dtable[v, :] (+)= sum over positions n with ids[n] == v of dout[n, :], summed
-// in increasing n, so the result is the same bits on every run (no float atomics):
-//   embed_count     one thread per position: counts[v] = number of positions with id v
-//                   (integer atomics: exact, order-free)
-//   embed_scan      one workgroup: offsets = exclusive scan of counts; seg_offsets =
-//                   exclusive scan of the segment counts (ids seen more than S times are cut
-//                   into segments of S positions so that one hot id is summed in parallel)
-//   embed_sort      one workgroup: stable counting sort of positions by id into `sorted`,
-//                   256 positions at a time (rank among equal ids within the batch of 256)
-//   embed_segments  one thread per id: (start, length) of each of its segments in `sorted`
-//   embed_partial   one workgroup per segment: partial[s, :] = sum of its <= S rows of dout
-//   embed_reduce    one thread per (v, h): ids seen at most S times sum their dout rows
-//                   directly, the others their segments' partials, each in order.
+// in increasing n, so the result is the same bits on every run (no float atomics). The
+// positions are cut into NB blocks of L (a multiple of 256) and stably counting-sorted:
+//   embed_count       one thread per position: hist[b, v] = occurrences of v in block b
+//                     (integer atomics: exact, order-free)
+//   embed_block_scan  one thread per id: hist[b, v] becomes the occurrences of v in blocks
+//                     before b (the block's base within the bucket); counts[v] the total
+//   embed_tile_sums   one workgroup per tile of 1024 ids: the tile's totals of counts and
+//                     of segments (ids seen more than S times are cut into segments of S
+//                     positions so that one hot id is summed in parallel)
+//   embed_tile_scan   one workgroup per tile: offsets, seg_offsets = exclusive scans over
+//                     ids (the tile's base from the earlier tiles' totals, in order)
+//   embed_sort        one workgroup per block: 256 positions at a time, each position's
+//                     rank among equal ids in the batch; sorted[offsets[v] + base + rank] = n
+//   embed_segments    one thread per id: (start, length) of each of its segments in `sorted`
+//   embed_partial     one workgroup per segment: partial[s, :] = sum of its <= S rows of dout
+//   embed_reduce      one thread per (v, h): ids seen at most S times sum their dout rows
+//                     directly, the others their segments' partials, each in order.
 
 struct Params {
     n: u32,      // positions
     h: u32,      // hidden size
     v: u32,      // vocabulary
-    _pad: u32,
+    block: u32,  // L: positions per sort block (multiple of WG)
+    blocks: u32, // NB
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 override WG: u32 = 256u;
@@ -37,18 +46,22 @@ const INVALID: u32 = 0xffffffffu;
 @group(0) @binding(3) var<storage, read> table16: array<u32>;          // f16 pairs
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> flag: array<atomic<u32>>;
-@group(0) @binding(6) var<storage, read_write> counts: array<atomic<u32>>;     // (V)
+@group(0) @binding(6) var<storage, read_write> hist: array<atomic<u32>>;       // (NB, V), zeroed
 @group(0) @binding(7) var<storage, read_write> offsets: array<u32>;            // (V + 1)
 @group(0) @binding(8) var<storage, read_write> seg_offsets: array<u32>;        // (V + 1)
-@group(0) @binding(9) var<storage, read_write> running: array<u32>;            // (V), zeroed
+@group(0) @binding(9) var<storage, read_write> counts: array<u32>;             // (V)
 @group(0) @binding(10) var<storage, read_write> sorted: array<u32>;            // (N)
 @group(0) @binding(11) var<storage, read_write> segs: array<vec2<u32>>;        // (start, len)
 @group(0) @binding(12) var<storage, read> dout: array<f32>;
 @group(0) @binding(13) var<storage, read_write> partial: array<f32>;           // (segments, H)
 @group(0) @binding(14) var<storage, read_write> dtable: array<f32>;            // (V, H)
+@group(0) @binding(15) var<storage, read_write> tile_sums: array<vec2<u32>>;   // (tiles)
+@group(0) @binding(16) var<storage, read> counts_in: array<u32>;               // counts, read-only view
 
 var<workgroup> wg_a: array<u32, WG>;
 var<workgroup> wg_b: array<u32, WG>;
+const TILE: u32 = 4u * WG_SCAN;   // ids per scan tile
+const WG_SCAN: u32 = 256u;
 
 fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.x + wid.y * nwg.x) * WG + lid;
@@ -97,62 +110,111 @@ fn embed_count(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let n = flat_index(wid, nwg, lid);
     if (n >= p.n) { return; }
     let id = ids[n];
-    if (check_id(n, id)) { atomicAdd(&counts[id], 1u); }
+    if (check_id(n, id)) { atomicAdd(&hist[(n / p.block) * p.v + id], 1u); }
+}
+
+@compute @workgroup_size(WG)
+fn embed_block_scan(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                    @builtin(local_invocation_index) lid: u32) {
+    let v = flat_index(wid, nwg, lid);
+    if (v >= p.v) { return; }
+    var run = 0u;
+    for (var b = 0u; b < p.blocks; b++) {
+        let c = atomicLoad(&hist[b * p.v + v]);
+        atomicStore(&hist[b * p.v + v], run);
+        run += c;
+    }
+    counts[v] = run;
 }
 
 fn segments_of(c: u32) -> u32 {
     return select(0u, (c + S - 1u) / S, c > S);
 }
 
-@compute @workgroup_size(WG)
-fn embed_scan(@builtin(local_invocation_index) lid: u32) {
-    // Thread lid owns ids [lo, hi): block sums, a scan over the WG block sums, then the
-    // per-id prefix within each block.
-    let per = (p.v + WG - 1u) / WG;
-    let lo = min(lid * per, p.v);
-    let hi = min(lo + per, p.v);
-    var c = 0u;
-    var sg = 0u;
-    for (var v = lo; v < hi; v++) {
-        let k = atomicLoad(&counts[v]);
-        c += k;
-        sg += segments_of(k);
+// Sums of (counts, segments) of ids v0 .. v0 + 4 * WG_SCAN, four consecutive ids a thread.
+fn tile_load(v0: u32, lid: u32) -> array<vec2<u32>, 4> {
+    var r: array<vec2<u32>, 4>;
+    for (var j = 0u; j < 4u; j++) {
+        let v = v0 + 4u * lid + j;
+        var c = 0u;
+        if (v < p.v) { c = counts[v]; }
+        r[j] = vec2<u32>(c, segments_of(c));
     }
-    wg_a[lid] = c;
-    wg_b[lid] = sg;
+    return r;
+}
+
+@compute @workgroup_size(WG_SCAN)
+fn embed_tile_sums(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = tile_load(wid.x * TILE, lid);
+    let t = r[0] + r[1] + r[2] + r[3];
+    wg_a[lid] = t.x;
+    wg_b[lid] = t.y;
     workgroupBarrier();
-    if (lid == 0u) {
-        var ca = 0u;
-        var sa = 0u;
-        for (var t = 0u; t < WG; t++) {
-            let x = wg_a[t];
-            let y = wg_b[t];
-            wg_a[t] = ca;
-            wg_b[t] = sa;
-            ca += x;
-            sa += y;
+    for (var stride = WG_SCAN / 2u; stride > 0u; stride >>= 1u) {
+        if (lid < stride) {
+            wg_a[lid] += wg_a[lid + stride];
+            wg_b[lid] += wg_b[lid + stride];
         }
-        offsets[p.v] = ca;
-        seg_offsets[p.v] = sa;
+        workgroupBarrier();
     }
+    if (lid == 0u) { tile_sums[wid.x] = vec2<u32>(wg_a[0], wg_b[0]); }
+}
+
+@compute @workgroup_size(WG_SCAN)
+fn embed_tile_scan(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_index) lid: u32) {
+    // This tile's base: the totals of the tiles before it (integers: order is irrelevant).
+    var base = vec2<u32>(0u);
+    for (var t = lid; t < wid.x; t += WG_SCAN) { base += tile_sums[t]; }
+    wg_a[lid] = base.x;
+    wg_b[lid] = base.y;
     workgroupBarrier();
-    var oa = wg_a[lid];
-    var sa = wg_b[lid];
-    for (var v = lo; v < hi; v++) {
-        let k = atomicLoad(&counts[v]);
-        offsets[v] = oa;
-        seg_offsets[v] = sa;
-        oa += k;
-        sa += segments_of(k);
+    for (var stride = WG_SCAN / 2u; stride > 0u; stride >>= 1u) {
+        if (lid < stride) {
+            wg_a[lid] += wg_a[lid + stride];
+            wg_b[lid] += wg_b[lid + stride];
+        }
+        workgroupBarrier();
+    }
+    let tile_base = vec2<u32>(wg_a[0], wg_b[0]);
+    workgroupBarrier();
+    // Exclusive scan of the per-thread sums (Hillis-Steele on inclusive sums).
+    let r = tile_load(wid.x * TILE, lid);
+    let mine = r[0] + r[1] + r[2] + r[3];
+    wg_a[lid] = mine.x;
+    wg_b[lid] = mine.y;
+    workgroupBarrier();
+    for (var d = 1u; d < WG_SCAN; d <<= 1u) {
+        var add = vec2<u32>(0u);
+        if (lid >= d) { add = vec2<u32>(wg_a[lid - d], wg_b[lid - d]); }
+        workgroupBarrier();
+        wg_a[lid] += add.x;
+        wg_b[lid] += add.y;
+        workgroupBarrier();
+    }
+    var run = tile_base + vec2<u32>(wg_a[lid], wg_b[lid]) - mine;
+    for (var j = 0u; j < 4u; j++) {
+        let v = wid.x * TILE + 4u * lid + j;
+        if (v < p.v) {
+            offsets[v] = run.x;
+            seg_offsets[v] = run.y;
+        }
+        run += r[j];
+    }
+    if (wid.x + 1u == nwg.x && lid + 1u == WG_SCAN) {
+        offsets[p.v] = run.x;
+        seg_offsets[p.v] = run.y;
     }
 }
 
 @compute @workgroup_size(WG)
-fn embed_sort(@builtin(local_invocation_index) lid: u32) {
-    for (var base = 0u; base < p.n; base += WG) {
+fn embed_sort(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let b = wid.x;
+    let end = min((b + 1u) * p.block, p.n);
+    for (var base = b * p.block; base < end; base += WG) {
         let n = base + lid;
         var id = INVALID;
-        if (n < p.n) {
+        if (n < end) {
             id = ids[n];
             if (id >= p.v) { id = INVALID; }
         }
@@ -165,13 +227,16 @@ fn embed_sort(@builtin(local_invocation_index) lid: u32) {
             rank += select(0u, 1u, same && j < lid);
             last = last && !(same && j > lid);
         }
+        // hist[b, id] is this block's running base for id: only this workgroup touches row b.
+        var slot = 0u;
         if (id != INVALID) {
-            sorted[offsets[id] + running[id] + rank] = n;
+            slot = atomicLoad(&hist[b * p.v + id]);
+            sorted[offsets[id] + slot + rank] = n;
         }
-        storageBarrier();
+        storageBarrier();   // every base read before any is advanced
         workgroupBarrier();
         if (id != INVALID && last) {
-            running[id] += rank + 1u;
+            atomicStore(&hist[b * p.v + id], slot + rank + 1u);
         }
         storageBarrier();
         workgroupBarrier();
@@ -183,7 +248,7 @@ fn embed_segments(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
                   @builtin(local_invocation_index) lid: u32) {
     let v = flat_index(wid, nwg, lid);
     if (v >= p.v) { return; }
-    let c = atomicLoad(&counts[v]);
+    let c = counts[v];
     let k = segments_of(c);
     for (var j = 0u; j < k; j++) {
         segs[seg_offsets[v] + j] = vec2<u32>(offsets[v] + j * S, min(S, c - j * S));
@@ -214,7 +279,7 @@ fn embed_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let h = i % p.h;
     var acc = 0.0;
     if (ACCUMULATE) { acc = dtable[i]; }
-    let c = atomicLoad(&counts[v]);
+    let c = counts_in[v];
     if (c <= S) {
         let o = offsets[v];
         for (var k = 0u; k < c; k++) {

@@ -1,9 +1,9 @@
 //! Embedding gather (f32 and f16 tables) and its deterministic backward.
 
 use super::{push, s, twice, CheckResult, Outcome};
-use crate::check::{compare, Rng, Tolerance};
+use crate::check::{compare, same_bits, Rng, Tolerance};
 use crate::gpu::{Gpu, Tensor};
-use crate::ops::embedding::{embedding, embedding_backward_into};
+use crate::ops::embedding::{embedding, embedding_backward_into, SEGMENT};
 use crate::reference::{embedding as cpu, widen};
 
 /// (ids shape, V, H, f16 table): odd sizes with a batch, an odd H for the f16 pairs, and
@@ -75,7 +75,11 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 }
             }
             let most = (0..v).map(|id| ids.iter().filter(|&&x| x == id as u32).count()).max().unwrap_or(1);
-            compare("embedding_backward", &got[0], &want, Some(&scale), Tolerance::sum(most + 1)).map_err(s)
+            let st = compare("embedding_backward", &got[0], &want, Some(&scale), Tolerance::sum(most + 1)).map_err(s)?;
+            // And bit for bit the documented order: positions ascending, long runs in segments.
+            let exact = cpu::embedding_backward_f32_ordered(&ids, &dout, accumulate.then_some(&init[..]), v, h, SEGMENT);
+            same_bits("embedding_backward (summation order)", &exact, &got[0]).map_err(s)?;
+            Ok(st)
         });
         let what = format!("ids {ishape:?} -> [{v}, {h}]{}{}", if hot > 0.0 { " hot id" } else { "" }, if accumulate { " +=" } else { "" });
         push(out, "embedding backward", what, r);
