@@ -176,7 +176,7 @@ fn gelu_matches_reference_both_variants() {
 
 #[test]
 fn cross_entropy_matches_reference() {
-    assert_checks("cross_entropy", 11);
+    assert_checks("cross_entropy", 13);
 }
 
 #[test]
@@ -192,4 +192,35 @@ fn group_norm_matches_reference_and_is_deterministic() {
 #[test]
 fn conv2d_matches_reference_and_is_deterministic() {
     assert_checks("conv2d", 12);
+}
+
+#[test]
+fn seed_ops_reject_bad_shapes_and_dtypes() {
+    use doppler::ops::{conv2d, cross_entropy as ce, embedding, gelu, groupnorm};
+    let gpu = gpu();
+    let f = |shape: &[usize]| Tensor::from_f32(gpu, shape, &vec![0.5; shape.iter().product()], "t").unwrap();
+    let msg = |r: doppler::Result<()>| r.unwrap_err().to_string();
+
+    // conv2d: weight channels must be Cin / groups.
+    let e = msg(gpu.run(|rec| conv2d::conv2d(rec, &f(&[1, 4, 5, 5]), &f(&[6, 3, 3, 3]), None, Default::default()).map(|_| ())));
+    assert!(e.contains("conv2d") && e.contains("[1, 4, 5, 5]") && e.contains("[6, 3, 3, 3]"), "{e}");
+    let e = msg(gpu.run(|rec| conv2d::conv2d_backward(rec, &f(&[1, 4, 5, 5]), &f(&[6, 4, 3, 3]), &f(&[1, 6, 5, 5]), Default::default(), false).map(|_| ())));
+    assert!(e.contains("conv2d_backward") && e.contains("dy [1, 6, 5, 5]"), "{e}");
+    // group_norm: channels must split into groups.
+    let e = msg(gpu.run(|rec| groupnorm::group_norm(rec, &f(&[2, 6, 4]), &f(&[6]), &f(&[6]), 4, 1e-5).map(|_| ())));
+    assert!(e.contains("group_norm") && e.contains("6 channels") && e.contains("4 groups"), "{e}");
+    // cross_entropy: one target per row, u32.
+    let t = Tensor::from_u32(gpu, &[3], &[0, 1, 2], "targets").unwrap();
+    let e = msg(gpu.run(|rec| ce::cross_entropy(rec, &f(&[4, 10]), &t, Default::default()).map(|_| ())));
+    assert!(e.contains("cross_entropy") && e.contains("[4, 10]") && e.contains("[3]"), "{e}");
+    let e = msg(gpu.run(|rec| ce::cross_entropy(rec, &f(&[3, 10]), &f(&[3]), Default::default()).map(|_| ())));
+    assert!(e.contains("cross_entropy") && e.contains("u32"), "{e}");
+    // embedding: ids must be u32, dout must be (ids..., H).
+    let e = msg(gpu.run(|rec| embedding::embedding(rec, &f(&[10, 4]), &f(&[3])).map(|_| ())));
+    assert!(e.contains("embedding") && e.contains("u32"), "{e}");
+    let e = msg(gpu.run(|rec| embedding::embedding_backward_into(rec, &t, &f(&[3, 5]), &f(&[10, 4]), false)));
+    assert!(e.contains("embedding_backward") && e.contains("[3, 5]"), "{e}");
+    // gelu backward: x and dy alike.
+    let e = msg(gpu.run(|rec| gelu::gelu_backward(rec, &f(&[4]), &f(&[5]), gelu::GeluMode::Exact).map(|_| ())));
+    assert!(e.contains("gelu_backward") && e.contains("[4]") && e.contains("[5]"), "{e}");
 }

@@ -36,6 +36,13 @@ static BWD: Kernel = Kernel {
     features: NONE,
 };
 
+static BWD4: Kernel = Kernel {
+    shader: &CROSS_ENTROPY,
+    entry: "ce_bwd4",
+    storage: &[(11, Read), (2, Read), (12, ReadWrite), (8, Read), (9, Read), (10, Read)],
+    features: NONE,
+};
+
 /// PyTorch's `ignore_index` and `label_smoothing`.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CrossEntropyOpts {
@@ -136,12 +143,14 @@ pub fn cross_entropy_backward(
     }
     let dlogits = Tensor::empty(rec.gpu(), logits.shape(), DType::F32, "cross_entropy.dlogits")?;
     let p = params(t, v, &opts);
+    // Four logits a thread when rows split into whole vec4s.
+    let (kernel, items) = if v % 4 == 0 { (&BWD4, t * v / 4) } else { (&BWD, t * v) };
     rec.dispatch(
-        &BWD,
+        kernel,
         &[("MEAN", mean as u32 as f64)],
         bytemuck::bytes_of(&p),
         &[logits, targets, &dlogits, g, &fwd.stats, &fwd.lse],
-        Grid::cover((t * v) as u64, 256),
+        Grid::cover(items as u64, 256),
     )?;
     Ok(dlogits)
 }

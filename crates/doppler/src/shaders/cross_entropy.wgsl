@@ -12,6 +12,7 @@
 // ce_bwd, one thread per logit (linear grid, 2-D past 65535 workgroups):
 //   dlogits_tj = (exp(x_tj - lse_t) - q_tj) * g_t,  q_tj = (1 - eps)[j == y_t] + eps / V
 //   g_t = g[0] / count (MEAN) or g[t] (per-token); 0 for ignored rows.
+// ce_bwd4: the same on vec4s (4 consecutive logits of one row) when V % 4 == 0.
 
 struct Params {
     t: u32,          // rows (tokens)
@@ -38,6 +39,8 @@ override MEAN: bool = true;
 @group(0) @binding(8) var<storage, read> g: array<f32>;               // (1) or (T)
 @group(0) @binding(9) var<storage, read> stats_in: array<f32>;        // stats, read-only view
 @group(0) @binding(10) var<storage, read> lse_in: array<f32>;         // lse, read-only view
+@group(0) @binding(11) var<storage, read> logits4: array<vec4<f32>>;  // logits as vec4 (V % 4 == 0)
+@group(0) @binding(12) var<storage, read_write> dlogits4: array<vec4<f32>>;
 
 var<workgroup> sm: array<f32, WG>;
 var<workgroup> ss: array<f32, WG>;
@@ -146,4 +149,24 @@ fn ce_bwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let prob = exp(logits[i] - lse_in[row]);
     let q = select(0.0, 1.0 - p.eps, j == y) + p.eps / f32(p.v);
     dlogits[i] = (prob - q) * gt;
+}
+
+@compute @workgroup_size(WG)
+fn ce_bwd4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+           @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (i >= p.t * p.v / 4u) { return; }
+    let row = (4u * i) / p.v;
+    let j = (4u * i) % p.v;
+    let y = targets[row];
+    if (ignored(y)) {
+        dlogits4[i] = vec4<f32>(0.0);
+        return;
+    }
+    var gt: f32;
+    if (MEAN) { gt = g[0] / stats_in[1]; } else { gt = g[row]; }
+    let prob = exp(logits4[i] - vec4<f32>(lse_in[row]));
+    let hit = vec4<u32>(j, j + 1u, j + 2u, j + 3u) == vec4<u32>(y);
+    let q = select(vec4<f32>(0.0), vec4<f32>(1.0 - p.eps), hit) + vec4<f32>(p.eps / f32(p.v));
+    dlogits4[i] = (prob - q) * gt;
 }

@@ -16,13 +16,15 @@ pub struct CeCase {
 }
 
 /// A batch of sequences, a large vocabulary row, one past 65535 x 256 logits (backward
-/// grid goes 2-D), per-token upstream gradients, and a batch where every token is ignored.
-pub const CE_CASES: [CeCase; 5] = [
+/// grid goes 2-D), per-token upstream gradients, a batch where every token is ignored, and
+/// vocabularies that are multiples of 4 (the vec4 backward).
+pub const CE_CASES: [CeCase; 6] = [
     CeCase { logits: &[2, 3, 5], ignore_index: Some(2), ignore_every: 4, smoothing: 0.0, mean: true },
     CeCase { logits: &[37, 1000], ignore_index: Some(u32::MAX), ignore_every: 5, smoothing: 0.1, mean: true },
     CeCase { logits: &[5, 50_001], ignore_index: None, ignore_every: 0, smoothing: 0.0, mean: false },
     CeCase { logits: &[512, 32_771], ignore_index: Some(7), ignore_every: 9, smoothing: 0.05, mean: true },
     CeCase { logits: &[3, 10], ignore_index: Some(4), ignore_every: 1, smoothing: 0.0, mean: true },
+    CeCase { logits: &[2, 9, 4096], ignore_index: Some(0), ignore_every: 7, smoothing: 0.2, mean: false },
 ];
 
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
