@@ -131,6 +131,23 @@ fn segments_of(c: u32) -> u32 {
     return select(0u, (c + S - 1u) / S, c > S);
 }
 
+// Workgroup sum of v over all WG_SCAN invocations (integers: exact). Uniform control flow.
+fn sum_pair(lid: u32, v: vec2<u32>) -> vec2<u32> {
+    wg_a[lid] = v.x;
+    wg_b[lid] = v.y;
+    workgroupBarrier();
+    for (var stride = WG_SCAN / 2u; stride > 0u; stride >>= 1u) {
+        if (lid < stride) {
+            wg_a[lid] += wg_a[lid + stride];
+            wg_b[lid] += wg_b[lid + stride];
+        }
+        workgroupBarrier();
+    }
+    let r = vec2<u32>(wg_a[0], wg_b[0]);
+    workgroupBarrier();
+    return r;
+}
+
 // Sums of (counts, segments) of ids v0 .. v0 + 4 * WG_SCAN, four consecutive ids a thread.
 fn tile_load(v0: u32, lid: u32) -> array<vec2<u32>, 4> {
     var r: array<vec2<u32>, 4>;
@@ -147,17 +164,8 @@ fn tile_load(v0: u32, lid: u32) -> array<vec2<u32>, 4> {
 fn embed_tile_sums(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let r = tile_load(wid.x * TILE, lid);
     let t = r[0] + r[1] + r[2] + r[3];
-    wg_a[lid] = t.x;
-    wg_b[lid] = t.y;
-    workgroupBarrier();
-    for (var stride = WG_SCAN / 2u; stride > 0u; stride >>= 1u) {
-        if (lid < stride) {
-            wg_a[lid] += wg_a[lid + stride];
-            wg_b[lid] += wg_b[lid + stride];
-        }
-        workgroupBarrier();
-    }
-    if (lid == 0u) { tile_sums[wid.x] = vec2<u32>(wg_a[0], wg_b[0]); }
+    let tot = sum_pair(lid, t);
+    if (lid == 0u) { tile_sums[wid.x] = tot; }
 }
 
 @compute @workgroup_size(WG_SCAN)
@@ -166,18 +174,7 @@ fn embed_tile_scan(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     // This tile's base: the totals of the tiles before it (integers: order is irrelevant).
     var base = vec2<u32>(0u);
     for (var t = lid; t < wid.x; t += WG_SCAN) { base += tile_sums[t]; }
-    wg_a[lid] = base.x;
-    wg_b[lid] = base.y;
-    workgroupBarrier();
-    for (var stride = WG_SCAN / 2u; stride > 0u; stride >>= 1u) {
-        if (lid < stride) {
-            wg_a[lid] += wg_a[lid + stride];
-            wg_b[lid] += wg_b[lid + stride];
-        }
-        workgroupBarrier();
-    }
-    let tile_base = vec2<u32>(wg_a[0], wg_b[0]);
-    workgroupBarrier();
+    let tile_base = sum_pair(lid, base);
     // Exclusive scan of the per-thread sums (Hillis-Steele on inclusive sums).
     let r = tile_load(wid.x * TILE, lid);
     let mine = r[0] + r[1] + r[2] + r[3];

@@ -54,6 +54,24 @@ fn linear(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
     return wid.x + wid.y * nwg.x;
 }
 
+// Workgroup sums of (a, b) over all invocations: a fixed-order tree. Call in uniform
+// control flow (it has barriers).
+fn sum_pair(lid: u32, a: f32, b: f32) -> vec2<f32> {
+    w_a[lid] = a;
+    w_b[lid] = b;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
+        if (lid < stride) {
+            w_a[lid] += w_a[lid + stride];
+            w_b[lid] += w_b[lid + stride];
+        }
+        workgroupBarrier();
+    }
+    let r = vec2<f32>(w_a[0], w_b[0]);
+    workgroupBarrier();
+    return r;
+}
+
 // Chan et al.: merge (count, mean, M2) of two disjoint sets.
 fn merge(na: f32, ma: f32, qa: f32, nb: f32, mb: f32, qb: f32) -> vec3<f32> {
     let nn = na + nb;
@@ -143,18 +161,9 @@ fn gn_bwd_channel(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
             sdx += d * (x[base + i] - mu) * r;
         }
     }
-    w_a[lid] = sd;
-    w_b[lid] = sdx;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if (lid < stride) {
-            w_a[lid] += w_a[lid + stride];
-            w_b[lid] += w_b[lid + stride];
-        }
-        workgroupBarrier();
-    }
+    let tot = sum_pair(lid, sd, sdx);
     if (valid && lid == 0u) {
-        chsums[nc] = vec2<f32>(w_a[0], w_b[0]);
+        chsums[nc] = tot;
     }
 }
 
@@ -172,19 +181,10 @@ fn gn_bwd_params(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
             dg += s.y;
         }
     }
-    w_a[lid] = db;
-    w_b[lid] = dg;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if (lid < stride) {
-            w_a[lid] += w_a[lid + stride];
-            w_b[lid] += w_b[lid + stride];
-        }
-        workgroupBarrier();
-    }
+    let tot = sum_pair(lid, db, dg);
     if (valid && lid == 0u) {
-        dbeta[c] = w_a[0];
-        dgamma[c] = w_b[0];
+        dbeta[c] = tot.x;
+        dgamma[c] = tot.y;
     }
 }
 
