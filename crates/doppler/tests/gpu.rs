@@ -224,3 +224,9 @@ fn seed_ops_reject_bad_shapes_and_dtypes() {
     let e = msg(gpu.run(|rec| gelu::gelu_backward(rec, &f(&[4]), &f(&[5]), gelu::GeluMode::Exact).map(|_| ())));
     assert!(e.contains("gelu_backward") && e.contains("[4]") && e.contains("[5]"), "{e}");
 }
+
+#[test]
+fn layer_and_rms_norm_match_reference() {
+    assert_checks("layer_norm", 8);
+    assert_checks("rms_norm", 8);
+}

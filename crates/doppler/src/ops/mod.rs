@@ -8,6 +8,7 @@ pub mod embedding;
 pub mod gelu;
 pub mod groupnorm;
 pub mod matmul;
+pub mod norm;
 pub mod reduce;
 
 use crate::error::{Error, Result};
@@ -31,5 +32,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("embedding", std::mem::size_of::<embedding::Params>()),
         ("groupnorm", std::mem::size_of::<groupnorm::Params>()),
         ("conv2d", std::mem::size_of::<conv2d::Params>()),
+        ("norm", std::mem::size_of::<norm::Params>()),
     ]
 }

@@ -7,6 +7,7 @@ pub mod cross_entropy;
 pub mod embedding;
 pub mod gelu;
 pub mod groupnorm;
+pub mod norm;
 
 /// Central finite differences of a scalar function: d f / d x_i ~ (f(x + h e_i) - f(x - h e_i)) / 2h,
 /// with h scaled to each x_i.

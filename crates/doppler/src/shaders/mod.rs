@@ -17,6 +17,7 @@ shader!(CROSS_ENTROPY, "cross_entropy");
 shader!(EMBEDDING, "embedding");
 shader!(GROUPNORM, "groupnorm");
 shader!(CONV2D, "conv2d");
+shader!(NORM, "norm");
 
 /// All shaders, for validation and listing.
-pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D];
+pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM];

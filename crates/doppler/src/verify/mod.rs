@@ -8,6 +8,7 @@ mod cross_entropy;
 mod embedding;
 mod gelu;
 mod groupnorm;
+mod norm;
 
 pub use basic::{ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES};
 
@@ -60,6 +61,7 @@ const FAMILIES: &[Family] = &[
     (&["embedding"], embedding::checks),
     (&["group_norm"], groupnorm::checks),
     (&["conv2d"], conv2d::checks),
+    (&["layer_norm", "rms_norm"], norm::checks),
 ];
 
 /// Every check whose op name contains `filter` (all when None).

@@ -1,0 +1,137 @@
+//! Row normalisations over the last axis: LayerNorm and RMSNorm (also the `(1 + w)` weight
+//! variant), forward saving per-row statistics, backward giving dx, dw (and db).
+//! Shader: `norm.wgsl` (derivatives in its header).
+
+use super::expect_f32;
+use crate::error::{Error, Result};
+use crate::gpu::{Binding::*, DType, Grid, Kernel, Recorder, Tensor};
+use crate::shaders::NORM;
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Params {
+    pub rows: u32,
+    pub d: u32,
+    pub eps: f32,
+    pub blocks: u32,
+}
+
+const NONE: wgpu::Features = wgpu::Features::empty();
+macro_rules! kernel {
+    ($id:ident, $entry:literal, $bind:expr) => {
+        static $id: Kernel = Kernel { shader: &NORM, entry: $entry, storage: $bind, features: NONE };
+    };
+}
+kernel!(FWD, "norm_fwd", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, ReadWrite), (6, ReadWrite)]);
+kernel!(BWD_DX, "norm_bwd_dx", &[(1, Read), (2, Read), (7, Read), (8, ReadWrite), (12, Read), (13, Read)]);
+kernel!(BWD_WP, "norm_bwd_wp", &[(1, Read), (7, Read), (9, ReadWrite), (12, Read), (13, Read)]);
+kernel!(BWD_W, "norm_bwd_w", &[(9, ReadWrite), (10, ReadWrite), (11, ReadWrite)]);
+
+/// Rows per weight-gradient block (`ROWS_PER_BLOCK` in the shader).
+const ROWS_PER_BLOCK: usize = 256;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKind {
+    Layer,
+    /// `one_plus`: the weight is applied as (1 + w).
+    Rms { one_plus: bool },
+}
+
+impl NormKind {
+    fn constants(self) -> [(&'static str, f64); 2] {
+        let (rms, one_plus) = match self {
+            NormKind::Layer => (false, false),
+            NormKind::Rms { one_plus } => (true, one_plus),
+        };
+        [("RMS", rms as u32 as f64), ("ONE_PLUS", one_plus as u32 as f64)]
+    }
+}
+
+pub struct NormOut {
+    pub y: Tensor,
+    /// (R) row means (zeros for RMSNorm).
+    pub mean: Tensor,
+    /// (R) 1 / sqrt(var + eps), or 1 / sqrt(mean(x^2) + eps).
+    pub rstd: Tensor,
+}
+
+pub struct NormGrads {
+    pub dx: Tensor,
+    pub dw: Tensor,
+    /// LayerNorm only.
+    pub db: Option<Tensor>,
+}
+
+fn rows_d(op: &'static str, x: &Tensor, w: &Tensor) -> Result<(usize, usize)> {
+    expect_f32(op, x)?;
+    expect_f32(op, w)?;
+    let d = x.shape().last().copied().unwrap_or(0);
+    if d == 0 || w.shape() != [d] {
+        return Err(Error::Shape { op, detail: format!("x {:?}, weight {:?}: weight must be [last dim of x]", x.shape(), w.shape()) });
+    }
+    Ok((x.numel() / d, d))
+}
+
+fn params(rows: usize, d: usize, eps: f32) -> Params {
+    Params { rows: rows as u32, d: d as u32, eps, blocks: rows.div_ceil(ROWS_PER_BLOCK) as u32 }
+}
+
+fn forward(rec: &mut Recorder<'_>, kind: NormKind, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f32) -> Result<NormOut> {
+    let op = if kind == NormKind::Layer { "layer_norm" } else { "rms_norm" };
+    let (rows, d) = rows_d(op, x, w)?;
+    if let Some(b) = b {
+        expect_f32(op, b)?;
+        if b.shape() != w.shape() {
+            return Err(Error::Shape { op, detail: format!("bias {:?} vs weight {:?}", b.shape(), w.shape()) });
+        }
+    }
+    let gpu = rec.gpu();
+    let y = Tensor::empty(gpu, x.shape(), DType::F32, "norm.y")?;
+    let mean = Tensor::empty(gpu, &[rows], DType::F32, "norm.mean")?;
+    let rstd = Tensor::empty(gpu, &[rows], DType::F32, "norm.rstd")?;
+    let p = params(rows, d, eps);
+    rec.dispatch(&FWD, &kind.constants(), bytemuck::bytes_of(&p), &[x, w, b.unwrap_or(w), &y, &mean, &rstd], Grid::Linear(rows as u64))?;
+    Ok(NormOut { y, mean, rstd })
+}
+
+fn backward(rec: &mut Recorder<'_>, kind: NormKind, x: &Tensor, w: &Tensor, fwd: &NormOut, dy: &Tensor) -> Result<NormGrads> {
+    let op = if kind == NormKind::Layer { "layer_norm_backward" } else { "rms_norm_backward" };
+    let (rows, d) = rows_d(op, x, w)?;
+    expect_f32(op, dy)?;
+    if dy.shape() != x.shape() || fwd.rstd.numel() != rows || fwd.mean.numel() != rows {
+        return Err(Error::Shape {
+            op,
+            detail: format!("x {:?}, dy {:?}, saved statistics {:?}", x.shape(), dy.shape(), fwd.rstd.shape()),
+        });
+    }
+    let gpu = rec.gpu();
+    let p = params(rows, d, 0.0);
+    let c = kind.constants();
+    let pb = bytemuck::bytes_of(&p);
+    let dx = Tensor::empty(gpu, x.shape(), DType::F32, "norm.dx")?;
+    let partial = Tensor::empty(gpu, &[p.blocks as usize, d, 2], DType::F32, "norm.partial")?;
+    let dw = Tensor::empty(gpu, &[d], DType::F32, "norm.dw")?;
+    let db = Tensor::empty(gpu, &[d], DType::F32, "norm.db")?;
+    rec.dispatch(&BWD_DX, &c, pb, &[x, w, dy, &dx, &fwd.mean, &fwd.rstd], Grid::Linear(rows as u64))?;
+    rec.dispatch(&BWD_WP, &c, pb, &[x, dy, &partial, &fwd.mean, &fwd.rstd], Grid::cover(p.blocks as u64 * d as u64, 256))?;
+    rec.dispatch(&BWD_W, &c, pb, &[&partial, &dw, &db], Grid::cover(d as u64, 256))?;
+    Ok(NormGrads { dx, dw, db: (kind == NormKind::Layer).then_some(db) })
+}
+
+/// y = (x - mean) / sqrt(var + eps) * w + b over the last axis.
+pub fn layer_norm(rec: &mut Recorder<'_>, x: &Tensor, w: &Tensor, b: &Tensor, eps: f32) -> Result<NormOut> {
+    forward(rec, NormKind::Layer, x, w, Some(b), eps)
+}
+
+pub fn layer_norm_backward(rec: &mut Recorder<'_>, x: &Tensor, w: &Tensor, fwd: &NormOut, dy: &Tensor) -> Result<NormGrads> {
+    backward(rec, NormKind::Layer, x, w, fwd, dy)
+}
+
+/// y = x / sqrt(mean(x^2) + eps) * w (or * (1 + w)) over the last axis.
+pub fn rms_norm(rec: &mut Recorder<'_>, x: &Tensor, w: &Tensor, eps: f32, one_plus: bool) -> Result<NormOut> {
+    forward(rec, NormKind::Rms { one_plus }, x, w, None, eps)
+}
+
+pub fn rms_norm_backward(rec: &mut Recorder<'_>, x: &Tensor, w: &Tensor, fwd: &NormOut, dy: &Tensor, one_plus: bool) -> Result<NormGrads> {
+    backward(rec, NormKind::Rms { one_plus }, x, w, fwd, dy)
+}
