@@ -66,6 +66,14 @@ const FAMILIES: &[Family] = &[
 
 /// Every check whose op name contains `filter` (all when None).
 pub fn run(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
+    let want = |op: &str| filter.is_none_or(|f| op.contains(f));
+    let mut out = run_families(gpu, filter);
+    out.retain(|c| want(&c.op));
+    out
+}
+
+/// All checks of every family that reports an op name containing `filter`.
+pub fn run_families(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
     let mut out = Vec::new();
     let want = |op: &str| filter.is_none_or(|f| op.contains(f));
     for (ops, f) in FAMILIES {
@@ -74,7 +82,6 @@ pub fn run(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
             f(gpu, &mut out);
         }
     }
-    out.retain(|c| want(&c.op));
     out
 }
 
