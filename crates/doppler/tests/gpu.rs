@@ -228,3 +228,8 @@ fn seed_ops_reject_bad_shapes_and_dtypes() {
 fn layer_and_rms_norm_match_reference() {
     assert_checks("rms_norm", 16);
 }
+
+#[test]
+fn softmax_matches_reference() {
+    assert_checks("softmax", 8);
+}

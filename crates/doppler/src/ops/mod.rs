@@ -10,6 +10,7 @@ pub mod groupnorm;
 pub mod matmul;
 pub mod norm;
 pub mod reduce;
+pub mod softmax;
 
 use crate::error::{Error, Result};
 use crate::gpu::{DType, Tensor};
@@ -33,5 +34,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("groupnorm", std::mem::size_of::<groupnorm::Params>()),
         ("conv2d", std::mem::size_of::<conv2d::Params>()),
         ("norm", std::mem::size_of::<norm::Params>()),
+        ("softmax", std::mem::size_of::<softmax::Params>()),
     ]
 }

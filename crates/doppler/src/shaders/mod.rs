@@ -18,6 +18,7 @@ shader!(EMBEDDING, "embedding");
 shader!(GROUPNORM, "groupnorm");
 shader!(CONV2D, "conv2d");
 shader!(NORM, "norm");
+shader!(SOFTMAX, "softmax");
 
 /// All shaders, for validation and listing.
-pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM];
+pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM, &SOFTMAX];

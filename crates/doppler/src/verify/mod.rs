@@ -9,6 +9,7 @@ mod embedding;
 mod gelu;
 mod groupnorm;
 mod norm;
+mod softmax;
 
 pub use basic::{ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES};
 
@@ -62,6 +63,7 @@ const FAMILIES: &[Family] = &[
     (&["group_norm"], groupnorm::checks),
     (&["conv2d"], conv2d::checks),
     (&["layer_norm", "rms_norm"], norm::checks),
+    (&["softmax"], softmax::checks),
 ];
 
 /// Every check whose op name contains `filter` (all when None).
