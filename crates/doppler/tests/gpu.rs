@@ -233,3 +233,8 @@ fn layer_and_rms_norm_match_reference() {
 fn softmax_matches_reference() {
     assert_checks("softmax", 8);
 }
+
+#[test]
+fn silu_and_swiglu_match_reference() {
+    assert_checks("silu", 15);
+}

@@ -10,6 +10,7 @@ pub mod groupnorm;
 pub mod matmul;
 pub mod norm;
 pub mod reduce;
+pub mod silu;
 pub mod softmax;
 
 use crate::error::{Error, Result};
@@ -35,5 +36,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("conv2d", std::mem::size_of::<conv2d::Params>()),
         ("norm", std::mem::size_of::<norm::Params>()),
         ("softmax", std::mem::size_of::<softmax::Params>()),
+        ("silu", std::mem::size_of::<silu::Params>()),
     ]
 }

@@ -8,6 +8,7 @@ pub mod embedding;
 pub mod gelu;
 pub mod groupnorm;
 pub mod norm;
+pub mod silu;
 pub mod softmax;
 
 /// Central finite differences of a scalar function: d f / d x_i ~ (f(x + h e_i) - f(x - h e_i)) / 2h,

@@ -19,6 +19,7 @@ shader!(GROUPNORM, "groupnorm");
 shader!(CONV2D, "conv2d");
 shader!(NORM, "norm");
 shader!(SOFTMAX, "softmax");
+shader!(SILU, "silu");
 
 /// All shaders, for validation and listing.
-pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM, &SOFTMAX];
+pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM, &SOFTMAX, &SILU];

@@ -9,6 +9,7 @@ mod embedding;
 mod gelu;
 mod groupnorm;
 mod norm;
+mod silu;
 mod softmax;
 
 pub use basic::{ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES};
@@ -64,6 +65,7 @@ const FAMILIES: &[Family] = &[
     (&["conv2d"], conv2d::checks),
     (&["layer_norm", "rms_norm"], norm::checks),
     (&["softmax"], softmax::checks),
+    (&["silu", "swiglu"], silu::checks),
 ];
 
 /// Every check whose op name contains `filter` (all when None).
