@@ -238,3 +238,8 @@ fn softmax_matches_reference() {
 fn silu_and_swiglu_match_reference() {
     assert_checks("silu", 15);
 }
+
+#[test]
+fn rope_matches_reference_both_pairings() {
+    assert_checks("rope", 8);
+}

@@ -10,6 +10,7 @@ pub mod groupnorm;
 pub mod matmul;
 pub mod norm;
 pub mod reduce;
+pub mod rope;
 pub mod silu;
 pub mod softmax;
 
@@ -37,5 +38,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("norm", std::mem::size_of::<norm::Params>()),
         ("softmax", std::mem::size_of::<softmax::Params>()),
         ("silu", std::mem::size_of::<silu::Params>()),
+        ("rope", std::mem::size_of::<rope::Params>()),
     ]
 }

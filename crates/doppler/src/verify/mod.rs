@@ -9,6 +9,7 @@ mod embedding;
 mod gelu;
 mod groupnorm;
 mod norm;
+mod rope;
 mod silu;
 mod softmax;
 
@@ -66,6 +67,7 @@ const FAMILIES: &[Family] = &[
     (&["layer_norm", "rms_norm"], norm::checks),
     (&["softmax"], softmax::checks),
     (&["silu", "swiglu"], silu::checks),
+    (&["rope"], rope::checks),
 ];
 
 /// Every check whose op name contains `filter` (all when None).
