@@ -16,6 +16,7 @@ pub mod check;
 pub mod error;
 pub mod gpu;
 pub mod ops;
+pub mod optim;
 pub mod reference;
 pub mod shaders;
 #[cfg(not(target_arch = "wasm32"))]

@@ -243,3 +243,8 @@ fn silu_and_swiglu_match_reference() {
 fn rope_matches_reference_both_pairings() {
     assert_checks("rope", 8);
 }
+
+#[test]
+fn optimizers_match_torch_formulas() {
+    assert_checks("adamw", 3);
+}

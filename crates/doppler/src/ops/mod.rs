@@ -39,5 +39,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("softmax", std::mem::size_of::<softmax::Params>()),
         ("silu", std::mem::size_of::<silu::Params>()),
         ("rope", std::mem::size_of::<rope::Params>()),
+        ("optim", std::mem::size_of::<crate::optim::Params>()),
     ]
 }

@@ -8,6 +8,7 @@ pub mod embedding;
 pub mod gelu;
 pub mod groupnorm;
 pub mod norm;
+pub mod optim;
 pub mod rope;
 pub mod silu;
 pub mod softmax;

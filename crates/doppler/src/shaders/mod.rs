@@ -21,6 +21,7 @@ shader!(NORM, "norm");
 shader!(SOFTMAX, "softmax");
 shader!(SILU, "silu");
 shader!(ROPE, "rope");
+shader!(OPTIM, "optim");
 
 /// All shaders, for validation and listing.
-pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM, &SOFTMAX, &SILU, &ROPE];
+pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM, &SOFTMAX, &SILU, &ROPE, &OPTIM];

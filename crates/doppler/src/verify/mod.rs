@@ -9,6 +9,7 @@ mod embedding;
 mod gelu;
 mod groupnorm;
 mod norm;
+mod optim;
 mod rope;
 mod silu;
 mod softmax;
@@ -68,6 +69,7 @@ const FAMILIES: &[Family] = &[
     (&["softmax"], softmax::checks),
     (&["silu", "swiglu"], silu::checks),
     (&["rope"], rope::checks),
+    (&["adamw", "sgd"], optim::checks),
 ];
 
 /// Every check whose op name contains `filter` (all when None).
