@@ -195,13 +195,13 @@ impl<'g> Recorder<'g> {
             gpu.queue.write_buffer(&u.buffer, 0, &self.uniforms);
             Some(u)
         };
-        let n_dispatch = self.cmds.iter().filter(|c| matches!(c, Cmd::Dispatch { .. })).count() as u32;
+        let n_dispatch = self.dispatches() as u32;
         let queries = if self.profile && n_dispatch > 0 { Some(Queries::new(gpu, n_dispatch)?) } else { None };
 
-        let (_, err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
+        let ((), err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
             let mut enc =
                 gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(&self.label) });
-            let mut names = Vec::new();
+            let mut dispatched = 0u32;
             let mut i = 0;
             while i < self.cmds.len() {
                 match &self.cmds[i] {
@@ -216,8 +216,7 @@ impl<'g> Recorder<'g> {
                     Cmd::Dispatch { .. } => {
                         // Without profiling, a run of dispatches shares one pass (wgpu inserts the
                         // barriers between them); with it, each gets a pass with its own timestamps.
-                        let q = names.len() as u32;
-                        let timestamp_writes = queries.as_ref().map(|qs| qs.writes(q));
+                        let timestamp_writes = queries.as_ref().map(|qs| qs.writes(dispatched));
                         let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
                             label: Some(&self.label),
                             timestamp_writes,
@@ -251,7 +250,7 @@ impl<'g> Recorder<'g> {
                             pass.set_pipeline(&pipe.pipeline);
                             pass.set_bind_group(0, &bg, &[]);
                             pass.dispatch_workgroups(grid[0], grid[1], grid[2]);
-                            names.push(pipe.name.clone());
+                            dispatched += 1;
                             i += 1;
                             if queries.is_some() {
                                 break;
@@ -263,8 +262,7 @@ impl<'g> Recorder<'g> {
             if let Some(qs) = &queries {
                 qs.resolve(&mut enc);
             }
-            let index = gpu.queue.submit([enc.finish()]);
-            (index, names)
+            gpu.queue.submit([enc.finish()]);
         });
         if let Some(message) = err {
             return Err(Error::Device(format!("{}: {message}", self.label)));
