@@ -248,3 +248,8 @@ fn rope_matches_reference_both_pairings() {
 fn optimizers_match_torch_formulas() {
     assert_checks("adamw", 3);
 }
+
+#[test]
+fn dropout_mask_is_seeded_and_bit_exact() {
+    assert_checks("dropout", 3);
+}

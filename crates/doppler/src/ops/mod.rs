@@ -3,6 +3,7 @@
 
 pub mod conv2d;
 pub mod cross_entropy;
+pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gelu;
@@ -40,5 +41,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("silu", std::mem::size_of::<silu::Params>()),
         ("rope", std::mem::size_of::<rope::Params>()),
         ("optim", std::mem::size_of::<crate::optim::Params>()),
+        ("dropout", std::mem::size_of::<dropout::Params>()),
     ]
 }

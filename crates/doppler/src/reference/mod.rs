@@ -4,6 +4,7 @@
 
 pub mod conv2d;
 pub mod cross_entropy;
+pub mod dropout;
 pub mod embedding;
 pub mod gelu;
 pub mod groupnorm;

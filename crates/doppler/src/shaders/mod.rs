@@ -22,6 +22,7 @@ shader!(SOFTMAX, "softmax");
 shader!(SILU, "silu");
 shader!(ROPE, "rope");
 shader!(OPTIM, "optim");
+shader!(DROPOUT, "dropout");
 
 /// All shaders, for validation and listing.
-pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM, &SOFTMAX, &SILU, &ROPE, &OPTIM];
+pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM, &SOFTMAX, &SILU, &ROPE, &OPTIM, &DROPOUT];

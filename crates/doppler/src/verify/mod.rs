@@ -5,6 +5,7 @@
 mod basic;
 mod conv2d;
 mod cross_entropy;
+mod dropout;
 mod embedding;
 mod gelu;
 mod groupnorm;
@@ -70,6 +71,7 @@ const FAMILIES: &[Family] = &[
     (&["silu", "swiglu"], silu::checks),
     (&["rope"], rope::checks),
     (&["adamw", "sgd"], optim::checks),
+    (&["dropout"], dropout::checks),
 ];
 
 /// Every check whose op name contains `filter` (all when None).
