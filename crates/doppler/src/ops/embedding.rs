@@ -29,8 +29,8 @@ macro_rules! kernel {
         static $id: Kernel = Kernel { shader: &EMBEDDING, entry: $entry, storage: $bind, features: NONE };
     };
 }
-kernel!(FWD, "embed_fwd", &[(1, Read), (2, Read), (4, ReadWrite), (5, ReadWrite)]);
-kernel!(FWD16, "embed_fwd_f16", &[(1, Read), (3, Read), (4, ReadWrite), (5, ReadWrite)]);
+// The table is bound twice, as f32s (2) and as packed f16 pairs (3); F16 picks the view.
+kernel!(FWD, "embed_fwd", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, ReadWrite)]);
 kernel!(COUNT, "embed_count", &[(1, Read), (5, ReadWrite), (6, ReadWrite)]);
 kernel!(BLOCK_SCAN, "embed_block_scan", &[(6, ReadWrite), (9, ReadWrite)]);
 kernel!(TILE_SUMS, "embed_tile_sums", &[(9, ReadWrite), (15, ReadWrite)]);
@@ -69,9 +69,9 @@ fn table_dims(op: &'static str, table: &[usize]) -> Result<(usize, usize)> {
 pub fn embedding(rec: &mut Recorder<'_>, table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     check_ids("embedding", ids)?;
     let (v, h) = table_dims("embedding", table.shape())?;
-    let kernel = match table.dtype() {
-        DType::F32 => &FWD,
-        DType::F16 => &FWD16,
+    let f16 = match table.dtype() {
+        DType::F32 => false,
+        DType::F16 => true,
         d => return Err(Error::DType { op: "embedding", got: d, expected: "f32 or f16 table" }),
     };
     let n = ids.numel();
@@ -80,7 +80,8 @@ pub fn embedding(rec: &mut Recorder<'_>, table: &Tensor, ids: &Tensor) -> Result
     let out = Tensor::empty(rec.gpu(), &shape, DType::F32, "embedding.out")?;
     let flag = rec.index_check("embedding", ids, v as u32)?;
     let p = Params { n: n as u32, h: h as u32, v: v as u32, block: 0, blocks: 0, _pad: [0; 3] };
-    rec.dispatch(kernel, &[], bytemuck::bytes_of(&p), &[ids, table, &out, &flag], Grid::cover((n * h) as u64, 256))?;
+    let c = [("F16", f16 as u32 as f64)];
+    rec.dispatch(&FWD, &c, bytemuck::bytes_of(&p), &[ids, table, table, &out, &flag], Grid::cover((n * h) as u64, 256))?;
     Ok(out)
 }
 

@@ -1,7 +1,7 @@
 // Embedding: gather forward, deterministic scatter-add backward.
 //   table (V, H) f32, or f16 read as packed pairs (no shader-f16 feature needed);
 //   ids (N) u32; out / dout (N, H) f32.
-// Forward, embed_fwd / embed_fwd_f16, one thread per output element (linear grid, 2-D past
+// Forward, embed_fwd (F16: the table is read as f16 pairs), one thread per output element (linear grid, 2-D past
 // 65535 workgroups): out[n, h] = table[ids[n], h]. An id >= V is counted in `flag` (the
 // host reports it as an error) and its row is written as zeros.
 //
@@ -37,6 +37,7 @@ struct Params {
 
 override WG: u32 = 256u;
 override ACCUMULATE: bool = false;   // embed_reduce: add into dtable instead of overwriting
+override F16: bool = false;          // embed_fwd: the table holds f16 pairs (bound at 3; 2 unused)
 const S: u32 = 32u;                  // positions per segment
 const INVALID: u32 = 0xffffffffu;
 
@@ -74,6 +75,12 @@ fn check_id(n: u32, id: u32) -> bool {
     return false;
 }
 
+// Table element e: an f32, or half of a packed pair of f16s (F16).
+fn table_at(e: u32) -> f32 {
+    if (F16) { return unpack2x16float(table16[e / 2u])[e % 2u]; }
+    return table[e];
+}
+
 @compute @workgroup_size(WG)
 fn embed_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
              @builtin(local_invocation_index) lid: u32) {
@@ -83,24 +90,7 @@ fn embed_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     let id = ids[n];
     var val = 0.0;
     // One thread per row reports; all of the row's threads see the same id.
-    if (id < p.v) { val = table[id * p.h + i % p.h]; } else if (i % p.h == 0u) { check_id(n, id); }
-    out[i] = val;
-}
-
-@compute @workgroup_size(WG)
-fn embed_fwd_f16(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                 @builtin(local_invocation_index) lid: u32) {
-    let i = flat_index(wid, nwg, lid);
-    if (i >= p.n * p.h) { return; }
-    let n = i / p.h;
-    let id = ids[n];
-    var val = 0.0;
-    if (id < p.v) {
-        let e = id * p.h + i % p.h;
-        val = unpack2x16float(table16[e / 2u])[e % 2u];
-    } else if (i % p.h == 0u) {
-        check_id(n, id);
-    }
+    if (id < p.v) { val = table_at(id * p.h + i % p.h); } else if (i % p.h == 0u) { check_id(n, id); }
     out[i] = val;
 }
 

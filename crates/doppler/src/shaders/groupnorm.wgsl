@@ -54,6 +54,11 @@ fn linear(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
     return wid.x + wid.y * nwg.x;
 }
 
+// (n, g) index of the (n, c) index nc.
+fn group_of(nc: u32) -> u32 {
+    return (nc / p.c) * p.g + (nc % p.c) / (p.c / p.g);
+}
+
 // Workgroup sums of (a, b) over all invocations: a fixed-order tree. Call in uniform
 // control flow (it has barriers).
 fn sum_pair(lid: u32, a: f32, b: f32) -> vec2<f32> {
@@ -137,9 +142,8 @@ fn gn_apply(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
             @builtin(local_invocation_index) lid: u32) {
     let i = linear(wid, nwg) * WG + lid;
     if (i >= p.n * p.c * p.s) { return; }
-    let nc = i / p.s;
-    let c = nc % p.c;
-    let ng = (nc / p.c) * p.g + c / (p.c / p.g);
+    let c = (i / p.s) % p.c;
+    let ng = group_of(i / p.s);
     y[i] = (x[i] - mean_in[ng]) * rstd_in[ng] * gamma[c] + beta[c];
 }
 
@@ -151,7 +155,7 @@ fn gn_bwd_channel(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     var sd = 0.0;
     var sdx = 0.0;
     if (valid) {
-        let ng = (nc / p.c) * p.g + (nc % p.c) / (p.c / p.g);
+        let ng = group_of(nc);
         let mu = mean_in[ng];
         let r = rstd_in[ng];
         let base = nc * p.s;
@@ -213,9 +217,8 @@ fn gn_bwd_dx(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
              @builtin(local_invocation_index) lid: u32) {
     let i = linear(wid, nwg) * WG + lid;
     if (i >= p.n * p.c * p.s) { return; }
-    let nc = i / p.s;
-    let c = nc % p.c;
-    let ng = (nc / p.c) * p.g + c / (p.c / p.g);
+    let c = (i / p.s) % p.c;
+    let ng = group_of(i / p.s);
     let r = rstd_in[ng];
     let xhat = (x[i] - mean_in[ng]) * r;
     let ab = gsums[ng];
