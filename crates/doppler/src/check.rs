@@ -21,9 +21,7 @@ impl Tolerance {
         let depth = (terms.max(1) as f64).log2().ceil() + 2.0 + 16.0;
         Tolerance { abs: 1e-30, rel: 2.0 * depth * f32::EPSILON as f64 }
     }
-}
 
-impl Tolerance {
     /// A dot product accumulated sequentially over `k` terms (matmul, convolution): the
     /// rounding error behaves like a random walk, ~ sqrt(k) * eps * sum|terms| (Higham,
     /// ch. 3, probabilistic bound); 4 sqrt(k) + 36 eps leaves room for the final

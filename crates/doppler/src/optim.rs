@@ -26,17 +26,11 @@ pub struct Params {
     pub _pad: [u32; 2],
 }
 
-const NONE: wgpu::Features = wgpu::Features::empty();
-static ADAMW: Kernel = Kernel {
-    shader: &OPTIM,
-    entry: "adamw_step",
-    storage: &[(1, ReadWrite), (2, Read), (3, ReadWrite), (4, ReadWrite), (5, Read)],
-    features: NONE,
-};
+static ADAMW: Kernel = Kernel::new(&OPTIM, "adamw_step", &[(1, ReadWrite), (2, Read), (3, ReadWrite), (4, ReadWrite), (5, Read)]);
 static SGD: Kernel =
-    Kernel { shader: &OPTIM, entry: "sgd_step", storage: &[(1, ReadWrite), (2, Read), (3, ReadWrite), (5, Read)], features: NONE };
-static SUMSQ: Kernel = Kernel { shader: &OPTIM, entry: "sumsq_partial", storage: &[(2, Read), (6, ReadWrite)], features: NONE };
-static CLIP: Kernel = Kernel { shader: &OPTIM, entry: "clip_factor", storage: &[(6, ReadWrite), (7, ReadWrite)], features: NONE };
+    Kernel::new(&OPTIM, "sgd_step", &[(1, ReadWrite), (2, Read), (3, ReadWrite), (5, Read)]);
+static SUMSQ: Kernel = Kernel::new(&OPTIM, "sumsq_partial", &[(2, Read), (6, ReadWrite)]);
+static CLIP: Kernel = Kernel::new(&OPTIM, "clip_factor", &[(6, ReadWrite), (7, ReadWrite)]);
 
 /// Elements one `sumsq_partial` workgroup covers (WG x ITEMS in the shader).
 const CHUNK: usize = 256 * 16;

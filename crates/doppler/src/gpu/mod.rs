@@ -275,10 +275,6 @@ impl Gpu {
         self.pool.collect();
     }
 
-    pub fn has_f16(&self) -> bool {
-        self.features.contains(wgpu::Features::SHADER_F16)
-    }
-
     /// Largest workgroup count per grid dimension (65535 on most devices).
     pub fn max_workgroups_per_dim(&self) -> u32 {
         self.limits.max_compute_workgroups_per_dimension

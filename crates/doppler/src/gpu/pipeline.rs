@@ -31,6 +31,11 @@ pub struct Kernel {
 }
 
 impl Kernel {
+    /// An entry point that needs no optional GPU feature.
+    pub const fn new(shader: &'static Shader, entry: &'static str, storage: &'static [(u32, Binding)]) -> Kernel {
+        Kernel { shader, entry, storage, features: wgpu::Features::empty() }
+    }
+
     pub fn name(&self) -> String {
         format!("{}.{}", self.shader.name, self.entry)
     }

@@ -35,17 +35,11 @@ pub struct Params {
     pub chunk: u32,
 }
 
-const NONE: wgpu::Features = wgpu::Features::empty();
-static GEMM: Kernel = Kernel {
-    shader: &CONV2D,
-    entry: "conv_gemm",
-    storage: &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, Read)],
-    features: NONE,
-};
+static GEMM: Kernel = Kernel::new(&CONV2D, "conv_gemm", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, Read)]);
 static WGRAD_REDUCE: Kernel =
-    Kernel { shader: &CONV2D, entry: "conv_wgrad_reduce", storage: &[(6, Read), (7, ReadWrite)], features: NONE };
+    Kernel::new(&CONV2D, "conv_wgrad_reduce", &[(6, Read), (7, ReadWrite)]);
 static BIAS_GRAD: Kernel =
-    Kernel { shader: &CONV2D, entry: "conv_bias_grad", storage: &[(5, Read), (8, ReadWrite)], features: NONE };
+    Kernel::new(&CONV2D, "conv_bias_grad", &[(5, Read), (8, ReadWrite)]);
 
 /// Output tile edge and k-slab depth of `conv_gemm`.
 const TILE: usize = 64;

@@ -20,28 +20,12 @@ pub struct Params {
     pub _pad: [u32; 3],
 }
 
-const NONE: wgpu::Features = wgpu::Features::empty();
-static FWD: Kernel = Kernel {
-    shader: &CROSS_ENTROPY,
-    entry: "ce_fwd",
-    storage: &[(1, Read), (2, Read), (3, ReadWrite), (4, ReadWrite), (5, ReadWrite)],
-    features: NONE,
-};
+static FWD: Kernel = Kernel::new(&CROSS_ENTROPY, "ce_fwd", &[(1, Read), (2, Read), (3, ReadWrite), (4, ReadWrite), (5, ReadWrite)]);
 static MEAN: Kernel =
-    Kernel { shader: &CROSS_ENTROPY, entry: "ce_mean", storage: &[(2, Read), (3, ReadWrite), (6, ReadWrite)], features: NONE };
-static BWD: Kernel = Kernel {
-    shader: &CROSS_ENTROPY,
-    entry: "ce_bwd",
-    storage: &[(1, Read), (2, Read), (7, ReadWrite), (8, Read), (9, Read), (10, Read)],
-    features: NONE,
-};
+    Kernel::new(&CROSS_ENTROPY, "ce_mean", &[(2, Read), (3, ReadWrite), (6, ReadWrite)]);
+static BWD: Kernel = Kernel::new(&CROSS_ENTROPY, "ce_bwd", &[(1, Read), (2, Read), (7, ReadWrite), (8, Read), (9, Read), (10, Read)]);
 
-static BWD4: Kernel = Kernel {
-    shader: &CROSS_ENTROPY,
-    entry: "ce_bwd4",
-    storage: &[(11, Read), (2, Read), (12, ReadWrite), (8, Read), (9, Read), (10, Read)],
-    features: NONE,
-};
+static BWD4: Kernel = Kernel::new(&CROSS_ENTROPY, "ce_bwd4", &[(11, Read), (2, Read), (12, ReadWrite), (8, Read), (9, Read), (10, Read)]);
 
 /// PyTorch's `ignore_index` and `label_smoothing`.
 #[derive(Clone, Copy, Debug, Default)]

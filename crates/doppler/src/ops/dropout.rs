@@ -18,7 +18,7 @@ pub struct Params {
 }
 
 static DROPOUT_K: Kernel =
-    Kernel { shader: &DROPOUT, entry: "dropout", storage: &[(1, Read), (2, ReadWrite)], features: wgpu::Features::empty() };
+    Kernel::new(&DROPOUT, "dropout", &[(1, Read), (2, ReadWrite)]);
 
 /// The kernel parameters for drop probability `p` and `seed` (also used by the reference).
 pub fn params(n: usize, p: f64, seed: u64) -> Params {

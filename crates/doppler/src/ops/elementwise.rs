@@ -21,17 +21,12 @@ const VEC3: &[(u32, crate::gpu::Binding)] = &[(4, Read), (5, Read), (6, ReadWrit
 const SCALAR2: &[(u32, crate::gpu::Binding)] = &[(1, Read), (3, ReadWrite)];
 const VEC2: &[(u32, crate::gpu::Binding)] = &[(4, Read), (6, ReadWrite)];
 
-macro_rules! kernel {
-    ($id:ident, $entry:literal, $bind:expr) => {
-        static $id: Kernel = Kernel { shader: &ELEMENTWISE, entry: $entry, storage: $bind, features: wgpu::Features::empty() };
-    };
-}
-kernel!(ADD, "add", SCALAR3);
-kernel!(MUL, "mul", SCALAR3);
-kernel!(SCALE, "scale", SCALAR2);
-kernel!(ADD4, "add4", VEC3);
-kernel!(MUL4, "mul4", VEC3);
-kernel!(SCALE4, "scale4", VEC2);
+static ADD: Kernel = Kernel::new(&ELEMENTWISE, "add", SCALAR3);
+static MUL: Kernel = Kernel::new(&ELEMENTWISE, "mul", SCALAR3);
+static SCALE: Kernel = Kernel::new(&ELEMENTWISE, "scale", SCALAR2);
+static ADD4: Kernel = Kernel::new(&ELEMENTWISE, "add4", VEC3);
+static MUL4: Kernel = Kernel::new(&ELEMENTWISE, "mul4", VEC3);
+static SCALE4: Kernel = Kernel::new(&ELEMENTWISE, "scale4", VEC2);
 
 /// Dispatches `scalar` or, when n % 4 == 0, its vec4 twin over `tensors`.
 fn dispatch(

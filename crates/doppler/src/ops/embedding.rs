@@ -22,27 +22,17 @@ pub struct Params {
 
 /// Positions per segment (`S` in the shader).
 pub const SEGMENT: usize = 32;
-const NONE: wgpu::Features = wgpu::Features::empty();
 
-macro_rules! kernel {
-    ($id:ident, $entry:literal, $bind:expr) => {
-        static $id: Kernel = Kernel { shader: &EMBEDDING, entry: $entry, storage: $bind, features: NONE };
-    };
-}
 // The table is bound twice, as f32s (2) and as packed f16 pairs (3); F16 picks the view.
-kernel!(FWD, "embed_fwd", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, ReadWrite)]);
-kernel!(COUNT, "embed_count", &[(1, Read), (5, ReadWrite), (6, ReadWrite)]);
-kernel!(BLOCK_SCAN, "embed_block_scan", &[(6, ReadWrite), (9, ReadWrite)]);
-kernel!(TILE_SUMS, "embed_tile_sums", &[(9, ReadWrite), (15, ReadWrite)]);
-kernel!(TILE_SCAN, "embed_tile_scan", &[(7, ReadWrite), (8, ReadWrite), (9, ReadWrite), (15, ReadWrite)]);
-kernel!(SORT, "embed_sort", &[(1, Read), (6, ReadWrite), (7, ReadWrite), (10, ReadWrite)]);
-kernel!(SEGMENTS, "embed_segments", &[(7, ReadWrite), (8, ReadWrite), (9, ReadWrite), (11, ReadWrite)]);
-kernel!(PARTIAL, "embed_partial", &[(8, ReadWrite), (10, ReadWrite), (11, ReadWrite), (12, Read), (13, ReadWrite)]);
-kernel!(
-    REDUCE,
-    "embed_reduce",
-    &[(7, ReadWrite), (8, ReadWrite), (10, ReadWrite), (12, Read), (13, ReadWrite), (14, ReadWrite), (16, Read)]
-);
+static FWD: Kernel = Kernel::new(&EMBEDDING, "embed_fwd", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, ReadWrite)]);
+static COUNT: Kernel = Kernel::new(&EMBEDDING, "embed_count", &[(1, Read), (5, ReadWrite), (6, ReadWrite)]);
+static BLOCK_SCAN: Kernel = Kernel::new(&EMBEDDING, "embed_block_scan", &[(6, ReadWrite), (9, ReadWrite)]);
+static TILE_SUMS: Kernel = Kernel::new(&EMBEDDING, "embed_tile_sums", &[(9, ReadWrite), (15, ReadWrite)]);
+static TILE_SCAN: Kernel = Kernel::new(&EMBEDDING, "embed_tile_scan", &[(7, ReadWrite), (8, ReadWrite), (9, ReadWrite), (15, ReadWrite)]);
+static SORT: Kernel = Kernel::new(&EMBEDDING, "embed_sort", &[(1, Read), (6, ReadWrite), (7, ReadWrite), (10, ReadWrite)]);
+static SEGMENTS: Kernel = Kernel::new(&EMBEDDING, "embed_segments", &[(7, ReadWrite), (8, ReadWrite), (9, ReadWrite), (11, ReadWrite)]);
+static PARTIAL: Kernel = Kernel::new(&EMBEDDING, "embed_partial", &[(8, ReadWrite), (10, ReadWrite), (11, ReadWrite), (12, Read), (13, ReadWrite)]);
+static REDUCE: Kernel = Kernel::new(&EMBEDDING, "embed_reduce", &[(7, ReadWrite), (8, ReadWrite), (10, ReadWrite), (12, Read), (13, ReadWrite), (14, ReadWrite), (16, Read)]);
 
 /// Ids per scan tile (`TILE` in the shader).
 const SCAN_TILE: usize = 1024;

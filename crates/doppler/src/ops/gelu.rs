@@ -21,9 +21,9 @@ pub enum GeluMode {
     Tanh,
 }
 
-static FWD: Kernel = Kernel { shader: &GELU, entry: "gelu_fwd", storage: &[(1, Read), (3, ReadWrite)], features: wgpu::Features::empty() };
+static FWD: Kernel = Kernel::new(&GELU, "gelu_fwd", &[(1, Read), (3, ReadWrite)]);
 static BWD: Kernel =
-    Kernel { shader: &GELU, entry: "gelu_bwd", storage: &[(1, Read), (2, Read), (3, ReadWrite)], features: wgpu::Features::empty() };
+    Kernel::new(&GELU, "gelu_bwd", &[(1, Read), (2, Read), (3, ReadWrite)]);
 
 fn run(rec: &mut Recorder<'_>, k: &Kernel, mode: GeluMode, tensors: &[&Tensor]) -> Result<()> {
     let n = tensors[0].numel() as u64;

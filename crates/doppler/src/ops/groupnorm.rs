@@ -18,19 +18,13 @@ pub struct Params {
     pub _pad: [u32; 3],
 }
 
-const NONE: wgpu::Features = wgpu::Features::empty();
-macro_rules! kernel {
-    ($id:ident, $entry:literal, $bind:expr) => {
-        static $id: Kernel = Kernel { shader: &GROUPNORM, entry: $entry, storage: $bind, features: NONE };
-    };
-}
-kernel!(CH_STATS, "gn_channel_stats", &[(1, Read), (5, ReadWrite)]);
-kernel!(GR_STATS, "gn_group_stats", &[(5, ReadWrite), (6, ReadWrite), (7, ReadWrite)]);
-kernel!(APPLY, "gn_apply", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (14, Read), (15, Read)]);
-kernel!(BWD_CH, "gn_bwd_channel", &[(1, Read), (8, Read), (12, ReadWrite), (14, Read), (15, Read)]);
-kernel!(BWD_PARAMS, "gn_bwd_params", &[(10, ReadWrite), (11, ReadWrite), (12, ReadWrite)]);
-kernel!(BWD_GROUP, "gn_bwd_group", &[(2, Read), (12, ReadWrite), (13, ReadWrite)]);
-kernel!(BWD_DX, "gn_bwd_dx", &[(1, Read), (2, Read), (8, Read), (9, ReadWrite), (13, ReadWrite), (14, Read), (15, Read)]);
+static CH_STATS: Kernel = Kernel::new(&GROUPNORM, "gn_channel_stats", &[(1, Read), (5, ReadWrite)]);
+static GR_STATS: Kernel = Kernel::new(&GROUPNORM, "gn_group_stats", &[(5, ReadWrite), (6, ReadWrite), (7, ReadWrite)]);
+static APPLY: Kernel = Kernel::new(&GROUPNORM, "gn_apply", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (14, Read), (15, Read)]);
+static BWD_CH: Kernel = Kernel::new(&GROUPNORM, "gn_bwd_channel", &[(1, Read), (8, Read), (12, ReadWrite), (14, Read), (15, Read)]);
+static BWD_PARAMS: Kernel = Kernel::new(&GROUPNORM, "gn_bwd_params", &[(10, ReadWrite), (11, ReadWrite), (12, ReadWrite)]);
+static BWD_GROUP: Kernel = Kernel::new(&GROUPNORM, "gn_bwd_group", &[(2, Read), (12, ReadWrite), (13, ReadWrite)]);
+static BWD_DX: Kernel = Kernel::new(&GROUPNORM, "gn_bwd_dx", &[(1, Read), (2, Read), (8, Read), (9, ReadWrite), (13, ReadWrite), (14, Read), (15, Read)]);
 
 pub struct GroupNormOut {
     pub y: Tensor,

@@ -23,13 +23,8 @@ pub struct Params {
     pub beta: f32,
 }
 
-static MATMUL_KERNEL: Kernel = Kernel {
-    shader: &MATMUL,
-    entry: "matmul",
-    // a and b are each bound twice: as scalars and as vec4s.
-    storage: &[(1, Read), (2, Read), (3, Read), (4, Read), (5, ReadWrite)],
-    features: wgpu::Features::empty(),
-};
+// a and b are each bound twice: as scalars and as vec4s.
+static MATMUL_KERNEL: Kernel = Kernel::new(&MATMUL, "matmul", &[(1, Read), (2, Read), (3, Read), (4, Read), (5, ReadWrite)]);
 
 /// Output tile of one workgroup.
 const TILE: u64 = 128;

@@ -16,16 +16,10 @@ pub struct Params {
     pub blocks: u32,
 }
 
-const NONE: wgpu::Features = wgpu::Features::empty();
-macro_rules! kernel {
-    ($id:ident, $entry:literal, $bind:expr) => {
-        static $id: Kernel = Kernel { shader: &NORM, entry: $entry, storage: $bind, features: NONE };
-    };
-}
-kernel!(FWD, "norm_fwd", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, ReadWrite), (6, ReadWrite)]);
-kernel!(BWD_DX, "norm_bwd_dx", &[(1, Read), (2, Read), (7, Read), (8, ReadWrite), (12, Read), (13, Read)]);
-kernel!(BWD_WP, "norm_bwd_wp", &[(1, Read), (7, Read), (9, ReadWrite), (12, Read), (13, Read)]);
-kernel!(BWD_W, "norm_bwd_w", &[(9, ReadWrite), (10, ReadWrite), (11, ReadWrite)]);
+static FWD: Kernel = Kernel::new(&NORM, "norm_fwd", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, ReadWrite), (6, ReadWrite)]);
+static BWD_DX: Kernel = Kernel::new(&NORM, "norm_bwd_dx", &[(1, Read), (2, Read), (7, Read), (8, ReadWrite), (12, Read), (13, Read)]);
+static BWD_WP: Kernel = Kernel::new(&NORM, "norm_bwd_wp", &[(1, Read), (7, Read), (9, ReadWrite), (12, Read), (13, Read)]);
+static BWD_W: Kernel = Kernel::new(&NORM, "norm_bwd_w", &[(9, ReadWrite), (10, ReadWrite), (11, ReadWrite)]);
 
 /// Rows per weight-gradient block (`ROWS_PER_BLOCK` in the shader).
 const ROWS_PER_BLOCK: usize = 256;

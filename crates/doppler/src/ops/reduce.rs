@@ -16,7 +16,7 @@ pub struct Params {
 }
 
 static SUM_ROWS: Kernel =
-    Kernel { shader: &REDUCE, entry: "sum_rows", storage: &[(1, Read), (2, ReadWrite)], features: wgpu::Features::empty() };
+    Kernel::new(&REDUCE, "sum_rows", &[(1, Read), (2, ReadWrite)]);
 
 /// Elements one workgroup sums per pass: WG (256) threads x ITEMS (16), as in the shader.
 pub const CHUNK: usize = 256 * 16;

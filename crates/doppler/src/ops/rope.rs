@@ -19,7 +19,7 @@ pub struct Params {
 }
 
 static ROPE_K: Kernel =
-    Kernel { shader: &ROPE, entry: "rope", storage: &[(1, Read), (2, Read), (3, ReadWrite)], features: wgpu::Features::empty() };
+    Kernel::new(&ROPE, "rope", &[(1, Read), (2, Read), (3, ReadWrite)]);
 
 /// Threads per workgroup: one pair each.
 const WG: u64 = 64;

@@ -13,17 +13,11 @@ pub struct Params {
     pub _pad: [u32; 3],
 }
 
-const NONE: wgpu::Features = wgpu::Features::empty();
-static SILU_FWD: Kernel = Kernel { shader: &SILU, entry: "silu_fwd", storage: &[(1, Read), (3, ReadWrite)], features: NONE };
-static SILU_BWD: Kernel = Kernel { shader: &SILU, entry: "silu_bwd", storage: &[(1, Read), (4, Read), (5, ReadWrite)], features: NONE };
+static SILU_FWD: Kernel = Kernel::new(&SILU, "silu_fwd", &[(1, Read), (3, ReadWrite)]);
+static SILU_BWD: Kernel = Kernel::new(&SILU, "silu_bwd", &[(1, Read), (4, Read), (5, ReadWrite)]);
 static SWIGLU_FWD: Kernel =
-    Kernel { shader: &SILU, entry: "swiglu_fwd", storage: &[(1, Read), (2, Read), (3, ReadWrite)], features: NONE };
-static SWIGLU_BWD: Kernel = Kernel {
-    shader: &SILU,
-    entry: "swiglu_bwd",
-    storage: &[(1, Read), (2, Read), (4, Read), (5, ReadWrite), (6, ReadWrite)],
-    features: NONE,
-};
+    Kernel::new(&SILU, "swiglu_fwd", &[(1, Read), (2, Read), (3, ReadWrite)]);
+static SWIGLU_BWD: Kernel = Kernel::new(&SILU, "swiglu_bwd", &[(1, Read), (2, Read), (4, Read), (5, ReadWrite), (6, ReadWrite)]);
 
 fn same(op: &'static str, ts: &[&Tensor]) -> Result<Params> {
     for t in ts {

@@ -15,10 +15,9 @@ pub struct Params {
     pub _pad: [u32; 2],
 }
 
-const NONE: wgpu::Features = wgpu::Features::empty();
-static FWD: Kernel = Kernel { shader: &SOFTMAX, entry: "softmax_fwd", storage: &[(1, Read), (2, ReadWrite)], features: NONE };
+static FWD: Kernel = Kernel::new(&SOFTMAX, "softmax_fwd", &[(1, Read), (2, ReadWrite)]);
 static BWD: Kernel =
-    Kernel { shader: &SOFTMAX, entry: "softmax_bwd", storage: &[(3, Read), (4, Read), (5, ReadWrite)], features: NONE };
+    Kernel::new(&SOFTMAX, "softmax_bwd", &[(3, Read), (4, Read), (5, ReadWrite)]);
 
 fn params(op: &'static str, x: &Tensor) -> Result<Params> {
     expect_f32(op, x)?;
