@@ -253,3 +253,38 @@ fn optimizers_match_torch_formulas() {
 fn dropout_mask_is_seeded_and_bit_exact() {
     assert_checks("dropout", 3);
 }
+
+#[test]
+fn flash_attention_matches_reference_with_grouped_heads() {
+    assert_checks("attention", 5 * 5);
+}
+
+#[test]
+fn bias_add_matches_reference() {
+    assert_checks("bias_add", 8);
+}
+
+#[test]
+fn pixel_shuffle_and_upsample_match_reference() {
+    assert_checks("pixel_shuffle", 12);
+}
+
+#[test]
+fn training_ops_reject_bad_shapes() {
+    use doppler::ops::{attention, bias, upsample};
+    let gpu = gpu();
+    let f = |shape: &[usize]| Tensor::from_f32(gpu, shape, &vec![0.5; shape.iter().product()], "t").unwrap();
+    let msg = |r: doppler::Result<()>| r.unwrap_err().to_string();
+    let a = attention::AttnOpts::default();
+    // 3 query heads cannot share 2 key/value heads.
+    let e = msg(gpu.run(|rec| attention::attention(rec, &f(&[1, 4, 3, 8]), &f(&[1, 4, 2, 8]), &f(&[1, 4, 2, 8]), a).map(|_| ())));
+    assert!(e.contains("attention") && e.contains("[1, 4, 3, 8]") && e.contains("multiple of key/value heads"), "{e}");
+    let e = msg(gpu.run(|rec| attention::attention(rec, &f(&[1, 4, 2, 256]), &f(&[1, 4, 2, 256]), &f(&[1, 4, 2, 256]), a).map(|_| ())));
+    assert!(e.contains("head dimension"), "{e}");
+    let e = msg(gpu.run(|rec| attention::attention(rec, &f(&[1, 5, 2, 8]), &f(&[1, 4, 2, 8]), &f(&[1, 4, 2, 8]), a).map(|_| ())));
+    assert!(e.contains("causal"), "{e}");
+    let e = msg(gpu.run(|rec| bias::bias_add(rec, &f(&[3, 4]), &f(&[5])).map(|_| ())));
+    assert!(e.contains("bias_add") && e.contains("[3, 4]") && e.contains("5"), "{e}");
+    let e = msg(gpu.run(|rec| upsample::pixel_shuffle(rec, &f(&[1, 6, 2, 2]), 2).map(|_| ())));
+    assert!(e.contains("pixel_shuffle") && e.contains("[1, 6, 2, 2]"), "{e}");
+}

@@ -1,6 +1,8 @@
 //! Op families: one file each, with its WGSL twin in `shaders/`. Every op records into a
 //! [`crate::gpu::Recorder`]; "run now" is `gpu.run(|rec| op(rec, ...))`.
 
+pub mod attention;
+pub mod bias;
 pub mod conv2d;
 pub mod cross_entropy;
 pub mod dropout;
@@ -14,6 +16,7 @@ pub mod reduce;
 pub mod rope;
 pub mod silu;
 pub mod softmax;
+pub mod upsample;
 
 use crate::error::{Error, Result};
 use crate::gpu::{DType, Tensor};
@@ -42,5 +45,8 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("rope", std::mem::size_of::<rope::Params>()),
         ("optim", std::mem::size_of::<crate::optim::Params>()),
         ("dropout", std::mem::size_of::<dropout::Params>()),
+        ("attention", std::mem::size_of::<attention::Params>()),
+        ("bias", std::mem::size_of::<bias::Params>()),
+        ("upsample", std::mem::size_of::<upsample::Params>()),
     ]
 }

@@ -2,6 +2,8 @@
 //! the ops they check. Every backward here is itself checked against central finite
 //! differences of its forward.
 
+pub mod attention;
+pub mod bias;
 pub mod conv2d;
 pub mod cross_entropy;
 pub mod dropout;
@@ -13,6 +15,7 @@ pub mod optim;
 pub mod rope;
 pub mod silu;
 pub mod softmax;
+pub mod upsample;
 
 /// Central finite differences of a scalar function: d f / d x_i ~ (f(x + h e_i) - f(x - h e_i)) / 2h,
 /// with h scaled to each x_i.

@@ -23,6 +23,9 @@ shader!(SILU, "silu");
 shader!(ROPE, "rope");
 shader!(OPTIM, "optim");
 shader!(DROPOUT, "dropout");
+shader!(ATTENTION, "attention");
+shader!(BIAS, "bias");
+shader!(UPSAMPLE, "upsample");
 
 /// All shaders, for validation and listing.
-pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM, &SOFTMAX, &SILU, &ROPE, &OPTIM, &DROPOUT];
+pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM, &SOFTMAX, &SILU, &ROPE, &OPTIM, &DROPOUT, &ATTENTION, &BIAS, &UPSAMPLE];

@@ -2,7 +2,9 @@
 //! with batches, past 65535 workgroups, and reruns for determinism. `doppler verify`
 //! prints these; the test suite asserts them. One file per op family.
 
+mod attention;
 mod basic;
+mod bias;
 mod conv2d;
 mod cross_entropy;
 mod dropout;
@@ -14,6 +16,7 @@ mod optim;
 mod rope;
 mod silu;
 mod softmax;
+mod upsample;
 
 pub use basic::{ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES};
 
@@ -72,6 +75,9 @@ const FAMILIES: &[Family] = &[
     (&["rope"], rope::checks),
     (&["adamw", "sgd"], optim::checks),
     (&["dropout"], dropout::checks),
+    (&["attention"], attention::checks),
+    (&["bias_add"], bias::checks),
+    (&["pixel_shuffle", "upsample_nearest2d"], upsample::checks),
 ];
 
 /// Every check whose op name contains `filter` (all when None).

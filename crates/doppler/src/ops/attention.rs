@@ -1,0 +1,173 @@
+//! Causal self-attention, flash style, with grouped-query heads: forward saves the
+//! logsumexp per query row, backward recomputes the probabilities tile by tile. Shader:
+//! `attention.wgsl` (derivatives in its header). Nothing of size Tq x Tk reaches global
+//! memory.
+
+use super::expect_f32;
+use crate::error::{Error, Result};
+use crate::gpu::{Binding::*, DType, Grid, Kernel, Recorder, Tensor};
+use crate::shaders::ATTENTION;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Params {
+    pub b: u32,
+    pub tq: u32,
+    pub tk: u32,
+    pub hq: u32,
+    pub hkv: u32,
+    pub causal: u32,
+    pub scale: f32,
+    pub _pad: u32,
+}
+
+static FWD: Kernel =
+    Kernel::new(&ATTENTION, "attn_fwd", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, ReadWrite)]);
+static DELTA: Kernel = Kernel::new(&ATTENTION, "attn_delta", &[(6, Read), (7, Read), (9, ReadWrite)]);
+static BWD_DQ: Kernel = Kernel::new(
+    &ATTENTION,
+    "attn_bwd_dq",
+    &[(1, Read), (2, Read), (3, Read), (7, Read), (8, Read), (10, Read), (11, ReadWrite)],
+);
+static BWD_DKV: Kernel = Kernel::new(
+    &ATTENTION,
+    "attn_bwd_dkv",
+    &[(1, Read), (2, Read), (3, Read), (7, Read), (8, Read), (10, Read), (12, ReadWrite), (13, ReadWrite)],
+);
+
+/// Rows per workgroup (one thread each), as `BR` in the shader.
+const BR: u64 = 64;
+/// Largest head dimension (`D4MAX * 4` in the shader).
+pub const MAX_HEAD_DIM: usize = 128;
+
+#[derive(Clone, Copy, Debug)]
+pub struct AttnOpts {
+    /// Query i sees key j only if j <= i + Tk - Tq.
+    pub causal: bool,
+    /// Multiplies q.k; 1/sqrt(D) when None.
+    pub scale: Option<f32>,
+}
+
+impl Default for AttnOpts {
+    fn default() -> Self {
+        AttnOpts { causal: true, scale: None }
+    }
+}
+
+/// Forward results: o (B, Tq, Hq, D) and the logsumexp of each score row (B, Hq, Tq).
+pub struct AttnOut {
+    pub o: Tensor,
+    pub lse: Tensor,
+}
+
+pub struct AttnGrads {
+    pub dq: Tensor,
+    pub dk: Tensor,
+    pub dv: Tensor,
+}
+
+/// (params, head dim) from q (B, Tq, Hq, D) and k, v (B, Tk, Hkv, D).
+pub fn attn_params(q: &[usize], k: &[usize], v: &[usize], opts: &AttnOpts) -> Result<(Params, usize)> {
+    let err = |why: &str| Error::Shape { op: "attention", detail: format!("q {q:?}, k {k:?}, v {v:?}: {why}") };
+    if q.len() != 4 || k.len() != 4 || k != v {
+        return Err(err("expected q (B, Tq, Hq, D) and k, v of one shape (B, Tk, Hkv, D)"));
+    }
+    let (b, tq, hq, d) = (q[0], q[1], q[2], q[3]);
+    let (tk, hkv) = (k[1], k[2]);
+    if k[0] != b || k[3] != d {
+        return Err(err("batch and head dimension must match"));
+    }
+    if d == 0 || d % 4 != 0 || d > MAX_HEAD_DIM {
+        return Err(err(&format!("head dimension must be a multiple of 4 up to {MAX_HEAD_DIM}")));
+    }
+    if hkv == 0 || hq % hkv != 0 {
+        return Err(err("query heads must be a multiple of key/value heads"));
+    }
+    if b == 0 || tq == 0 || tk == 0 {
+        return Err(err("empty batch or sequence"));
+    }
+    if opts.causal && tk < tq {
+        return Err(err("causal attention needs at least as many keys as queries"));
+    }
+    let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
+    let p = Params {
+        b: b as u32,
+        tq: tq as u32,
+        tk: tk as u32,
+        hq: hq as u32,
+        hkv: hkv as u32,
+        causal: opts.causal as u32,
+        scale,
+        _pad: 0,
+    };
+    Ok((p, d))
+}
+
+/// Override constants: D4 and the staged tile height, the largest of 64/32/16/8 rows whose
+/// two tiles (plus two floats per row) fit the device's workgroup memory.
+fn constants(rec: &Recorder<'_>, d: usize) -> Result<[(&'static str, f64); 2]> {
+    let limit = rec.gpu().limits.max_compute_workgroup_storage_size as usize;
+    let per_row = 2 * d * 4 + 8;
+    let Some(bc) = [64usize, 32, 16, 8].into_iter().find(|bc| bc * per_row <= limit) else {
+        return Err(Error::Invalid {
+            op: "attention",
+            detail: format!("head dim {d} needs {} bytes of workgroup memory, device has {limit}", 8 * per_row),
+        });
+    };
+    Ok([("D4", (d / 4) as f64), ("BC", bc as f64)])
+}
+
+fn check_all_f32(ts: &[&Tensor]) -> Result<()> {
+    ts.iter().try_for_each(|t| expect_f32("attention", t))
+}
+
+/// softmax(scale * q k^T, causal mask) v per head; q (B, Tq, Hq, D), k, v (B, Tk, Hkv, D).
+pub fn attention(rec: &mut Recorder<'_>, q: &Tensor, k: &Tensor, v: &Tensor, opts: AttnOpts) -> Result<AttnOut> {
+    check_all_f32(&[q, k, v])?;
+    let (p, d) = attn_params(q.shape(), k.shape(), v.shape(), &opts)?;
+    let c = constants(rec, d)?;
+    let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "attention.o")?;
+    let lse = Tensor::empty(rec.gpu(), &[q.shape()[0], q.shape()[2], q.shape()[1]], DType::F32, "attention.lse")?;
+    let groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(BR);
+    rec.dispatch(&FWD, &c, bytemuck::bytes_of(&p), &[q, k, v, &o, &lse], Grid::Linear(groups))?;
+    Ok(AttnOut { o, lse })
+}
+
+/// (dq, dk, dv) from the forward's inputs, its outputs and dO (B, Tq, Hq, D).
+pub fn attention_backward(
+    rec: &mut Recorder<'_>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    fwd: &AttnOut,
+    d_o: &Tensor,
+    opts: AttnOpts,
+) -> Result<AttnGrads> {
+    check_all_f32(&[q, k, v, &fwd.o, &fwd.lse, d_o])?;
+    let (p, d) = attn_params(q.shape(), k.shape(), v.shape(), &opts)?;
+    if d_o.shape() != q.shape() || fwd.o.shape() != q.shape() {
+        return Err(Error::Shape {
+            op: "attention_backward",
+            detail: format!("dO {:?} and o {:?} must have q's shape {:?}", d_o.shape(), fwd.o.shape(), q.shape()),
+        });
+    }
+    let c = constants(rec, d)?;
+    let gpu = rec.gpu();
+    let delta = Tensor::empty(gpu, fwd.lse.shape(), DType::F32, "attention.delta")?;
+    let rows = fwd.lse.numel() as u64;
+    rec.dispatch(&DELTA, &c, bytemuck::bytes_of(&p), &[&fwd.o, d_o, &delta], Grid::cover(rows, BR))?;
+    let dq = Tensor::empty(gpu, q.shape(), DType::F32, "attention.dq")?;
+    let dk = Tensor::empty(gpu, k.shape(), DType::F32, "attention.dk")?;
+    let dv = Tensor::empty(gpu, v.shape(), DType::F32, "attention.dv")?;
+    let q_groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(BR);
+    rec.dispatch(&BWD_DQ, &c, bytemuck::bytes_of(&p), &[q, k, v, d_o, &fwd.lse, &delta, &dq], Grid::Linear(q_groups))?;
+    let k_groups = (p.b * p.hkv) as u64 * (p.tk as u64).div_ceil(BR);
+    rec.dispatch(
+        &BWD_DKV,
+        &c,
+        bytemuck::bytes_of(&p),
+        &[q, k, v, d_o, &fwd.lse, &delta, &dk, &dv],
+        Grid::Linear(k_groups),
+    )?;
+    Ok(AttnGrads { dq, dk, dv })
+}

@@ -1,0 +1,335 @@
+// Causal (or full) self-attention, flash style: no Tq x Tk score matrix in global memory.
+//   q, o   (B, Tq, Hq, D)     k, v, dk, dv  (B, Tk, Hkv, D)     lse, delta  (B, Hq, Tq)
+// Grouped-query heads: query head h reads key/value head h / (Hq / Hkv).
+// Causal mask with queries at the end of the keys: query i sees key j iff j <= i + Tk - Tq.
+//
+// Forward, per query row (online softmax over key tiles, scale folded into q):
+//   s_j = scale * q.k_j;  m = max_j s_j;  l = sum_j exp(s_j - m);  o = sum_j exp(s_j - m) v_j / l
+//   lse = m + log(l) is saved for the backward.
+// Backward (recomputes p_ij = exp(s_ij - lse_i), never stores it):
+//   delta_i = dO_i . O_i
+//   dp_ij = dO_i . v_j;   ds_ij = p_ij (dp_ij - delta_i)
+//   dq_i = scale * sum_j ds_ij k_j        (attn_bwd_dq: one thread per query row)
+//   dk_j = scale * sum_i ds_ij q_i        (attn_bwd_dkv: one thread per key row; the sums
+//   dv_j = sum_i p_ij dO_i                 run over the group's query heads in order)
+// Each thread owns one row and sums in index order: no atomics, same bits on every run.
+// Grid: linear over (B * heads) * row blocks workgroups (2-D past 65535).
+
+struct Params {
+    b: u32,
+    tq: u32,
+    tk: u32,
+    hq: u32,
+    hkv: u32,
+    causal: u32,
+    scale: f32,
+    _pad: u32,
+}
+
+override D4: u32 = 16u;   // head dim / 4
+override BC: u32 = 32u;   // rows per staged tile (keys in the forward and dq, queries in dkv)
+const BR: u32 = 64u;      // rows per workgroup, one per thread
+const D4MAX: u32 = 32u;   // head dim <= 128
+const BCMAX: u32 = 64u;
+const NEG: f32 = -1e30;
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> q: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> k: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> v: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> o: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read_write> lse: array<f32>;
+@group(0) @binding(6) var<storage, read> o_in: array<vec4<f32>>;
+@group(0) @binding(7) var<storage, read> d_o: array<vec4<f32>>;
+@group(0) @binding(8) var<storage, read> lse_in: array<f32>;
+@group(0) @binding(9) var<storage, read_write> delta: array<f32>;
+@group(0) @binding(10) var<storage, read> delta_in: array<f32>;
+@group(0) @binding(11) var<storage, read_write> dq: array<vec4<f32>>;
+@group(0) @binding(12) var<storage, read_write> dk: array<vec4<f32>>;
+@group(0) @binding(13) var<storage, read_write> dv: array<vec4<f32>>;
+
+// Two staged tiles of BC rows (keys and values, or queries and their dO).
+var<workgroup> ta: array<vec4<f32>, BC * D4>;
+var<workgroup> tb: array<vec4<f32>, BC * D4>;
+var<workgroup> ra: array<f32, BC>;   // per staged row: lse (dkv)
+var<workgroup> rb: array<f32, BC>;   // per staged row: delta (dkv)
+
+fn group_id(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
+    return wid.x + wid.y * nwg.x;
+}
+
+// First vec4 of row t of head h in a (B, T, H, D) tensor.
+fn row_at(bi: u32, t: u32, nt: u32, h: u32, nh: u32) -> u32 {
+    return ((bi * nt + t) * nh + h) * D4;
+}
+
+// Whether query i may see key j.
+fn visible(i: u32, j: u32) -> bool {
+    return j < p.tk && (p.causal == 0u || j <= i + p.tk - p.tq);
+}
+
+// Stages rows j0 .. j0 + BC of key/value head hk (zeros past the end).
+fn stage_kv(bi: u32, hk: u32, j0: u32, lid: u32) {
+    for (var t = lid; t < BC * D4; t += BR) {
+        let j = j0 + t / D4;
+        var a = vec4<f32>(0.0);
+        var b = vec4<f32>(0.0);
+        if (j < p.tk) {
+            let at = row_at(bi, j, p.tk, hk, p.hkv) + t % D4;
+            a = k[at];
+            b = v[at];
+        }
+        ta[t] = a;
+        tb[t] = b;
+    }
+}
+
+// Keys a block of queries starting at i0 can see: [0, end).
+fn key_end(i0: u32) -> u32 {
+    if (p.causal == 0u) {
+        return p.tk;
+    }
+    return min(p.tk, i0 + BR + p.tk - p.tq);
+}
+
+@compute @workgroup_size(BR)
+fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let blocks = (p.tq + BR - 1u) / BR;
+    let g = group_id(wid, nwg);
+    let bh = g / blocks;
+    let bi = bh / p.hq;
+    let h = bh % p.hq;
+    let hk = h / (p.hq / p.hkv);
+    let i0 = (g % blocks) * BR;
+    let i = i0 + lid;
+    // No early return: the barriers below must stay in uniform control flow.
+    let live = bh < p.b * p.hq && i < p.tq;
+    var qr: array<vec4<f32>, D4MAX>;
+    var acc: array<vec4<f32>, D4MAX>;
+    if (live) {
+        let at = row_at(bi, i, p.tq, h, p.hq);
+        for (var d = 0u; d < D4; d++) {
+            qr[d] = q[at + d] * p.scale;
+            acc[d] = vec4<f32>(0.0);
+        }
+    }
+    var m = NEG;
+    var l = 0.0;
+    var s: array<f32, BCMAX>;
+    let end = select(0u, key_end(i0), bh < p.b * p.hq);
+    for (var j0 = 0u; j0 < end; j0 += BC) {
+        stage_kv(bi, hk, j0, lid);
+        workgroupBarrier();
+        if (live) {
+            var mb = m;
+            var any = false;
+            for (var c = 0u; c < BC; c++) {
+                var x = NEG;
+                if (visible(i, j0 + c)) {
+                    var dot = vec4<f32>(0.0);
+                    for (var d = 0u; d < D4; d++) {
+                        dot += qr[d] * ta[c * D4 + d];
+                    }
+                    x = dot.x + dot.y + dot.z + dot.w;
+                    mb = max(mb, x);
+                    any = true;
+                }
+                s[c] = x;
+            }
+            if (any) {
+                let corr = exp(m - mb);
+                l *= corr;
+                for (var d = 0u; d < D4; d++) {
+                    acc[d] *= corr;
+                }
+                for (var c = 0u; c < BC; c++) {
+                    if (s[c] > NEG) {
+                        let pc = exp(s[c] - mb);
+                        l += pc;
+                        for (var d = 0u; d < D4; d++) {
+                            acc[d] += pc * tb[c * D4 + d];
+                        }
+                    }
+                }
+                m = mb;
+            }
+        }
+        workgroupBarrier();
+    }
+    if (live) {
+        let at = row_at(bi, i, p.tq, h, p.hq);
+        let inv = 1.0 / l;
+        for (var d = 0u; d < D4; d++) {
+            o[at + d] = acc[d] * inv;
+        }
+        lse[(bi * p.hq + h) * p.tq + i] = m + log(l);
+    }
+}
+
+// delta = rowsum(dO * O), one thread per (b, h, i).   Grid: cover B * Hq * Tq threads.
+@compute @workgroup_size(BR)
+fn attn_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let r = group_id(wid, nwg) * BR + lid;
+    if (r >= p.b * p.hq * p.tq) {
+        return;
+    }
+    let i = r % p.tq;
+    let h = (r / p.tq) % p.hq;
+    let bi = r / (p.tq * p.hq);
+    let at = row_at(bi, i, p.tq, h, p.hq);
+    var acc = vec4<f32>(0.0);
+    for (var d = 0u; d < D4; d++) {
+        acc += d_o[at + d] * o_in[at + d];
+    }
+    delta[r] = acc.x + acc.y + acc.z + acc.w;
+}
+
+@compute @workgroup_size(BR)
+fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let blocks = (p.tq + BR - 1u) / BR;
+    let g = group_id(wid, nwg);
+    let bh = g / blocks;
+    let bi = bh / p.hq;
+    let h = bh % p.hq;
+    let hk = h / (p.hq / p.hkv);
+    let i0 = (g % blocks) * BR;
+    let i = i0 + lid;
+    let live = bh < p.b * p.hq && i < p.tq;
+    var qr: array<vec4<f32>, D4MAX>;
+    var gr: array<vec4<f32>, D4MAX>;
+    var acc: array<vec4<f32>, D4MAX>;
+    var lse_i = 0.0;
+    var delta_i = 0.0;
+    let at = row_at(bi, i, p.tq, h, p.hq);
+    if (live) {
+        for (var d = 0u; d < D4; d++) {
+            qr[d] = q[at + d] * p.scale;
+            gr[d] = d_o[at + d];
+            acc[d] = vec4<f32>(0.0);
+        }
+        let r = (bi * p.hq + h) * p.tq + i;
+        lse_i = lse_in[r];
+        delta_i = delta_in[r];
+    }
+    let end = select(0u, key_end(i0), bh < p.b * p.hq);
+    for (var j0 = 0u; j0 < end; j0 += BC) {
+        stage_kv(bi, hk, j0, lid);
+        workgroupBarrier();
+        if (live) {
+            for (var c = 0u; c < BC; c++) {
+                if (visible(i, j0 + c)) {
+                    var sd = vec4<f32>(0.0);
+                    var pd = vec4<f32>(0.0);
+                    for (var d = 0u; d < D4; d++) {
+                        sd += qr[d] * ta[c * D4 + d];
+                        pd += gr[d] * tb[c * D4 + d];
+                    }
+                    let pij = exp(sd.x + sd.y + sd.z + sd.w - lse_i);
+                    let ds = pij * (pd.x + pd.y + pd.z + pd.w - delta_i);
+                    for (var d = 0u; d < D4; d++) {
+                        acc[d] += ds * ta[c * D4 + d];
+                    }
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    if (live) {
+        for (var d = 0u; d < D4; d++) {
+            dq[at + d] = acc[d] * p.scale;
+        }
+    }
+}
+
+@compute @workgroup_size(BR)
+fn attn_bwd_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) lid: u32) {
+    let blocks = (p.tk + BR - 1u) / BR;
+    let g = group_id(wid, nwg);
+    let bh = g / blocks;
+    let bi = bh / p.hkv;
+    let hk = bh % p.hkv;
+    let j0 = (g % blocks) * BR;
+    let j = j0 + lid;
+    let ok = bh < p.b * p.hkv;
+    let live = ok && j < p.tk;
+    var kr: array<vec4<f32>, D4MAX>;
+    var vr: array<vec4<f32>, D4MAX>;
+    var gk: array<vec4<f32>, D4MAX>;
+    var gv: array<vec4<f32>, D4MAX>;
+    let at = row_at(bi, j, p.tk, hk, p.hkv);
+    if (live) {
+        for (var d = 0u; d < D4; d++) {
+            kr[d] = k[at + d] * p.scale;
+            vr[d] = v[at + d];
+            gk[d] = vec4<f32>(0.0);
+            gv[d] = vec4<f32>(0.0);
+        }
+    }
+    // First query that sees key j0 (causal): i + tk - tq >= j0.
+    var first = 0u;
+    if (p.causal != 0u && j0 + p.tq > p.tk) {
+        first = (j0 + p.tq - p.tk) / BC * BC;
+    }
+    let group = p.hq / p.hkv;
+    let hend = select(0u, group, ok);
+    for (var gi = 0u; gi < hend; gi++) {
+        let h = hk * group + gi;
+        for (var i0 = first; i0 < p.tq; i0 += BC) {
+            for (var t = lid; t < BC * D4; t += BR) {
+                let i = i0 + t / D4;
+                var a = vec4<f32>(0.0);
+                var b = vec4<f32>(0.0);
+                if (i < p.tq) {
+                    let qa = row_at(bi, i, p.tq, h, p.hq) + t % D4;
+                    a = q[qa];
+                    b = d_o[qa];
+                }
+                ta[t] = a;
+                tb[t] = b;
+            }
+            for (var t = lid; t < BC; t += BR) {
+                let i = i0 + t;
+                var a = 0.0;
+                var b = 0.0;
+                if (i < p.tq) {
+                    let r = (bi * p.hq + h) * p.tq + i;
+                    a = lse_in[r];
+                    b = delta_in[r];
+                }
+                ra[t] = a;
+                rb[t] = b;
+            }
+            workgroupBarrier();
+            if (live) {
+                for (var c = 0u; c < BC; c++) {
+                    let i = i0 + c;
+                    if (i < p.tq && visible(i, j)) {
+                        var sd = vec4<f32>(0.0);
+                        var pd = vec4<f32>(0.0);
+                        for (var d = 0u; d < D4; d++) {
+                            sd += kr[d] * ta[c * D4 + d];
+                            pd += vr[d] * tb[c * D4 + d];
+                        }
+                        let pij = exp(sd.x + sd.y + sd.z + sd.w - ra[c]);
+                        let ds = pij * (pd.x + pd.y + pd.z + pd.w - rb[c]);
+                        for (var d = 0u; d < D4; d++) {
+                            gv[d] += pij * tb[c * D4 + d];
+                            gk[d] += ds * ta[c * D4 + d];
+                        }
+                    }
+                }
+            }
+            workgroupBarrier();
+        }
+    }
+    if (live) {
+        for (var d = 0u; d < D4; d++) {
+            dk[at + d] = gk[d] * p.scale;
+            dv[at + d] = gv[d];
+        }
+    }
+}
