@@ -12,9 +12,11 @@
 //! # Ok(()) }
 //! ```
 
+pub mod autograd;
 pub mod check;
 pub mod error;
 pub mod gpu;
+pub mod models;
 pub mod ops;
 pub mod optim;
 pub mod reference;

@@ -88,6 +88,8 @@ pub struct AdamW {
     pub betas: (f64, f64),
     pub eps: f64,
     pub weight_decay: f64,
+    /// Which parameters weight decay applies to (all when empty).
+    pub decay_mask: Vec<bool>,
     step: u32,
     state: Vec<(Tensor, Tensor)>,
 }
@@ -96,7 +98,17 @@ impl AdamW {
     /// PyTorch's defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
     pub fn new(gpu: &Gpu, params: &[&Tensor], lr: f64) -> Result<AdamW> {
         let state = params.iter().map(|p| Ok((zeros_like(gpu, p, "adamw.m")?, zeros_like(gpu, p, "adamw.v")?))).collect::<Result<_>>()?;
-        Ok(AdamW { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01, step: 0, state })
+        Ok(AdamW { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01, decay_mask: Vec::new(), step: 0, state })
+    }
+
+    /// Continues from a checkpoint: the step count and each parameter's (m, v).
+    pub fn restore(&mut self, step: u32, state: Vec<(Tensor, Tensor)>) -> Result<()> {
+        if state.len() != self.state.len() || state.iter().zip(&self.state).any(|(a, b)| a.0.shape() != b.0.shape() || a.1.shape() != b.1.shape()) {
+            return Err(Error::Shape { op: "adamw restore", detail: format!("state for {} parameters, optimizer has {}", state.len(), self.state.len()) });
+        }
+        self.step = step;
+        self.state = state;
+        Ok(())
     }
 
     pub fn steps(&self) -> u32 {
@@ -115,7 +127,8 @@ impl AdamW {
         let t = self.step as i32;
         let (lr, wd, (b1, b2)) = (self.lr, self.weight_decay, self.betas);
         let (bc1, bc2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
-        for ((p, g), (m, v)) in params.iter().zip(grads).zip(&self.state) {
+        for (i, ((p, g), (m, v))) in params.iter().zip(grads).zip(&self.state).enumerate() {
+            let wd = if self.decay_mask.get(i).copied().unwrap_or(true) { wd } else { 0.0 };
             let prm = Params {
                 n: p.numel() as u32,
                 b1: b1 as f32,
@@ -168,5 +181,91 @@ impl Sgd {
             rec.dispatch(&SGD, &c, bytemuck::bytes_of(&prm), &[p, g, buf, scale], Grid::cover(p.numel() as u64, 256))?;
         }
         Ok(())
+    }
+}
+
+/// Learning rate at `step` (0-based): linear warmup from lr / warmup to lr over `warmup`
+/// steps, then a cosine from lr down to `min_lr` at `total` steps (min_lr after that).
+pub fn warmup_cosine(step: u64, lr: f64, min_lr: f64, warmup: u64, total: u64) -> f64 {
+    if step < warmup {
+        return lr * (step + 1) as f64 / warmup as f64;
+    }
+    if step >= total || total <= warmup {
+        return min_lr;
+    }
+    let progress = (step - warmup) as f64 / (total - warmup) as f64;
+    min_lr + 0.5 * (lr - min_lr) * (1.0 + (std::f64::consts::PI * progress).cos())
+}
+
+/// Dynamic loss scaling, as torch.cuda.amp.GradScaler: the loss is multiplied by `scale`
+/// before the backward; a step whose gradients overflow (non-finite norm) is skipped and
+/// the scale halved; after `growth_interval` good steps in a row the scale doubles.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LossScaler {
+    pub scale: f32,
+    pub growth_interval: u32,
+    pub good_steps: u32,
+    /// Off: scale stays 1 and no step is skipped for overflow.
+    pub dynamic: bool,
+}
+
+impl LossScaler {
+    pub fn fixed() -> LossScaler {
+        LossScaler { scale: 1.0, growth_interval: 2000, good_steps: 0, dynamic: false }
+    }
+
+    pub fn dynamic(initial: f32) -> LossScaler {
+        LossScaler { scale: initial, growth_interval: 2000, good_steps: 0, dynamic: true }
+    }
+
+    /// Records whether this step's gradient norm was finite; returns whether to apply the
+    /// optimizer step.
+    pub fn update(&mut self, grad_norm: f32) -> bool {
+        if !self.dynamic {
+            return true;
+        }
+        if !grad_norm.is_finite() {
+            self.scale = (self.scale * 0.5).max(f32::MIN_POSITIVE);
+            self.good_steps = 0;
+            return false;
+        }
+        self.good_steps += 1;
+        if self.good_steps >= self.growth_interval {
+            self.scale = (self.scale * 2.0).min(f32::MAX / 2.0);
+            self.good_steps = 0;
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod schedule_tests {
+    use super::*;
+
+    #[test]
+    fn warmup_then_cosine_to_min() {
+        assert_eq!(warmup_cosine(0, 1.0, 0.1, 10, 110), 0.1);
+        assert_eq!(warmup_cosine(9, 1.0, 0.1, 10, 110), 1.0);
+        assert!((warmup_cosine(10, 1.0, 0.1, 10, 110) - 1.0).abs() < 1e-12);
+        assert!((warmup_cosine(60, 1.0, 0.1, 10, 110) - 0.55).abs() < 1e-12);
+        assert_eq!(warmup_cosine(110, 1.0, 0.1, 10, 110), 0.1);
+        assert_eq!(warmup_cosine(500, 1.0, 0.1, 10, 110), 0.1);
+    }
+
+    #[test]
+    fn loss_scaler_backs_off_and_grows() {
+        let mut s = LossScaler::dynamic(1024.0);
+        s.growth_interval = 3;
+        assert!(!s.update(f32::INFINITY));
+        assert_eq!(s.scale, 512.0);
+        assert!(!s.update(f32::NAN));
+        assert_eq!(s.scale, 256.0);
+        assert!(s.update(1.0) && s.update(1.0));
+        assert_eq!(s.scale, 256.0);
+        assert!(s.update(1.0));
+        assert_eq!(s.scale, 512.0);
+        let mut f = LossScaler::fixed();
+        assert!(f.update(f32::INFINITY));
+        assert_eq!(f.scale, 1.0);
     }
 }

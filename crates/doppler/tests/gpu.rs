@@ -288,3 +288,8 @@ fn training_ops_reject_bad_shapes() {
     let e = msg(gpu.run(|rec| upsample::pixel_shuffle(rec, &f(&[1, 6, 2, 2]), 2).map(|_| ())));
     assert!(e.contains("pixel_shuffle") && e.contains("[1, 6, 2, 2]"), "{e}");
 }
+
+#[test]
+fn whole_model_gradients_match_finite_differences() {
+    assert_checks("transformer gradients", 4);
+}

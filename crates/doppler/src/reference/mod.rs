@@ -15,6 +15,7 @@ pub mod optim;
 pub mod rope;
 pub mod silu;
 pub mod softmax;
+pub mod transformer;
 pub mod upsample;
 
 /// Central finite differences of a scalar function: d f / d x_i ~ (f(x + h e_i) - f(x - h e_i)) / 2h,

@@ -11,6 +11,7 @@ mod dropout;
 mod embedding;
 mod gelu;
 mod groupnorm;
+pub mod model;
 mod norm;
 mod optim;
 mod rope;
@@ -76,6 +77,7 @@ const FAMILIES: &[Family] = &[
     (&["adamw", "sgd"], optim::checks),
     (&["dropout"], dropout::checks),
     (&["attention"], attention::checks),
+    (&["transformer gradients"], model::checks),
     (&["bias_add"], bias::checks),
     (&["pixel_shuffle", "upsample_nearest2d"], upsample::checks),
 ];

@@ -1,0 +1,448 @@
+//! Autograd tape. Ops record as they run (the forward is real work on the GPU, not a
+//! graph to compile); [`Tape::backward`] walks the records once in reverse. Every
+//! derivative rule is one arm of the match in `backward`, with its formula in a comment;
+//! the kernels behind the rules live in `ops/` next to their forwards.
+//!
+//! Parameters live in a [`ParamStore`]: their gradients accumulate there across backward
+//! passes (micro-batches) until [`ParamStore::zero_grad`]. Activations are owned by the
+//! tape and dropped as soon as the backward walk has passed every op that needs them.
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::gpu::{DType, Recorder, Tensor};
+use crate::ops::attention::{self, AttnOpts, AttnOut};
+use crate::ops::cross_entropy::{self as ce, CrossEntropyOpts, CrossEntropyOut, Upstream};
+use crate::ops::gelu::{self, GeluMode};
+use crate::ops::matmul::{matmul, matmul_into, MatmulOpts};
+use crate::ops::norm::{self, NormOut};
+use crate::ops::rope::{self, Pairing, RopeTable};
+use crate::ops::{bias, dropout, elementwise, embedding, silu};
+
+/// A value on the tape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Var(usize);
+
+/// Named trainable tensors and their accumulated gradients.
+#[derive(Default)]
+pub struct ParamStore {
+    pub names: Vec<String>,
+    pub values: Vec<Tensor>,
+    pub grads: Vec<Option<Tensor>>,
+}
+
+impl ParamStore {
+    pub fn push(&mut self, name: impl Into<String>, value: Tensor) -> usize {
+        self.names.push(name.into());
+        self.values.push(value);
+        self.grads.push(None);
+        self.values.len() - 1
+    }
+
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    pub fn index(&self, name: &str) -> Option<usize> {
+        self.names.iter().position(|n| n == name)
+    }
+
+    /// Forgets accumulated gradients (the next backward writes fresh ones).
+    pub fn zero_grad(&mut self) {
+        self.grads.iter_mut().for_each(|g| *g = None);
+    }
+
+    /// Total number of scalars.
+    pub fn numel(&self) -> usize {
+        self.values.iter().map(Tensor::numel).sum()
+    }
+}
+
+/// How a value was made; what its backward needs is saved here.
+enum Op {
+    /// An input, a parameter (its index in the store), or a value with no gradient.
+    Leaf { param: Option<usize> },
+    Reshape { x: Var },
+    /// a + b, same shapes.
+    Add { a: Var, b: Var },
+    Scale { x: Var, alpha: f32 },
+    /// x (..., in) @ w^T (out, in) + b (out)
+    Linear { x: Var, w: Var, b: Option<Var> },
+    /// table (V, H) gathered at ids (...) u32.
+    Embedding { table: Var, ids: Tensor },
+    LayerNorm { x: Var, w: Var, b: Var, out: NormOut },
+    RmsNorm { x: Var, w: Var, out: NormOut, one_plus: bool },
+    Gelu { x: Var, mode: GeluMode },
+    Silu { x: Var },
+    SwiGlu { a: Var, b: Var },
+    Rope { x: Var, table: Arc<RopeTable>, offset: usize, pairing: Pairing },
+    Attention { q: Var, k: Var, v: Var, out: AttnOut, opts: AttnOpts },
+    Dropout { x: Var, p: f64, seed: u64 },
+    /// Mean cross-entropy of logits (..., V) against targets (...); the value is the
+    /// (mean, count) pair the kernel writes.
+    CrossEntropy { logits: Var, targets: Tensor, out: CrossEntropyOut, opts: CrossEntropyOpts },
+}
+
+pub struct Tape {
+    values: Vec<Option<Tensor>>,
+    ops: Vec<Op>,
+    needs_grad: Vec<bool>,
+    grad_enabled: bool,
+}
+
+impl Default for Tape {
+    fn default() -> Self {
+        Tape::new()
+    }
+}
+
+impl Tape {
+    pub fn new() -> Tape {
+        Tape { values: Vec::new(), ops: Vec::new(), needs_grad: Vec::new(), grad_enabled: true }
+    }
+
+    /// Number of values recorded.
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    /// Values still held (the backward walk drops them as it goes).
+    pub fn live_values(&self) -> usize {
+        self.values.iter().filter(|v| v.is_some()).count()
+    }
+
+    /// Whether ops record what their backward needs. Off: a no-grad region (evaluation,
+    /// generation); values still flow.
+    pub fn set_grad_enabled(&mut self, on: bool) {
+        self.grad_enabled = on;
+    }
+
+    pub fn grad_enabled(&self) -> bool {
+        self.grad_enabled
+    }
+
+    /// The tensor behind `v`.
+    pub fn value(&self, v: Var) -> Result<&Tensor> {
+        self.values[v.0]
+            .as_ref()
+            .ok_or_else(|| Error::Invalid { op: "tape", detail: format!("value {} was freed by backward", v.0) })
+    }
+
+    fn push(&mut self, value: Tensor, op: Op, inputs: &[Var]) -> Var {
+        let needs = self.grad_enabled && inputs.iter().any(|i| self.needs_grad[i.0]);
+        let op = if needs { op } else { Op::Leaf { param: None } };
+        self.values.push(Some(value));
+        self.ops.push(op);
+        self.needs_grad.push(needs);
+        Var(self.values.len() - 1)
+    }
+
+    /// An input that gets no gradient.
+    pub fn input(&mut self, t: Tensor) -> Var {
+        self.values.push(Some(t));
+        self.ops.push(Op::Leaf { param: None });
+        self.needs_grad.push(false);
+        Var(self.values.len() - 1)
+    }
+
+    /// Parameter `i` of `store`; its gradient accumulates into `store.grads[i]`.
+    pub fn param(&mut self, store: &ParamStore, i: usize) -> Var {
+        self.values.push(Some(store.values[i].clone()));
+        self.ops.push(Op::Leaf { param: Some(i) });
+        self.needs_grad.push(self.grad_enabled);
+        Var(self.values.len() - 1)
+    }
+
+    /// The same value, with no gradient flowing back through it.
+    pub fn stop_gradient(&mut self, x: Var) -> Result<Var> {
+        let t = self.value(x)?.clone();
+        Ok(self.input(t))
+    }
+
+    fn vals<const N: usize>(&self, vs: [Var; N]) -> Result<[Tensor; N]> {
+        let mut out: [Option<Tensor>; N] = std::array::from_fn(|_| None);
+        for (o, v) in out.iter_mut().zip(vs) {
+            *o = Some(self.value(v)?.clone());
+        }
+        Ok(out.map(|t| t.unwrap()))
+    }
+
+    pub fn reshape(&mut self, x: Var, shape: &[usize]) -> Result<Var> {
+        let y = self.value(x)?.reshape(shape)?;
+        Ok(self.push(y, Op::Reshape { x }, &[x]))
+    }
+
+    pub fn add(&mut self, rec: &mut Recorder<'_>, a: Var, b: Var) -> Result<Var> {
+        let [ta, tb] = self.vals([a, b])?;
+        let y = elementwise::add(rec, &ta, &tb)?;
+        Ok(self.push(y, Op::Add { a, b }, &[a, b]))
+    }
+
+    pub fn scale(&mut self, rec: &mut Recorder<'_>, x: Var, alpha: f32) -> Result<Var> {
+        let [tx] = self.vals([x])?;
+        let y = elementwise::scale(rec, &tx, alpha)?;
+        Ok(self.push(y, Op::Scale { x, alpha }, &[x]))
+    }
+
+    /// x (..., in) @ w^T + b with w (out, in), as torch.nn.Linear.
+    pub fn linear(&mut self, rec: &mut Recorder<'_>, x: Var, w: Var, b: Option<Var>) -> Result<Var> {
+        let [tx, tw] = self.vals([x, w])?;
+        let (x2, out) = flat_rows("linear", &tx, &tw)?;
+        let mut y = matmul(rec, &x2, &tw, MatmulOpts { trans_b: true, ..Default::default() })?;
+        if let Some(b) = b {
+            y = bias::bias_add(rec, &y, self.value(b)?)?;
+        }
+        let y = y.reshape(&out)?;
+        let inputs: Vec<Var> = [x, w].into_iter().chain(b).collect();
+        Ok(self.push(y, Op::Linear { x, w, b }, &inputs))
+    }
+
+    /// Rows of `table` (V, H) at `ids` (...): (..., H).
+    pub fn embedding(&mut self, rec: &mut Recorder<'_>, table: Var, ids: &Tensor) -> Result<Var> {
+        let [tt] = self.vals([table])?;
+        let y = embedding::embedding(rec, &tt, ids)?;
+        Ok(self.push(y, Op::Embedding { table, ids: ids.clone() }, &[table]))
+    }
+
+    pub fn layer_norm(&mut self, rec: &mut Recorder<'_>, x: Var, w: Var, b: Var, eps: f32) -> Result<Var> {
+        let [tx, tw, tb] = self.vals([x, w, b])?;
+        let out = norm::layer_norm(rec, &tx, &tw, &tb, eps)?;
+        let y = out.y.clone();
+        Ok(self.push(y, Op::LayerNorm { x, w, b, out }, &[x, w, b]))
+    }
+
+    pub fn rms_norm(&mut self, rec: &mut Recorder<'_>, x: Var, w: Var, eps: f32, one_plus: bool) -> Result<Var> {
+        let [tx, tw] = self.vals([x, w])?;
+        let out = norm::rms_norm(rec, &tx, &tw, eps, one_plus)?;
+        let y = out.y.clone();
+        Ok(self.push(y, Op::RmsNorm { x, w, out, one_plus }, &[x, w]))
+    }
+
+    pub fn gelu(&mut self, rec: &mut Recorder<'_>, x: Var, mode: GeluMode) -> Result<Var> {
+        let [tx] = self.vals([x])?;
+        let y = gelu::gelu(rec, &tx, mode)?;
+        Ok(self.push(y, Op::Gelu { x, mode }, &[x]))
+    }
+
+    pub fn silu(&mut self, rec: &mut Recorder<'_>, x: Var) -> Result<Var> {
+        let [tx] = self.vals([x])?;
+        let y = silu::silu(rec, &tx)?;
+        Ok(self.push(y, Op::Silu { x }, &[x]))
+    }
+
+    /// silu(a) * b
+    pub fn swiglu(&mut self, rec: &mut Recorder<'_>, a: Var, b: Var) -> Result<Var> {
+        let [ta, tb] = self.vals([a, b])?;
+        let y = silu::swiglu(rec, &ta, &tb)?;
+        Ok(self.push(y, Op::SwiGlu { a, b }, &[a, b]))
+    }
+
+    /// x (..., T, H, Dh) turned by the angles of positions offset.. offset + T.
+    pub fn rope(&mut self, rec: &mut Recorder<'_>, x: Var, table: &Arc<RopeTable>, offset: usize, pairing: Pairing) -> Result<Var> {
+        let [tx] = self.vals([x])?;
+        let y = rope::rope(rec, &tx, table, offset, pairing)?;
+        Ok(self.push(y, Op::Rope { x, table: table.clone(), offset, pairing }, &[x]))
+    }
+
+    /// q (B, Tq, Hq, D), k and v (B, Tk, Hkv, D) -> (B, Tq, Hq, D).
+    pub fn attention(&mut self, rec: &mut Recorder<'_>, q: Var, k: Var, v: Var, opts: AttnOpts) -> Result<Var> {
+        let [tq, tk, tv] = self.vals([q, k, v])?;
+        let out = attention::attention(rec, &tq, &tk, &tv, opts)?;
+        let y = out.o.clone();
+        Ok(self.push(y, Op::Attention { q, k, v, out, opts }, &[q, k, v]))
+    }
+
+    /// Inverted dropout with a seeded mask; identity when p == 0.
+    pub fn dropout(&mut self, rec: &mut Recorder<'_>, x: Var, p: f64, seed: u64) -> Result<Var> {
+        if p == 0.0 {
+            return Ok(x);
+        }
+        let [tx] = self.vals([x])?;
+        let y = dropout::dropout(rec, &tx, p, seed)?;
+        Ok(self.push(y, Op::Dropout { x, p, seed }, &[x]))
+    }
+
+    /// Mean cross-entropy over non-ignored tokens; the value is (mean, count).
+    pub fn cross_entropy(&mut self, rec: &mut Recorder<'_>, logits: Var, targets: &Tensor, opts: CrossEntropyOpts) -> Result<Var> {
+        let [tl] = self.vals([logits])?;
+        let out = ce::cross_entropy(rec, &tl, targets, opts)?;
+        let y = out.stats.clone();
+        Ok(self.push(y, Op::CrossEntropy { logits, targets: targets.clone(), out, opts }, &[logits]))
+    }
+
+    /// Backpropagates from `loss` (a cross-entropy value) with upstream gradient `seed`
+    /// (1, or the loss scale, or 1 / micro-batches), accumulating into `store`'s gradients.
+    /// The tape is consumed: every activation is dropped once no later rule needs it.
+    pub fn backward(mut self, rec: &mut Recorder<'_>, loss: Var, seed: f32, store: &mut ParamStore) -> Result<()> {
+        if !matches!(self.ops[loss.0], Op::CrossEntropy { .. }) {
+            return Err(Error::Invalid { op: "backward", detail: "the loss must be a cross-entropy value".into() });
+        }
+        let n = self.values.len();
+        let mut grads: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
+        grads[loss.0] = Some(Tensor::from_f32(rec.gpu(), &[1], &[seed], "backward.seed")?);
+        for i in (0..=loss.0).rev() {
+            let op = std::mem::replace(&mut self.ops[i], Op::Leaf { param: None });
+            let g = grads[i].take();
+            let value = self.values[i].take();
+            let Some(g) = g else { continue };
+            if !self.needs_grad[i] {
+                continue;
+            }
+            // (input, its gradient contribution), summed into `grads` after the rule.
+            let mut contrib: Vec<(Var, Tensor)> = Vec::new();
+            match op {
+                Op::Leaf { param: Some(p) } => {
+                    // Parameters: g accumulates across backward passes. A first gradient is
+                    // copied, since g may share its buffer with another value's gradient and
+                    // stored gradients are later accumulated into in place.
+                    store.grads[p] = Some(match store.grads[p].take() {
+                        None => {
+                            let own = Tensor::empty(rec.gpu(), g.shape(), DType::F32, "grad")?;
+                            rec.copy(&g, &own)?;
+                            own
+                        }
+                        Some(prev) => elementwise::add(rec, &prev, &g)?,
+                    });
+                }
+                Op::Leaf { param: None } => {}
+                // d reshape(x) = reshape^-1(g)
+                Op::Reshape { x } => {
+                    let shape = self.value(x)?.shape().to_vec();
+                    contrib.push((x, g.reshape(&shape)?));
+                }
+                // d(a + b) = (g, g)
+                Op::Add { a, b } => {
+                    contrib.push((a, g.clone()));
+                    contrib.push((b, g));
+                }
+                // d(alpha x) = alpha g
+                Op::Scale { x, alpha } => contrib.push((x, elementwise::scale(rec, &g, alpha)?)),
+                // y = x w^T + b:  dx = g w,  dw = g^T x,  db = sum over rows of g
+                Op::Linear { x, w, b } => {
+                    let [tx, tw] = self.vals([x, w])?;
+                    let (x2, _) = flat_rows("linear", &tx, &tw)?;
+                    let g2 = g.reshape(&[x2.shape()[0], tw.shape()[0]])?;
+                    if self.needs_grad[x.0] {
+                        let dx = matmul(rec, &g2, &tw, MatmulOpts::default())?;
+                        contrib.push((x, dx.reshape(tx.shape())?));
+                    }
+                    let at = MatmulOpts { trans_a: true, ..Default::default() };
+                    match self.param_of(w) {
+                        // Straight into the stored gradient (beta = 1 adds to it).
+                        Some(p) => match &store.grads[p] {
+                            Some(acc) => matmul_into(rec, &g2, &x2, acc, at, 1.0)?,
+                            None => store.grads[p] = Some(matmul(rec, &g2, &x2, at)?),
+                        },
+                        None => contrib.push((w, matmul(rec, &g2, &x2, at)?)),
+                    }
+                    if let Some(b) = b {
+                        contrib.push((b, bias::bias_add_backward(rec, &g2)?));
+                    }
+                }
+                // y = table[ids]:  dtable[v] = sum of g over the positions holding id v
+                Op::Embedding { table, ids } => {
+                    let tt = self.value(table)?.clone();
+                    match self.param_of(table) {
+                        Some(p) => match &store.grads[p] {
+                            Some(acc) => embedding::embedding_backward_into(rec, &ids, &g, acc, true)?,
+                            None => store.grads[p] = Some(embedding::embedding_backward(rec, &ids, &g, tt.shape()[0])?),
+                        },
+                        None => contrib.push((table, embedding::embedding_backward(rec, &ids, &g, tt.shape()[0])?)),
+                    }
+                }
+                // Formulas in norm.wgsl.
+                Op::LayerNorm { x, w, b, out } => {
+                    let [tx, tw] = self.vals([x, w])?;
+                    let gr = norm::layer_norm_backward(rec, &tx, &tw, &out, &g)?;
+                    contrib.push((x, gr.dx));
+                    contrib.push((w, gr.dw));
+                    if let Some(db) = gr.db {
+                        contrib.push((b, db));
+                    }
+                }
+                Op::RmsNorm { x, w, out, one_plus } => {
+                    let [tx, tw] = self.vals([x, w])?;
+                    let gr = norm::rms_norm_backward(rec, &tx, &tw, &out, &g, one_plus)?;
+                    contrib.push((x, gr.dx));
+                    contrib.push((w, gr.dw));
+                }
+                // dx = g * gelu'(x)   (gelu.wgsl)
+                Op::Gelu { x, mode } => {
+                    let [tx] = self.vals([x])?;
+                    contrib.push((x, gelu::gelu_backward(rec, &tx, &g, mode)?));
+                }
+                // dx = g * silu'(x)   (silu.wgsl)
+                Op::Silu { x } => {
+                    let [tx] = self.vals([x])?;
+                    contrib.push((x, silu::silu_backward(rec, &tx, &g)?));
+                }
+                // da = g * b * silu'(a),  db = g * silu(a)
+                Op::SwiGlu { a, b } => {
+                    let [ta, tb] = self.vals([a, b])?;
+                    let (da, db) = silu::swiglu_backward(rec, &ta, &tb, &g)?;
+                    contrib.push((a, da));
+                    contrib.push((b, db));
+                }
+                // The rotation's transpose: turn g by the negative angles.
+                Op::Rope { x, table, offset, pairing } => {
+                    contrib.push((x, rope::rope_backward(rec, &g, &table, offset, pairing)?));
+                }
+                // Formulas in attention.wgsl (recomputes the probabilities from lse).
+                Op::Attention { q, k, v, out, opts } => {
+                    let [tq, tk, tv] = self.vals([q, k, v])?;
+                    let gr = attention::attention_backward(rec, &tq, &tk, &tv, &out, &g, opts)?;
+                    contrib.push((q, gr.dq));
+                    contrib.push((k, gr.dk));
+                    contrib.push((v, gr.dv));
+                }
+                // dx = g * mask / (1 - p), the mask regenerated from the seed
+                Op::Dropout { x, p, seed } => contrib.push((x, dropout::dropout_backward(rec, &g, p, seed)?)),
+                // dlogits = (softmax(logits) - onehot) * g / count
+                Op::CrossEntropy { logits, targets, out, opts } => {
+                    let [tl] = self.vals([logits])?;
+                    let dl = ce::cross_entropy_backward(rec, &tl, &targets, &out, Upstream::Mean(&g), opts)?;
+                    contrib.push((logits, dl));
+                }
+            }
+            for (v, dv) in contrib {
+                if !self.needs_grad[v.0] {
+                    continue;
+                }
+                grads[v.0] = Some(match grads[v.0].take() {
+                    None => dv,
+                    Some(prev) => elementwise::add(rec, &prev, &dv)?,
+                });
+            }
+            drop(value);
+        }
+        Ok(())
+    }
+
+    fn param_of(&self, v: Var) -> Option<usize> {
+        match self.ops[v.0] {
+            Op::Leaf { param } => param,
+            _ => None,
+        }
+    }
+}
+
+/// x (..., in) as (rows, in) and the output shape (..., out) for w (out, in).
+fn flat_rows(op: &'static str, x: &Tensor, w: &Tensor) -> Result<(Tensor, Vec<usize>)> {
+    let (Some(&din), [dout, win]) = (x.shape().last(), w.shape()) else {
+        return Err(Error::Shape { op, detail: format!("x {:?}, w {:?}: expected x (..., in), w (out, in)", x.shape(), w.shape()) });
+    };
+    if din != *win || x.dtype() != DType::F32 {
+        return Err(Error::Shape { op, detail: format!("x {:?} vs w {:?} (out, in)", x.shape(), w.shape()) });
+    }
+    let mut out = x.shape().to_vec();
+    *out.last_mut().unwrap() = *dout;
+    Ok((x.reshape(&[x.numel() / din, din])?, out))
+}

@@ -1,0 +1,3 @@
+//! Model definitions built from the ops and recorded on the autograd tape.
+
+pub mod transformer;

@@ -1,0 +1,352 @@
+//! A decoder-only transformer for training, in two flavours:
+//! - `gpt2`: LayerNorm, GELU (tanh), learned positions, biases, tied embeddings;
+//! - `llama`: RMSNorm, RoPE (rotate-half pairing), SwiGLU, grouped-query attention, no biases.
+//! Every op records on an autograd [`Tape`]; the backward is the tape's.
+//!
+//! Shapes: B batch, T time, C = n_embd, H heads, Hkv key/value heads, D = C / H, V vocab.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::autograd::{ParamStore, Tape, Var};
+use crate::check::Rng;
+use crate::error::{Error, Result};
+use crate::gpu::{Gpu, Recorder, Tensor};
+use crate::ops::attention::{AttnOpts, MAX_HEAD_DIM};
+use crate::ops::cross_entropy::CrossEntropyOpts;
+use crate::ops::gelu::GeluMode;
+use crate::ops::rope::{Pairing, RopeTable};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    Gpt2,
+    Llama,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    /// Set from the tokenizer when training.
+    #[serde(default)]
+    pub vocab_size: usize,
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub n_head: usize,
+    /// Key/value heads (grouped-query attention); n_head when absent. Llama only.
+    #[serde(default)]
+    pub n_kv_head: Option<usize>,
+    /// Longest sequence (positions).
+    pub block_size: usize,
+    /// MLP hidden width; 4 C for gpt2, 8/3 C rounded up to a multiple of 32 for llama.
+    #[serde(default)]
+    pub ffn_hidden: Option<usize>,
+    #[serde(default = "default_eps")]
+    pub norm_eps: f32,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    /// Output head shares the token embedding; gpt2: always; llama: default false.
+    #[serde(default)]
+    pub tie_embeddings: Option<bool>,
+    #[serde(default)]
+    pub dropout: f64,
+}
+
+fn default_eps() -> f32 {
+    1e-5
+}
+
+fn default_theta() -> f64 {
+    10000.0
+}
+
+impl ModelConfig {
+    pub fn kv_heads(&self) -> usize {
+        self.n_kv_head.unwrap_or(self.n_head)
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head.max(1)
+    }
+
+    pub fn hidden(&self) -> usize {
+        self.ffn_hidden.unwrap_or(match self.arch {
+            Arch::Gpt2 => 4 * self.n_embd,
+            Arch::Llama => (8 * self.n_embd / 3).next_multiple_of(32),
+        })
+    }
+
+    pub fn tied(&self) -> bool {
+        match self.arch {
+            Arch::Gpt2 => true,
+            Arch::Llama => self.tie_embeddings.unwrap_or(false),
+        }
+    }
+
+    /// Every constraint the kernels put on the shapes, as one clear error.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |why: String| Err(Error::Invalid { op: "model config", detail: why });
+        if self.vocab_size == 0 || self.n_layer == 0 || self.n_embd == 0 || self.n_head == 0 || self.block_size == 0 {
+            return bad(format!(
+                "vocab_size {}, n_layer {}, n_embd {}, n_head {}, block_size {} must all be positive",
+                self.vocab_size, self.n_layer, self.n_embd, self.n_head, self.block_size
+            ));
+        }
+        if self.n_embd % self.n_head != 0 {
+            return bad(format!("n_embd {} is not a multiple of n_head {}", self.n_embd, self.n_head));
+        }
+        let d = self.head_dim();
+        if d % 4 != 0 || d > MAX_HEAD_DIM {
+            return bad(format!("head dim {d} (n_embd / n_head) must be a multiple of 4 up to {MAX_HEAD_DIM}"));
+        }
+        let kv = self.kv_heads();
+        if kv == 0 || self.n_head % kv != 0 {
+            return bad(format!("n_head {} is not a multiple of n_kv_head {kv}", self.n_head));
+        }
+        if self.arch == Arch::Gpt2 && (self.n_kv_head.is_some_and(|k| k != self.n_head) || self.tie_embeddings == Some(false)) {
+            return bad("gpt2 has n_kv_head = n_head and tied embeddings".into());
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return bad(format!("dropout {} not in [0, 1)", self.dropout));
+        }
+        Ok(())
+    }
+}
+
+/// The weights (in a [`ParamStore`]) and the constant tables of a model.
+pub struct Transformer {
+    pub cfg: ModelConfig,
+    pub params: ParamStore,
+    index: HashMap<String, usize>,
+    rope: Option<Arc<RopeTable>>,
+}
+
+/// (name, shape, init) of every parameter, in store order. Init: normal std, or a constant.
+enum Init {
+    Normal(f64),
+    Const(f32),
+}
+
+fn layout(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
+    let (c, v, f, d) = (cfg.n_embd, cfg.vocab_size, cfg.hidden(), cfg.head_dim());
+    let kvc = cfg.kv_heads() * d;
+    // GPT-2's init: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer).
+    let std = 0.02;
+    let proj = std / (2.0 * cfg.n_layer as f64).sqrt();
+    let mut out: Vec<(String, Vec<usize>, Init)> = vec![("tok_emb".into(), vec![v, c], Init::Normal(std))];
+    let gpt = cfg.arch == Arch::Gpt2;
+    if gpt {
+        out.push(("pos_emb".into(), vec![cfg.block_size, c], Init::Normal(0.01)));
+    }
+    for l in 0..cfg.n_layer {
+        let n = |s: &str| format!("blocks.{l}.{s}");
+        if gpt {
+            out.push((n("ln1.weight"), vec![c], Init::Const(1.0)));
+            out.push((n("ln1.bias"), vec![c], Init::Const(0.0)));
+        } else {
+            out.push((n("attn_norm.weight"), vec![c], Init::Const(1.0)));
+        }
+        for (name, rows) in [("q", c), ("k", kvc), ("v", kvc)] {
+            out.push((n(&format!("attn.{name}.weight")), vec![rows, c], Init::Normal(std)));
+            if gpt {
+                out.push((n(&format!("attn.{name}.bias")), vec![rows], Init::Const(0.0)));
+            }
+        }
+        out.push((n("attn.o.weight"), vec![c, c], Init::Normal(proj)));
+        if gpt {
+            out.push((n("attn.o.bias"), vec![c], Init::Const(0.0)));
+            out.push((n("ln2.weight"), vec![c], Init::Const(1.0)));
+            out.push((n("ln2.bias"), vec![c], Init::Const(0.0)));
+            out.push((n("mlp.fc.weight"), vec![f, c], Init::Normal(std)));
+            out.push((n("mlp.fc.bias"), vec![f], Init::Const(0.0)));
+            out.push((n("mlp.proj.weight"), vec![c, f], Init::Normal(proj)));
+            out.push((n("mlp.proj.bias"), vec![c], Init::Const(0.0)));
+        } else {
+            out.push((n("mlp_norm.weight"), vec![c], Init::Const(1.0)));
+            out.push((n("mlp.gate.weight"), vec![f, c], Init::Normal(std)));
+            out.push((n("mlp.up.weight"), vec![f, c], Init::Normal(std)));
+            out.push((n("mlp.down.weight"), vec![c, f], Init::Normal(proj)));
+        }
+    }
+    out.push(("norm.weight".into(), vec![c], Init::Const(1.0)));
+    if gpt {
+        out.push(("norm.bias".into(), vec![c], Init::Const(0.0)));
+    }
+    if !cfg.tied() {
+        out.push(("lm_head.weight".into(), vec![v, c], Init::Normal(std)));
+    }
+    out
+}
+
+/// Standard normal draws from the seeded generator (Box-Muller in f64).
+fn normals(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let u1 = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+            let u2 = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+            let r = (-2.0 * (1.0 - u1).ln()).sqrt();
+            (std * r * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+        })
+        .collect()
+}
+
+impl Transformer {
+    /// Fresh weights from `seed`.
+    pub fn new(gpu: &Gpu, cfg: &ModelConfig, seed: u64) -> Result<Transformer> {
+        cfg.validate()?;
+        let mut rng = Rng::new(seed);
+        let weights = layout(cfg)
+            .into_iter()
+            .map(|(name, shape, init)| {
+                let n: usize = shape.iter().product();
+                let data = match init {
+                    Init::Normal(std) => normals(&mut rng, n, std),
+                    Init::Const(c) => vec![c; n],
+                };
+                (name, shape, data)
+            })
+            .collect();
+        Transformer::from_weights(gpu, cfg, weights)
+    }
+
+    /// The expected (name, shape) of every weight, in store order.
+    pub fn expected(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+        layout(cfg).into_iter().map(|(n, s, _)| (n, s)).collect()
+    }
+
+    /// A model from named f32 weights; every expected name must be present with its shape.
+    pub fn from_weights(gpu: &Gpu, cfg: &ModelConfig, mut weights: Vec<(String, Vec<usize>, Vec<f32>)>) -> Result<Transformer> {
+        cfg.validate()?;
+        let mut params = ParamStore::default();
+        let mut index = HashMap::new();
+        for (name, shape) in Transformer::expected(cfg) {
+            let Some(pos) = weights.iter().position(|w| w.0 == name) else {
+                return Err(Error::Invalid { op: "model weights", detail: format!("missing tensor {name} {shape:?}") });
+            };
+            let (_, got, data) = weights.swap_remove(pos);
+            if got != shape {
+                return Err(Error::Invalid { op: "model weights", detail: format!("{name}: shape {got:?}, config expects {shape:?}") });
+            }
+            index.insert(name.clone(), params.push(name.clone(), Tensor::from_f32(gpu, &shape, &data, &name)?));
+        }
+        if let Some(extra) = weights.first() {
+            return Err(Error::Invalid { op: "model weights", detail: format!("unexpected tensor {} for this config", extra.0) });
+        }
+        let rope = match cfg.arch {
+            Arch::Llama => Some(Arc::new(RopeTable::new(gpu, cfg.block_size, cfg.head_dim(), cfg.rope_theta)?)),
+            Arch::Gpt2 => None,
+        };
+        Ok(Transformer { cfg: cfg.clone(), params, index, rope })
+    }
+
+    fn p(&self, tape: &mut Tape, name: &str) -> Var {
+        tape.param(&self.params, self.index[name])
+    }
+
+    /// Logits (B, T, V) for token ids (B, T) u32. `dropout_seed` varies the dropout masks
+    /// per step (unused when the config's dropout is 0).
+    pub fn logits(&self, tape: &mut Tape, rec: &mut Recorder<'_>, ids: &Tensor, dropout_seed: u64) -> Result<Var> {
+        let cfg = &self.cfg;
+        let [b, t] = *ids.shape() else {
+            return Err(Error::Shape { op: "transformer", detail: format!("ids {:?}, expected (B, T)", ids.shape()) });
+        };
+        if t == 0 || t > cfg.block_size {
+            return Err(Error::Shape { op: "transformer", detail: format!("sequence length {t} not in 1..={}", cfg.block_size) });
+        }
+        let (c, h, hkv, d) = (cfg.n_embd, cfg.n_head, cfg.kv_heads(), cfg.head_dim());
+        let gpt = cfg.arch == Arch::Gpt2;
+        let drop = cfg.dropout;
+        let seed = |i: u64| dropout_seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(i);
+        let emb = self.p(tape, "tok_emb");
+        let mut x = tape.embedding(rec, emb, ids)?; // (B, T, C)
+        if gpt {
+            let pos: Vec<u32> = (0..b * t).map(|i| (i % t) as u32).collect();
+            let pos = Tensor::from_u32(rec.gpu(), &[b, t], &pos, "positions")?;
+            let pe = self.p(tape, "pos_emb");
+            let pe = tape.embedding(rec, pe, &pos)?;
+            x = tape.add(rec, x, pe)?;
+        }
+        x = tape.dropout(rec, x, drop, seed(0))?;
+        let eps = cfg.norm_eps;
+        let attn = AttnOpts { causal: true, scale: None };
+        for l in 0..cfg.n_layer {
+            let n = |s: &str| format!("blocks.{l}.{s}");
+            // Attention: x += o(attention(q(h), k(h), v(h))), h = norm(x)
+            let hn = if gpt {
+                let (w, bb) = (self.p(tape, &n("ln1.weight")), self.p(tape, &n("ln1.bias")));
+                tape.layer_norm(rec, x, w, bb, eps)?
+            } else {
+                let w = self.p(tape, &n("attn_norm.weight"));
+                tape.rms_norm(rec, x, w, eps, false)?
+            };
+            let proj = |tape: &mut Tape, rec: &mut Recorder<'_>, name: &str, heads: usize| -> Result<Var> {
+                let w = self.p(tape, &n(&format!("attn.{name}.weight")));
+                let bias = gpt.then(|| self.p(tape, &n(&format!("attn.{name}.bias"))));
+                let y = tape.linear(rec, hn, w, bias)?;
+                tape.reshape(y, &[b, t, heads, d]) // (B, T, heads, D)
+            };
+            let mut q = proj(tape, rec, "q", h)?;
+            let mut k = proj(tape, rec, "k", hkv)?;
+            let v = proj(tape, rec, "v", hkv)?;
+            if let Some(table) = &self.rope {
+                q = tape.rope(rec, q, table, 0, Pairing::Half)?;
+                k = tape.rope(rec, k, table, 0, Pairing::Half)?;
+            }
+            let a = tape.attention(rec, q, k, v, attn)?; // (B, T, H, D)
+            let a = tape.reshape(a, &[b, t, c])?;
+            let (w, bb) = (self.p(tape, &n("attn.o.weight")), gpt.then(|| self.p(tape, &n("attn.o.bias"))));
+            let o = tape.linear(rec, a, w, bb)?;
+            let o = tape.dropout(rec, o, drop, seed(2 * l as u64 + 1))?;
+            x = tape.add(rec, x, o)?;
+            // MLP: x += down(act(up(norm(x))))
+            let m = if gpt {
+                let (w, bb) = (self.p(tape, &n("ln2.weight")), self.p(tape, &n("ln2.bias")));
+                let hn = tape.layer_norm(rec, x, w, bb, eps)?;
+                let (w, bb) = (self.p(tape, &n("mlp.fc.weight")), self.p(tape, &n("mlp.fc.bias")));
+                let u = tape.linear(rec, hn, w, Some(bb))?; // (B, T, F)
+                let u = tape.gelu(rec, u, GeluMode::Tanh)?;
+                let (w, bb) = (self.p(tape, &n("mlp.proj.weight")), self.p(tape, &n("mlp.proj.bias")));
+                tape.linear(rec, u, w, Some(bb))?
+            } else {
+                let w = self.p(tape, &n("mlp_norm.weight"));
+                let hn = tape.rms_norm(rec, x, w, eps, false)?;
+                let (wg, wu) = (self.p(tape, &n("mlp.gate.weight")), self.p(tape, &n("mlp.up.weight")));
+                let gate = tape.linear(rec, hn, wg, None)?; // (B, T, F)
+                let up = tape.linear(rec, hn, wu, None)?;
+                let u = tape.swiglu(rec, gate, up)?;
+                let w = self.p(tape, &n("mlp.down.weight"));
+                tape.linear(rec, u, w, None)?
+            };
+            let m = tape.dropout(rec, m, drop, seed(2 * l as u64 + 2))?;
+            x = tape.add(rec, x, m)?;
+        }
+        let w = self.p(tape, "norm.weight");
+        x = if gpt {
+            let bb = self.p(tape, "norm.bias");
+            tape.layer_norm(rec, x, w, bb, eps)?
+        } else {
+            tape.rms_norm(rec, x, w, eps, false)?
+        };
+        let head = self.p(tape, if cfg.tied() { "tok_emb" } else { "lm_head.weight" });
+        tape.linear(rec, x, head, None) // (B, T, V)
+    }
+
+    /// Mean next-token cross-entropy of ids (B, T) against targets (B, T); the value is
+    /// (mean, count).
+    pub fn loss(&self, tape: &mut Tape, rec: &mut Recorder<'_>, ids: &Tensor, targets: &Tensor, dropout_seed: u64) -> Result<Var> {
+        let logits = self.logits(tape, rec, ids, dropout_seed)?;
+        let v = self.cfg.vocab_size;
+        let flat = tape.reshape(logits, &[ids.numel(), v])?;
+        let targets = targets.reshape(&[ids.numel()])?;
+        tape.cross_entropy(rec, flat, &targets, CrossEntropyOpts::default())
+    }
+
+    /// Weights and biases that AdamW decays (matrices, embeddings); norms' gains and biases
+    /// are not decayed, as in GPT-2 / nanoGPT.
+    pub fn decayed(&self) -> Vec<bool> {
+        self.params.values.iter().map(|t| t.shape().len() >= 2).collect()
+    }
+}
