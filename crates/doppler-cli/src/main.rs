@@ -1,6 +1,7 @@
 //! `doppler`: run and check neural-network kernels on your GPU through WebGPU.
 
 mod bench;
+mod train;
 
 use clap::{Parser, Subcommand};
 use doppler::gpu::{Gpu, GpuOptions};
@@ -41,6 +42,10 @@ enum Command {
     },
     /// Measure copy bandwidth and matmul throughput.
     Bench(bench::BenchArgs),
+    /// Train a transformer from a TOML config (progress, validation, checkpoints, loss curve).
+    Train(train::TrainArgs),
+    /// Sample text from a trained checkpoint.
+    Generate(train::GenerateArgs),
 }
 
 fn main() -> ExitCode {
@@ -73,6 +78,8 @@ fn run(cli: Cli) -> doppler::Result<ExitCode> {
         Command::Info { json } => info(&gpu, json),
         Command::Verify { filter, json } => verify(&gpu, filter.as_deref(), json),
         Command::Bench(args) => bench::run(&gpu, &args),
+        Command::Train(args) => train::train(&gpu, &args),
+        Command::Generate(args) => train::generate_cmd(&gpu, &args),
     }
 }
 

@@ -54,6 +54,12 @@ pub enum Error {
 
     #[error("I/O error on {path}: {source}")]
     Io { path: String, source: std::io::Error },
+
+    #[error("config {path}: {detail}")]
+    Config { path: String, detail: String },
+
+    #[error("checkpoint {path}: {detail}")]
+    Checkpoint { path: String, detail: String },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

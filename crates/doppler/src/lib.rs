@@ -22,6 +22,8 @@ pub mod optim;
 pub mod reference;
 pub mod shaders;
 #[cfg(not(target_arch = "wasm32"))]
+pub mod train;
+#[cfg(not(target_arch = "wasm32"))]
 pub mod verify;
 
 pub use error::{Error, Result};

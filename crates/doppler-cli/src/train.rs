@@ -1,0 +1,137 @@
+//! `doppler train` and `doppler generate --checkpoint`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use doppler::gpu::Gpu;
+use doppler::train::{config::TrainConfig, generate, load_for_generation, Event, SampleOpts, Trainer};
+use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(clap::Args)]
+pub struct TrainArgs {
+    /// The run: model, data and training settings (TOML; see configs/).
+    #[arg(long)]
+    config: PathBuf,
+    /// Continue from the newest checkpoint in the config's out_dir.
+    #[arg(long)]
+    resume: bool,
+    /// Stop after this many steps in this process (the run can be resumed later).
+    #[arg(long)]
+    max_steps: Option<u64>,
+    /// One JSON object per event on stdout instead of a progress bar.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    /// A training run directory (its latest checkpoint) or one checkpoint directory.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Text to continue.
+    #[arg(default_value = "")]
+    prompt: String,
+    /// Tokens to generate.
+    #[arg(short = 'n', long, default_value_t = 200)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Sample among the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print one JSON object with the text at the end instead of streaming.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn train(gpu: &Gpu, args: &TrainArgs) -> doppler::Result<ExitCode> {
+    let cfg = TrainConfig::load(&args.config)?;
+    let mut trainer = Trainer::new(gpu, &cfg, args.resume)?;
+    // --max-steps stops early (with a checkpoint) but keeps the full run's schedule.
+    let stop = args.max_steps.map_or(u64::MAX, |n| trainer.step + n);
+    run_until(&mut trainer, stop, args.json)
+}
+
+fn run_until(trainer: &mut Trainer<'_>, stop: u64, json: bool) -> doppler::Result<ExitCode> {
+    let bar = ProgressBar::hidden();
+    let mut on_event = |e: Event<'_>| {
+        if json {
+            let v = match e {
+                Event::Started { params, vocab, train_tokens, val_tokens, start_step, steps } => serde_json::json!({
+                    "event": "start", "params": params, "vocab": vocab, "train_tokens": train_tokens,
+                    "val_tokens": val_tokens, "start_step": start_step, "steps": steps }),
+                Event::Step(s) => serde_json::json!({ "event": "step", "step": s }),
+                Event::Eval { step, val_loss } => serde_json::json!({ "event": "eval", "step": step, "val_loss": val_loss }),
+                Event::Checkpoint { step, dir } => serde_json::json!({ "event": "checkpoint", "step": step, "dir": dir }),
+            };
+            println!("{v}");
+            return;
+        }
+        match e {
+            Event::Started { params, vocab, train_tokens, val_tokens, start_step, steps } => {
+                eprintln!("model: {params} parameters, vocabulary {vocab}; data: {train_tokens} training / {val_tokens} validation tokens");
+                bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+                bar.set_length(steps);
+                bar.set_position(start_step);
+                bar.set_style(
+                    ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]")
+                        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                );
+            }
+            Event::Step(s) => {
+                bar.set_position(s.step);
+                bar.set_message(format!(
+                    "loss {:.4}  lr {:.2e}  {:.0} tok/s{}",
+                    s.loss,
+                    s.lr,
+                    s.tokens_per_s,
+                    if s.skipped { "  (overflow: step skipped)" } else { "" }
+                ));
+            }
+            Event::Eval { step, val_loss } => bar.println(format!("step {step}: validation loss {val_loss:.4}")),
+            Event::Checkpoint { step, dir } => bar.println(format!("step {step}: checkpoint {}", dir.display())),
+        }
+    };
+    let summary = trainer.run(stop, &mut on_event)?;
+    bar.finish_and_clear();
+    if json {
+        println!("{}", serde_json::json!({ "event": "done", "summary": summary }));
+    } else {
+        let first = summary.first_val_loss.map_or("-".into(), |v| format!("{v:.4}"));
+        eprintln!(
+            "done: steps {} -> {}, validation loss {first} -> {:.4}, {:.0} tokens/s, {:.1} s; checkpoint {}",
+            summary.start_step,
+            summary.steps,
+            summary.final_val_loss,
+            summary.tokens_per_s,
+            summary.seconds,
+            summary.checkpoint.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode> {
+    let (model, tokenizer) = load_for_generation(gpu, &args.checkpoint)?;
+    let opts = SampleOpts { temperature: args.temperature, top_k: args.top_k, seed: args.seed };
+    let mut out = std::io::stdout();
+    if !args.json {
+        print!("{}", args.prompt);
+    }
+    let text = generate(gpu, &model, &tokenizer, &args.prompt, args.max_tokens, opts, &mut |piece| {
+        if !args.json {
+            print!("{piece}");
+            let _ = out.flush();
+        }
+    })?;
+    if args.json {
+        println!("{}", serde_json::json!({ "prompt": args.prompt, "text": text, "tokens": args.max_tokens }));
+    } else {
+        println!();
+    }
+    Ok(ExitCode::SUCCESS)
+}

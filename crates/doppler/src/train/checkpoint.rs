@@ -1,0 +1,212 @@
+//! Checkpoints: weights and optimizer state as SafeTensors, run state as JSON, the
+//! tokenizer beside them. A checkpoint is a directory `step-NNNNNNNN/` written under a
+//! temporary name, synced and renamed into place; `latest` (itself replaced atomically)
+//! names the newest. A crash at any point leaves the previous checkpoint intact, and
+//! `state.json` holds SHA-256 hashes that every load checks.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::config::TrainConfig;
+use crate::error::{Error, Result};
+use crate::gpu::{Gpu, Tensor};
+use crate::optim::LossScaler;
+
+pub const MODEL_FILE: &str = "model.safetensors";
+pub const OPTIM_FILE: &str = "optim.safetensors";
+pub const STATE_FILE: &str = "state.json";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+const LATEST: &str = "latest";
+/// Checkpoints kept in a run directory (older ones are removed).
+const KEEP: usize = 2;
+
+/// Everything besides tensors that a resumed run needs to continue bit for bit.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunState {
+    pub format: u32,
+    pub config: TrainConfig,
+    /// Optimizer steps taken.
+    pub step: u64,
+    pub tokens_seen: u64,
+    /// Batches are drawn from (seed, step, micro-batch): the data position is the step.
+    pub data_seed: u64,
+    pub loss_scaler: LossScaler,
+    pub adamw_step: u32,
+    /// SHA-256 of every other file in the checkpoint.
+    pub hashes: BTreeMap<String, String>,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io { path: path.display().to_string(), source }
+}
+
+fn ckpt_err(path: &Path, detail: impl Into<String>) -> Error {
+    Error::Checkpoint { path: path.display().to_string(), detail: detail.into() }
+}
+
+pub fn sha256(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Writes `bytes` to `path` through a synced temporary file and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    let mut f = fs::File::create(&tmp).map_err(io(&tmp))?;
+    f.write_all(bytes).map_err(io(&tmp))?;
+    f.sync_all().map_err(io(&tmp))?;
+    drop(f);
+    fs::rename(&tmp, path).map_err(io(path))?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")));
+    Ok(())
+}
+
+fn sync_dir(dir: &Path) {
+    // Makes the rename durable where the platform allows opening a directory.
+    if let Ok(d) = fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+/// SafeTensors bytes of f32 tensors read back from the GPU, in the given order.
+pub fn safetensors_bytes(gpu: &Gpu, tensors: &[(String, &Tensor)]) -> Result<Vec<u8>> {
+    let mut data = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let bytes: Vec<u8> = bytemuck::cast_slice(&t.read_f32(gpu)?).to_vec();
+        data.push((name.clone(), t.shape().to_vec(), bytes));
+    }
+    let views = data
+        .iter()
+        .map(|(n, s, b)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).map(|v| (n.clone(), v))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| Error::Invalid { op: "safetensors", detail: e.to_string() })?;
+    safetensors::serialize(views, None).map_err(|e| Error::Invalid { op: "safetensors", detail: e.to_string() })
+}
+
+/// (name, shape, f32 data) of every tensor in a SafeTensors file's bytes.
+pub fn read_safetensors(path: &Path, bytes: &[u8]) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| ckpt_err(path, e.to_string()))?;
+    let mut out = Vec::new();
+    for (name, view) in st.tensors() {
+        if view.dtype() != safetensors::Dtype::F32 {
+            return Err(ckpt_err(path, format!("tensor {name} is {:?}, expected F32", view.dtype())));
+        }
+        let data: Vec<f32> = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        out.push((name, view.shape().to_vec(), data));
+    }
+    Ok(out)
+}
+
+/// Files of one checkpoint, as bytes.
+pub struct CheckpointFiles {
+    pub model: Vec<u8>,
+    pub optim: Vec<u8>,
+    pub tokenizer: Vec<u8>,
+}
+
+/// Writes `step-NNNNNNNN/` under `run_dir` and points `latest` at it.
+pub fn save(run_dir: &Path, mut state: RunState, files: &CheckpointFiles) -> Result<PathBuf> {
+    let name = format!("step-{:08}", state.step);
+    let final_dir = run_dir.join(&name);
+    let tmp = run_dir.join(format!("{name}.tmp-{}", std::process::id()));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    }
+    fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+    for (file, bytes) in [(MODEL_FILE, &files.model), (OPTIM_FILE, &files.optim), (TOKENIZER_FILE, &files.tokenizer)] {
+        state.hashes.insert(file.into(), sha256(bytes));
+        write_atomic(&tmp.join(file), bytes)?;
+    }
+    let json = serde_json::to_vec_pretty(&state).map_err(|e| Error::Invalid { op: "checkpoint", detail: e.to_string() })?;
+    write_atomic(&tmp.join(STATE_FILE), &json)?;
+    if final_dir.exists() {
+        fs::remove_dir_all(&final_dir).map_err(io(&final_dir))?;
+    }
+    fs::rename(&tmp, &final_dir).map_err(io(&final_dir))?;
+    sync_dir(run_dir);
+    write_atomic(&run_dir.join(LATEST), name.as_bytes())?;
+    prune(run_dir, &name);
+    Ok(final_dir)
+}
+
+/// Removes all but the newest KEEP checkpoints (never the one `latest` names).
+fn prune(run_dir: &Path, latest: &str) {
+    let Ok(entries) = fs::read_dir(run_dir) else { return };
+    let mut dirs: Vec<String> = entries
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("step-") && !n.contains(".tmp"))
+        .collect();
+    dirs.sort();
+    let n = dirs.len();
+    for d in dirs.into_iter().take(n.saturating_sub(KEEP)) {
+        if d != latest {
+            let _ = fs::remove_dir_all(run_dir.join(d));
+        }
+    }
+}
+
+/// The checkpoint directory `path` means: a checkpoint itself, or a run directory whose
+/// `latest` names one.
+pub fn resolve(path: &Path) -> Result<PathBuf> {
+    if path.join(STATE_FILE).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let latest = path.join(LATEST);
+    match fs::read_to_string(&latest) {
+        Ok(name) => Ok(path.join(name.trim())),
+        Err(_) => Err(ckpt_err(path, "no state.json here and no `latest` file naming a checkpoint")),
+    }
+}
+
+/// A loaded checkpoint, hashes checked.
+pub struct Loaded {
+    pub dir: PathBuf,
+    pub state: RunState,
+    pub model: Vec<(String, Vec<usize>, Vec<f32>)>,
+    pub tokenizer: Vec<u8>,
+    optim_bytes: Vec<u8>,
+}
+
+impl Loaded {
+    /// AdamW's (m, v) per parameter, in `names` order.
+    pub fn optim_state(&self, gpu: &Gpu, names: &[String]) -> Result<Vec<(Tensor, Tensor)>> {
+        let path = self.dir.join(OPTIM_FILE);
+        let mut all = read_safetensors(&path, &self.optim_bytes)?;
+        let mut take = |key: String| -> Result<Tensor> {
+            let i = all.iter().position(|t| t.0 == key).ok_or_else(|| ckpt_err(&path, format!("missing tensor {key}")))?;
+            let (n, shape, data) = all.swap_remove(i);
+            Tensor::from_f32(gpu, &shape, &data, &n)
+        };
+        names.iter().map(|n| Ok((take(format!("m.{n}"))?, take(format!("v.{n}"))?))).collect()
+    }
+}
+
+pub fn load(path: &Path) -> Result<Loaded> {
+    let dir = resolve(path)?;
+    let state_path = dir.join(STATE_FILE);
+    let text = fs::read(&state_path).map_err(io(&state_path))?;
+    let state: RunState = serde_json::from_slice(&text).map_err(|e| ckpt_err(&state_path, e.to_string()))?;
+    if state.format != 1 {
+        return Err(ckpt_err(&state_path, format!("format {} (this build reads 1)", state.format)));
+    }
+    let read = |file: &str| -> Result<Vec<u8>> {
+        let p = dir.join(file);
+        let bytes = fs::read(&p).map_err(io(&p))?;
+        let want = state.hashes.get(file).ok_or_else(|| ckpt_err(&dir, format!("state.json has no hash for {file}")))?;
+        if &sha256(&bytes) != want {
+            return Err(ckpt_err(&p, "SHA-256 does not match state.json (corrupt or partly written)"));
+        }
+        Ok(bytes)
+    };
+    let model_bytes = read(MODEL_FILE)?;
+    let optim_bytes = read(OPTIM_FILE)?;
+    let tokenizer = read(TOKENIZER_FILE)?;
+    let model = read_safetensors(&dir.join(MODEL_FILE), &model_bytes)?;
+    Ok(Loaded { dir, state, model, tokenizer, optim_bytes })
+}

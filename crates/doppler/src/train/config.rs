@@ -1,0 +1,241 @@
+//! `doppler train --config FILE.toml`: the model, the data and the run, all in one file.
+//! Every field is checked; unknown fields are errors (a typo must not silently fall back
+//! to a default).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::models::transformer::ModelConfig;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub train: RunConfig,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenizerKind {
+    /// One token per character of the corpus.
+    Char,
+    /// Byte-level BPE trained on the corpus (GPT-2 style).
+    Bpe,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// UTF-8 text; relative paths are relative to the config file.
+    pub corpus: PathBuf,
+    pub tokenizer: TokenizerKind,
+    /// BPE vocabulary size (ignored for char).
+    #[serde(default = "default_vocab")]
+    pub vocab_size: usize,
+    /// The last fraction of the corpus is held out for validation.
+    #[serde(default = "default_val")]
+    pub val_fraction: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    pub batch_size: usize,
+    /// Micro-batches per optimizer step (their gradients are averaged).
+    #[serde(default = "one")]
+    pub grad_accum: usize,
+    pub steps: u64,
+    pub lr: f64,
+    #[serde(default)]
+    pub min_lr: f64,
+    #[serde(default)]
+    pub warmup: u64,
+    #[serde(default = "default_wd")]
+    pub weight_decay: f64,
+    #[serde(default = "default_betas")]
+    pub betas: (f64, f64),
+    /// Global gradient-norm clip; none when absent.
+    #[serde(default)]
+    pub grad_clip: Option<f32>,
+    pub eval_interval: u64,
+    #[serde(default = "default_eval_batches")]
+    pub eval_batches: usize,
+    pub checkpoint_interval: u64,
+    pub seed: u64,
+    /// Checkpoints, metrics and the loss curve go here; relative to the config file.
+    pub out_dir: PathBuf,
+    /// "dynamic" (start at 2^16, halve on overflow, double after 2000 good steps) or a
+    /// fixed factor (default 1).
+    #[serde(default)]
+    pub loss_scale: LossScaleConfig,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum LossScaleConfig {
+    Fixed(f32),
+    Named(String),
+}
+
+impl Default for LossScaleConfig {
+    fn default() -> Self {
+        LossScaleConfig::Fixed(1.0)
+    }
+}
+
+fn default_vocab() -> usize {
+    1024
+}
+fn default_val() -> f64 {
+    0.1
+}
+fn one() -> usize {
+    1
+}
+fn default_wd() -> f64 {
+    0.1
+}
+fn default_betas() -> (f64, f64) {
+    (0.9, 0.95)
+}
+fn default_eval_batches() -> usize {
+    8
+}
+
+impl TrainConfig {
+    /// Reads and checks a TOML config; relative paths become relative to its directory.
+    pub fn load(path: &Path) -> Result<TrainConfig> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+        let mut cfg = TrainConfig::parse(&text, &path.display().to_string())?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        for p in [&mut cfg.data.corpus, &mut cfg.train.out_dir] {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+        Ok(cfg)
+    }
+
+    pub fn parse(text: &str, name: &str) -> Result<TrainConfig> {
+        let cfg: TrainConfig = toml::from_str(text).map_err(|e| Error::Config { path: name.into(), detail: e.to_string() })?;
+        cfg.check(name)?;
+        Ok(cfg)
+    }
+
+    fn check(&self, name: &str) -> Result<()> {
+        let bad = |detail: String| Err(Error::Config { path: name.into(), detail });
+        let (d, t) = (&self.data, &self.train);
+        if !(0.0..1.0).contains(&d.val_fraction) || d.val_fraction == 0.0 {
+            return bad(format!("data.val_fraction {} must be in (0, 1)", d.val_fraction));
+        }
+        if d.tokenizer == TokenizerKind::Bpe && !(257..=1 << 20).contains(&d.vocab_size) {
+            return bad(format!("data.vocab_size {} must be at least 257 for byte-level BPE", d.vocab_size));
+        }
+        if t.batch_size == 0 || t.grad_accum == 0 || t.steps == 0 || t.eval_interval == 0 || t.checkpoint_interval == 0 || t.eval_batches == 0 {
+            return bad("train.batch_size, grad_accum, steps, eval_interval, eval_batches and checkpoint_interval must be positive".into());
+        }
+        if !(t.lr > 0.0 && t.min_lr >= 0.0 && t.min_lr <= t.lr) {
+            return bad(format!("train.lr {} must be positive and min_lr {} in [0, lr]", t.lr, t.min_lr));
+        }
+        if let Some(c) = t.grad_clip {
+            if !(c > 0.0) {
+                return bad(format!("train.grad_clip {c} must be positive"));
+            }
+        }
+        self.loss_scaler().map_err(|detail| Error::Config { path: name.into(), detail })?;
+        // vocab_size comes from the tokenizer: validate the rest with a placeholder.
+        let mut m = self.model.clone();
+        m.vocab_size = m.vocab_size.max(1);
+        m.validate().map_err(|e| Error::Config { path: name.into(), detail: format!("[model] {e}") })
+    }
+
+    pub fn loss_scaler(&self) -> std::result::Result<crate::optim::LossScaler, String> {
+        match &self.train.loss_scale {
+            LossScaleConfig::Fixed(s) if *s > 0.0 && s.is_finite() => {
+                Ok(crate::optim::LossScaler { scale: *s, ..crate::optim::LossScaler::fixed() })
+            }
+            LossScaleConfig::Named(n) if n == "dynamic" => Ok(crate::optim::LossScaler::dynamic(65536.0)),
+            other => Err(format!("train.loss_scale {other:?}: a positive number or \"dynamic\"")),
+        }
+    }
+
+    /// Fields where `self` and `other` differ, named: what a resumed run may not change
+    /// (everything but the corpus path and the output directory).
+    pub fn differences(&self, other: &TrainConfig) -> Vec<String> {
+        let a = serde_json::to_value(self).unwrap_or_default();
+        let b = serde_json::to_value(other).unwrap_or_default();
+        let mut out = Vec::new();
+        for section in ["model", "data", "train"] {
+            let (Some(x), Some(y)) = (a[section].as_object(), b[section].as_object()) else { continue };
+            for (k, v) in x {
+                if matches!(k.as_str(), "out_dir" | "corpus") {
+                    continue;
+                }
+                if y.get(k) != Some(v) {
+                    out.push(format!("{section}.{k}: {} vs {}", v, y.get(k).cloned().unwrap_or_default()));
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[model]
+arch = "llama"
+n_layer = 2
+n_embd = 64
+n_head = 4
+n_kv_head = 2
+block_size = 32
+[data]
+corpus = "corpus.txt"
+tokenizer = "char"
+[train]
+batch_size = 4
+steps = 10
+lr = 1e-3
+eval_interval = 5
+checkpoint_interval = 5
+seed = 1
+out_dir = "runs/x"
+"#;
+
+    #[test]
+    fn parses_and_fills_defaults() {
+        let c = TrainConfig::parse(GOOD, "good.toml").unwrap();
+        assert_eq!(c.train.grad_accum, 1);
+        assert_eq!(c.data.val_fraction, 0.1);
+        assert!(!c.loss_scaler().unwrap().dynamic);
+    }
+
+    #[test]
+    fn bad_configs_get_clear_errors() {
+        let e = TrainConfig::parse(&GOOD.replace("n_head = 4", "n_haed = 4"), "t.toml").unwrap_err().to_string();
+        assert!(e.contains("t.toml") && e.contains("n_haed"), "{e}");
+        let e = TrainConfig::parse(&GOOD.replace("n_head = 4", "n_head = 3"), "t.toml").unwrap_err().to_string();
+        assert!(e.contains("n_embd 64 is not a multiple of n_head 3"), "{e}");
+        let e = TrainConfig::parse(&GOOD.replace("lr = 1e-3", "lr = -1.0"), "t.toml").unwrap_err().to_string();
+        assert!(e.contains("train.lr"), "{e}");
+        let e = TrainConfig::parse(&GOOD.replace("seed = 1", "seed = 1\nloss_scale = \"dynamc\""), "t.toml").unwrap_err().to_string();
+        assert!(e.contains("loss_scale"), "{e}");
+        let e = TrainConfig::parse("[model\n", "t.toml").unwrap_err().to_string();
+        assert!(e.contains("t.toml"), "{e}");
+    }
+
+    #[test]
+    fn differences_name_the_fields() {
+        let a = TrainConfig::parse(GOOD, "a").unwrap();
+        let mut b = a.clone();
+        b.model.n_layer = 3;
+        b.train.out_dir = "elsewhere".into();
+        assert_eq!(a.differences(&b), vec!["model.n_layer: 2 vs 3".to_string()]);
+    }
+}

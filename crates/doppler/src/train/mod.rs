@@ -1,0 +1,436 @@
+//! Training runs: `doppler train --config FILE`. A run is a pure function of its config:
+//! batches come from (seed, step, micro-batch), dropout masks from (seed, step), so a run
+//! resumed from a checkpoint continues bit for bit.
+
+pub mod bpe;
+pub mod checkpoint;
+pub mod config;
+pub mod curve;
+pub mod data;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::autograd::Tape;
+use crate::check::Rng;
+use crate::error::{Error, Result};
+use crate::gpu::{Gpu, Tensor};
+use crate::models::transformer::Transformer;
+use crate::optim::{grad_scale, warmup_cosine, AdamW, LossScaler};
+use checkpoint::{CheckpointFiles, RunState};
+use config::TrainConfig;
+use data::{batch, mix, Dataset, Tokenizer};
+
+const METRICS: &str = "metrics.jsonl";
+const CURVE: &str = "loss.svg";
+
+/// One optimizer step, as the progress display shows it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StepInfo {
+    /// Steps done (1 after the first).
+    pub step: u64,
+    pub steps: u64,
+    pub loss: f32,
+    pub lr: f64,
+    pub tokens_per_s: f64,
+    /// Global gradient norm before clipping (read only with dynamic loss scaling).
+    pub grad_norm: Option<f32>,
+    /// Overflowed under dynamic loss scaling: no update was applied.
+    pub skipped: bool,
+}
+
+pub enum Event<'a> {
+    Started { params: usize, vocab: usize, train_tokens: usize, val_tokens: usize, start_step: u64, steps: u64 },
+    Step(&'a StepInfo),
+    Eval { step: u64, val_loss: f32 },
+    Checkpoint { step: u64, dir: &'a Path },
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Summary {
+    pub start_step: u64,
+    pub steps: u64,
+    /// Validation loss before the first step of this process (None when resumed).
+    pub first_val_loss: Option<f32>,
+    pub final_val_loss: f32,
+    pub final_train_loss: f32,
+    pub tokens_per_s: f64,
+    pub seconds: f64,
+    pub checkpoint: PathBuf,
+}
+
+pub struct Trainer<'g> {
+    gpu: &'g Gpu,
+    pub cfg: TrainConfig,
+    pub model: Transformer,
+    pub tokenizer: Tokenizer,
+    opt: AdamW,
+    data: Dataset,
+    scaler: LossScaler,
+    pub step: u64,
+    tokens_seen: u64,
+    /// (step, loss, val_loss) so far, for metrics.jsonl and the curve.
+    history: Vec<(u64, f32, Option<f32>)>,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io { path: path.display().to_string(), source }
+}
+
+impl<'g> Trainer<'g> {
+    /// A fresh run, or (`resume`) the latest checkpoint in the config's out_dir.
+    pub fn new(gpu: &'g Gpu, cfg: &TrainConfig, resume: bool) -> Result<Trainer<'g>> {
+        let out = &cfg.train.out_dir;
+        let has_ckpt = out.join("latest").is_file();
+        let text = std::fs::read_to_string(&cfg.data.corpus).map_err(io(&cfg.data.corpus))?;
+        if resume && has_ckpt {
+            let ck = checkpoint::load(out)?;
+            // The vocabulary size comes from the tokenizer, not the file.
+            let mut asked = cfg.clone();
+            asked.model.vocab_size = ck.state.config.model.vocab_size;
+            let diff = ck.state.config.differences(&asked);
+            if !diff.is_empty() {
+                return Err(Error::Checkpoint {
+                    path: ck.dir.display().to_string(),
+                    detail: format!("was written by another config: {}", diff.join("; ")),
+                });
+            }
+            let tokenizer = Tokenizer::from_json(&ck.tokenizer)?;
+            let mcfg = ck.state.config.model.clone();
+            let model = Transformer::from_weights(gpu, &mcfg, ck.model.clone())
+                .map_err(|e| Error::Checkpoint { path: ck.dir.display().to_string(), detail: e.to_string() })?;
+            let mut opt = Self::optimizer(gpu, cfg, &model)?;
+            opt.restore(ck.state.adamw_step, ck.optim_state(gpu, &model.params.names)?)?;
+            let data = Dataset::new(tokenizer.encode(&text)?, cfg.data.val_fraction, mcfg.block_size)?;
+            let mut t = Trainer {
+                gpu,
+                cfg: ck.state.config.clone(),
+                model,
+                tokenizer,
+                opt,
+                data,
+                scaler: ck.state.loss_scaler.clone(),
+                step: ck.state.step,
+                tokens_seen: ck.state.tokens_seen,
+                history: Vec::new(),
+            };
+            t.cfg.train.out_dir = cfg.train.out_dir.clone();
+            t.cfg.data.corpus = cfg.data.corpus.clone();
+            t.history = read_history(&out.join(METRICS), t.step);
+            return Ok(t);
+        }
+        if has_ckpt {
+            return Err(Error::Checkpoint {
+                path: out.display().to_string(),
+                detail: "already holds checkpoints: pass --resume to continue, or choose another out_dir".into(),
+            });
+        }
+        let tokenizer = Tokenizer::train(&cfg.data, &text)?;
+        let mut cfg = cfg.clone();
+        cfg.model.vocab_size = tokenizer.vocab_size();
+        let model = Transformer::new(gpu, &cfg.model, mix(&[cfg.train.seed, 0x1417]))?;
+        let opt = Self::optimizer(gpu, &cfg, &model)?;
+        let data = Dataset::new(tokenizer.encode(&text)?, cfg.data.val_fraction, cfg.model.block_size)?;
+        let scaler = cfg.loss_scaler().map_err(|d| Error::Config { path: "loss_scale".into(), detail: d })?;
+        Ok(Trainer { gpu, cfg, model, tokenizer, opt, data, scaler, step: 0, tokens_seen: 0, history: Vec::new() })
+    }
+
+    fn optimizer(gpu: &Gpu, cfg: &TrainConfig, model: &Transformer) -> Result<AdamW> {
+        let params: Vec<&Tensor> = model.params.values.iter().collect();
+        let mut opt = AdamW::new(gpu, &params, cfg.train.lr)?;
+        opt.betas = cfg.train.betas;
+        opt.weight_decay = cfg.train.weight_decay;
+        opt.decay_mask = model.decayed();
+        Ok(opt)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.vocab_size()
+    }
+
+    /// One optimizer step over `grad_accum` micro-batches.
+    pub fn train_step(&mut self) -> Result<StepInfo> {
+        let t0 = Instant::now();
+        let (gpu, tc) = (self.gpu, &self.cfg.train);
+        let (b, t) = (tc.batch_size, self.cfg.model.block_size);
+        let lr = warmup_cosine(self.step, tc.lr, tc.min_lr, tc.warmup, tc.steps);
+        self.opt.lr = lr;
+        let accum = tc.grad_accum;
+        // Each micro-batch's loss is a mean: 1/accum makes the sum of gradients their mean.
+        let seed_grad = self.scaler.scale / accum as f32;
+        let mut losses = Vec::with_capacity(accum);
+        let mut rec = gpu.recorder("train.step");
+        for m in 0..accum {
+            let key = mix(&[tc.seed, self.step, m as u64]);
+            let (ids, targets) = batch(&self.data.train, b, t, key);
+            let ids = Tensor::from_u32(gpu, &[b, t], &ids, "ids")?;
+            let targets = Tensor::from_u32(gpu, &[b, t], &targets, "targets")?;
+            let mut tape = Tape::new();
+            let loss = self.model.loss(&mut tape, &mut rec, &ids, &targets, mix(&[key, 1]))?;
+            losses.push(tape.value(loss)?.clone());
+            tape.backward(&mut rec, loss, seed_grad, &mut self.model.params)?;
+            if m + 1 < accum {
+                // Let the next micro-batch reuse this one's activation buffers.
+                std::mem::replace(&mut rec, gpu.recorder("train.step")).submit()?;
+            }
+        }
+        let grads: Vec<Tensor> = self
+            .model
+            .params
+            .grads
+            .iter()
+            .zip(&self.model.params.names)
+            .map(|(g, n)| g.clone().ok_or_else(|| Error::Invalid { op: "train", detail: format!("parameter {n} got no gradient") }))
+            .collect::<Result<_>>()?;
+        let grad_refs: Vec<&Tensor> = grads.iter().collect();
+        let params: Vec<&Tensor> = self.model.params.values.iter().collect();
+        let scale = grad_scale(&mut rec, &grad_refs, tc.grad_clip, self.scaler.scale)?;
+        let (mut grad_norm, mut skipped) = (None, false);
+        if self.scaler.dynamic {
+            // Whether to step depends on the norm: one read before the update.
+            rec.submit()?;
+            let norm = scale.read_f32(gpu)?[0];
+            grad_norm = Some(norm);
+            skipped = !self.scaler.update(norm);
+            rec = gpu.recorder("train.update");
+        }
+        if !skipped {
+            self.opt.step(&mut rec, &params, &grad_refs, &scale)?;
+        }
+        rec.submit()?;
+        self.model.params.zero_grad();
+        let mut loss = 0.0f64;
+        for l in &losses {
+            loss += l.read_f32(gpu)?[0] as f64;
+        }
+        let loss = (loss / accum as f64) as f32;
+        self.step += 1;
+        self.tokens_seen += (b * t * accum) as u64;
+        self.history.push((self.step, loss, None));
+        Ok(StepInfo {
+            step: self.step,
+            steps: tc.steps,
+            loss,
+            lr,
+            tokens_per_s: (b * t * accum) as f64 / t0.elapsed().as_secs_f64(),
+            grad_norm,
+            skipped,
+        })
+    }
+
+    /// Mean loss over the fixed validation batches (no gradients recorded).
+    pub fn evaluate(&mut self) -> Result<f32> {
+        let (b, t) = (self.cfg.train.batch_size, self.cfg.model.block_size);
+        let mut total = 0.0f64;
+        let n = self.cfg.train.eval_batches;
+        for i in 0..n {
+            let (ids, targets) = batch(&self.data.val, b, t, mix(&[self.cfg.train.seed, u64::MAX, i as u64]));
+            let ids = Tensor::from_u32(self.gpu, &[b, t], &ids, "ids")?;
+            let targets = Tensor::from_u32(self.gpu, &[b, t], &targets, "targets")?;
+            let mut tape = Tape::new();
+            tape.set_grad_enabled(false);
+            let loss = self.gpu.run(|rec| {
+                let l = self.model.loss(&mut tape, rec, &ids, &targets, 0)?;
+                Ok(tape.value(l)?.clone())
+            })?;
+            total += loss.read_f32(self.gpu)?[0] as f64;
+        }
+        let v = (total / n as f64) as f32;
+        match self.history.last_mut() {
+            Some(last) if last.0 == self.step => last.2 = Some(v),
+            _ => self.history.push((self.step, f32::NAN, Some(v))),
+        }
+        Ok(v)
+    }
+
+    /// Writes a checkpoint of the current step, the metrics and the loss curve.
+    pub fn save(&self) -> Result<PathBuf> {
+        let gpu = self.gpu;
+        let p = &self.model.params;
+        let named: Vec<(String, &Tensor)> = p.names.iter().cloned().zip(p.values.iter()).collect();
+        let model = checkpoint::safetensors_bytes(gpu, &named)?;
+        let mut opt_named = Vec::new();
+        for (n, (m, v)) in p.names.iter().zip(self.opt.state()) {
+            opt_named.push((format!("m.{n}"), m));
+            opt_named.push((format!("v.{n}"), v));
+        }
+        let optim = checkpoint::safetensors_bytes(gpu, &opt_named)?;
+        let state = RunState {
+            format: 1,
+            config: self.cfg.clone(),
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            data_seed: self.cfg.train.seed,
+            loss_scaler: self.scaler.clone(),
+            adamw_step: self.opt.steps(),
+            hashes: Default::default(),
+        };
+        let out = &self.cfg.train.out_dir;
+        std::fs::create_dir_all(out).map_err(io(out))?;
+        let dir = checkpoint::save(out, state, &CheckpointFiles { model, optim, tokenizer: self.tokenizer.to_json()? })?;
+        self.write_metrics()?;
+        Ok(dir)
+    }
+
+    fn write_metrics(&self) -> Result<()> {
+        let out = &self.cfg.train.out_dir;
+        let mut lines = String::new();
+        for &(step, loss, val) in &self.history {
+            let v = serde_json::json!({ "step": step, "loss": if loss.is_finite() { Some(loss) } else { None }, "val_loss": val });
+            lines += &format!("{v}\n");
+        }
+        checkpoint::write_atomic(&out.join(METRICS), lines.as_bytes())?;
+        let train: Vec<(u64, f32)> = self.history.iter().filter(|h| h.1.is_finite()).map(|h| (h.0, h.1)).collect();
+        let val: Vec<(u64, f32)> = self.history.iter().filter_map(|h| h.2.map(|v| (h.0, v))).collect();
+        let title = format!("{:?} {}L {}d, {} params", self.cfg.model.arch, self.cfg.model.n_layer, self.cfg.model.n_embd, self.model.params.numel());
+        checkpoint::write_atomic(&out.join(CURVE), curve::svg(&train, &val, &title).as_bytes())
+    }
+
+    /// Trains until step `stop` (at most the configured step count; the schedule always
+    /// spans the configured count), evaluating and checkpointing on the way and at `stop`.
+    pub fn run(&mut self, stop: u64, on_event: &mut dyn FnMut(Event<'_>)) -> Result<Summary> {
+        let stop = stop.min(self.cfg.train.steps);
+        let t0 = Instant::now();
+        let start_step = self.step;
+        let tc = self.cfg.train.clone();
+        on_event(Event::Started {
+            params: self.model.params.numel(),
+            vocab: self.vocab_size(),
+            train_tokens: self.data.train.len(),
+            val_tokens: self.data.val.len(),
+            start_step,
+            steps: tc.steps,
+        });
+        let mut first_val_loss = None;
+        if start_step == 0 {
+            let v = self.evaluate()?;
+            first_val_loss = Some(v);
+            on_event(Event::Eval { step: 0, val_loss: v });
+        }
+        let mut final_train_loss = f32::NAN;
+        let mut final_val_loss = self.history.iter().rev().find_map(|h| h.2).unwrap_or(f32::NAN);
+        let mut checkpoint = PathBuf::new();
+        while self.step < stop {
+            let info = self.train_step()?;
+            final_train_loss = info.loss;
+            if !info.loss.is_finite() && !self.scaler.dynamic {
+                return Err(Error::Invalid { op: "train", detail: format!("loss became {} at step {}", info.loss, info.step) });
+            }
+            on_event(Event::Step(&info));
+            if self.step % tc.eval_interval == 0 || self.step == stop {
+                final_val_loss = self.evaluate()?;
+                on_event(Event::Eval { step: self.step, val_loss: final_val_loss });
+            }
+            if self.step % tc.checkpoint_interval == 0 || self.step == stop {
+                checkpoint = self.save()?;
+                on_event(Event::Checkpoint { step: self.step, dir: &checkpoint });
+            }
+        }
+        let seconds = t0.elapsed().as_secs_f64();
+        let tokens = (self.step - start_step) as f64 * (tc.batch_size * self.cfg.model.block_size * tc.grad_accum) as f64;
+        if checkpoint.as_os_str().is_empty() {
+            checkpoint = checkpoint::resolve(&tc.out_dir)?;
+        }
+        Ok(Summary { start_step, steps: self.step, first_val_loss, final_val_loss, final_train_loss, tokens_per_s: tokens / seconds, seconds, checkpoint })
+    }
+}
+
+/// Metrics of steps up to `upto` from an earlier run of this directory.
+fn read_history(path: &Path, upto: u64) -> Vec<(u64, f32, Option<f32>)> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Vec::new() };
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| {
+            let step = v["step"].as_u64()?;
+            let loss = v["loss"].as_f64().map_or(f32::NAN, |x| x as f32);
+            (step <= upto).then_some((step, loss, v["val_loss"].as_f64().map(|x| x as f32)))
+        })
+        .collect()
+}
+
+/// Sampling settings for [`generate`].
+#[derive(Clone, Copy, Debug)]
+pub struct SampleOpts {
+    /// 0 picks the most likely token.
+    pub temperature: f32,
+    /// Sample among the k most likely (all when 0).
+    pub top_k: usize,
+    pub seed: u64,
+}
+
+/// A model and tokenizer loaded from a checkpoint (a run directory or a step directory).
+pub fn load_for_generation(gpu: &Gpu, path: &Path) -> Result<(Transformer, Tokenizer)> {
+    let ck = checkpoint::load(path)?;
+    let tokenizer = Tokenizer::from_json(&ck.tokenizer)?;
+    let model = Transformer::from_weights(gpu, &ck.state.config.model, ck.model)
+        .map_err(|e| Error::Checkpoint { path: ck.dir.display().to_string(), detail: e.to_string() })?;
+    Ok((model, tokenizer))
+}
+
+/// Index of the token drawn from `logits` (temperature, top-k).
+pub fn sample(logits: &[f32], opts: &SampleOpts, rng: &mut Rng) -> u32 {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    // Descending by logit; ties by index, so the choice is deterministic.
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    if opts.temperature <= 0.0 {
+        return order[0] as u32;
+    }
+    let k = if opts.top_k == 0 { order.len() } else { opts.top_k.min(order.len()) };
+    let top = &order[..k];
+    let m = logits[top[0]] as f64;
+    let w: Vec<f64> = top.iter().map(|&i| ((logits[i] as f64 - m) / opts.temperature as f64).exp()).collect();
+    let total: f64 = w.iter().sum();
+    let mut u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
+    for (i, wi) in w.iter().enumerate() {
+        if u < *wi {
+            return top[i] as u32;
+        }
+        u -= wi;
+    }
+    top[k - 1] as u32
+}
+
+/// Continues `prompt` by `max_new` tokens, calling `on_text` with each new piece of text.
+/// Recomputes the whole window each token (the training model has no KV cache).
+pub fn generate(
+    gpu: &Gpu,
+    model: &Transformer,
+    tokenizer: &Tokenizer,
+    prompt: &str,
+    max_new: usize,
+    opts: SampleOpts,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<String> {
+    let mut ids = tokenizer.encode(prompt)?;
+    if ids.is_empty() {
+        ids = tokenizer.encode("\n").or_else(|_| tokenizer.encode(" ")).unwrap_or_default();
+        if ids.is_empty() {
+            ids.push(0);
+        }
+    }
+    let start = ids.len();
+    let mut rng = Rng::new(opts.seed);
+    let (v, block) = (model.cfg.vocab_size, model.cfg.block_size);
+    let mut shown = tokenizer.decode(&ids)?;
+    for _ in 0..max_new {
+        let window = &ids[ids.len().saturating_sub(block)..];
+        let t = window.len();
+        let x = Tensor::from_u32(gpu, &[1, t], window, "ids")?;
+        let mut tape = Tape::new();
+        tape.set_grad_enabled(false);
+        let logits = gpu.run(|rec| {
+            let l = model.logits(&mut tape, rec, &x, 0)?;
+            Ok(tape.value(l)?.clone())
+        })?;
+        let all = logits.read_f32(gpu)?;
+        let next = sample(&all[(t - 1) * v..t * v], &opts, &mut rng);
+        ids.push(next);
+        let text = tokenizer.decode(&ids)?;
+        // Emit only whole characters: BPE pieces can end inside a UTF-8 sequence.
+        if text.len() > shown.len() && text.starts_with(&shown) && !text.ends_with('\u{FFFD}') {
+            on_text(&text[shown.len()..]);
+            shown = text;
+        }
+    }
+    tokenizer.decode(&ids[start..])
+}
