@@ -22,6 +22,10 @@ pub struct TrainArgs {
     /// One JSON object per event on stdout instead of a progress bar.
     #[arg(long)]
     json: bool,
+    /// Time every kernel of every training step: Chrome trace JSON to this file, and the
+    /// slowest kernels printed at the end.
+    #[arg(long)]
+    trace: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -51,9 +55,21 @@ pub struct GenerateArgs {
 pub fn train(gpu: &Gpu, args: &TrainArgs) -> doppler::Result<ExitCode> {
     let cfg = TrainConfig::load(&args.config)?;
     let mut trainer = Trainer::new(gpu, &cfg, args.resume)?;
+    if args.trace.is_some() {
+        trainer.trace = Some(Default::default());
+    }
     // --max-steps stops early (with a checkpoint) but keeps the full run's schedule.
     let stop = args.max_steps.map_or(u64::MAX, |n| trainer.step + n);
-    run_until(&mut trainer, stop, args.json)
+    let code = run_until(&mut trainer, stop, args.json)?;
+    if let (Some(path), Some(trace)) = (&args.trace, &trainer.trace) {
+        trace.write_chrome_json(path)?;
+        let total: f64 = trace.events.iter().map(|e| e.dur_ns).sum();
+        eprintln!("{} dispatches, {:.1} ms of GPU time; slowest kernels:", trace.events.len(), total / 1e6);
+        for k in trace.by_kernel().iter().take(15) {
+            eprintln!("  {:>9.2} ms {:>6}x  {}", k.total_ns / 1e6, k.count, k.name);
+        }
+    }
+    Ok(code)
 }
 
 fn run_until(trainer: &mut Trainer<'_>, stop: u64, json: bool) -> doppler::Result<ExitCode> {

@@ -65,3 +65,105 @@ fn bench_json_reports_medians() {
         assert!(r["wall_ms"].as_f64().unwrap() > 0.0 && r["value"].as_f64().unwrap() > 0.0, "{r}");
     }
 }
+
+/// A tiny run in a fresh directory: corpus, config (char tokenizer, 1 layer, 8 steps).
+fn tiny_run(dir: &std::path::Path, arch: &str) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let text = "the cat sat on the mat. the dog sat on the log. a cat and a dog met on a mat.\n".repeat(40);
+    std::fs::write(dir.join("corpus.txt"), text).unwrap();
+    let cfg = format!(
+        "[model]\narch = \"{arch}\"\nn_layer = 1\nn_embd = 32\nn_head = 2\nblock_size = 16\n\
+         [data]\ncorpus = \"corpus.txt\"\ntokenizer = \"char\"\n\
+         [train]\nbatch_size = 4\nsteps = 8\nlr = 1e-2\nwarmup = 2\neval_interval = 4\neval_batches = 2\n\
+         checkpoint_interval = 4\nseed = 3\nout_dir = \"run\"\n"
+    );
+    let path = dir.join("tiny.toml");
+    std::fs::write(&path, cfg).unwrap();
+    path
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("doppler-cli-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn train_resume_and_generate() {
+    let (a, b) = (tmp("a"), tmp("b"));
+    let cfg_a = tiny_run(&a, "gpt2");
+    let cfg_b = tiny_run(&b, "gpt2");
+    // Uninterrupted run.
+    let (ok, out, err) = doppler(&["train", "--config", cfg_a.to_str().unwrap(), "--json"]);
+    assert!(ok, "{out}{err}");
+    let done: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    let s = &done["summary"];
+    assert_eq!(s["steps"], 8);
+    assert!(s["final_val_loss"].as_f64().unwrap() < s["first_val_loss"].as_f64().unwrap(), "{s}");
+    // Interrupted after 3 steps (checkpoint at the stop), then resumed: the same bits.
+    let (ok, _, err) = doppler(&["train", "--config", cfg_b.to_str().unwrap(), "--max-steps", "3"]);
+    assert!(ok, "{err}");
+    assert_eq!(std::fs::read_to_string(b.join("run/latest")).unwrap(), "step-00000003");
+    // Without --resume the run refuses to overwrite.
+    let (ok, _, err) = doppler(&["train", "--config", cfg_b.to_str().unwrap()]);
+    assert!(!ok && err.contains("--resume"), "{err}");
+    let (ok, _, err) = doppler(&["train", "--config", cfg_b.to_str().unwrap(), "--resume"]);
+    assert!(ok, "{err}");
+    for f in ["model.safetensors", "optim.safetensors"] {
+        let x = std::fs::read(a.join("run/step-00000008").join(f)).unwrap();
+        let y = std::fs::read(b.join("run/step-00000008").join(f)).unwrap();
+        assert!(x == y, "{f} differs between the uninterrupted and the resumed run");
+    }
+    assert!(std::fs::read_to_string(a.join("run/loss.svg")).unwrap().contains("<polyline"));
+    // A different model cannot resume this run.
+    let other = std::fs::read_to_string(&cfg_b).unwrap().replace("n_embd = 32", "n_embd = 64");
+    std::fs::write(&cfg_b, other).unwrap();
+    let (ok, _, err) = doppler(&["train", "--config", cfg_b.to_str().unwrap(), "--resume"]);
+    assert!(!ok && err.contains("another config") && err.contains("model.n_embd: 32 vs 64"), "{err}");
+    // Sampling from the checkpoint.
+    let (ok, out, err) = doppler(&["generate", "--checkpoint", a.join("run").to_str().unwrap(), "the ", "-n", "10", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["text"].as_str().unwrap().chars().count(), 10);
+    // A corrupted checkpoint is refused by its hash.
+    let model = a.join("run/step-00000008/model.safetensors");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let n = bytes.len();
+    bytes[n - 1] ^= 1;
+    std::fs::write(&model, bytes).unwrap();
+    let (ok, _, err) = doppler(&["generate", "--checkpoint", a.join("run").to_str().unwrap(), "x"]);
+    assert!(!ok && err.contains("SHA-256"), "{err}");
+    let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+}
+
+#[test]
+fn two_identical_runs_give_identical_bits() {
+    let (a, b) = (tmp("c"), tmp("d"));
+    for d in [&a, &b] {
+        let cfg = tiny_run(d, "llama");
+        let (ok, _, err) = doppler(&["train", "--config", cfg.to_str().unwrap(), "--max-steps", "4"]);
+        assert!(ok, "{err}");
+    }
+    for f in ["model.safetensors", "optim.safetensors"] {
+        let x = std::fs::read(a.join("run/step-00000004").join(f)).unwrap();
+        let y = std::fs::read(b.join("run/step-00000004").join(f)).unwrap();
+        assert!(x == y, "{f} differs between two identical runs");
+    }
+    let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+}
+
+#[test]
+fn bad_train_configs_get_clear_errors() {
+    let d = tmp("e");
+    let cfg = tiny_run(&d, "llama");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, text.replace("n_head = 2", "n_head = 3")).unwrap();
+    let (ok, _, err) = doppler(&["train", "--config", cfg.to_str().unwrap()]);
+    assert!(!ok && err.contains("tiny.toml") && err.contains("n_head"), "{err}");
+    std::fs::write(&cfg, text.replace("corpus.txt", "missing.txt")).unwrap();
+    let (ok, _, err) = doppler(&["train", "--config", cfg.to_str().unwrap()]);
+    assert!(!ok && err.contains("missing.txt"), "{err}");
+    let (ok, _, err) = doppler(&["generate", "--checkpoint", d.join("nowhere").to_str().unwrap(), "x"]);
+    assert!(!ok && err.contains("nowhere"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}

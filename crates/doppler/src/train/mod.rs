@@ -14,7 +14,7 @@ use std::time::Instant;
 use crate::autograd::Tape;
 use crate::check::Rng;
 use crate::error::{Error, Result};
-use crate::gpu::{Gpu, Tensor};
+use crate::gpu::{Gpu, Recorder, Submission, Tensor, Trace};
 use crate::models::transformer::Transformer;
 use crate::optim::{grad_scale, warmup_cosine, AdamW, LossScaler};
 use checkpoint::{CheckpointFiles, RunState};
@@ -71,6 +71,8 @@ pub struct Trainer<'g> {
     tokens_seen: u64,
     /// (step, loss, val_loss) so far, for metrics.jsonl and the curve.
     history: Vec<(u64, f32, Option<f32>)>,
+    /// When set, training steps run with GPU timestamps and their dispatches land here.
+    pub trace: Option<Trace>,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
@@ -113,6 +115,7 @@ impl<'g> Trainer<'g> {
                 step: ck.state.step,
                 tokens_seen: ck.state.tokens_seen,
                 history: Vec::new(),
+                trace: None,
             };
             t.cfg.train.out_dir = cfg.train.out_dir.clone();
             t.cfg.data.corpus = cfg.data.corpus.clone();
@@ -132,7 +135,7 @@ impl<'g> Trainer<'g> {
         let opt = Self::optimizer(gpu, &cfg, &model)?;
         let data = Dataset::new(tokenizer.encode(&text)?, cfg.data.val_fraction, cfg.model.block_size)?;
         let scaler = cfg.loss_scaler().map_err(|d| Error::Config { path: "loss_scale".into(), detail: d })?;
-        Ok(Trainer { gpu, cfg, model, tokenizer, opt, data, scaler, step: 0, tokens_seen: 0, history: Vec::new() })
+        Ok(Trainer { gpu, cfg, model, tokenizer, opt, data, scaler, step: 0, tokens_seen: 0, history: Vec::new(), trace: None })
     }
 
     fn optimizer(gpu: &Gpu, cfg: &TrainConfig, model: &Transformer) -> Result<AdamW> {
@@ -144,6 +147,13 @@ impl<'g> Trainer<'g> {
         Ok(opt)
     }
 
+    fn recorder(&self) -> Recorder<'g> {
+        match self.trace {
+            Some(_) => self.gpu.profiling_recorder("train.step"),
+            None => self.gpu.recorder("train.step"),
+        }
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.tokenizer.vocab_size()
     }
@@ -151,7 +161,7 @@ impl<'g> Trainer<'g> {
     /// One optimizer step over `grad_accum` micro-batches.
     pub fn train_step(&mut self) -> Result<StepInfo> {
         let t0 = Instant::now();
-        let (gpu, tc) = (self.gpu, &self.cfg.train);
+        let (gpu, tc) = (self.gpu, self.cfg.train.clone());
         let (b, t) = (tc.batch_size, self.cfg.model.block_size);
         let lr = warmup_cosine(self.step, tc.lr, tc.min_lr, tc.warmup, tc.steps);
         self.opt.lr = lr;
@@ -159,7 +169,7 @@ impl<'g> Trainer<'g> {
         // Each micro-batch's loss is a mean: 1/accum makes the sum of gradients their mean.
         let seed_grad = self.scaler.scale / accum as f32;
         let mut losses = Vec::with_capacity(accum);
-        let mut rec = gpu.recorder("train.step");
+        let mut rec = self.recorder();
         for m in 0..accum {
             let key = mix(&[tc.seed, self.step, m as u64]);
             let (ids, targets) = batch(&self.data.train, b, t, key);
@@ -171,7 +181,8 @@ impl<'g> Trainer<'g> {
             tape.backward(&mut rec, loss, seed_grad, &mut self.model.params)?;
             if m + 1 < accum {
                 // Let the next micro-batch reuse this one's activation buffers.
-                std::mem::replace(&mut rec, gpu.recorder("train.step")).submit()?;
+                let next = self.recorder();
+                finish(gpu, &mut self.trace, std::mem::replace(&mut rec, next).submit()?)?;
             }
         }
         let grads: Vec<Tensor> = self
@@ -188,16 +199,16 @@ impl<'g> Trainer<'g> {
         let (mut grad_norm, mut skipped) = (None, false);
         if self.scaler.dynamic {
             // Whether to step depends on the norm: one read before the update.
-            rec.submit()?;
+            finish(gpu, &mut self.trace, rec.submit()?)?;
             let norm = scale.read_f32(gpu)?[0];
             grad_norm = Some(norm);
             skipped = !self.scaler.update(norm);
-            rec = gpu.recorder("train.update");
+            rec = self.recorder();
         }
         if !skipped {
             self.opt.step(&mut rec, &params, &grad_refs, &scale)?;
         }
-        rec.submit()?;
+        finish(gpu, &mut self.trace, rec.submit()?)?;
         self.model.params.zero_grad();
         let mut loss = 0.0f64;
         for l in &losses {
@@ -333,6 +344,15 @@ impl<'g> Trainer<'g> {
         }
         Ok(Summary { start_step, steps: self.step, first_val_loss, final_val_loss, final_train_loss, tokens_per_s: tokens / seconds, seconds, checkpoint })
     }
+}
+
+/// Waits for a submission (surfacing GPU-side input errors) and keeps its timings.
+fn finish(gpu: &Gpu, trace: &mut Option<Trace>, sub: Submission) -> Result<()> {
+    let t = sub.wait(gpu)?;
+    if let Some(trace) = trace {
+        trace.extend(t);
+    }
+    Ok(())
 }
 
 /// Metrics of steps up to `upto` from an earlier run of this directory.
