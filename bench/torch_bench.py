@@ -5,7 +5,12 @@ Matmul: torch.matmul in f32 with TF32 off, TFLOP/s.
 Kernels (--kernels): the same shapes and work counts as `doppler bench kernels`, forward +
 backward through autograd (embedding: aten's dense backward alone), f32, TF32 off.
 Medians of CUDA-event timings.
+Train (--train): a GPT-2-124M-shaped model (12 layers, 768 wide, 12 heads, vocab 50304,
+learned positions, tied embeddings, GELU tanh, batch 8 x 1024) trained with AdamW and
+global-norm clipping, eager, each step synchronised by loss.item(); f32 with TF32 off, and
+(--train-fast) also TF32 and bf16 autocast. Median wall time per step -> tokens/s.
 Usage: python3 bench/torch_bench.py [--mib 1024] [--size 4096 ...] [--repeat 20] [--kernels]
+       [--train [--train-fast]]
 """
 import argparse
 import json
@@ -84,6 +89,75 @@ def kernels(a):
     return rows
 
 
+class Block(torch.nn.Module):
+    def __init__(self, c, h):
+        super().__init__()
+        self.h = h
+        self.ln1, self.ln2 = torch.nn.LayerNorm(c), torch.nn.LayerNorm(c)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(c, c) for _ in range(4))
+        self.fc, self.proj = torch.nn.Linear(c, 4 * c), torch.nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        h = self.ln1(x)
+        q, k, v = (m(h).view(b, t, self.h, c // self.h).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.o(a)
+        return x + self.proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class Gpt(torch.nn.Module):
+    def __init__(self, layers=12, c=768, h=12, vocab=50304, block=1024):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(vocab, c), torch.nn.Embedding(block, c)
+        self.blocks = torch.nn.ModuleList(Block(c, h) for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(c)
+
+    def forward(self, ids, targets):
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.ln(x) @ self.tok.weight.t()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def train(a, mode):
+    """Median ms per training step of the GPT-2-124M shape in `mode` (f32, tf32, bf16)."""
+    import time
+    torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+    torch.backends.cudnn.allow_tf32 = mode == "tf32"
+    torch.manual_seed(0)
+    model = Gpt().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1)
+    b, t = 8, 1024
+    ids = torch.randint(0, 50304, (b, t), device="cuda")
+    tg = torch.randint(0, 50304, (b, t), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "bf16"):
+            loss = model(ids, tg)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(a.train_steps):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(times)
+    del model, opt
+    torch.cuda.empty_cache()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return {"name": f"torch train gpt2-124m ({mode})", "shape": f"B{b} T{t}", "ms": ms,
+            "value": b * t / ms, "unit": "K tok/s"}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mib", type=int, default=1024)
@@ -91,6 +165,9 @@ def main():
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--batch", type=int, default=10)
     p.add_argument("--kernels", action="store_true")
+    p.add_argument("--train", action="store_true")
+    p.add_argument("--train-fast", action="store_true")
+    p.add_argument("--train-steps", type=int, default=10)
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -109,6 +186,9 @@ def main():
                      "value": 2 * s**3 / ms / 1e9, "unit": "TFLOP/s"})
     if a.kernels:
         rows += kernels(a)
+    if a.train:
+        for mode in ["f32"] + (["tf32", "bf16"] if a.train_fast else []):
+            rows.append(train(a, mode))
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": rows}, indent=2))
 
 

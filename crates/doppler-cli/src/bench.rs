@@ -16,6 +16,9 @@ pub enum Which {
     Matmul,
     /// The seed kernels: conv2d, group_norm, cross_entropy, embedding (forward + backward).
     Kernels,
+    /// Training steps of a GPT-2-124M-shaped model (AdamW, random tokens): tokens/s and the
+    /// time per kernel. Not part of `all`.
+    Train,
 }
 
 #[derive(Args)]
@@ -44,6 +47,18 @@ pub struct BenchArgs {
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
+    /// train: model shape, "gpt2-124m" (12 layers, 768 wide, 12 heads, vocab 50304) or
+    /// "gpt2-tiny" (2 layers, 64 wide); default gpt2-tiny on a CPU adapter.
+    #[arg(long)]
+    preset: Option<String>,
+    /// train: sequences per step (default 8) and their length (default 1024).
+    #[arg(long)]
+    train_batch: Option<usize>,
+    #[arg(long)]
+    seq: Option<usize>,
+    /// train: timed steps (after 2 warm-up steps).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
 }
 
 #[derive(serde::Serialize)]
@@ -173,8 +188,97 @@ fn kernels(gpu: &Gpu, args: &BenchArgs, trace: &mut doppler::gpu::Trace, rows: &
     Ok(())
 }
 
+/// GPT-2-124M-shaped training: forward, backward, global-norm clip, AdamW, each step
+/// synchronised by reading its loss (as `loss.item()` does in PyTorch).
+fn train(gpu: &Gpu, args: &BenchArgs, trace: &mut doppler::gpu::Trace, rows: &mut Vec<Row>) -> doppler::Result<()> {
+    use doppler::autograd::Tape;
+    use doppler::models::transformer::{Arch, ModelConfig, Transformer};
+    let preset = args.preset.clone().unwrap_or(if is_cpu(gpu) { "gpt2-tiny".into() } else { "gpt2-124m".into() });
+    let (n_layer, n_embd, n_head, vocab) = match preset.as_str() {
+        "gpt2-124m" => (12, 768, 12, 50304),
+        "gpt2-tiny" => (2, 64, 4, 512),
+        other => return Err(doppler::Error::Invalid { op: "bench train", detail: format!("unknown preset {other:?} (gpt2-124m, gpt2-tiny)") }),
+    };
+    let (b, t) = (args.train_batch.unwrap_or(8), args.seq.unwrap_or(if is_cpu(gpu) { 64 } else { 1024 }));
+    let cfg = ModelConfig {
+        arch: Arch::Gpt2,
+        vocab_size: vocab,
+        n_layer,
+        n_embd,
+        n_head,
+        n_kv_head: None,
+        block_size: t,
+        ffn_hidden: None,
+        norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        tie_embeddings: None,
+        dropout: 0.0,
+    };
+    let mut model = Transformer::new(gpu, &cfg, 1)?;
+    let params: Vec<Tensor> = model.params.values.clone();
+    let refs: Vec<&Tensor> = params.iter().collect();
+    let mut opt = doppler::optim::AdamW::new(gpu, &refs, 6e-4)?;
+    opt.decay_mask = model.decayed();
+    let mut rng = Rng::new(7);
+    let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % vocab as u64) as u32).collect() };
+    let ids = Tensor::from_u32(gpu, &[b, t], &tokens(b * t), "ids")?;
+    let targets = Tensor::from_u32(gpu, &[b, t], &tokens(b * t), "targets")?;
+    let mut step = |profile: bool| -> doppler::Result<(f64, doppler::gpu::Trace, f32)> {
+        let t0 = Instant::now();
+        let mut rec = if profile { gpu.profiling_recorder("train") } else { gpu.recorder("train") };
+        let mut tape = Tape::new();
+        let loss = model.loss(&mut tape, &mut rec, &ids, &targets, 0)?;
+        let lt = tape.value(loss)?.clone();
+        tape.backward(&mut rec, loss, 1.0, &mut model.params)?;
+        let grads: Vec<Tensor> = model.params.grads.iter().map(|g| g.clone().expect("gradient")).collect();
+        let grefs: Vec<&Tensor> = grads.iter().collect();
+        let scale = doppler::optim::grad_scale(&mut rec, &grefs, Some(1.0), 1.0)?;
+        opt.step(&mut rec, &refs, &grefs, &scale)?;
+        let sub = rec.submit()?;
+        let tr = sub.wait(gpu)?;
+        let l = lt.read_f32(gpu)?[0];
+        model.params.zero_grad();
+        Ok((t0.elapsed().as_secs_f64() * 1e3, tr, l))
+    };
+    for _ in 0..2 {
+        step(false)?;
+    }
+    let mut ms: Vec<f64> = Vec::new();
+    let mut last_loss = 0.0;
+    for _ in 0..args.steps {
+        let (m, _, l) = step(false)?;
+        ms.push(m);
+        last_loss = l;
+    }
+    let (_, tr, _) = step(true)?;
+    let med = median(&mut ms);
+    let tokens_per_s = (b * t) as f64 / (med / 1e3);
+    let gpu_ms = if tr.events.is_empty() { None } else { Some(tr.events.iter().map(|e| e.dur_ns).sum::<f64>() / 1e6) };
+    rows.push(Row {
+        name: format!("train {preset} (loss {last_loss:.3})"),
+        shape: format!("B{b} T{t}, {} params", model.params.numel()),
+        wall_ms: med,
+        gpu_ms,
+        value: tokens_per_s / 1e3,
+        unit: "K tok/s",
+    });
+    if !args.json {
+        eprintln!("per kernel, one profiled step ({} dispatches):", tr.events.len());
+        for k in tr.by_kernel().iter().take(20) {
+            eprintln!("  {:>9.3} ms {:>5}x  {}", k.total_ns / 1e6, k.count, k.name);
+        }
+    }
+    trace.extend(tr);
+    Ok(())
+}
+
 pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
     let mut rows = Vec::new();
+    if args.which == Which::Train {
+        let mut trace = doppler::gpu::Trace::default();
+        train(gpu, args, &mut trace, &mut rows)?;
+        return report(gpu, args, &rows, &trace);
+    }
     let mut trace = doppler::gpu::Trace::default();
     if matches!(args.which, Which::All | Which::Copy) {
         let mib = args.mib.unwrap_or(if is_cpu(gpu) { 32 } else { 1024 });
@@ -218,6 +322,10 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
     if matches!(args.which, Which::All | Which::Kernels) {
         kernels(gpu, args, &mut trace, &mut rows)?;
     }
+    report(gpu, args, &rows, &trace)
+}
+
+fn report(gpu: &Gpu, args: &BenchArgs, rows: &[Row], trace: &doppler::gpu::Trace) -> doppler::Result<ExitCode> {
     if let Some(path) = &args.trace {
         trace.write_chrome_json(path)?;
     }
@@ -226,12 +334,13 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
         let v = serde_json::json!({
             "adapter": gpu.info.name, "backend": format!("{:?}", gpu.info.backend), "driver": gpu.info.driver_info,
             "command": command.join(" "), "repeat": args.repeat, "batch": args.batch, "results": rows,
+            "kernels": trace.by_kernel(),
         });
         println!("{}", serde_json::to_string_pretty(&v).unwrap());
     } else {
         println!("adapter: {} ({:?}), median of {} batches of {}", gpu.info.name, gpu.info.backend, args.repeat, args.batch);
         println!("{:<30} {:<26} {:>10} {:>10} {:>12}", "bench", "shape", "wall ms", "gpu ms", "throughput");
-        for r in &rows {
+        for r in rows {
             let g = r.gpu_ms.map_or("-".to_string(), |g| format!("{g:.4}"));
             println!("{:<30} {:<26} {:>10.4} {:>10} {:>9.3} {}", r.name, r.shape, r.wall_ms, g, r.value, r.unit);
         }
