@@ -293,3 +293,17 @@ fn training_ops_reject_bad_shapes() {
 fn whole_model_gradients_match_finite_differences() {
     assert_checks("transformer gradients", 4);
 }
+
+#[test]
+fn weight_gradient_products_split_k() {
+    use doppler::ops::matmul;
+    let gpu = gpu();
+    let a = Tensor::from_f32(gpu, &[2048, 36], &vec![0.5; 2048 * 36], "dy").unwrap();
+    let b = Tensor::from_f32(gpu, &[2048, 44], &vec![0.25; 2048 * 44], "x").unwrap();
+    let mut rec = gpu.recorder("splitk");
+    let c = matmul::matmul(&mut rec, &a, &b, matmul::MatmulOpts { trans_a: true, ..Default::default() }).unwrap();
+    // Four chunks of 512 in one batched dispatch, then the ordered sum.
+    assert_eq!(rec.dispatches(), 2);
+    rec.submit().unwrap();
+    assert!(c.read_f32(gpu).unwrap().iter().all(|&v| v == 256.0));
+}

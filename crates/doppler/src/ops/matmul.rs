@@ -26,8 +26,14 @@ pub struct Params {
 // a and b are each bound twice: as scalars and as vec4s.
 static MATMUL_KERNEL: Kernel = Kernel::new(&MATMUL, "matmul", &[(1, Read), (2, Read), (3, Read), (4, Read), (5, ReadWrite)]);
 
+static SPLITK_SUM: Kernel = Kernel::new(&MATMUL, "splitk_sum", &[(5, ReadWrite), (6, Read)]);
+
 /// Output tile of one workgroup.
 const TILE: u64 = 128;
+/// Split K when a product has fewer output tiles than this (a GPU has ~100 cores)...
+const SPLIT_BELOW_TILES: u64 = 128;
+/// ...and each chunk keeps at least this many k.
+const MIN_SPLIT_K: usize = 512;
 
 #[derive(Clone, Copy, Debug)]
 pub struct MatmulOpts {
@@ -171,6 +177,22 @@ pub fn matmul_into_tuned(
         ("VEC", vec as u32 as f64),
         ("BK", tuning.bk as f64),
     ];
+    let tiles = (n as u64).div_ceil(TILE) * (m as u64).div_ceil(TILE);
+    // Split-K needs K to be the outer (row) axis of both operands: A^T B, unbatched.
+    if opts.trans_a && !opts.trans_b && s.batch() == 1 && tiles < SPLIT_BELOW_TILES {
+        let splits = [8usize, 4, 2]
+            .into_iter()
+            .find(|&sp| k % sp == 0 && k / sp >= MIN_SPLIT_K && tiles * sp as u64 <= 2 * SPLIT_BELOW_TILES);
+        if let Some(sp) = splits {
+            let kc = k / sp;
+            let parts = Tensor::empty(rec.gpu(), &[sp, m, n], c.dtype(), "matmul.splitk")?;
+            let p = Params { k: kc as u32, stride_a: (kc * m) as u32, stride_b: (kc * n) as u32, beta: 0.0, ..params };
+            let grid = Grid::Xyz([(n as u64).div_ceil(TILE) as u32, (m as u64).div_ceil(TILE) as u32, sp as u32]);
+            rec.dispatch(&MATMUL_KERNEL, &constants, bytemuck::bytes_of(&p), &[a, a, b, b, &parts], grid)?;
+            let p = Params { k: sp as u32, beta, ..params };
+            return rec.dispatch(&SPLITK_SUM, &[], bytemuck::bytes_of(&p), &[c, &parts], Grid::cover((m * n) as u64, 256));
+        }
+    }
     let grid = Grid::Xyz([
         (n as u64).div_ceil(TILE) as u32,
         (m as u64).div_ceil(TILE) as u32,

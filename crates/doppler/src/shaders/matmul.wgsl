@@ -17,6 +17,11 @@
 // The accumulators are 16 named vec4s, not an array: an array indexed by a loop counter
 // can end up in local memory instead of registers (it did: 1.8 TFLOP/s on an H200).
 // Grid: (ceil(N/128), ceil(M/128), batch).
+//
+// Split-K (host side, for A^T B with few output tiles and a long K, e.g. weight gradients
+// dW = dY^T X): K is cut into S equal chunks run as a batch of S products into partials
+// (S, M, N), then splitk_sum adds the S partials in order s = 0, 1, ... (+ beta C). Fixed
+// order: same bits on every run. Grid of splitk_sum: cover M*N threads, 256 per workgroup.
 
 struct Params {
     m: u32,
@@ -44,6 +49,7 @@ const NT: u32 = 256u;          // threads per workgroup
 @group(0) @binding(3) var<storage, read> b: array<f32>;
 @group(0) @binding(4) var<storage, read> b4: array<vec4<f32>>;   // same buffer as b
 @group(0) @binding(5) var<storage, read_write> c: array<f32>;
+@group(0) @binding(6) var<storage, read> parts: array<f32>;      // split-K partials (S, M, N)
 
 var<workgroup> As: array<vec4<f32>, BK * BM / 4u>;   // As[k * BM/4 + m/4][m % 4]
 var<workgroup> Bs: array<vec4<f32>, BK * BN / 4u>;   // Bs[k * BN/4 + n/4][n % 4]
@@ -198,4 +204,23 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     store_row(c_off, r1 + 1u, nb, c50, c51);
     store_row(c_off, r1 + 2u, nb, c60, c61);
     store_row(c_off, r1 + 3u, nb, c70, c71);
+}
+
+// c = parts[0] + parts[1] + ... + parts[p.k - 1] (+ beta c); p.k is the split count here.
+@compute @workgroup_size(256)
+fn splitk_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let total = p.m * p.n;
+    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (i >= total) {
+        return;
+    }
+    var s = 0.0;
+    for (var j = 0u; j < p.k; j++) {
+        s += parts[j * total + i];
+    }
+    if (p.beta != 0.0) {
+        s += p.beta * c[i];
+    }
+    c[i] = s;
 }

@@ -53,7 +53,9 @@ pub(super) fn sum_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// every transpose combination, multiples of 4 (vec4 loads), several 128-tiles with
 /// ragged edges, a broadcast operand, and accumulation into C.
 #[allow(clippy::type_complexity)]
-pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f32); 9] = [
+/// The last three take the split-K path (A^T B, few output tiles, long K), the last one
+/// with beta and without vec4 loads.
+pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f32); 12] = [
     (1, 1, 1, 1, false, false, true, true, 0.0),
     (3, 37, 45, 29, false, false, true, true, 0.0),
     (2, 130, 129, 67, true, false, true, true, 0.0),
@@ -63,6 +65,9 @@ pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f3
     (3, 96, 68, 132, true, true, true, true, 0.0),
     (3, 17, 19, 23, false, false, true, false, 0.0),
     (2, 33, 40, 24, false, true, false, true, 1.0),
+    (1, 36, 44, 2048, true, false, false, false, 0.0),
+    (1, 200, 132, 4100, true, false, false, false, 0.0),
+    (1, 33, 17, 2048, true, false, false, false, 1.0),
 ];
 
 pub(super) fn matmul_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
@@ -94,7 +99,7 @@ fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tunin
         let run = || -> crate::Result<Vec<f32>> {
             let ta_ = Tensor::from_f32(gpu, &a_shape, &a, "a")?;
             let tb_ = Tensor::from_f32(gpu, &b_shape, &b, "b")?;
-            let c = Tensor::from_f32(gpu, &[batch, m, n], &c0, "c")?;
+            let c = Tensor::from_f32(gpu, &with_batch(ba || bb, &[m, n]), &c0, "c")?;
             let opts = matmul::MatmulOpts { trans_a: ta, trans_b: tb, alpha };
             gpu.run(|rec| matmul::matmul_into_tuned(rec, &ta_, &tb_, &c, opts, beta, tuning))?;
             c.read_f32(gpu)
