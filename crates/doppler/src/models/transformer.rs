@@ -271,7 +271,7 @@ impl Transformer {
         }
         x = tape.dropout(rec, x, drop, seed(0))?;
         let eps = cfg.norm_eps;
-        let attn = AttnOpts { causal: true, scale: None };
+        let attn = AttnOpts::default();
         for l in 0..cfg.n_layer {
             let n = |s: &str| format!("blocks.{l}.{s}");
             // Attention: x += o(attention(q(h), k(h), v(h))), h = norm(x)

@@ -34,6 +34,41 @@ static BWD_DKV: Kernel = Kernel::new(
     "attn_bwd_dkv",
     &[(1, Read), (2, Read), (3, Read), (7, Read), (8, Read), (10, Read), (12, ReadWrite), (13, ReadWrite)],
 );
+// The tiled kernels share one staging function that can read dO (binding 7): the forward
+// binds q there, unread.
+static FWD_T: Kernel = Kernel::new(
+    &ATTENTION,
+    "attn_fwd_tiled",
+    &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, ReadWrite), (7, Read)],
+);
+static BWD_DQ_T: Kernel = Kernel::new(
+    &ATTENTION,
+    "attn_bwd_dq_tiled",
+    &[(1, Read), (2, Read), (3, Read), (7, Read), (8, Read), (10, Read), (11, ReadWrite)],
+);
+static BWD_DKV_T: Kernel = Kernel::new(
+    &ATTENTION,
+    "attn_bwd_dkv_tiled",
+    &[(1, Read), (2, Read), (3, Read), (7, Read), (8, Read), (10, Read), (12, ReadWrite), (13, ReadWrite)],
+);
+
+/// Rows per workgroup of the tiled kernels, and the workgroup memory they need (bytes).
+const TILED_ROWS: u64 = 32;
+const TILED_SHARED: u32 = 31 * 1024;
+/// Largest head dimension of the tiled kernels.
+pub const TILED_MAX_HEAD_DIM: usize = 64;
+
+/// Which kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum AttnPath {
+    /// Tiled where the head dim (<= 64) and the device's workgroup memory allow, else rows.
+    #[default]
+    Auto,
+    /// One thread per row: any head dim up to 128, little workgroup memory.
+    Rows,
+    /// Score tiles shared by 256 threads (head dim <= 64, 31 KB of workgroup memory).
+    Tiled,
+}
 
 /// Rows per workgroup (one thread each), as `BR` in the shader.
 const BR: u64 = 64;
@@ -46,11 +81,29 @@ pub struct AttnOpts {
     pub causal: bool,
     /// Multiplies q.k; 1/sqrt(D) when None.
     pub scale: Option<f32>,
+    pub path: AttnPath,
 }
 
 impl Default for AttnOpts {
     fn default() -> Self {
-        AttnOpts { causal: true, scale: None }
+        AttnOpts { causal: true, scale: None, path: AttnPath::Auto }
+    }
+}
+
+/// Whether the tiled kernels run for head dim `d`.
+fn tiled(rec: &Recorder<'_>, d: usize, path: AttnPath) -> Result<bool> {
+    let fits = d <= TILED_MAX_HEAD_DIM && rec.gpu().limits.max_compute_workgroup_storage_size >= TILED_SHARED;
+    match path {
+        AttnPath::Auto => Ok(fits),
+        AttnPath::Rows => Ok(false),
+        AttnPath::Tiled if fits => Ok(true),
+        AttnPath::Tiled => Err(Error::Invalid {
+            op: "attention",
+            detail: format!(
+                "tiled kernels need head dim <= {TILED_MAX_HEAD_DIM} (got {d}) and {TILED_SHARED} bytes of workgroup memory (device: {})",
+                rec.gpu().limits.max_compute_workgroup_storage_size
+            ),
+        }),
     }
 }
 
@@ -128,8 +181,13 @@ pub fn attention(rec: &mut Recorder<'_>, q: &Tensor, k: &Tensor, v: &Tensor, opt
     let c = constants(rec, d)?;
     let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "attention.o")?;
     let lse = Tensor::empty(rec.gpu(), &[q.shape()[0], q.shape()[2], q.shape()[1]], DType::F32, "attention.lse")?;
-    let groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(BR);
-    rec.dispatch(&FWD, &c, bytemuck::bytes_of(&p), &[q, k, v, &o, &lse], Grid::Linear(groups))?;
+    if tiled(rec, d, opts.path)? {
+        let groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(TILED_ROWS);
+        rec.dispatch(&FWD_T, &c[..1], bytemuck::bytes_of(&p), &[q, k, v, &o, &lse, q], Grid::Linear(groups))?;
+    } else {
+        let groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(BR);
+        rec.dispatch(&FWD, &c, bytemuck::bytes_of(&p), &[q, k, v, &o, &lse], Grid::Linear(groups))?;
+    }
     Ok(AttnOut { o, lse })
 }
 
@@ -159,15 +217,10 @@ pub fn attention_backward(
     let dq = Tensor::empty(gpu, q.shape(), DType::F32, "attention.dq")?;
     let dk = Tensor::empty(gpu, k.shape(), DType::F32, "attention.dk")?;
     let dv = Tensor::empty(gpu, v.shape(), DType::F32, "attention.dv")?;
-    let q_groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(BR);
-    rec.dispatch(&BWD_DQ, &c, bytemuck::bytes_of(&p), &[q, k, v, d_o, &fwd.lse, &delta, &dq], Grid::Linear(q_groups))?;
-    let k_groups = (p.b * p.hkv) as u64 * (p.tk as u64).div_ceil(BR);
-    rec.dispatch(
-        &BWD_DKV,
-        &c,
-        bytemuck::bytes_of(&p),
-        &[q, k, v, d_o, &fwd.lse, &delta, &dk, &dv],
-        Grid::Linear(k_groups),
-    )?;
+    let (dq_k, dkv_k, rows, c) = if tiled(rec, d, opts.path)? { (&BWD_DQ_T, &BWD_DKV_T, TILED_ROWS, &c[..1]) } else { (&BWD_DQ, &BWD_DKV, BR, &c[..]) };
+    let q_groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(rows);
+    rec.dispatch(dq_k, c, bytemuck::bytes_of(&p), &[q, k, v, d_o, &fwd.lse, &delta, &dq], Grid::Linear(q_groups))?;
+    let k_groups = (p.b * p.hkv) as u64 * (p.tk as u64).div_ceil(rows);
+    rec.dispatch(dkv_k, c, bytemuck::bytes_of(&p), &[q, k, v, d_o, &fwd.lse, &delta, &dk, &dv], Grid::Linear(k_groups))?;
     Ok(AttnGrads { dq, dk, dv })
 }

@@ -333,3 +333,293 @@ fn attn_bwd_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Tiled path (head dim <= 64; ~30 KB of workgroup memory): 256 threads share tiles of
+// scores like a matrix product, so every staged vector feeds several rows. Same formulas.
+//   attn_fwd_tiled:      32 query rows per workgroup, 32-key tiles; thread (ty, tx) = (tid/16,
+//                        tid%16) scores rows 2ty, 2ty+1 against keys tx, tx+16 and owns
+//                        vec4 tx of those two output rows. Threads 0..31 keep one row's
+//                        running max and sum each (online softmax, tile by tile).
+//   attn_bwd_dq_tiled:   32 query rows, 16-key tiles; dS goes through workgroup memory.
+//   attn_bwd_dkv_tiled:  32 key rows, 16-query tiles over the group's heads in order.
+// Sums run in a fixed order per thread: same bits on every run.
+
+const NT: u32 = 256u;
+const CH: u32 = 16u;   // vec4 slots per staged row (head dim <= 64)
+
+var<workgroup> sa: array<vec4<f32>, 512>;   // 32 rows
+var<workgroup> sb: array<vec4<f32>, 512>;   // 32 rows
+var<workgroup> sc: array<vec4<f32>, 256>;   // 16 rows
+var<workgroup> sd: array<vec4<f32>, 256>;   // 16 rows
+var<workgroup> sp: array<f32, 1024>;        // scores / probabilities
+var<workgroup> sds: array<f32, 512>;        // dS^T (dkv)
+var<workgroup> rs: array<f32, 96>;          // per-row statistics
+
+// Stages `rows` rows (from r0) of head hh of a (B, T, H, D) tensor, times `mul`, into
+// workgroup array `dst` (0: sa, 1: sb, 2: sc, 3: sd), zero past nt or D. `which` picks the
+// source: 0 q, 1 k, 2 v, 3 dO.
+fn stage_rows(which: u32, dst: u32, bi: u32, r0: u32, rows: u32, nt: u32, hh: u32, nh: u32, mul: f32, tid: u32) {
+    for (var t = tid; t < rows * CH; t += NT) {
+        let r = r0 + t / CH;
+        let ch = t % CH;
+        var x = vec4<f32>(0.0);
+        if (r < nt && ch < D4) {
+            let at = row_at(bi, r, nt, hh, nh) + ch;
+            switch (which) {
+                case 0u: { x = q[at]; }
+                case 1u: { x = k[at]; }
+                case 2u: { x = v[at]; }
+                default: { x = d_o[at]; }
+            }
+        }
+        x *= mul;
+        switch (dst) {
+            case 0u: { sa[t] = x; }
+            case 1u: { sb[t] = x; }
+            case 2u: { sc[t] = x; }
+            default: { sd[t] = x; }
+        }
+    }
+}
+
+// Keys a 32-row query block starting at i0 can see: [0, end).
+fn key_end32(i0: u32) -> u32 {
+    if (p.causal == 0u) {
+        return p.tk;
+    }
+    return min(p.tk, i0 + 32u + p.tk - p.tq);
+}
+
+@compute @workgroup_size(NT)
+fn attn_fwd_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) tid: u32) {
+    let blocks = (p.tq + 31u) / 32u;
+    let g = group_id(wid, nwg);
+    let bh = g / blocks;
+    let bi = bh / p.hq;
+    let h = bh % p.hq;
+    let hk = h / (p.hq / p.hkv);
+    let i0 = (g % blocks) * 32u;
+    let ok = bh < p.b * p.hq;
+    let ty = tid / 16u;
+    let tx = tid % 16u;
+    stage_rows(0u, 0u, bi, i0, 32u, p.tq, h, p.hq, p.scale, tid);   // Q, scaled -> sa
+    if (tid < 32u) {
+        rs[tid] = NEG;        // running max
+        rs[32u + tid] = 0.0;  // running sum
+    }
+    var o0 = vec4<f32>(0.0);
+    var o1 = vec4<f32>(0.0);
+    let end = select(0u, key_end32(i0), ok);
+    for (var j0 = 0u; j0 < end; j0 += 32u) {
+        stage_rows(1u, 1u, bi, j0, 32u, p.tk, hk, p.hkv, 1.0, tid);   // K -> sb
+        workgroupBarrier();
+        for (var rr = 0u; rr < 2u; rr++) {
+            let r = 2u * ty + rr;
+            for (var cc = 0u; cc < 2u; cc++) {
+                let c = tx + 16u * cc;
+                var s = 0.0;
+                for (var ch = 0u; ch < D4; ch++) {
+                    s += dot(sa[r * CH + ch], sb[c * CH + ch]);
+                }
+                let i = i0 + r;
+                sp[r * 32u + c] = select(NEG, s, i < p.tq && visible(i, j0 + c));
+            }
+        }
+        workgroupBarrier();
+        if (tid < 32u) {
+            let r = tid;
+            let m_old = rs[r];
+            var mx = m_old;
+            for (var c = 0u; c < 32u; c++) {
+                mx = max(mx, sp[r * 32u + c]);
+            }
+            let corr = exp(m_old - mx);
+            var l = rs[32u + r] * corr;
+            for (var c = 0u; c < 32u; c++) {
+                let x = sp[r * 32u + c];
+                var pc = 0.0;
+                if (x > NEG) {
+                    pc = exp(x - mx);
+                }
+                sp[r * 32u + c] = pc;
+                l += pc;
+            }
+            rs[r] = mx;
+            rs[32u + r] = l;
+            rs[64u + r] = corr;
+        }
+        stage_rows(2u, 1u, bi, j0, 32u, p.tk, hk, p.hkv, 1.0, tid);   // V -> sb (K is done)
+        workgroupBarrier();
+        o0 *= rs[64u + 2u * ty];
+        o1 *= rs[64u + 2u * ty + 1u];
+        for (var c = 0u; c < 32u; c++) {
+            let vv = sb[c * CH + tx];
+            o0 += sp[(2u * ty) * 32u + c] * vv;
+            o1 += sp[(2u * ty + 1u) * 32u + c] * vv;
+        }
+        workgroupBarrier();
+    }
+    if (ok) {
+        for (var rr = 0u; rr < 2u; rr++) {
+            let r = 2u * ty + rr;
+            let i = i0 + r;
+            if (i < p.tq && tx < D4) {
+                o[row_at(bi, i, p.tq, h, p.hq) + tx] = select(o0, o1, rr == 1u) / rs[32u + r];
+            }
+        }
+        if (tid < 32u && i0 + tid < p.tq) {
+            lse[(bi * p.hq + h) * p.tq + i0 + tid] = rs[tid] + log(rs[32u + tid]);
+        }
+    }
+}
+
+@compute @workgroup_size(NT)
+fn attn_bwd_dq_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_index) tid: u32) {
+    let blocks = (p.tq + 31u) / 32u;
+    let g = group_id(wid, nwg);
+    let bh = g / blocks;
+    let bi = bh / p.hq;
+    let h = bh % p.hq;
+    let hk = h / (p.hq / p.hkv);
+    let i0 = (g % blocks) * 32u;
+    let ok = bh < p.b * p.hq;
+    let ty = tid / 16u;
+    let tx = tid % 16u;
+    stage_rows(0u, 0u, bi, i0, 32u, p.tq, h, p.hq, p.scale, tid);   // Q, scaled -> sa
+    stage_rows(3u, 1u, bi, i0, 32u, p.tq, h, p.hq, 1.0, tid);       // dO -> sb
+    var lse_r = vec2<f32>(0.0);
+    var delta_r = vec2<f32>(0.0);
+    for (var rr = 0u; rr < 2u; rr++) {
+        let i = i0 + 2u * ty + rr;
+        if (ok && i < p.tq) {
+            let at = (bi * p.hq + h) * p.tq + i;
+            lse_r[rr] = lse_in[at];
+            delta_r[rr] = delta_in[at];
+        }
+    }
+    var g0 = vec4<f32>(0.0);
+    var g1 = vec4<f32>(0.0);
+    let end = select(0u, key_end32(i0), ok);
+    for (var j0 = 0u; j0 < end; j0 += 16u) {
+        stage_rows(1u, 2u, bi, j0, 16u, p.tk, hk, p.hkv, 1.0, tid);   // K -> sc
+        stage_rows(2u, 3u, bi, j0, 16u, p.tk, hk, p.hkv, 1.0, tid);   // V -> sd
+        workgroupBarrier();
+        for (var rr = 0u; rr < 2u; rr++) {
+            let r = 2u * ty + rr;
+            let i = i0 + r;
+            var s = 0.0;
+            var dp = 0.0;
+            for (var ch = 0u; ch < D4; ch++) {
+                s += dot(sa[r * CH + ch], sc[tx * CH + ch]);
+                dp += dot(sb[r * CH + ch], sd[tx * CH + ch]);
+            }
+            var ds = 0.0;
+            if (i < p.tq && visible(i, j0 + tx)) {
+                ds = exp(s - lse_r[rr]) * (dp - delta_r[rr]);
+            }
+            sp[r * 16u + tx] = ds;
+        }
+        workgroupBarrier();
+        for (var c = 0u; c < 16u; c++) {
+            let kk = sc[c * CH + tx];
+            g0 += sp[(2u * ty) * 16u + c] * kk;
+            g1 += sp[(2u * ty + 1u) * 16u + c] * kk;
+        }
+        workgroupBarrier();
+    }
+    if (ok && tx < D4) {
+        for (var rr = 0u; rr < 2u; rr++) {
+            let i = i0 + 2u * ty + rr;
+            if (i < p.tq) {
+                dq[row_at(bi, i, p.tq, h, p.hq) + tx] = select(g0, g1, rr == 1u) * p.scale;
+            }
+        }
+    }
+}
+
+@compute @workgroup_size(NT)
+fn attn_bwd_dkv_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                      @builtin(local_invocation_index) tid: u32) {
+    let blocks = (p.tk + 31u) / 32u;
+    let g = group_id(wid, nwg);
+    let bh = g / blocks;
+    let bi = bh / p.hkv;
+    let hk = bh % p.hkv;
+    let j0 = (g % blocks) * 32u;
+    let ok = bh < p.b * p.hkv;
+    let ty = tid / 16u;
+    let tx = tid % 16u;
+    stage_rows(1u, 1u, bi, j0, 32u, p.tk, hk, p.hkv, p.scale, tid);   // K, scaled -> sb
+    stage_rows(2u, 0u, bi, j0, 32u, p.tk, hk, p.hkv, 1.0, tid);       // V -> sa
+    var gk0 = vec4<f32>(0.0);
+    var gk1 = vec4<f32>(0.0);
+    var gv0 = vec4<f32>(0.0);
+    var gv1 = vec4<f32>(0.0);
+    var first = 0u;
+    if (p.causal != 0u && j0 + p.tq > p.tk) {
+        first = (j0 + p.tq - p.tk) / 16u * 16u;
+    }
+    let group = p.hq / p.hkv;
+    let hend = select(0u, group, ok);
+    for (var gi = 0u; gi < hend; gi++) {
+        let h = hk * group + gi;
+        for (var i0 = first; i0 < p.tq; i0 += 16u) {
+            stage_rows(0u, 2u, bi, i0, 16u, p.tq, h, p.hq, 1.0, tid);   // Q -> sc
+            stage_rows(3u, 3u, bi, i0, 16u, p.tq, h, p.hq, 1.0, tid);   // dO -> sd
+            if (tid < 16u) {
+                var a = 0.0;
+                var b = 0.0;
+                if (i0 + tid < p.tq) {
+                    let at = (bi * p.hq + h) * p.tq + i0 + tid;
+                    a = lse_in[at];
+                    b = delta_in[at];
+                }
+                rs[tid] = a;
+                rs[16u + tid] = b;
+            }
+            workgroupBarrier();
+            for (var kk = 0u; kk < 2u; kk++) {
+                let jr = 2u * ty + kk;
+                let j = j0 + jr;
+                let i = i0 + tx;
+                var s = 0.0;
+                var dp = 0.0;
+                for (var ch = 0u; ch < D4; ch++) {
+                    s += dot(sb[jr * CH + ch], sc[tx * CH + ch]);
+                    dp += dot(sa[jr * CH + ch], sd[tx * CH + ch]);
+                }
+                var pij = 0.0;
+                var ds = 0.0;
+                if (j < p.tk && i < p.tq && visible(i, j)) {
+                    pij = exp(s - rs[tx]);
+                    ds = pij * (dp - rs[16u + tx]);
+                }
+                sp[jr * 16u + tx] = pij;
+                sds[jr * 16u + tx] = ds;
+            }
+            workgroupBarrier();
+            for (var c = 0u; c < 16u; c++) {
+                let dov = sd[c * CH + tx];
+                let qv = sc[c * CH + tx];
+                gv0 += sp[(2u * ty) * 16u + c] * dov;
+                gv1 += sp[(2u * ty + 1u) * 16u + c] * dov;
+                gk0 += sds[(2u * ty) * 16u + c] * qv;
+                gk1 += sds[(2u * ty + 1u) * 16u + c] * qv;
+            }
+            workgroupBarrier();
+        }
+    }
+    if (ok && tx < D4) {
+        for (var kk = 0u; kk < 2u; kk++) {
+            let j = j0 + 2u * ty + kk;
+            if (j < p.tk) {
+                let at = row_at(bi, j, p.tk, hk, p.hkv) + tx;
+                dk[at] = select(gk0, gk1, kk == 1u) * p.scale;
+                dv[at] = select(gv0, gv1, kk == 1u);
+            }
+        }
+    }
+}

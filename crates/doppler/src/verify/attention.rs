@@ -3,27 +3,42 @@
 use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::gpu::{Gpu, Tensor};
-use crate::ops::attention::{attention, attention_backward, AttnOpts};
+use crate::ops::attention::{attention, attention_backward, AttnOpts, AttnPath, TILED_MAX_HEAD_DIM};
 use crate::reference::{attention as cpu, widen};
 
 /// (B, Tq, Tk, Hq, Hkv, D, causal): odd lengths over several row blocks with grouped heads;
 /// fewer queries than keys (the causal offset a KV cache gives); full attention; the
-/// largest head dim; more than 65535 workgroups.
-pub const ATTN_CASES: [(usize, usize, usize, usize, usize, usize, bool); 5] = [
+/// largest head dim; four query heads on one key/value head over several tiles; more than
+/// 65535 workgroups. Each runs on both kernel sets where the tiled one applies.
+pub const ATTN_CASES: [(usize, usize, usize, usize, usize, usize, bool); 6] = [
     (2, 77, 77, 4, 2, 16, true),
     (1, 5, 70, 2, 1, 64, true),
     (3, 19, 23, 3, 3, 8, false),
     (1, 130, 130, 2, 2, 128, true),
+    (1, 100, 100, 4, 1, 64, true),
     (1, 1, 2, 65_537, 65_537, 4, true),
 ];
 
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    for (n, &(b, tq, tk, hq, hkv, d, causal)) in ATTN_CASES.iter().enumerate() {
+    // Both kernel sets where the tiled one applies (head dim <= 64, enough workgroup memory).
+    let tiled_ok = gpu.limits.max_compute_workgroup_storage_size >= 31 * 1024;
+    for path in [AttnPath::Rows, AttnPath::Tiled] {
+        for (n, case) in ATTN_CASES.iter().enumerate() {
+            if path == AttnPath::Tiled && (!tiled_ok || case.5 > TILED_MAX_HEAD_DIM) {
+                continue;
+            }
+            check(gpu, out, n, *case, path);
+        }
+    }
+}
+
+fn check(gpu: &Gpu, out: &mut Vec<CheckResult>, n: usize, (b, tq, tk, hq, hkv, d, causal): (usize, usize, usize, usize, usize, usize, bool), path: AttnPath) {
+    {
         let (qs, ks) = ([b, tq, hq, d], [b, tk, hkv, d]);
         let (nq, nk) = (b * tq * hq * d, b * tk * hkv * d);
         let mut rng = Rng::new(1500 + n as u64);
         let (q, k, v, g) = (rng.vec(nq), rng.vec(nk), rng.vec(nk), rng.vec(nq));
-        let opts = AttnOpts { causal, scale: None };
+        let opts = AttnOpts { causal, scale: None, path };
         let r = twice("attention", || {
             let tq_ = Tensor::from_f32(gpu, &qs, &q, "q")?;
             let tk_ = Tensor::from_f32(gpu, &ks, &k, "k")?;
@@ -44,7 +59,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         // element is judged against (1 + max|s|) times the largest magnitude in its tensor.
         let smax = dm.scale * d as f64;
         let tol = Tolerance::dot(tk + d);
-        let shape = format!("B{b} Tq{tq} Tk{tk} Hq{hq} Hkv{hkv} D{d}{}", if causal { " causal" } else { "" });
+        let shape = format!("B{b} Tq{tq} Tk{tk} Hq{hq} Hkv{hkv} D{d}{}{}", if causal { " causal" } else { "" }, if path == AttnPath::Tiled { " tiled" } else { "" });
         let names = ["attention", "attention lse", "attention backward (dq)", "attention backward (dk)", "attention backward (dv)"];
         let want = [o, lse, dq, dk, dv];
         for (i, name) in names.iter().enumerate() {
