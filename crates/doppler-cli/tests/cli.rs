@@ -68,6 +68,10 @@ fn bench_json_reports_medians() {
 
 /// A tiny run in a fresh directory: corpus, config (char tokenizer, 1 layer, 8 steps).
 fn tiny_run(dir: &std::path::Path, arch: &str) -> std::path::PathBuf {
+    tiny_run_with(dir, arch, "")
+}
+
+fn tiny_run_with(dir: &std::path::Path, arch: &str, extra_train: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(dir).unwrap();
     let text = "the cat sat on the mat. the dog sat on the log. a cat and a dog met on a mat.\n".repeat(40);
     std::fs::write(dir.join("corpus.txt"), text).unwrap();
@@ -75,7 +79,7 @@ fn tiny_run(dir: &std::path::Path, arch: &str) -> std::path::PathBuf {
         "[model]\narch = \"{arch}\"\nn_layer = 1\nn_embd = 32\nn_head = 2\nblock_size = 16\n\
          [data]\ncorpus = \"corpus.txt\"\ntokenizer = \"char\"\n\
          [train]\nbatch_size = 4\nsteps = 8\nlr = 1e-2\nwarmup = 2\neval_interval = 4\neval_batches = 2\n\
-         checkpoint_interval = 4\nseed = 3\nout_dir = \"run\"\n"
+         checkpoint_interval = 4\nseed = 3\nout_dir = \"run\"\n{extra_train}"
     );
     let path = dir.join("tiny.toml");
     std::fs::write(&path, cfg).unwrap();
@@ -140,7 +144,8 @@ fn train_resume_and_generate() {
 fn two_identical_runs_give_identical_bits() {
     let (a, b) = (tmp("c"), tmp("d"));
     for d in [&a, &b] {
-        let cfg = tiny_run(d, "llama");
+        // Also through gradient accumulation and dynamic loss scaling.
+        let cfg = tiny_run_with(d, "llama", "grad_accum = 2\nloss_scale = \"dynamic\"\n");
         let (ok, _, err) = doppler(&["train", "--config", cfg.to_str().unwrap(), "--max-steps", "4"]);
         assert!(ok, "{err}");
     }

@@ -307,3 +307,39 @@ fn weight_gradient_products_split_k() {
     rec.submit().unwrap();
     assert!(c.read_f32(gpu).unwrap().iter().all(|&v| v == 256.0));
 }
+
+#[test]
+fn gradient_accumulation_matches_one_big_batch() {
+    use doppler::autograd::Tape;
+    use doppler::models::transformer::{Arch, Transformer};
+    let gpu = gpu();
+    let cfg = doppler::verify::model::tiny(Arch::Llama);
+    let (b, t) = (4, 5);
+    let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % 11) as u32).collect();
+    let targets: Vec<u32> = (0..b * t).map(|i| (i * 5 % 11) as u32).collect();
+    let grads = |model: &mut Transformer, parts: usize| -> Vec<Vec<f32>> {
+        let rows = b / parts;
+        for p in 0..parts {
+            let span = p * rows * t..(p + 1) * rows * t;
+            let ti = Tensor::from_u32(gpu, &[rows, t], &ids[span.clone()], "ids").unwrap();
+            let tt = Tensor::from_u32(gpu, &[rows, t], &targets[span], "targets").unwrap();
+            let mut rec = gpu.recorder("accum");
+            let mut tape = Tape::new();
+            let loss = model.loss(&mut tape, &mut rec, &ti, &tt, 0).unwrap();
+            tape.backward(&mut rec, loss, 1.0 / parts as f32, &mut model.params).unwrap();
+            rec.submit().unwrap();
+        }
+        let out = model.params.grads.iter().map(|g| g.as_ref().unwrap().read_f32(gpu).unwrap()).collect();
+        model.params.zero_grad();
+        out
+    };
+    let mut model = Transformer::new(gpu, &cfg, 5).unwrap();
+    let whole = grads(&mut model, 1);
+    let split = grads(&mut model, 2);
+    for (name, (w, s)) in model.params.names.iter().zip(whole.iter().zip(&split)) {
+        let big = w.iter().fold(1e-12f32, |m, v| m.max(v.abs()));
+        for (i, (x, y)) in w.iter().zip(s).enumerate() {
+            assert!((x - y).abs() <= 1e-5 * big, "{name}[{i}]: one batch {x}, two micro-batches {y}");
+        }
+    }
+}
