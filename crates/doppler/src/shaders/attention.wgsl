@@ -58,6 +58,24 @@ fn group_id(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
     return wid.x + wid.y * nwg.x;
 }
 
+// What one workgroup covers: `rows` rows from r0 of head h (of nh heads, rows of length nt)
+// in batch bi; kv is the key/value head of a query head (h itself when nh is Hkv).
+struct Block {
+    bi: u32,
+    h: u32,
+    kv: u32,
+    r0: u32,
+    ok: bool,
+}
+
+fn block_of(wid: vec3<u32>, nwg: vec3<u32>, rows: u32, nt: u32, nh: u32) -> Block {
+    let blocks = (nt + rows - 1u) / rows;
+    let g = group_id(wid, nwg);
+    let bh = g / blocks;
+    let h = bh % nh;
+    return Block(bh / nh, h, h / (nh / p.hkv), (g % blocks) * rows, bh < p.b * nh);
+}
+
 // First vec4 of row t of head h in a (B, T, H, D) tensor.
 fn row_at(bi: u32, t: u32, nt: u32, h: u32, nh: u32) -> u32 {
     return ((bi * nt + t) * nh + h) * D4;
@@ -95,16 +113,14 @@ fn key_end(i0: u32) -> u32 {
 @compute @workgroup_size(BR)
 fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
-    let blocks = (p.tq + BR - 1u) / BR;
-    let g = group_id(wid, nwg);
-    let bh = g / blocks;
-    let bi = bh / p.hq;
-    let h = bh % p.hq;
-    let hk = h / (p.hq / p.hkv);
-    let i0 = (g % blocks) * BR;
+    let w = block_of(wid, nwg, BR, p.tq, p.hq);
+    let bi = w.bi;
+    let h = w.h;
+    let hk = w.kv;
+    let i0 = w.r0;
     let i = i0 + lid;
     // No early return: the barriers below must stay in uniform control flow.
-    let live = bh < p.b * p.hq && i < p.tq;
+    let live = w.ok && i < p.tq;
     var qr: array<vec4<f32>, D4MAX>;
     var acc: array<vec4<f32>, D4MAX>;
     if (live) {
@@ -117,7 +133,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     var m = NEG;
     var l = 0.0;
     var s: array<f32, BCMAX>;
-    let end = select(0u, key_end(i0), bh < p.b * p.hq);
+    let end = select(0u, key_end(i0), w.ok);
     for (var j0 = 0u; j0 < end; j0 += BC) {
         stage_kv(bi, hk, j0, lid);
         workgroupBarrier();
@@ -189,15 +205,13 @@ fn attn_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 @compute @workgroup_size(BR)
 fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
-    let blocks = (p.tq + BR - 1u) / BR;
-    let g = group_id(wid, nwg);
-    let bh = g / blocks;
-    let bi = bh / p.hq;
-    let h = bh % p.hq;
-    let hk = h / (p.hq / p.hkv);
-    let i0 = (g % blocks) * BR;
+    let w = block_of(wid, nwg, BR, p.tq, p.hq);
+    let bi = w.bi;
+    let h = w.h;
+    let hk = w.kv;
+    let i0 = w.r0;
     let i = i0 + lid;
-    let live = bh < p.b * p.hq && i < p.tq;
+    let live = w.ok && i < p.tq;
     var qr: array<vec4<f32>, D4MAX>;
     var gr: array<vec4<f32>, D4MAX>;
     var acc: array<vec4<f32>, D4MAX>;
@@ -214,7 +228,7 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         lse_i = lse_in[r];
         delta_i = delta_in[r];
     }
-    let end = select(0u, key_end(i0), bh < p.b * p.hq);
+    let end = select(0u, key_end(i0), w.ok);
     for (var j0 = 0u; j0 < end; j0 += BC) {
         stage_kv(bi, hk, j0, lid);
         workgroupBarrier();
@@ -247,14 +261,12 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
 @compute @workgroup_size(BR)
 fn attn_bwd_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
-    let blocks = (p.tk + BR - 1u) / BR;
-    let g = group_id(wid, nwg);
-    let bh = g / blocks;
-    let bi = bh / p.hkv;
-    let hk = bh % p.hkv;
-    let j0 = (g % blocks) * BR;
+    let w = block_of(wid, nwg, BR, p.tk, p.hkv);
+    let bi = w.bi;
+    let hk = w.h;
+    let j0 = w.r0;
+    let ok = w.ok;
     let j = j0 + lid;
-    let ok = bh < p.b * p.hkv;
     let live = ok && j < p.tk;
     var kr: array<vec4<f32>, D4MAX>;
     var vr: array<vec4<f32>, D4MAX>;
@@ -394,14 +406,12 @@ fn key_end32(i0: u32) -> u32 {
 @compute @workgroup_size(NT)
 fn attn_fwd_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_index) tid: u32) {
-    let blocks = (p.tq + 31u) / 32u;
-    let g = group_id(wid, nwg);
-    let bh = g / blocks;
-    let bi = bh / p.hq;
-    let h = bh % p.hq;
-    let hk = h / (p.hq / p.hkv);
-    let i0 = (g % blocks) * 32u;
-    let ok = bh < p.b * p.hq;
+    let w = block_of(wid, nwg, 32u, p.tq, p.hq);
+    let bi = w.bi;
+    let h = w.h;
+    let hk = w.kv;
+    let i0 = w.r0;
+    let ok = w.ok;
     let ty = tid / 16u;
     let tx = tid % 16u;
     stage_rows(0u, 0u, bi, i0, 32u, p.tq, h, p.hq, p.scale, tid);   // Q, scaled -> sa
@@ -478,14 +488,12 @@ fn attn_fwd_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 @compute @workgroup_size(NT)
 fn attn_bwd_dq_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                      @builtin(local_invocation_index) tid: u32) {
-    let blocks = (p.tq + 31u) / 32u;
-    let g = group_id(wid, nwg);
-    let bh = g / blocks;
-    let bi = bh / p.hq;
-    let h = bh % p.hq;
-    let hk = h / (p.hq / p.hkv);
-    let i0 = (g % blocks) * 32u;
-    let ok = bh < p.b * p.hq;
+    let w = block_of(wid, nwg, 32u, p.tq, p.hq);
+    let bi = w.bi;
+    let h = w.h;
+    let hk = w.kv;
+    let i0 = w.r0;
+    let ok = w.ok;
     let ty = tid / 16u;
     let tx = tid % 16u;
     stage_rows(0u, 0u, bi, i0, 32u, p.tq, h, p.hq, p.scale, tid);   // Q, scaled -> sa
@@ -543,13 +551,11 @@ fn attn_bwd_dq_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
 @compute @workgroup_size(NT)
 fn attn_bwd_dkv_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_index) tid: u32) {
-    let blocks = (p.tk + 31u) / 32u;
-    let g = group_id(wid, nwg);
-    let bh = g / blocks;
-    let bi = bh / p.hkv;
-    let hk = bh % p.hkv;
-    let j0 = (g % blocks) * 32u;
-    let ok = bh < p.b * p.hkv;
+    let w = block_of(wid, nwg, 32u, p.tk, p.hkv);
+    let bi = w.bi;
+    let hk = w.h;
+    let j0 = w.r0;
+    let ok = w.ok;
     let ty = tid / 16u;
     let tx = tid % 16u;
     stage_rows(1u, 1u, bi, j0, 32u, p.tk, hk, p.hkv, p.scale, tid);   // K, scaled -> sb
