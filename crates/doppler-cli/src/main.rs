@@ -1,6 +1,7 @@
 //! `doppler`: run and check neural-network kernels on your GPU through WebGPU.
 
 mod bench;
+mod inspect;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -46,6 +47,8 @@ enum Command {
     Train(train::TrainArgs),
     /// Sample text from a trained checkpoint.
     Generate(train::GenerateArgs),
+    /// Print a GGUF model's metadata and tensor table (needs no GPU).
+    Inspect(inspect::InspectArgs),
 }
 
 fn main() -> ExitCode {
@@ -72,14 +75,16 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> doppler::Result<ExitCode> {
+    // Commands that need no GPU run before one is opened.
     let opts = GpuOptions { adapter: cli.adapter, backend: cli.backend, ..GpuOptions::from_env() };
-    let gpu = Gpu::new_blocking(&opts)?;
+    let gpu = || Gpu::new_blocking(&opts);
     match cli.command {
-        Command::Info { json } => info(&gpu, json),
-        Command::Verify { filter, json } => verify(&gpu, filter.as_deref(), json),
-        Command::Bench(args) => bench::run(&gpu, &args),
-        Command::Train(args) => train::train(&gpu, &args),
-        Command::Generate(args) => train::generate_cmd(&gpu, &args),
+        Command::Inspect(args) => inspect::inspect(&args),
+        Command::Info { json } => info(&gpu()?, json),
+        Command::Verify { filter, json } => verify(&gpu()?, filter.as_deref(), json),
+        Command::Bench(args) => bench::run(&gpu()?, &args),
+        Command::Train(args) => train::train(&gpu()?, &args),
+        Command::Generate(args) => train::generate_cmd(&gpu()?, &args),
     }
 }
 

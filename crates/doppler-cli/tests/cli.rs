@@ -172,3 +172,30 @@ fn bad_train_configs_get_clear_errors() {
     assert!(!ok && err.contains("nowhere"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn inspect_lists_gguf_metadata_and_tensors_and_rejects_truncated_files() {
+    use doppler::formats::gguf::{write, GgmlType, Value};
+    let d = tmp("gguf");
+    std::fs::create_dir_all(&d).unwrap();
+    let q4_1 = vec![0u8; 20 * 4];
+    let bytes = write(
+        &[("general.architecture", Value::String("llama".into())), ("llama.block_count", Value::U32(1))],
+        &[("blk.0.attn_q.weight", &[64, 2], GgmlType(3), &q4_1)],
+        32,
+    );
+    let path = d.join("m.gguf");
+    std::fs::write(&path, &bytes).unwrap();
+    let (ok, out, err) = doppler(&["inspect", path.to_str().unwrap(), "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["metadata"]["general.architecture"], "llama");
+    assert_eq!(v["tensors"][0]["ty"], "Q4_1");
+    assert_eq!(v["tensors"][0]["n_bytes"], 80);
+    let (ok, out, _) = doppler(&["inspect", path.to_str().unwrap()]);
+    assert!(ok && out.contains("blk.0.attn_q.weight") && out.contains("Q4_1"), "{out}");
+    std::fs::write(&path, &bytes[..bytes.len() - 7]).unwrap();
+    let (ok, _, err) = doppler(&["inspect", path.to_str().unwrap()]);
+    assert!(!ok && err.contains("m.gguf") && err.contains("truncated") && err.contains("blk.0.attn_q.weight"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}

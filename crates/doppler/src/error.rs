@@ -55,6 +55,9 @@ pub enum Error {
     #[error("I/O error on {path}: {source}")]
     Io { path: String, source: std::io::Error },
 
+    #[error("{path}: {detail}")]
+    Format { path: String, detail: String },
+
     #[error("config {path}: {detail}")]
     Config { path: String, detail: String },
 

@@ -1,0 +1,3 @@
+//! Model file formats.
+
+pub mod gguf;
