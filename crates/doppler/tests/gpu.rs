@@ -343,3 +343,8 @@ fn gradient_accumulation_matches_one_big_batch() {
         }
     }
 }
+
+#[test]
+fn dequantization_matches_the_cpu_dequantizer() {
+    assert_checks("dequantize", doppler::ops::quant::SUPPORTED.len() + 2);
+}

@@ -76,6 +76,13 @@ impl Tensor {
         Ok(t)
     }
 
+    /// Raw bytes (a quantized tensor's blocks) as u32 words, zero-padded to a multiple of 4.
+    pub fn from_raw_bytes(gpu: &Gpu, bytes: &[u8], label: &str) -> Result<Tensor> {
+        let mut padded = bytes.to_vec();
+        padded.resize(bytes.len().next_multiple_of(4).max(4), 0);
+        Self::from_bytes(gpu, &[padded.len() / 4], DType::U32, &padded, label)
+    }
+
     pub fn from_f32(gpu: &Gpu, shape: &[usize], data: &[f32], label: &str) -> Result<Tensor> {
         Self::from_bytes(gpu, shape, DType::F32, bytemuck::cast_slice(data), label)
     }

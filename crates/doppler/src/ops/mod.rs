@@ -12,6 +12,7 @@ pub mod gelu;
 pub mod groupnorm;
 pub mod matmul;
 pub mod norm;
+pub mod quant;
 pub mod reduce;
 pub mod rope;
 pub mod silu;
@@ -48,5 +49,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("attention", std::mem::size_of::<attention::Params>()),
         ("bias", std::mem::size_of::<bias::Params>()),
         ("upsample", std::mem::size_of::<upsample::Params>()),
+        ("quant", std::mem::size_of::<quant::Params>()),
     ]
 }

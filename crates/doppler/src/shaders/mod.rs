@@ -26,6 +26,7 @@ shader!(DROPOUT, "dropout");
 shader!(ATTENTION, "attention");
 shader!(BIAS, "bias");
 shader!(UPSAMPLE, "upsample");
+shader!(QUANT, "quant");
 
 /// All shaders, for validation and listing.
-pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM, &SOFTMAX, &SILU, &ROPE, &OPTIM, &DROPOUT, &ATTENTION, &BIAS, &UPSAMPLE];
+pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM, &SOFTMAX, &SILU, &ROPE, &OPTIM, &DROPOUT, &ATTENTION, &BIAS, &UPSAMPLE, &QUANT];

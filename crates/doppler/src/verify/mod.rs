@@ -14,6 +14,7 @@ mod groupnorm;
 pub mod model;
 mod norm;
 mod optim;
+pub mod quant;
 mod rope;
 mod silu;
 mod softmax;
@@ -78,6 +79,7 @@ const FAMILIES: &[Family] = &[
     (&["dropout"], dropout::checks),
     (&["attention"], attention::checks),
     (&["transformer gradients"], model::checks),
+    (&["dequantize"], quant::checks),
     (&["bias_add"], bias::checks),
     (&["pixel_shuffle", "upsample_nearest2d"], upsample::checks),
 ];

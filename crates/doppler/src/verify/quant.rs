@@ -1,0 +1,71 @@
+//! GPU dequantization of every supported GGUF type against the CPU dequantizer (itself
+//! checked bit for bit against llama.cpp's gguf-py).
+
+use half::{bf16, f16};
+
+use super::{push, s, twice, CheckResult};
+use crate::check::{compare, Rng, Tolerance};
+use crate::formats::gguf::GgmlType;
+use crate::gpu::{Gpu, Tensor};
+use crate::ops::quant::{dequantize, SUPPORTED};
+use crate::reference::quant as cpu;
+
+/// Byte offsets of the f16 scale fields in one block (random bytes there are often NaN).
+fn scale_offsets(name: &str) -> &'static [usize] {
+    match name {
+        "Q4_0" | "Q5_0" | "Q8_0" => &[0],
+        "Q4_1" | "Q5_1" | "Q4_K" | "Q5_K" => &[0, 2],
+        "Q6_K" => &[208],
+        _ => &[],
+    }
+}
+
+/// Random blocks of type `name` holding `n` elements, scales finite.
+pub fn random_blocks(name: &str, n: usize, rng: &mut Rng) -> Vec<u8> {
+    let ty = GgmlType::from_name(name).expect("known type");
+    let (per, bytes) = ty.block().expect("block layout");
+    let (per, bytes) = (per as usize, bytes as usize);
+    match name {
+        "F32" => return rng.vec(n).iter().flat_map(|v| v.to_le_bytes()).collect(),
+        "F16" => return rng.vec(n).iter().flat_map(|v| f16::from_f32(*v * 4.0).to_le_bytes()).collect(),
+        "BF16" => return rng.vec(n).iter().flat_map(|v| bf16::from_f32(*v * 4.0).to_le_bytes()).collect(),
+        _ => {}
+    }
+    let mut raw: Vec<u8> = (0..n / per * bytes).map(|_| rng.next_u64() as u8).collect();
+    for block in raw.chunks_exact_mut(bytes) {
+        for &off in scale_offsets(name) {
+            block[off..off + 2].copy_from_slice(&f16::from_f32(rng.uniform() * 0.1).to_le_bytes());
+        }
+    }
+    raw
+}
+
+pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    // Every type on a few blocks; Q8_0 and Q4_K past 65535 workgroups of 256.
+    let mut cases: Vec<(&str, usize)> = SUPPORTED.iter().map(|&t| (t, 768)).collect();
+    cases.push(("Q8_0", 65_540 * 256));
+    cases.push(("Q4_K", 65_540 * 256));
+    for (i, &(name, n)) in cases.iter().enumerate() {
+        let ty = GgmlType::from_name(name).expect("known type");
+        let mut rng = Rng::new(1900 + i as u64);
+        let raw = random_blocks(name, n, &mut rng);
+        let r = twice("dequantize", || {
+            let t = Tensor::from_raw_bytes(gpu, &raw, "raw")?;
+            let y = gpu.run(|rec| dequantize(rec, &t, ty, &[n]))?;
+            Ok(vec![y.read_f32(gpu)?])
+        });
+        let res = (|| {
+            let got = r.map_err(|e| e.to_string())?;
+            let want = cpu::dequantize(ty, &raw, n).map_err(s)?;
+            // Products of an f16 scale and small integers, minus a min: two roundings,
+            // judged against the largest magnitude in each group of 32.
+            let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+            let scale: Vec<f64> = want64.chunks(32).flat_map(|g| {
+                let m = g.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+                std::iter::repeat_n(m, g.len())
+            }).collect();
+            compare(&format!("dequantize {name}"), &got[0], &want64, Some(&scale), Tolerance { abs: 0.0, rel: 4.0 * f32::EPSILON as f64 }).map_err(s)
+        })();
+        push(out, &format!("dequantize {name}"), format!("{n}"), res);
+    }
+}
