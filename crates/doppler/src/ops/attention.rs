@@ -90,9 +90,14 @@ impl Default for AttnOpts {
     }
 }
 
+/// Whether the tiled kernels can run for head dim `d` on a device with these limits.
+pub fn tiled_fits(limits: &wgpu::Limits, d: usize) -> bool {
+    d <= TILED_MAX_HEAD_DIM && limits.max_compute_workgroup_storage_size >= TILED_SHARED
+}
+
 /// Whether the tiled kernels run for head dim `d`.
 fn tiled(rec: &Recorder<'_>, d: usize, path: AttnPath) -> Result<bool> {
-    let fits = d <= TILED_MAX_HEAD_DIM && rec.gpu().limits.max_compute_workgroup_storage_size >= TILED_SHARED;
+    let fits = tiled_fits(&rec.gpu().limits, d);
     match path {
         AttnPath::Auto => Ok(fits),
         AttnPath::Rows => Ok(false),

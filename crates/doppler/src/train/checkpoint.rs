@@ -32,9 +32,9 @@ pub struct RunState {
     pub config: TrainConfig,
     /// Optimizer steps taken.
     pub step: u64,
+    /// Batches are drawn from (config seed, step, micro-batch): the data position is the
+    /// step; this counts the tokens consumed so far.
     pub tokens_seen: u64,
-    /// Batches are drawn from (seed, step, micro-batch): the data position is the step.
-    pub data_seed: u64,
     pub loss_scaler: LossScaler,
     pub adamw_step: u32,
     /// SHA-256 of every other file in the checkpoint.

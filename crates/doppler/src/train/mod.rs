@@ -271,7 +271,6 @@ impl<'g> Trainer<'g> {
             config: self.cfg.clone(),
             step: self.step,
             tokens_seen: self.tokens_seen,
-            data_seed: self.cfg.train.seed,
             loss_scaler: self.scaler.clone(),
             adamw_step: self.opt.steps(),
             hashes: Default::default(),

@@ -3,7 +3,7 @@
 use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::gpu::{Gpu, Tensor};
-use crate::ops::attention::{attention, attention_backward, AttnOpts, AttnPath, TILED_MAX_HEAD_DIM};
+use crate::ops::attention::{attention, attention_backward, tiled_fits, AttnOpts, AttnPath};
 use crate::reference::{attention as cpu, widen};
 
 /// (B, Tq, Tk, Hq, Hkv, D, causal): odd lengths over several row blocks with grouped heads;
@@ -20,24 +20,40 @@ pub const ATTN_CASES: [(usize, usize, usize, usize, usize, usize, bool); 6] = [
 ];
 
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    // Both kernel sets where the tiled one applies (head dim <= 64, enough workgroup memory).
-    let tiled_ok = gpu.limits.max_compute_workgroup_storage_size >= 31 * 1024;
-    for path in [AttnPath::Rows, AttnPath::Tiled] {
-        for (n, case) in ATTN_CASES.iter().enumerate() {
-            if path == AttnPath::Tiled && (!tiled_ok || case.5 > TILED_MAX_HEAD_DIM) {
-                continue;
-            }
-            check(gpu, out, n, *case, path);
-        }
+    for (n, case) in ATTN_CASES.iter().enumerate() {
+        check(gpu, out, n, *case);
     }
 }
 
-fn check(gpu: &Gpu, out: &mut Vec<CheckResult>, n: usize, (b, tq, tk, hq, hkv, d, causal): (usize, usize, usize, usize, usize, usize, bool), path: AttnPath) {
-    {
-        let (qs, ks) = ([b, tq, hq, d], [b, tk, hkv, d]);
-        let (nq, nk) = (b * tq * hq * d, b * tk * hkv * d);
-        let mut rng = Rng::new(1500 + n as u64);
-        let (q, k, v, g) = (rng.vec(nq), rng.vec(nk), rng.vec(nk), rng.vec(nq));
+/// One case on the row kernels and, where it applies (head dim <= 64, enough workgroup
+/// memory), on the tiled kernels; the reference is computed once for both.
+fn check(gpu: &Gpu, out: &mut Vec<CheckResult>, n: usize, (b, tq, tk, hq, hkv, d, causal): (usize, usize, usize, usize, usize, usize, bool)) {
+    let (qs, ks) = ([b, tq, hq, d], [b, tk, hkv, d]);
+    let (nq, nk) = (b * tq * hq * d, b * tk * hkv * d);
+    let mut rng = Rng::new(1500 + n as u64);
+    let (q, k, v, g) = (rng.vec(nq), rng.vec(nk), rng.vec(nk), rng.vec(nq));
+    let dm = cpu::Dims { b, tq, tk, hq, hkv, d, causal, scale: 1.0 / (d as f32).sqrt() as f64 };
+    let (qd, kd, vd, gd) = (widen(&q), widen(&k), widen(&v), widen(&g));
+    let (o, lse) = cpu::attention(&qd, &kd, &vd, dm);
+    let (dq, dk, dv) = cpu::attention_backward(&qd, &kd, &vd, &gd, dm);
+    // Scores carry a D-term dot product's error and exp() an error growing with |s|
+    // (Vulkan: 3 + 2|x| ulp); both reach every output through the probabilities, so each
+    // element is judged against (1 + max|s|) times the largest magnitude in its tensor.
+    let smax = dm.scale * d as f64;
+    let tol = Tolerance::dot(tk + d);
+    let names = ["attention", "attention lse", "attention backward (dq)", "attention backward (dk)", "attention backward (dv)"];
+    let want = [o, lse, dq, dk, dv];
+    let scales: Vec<Vec<f64>> = want
+        .iter()
+        .map(|w| {
+            let big = w.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            w.iter().map(|x| (1.0 + smax) * (x.abs() + big)).collect()
+        })
+        .collect();
+    for path in [AttnPath::Rows, AttnPath::Tiled] {
+        if path == AttnPath::Tiled && !tiled_fits(&gpu.limits, d) {
+            continue;
+        }
         let opts = AttnOpts { causal, scale: None, path };
         let r = twice("attention", || {
             let tq_ = Tensor::from_f32(gpu, &qs, &q, "q")?;
@@ -50,23 +66,10 @@ fn check(gpu: &Gpu, out: &mut Vec<CheckResult>, n: usize, (b, tq, tk, hq, hkv, d
             rec.submit()?;
             Ok(vec![f.o.read_f32(gpu)?, f.lse.read_f32(gpu)?, gr.dq.read_f32(gpu)?, gr.dk.read_f32(gpu)?, gr.dv.read_f32(gpu)?])
         });
-        let dm = cpu::Dims { b, tq, tk, hq, hkv, d, causal, scale: 1.0 / (d as f32).sqrt() as f64 };
-        let (qd, kd, vd, gd) = (widen(&q), widen(&k), widen(&v), widen(&g));
-        let (o, lse) = cpu::attention(&qd, &kd, &vd, dm);
-        let (dq, dk, dv) = cpu::attention_backward(&qd, &kd, &vd, &gd, dm);
-        // Scores carry a D-term dot product's error and exp() an error growing with |s|
-        // (Vulkan: 3 + 2|x| ulp); both reach every output through the probabilities, so each
-        // element is judged against (1 + max|s|) times the largest magnitude in its tensor.
-        let smax = dm.scale * d as f64;
-        let tol = Tolerance::dot(tk + d);
         let shape = format!("B{b} Tq{tq} Tk{tk} Hq{hq} Hkv{hkv} D{d}{}{}", if causal { " causal" } else { "" }, if path == AttnPath::Tiled { " tiled" } else { "" });
-        let names = ["attention", "attention lse", "attention backward (dq)", "attention backward (dk)", "attention backward (dv)"];
-        let want = [o, lse, dq, dk, dv];
         for (i, name) in names.iter().enumerate() {
-            let big = want[i].iter().fold(0.0f64, |m, x| m.max(x.abs()));
-            let sc: Vec<f64> = want[i].iter().map(|x| (1.0 + smax) * (x.abs() + big)).collect();
             let res = match &r {
-                Ok(got) => compare(name, &got[i], &want[i], Some(&sc), tol).map_err(s),
+                Ok(got) => compare(name, &got[i], &want[i], Some(&scales[i]), tol).map_err(s),
                 Err(e) => Err(e.clone()),
             };
             push(out, name, shape.clone(), res);
