@@ -348,3 +348,9 @@ fn gradient_accumulation_matches_one_big_batch() {
 fn dequantization_matches_the_cpu_dequantizer() {
     assert_checks("dequantize", doppler::ops::quant::SUPPORTED.len() + 2);
 }
+
+#[test]
+fn quantized_products_read_blocks_directly() {
+    // Per type: one gather and three products (matrix-vector and tiled).
+    assert_checks("qmatmul", 4 * doppler::ops::quant::SUPPORTED.len());
+}

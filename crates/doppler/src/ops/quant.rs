@@ -1,6 +1,7 @@
-//! GGUF tensor types to f32 on the GPU. Shader: `quant.wgsl` (block layouts in its header;
-//! the CPU oracle is `reference::quant`). Inference reads quantized blocks directly in its
-//! matrix products; this is for loading, checking and the types without such a kernel.
+//! GGUF tensor types on the GPU: dequantization, row gathers (embeddings) and matrix
+//! products that read the quantized blocks directly (no dequantized copy of a weight is
+//! kept). Shader: `quant.wgsl` (block layouts in its header; the CPU oracle is
+//! `reference::quant`).
 
 use crate::error::{Error, Result};
 use crate::formats::gguf::GgmlType;
@@ -11,10 +12,18 @@ use crate::shaders::QUANT;
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct Params {
     pub n: u32,
-    pub _pad: [u32; 3],
+    pub m: u32,
+    pub k: u32,
+    pub _pad: u32,
 }
 
 static DEQUANT: Kernel = Kernel::new(&QUANT, "dequantize", &[(1, Read), (2, ReadWrite)]);
+static GET_ROWS: Kernel = Kernel::new(&QUANT, "get_rows", &[(1, Read), (2, ReadWrite), (4, Read)]);
+static QMATVEC: Kernel = Kernel::new(&QUANT, "qmatvec", &[(1, Read), (2, ReadWrite), (3, Read)]);
+static QMATMUL: Kernel = Kernel::new(&QUANT, "qmatmul", &[(1, Read), (2, ReadWrite), (3, Read)]);
+
+/// Rows of x up to which [`qmatmul`] runs the matrix-vector kernel (it reads W once per row).
+pub const MATVEC_MAX_ROWS: usize = 4;
 
 /// Types the kernel decodes.
 pub const SUPPORTED: &[&str] = &["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"];
@@ -32,7 +41,81 @@ pub fn dequantize(rec: &mut Recorder<'_>, raw: &Tensor, ty: GgmlType, shape: &[u
         return bad(format!("{n} elements of {} need {} bytes; raw tensor {:?} {:?}", ty.name(), n / per * bytes, raw.dtype(), raw.shape()));
     }
     let y = Tensor::empty(rec.gpu(), shape, DType::F32, "dequantize.y")?;
-    let p = Params { n: n as u32, _pad: [0; 3] };
+    let p = Params { n: n as u32, m: 0, k: 0, _pad: 0 };
     rec.dispatch(&DEQUANT, &[("TYPE", ty.0 as f64)], bytemuck::bytes_of(&p), &[raw, &y], Grid::cover(n as u64, 256))?;
+    Ok(y)
+}
+
+/// A matrix W (rows, cols) kept in its file's encoding on the GPU: `raw` holds the blocks
+/// as u32 words, row after row (GGUF's `[cols, rows]`, innermost first).
+#[derive(Clone)]
+pub struct QMatrix {
+    pub raw: Tensor,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl QMatrix {
+    /// Checks the type, that rows are whole blocks, and that `bytes` holds them all.
+    pub fn new(gpu: &crate::gpu::Gpu, name: &str, bytes: &[u8], ty: GgmlType, rows: usize, cols: usize) -> Result<QMatrix> {
+        let bad = |detail: String| Err(Error::Invalid { op: "qmatrix", detail: format!("{name}: {detail}") });
+        if !SUPPORTED.contains(&ty.name()) {
+            return bad(format!("tensor type {} ({}) is not supported (supported: {})", ty.name(), ty.0, SUPPORTED.join(", ")));
+        }
+        let (per, block) = ty.block().map(|(a, b)| (a as usize, b as usize)).unwrap_or((1, 1));
+        if cols % per != 0 {
+            return bad(format!("rows of {cols} elements are not whole {} blocks of {per}", ty.name()));
+        }
+        let need = rows * (cols / per) * block;
+        if bytes.len() != need {
+            return bad(format!("({rows}, {cols}) {} needs {need} bytes, got {}", ty.name(), bytes.len()));
+        }
+        let raw = Tensor::from_raw_bytes(gpu, bytes, name)?;
+        Ok(QMatrix { raw, ty, rows, cols })
+    }
+
+    fn params(&self, m: usize) -> Params {
+        Params { n: self.rows as u32, m: m as u32, k: self.cols as u32, _pad: 0 }
+    }
+}
+
+/// Rows `ids` (T) of the table W (rows, cols) as f32 (T, cols): an embedding lookup.
+/// Ids must be < rows (checked by the caller, which knows where they came from).
+pub fn get_rows(rec: &mut Recorder<'_>, w: &QMatrix, ids: &Tensor) -> Result<Tensor> {
+    if ids.dtype() != DType::U32 || ids.shape().len() != 1 {
+        return Err(Error::Shape { op: "get_rows", detail: format!("ids {:?} {:?}, expected u32 (T)", ids.dtype(), ids.shape()) });
+    }
+    let t = ids.shape()[0];
+    let y = Tensor::empty(rec.gpu(), &[t, w.cols], DType::F32, "get_rows.y")?;
+    let p = w.params(t);
+    rec.dispatch(&GET_ROWS, &[("TYPE", w.ty.0 as f64)], bytemuck::bytes_of(&p), &[&w.raw, &y, ids], Grid::cover((t * w.cols) as u64, 256))?;
+    Ok(y)
+}
+
+/// y (.., rows of W) = x (.., cols) @ W^T with W read in its encoding. Up to
+/// [`MATVEC_MAX_ROWS`] rows of x run the matrix-vector kernel, more the tiled one.
+pub fn qmatmul(rec: &mut Recorder<'_>, x: &Tensor, w: &QMatrix) -> Result<Tensor> {
+    super::expect_f32("qmatmul", x)?;
+    let sh = x.shape();
+    if sh.is_empty() || sh[sh.len() - 1] != w.cols {
+        return Err(Error::Shape {
+            op: "qmatmul",
+            detail: format!("x {sh:?} @ W^T with W ({}, {}) {}: x's last dimension must be {}", w.rows, w.cols, w.ty.name(), w.cols),
+        });
+    }
+    let m = x.numel() / w.cols;
+    let mut out = sh.to_vec();
+    *out.last_mut().expect("non-empty") = w.rows;
+    let y = Tensor::empty(rec.gpu(), &out, DType::F32, "qmatmul.y")?;
+    let p = w.params(m);
+    let c = [("TYPE", w.ty.0 as f64)];
+    if m <= MATVEC_MAX_ROWS {
+        let groups = w.rows.div_ceil(8) * m;
+        rec.dispatch(&QMATVEC, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, x], Grid::Linear(groups as u64))?;
+    } else {
+        let grid = [w.rows.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
+        rec.dispatch(&QMATMUL, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, x], Grid::Xyz(grid))?;
+    }
     Ok(y)
 }

@@ -80,6 +80,7 @@ const FAMILIES: &[Family] = &[
     (&["attention"], attention::checks),
     (&["transformer gradients"], model::checks),
     (&["dequantize"], quant::checks),
+    (&["get_rows", "qmatmul"], quant::product_checks),
     (&["bias_add"], bias::checks),
     (&["pixel_shuffle", "upsample_nearest2d"], upsample::checks),
 ];

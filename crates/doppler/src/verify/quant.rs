@@ -7,7 +7,7 @@ use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
-use crate::ops::quant::{dequantize, SUPPORTED};
+use crate::ops::quant::{dequantize, get_rows, qmatmul, QMatrix, MATVEC_MAX_ROWS, SUPPORTED};
 use crate::reference::quant as cpu;
 
 /// Byte offsets of the f16 scale fields in one block (random bytes there are often NaN).
@@ -67,5 +67,71 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             compare(&format!("dequantize {name}"), &got[0], &want64, Some(&scale), Tolerance { abs: 0.0, rel: 4.0 * f32::EPSILON as f64 }).map_err(s)
         })();
         push(out, &format!("dequantize {name}"), format!("{n}"), res);
+    }
+}
+
+/// Columns of the test matrices: two whole blocks (three for 32-element types), and an odd
+/// count for the unblocked types.
+fn test_cols(name: &str) -> usize {
+    match name {
+        "F32" | "F16" | "BF16" => 70,
+        "Q4_K" | "Q5_K" | "Q6_K" => 512,
+        _ => 96,
+    }
+}
+
+/// Row gathers and products of every type against the CPU dequantizer and f64 sums:
+/// y = x @ W^T for 1 and 3 rows of x (matrix-vector kernel) and 67 rows in a batch of 2
+/// (tiled), W with 37 rows; ids gathered in an arbitrary order.
+pub(super) fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    for (i, &name) in SUPPORTED.iter().enumerate() {
+        let ty = GgmlType::from_name(name).expect("known type");
+        let (rows, cols) = (37usize, test_cols(name));
+        let mut rng = Rng::new(2900 + i as u64);
+        let raw = random_blocks(name, rows * cols, &mut rng);
+        let w = match cpu::dequantize(ty, &raw, rows * cols) {
+            Ok(w) => w,
+            Err(e) => {
+                push(out, &format!("qmatmul {name}"), String::new(), Err(s(e)));
+                continue;
+            }
+        };
+        // Gather.
+        let ids: Vec<u32> = vec![5, 0, 36, 5, 17];
+        let r = twice("get_rows", || {
+            let q = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
+            let ids_t = Tensor::from_u32(gpu, &[ids.len()], &ids, "ids")?;
+            let y = gpu.run(|rec| get_rows(rec, &q, &ids_t))?;
+            Ok(vec![y.read_f32(gpu)?])
+        });
+        let want: Vec<f64> = ids.iter().flat_map(|&id| w[id as usize * cols..][..cols].iter().map(|&v| v as f64)).collect();
+        let res = r.and_then(|got| compare(&format!("get_rows {name}"), &got[0], &want, None, Tolerance { abs: 0.0, rel: 0.0 }).map_err(s));
+        push(out, &format!("get_rows {name}"), format!("{} of ({rows}, {cols})", ids.len()), res);
+        // Products.
+        for shape in [vec![1usize], vec![MATVEC_MAX_ROWS - 1], vec![2, 67]] {
+            let m: usize = shape.iter().product();
+            let xv = rng.vec(m * cols);
+            let mut xs = shape.clone();
+            xs.push(cols);
+            let r = twice("qmatmul", || {
+                let q = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
+                let xt = Tensor::from_f32(gpu, &xs, &xv, "x")?;
+                let y = gpu.run(|rec| qmatmul(rec, &xt, &q))?;
+                Ok(vec![y.read_f32(gpu)?])
+            });
+            let mut want = vec![0.0f64; m * rows];
+            let mut mag = vec![0.0f64; m * rows];
+            for a in 0..m {
+                for j in 0..rows {
+                    for c in 0..cols {
+                        let t = xv[a * cols + c] as f64 * w[j * cols + c] as f64;
+                        want[a * rows + j] += t;
+                        mag[a * rows + j] += t.abs();
+                    }
+                }
+            }
+            let res = r.and_then(|got| compare(&format!("qmatmul {name}"), &got[0], &want, Some(&mag), Tolerance::dot(cols)).map_err(s));
+            push(out, &format!("qmatmul {name}"), format!("x {xs:?} @ ({rows}, {cols})^T"), res);
+        }
     }
 }
