@@ -354,3 +354,8 @@ fn quantized_products_read_blocks_directly() {
     // Per type: one gather and three products (matrix-vector and tiled).
     assert_checks("qmatmul", 4 * doppler::ops::quant::SUPPORTED.len());
 }
+
+#[test]
+fn cached_attention_matches_full_attention() {
+    assert_checks("kv_attend", doppler::verify::KV_CASES.len());
+}

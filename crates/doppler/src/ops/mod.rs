@@ -10,6 +10,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod gelu;
 pub mod groupnorm;
+pub mod kvcache;
 pub mod matmul;
 pub mod norm;
 pub mod quant;
@@ -50,5 +51,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("bias", std::mem::size_of::<bias::Params>()),
         ("upsample", std::mem::size_of::<upsample::Params>()),
         ("quant", std::mem::size_of::<quant::Params>()),
+        ("kvcache", std::mem::size_of::<kvcache::Params>()),
     ]
 }

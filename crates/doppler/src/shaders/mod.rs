@@ -27,6 +27,7 @@ shader!(ATTENTION, "attention");
 shader!(BIAS, "bias");
 shader!(UPSAMPLE, "upsample");
 shader!(QUANT, "quant");
+shader!(KVCACHE, "kvcache");
 
 /// All shaders, for validation and listing.
-pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM, &SOFTMAX, &SILU, &ROPE, &OPTIM, &DROPOUT, &ATTENTION, &BIAS, &UPSAMPLE, &QUANT];
+pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM, &SOFTMAX, &SILU, &ROPE, &OPTIM, &DROPOUT, &ATTENTION, &BIAS, &UPSAMPLE, &QUANT, &KVCACHE];

@@ -11,6 +11,7 @@ mod dropout;
 mod embedding;
 mod gelu;
 mod groupnorm;
+mod kvcache;
 pub mod model;
 mod norm;
 mod optim;
@@ -21,6 +22,7 @@ mod softmax;
 mod upsample;
 
 pub use basic::{ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES};
+pub use kvcache::KV_CASES;
 
 use crate::check::Stats;
 use crate::gpu::Gpu;
@@ -81,6 +83,7 @@ const FAMILIES: &[Family] = &[
     (&["transformer gradients"], model::checks),
     (&["dequantize"], quant::checks),
     (&["get_rows", "qmatmul"], quant::product_checks),
+    (&["kv_attend"], kvcache::checks),
     (&["bias_add"], bias::checks),
     (&["pixel_shuffle", "upsample_nearest2d"], upsample::checks),
 ];

@@ -1,0 +1,100 @@
+//! Inference attention over a key/value cache: storing new keys and values, and causal
+//! grouped-query attention of new queries over everything cached. Shader: `kvcache.wgsl`.
+//! (Training uses `attention`, whose backward needs the logsumexp; this one has none.)
+
+use super::expect_f32;
+use crate::error::{Error, Result};
+use crate::gpu::{Binding::*, DType, Grid, Gpu, Kernel, Recorder, Tensor};
+use crate::shaders::KVCACHE;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Params {
+    pub t: u32,
+    pub pos: u32,
+    pub hq: u32,
+    pub hkv: u32,
+    pub d: u32,
+    pub tmax: u32,
+    pub scale: f32,
+    pub row: u32,
+}
+
+static STORE: Kernel = Kernel::new(&KVCACHE, "kv_store", &[(5, Read), (6, ReadWrite)]);
+static ATTEND: Kernel = Kernel::new(&KVCACHE, "attend", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite)]);
+
+/// Largest head dimension (one thread per dimension in a workgroup of 256).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Keys and values of every layer for up to `capacity` tokens, each (capacity, Hkv, D).
+pub struct KvCache {
+    pub k: Vec<Tensor>,
+    pub v: Vec<Tensor>,
+    /// Tokens stored so far.
+    pub len: usize,
+    pub capacity: usize,
+    pub hkv: usize,
+    pub d: usize,
+}
+
+impl KvCache {
+    pub fn new(gpu: &Gpu, layers: usize, capacity: usize, hkv: usize, d: usize) -> Result<KvCache> {
+        if d == 0 || d > MAX_HEAD_DIM || hkv == 0 || capacity == 0 {
+            return Err(Error::Invalid { op: "kv_cache", detail: format!("capacity {capacity}, {hkv} kv heads of dim {d} (at most {MAX_HEAD_DIM})") });
+        }
+        let mut k = Vec::with_capacity(layers);
+        let mut v = Vec::with_capacity(layers);
+        for _ in 0..layers {
+            k.push(Tensor::empty(gpu, &[capacity, hkv, d], DType::F32, "kv_cache.k")?);
+            v.push(Tensor::empty(gpu, &[capacity, hkv, d], DType::F32, "kv_cache.v")?);
+        }
+        Ok(KvCache { k, v, len: 0, capacity, hkv, d })
+    }
+
+    /// Room for `t` more tokens?
+    pub fn fits(&self, t: usize) -> bool {
+        self.len + t <= self.capacity
+    }
+}
+
+fn params(q: &[usize], cache: &[usize], pos: usize, what: &str) -> Result<Params> {
+    let err = |why: String| Error::Shape { op: "kv_attend", detail: format!("{what} {q:?}, cache {cache:?}, position {pos}: {why}") };
+    if q.len() != 3 || cache.len() != 3 {
+        return Err(err("expected (T, H, D) and a cache (capacity, Hkv, D)".into()));
+    }
+    let (t, h, d) = (q[0], q[1], q[2]);
+    let (tmax, hkv) = (cache[0], cache[1]);
+    if cache[2] != d || d == 0 || d > MAX_HEAD_DIM {
+        return Err(err(format!("head dims differ or exceed {MAX_HEAD_DIM}")));
+    }
+    if pos + t > tmax {
+        return Err(err(format!("{} tokens exceed the cache's capacity {tmax}", pos + t)));
+    }
+    if t == 0 || hkv == 0 || h % hkv != 0 {
+        return Err(err("no tokens, or query heads not a multiple of kv heads".into()));
+    }
+    Ok(Params { t: t as u32, pos: pos as u32, hq: h as u32, hkv: hkv as u32, d: d as u32, tmax: tmax as u32, scale: 1.0 / (d as f32).sqrt(), row: (hkv * d) as u32 })
+}
+
+/// Writes `x` (T, Hkv, D) into `cache` at tokens pos..pos+T.
+pub fn kv_store(rec: &mut Recorder<'_>, cache: &Tensor, x: &Tensor, pos: usize) -> Result<()> {
+    expect_f32("kv_store", x)?;
+    let p = params(x.shape(), cache.shape(), pos, "x")?;
+    if p.hq != p.hkv {
+        return Err(Error::Shape { op: "kv_store", detail: format!("x {:?} vs cache {:?}", x.shape(), cache.shape()) });
+    }
+    rec.dispatch(&STORE, &[], bytemuck::bytes_of(&p), &[x, cache], Grid::cover((p.t * p.row) as u64, 256))
+}
+
+/// Causal attention of q (T, Hq, D), the tokens at pos..pos+T, over the cached keys and
+/// values 0..pos+T (the new ones stored already). Scale 1/sqrt(D).
+pub fn kv_attend(rec: &mut Recorder<'_>, q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<Tensor> {
+    expect_f32("kv_attend", q)?;
+    let p = params(q.shape(), k.shape(), pos, "q")?;
+    if k.shape() != v.shape() {
+        return Err(Error::Shape { op: "kv_attend", detail: format!("k cache {:?} vs v cache {:?}", k.shape(), v.shape()) });
+    }
+    let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend.o")?;
+    rec.dispatch(&ATTEND, &[], bytemuck::bytes_of(&p), &[q, k, v, &o], Grid::Linear((p.t * p.hq) as u64))?;
+    Ok(o)
+}

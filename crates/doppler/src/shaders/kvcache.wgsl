@@ -1,0 +1,124 @@
+// Attention for inference over a key/value cache, and writing into that cache.
+//
+//   kv_store   cache[(pos + t) * row + i] = src[t * row + i]       cover t * row, 256 a group
+//              cache (tmax, Hkv, D), src (T, Hkv, D), row = Hkv * D
+//   attend     o[t, h] = sum_j softmax_j(scale * q[t, h] . k[j, h / G]) v[j, h / G]
+//              over the cached keys j <= pos + t (causal; the T new keys are already
+//              stored at pos..pos+T). q, o (T, Hq, D); k, v caches (tmax, Hkv, D), G = Hq / Hkv.
+//              One workgroup per (t, h), 256 threads. Keys go in chunks of 256, one score
+//              per thread, with a running max and sum (online softmax); for the output the
+//              threads form 256 / D groups of D, group g taking keys g, g + groups, ... of
+//              each chunk, and the groups are summed in a fixed order at the end.
+// Every sum runs in a fixed order: the same inputs give the same bits.
+
+struct Params {
+    t: u32,       // new tokens (queries)
+    pos: u32,     // cached tokens before them
+    hq: u32,
+    hkv: u32,
+    d: u32,
+    tmax: u32,
+    scale: f32,
+    row: u32,     // hkv * d (kv_store)
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> q: array<f32>;
+@group(0) @binding(2) var<storage, read> kc: array<f32>;
+@group(0) @binding(3) var<storage, read> vc: array<f32>;
+@group(0) @binding(4) var<storage, read_write> o: array<f32>;
+@group(0) @binding(5) var<storage, read> src: array<f32>;
+@group(0) @binding(6) var<storage, read_write> cache: array<f32>;
+
+@compute @workgroup_size(256)
+fn kv_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (i < p.t * p.row) {
+        cache[p.pos * p.row + i] = src[i];
+    }
+}
+
+const WG: u32 = 256u;
+var<workgroup> qs: array<f32, 256>;
+var<workgroup> sc: array<f32, 256>;
+var<workgroup> red: array<f32, 256>;
+
+// Fixed-order tree over red[0..256] with op max (is_max) or +; result in red[0].
+fn reduce(lid: u32, is_max: bool) {
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        workgroupBarrier();
+        if (lid < s) {
+            let a = red[lid];
+            let b = red[lid + s];
+            red[lid] = select(a + b, max(a, b), is_max);
+        }
+    }
+    workgroupBarrier();
+}
+
+@compute @workgroup_size(256)
+fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+          @builtin(local_invocation_index) lid: u32) {
+    let g = wid.x + wid.y * nwg.x;
+    if (g >= p.t * p.hq) {
+        return;
+    }
+    let t = g / p.hq;
+    let h = g % p.hq;
+    let kvh = h / (p.hq / p.hkv);
+    let d = p.d;
+    let groups = WG / d;
+    let grp = lid / d;
+    let dim = lid % d;
+    let stride = p.hkv * d;               // floats between consecutive cached tokens
+    let base = kvh * d;
+    let nkeys = p.pos + t + 1u;           // causal: keys 0..=pos+t
+    if (lid < d) {
+        qs[lid] = q[(t * p.hq + h) * d + lid];
+    }
+    var m = -3.0e38;                       // running max of the scores
+    var l = 0.0;                           // running sum of exp(score - m)
+    var acc = 0.0;                         // this thread's output dim, its group's keys
+    for (var c0 = 0u; c0 < nkeys; c0 += WG) {
+        workgroupBarrier();
+        let j = c0 + lid;
+        var s = -3.0e38;
+        if (j < nkeys) {
+            var dot = 0.0;
+            let kb = j * stride + base;
+            for (var e = 0u; e < d; e++) {
+                dot += qs[e] * kc[kb + e];
+            }
+            s = dot * p.scale;
+        }
+        red[lid] = s;
+        reduce(lid, true);
+        let m_new = max(m, red[0]);
+        let pj = select(0.0, exp(s - m_new), j < nkeys);
+        workgroupBarrier();
+        sc[lid] = pj;
+        red[lid] = pj;
+        reduce(lid, false);
+        let alpha = exp(m - m_new);
+        l = l * alpha + red[0];
+        m = m_new;
+        acc *= alpha;
+        if (grp < groups) {
+            let n = min(WG, nkeys - c0);
+            for (var jj = grp; jj < n; jj += groups) {
+                acc += sc[jj] * vc[(c0 + jj) * stride + base + dim];
+            }
+        }
+    }
+    workgroupBarrier();
+    red[lid] = select(0.0, acc, grp < groups);
+    workgroupBarrier();
+    if (lid < d) {
+        var sum = 0.0;
+        for (var gg = 0u; gg < groups; gg++) {
+            sum += red[gg * d + lid];
+        }
+        o[(t * p.hq + h) * d + lid] = sum / l;
+    }
+}
