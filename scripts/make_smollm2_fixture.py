@@ -14,6 +14,7 @@ template applied to a short conversation.
 import json
 import os
 import sys
+from importlib.metadata import version
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -78,8 +79,8 @@ def main():
             print(repr(text), "->", repr(prompts[-1]["greedy_text"]), file=sys.stderr)
     fixture = {
         "model": f,
-        "made_by": f"scripts/make_smollm2_fixture.py with torch {torch.__version__}, transformers "
-                   f"{__import__('transformers').__version__}, gguf {__import__('gguf').__version__}",
+        "made_by": "scripts/make_smollm2_fixture.py with "
+                   + ", ".join(f"{p} {version(p)}" for p in ["torch", "transformers", "gguf"]),
         "prompts": prompts,
         "tokenize": [{"text": t, "ids": tok(t, add_special_tokens=False)["input_ids"]} for t in TOKENIZE],
         "chat": {

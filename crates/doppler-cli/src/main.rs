@@ -1,6 +1,7 @@
 //! `doppler`: run and check neural-network kernels on your GPU through WebGPU.
 
 mod bench;
+mod generate;
 mod inspect;
 mod train;
 
@@ -45,8 +46,10 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Train a transformer from a TOML config (progress, validation, checkpoints, loss curve).
     Train(train::TrainArgs),
-    /// Sample text from a trained checkpoint.
-    Generate(train::GenerateArgs),
+    /// Generate text from a model file (GGUF, SafeTensors) or a training checkpoint (streams).
+    Generate(generate::GenerateArgs),
+    /// Chat with a model interactively (keeps the conversation in the KV cache).
+    Chat(generate::ChatArgs),
     /// Print a GGUF model's metadata and tensor table (needs no GPU).
     Inspect(inspect::InspectArgs),
 }
@@ -84,7 +87,8 @@ fn run(cli: Cli) -> doppler::Result<ExitCode> {
         Command::Verify { filter, json } => verify(&gpu()?, filter.as_deref(), json),
         Command::Bench(args) => bench::run(&gpu()?, &args),
         Command::Train(args) => train::train(&gpu()?, &args),
-        Command::Generate(args) => train::generate_cmd(&gpu()?, &args),
+        Command::Generate(args) => generate::generate_cmd(&gpu()?, &args),
+        Command::Chat(args) => generate::chat_cmd(&gpu()?, &args),
     }
 }
 

@@ -1,11 +1,10 @@
 //! `doppler train` and `doppler generate --checkpoint`.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use doppler::gpu::Gpu;
-use doppler::train::{config::TrainConfig, generate, load_for_generation, Event, SampleOpts, Trainer};
+use doppler::train::{config::TrainConfig, Event, Trainer};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(clap::Args)]
@@ -26,30 +25,6 @@ pub struct TrainArgs {
     /// slowest kernels printed at the end.
     #[arg(long)]
     trace: Option<PathBuf>,
-}
-
-#[derive(clap::Args)]
-pub struct GenerateArgs {
-    /// A training run directory (its latest checkpoint) or one checkpoint directory.
-    #[arg(long)]
-    checkpoint: PathBuf,
-    /// Text to continue.
-    #[arg(default_value = "")]
-    prompt: String,
-    /// Tokens to generate.
-    #[arg(short = 'n', long, default_value_t = 200)]
-    max_tokens: usize,
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 0.8)]
-    temperature: f32,
-    /// Sample among the k most likely tokens (0: all).
-    #[arg(long, default_value_t = 40)]
-    top_k: usize,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Print one JSON object with the text at the end instead of streaming.
-    #[arg(long)]
-    json: bool,
 }
 
 pub fn train(gpu: &Gpu, args: &TrainArgs) -> doppler::Result<ExitCode> {
@@ -127,27 +102,6 @@ fn run_until(trainer: &mut Trainer<'_>, stop: u64, json: bool) -> doppler::Resul
             summary.seconds,
             summary.checkpoint.display()
         );
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode> {
-    let (model, tokenizer) = load_for_generation(gpu, &args.checkpoint)?;
-    let opts = SampleOpts { temperature: args.temperature, top_k: args.top_k, seed: args.seed };
-    let mut out = std::io::stdout();
-    if !args.json {
-        print!("{}", args.prompt);
-    }
-    let text = generate(gpu, &model, &tokenizer, &args.prompt, args.max_tokens, opts, &mut |piece| {
-        if !args.json {
-            print!("{piece}");
-            let _ = out.flush();
-        }
-    })?;
-    if args.json {
-        println!("{}", serde_json::json!({ "prompt": args.prompt, "text": text, "tokens": args.max_tokens }));
-    } else {
-        println!();
     }
     Ok(ExitCode::SUCCESS)
 }

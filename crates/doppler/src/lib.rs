@@ -17,6 +17,8 @@ pub mod check;
 pub mod error;
 pub mod formats;
 pub mod gpu;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod infer;
 pub mod models;
 pub mod ops;
 pub mod optim;

@@ -352,7 +352,7 @@ fn dequantization_matches_the_cpu_dequantizer() {
 #[test]
 fn quantized_products_read_blocks_directly() {
     // Per type: one gather and three products (matrix-vector and tiled).
-    assert_checks("qmatmul", 4 * doppler::ops::quant::SUPPORTED.len());
+    assert_checks("qmatmul", 4 * doppler::verify::quant::product_cases().len());
 }
 
 #[test]

@@ -360,6 +360,7 @@ impl Gguf {
 #[cfg(not(target_arch = "wasm32"))]
 pub struct GgufFile {
     pub gguf: Gguf,
+    pub path: String,
     map: memmap2::Mmap,
 }
 
@@ -372,7 +373,7 @@ impl GgufFile {
         // caller's problem as with any model loader (llama.cpp maps the same way).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
         let gguf = Gguf::parse(&map, &path.display().to_string())?;
-        Ok(GgufFile { gguf, map })
+        Ok(GgufFile { gguf, path: path.display().to_string(), map })
     }
 
     pub fn bytes(&self) -> &[u8] {

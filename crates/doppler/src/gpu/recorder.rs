@@ -63,7 +63,9 @@ enum Cmd {
     },
     Copy {
         src: Tensor,
+        src_offset: u64,
         dst: Tensor,
+        dst_offset: u64,
         bytes: u64,
     },
     Clear(Tensor),
@@ -159,7 +161,24 @@ impl<'g> Recorder<'g> {
                 detail: format!("{:?} {:?} into {:?} {:?}", src.shape(), src.dtype(), dst.shape(), dst.dtype()),
             });
         }
-        self.cmds.push(Cmd::Copy { src: src.clone(), dst: dst.clone(), bytes: src.binding_size() });
+        self.cmds.push(Cmd::Copy { src: src.clone(), src_offset: 0, dst: dst.clone(), dst_offset: 0, bytes: src.binding_size() });
+        Ok(())
+    }
+
+    /// Copies elements `src_at..src_at + n` of `src` to `dst_at..` of `dst` (same dtype;
+    /// byte offsets and length must be multiples of 4, as WebGPU requires).
+    pub fn copy_elements(&mut self, src: &Tensor, src_at: usize, dst: &Tensor, dst_at: usize, n: usize) -> Result<()> {
+        let size = src.dtype().size() as u64;
+        let (so, doff, bytes) = (src_at as u64 * size, dst_at as u64 * size, n as u64 * size);
+        if src.dtype() != dst.dtype() || src_at + n > src.numel() || dst_at + n > dst.numel() || (so | doff | bytes) % 4 != 0 {
+            return Err(Error::Shape {
+                op: "copy_elements",
+                detail: format!("{n} elements from {:?} {:?} at {src_at} to {:?} {:?} at {dst_at}", src.shape(), src.dtype(), dst.shape(), dst.dtype()),
+            });
+        }
+        if n > 0 {
+            self.cmds.push(Cmd::Copy { src: src.clone(), src_offset: so, dst: dst.clone(), dst_offset: doff, bytes });
+        }
         Ok(())
     }
 
@@ -205,8 +224,8 @@ impl<'g> Recorder<'g> {
             let mut i = 0;
             while i < self.cmds.len() {
                 match &self.cmds[i] {
-                    Cmd::Copy { src, dst, bytes } => {
-                        enc.copy_buffer_to_buffer(src.buffer(), 0, dst.buffer(), 0, *bytes);
+                    Cmd::Copy { src, src_offset, dst, dst_offset, bytes } => {
+                        enc.copy_buffer_to_buffer(src.buffer(), *src_offset, dst.buffer(), *dst_offset, *bytes);
                         i += 1;
                     }
                     Cmd::Clear(t) => {

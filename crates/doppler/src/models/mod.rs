@@ -1,3 +1,5 @@
-//! Model definitions built from the ops and recorded on the autograd tape.
+//! Model definitions: the training transformer (recorded on the autograd tape) and the
+//! Llama-family decoder for inference.
 
+pub mod llama;
 pub mod transformer;

@@ -22,8 +22,9 @@ static GET_ROWS: Kernel = Kernel::new(&QUANT, "get_rows", &[(1, Read), (2, ReadW
 static QMATVEC: Kernel = Kernel::new(&QUANT, "qmatvec", &[(1, Read), (2, ReadWrite), (3, Read)]);
 static QMATMUL: Kernel = Kernel::new(&QUANT, "qmatmul", &[(1, Read), (2, ReadWrite), (3, Read)]);
 
-/// Rows of x up to which [`qmatmul`] runs the matrix-vector kernel (it reads W once per row).
-pub const MATVEC_MAX_ROWS: usize = 4;
+/// Rows of x up to which [`qmatmul`] runs the matrix-vector kernel (it reads W once per 8
+/// rows; the tiled kernel computes 64-row tiles).
+pub const MATVEC_MAX_ROWS: usize = 32;
 
 /// Types the kernel decodes.
 pub const SUPPORTED: &[&str] = &["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"];
@@ -111,7 +112,7 @@ pub fn qmatmul(rec: &mut Recorder<'_>, x: &Tensor, w: &QMatrix) -> Result<Tensor
     let p = w.params(m);
     let c = [("TYPE", w.ty.0 as f64)];
     if m <= MATVEC_MAX_ROWS {
-        let groups = w.rows.div_ceil(8) * m;
+        let groups = w.rows.div_ceil(8) * m.div_ceil(8);
         rec.dispatch(&QMATVEC, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, x], Grid::Linear(groups as u64))?;
     } else {
         let grid = [w.rows.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];

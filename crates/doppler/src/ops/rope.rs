@@ -35,23 +35,32 @@ pub struct RopeTable {
 impl RopeTable {
     /// angle(pos, k) = pos * theta^(-2k / head_dim).
     pub fn new(gpu: &Gpu, positions: usize, head_dim: usize, theta: f64) -> Result<RopeTable> {
-        if head_dim == 0 || head_dim % 2 != 0 || positions == 0 || theta <= 0.0 {
-            return Err(Error::Invalid {
-                op: "rope",
-                detail: format!("positions {positions}, head_dim {head_dim} (must be even), theta {theta}"),
-            });
+        if head_dim == 0 || head_dim % 2 != 0 || theta <= 0.0 {
+            return Err(Error::Invalid { op: "rope", detail: format!("head_dim {head_dim} (must be even), theta {theta}") });
         }
-        let half = head_dim / 2;
-        let mut data = Vec::with_capacity(positions * head_dim);
+        RopeTable::from_inv_freq(gpu, positions, &inv_freq(head_dim, theta))
+    }
+
+    /// angle(pos, k) = pos * inv_freq[k], for frequencies a model rescales (Llama 3).
+    pub fn from_inv_freq(gpu: &Gpu, positions: usize, inv_freq: &[f64]) -> Result<RopeTable> {
+        if inv_freq.is_empty() || positions == 0 || inv_freq.iter().any(|f| !f.is_finite()) {
+            return Err(Error::Invalid { op: "rope", detail: format!("positions {positions}, {} frequencies (finite, at least one)", inv_freq.len()) });
+        }
+        let mut data = Vec::with_capacity(positions * inv_freq.len() * 2);
         for pos in 0..positions {
-            for k in 0..half {
-                let angle = pos as f64 * theta.powf(-2.0 * k as f64 / head_dim as f64);
+            for f in inv_freq {
+                let angle = pos as f64 * f;
                 data.extend([angle.cos() as f32, angle.sin() as f32]);
             }
         }
-        let table = Tensor::from_f32(gpu, &[positions, half, 2], &data, "rope.table")?;
-        Ok(RopeTable { table, positions, head_dim })
+        let table = Tensor::from_f32(gpu, &[positions, inv_freq.len(), 2], &data, "rope.table")?;
+        Ok(RopeTable { table, positions, head_dim: 2 * inv_freq.len() })
     }
+}
+
+/// theta^(-2k / head_dim) for k < head_dim / 2.
+pub fn inv_freq(head_dim: usize, theta: f64) -> Vec<f64> {
+    (0..head_dim / 2).map(|k| theta.powf(-2.0 * k as f64 / head_dim as f64)).collect()
 }
 
 /// Which elements form a rotating pair.

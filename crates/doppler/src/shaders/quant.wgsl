@@ -12,10 +12,12 @@
 // GGUF rows are whole blocks):
 //   dequantize   dst[i] = value(i), i < n                       cover n, 256 a workgroup
 //   get_rows     dst[r, c] = value(ids[r] * k + c), r < m       cover m * k, 256 a workgroup
-//   qmatvec      y[r, j] = sum_c x[r, c] * value(j * k + c)     (n / 8) * m workgroups:
-//                8 outputs a workgroup, 32 threads each striding over k, then a fixed tree
+//   qmatvec      y[r, j] = sum_c x[r, c] * value(j * k + c)     (n / 8) * (m / 8) groups:
+//                8 rows of W x 8 rows of x a workgroup, 32 threads a row of W striding over
+//                k, then a fixed tree (a row's sum does not depend on m)
 //   qmatmul      the same product for many rows of x: 64 x 64 output tiles, k in slabs of
 //                16 staged (W dequantized on the way) in workgroup memory, 4 x 4 a thread
+// Both read 4 consecutive elements at a time (value4) when k is a multiple of 4.
 // Sums run in a fixed order: the same inputs give the same bits.
 
 struct Params {
@@ -128,6 +130,51 @@ fn value(i: u32) -> f32 {
     }
 }
 
+// Word at any byte offset (two loads when unaligned).
+fn word_at(i: u32) -> u32 {
+    let w = i >> 2u;
+    let sh = (i & 3u) * 8u;
+    if (sh == 0u) {
+        return src[w];
+    }
+    return (src[w] >> sh) | (src[w + 1u] << (32u - sh));
+}
+
+fn nibbles4(w: u32, high: bool) -> vec4<f32> {
+    let v = select(w, w >> 4u, high);
+    return vec4<f32>(f32(v & 0xFu), f32((v >> 8u) & 0xFu), f32((v >> 16u) & 0xFu), f32((v >> 24u) & 0xFu));
+}
+
+// Elements i..i+4 (i a multiple of 4, all in one block): one word of quants and one of
+// scales where the layout allows, else four calls of value().
+fn value4(i: u32) -> vec4<f32> {
+    switch (TYPE) {
+        case 0u: { return vec4<f32>(bitcast<f32>(src[i]), bitcast<f32>(src[i + 1u]), bitcast<f32>(src[i + 2u]), bitcast<f32>(src[i + 3u])); }
+        case 1u: {
+            let w = i >> 1u;
+            return vec4<f32>(unpack2x16float(src[w]), unpack2x16float(src[w + 1u]));
+        }
+        case 2u: {
+            let b = (i / 32u) * 18u;
+            let j = i % 32u;
+            return (nibbles4(word_at(b + 2u + j % 16u), j >= 16u) - 8.0) * half(b);
+        }
+        case 3u: {
+            let b = (i / 32u) * 20u;   // word-aligned blocks
+            let j = i % 32u;
+            let dm = unpack2x16float(src[b >> 2u]);
+            return nibbles4(src[(b + 4u + j % 16u) >> 2u], j >= 16u) * dm.x + dm.y;
+        }
+        case 8u: {
+            let b = (i / 32u) * 34u;
+            let w = bitcast<i32>(word_at(b + 2u + i % 32u));
+            let q = vec4<f32>(f32((w << 24u) >> 24u), f32((w << 16u) >> 24u), f32((w << 8u) >> 24u), f32(w >> 24u));
+            return q * half(b);
+        }
+        default: { return vec4<f32>(value(i), value(i + 1u), value(i + 2u), value(i + 3u)); }
+    }
+}
+
 @compute @workgroup_size(256)
 fn dequantize(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
@@ -150,35 +197,59 @@ fn get_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     dst[i] = select(0.0, value(id * p.k + i % p.k), id < p.n);
 }
 
-const MV_ROWS: u32 = 8u;
-var<workgroup> mv_part: array<f32, 256>;
+const MV_ROWS: u32 = 8u;   // rows of W a workgroup (32 threads each)
+const MV_X: u32 = 8u;      // rows of x a workgroup: each W value read once serves them all
+var<workgroup> mv_part: array<array<f32, 256>, 8>;
+
+fn x4(r: u32, c: u32) -> vec4<f32> {
+    let b = r * p.k + c;
+    return vec4<f32>(x[b], x[b + 1u], x[b + 2u], x[b + 3u]);
+}
 
 @compute @workgroup_size(256)
 fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
     let g = wid.x + wid.y * nwg.x;
     let per_row = (p.n + MV_ROWS - 1u) / MV_ROWS;
-    let r = g / per_row;                       // row of x
-    let j = (g % per_row) * MV_ROWS + lid / 32u; // row of W
+    let r0 = (g / per_row) * MV_X;               // first row of x
+    let j = (g % per_row) * MV_ROWS + lid / 32u;  // row of W
     let lane = lid % 32u;
-    var acc = 0.0;
-    if (r < p.m && j < p.n) {
+    let nr = min(MV_X, p.m - min(r0, p.m));
+    var acc: array<f32, 8>;
+    if (nr > 0u && j < p.n) {
         let wbase = j * p.k;
-        let xbase = r * p.k;
-        for (var c = lane; c < p.k; c += 32u) {
-            acc += x[xbase + c] * value(wbase + c);
+        if (p.k % 4u == 0u) {
+            for (var c = lane * 4u; c < p.k; c += 128u) {
+                let w = value4(wbase + c);
+                for (var r = 0u; r < nr; r++) {
+                    acc[r] += dot(x4(r0 + r, c), w);
+                }
+            }
+        } else {
+            for (var c = lane; c < p.k; c += 32u) {
+                let w = value(wbase + c);
+                for (var r = 0u; r < nr; r++) {
+                    acc[r] += x[(r0 + r) * p.k + c] * w;
+                }
+            }
         }
     }
-    mv_part[lid] = acc;
+    for (var r = 0u; r < MV_X; r++) {
+        mv_part[r][lid] = acc[r];
+    }
     workgroupBarrier();
     for (var s = 16u; s > 0u; s >>= 1u) {
         if (lane < s) {
-            mv_part[lid] += mv_part[lid + s];
+            for (var r = 0u; r < MV_X; r++) {
+                mv_part[r][lid] += mv_part[r][lid + s];
+            }
         }
         workgroupBarrier();
     }
-    if (lane == 0u && r < p.m && j < p.n) {
-        dst[r * p.n + j] = mv_part[lid];
+    if (lane == 0u && j < p.n) {
+        for (var r = 0u; r < nr; r++) {
+            dst[(r0 + r) * p.n + j] = mv_part[r][lid];
+        }
     }
 }
 
@@ -196,24 +267,33 @@ fn qmatmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     let ty = lid / 16u;
     var acc: array<array<f32, 4>, 4>;
     for (var c0 = 0u; c0 < p.k; c0 += MM_BK) {
-        // 1024 values of each tile, 4 a thread: element e = lid + 256 * q, (row e / 16, k e % 16).
-        for (var q = 0u; q < 4u; q++) {
-            let e = lid + 256u * q;
-            let rr = e / MM_BK;
-            let kk = e % MM_BK;
-            let c = c0 + kk;
-            var xv = 0.0;
-            var wv = 0.0;
-            if (c < p.k) {
-                if (row0 + rr < p.m) {
-                    xv = x[(row0 + rr) * p.k + c];
+        // 1024 values of each tile, 4 consecutive k of one row a thread.
+        let rr = lid / 4u;
+        let kq = (lid % 4u) * 4u;
+        let c = c0 + kq;
+        var xv = vec4<f32>(0.0);
+        var wv = vec4<f32>(0.0);
+        if (p.k % 4u == 0u) {
+            if (c < p.k && row0 + rr < p.m) {
+                let xb = (row0 + rr) * p.k + c;
+                xv = vec4<f32>(x[xb], x[xb + 1u], x[xb + 2u], x[xb + 3u]);
+            }
+            if (c < p.k && col0 + rr < p.n) {
+                wv = value4((col0 + rr) * p.k + c);
+            }
+        } else {
+            for (var e = 0u; e < 4u; e++) {
+                if (c + e < p.k && row0 + rr < p.m) {
+                    xv[e] = x[(row0 + rr) * p.k + c + e];
                 }
-                if (col0 + rr < p.n) {
-                    wv = value((col0 + rr) * p.k + c);
+                if (c + e < p.k && col0 + rr < p.n) {
+                    wv[e] = value((col0 + rr) * p.k + c + e);
                 }
             }
-            mm_x[kk][rr] = xv;
-            mm_w[kk][rr] = wv;
+        }
+        for (var e = 0u; e < 4u; e++) {
+            mm_x[kq + e][rr] = xv[e];
+            mm_w[kq + e][rr] = wv[e];
         }
         workgroupBarrier();
         for (var kk = 0u; kk < MM_BK; kk++) {

@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::autograd::Tape;
-use crate::check::Rng;
 use crate::error::{Error, Result};
 use crate::gpu::{Gpu, Recorder, Submission, Tensor, Trace};
 use crate::models::transformer::Transformer;
@@ -367,16 +366,6 @@ fn read_history(path: &Path, upto: u64) -> Vec<(u64, f32, Option<f32>)> {
         .collect()
 }
 
-/// Sampling settings for [`generate`].
-#[derive(Clone, Copy, Debug)]
-pub struct SampleOpts {
-    /// 0 picks the most likely token.
-    pub temperature: f32,
-    /// Sample among the k most likely (all when 0).
-    pub top_k: usize,
-    pub seed: u64,
-}
-
 /// A model and tokenizer loaded from a checkpoint (a run directory or a step directory).
 pub fn load_for_generation(gpu: &Gpu, path: &Path) -> Result<(Transformer, Tokenizer)> {
     let ck = checkpoint::load(path)?;
@@ -384,29 +373,6 @@ pub fn load_for_generation(gpu: &Gpu, path: &Path) -> Result<(Transformer, Token
     let model = Transformer::from_weights(gpu, &ck.state.config.model, ck.model)
         .map_err(|e| Error::Checkpoint { path: ck.dir.display().to_string(), detail: e.to_string() })?;
     Ok((model, tokenizer))
-}
-
-/// Index of the token drawn from `logits` (temperature, top-k).
-pub fn sample(logits: &[f32], opts: &SampleOpts, rng: &mut Rng) -> u32 {
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    // Descending by logit; ties by index, so the choice is deterministic.
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    if opts.temperature <= 0.0 {
-        return order[0] as u32;
-    }
-    let k = if opts.top_k == 0 { order.len() } else { opts.top_k.min(order.len()) };
-    let top = &order[..k];
-    let m = logits[top[0]] as f64;
-    let w: Vec<f64> = top.iter().map(|&i| ((logits[i] as f64 - m) / opts.temperature as f64).exp()).collect();
-    let total: f64 = w.iter().sum();
-    let mut u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
-    for (i, wi) in w.iter().enumerate() {
-        if u < *wi {
-            return top[i] as u32;
-        }
-        u -= wi;
-    }
-    top[k - 1] as u32
 }
 
 /// Continues `prompt` by `max_new` tokens, calling `on_text` with each new piece of text.
@@ -417,7 +383,7 @@ pub fn generate(
     tokenizer: &Tokenizer,
     prompt: &str,
     max_new: usize,
-    opts: SampleOpts,
+    sampler: &mut crate::infer::sample::Sampler,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<String> {
     let mut ids = tokenizer.encode(prompt)?;
@@ -428,7 +394,6 @@ pub fn generate(
         }
     }
     let start = ids.len();
-    let mut rng = Rng::new(opts.seed);
     let (v, block) = (model.cfg.vocab_size, model.cfg.block_size);
     let mut shown = tokenizer.decode(&ids)?;
     for _ in 0..max_new {
@@ -442,7 +407,7 @@ pub fn generate(
             Ok(tape.value(l)?.clone())
         })?;
         let all = logits.read_f32(gpu)?;
-        let next = sample(&all[(t - 1) * v..t * v], &opts, &mut rng);
+        let next = sampler.sample(&all[(t - 1) * v..t * v], &ids);
         ids.push(next);
         let text = tokenizer.decode(&ids)?;
         // Emit only whole characters: BPE pieces can end inside a UTF-8 sequence.

@@ -70,23 +70,28 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     }
 }
 
-/// Columns of the test matrices: two whole blocks (three for 32-element types), and an odd
-/// count for the unblocked types.
-fn test_cols(name: &str) -> usize {
-    match name {
-        "F32" | "F16" | "BF16" => 70,
-        "Q4_K" | "Q5_K" | "Q6_K" => 512,
-        _ => 96,
-    }
+/// (type, columns) of the test matrices: two whole blocks (three for 32-element types);
+/// for the unblocked types a multiple of 4 (vector loads) and, for two of them, not.
+pub fn product_cases() -> Vec<(&'static str, usize)> {
+    let mut v: Vec<(&str, usize)> = SUPPORTED
+        .iter()
+        .map(|&t| match t {
+            "F32" | "F16" | "BF16" => (t, 68),
+            "Q4_K" | "Q5_K" | "Q6_K" => (t, 512),
+            _ => (t, 96),
+        })
+        .collect();
+    v.extend([("F32", 70), ("F16", 70)]);
+    v
 }
 
 /// Row gathers and products of every type against the CPU dequantizer and f64 sums:
 /// y = x @ W^T for 1 and 3 rows of x (matrix-vector kernel) and 67 rows in a batch of 2
 /// (tiled), W with 37 rows; ids gathered in an arbitrary order.
 pub(super) fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    for (i, &name) in SUPPORTED.iter().enumerate() {
+    for (i, (name, cols)) in product_cases().into_iter().enumerate() {
         let ty = GgmlType::from_name(name).expect("known type");
-        let (rows, cols) = (37usize, test_cols(name));
+        let rows = 37usize;
         let mut rng = Rng::new(2900 + i as u64);
         let raw = random_blocks(name, rows * cols, &mut rng);
         let w = match cpu::dequantize(ty, &raw, rows * cols) {

@@ -1,0 +1,280 @@
+//! `doppler generate` (a model file or a training checkpoint) and `doppler chat`.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args;
+use doppler::gpu::Gpu;
+use doppler::infer::chat::Message;
+use doppler::infer::sample::{Sampler, SamplerConfig};
+use doppler::infer::{GenOptions, Generation, Model, Session, StopReason};
+use doppler::train::{generate as generate_checkpoint, load_for_generation};
+use doppler::Error;
+
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// 0 picks the most likely token (greedy).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Sample among the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    /// Keep the most likely tokens up to this total probability (1: all).
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    /// Drop tokens less likely than this times the most likely one (0: none).
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    /// Penalise recently seen tokens (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// Tokens the repetition penalty looks back over.
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
+    /// Random seed: the same seed, model and prompt give the same text.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+impl SamplingArgs {
+    fn sampler(&self) -> doppler::Result<Sampler> {
+        let cfg = SamplerConfig {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed: self.seed,
+        };
+        cfg.validate().map_err(|detail| Error::Invalid { op: "sampling", detail })?;
+        Ok(Sampler::new(cfg))
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// Model: a .gguf file, or a directory with config.json, *.safetensors and tokenizer.json.
+    #[arg(short, long, conflicts_with = "checkpoint", required_unless_present = "checkpoint")]
+    model: Option<PathBuf>,
+    /// A training run directory (its latest checkpoint) or one checkpoint directory.
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Text to continue.
+    #[arg(default_value = "")]
+    prompt: String,
+    /// Tokens to generate at most.
+    #[arg(short = 'n', long, default_value_t = 200)]
+    max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Stop when this text appears (repeatable); the text is not printed.
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Context (KV cache) size in tokens, at most the model's.
+    #[arg(short = 'c', long, default_value_t = 4096)]
+    ctx_size: usize,
+    /// Treat control tokens written in the prompt (e.g. <|im_start|>) as such.
+    #[arg(long)]
+    special: bool,
+    /// Wrap the prompt in the model's chat template as one user message.
+    #[arg(long)]
+    chat: bool,
+    /// Print one JSON object (text, tokens, timings) at the end instead of streaming.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode> {
+    let mut sampler = args.sampling.sampler()?;
+    let mut out = std::io::stdout();
+    if let Some(ck) = &args.checkpoint {
+        let (model, tokenizer) = load_for_generation(gpu, ck)?;
+        if !args.json {
+            print!("{}", args.prompt);
+        }
+        let text = generate_checkpoint(gpu, &model, &tokenizer, &args.prompt, args.max_tokens, &mut sampler, &mut |piece| {
+            if !args.json {
+                print!("{piece}");
+                let _ = out.flush();
+            }
+        })?;
+        if args.json {
+            println!("{}", serde_json::json!({ "prompt": args.prompt, "text": text, "tokens": args.max_tokens }));
+        } else {
+            println!();
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let path = args.model.as_ref().expect("clap requires --model or --checkpoint");
+    let model = Model::open(gpu, path, args.ctx_size)?;
+    let tk = &model.tokenizer;
+    let (text, special) = if args.chat {
+        let t = model.template.as_ref().ok_or_else(|| Error::Invalid { op: "generate", detail: format!("{} has no chat template this build recognises (ChatML, Llama 3, Zephyr)", path.display()) })?;
+        (t.render(&[Message::new("user", &args.prompt)], true), true)
+    } else {
+        (args.prompt.clone(), args.special)
+    };
+    let mut ids = Vec::new();
+    if tk.add_bos && !args.chat {
+        ids.extend(tk.bos);
+    }
+    ids.extend(tk.encode(&text, special)?);
+    if ids.is_empty() {
+        ids.extend(tk.bos.or(tk.eos));
+    }
+    let mut session = Session::new(gpu, &model, args.ctx_size)?;
+    let opts = GenOptions { max_tokens: args.max_tokens.min(session.capacity().saturating_sub(ids.len())), stop_tokens: model.stop_tokens(), stop_strings: args.stop.clone() };
+    if !args.json && !args.chat {
+        print!("{}", args.prompt);
+    }
+    let g = session.generate(gpu, &ids, &opts, &mut sampler, &mut |piece| {
+        if !args.json {
+            print!("{piece}");
+            out.flush().map_err(|source| Error::Io { path: "stdout".into(), source })?;
+        }
+        Ok(())
+    })?;
+    if args.json {
+        let mut v = stats_json(&g, &model);
+        v["prompt"] = args.prompt.clone().into();
+        v["text"] = g.text.clone().into();
+        println!("{v}");
+    } else {
+        println!();
+        tracing::info!("{}", stats_line(&g));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn median(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+fn stats_json(g: &Generation, model: &Model) -> serde_json::Value {
+    let decode_ms: f64 = g.token_ms.iter().sum();
+    serde_json::json!({
+        "tokens": g.tokens,
+        "prompt_tokens": g.prompt_tokens,
+        "generated_tokens": g.tokens.len(),
+        "stop": g.stop,
+        "load_ms": model.load_ms,
+        "prefill_ms": g.prefill_ms,
+        "decode_tok_s": if decode_ms > 0.0 { g.token_ms.len() as f64 / decode_ms * 1e3 } else { 0.0 },
+        "token_ms_p50": median(&g.token_ms),
+    })
+}
+
+fn stats_line(g: &Generation) -> String {
+    let decode_ms: f64 = g.token_ms.iter().sum();
+    format!(
+        "{} prompt tokens in {:.0} ms, {} generated, {:.1} tok/s decode",
+        g.prompt_tokens,
+        g.prefill_ms,
+        g.tokens.len(),
+        if decode_ms > 0.0 { g.token_ms.len() as f64 / decode_ms * 1e3 } else { 0.0 }
+    )
+}
+
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    /// Model: a .gguf file, or a directory with config.json, *.safetensors and tokenizer.json.
+    #[arg(short, long)]
+    model: PathBuf,
+    /// System message (default: the template's own, if it has one).
+    #[arg(long)]
+    system: Option<String>,
+    /// Tokens per reply at most.
+    #[arg(short = 'n', long, default_value_t = 512)]
+    max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Context (KV cache) size in tokens, at most the model's.
+    #[arg(short = 'c', long, default_value_t = 4096)]
+    ctx_size: usize,
+}
+
+/// Interactive chat: each turn is appended to the conversation in the KV cache (only the
+/// new tokens run). Lines starting with `/` are commands: /reset, /exit.
+pub fn chat_cmd(gpu: &Gpu, args: &ChatArgs) -> doppler::Result<ExitCode> {
+    let mut sampler = args.sampling.sampler()?;
+    let model = Model::open(gpu, &args.model, args.ctx_size)?;
+    let template = model.template.clone().ok_or_else(|| Error::Invalid { op: "chat", detail: format!("{} has no chat template this build recognises (ChatML, Llama 3, Zephyr)", args.model.display()) })?;
+    let tk = &model.tokenizer;
+    let mut session = Session::new(gpu, &model, args.ctx_size)?;
+    let stop_tokens = model.stop_tokens();
+    // Text that must run before the next turn: the end of the assistant's last turn.
+    let mut pending = String::new();
+    eprintln!("doppler chat: {} ({} layers, context {} tokens). /reset clears the conversation, /exit or Ctrl-D quits.", args.model.display(), model.llama.cfg.n_layer, session.capacity());
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line).map_err(|source| Error::Io { path: "stdin".into(), source })? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        match line.trim() {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                session.reset();
+                pending.clear();
+                eprintln!("(conversation cleared)");
+                continue;
+            }
+            _ => {}
+        }
+        let mut msgs = Vec::new();
+        let first = session.cache.len == 0;
+        if first {
+            if let Some(s) = &args.system {
+                msgs.push(Message::new("system", s));
+            }
+        }
+        msgs.push(Message::new("user", line));
+        let mut text = pending.clone() + &template.render(&msgs, first);
+        let mut ids = tk.encode(&text, true)?;
+        if ids.len() + 16 > session.capacity() - session.cache.len {
+            // The turn does not fit after the conversation: start over with this message.
+            eprintln!("(context full: {} of {} tokens used; the conversation is cleared and this message starts a new one)", session.cache.len, session.capacity());
+            session.reset();
+            if let Some(s) = &args.system {
+                msgs.insert(0, Message::new("system", s));
+            }
+            text = template.render(&msgs, true);
+            ids = tk.encode(&text, true)?;
+            if ids.len() + 16 > session.capacity() {
+                eprintln!("(this message alone is {} tokens; the context holds {}: not sent)", ids.len(), session.capacity());
+                pending.clear();
+                continue;
+            }
+        }
+        let room = session.capacity() - session.cache.len - ids.len();
+        let opts = GenOptions { max_tokens: args.max_tokens.min(room), stop_tokens: stop_tokens.clone(), stop_strings: vec![] };
+        let g = session.generate(gpu, &ids, &opts, &mut sampler, &mut |piece| {
+            print!("{piece}");
+            out.flush().map_err(|source| Error::Io { path: "stdout".into(), source })?;
+            Ok(())
+        })?;
+        println!();
+        if g.stop == StopReason::Context {
+            eprintln!("(context full: the reply was cut; /reset to start a new conversation)");
+        }
+        tracing::info!("{}", stats_line(&g));
+        // The stop token (or the last sampled one) has not run: close the turn next time.
+        pending = match g.stop_token {
+            Some(id) if stop_tokens.contains(&id) => template.end_of_turn().to_string(),
+            Some(id) => tk.decode(&[id]) + template.end_of_turn(),
+            None => template.end_of_turn().to_string(),
+        };
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,137 @@
+//! Chat templates. Models carry a Jinja template (`tokenizer.chat_template`); we recognise
+//! the common formats by their markers and render them in Rust: ChatML (SmolLM2, Qwen2),
+//! Llama 3 and Zephyr. A template that sets a default system message (SmolLM2's does)
+//! has it taken out and used when the conversation has none.
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl Message {
+    pub fn new(role: &str, content: &str) -> Message {
+        Message { role: role.into(), content: content.into() }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum ChatStyle {
+    /// `<|im_start|>role\ncontent<|im_end|>\n`
+    ChatMl,
+    /// `<|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|>`, after `<|begin_of_text|>`
+    Llama3,
+    /// `<|role|>\ncontent</s>\n`
+    Zephyr,
+}
+
+#[derive(Clone, Debug)]
+pub struct Template {
+    pub style: ChatStyle,
+    /// System message used when the conversation starts without one.
+    pub default_system: Option<String>,
+}
+
+impl Template {
+    /// The format of a Jinja chat template; None when it is none of ours.
+    pub fn detect(jinja: &str) -> Option<Template> {
+        let style = if jinja.contains("<|im_start|>") {
+            ChatStyle::ChatMl
+        } else if jinja.contains("<|start_header_id|>") {
+            ChatStyle::Llama3
+        } else if jinja.contains("<|user|>") && jinja.contains("<|assistant|>") {
+            ChatStyle::Zephyr
+        } else {
+            return None;
+        };
+        // A literal default system turn written into the template (SmolLM2, Qwen2).
+        let default_system = match style {
+            ChatStyle::ChatMl => jinja.split("<|im_start|>system\n").nth(1).and_then(|rest| {
+                let text = rest.split("<|im_end|>").next()?;
+                // Only a literal: a template that prints a variable here has no default.
+                (!text.contains("{{") && !text.contains("{%") && !text.contains('\'')).then(|| text.to_string())
+            }),
+            _ => None,
+        };
+        Some(Template { style, default_system })
+    }
+
+    /// Text of `messages` (the start of a conversation when `first`), then the header of
+    /// the assistant's turn.
+    pub fn render(&self, messages: &[Message], first: bool) -> String {
+        let mut out = String::new();
+        if first && self.style == ChatStyle::Llama3 {
+            out.push_str("<|begin_of_text|>");
+        }
+        let mut all: Vec<Message> = Vec::new();
+        if first && messages.first().is_none_or(|m| m.role != "system") {
+            if let Some(s) = &self.default_system {
+                all.push(Message::new("system", s));
+            }
+        }
+        all.extend(messages.iter().cloned());
+        for m in &all {
+            out.push_str(&self.turn(&m.role, &m.content));
+        }
+        out.push_str(&self.header("assistant"));
+        out
+    }
+
+    fn header(&self, role: &str) -> String {
+        match self.style {
+            ChatStyle::ChatMl => format!("<|im_start|>{role}\n"),
+            ChatStyle::Llama3 => format!("<|start_header_id|>{role}<|end_header_id|>\n\n"),
+            ChatStyle::Zephyr => format!("<|{role}|>\n"),
+        }
+    }
+
+    fn turn(&self, role: &str, content: &str) -> String {
+        format!("{}{content}{}", self.header(role), self.end_of_turn())
+    }
+
+    /// What closes a turn (the assistant's too, after its text).
+    pub fn end_of_turn(&self) -> &'static str {
+        match self.style {
+            ChatStyle::ChatMl => "<|im_end|>\n",
+            ChatStyle::Llama3 => "<|eot_id|>",
+            ChatStyle::Zephyr => "</s>\n",
+        }
+    }
+
+    /// The control token that ends the assistant's turn.
+    pub fn stop_token(&self) -> &'static str {
+        match self.style {
+            ChatStyle::ChatMl => "<|im_end|>",
+            ChatStyle::Llama3 => "<|eot_id|>",
+            ChatStyle::Zephyr => "</s>",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_the_three_styles() {
+        let msgs = [Message::new("user", "Hi"), Message::new("assistant", "Hello"), Message::new("user", "Bye")];
+        let chatml = Template::detect("{{'<|im_start|>' + message['role'] }}").unwrap();
+        assert_eq!(chatml.render(&msgs[2..], true), "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n");
+        let llama3 = Template::detect("<|start_header_id|>").unwrap();
+        assert_eq!(
+            llama3.render(&msgs[..1], true),
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+        let zephyr = Template::detect("<|user|> ... <|assistant|>").unwrap();
+        assert_eq!(zephyr.render(&msgs[..1], false), "<|user|>\nHi</s>\n<|assistant|>\n");
+        assert!(Template::detect("[INST]").is_none());
+    }
+
+    #[test]
+    fn takes_a_literal_default_system_message() {
+        let t = Template::detect("{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}").unwrap();
+        assert_eq!(t.default_system.as_deref(), Some("Be brief."));
+        assert!(t.render(&[Message::new("user", "x")], true).starts_with("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nx"));
+        assert!(!t.render(&[Message::new("user", "x")], false).contains("system"));
+    }
+}

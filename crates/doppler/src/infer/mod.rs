@@ -1,0 +1,231 @@
+//! Inference: a model file opened with its tokenizer and chat template, and a session that
+//! keeps a conversation's keys and values on the GPU and generates from it.
+
+pub mod chat;
+pub mod sample;
+pub mod tokenizer;
+
+use std::path::Path;
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::formats::gguf::Value;
+use crate::gpu::Gpu;
+use crate::models::llama::{self, Llama};
+use crate::ops::kvcache::KvCache;
+use chat::Template;
+use sample::Sampler;
+use tokenizer::Tokenizer;
+
+/// Prompt tokens run per forward step (bounds the activations a long prompt needs).
+pub const PREFILL_CHUNK: usize = 512;
+
+/// A model with its tokenizer and chat template.
+pub struct Model {
+    pub llama: Llama,
+    pub tokenizer: Tokenizer,
+    pub template: Option<Template>,
+    pub load_ms: f64,
+}
+
+impl Model {
+    /// A `.gguf` file, or a directory with `config.json`, `*.safetensors` and `tokenizer.json`
+    /// (its `tokenizer_config.json` may hold the chat template). Up to `max_context`
+    /// positions are served.
+    pub fn open(gpu: &Gpu, path: &Path, max_context: usize) -> Result<Model> {
+        let t0 = Instant::now();
+        let (llama, md) = llama::open(gpu, path, max_context)?;
+        let shown = path.display().to_string();
+        let (tokenizer, jinja) = if path.is_dir() {
+            let tk = Tokenizer::from_hf_file(&path.join("tokenizer.json"))?;
+            let jinja = std::fs::read_to_string(path.join("tokenizer_config.json"))
+                .ok()
+                .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+                .and_then(|v| v.get("chat_template").and_then(|t| t.as_str()).map(str::to_string));
+            (tk, jinja)
+        } else {
+            (Tokenizer::from_gguf(&md, &shown)?, md.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string))
+        };
+        if tokenizer.vocab_size() > llama.cfg.vocab_size {
+            return Err(Error::Format { path: shown, detail: format!("tokenizer has {} tokens, the model's embedding {}", tokenizer.vocab_size(), llama.cfg.vocab_size) });
+        }
+        gpu.wait()?;
+        let template = jinja.as_deref().and_then(Template::detect);
+        Ok(Model { llama, tokenizer, template, load_ms: t0.elapsed().as_secs_f64() * 1e3 })
+    }
+
+    /// Ids that end generation: EOS and the template's end-of-turn token.
+    pub fn stop_tokens(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.tokenizer.eos.into_iter().collect();
+        for s in ["<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>"] {
+            if let Some(id) = self.tokenizer.special(s) {
+                v.push(id);
+            }
+        }
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// A stop token (EOS, end of turn).
+    Token,
+    /// A stop string appeared in the text.
+    String,
+    /// The requested number of tokens.
+    Length,
+    /// The context (KV cache) is full.
+    Context,
+}
+
+/// What one generation produced and how long it took.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Generation {
+    pub prompt_tokens: usize,
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub stop: StopReason,
+    /// The sampled stop token (not run through the model yet), if any.
+    pub stop_token: Option<u32>,
+    /// Prompt processing until the first token's logits were back.
+    pub prefill_ms: f64,
+    /// Per generated token after the first: forward, readback and sampling.
+    pub token_ms: Vec<f64>,
+}
+
+pub struct GenOptions {
+    pub max_tokens: usize,
+    pub stop_tokens: Vec<u32>,
+    pub stop_strings: Vec<String>,
+}
+
+/// A conversation's state on the GPU: the cache and the tokens in it.
+pub struct Session<'m> {
+    pub model: &'m Model,
+    pub cache: KvCache,
+    pub tokens: Vec<u32>,
+}
+
+impl<'m> Session<'m> {
+    pub fn new(gpu: &Gpu, model: &'m Model, capacity: usize) -> Result<Session<'m>> {
+        Ok(Session { model, cache: model.llama.cache(gpu, capacity)?, tokens: Vec::new() })
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.cache.capacity
+    }
+
+    /// Forgets the conversation (the cache is reused).
+    pub fn reset(&mut self) {
+        self.cache.len = 0;
+        self.tokens.clear();
+    }
+
+    /// Runs `ids` through the model after what is cached; logits (V) of the last.
+    pub fn feed(&mut self, gpu: &Gpu, ids: &[u32]) -> Result<Vec<f32>> {
+        if !self.cache.fits(ids.len()) {
+            return Err(Error::Invalid {
+                op: "generate",
+                detail: format!("{} cached + {} new tokens exceed the context of {} tokens", self.cache.len, ids.len(), self.cache.capacity),
+            });
+        }
+        let mut logits = None;
+        for chunk in ids.chunks(PREFILL_CHUNK) {
+            logits = Some(gpu.run(|rec| self.model.llama.forward(rec, chunk, &mut self.cache, false))?);
+            self.tokens.extend_from_slice(chunk);
+        }
+        let logits = logits.ok_or_else(|| Error::Invalid { op: "generate", detail: "empty prompt".into() })?;
+        logits.read_f32(gpu)
+    }
+
+    /// Feeds `prompt`, then samples up to `opts.max_tokens` tokens, calling `on_text` with
+    /// each piece of text as soon as it is certain (whole UTF-8 characters, not part of a
+    /// stop string). The last sampled token is not run through the model (see
+    /// [`Generation::stop_token`]); every other one is in the cache afterwards.
+    pub fn generate(&mut self, gpu: &Gpu, prompt: &[u32], opts: &GenOptions, sampler: &mut Sampler, on_text: &mut dyn FnMut(&str) -> Result<()>) -> Result<Generation> {
+        let t0 = Instant::now();
+        let mut logits = self.feed(gpu, prompt)?;
+        let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let mut out = Generation { prompt_tokens: prompt.len(), tokens: Vec::new(), text: String::new(), stop: StopReason::Length, stop_token: None, prefill_ms, token_ms: Vec::new() };
+        let tk = &self.model.tokenizer;
+        let mut sent = 0;
+        let mut t = Instant::now();
+        for i in 0..opts.max_tokens {
+            let next = sampler.sample(&logits, &self.tokens);
+            if opts.stop_tokens.contains(&next) {
+                out.stop = StopReason::Token;
+                out.stop_token = Some(next);
+                break;
+            }
+            out.tokens.push(next);
+            let text = tk.decode(&out.tokens);
+            if let Some(at) = opts.stop_strings.iter().filter_map(|s| text.find(s.as_str())).min() {
+                on_text(&text[sent..at])?;
+                out.text = text[..at].to_string();
+                out.stop = StopReason::String;
+                self.feed_last(gpu, next)?;
+                return Ok(out);
+            }
+            let safe = safe_prefix(&text, &opts.stop_strings);
+            if safe > sent {
+                on_text(&text[sent..safe])?;
+                sent = safe;
+            }
+            out.text = text;
+            if i + 1 == opts.max_tokens {
+                out.stop_token = Some(next);
+                break;
+            }
+            if !self.cache.fits(1) {
+                out.stop = StopReason::Context;
+                out.stop_token = Some(next);
+                break;
+            }
+            logits = self.feed(gpu, &[next])?;
+            out.token_ms.push(t.elapsed().as_secs_f64() * 1e3);
+            t = Instant::now();
+        }
+        if sent < out.text.len() {
+            on_text(&out.text[sent..])?;
+        }
+        Ok(out)
+    }
+
+    fn feed_last(&mut self, gpu: &Gpu, id: u32) -> Result<()> {
+        if self.cache.fits(1) {
+            self.feed(gpu, &[id])?;
+        }
+        Ok(())
+    }
+}
+
+/// Length of the prefix of `text` that is certain: whole characters (no U+FFFD from a
+/// split UTF-8 sequence at the end) and no suffix that could start a stop string.
+fn safe_prefix(text: &str, stops: &[String]) -> usize {
+    let mut end = text.len();
+    if text.ends_with('\u{FFFD}') {
+        end -= '\u{FFFD}'.len_utf8();
+    }
+    for s in stops {
+        for (i, _) in s.char_indices().skip(1) {
+            if text[..end].ends_with(&s[..i]) {
+                end = end.min(text[..end].len() - i);
+            }
+        }
+    }
+    end
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn holds_back_possible_stop_strings_and_split_characters() {
+        let stops = vec!["User:".to_string()];
+        assert_eq!(super::safe_prefix("Hello Us", &stops), 6);
+        assert_eq!(super::safe_prefix("Hello", &stops), 5);
+        assert_eq!(super::safe_prefix("caf\u{FFFD}", &[]), 3);
+    }
+}

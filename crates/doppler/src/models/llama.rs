@@ -1,0 +1,541 @@
+//! Llama-family decoder for inference: `llama` (SmolLM2, Llama 3.x, TinyLlama) and `qwen2`
+//! (biases on q, k, v). Weights stay in their file's encoding on the GPU (GGUF blocks, or
+//! f32 / f16 / bf16 from SafeTensors) and every product reads them directly
+//! (`ops::quant::qmatmul`); keys and values go into a cache (`ops::kvcache`).
+//!
+//! One step over T new tokens at positions pos..pos+T (E = n_embd, D = head dim):
+//!   x = embd[ids]                                         (T, E)
+//!   per layer: h = rmsnorm(x) * attn_norm
+//!              q, k, v = h Wq^T (+bq), h Wk^T (+bk), h Wv^T (+bv)   (T, Hq|Hkv, D)
+//!              q, k = rope(q, k, pos); cache[pos..pos+T] = k, v
+//!              x += attend(q, cache) Wo^T
+//!              h = rmsnorm(x) * ffn_norm;  x += (silu(h Wg^T) * h Wu^T) Wd^T
+//!   logits = rmsnorm(x[last]) * out_norm @ Wout^T         (V) (Wout = embd when tied)
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::formats::gguf::{GgmlType, Value};
+use crate::gpu::{DType, Gpu, Recorder, Tensor};
+use crate::ops::kvcache::{kv_attend, kv_store, KvCache};
+use crate::ops::quant::{get_rows, qmatmul, QMatrix};
+use crate::ops::rope::{inv_freq, rope, Pairing, RopeTable};
+use crate::ops::{bias::bias_add, elementwise::add, norm::rms_norm, silu::swiglu};
+
+/// Architectures this decoder runs.
+pub const ARCHITECTURES: &[&str] = &["llama", "qwen2"];
+
+/// Llama 3's frequency-dependent RoPE rescaling (`rope_scaling.rope_type = "llama3"`).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct Llama3Scaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_context: f64,
+}
+
+impl Llama3Scaling {
+    /// Per frequency as Meta's reference: long wavelengths divided by `factor`, short ones
+    /// kept, a linear blend between.
+    fn apply(&self, f: f64) -> f64 {
+        let wavelen = 2.0 * std::f64::consts::PI / f;
+        let (lo, hi) = (self.original_context / self.low_freq_factor, self.original_context / self.high_freq_factor);
+        if wavelen < hi {
+            f
+        } else if wavelen > lo {
+            f / self.factor
+        } else {
+            let s = (self.original_context / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor);
+            (1.0 - s) * f / self.factor + s * f
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct LlamaConfig {
+    pub arch: String,
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub ffn_hidden: usize,
+    pub vocab_size: usize,
+    pub norm_eps: f64,
+    pub rope_theta: f64,
+    /// Positions the model was trained for.
+    pub context_length: usize,
+    /// RoPE pairing: GGUF's llama has its q/k rows permuted for adjacent pairs; Hugging
+    /// Face checkpoints and qwen2 rotate halves.
+    #[serde(skip)]
+    pub pairing: Pairing,
+    pub rope_llama3: Option<Llama3Scaling>,
+    /// Linear position scaling (angle / factor).
+    pub rope_linear: Option<f64>,
+    pub tied_embeddings: bool,
+}
+
+impl LlamaConfig {
+    /// RoPE frequencies after the model's scaling; `factors` are GGUF's `rope_freqs.weight`
+    /// (frequency divisors, Llama 3 in llama.cpp's files).
+    fn inv_freq(&self, factors: Option<&[f32]>) -> Vec<f64> {
+        let mut f = inv_freq(self.head_dim, self.rope_theta);
+        if let Some(s) = self.rope_llama3 {
+            f.iter_mut().for_each(|v| *v = s.apply(*v));
+        }
+        if let Some(fac) = factors {
+            f.iter_mut().zip(fac).for_each(|(v, d)| *v /= *d as f64);
+        }
+        if let Some(l) = self.rope_linear {
+            f.iter_mut().for_each(|v| *v /= l);
+        }
+        f
+    }
+}
+
+struct Layer {
+    attn_norm: Tensor,
+    q: QMatrix,
+    k: QMatrix,
+    v: QMatrix,
+    o: QMatrix,
+    q_bias: Option<Tensor>,
+    k_bias: Option<Tensor>,
+    v_bias: Option<Tensor>,
+    ffn_norm: Tensor,
+    gate: QMatrix,
+    up: QMatrix,
+    down: QMatrix,
+}
+
+pub struct Llama {
+    pub cfg: LlamaConfig,
+    embd: QMatrix,
+    layers: Vec<Layer>,
+    out_norm: Tensor,
+    output: QMatrix,
+    rope: RopeTable,
+    /// Largest context (positions) this instance serves: the RoPE table's length.
+    pub max_context: usize,
+    /// Bytes of weights on the GPU.
+    pub weight_bytes: u64,
+}
+
+/// A tensor as stored: bytes, type, dims innermost first.
+pub struct Stored<'a> {
+    pub bytes: std::borrow::Cow<'a, [u8]>,
+    pub ty: GgmlType,
+    pub dims: Vec<u64>,
+}
+
+/// Where a model's tensors come from, under GGUF's names (`blk.N.attn_q.weight`, ...).
+pub trait Source {
+    fn path(&self) -> &str;
+    fn tensor(&self, name: &str) -> Result<Option<Stored<'_>>>;
+}
+
+fn format_err(path: &str, detail: impl Into<String>) -> Error {
+    Error::Format { path: path.to_string(), detail: detail.into() }
+}
+
+fn need<'a>(src: &'a dyn Source, name: &str) -> Result<Stored<'a>> {
+    src.tensor(name)?.ok_or_else(|| format_err(src.path(), format!("tensor {name} is missing")))
+}
+
+fn matrix(gpu: &Gpu, src: &dyn Source, name: &str, rows: usize, cols: usize) -> Result<QMatrix> {
+    let t = need(src, name)?;
+    if t.dims != [cols as u64, rows as u64] {
+        return Err(format_err(src.path(), format!("{name}: dims {:?}, expected [{cols}, {rows}] (innermost first)", t.dims)));
+    }
+    QMatrix::new(gpu, name, &t.bytes, t.ty, rows, cols).map_err(|e| format_err(src.path(), e.to_string()))
+}
+
+/// A vector (norm weight, bias) widened to f32 on the host.
+fn vector(gpu: &Gpu, src: &dyn Source, name: &str, n: usize) -> Result<Option<Tensor>> {
+    let Some(t) = src.tensor(name)? else { return Ok(None) };
+    if t.dims != [n as u64] {
+        return Err(format_err(src.path(), format!("{name}: dims {:?}, expected [{n}]", t.dims)));
+    }
+    let v = crate::reference::quant::dequantize(t.ty, &t.bytes, n).map_err(|e| format_err(src.path(), format!("{name}: {e}")))?;
+    Ok(Some(Tensor::from_f32(gpu, &[n], &v, name)?))
+}
+
+impl Llama {
+    /// Uploads the weights of `cfg` from `src`; positions up to `max_context`.
+    pub fn load(gpu: &Gpu, cfg: LlamaConfig, src: &dyn Source, max_context: usize) -> Result<Llama> {
+        let (e, d) = (cfg.n_embd, cfg.head_dim);
+        let (qd, kvd) = (cfg.n_head * d, cfg.n_kv_head * d);
+        let embd = matrix(gpu, src, "token_embd.weight", cfg.vocab_size, e)?;
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let norm = |s: &str| -> Result<Tensor> {
+                vector(gpu, src, &n(s), e)?.ok_or_else(|| format_err(src.path(), format!("tensor {} is missing", n(s))))
+            };
+            let bias = |s: &str, len: usize| -> Result<Option<Tensor>> {
+                let b = vector(gpu, src, &n(s), len)?;
+                if b.is_none() && cfg.arch == "qwen2" {
+                    return Err(format_err(src.path(), format!("qwen2 needs {}", n(s))));
+                }
+                Ok(b)
+            };
+            layers.push(Layer {
+                attn_norm: norm("attn_norm.weight")?,
+                q: matrix(gpu, src, &n("attn_q.weight"), qd, e)?,
+                k: matrix(gpu, src, &n("attn_k.weight"), kvd, e)?,
+                v: matrix(gpu, src, &n("attn_v.weight"), kvd, e)?,
+                o: matrix(gpu, src, &n("attn_output.weight"), e, qd)?,
+                q_bias: bias("attn_q.bias", qd)?,
+                k_bias: bias("attn_k.bias", kvd)?,
+                v_bias: bias("attn_v.bias", kvd)?,
+                ffn_norm: norm("ffn_norm.weight")?,
+                gate: matrix(gpu, src, &n("ffn_gate.weight"), cfg.ffn_hidden, e)?,
+                up: matrix(gpu, src, &n("ffn_up.weight"), cfg.ffn_hidden, e)?,
+                down: matrix(gpu, src, &n("ffn_down.weight"), e, cfg.ffn_hidden)?,
+            });
+        }
+        let out_norm = vector(gpu, src, "output_norm.weight", e)?.ok_or_else(|| format_err(src.path(), "tensor output_norm.weight is missing"))?;
+        let output = if src.tensor("output.weight")?.is_some() {
+            matrix(gpu, src, "output.weight", cfg.vocab_size, e)?
+        } else {
+            embd.clone()
+        };
+        let factors = match src.tensor("rope_freqs.weight")? {
+            Some(t) => Some(crate::reference::quant::dequantize(t.ty, &t.bytes, d / 2).map_err(|e| format_err(src.path(), format!("rope_freqs.weight: {e}")))?),
+            None => None,
+        };
+        let max_context = max_context.min(cfg.context_length).max(1);
+        let rope = RopeTable::from_inv_freq(gpu, max_context, &cfg.inv_freq(factors.as_deref()))?;
+        let mut weight_bytes = embd.raw.byte_size() + out_norm.byte_size();
+        if !cfg.tied_embeddings {
+            weight_bytes += output.raw.byte_size();
+        }
+        for l in &layers {
+            for m in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
+                weight_bytes += m.raw.byte_size();
+            }
+        }
+        Ok(Llama { cfg, embd, layers, out_norm, output, rope, max_context, weight_bytes })
+    }
+
+    /// An empty cache for up to `capacity` tokens (at most the model's context).
+    pub fn cache(&self, gpu: &Gpu, capacity: usize) -> Result<KvCache> {
+        KvCache::new(gpu, self.cfg.n_layer, capacity.min(self.max_context), self.cfg.n_kv_head, self.cfg.head_dim)
+    }
+
+    /// Records the step over `ids` (already checked < vocab) at the cache's position, stores
+    /// their keys and values, and returns logits (V) of the last token, or (T, V) of every
+    /// token when `all` is set. The cache length advances by T.
+    pub fn forward(&self, rec: &mut Recorder<'_>, ids: &[u32], cache: &mut KvCache, all: bool) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (t, pos) = (ids.len(), cache.len);
+        if t == 0 {
+            return Err(Error::Invalid { op: "llama", detail: "no tokens to run".into() });
+        }
+        if !cache.fits(t) {
+            return Err(Error::Invalid { op: "llama", detail: format!("{} + {t} tokens exceed the context of {} tokens", cache.len, cache.capacity) });
+        }
+        if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= c.vocab_size) {
+            return Err(Error::IndexOutOfRange { op: "llama", position: i, id, limit: c.vocab_size as u32, count: ids.iter().filter(|&&v| v as usize >= c.vocab_size).count() });
+        }
+        let gpu = rec.gpu();
+        let eps = c.norm_eps as f32;
+        let d = c.head_dim;
+        let ids_t = Tensor::from_u32(gpu, &[t], ids, "llama.ids")?;
+        let mut x = get_rows(rec, &self.embd, &ids_t)?; // (T, E)
+        for (li, l) in self.layers.iter().enumerate() {
+            let h = rms_norm(rec, &x, &l.attn_norm, eps, false)?.y;
+            let proj = |rec: &mut Recorder<'_>, w: &QMatrix, b: &Option<Tensor>, heads: usize| -> Result<Tensor> {
+                let mut y = qmatmul(rec, &h, w)?;
+                if let Some(b) = b {
+                    y = bias_add(rec, &y, b)?;
+                }
+                y.reshape(&[t, heads, d])
+            };
+            let q = proj(rec, &l.q, &l.q_bias, c.n_head)?;
+            let k = proj(rec, &l.k, &l.k_bias, c.n_kv_head)?;
+            let v = proj(rec, &l.v, &l.v_bias, c.n_kv_head)?;
+            let q = rope(rec, &q, &self.rope, pos, c.pairing)?;
+            let k = rope(rec, &k, &self.rope, pos, c.pairing)?;
+            kv_store(rec, &cache.k[li], &k, pos)?;
+            kv_store(rec, &cache.v[li], &v, pos)?;
+            let a = kv_attend(rec, &q, &cache.k[li], &cache.v[li], pos)?.reshape(&[t, c.n_head * d])?;
+            let o = qmatmul(rec, &a, &l.o)?;
+            x = add(rec, &x, &o)?;
+            let h = rms_norm(rec, &x, &l.ffn_norm, eps, false)?.y;
+            let (gate, up) = (qmatmul(rec, &h, &l.gate)?, qmatmul(rec, &h, &l.up)?);
+            let g = swiglu(rec, &gate, &up)?;
+            let down = qmatmul(rec, &g, &l.down)?;
+            x = add(rec, &x, &down)?;
+        }
+        cache.len += t;
+        let last = if all || t == 1 {
+            x
+        } else {
+            let row = Tensor::empty(gpu, &[1, c.n_embd], DType::F32, "llama.last")?;
+            rec.copy_elements(&x, (t - 1) * c.n_embd, &row, 0, c.n_embd)?;
+            row
+        };
+        let h = rms_norm(rec, &last, &self.out_norm, eps, false)?.y;
+        let logits = qmatmul(rec, &h, &self.output)?;
+        if all {
+            Ok(logits)
+        } else {
+            logits.reshape(&[c.vocab_size])
+        }
+    }
+}
+
+/// A metadata reader over a GGUF file's key-value pairs for one architecture.
+struct Meta<'a> {
+    md: &'a BTreeMap<String, Value>,
+    arch: &'a str,
+    path: &'a str,
+}
+
+impl Meta<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.md.get(&format!("{}.{key}", self.arch))
+    }
+    fn usize(&self, key: &str) -> Result<usize> {
+        self.get(key)
+            .and_then(Value::as_u64)
+            .map(|v| v as usize)
+            .ok_or_else(|| format_err(self.path, format!("metadata {}.{key} is missing or not an integer", self.arch)))
+    }
+    fn f64_or(&self, key: &str, default: f64) -> f64 {
+        self.get(key).and_then(Value::as_f64).unwrap_or(default)
+    }
+}
+
+/// The configuration a GGUF file's metadata describes (`general.architecture` and its keys).
+pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<LlamaConfig> {
+    let arch = md
+        .get("general.architecture")
+        .and_then(Value::as_str)
+        .ok_or_else(|| format_err(path, "metadata general.architecture is missing"))?;
+    if !ARCHITECTURES.contains(&arch) {
+        return Err(format_err(path, format!("unsupported architecture {arch} (supported: {})", ARCHITECTURES.join(", "))));
+    }
+    let m = Meta { md, arch, path };
+    let n_embd = m.usize("embedding_length")?;
+    let n_head = m.usize("attention.head_count")?;
+    let n_kv_head = m.get("attention.head_count_kv").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(n_head);
+    if n_head == 0 || n_embd % n_head != 0 || n_kv_head == 0 || n_head % n_kv_head != 0 {
+        return Err(format_err(path, format!("{n_head} heads, {n_kv_head} kv heads, width {n_embd}: heads must divide the width and kv heads the heads")));
+    }
+    let head_dim = m.get("attention.key_length").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(n_embd / n_head);
+    if let Some(r) = m.get("rope.dimension_count").and_then(Value::as_u64) {
+        if r as usize != head_dim {
+            return Err(format_err(path, format!("partial rotary embedding ({r} of {head_dim} dims) is not supported")));
+        }
+    }
+    let vocab_size = match m.get("vocab_size").and_then(Value::as_u64) {
+        Some(v) => v as usize,
+        None => match md.get("tokenizer.ggml.tokens") {
+            Some(Value::Array(a)) => a.len(),
+            _ => return Err(format_err(path, format!("metadata {arch}.vocab_size and tokenizer.ggml.tokens are missing"))),
+        },
+    };
+    let scaling = md.get(&format!("{arch}.rope.scaling.type")).and_then(Value::as_str);
+    let rope_linear = match scaling {
+        None | Some("none") => None,
+        Some("linear") => Some(m.f64_or("rope.scaling.factor", 1.0)),
+        Some(other) => return Err(format_err(path, format!("RoPE scaling {other:?} is not supported (none, linear, llama3 via rope_freqs)"))),
+    };
+    Ok(LlamaConfig {
+        arch: arch.to_string(),
+        n_layer: m.usize("block_count")?,
+        n_embd,
+        n_head,
+        n_kv_head,
+        head_dim,
+        ffn_hidden: m.usize("feed_forward_length")?,
+        vocab_size,
+        norm_eps: m.f64_or("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta: m.f64_or("rope.freq_base", 10000.0),
+        context_length: m.usize("context_length")?,
+        pairing: if arch == "llama" { Pairing::Interleaved } else { Pairing::Half },
+        rope_llama3: None,
+        rope_linear,
+        tied_embeddings: false, // set by the loader from the tensors present
+    })
+}
+
+/// The configuration of a Hugging Face `config.json`.
+pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfig> {
+    let arch = json.get("model_type").and_then(|v| v.as_str()).ok_or_else(|| format_err(path, "model_type is missing"))?;
+    if !ARCHITECTURES.contains(&arch) {
+        return Err(format_err(path, format!("unsupported architecture {arch} (supported: {})", ARCHITECTURES.join(", "))));
+    }
+    let int = |k: &str| -> Result<usize> {
+        json.get(k).and_then(|v| v.as_u64()).map(|v| v as usize).ok_or_else(|| format_err(path, format!("{k} is missing or not an integer")))
+    };
+    let num = |k: &str, d: f64| json.get(k).and_then(|v| v.as_f64()).unwrap_or(d);
+    let n_embd = int("hidden_size")?;
+    let n_head = int("num_attention_heads")?;
+    let n_kv_head = int("num_key_value_heads").unwrap_or(n_head);
+    if n_head == 0 || n_embd % n_head != 0 || n_kv_head == 0 || n_head % n_kv_head != 0 {
+        return Err(format_err(path, format!("{n_head} heads, {n_kv_head} kv heads, width {n_embd}: heads must divide the width and kv heads the heads")));
+    }
+    let head_dim = json.get("head_dim").and_then(|v| v.as_u64()).map(|v| v as usize).unwrap_or(n_embd / n_head);
+    let (mut rope_llama3, mut rope_linear) = (None, None);
+    if let Some(rs) = json.get("rope_scaling").filter(|v| !v.is_null()) {
+        let kind = rs.get("rope_type").or_else(|| rs.get("type")).and_then(|v| v.as_str()).unwrap_or("");
+        let f = |k: &str| rs.get(k).and_then(|v| v.as_f64()).ok_or_else(|| format_err(path, format!("rope_scaling.{k} is missing")));
+        match kind {
+            "llama3" => {
+                rope_llama3 = Some(Llama3Scaling {
+                    factor: f("factor")?,
+                    low_freq_factor: f("low_freq_factor")?,
+                    high_freq_factor: f("high_freq_factor")?,
+                    original_context: f("original_max_position_embeddings")?,
+                })
+            }
+            "linear" => rope_linear = Some(f("factor")?),
+            "default" => {}
+            other => return Err(format_err(path, format!("rope_scaling type {other:?} is not supported (llama3, linear)"))),
+        }
+    }
+    Ok(LlamaConfig {
+        arch: arch.to_string(),
+        n_layer: int("num_hidden_layers")?,
+        n_embd,
+        n_head,
+        n_kv_head,
+        head_dim,
+        ffn_hidden: int("intermediate_size")?,
+        vocab_size: int("vocab_size")?,
+        norm_eps: num("rms_norm_eps", 1e-6),
+        rope_theta: num("rope_theta", 10000.0),
+        context_length: int("max_position_embeddings").unwrap_or(4096),
+        pairing: Pairing::Half,
+        rope_llama3,
+        rope_linear,
+        tied_embeddings: json.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+    })
+}
+
+/// GGUF tensors under their own names.
+#[cfg(not(target_arch = "wasm32"))]
+impl Source for crate::formats::gguf::GgufFile {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn tensor(&self, name: &str) -> Result<Option<Stored<'_>>> {
+        Ok(self.gguf.tensor(name).map(|t| Stored { bytes: self.tensor_data(t).into(), ty: t.ty, dims: t.dims.clone() }))
+    }
+}
+
+/// SafeTensors files of a Hugging Face checkpoint, read under GGUF's names.
+#[cfg(not(target_arch = "wasm32"))]
+pub struct SafeTensorsDir {
+    path: String,
+    maps: Vec<memmap2::Mmap>,
+    /// Hugging Face name -> (file, dtype, shape, byte range)
+    index: BTreeMap<String, (usize, GgmlType, Vec<u64>, std::ops::Range<usize>)>,
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+impl SafeTensorsDir {
+    pub fn open(files: &[std::path::PathBuf], path: &str) -> Result<SafeTensorsDir> {
+        let mut maps = Vec::new();
+        let mut index = BTreeMap::new();
+        for (fi, f) in files.iter().enumerate() {
+            let io = |source| Error::Io { path: f.display().to_string(), source };
+            let file = std::fs::File::open(f).map_err(io)?;
+            // SAFETY: read-only map of a model file, as GgufFile.
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+            let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| format_err(&f.display().to_string(), e.to_string()))?;
+            let base = map.as_ptr() as usize;
+            for (name, view) in st.tensors() {
+                let ty = match view.dtype() {
+                    safetensors::Dtype::F32 => GgmlType(0),
+                    safetensors::Dtype::F16 => GgmlType(1),
+                    safetensors::Dtype::BF16 => GgmlType(30),
+                    other => return Err(format_err(&f.display().to_string(), format!("{name}: dtype {other:?} not supported (f32, f16, bf16)"))),
+                };
+                let start = view.data().as_ptr() as usize - base;
+                let dims = view.shape().iter().rev().map(|&d| d as u64).collect();
+                index.insert(name, (fi, ty, dims, start..start + view.data().len()));
+            }
+            maps.push(map);
+        }
+        Ok(SafeTensorsDir { path: path.to_string(), maps, index })
+    }
+
+    /// Hugging Face's name for a GGUF name.
+    fn hf_name(name: &str) -> Option<String> {
+        let fixed = match name {
+            "token_embd.weight" => Some("model.embed_tokens.weight"),
+            "output_norm.weight" => Some("model.norm.weight"),
+            "output.weight" => Some("lm_head.weight"),
+            _ => None,
+        };
+        if let Some(f) = fixed {
+            return Some(f.to_string());
+        }
+        let rest = name.strip_prefix("blk.")?;
+        let (i, what) = rest.split_once('.')?;
+        let hf = match what {
+            "attn_norm.weight" => "input_layernorm.weight",
+            "ffn_norm.weight" => "post_attention_layernorm.weight",
+            "attn_q.weight" => "self_attn.q_proj.weight",
+            "attn_k.weight" => "self_attn.k_proj.weight",
+            "attn_v.weight" => "self_attn.v_proj.weight",
+            "attn_q.bias" => "self_attn.q_proj.bias",
+            "attn_k.bias" => "self_attn.k_proj.bias",
+            "attn_v.bias" => "self_attn.v_proj.bias",
+            "attn_output.weight" => "self_attn.o_proj.weight",
+            "ffn_gate.weight" => "mlp.gate_proj.weight",
+            "ffn_up.weight" => "mlp.up_proj.weight",
+            "ffn_down.weight" => "mlp.down_proj.weight",
+            _ => return None,
+        };
+        Some(format!("model.layers.{i}.{hf}"))
+    }
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+impl Source for SafeTensorsDir {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn tensor(&self, name: &str) -> Result<Option<Stored<'_>>> {
+        let Some(hf) = Self::hf_name(name) else { return Ok(None) };
+        Ok(self.index.get(&hf).map(|(f, ty, dims, r)| Stored { bytes: self.maps[*f][r.clone()].into(), ty: *ty, dims: dims.clone() }))
+    }
+}
+
+/// Opens a model: a `.gguf` file, or a directory with `config.json` and `*.safetensors`.
+/// Returns the configuration, the loaded model, and the GGUF metadata (empty for
+/// SafeTensors) for the tokenizer.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn open(gpu: &Gpu, path: &Path, max_context: usize) -> Result<(Llama, BTreeMap<String, Value>)> {
+    let shown = path.display().to_string();
+    if path.is_dir() {
+        let cfg_path = path.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|source| Error::Io { path: cfg_path.display().to_string(), source })?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| format_err(&cfg_path.display().to_string(), e.to_string()))?;
+        let mut cfg = config_from_hf(&json, &cfg_path.display().to_string())?;
+        let mut files: Vec<_> = std::fs::read_dir(path)
+            .map_err(|source| Error::Io { path: shown.clone(), source })?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(format_err(&shown, "no *.safetensors files in the directory"));
+        }
+        let src = SafeTensorsDir::open(&files, &shown)?;
+        cfg.tied_embeddings = src.tensor("output.weight")?.is_none();
+        let model = Llama::load(gpu, cfg, &src, max_context)?;
+        return Ok((model, BTreeMap::new()));
+    }
+    let file = crate::formats::gguf::GgufFile::open(path)?;
+    let mut cfg = config_from_gguf(&file.gguf.metadata, &shown)?;
+    cfg.tied_embeddings = file.gguf.tensor("output.weight").is_none();
+    let model = Llama::load(gpu, cfg, &file, max_context)?;
+    Ok((model, file.gguf.metadata.clone()))
+}
