@@ -9,8 +9,13 @@ Train (--train): a GPT-2-124M-shaped model (12 layers, 768 wide, 12 heads, vocab
 learned positions, tied embeddings, GELU tanh, batch 8 x 1024) trained with AdamW and
 global-norm clipping, eager, each step synchronised by loss.item(); f32 with TF32 off, and
 (--train-fast) also TF32 and bf16 autocast. Median wall time per step -> tokens/s.
+Generate (--generate): a SmolLM2-135M-shaped Llama (30 layers, 576 wide, 9 heads / 3 kv,
+SwiGLU 1536, vocab 49152, tied embeddings) written in plain torch, eager, f16 weights and
+activations, batch 1, KV cache: prefill of --prompt tokens and greedy decode of --gen tokens,
+each token's argmax taken to the host (as a generation loop does). Eager torch is what
+Hugging Face transformers runs; ours has less Python overhead than theirs.
 Usage: python3 bench/torch_bench.py [--mib 1024] [--size 4096 ...] [--repeat 20] [--kernels]
-       [--train [--train-fast]]
+       [--train [--train-fast]] [--generate [--prompt 512] [--gen 128]]
 """
 import argparse
 import json
@@ -158,6 +163,73 @@ def train(a, mode):
             "value": b * t / ms, "unit": "K tok/s"}
 
 
+def generate(a):
+    import time
+    L, E, H, KV, D, FF, V = 30, 576, 9, 3, 64, 1536, 49152
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.float16
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = lambda *s: (torch.randn(*s, device=dev, generator=g) * 0.02).to(dt)
+    emb = w(V, E)
+    layers = [dict(n1=torch.ones(E, device=dev, dtype=dt), q=w(H * D, E), k=w(KV * D, E), v=w(KV * D, E),
+                   o=w(E, H * D), n2=torch.ones(E, device=dev, dtype=dt), g=w(FF, E), u=w(FF, E), d=w(E, FF))
+              for _ in range(L)]
+    norm = torch.ones(E, device=dev, dtype=dt)
+    ctx = a.prompt + a.gen + 1
+    inv = 1.0 / (100000.0 ** (torch.arange(0, D, 2, device=dev).float() / D))
+    ang = torch.outer(torch.arange(ctx, device=dev).float(), inv)
+    cos, sin = ang.cos().to(dt), ang.sin().to(dt)
+
+    def rms(x, wt):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(dt) * wt
+
+    def rope(x, pos):  # x (T, h, D), rotate-half
+        c, s_ = cos[pos:pos + x.shape[0], None, :], sin[pos:pos + x.shape[0], None, :]
+        x1, x2 = x[..., : D // 2], x[..., D // 2:]
+        return torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], -1)
+
+    kc = [torch.zeros(ctx, KV, D, device=dev, dtype=dt) for _ in range(L)]
+    vc = [torch.zeros(ctx, KV, D, device=dev, dtype=dt) for _ in range(L)]
+
+    def forward(ids, pos):
+        t = ids.shape[0]
+        x = emb[ids]
+        for i, l in enumerate(layers):
+            h = rms(x, l["n1"])
+            q = rope((h @ l["q"].T).view(t, H, D), pos)
+            k = rope((h @ l["k"].T).view(t, KV, D), pos)
+            kc[i][pos:pos + t] = k
+            vc[i][pos:pos + t] = (h @ l["v"].T).view(t, KV, D)
+            kk = kc[i][:pos + t].repeat_interleave(H // KV, 1).transpose(0, 1)
+            vv = vc[i][:pos + t].repeat_interleave(H // KV, 1).transpose(0, 1)
+            mask = torch.ones(t, pos + t, device=dev, dtype=torch.bool).tril(pos)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask)
+            x = x + o.transpose(0, 1).reshape(t, H * D) @ l["o"].T
+            h = rms(x, l["n2"])
+            x = x + (F.silu(h @ l["g"].T) * (h @ l["u"].T)) @ l["d"].T
+        return rms(x[-1:], norm) @ emb.T
+
+    prompt = torch.randint(0, V, (a.prompt,), device=dev, generator=g)
+    out = {}
+    with torch.no_grad():
+        for rep in range(2):  # the first round warms up
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            nxt = int(forward(prompt, 0).argmax())
+            prefill = time.perf_counter() - t0
+            times = []
+            for i in range(a.gen):
+                t0 = time.perf_counter()
+                nxt = int(forward(torch.tensor([nxt], device=dev), a.prompt + i).argmax())
+                times.append(time.perf_counter() - t0)
+            times.sort()
+            out = {"name": "torch eager generate smollm2-135m-shaped (f16)", "shape": f"prompt {a.prompt}, gen {a.gen}",
+                   "prefill_tok_s": a.prompt / prefill, "decode_tok_s": len(times) / sum(times),
+                   "token_ms_p50": times[len(times) // 2] * 1e3, "token_ms_p95": times[int(len(times) * 0.95)] * 1e3}
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mib", type=int, default=1024)
@@ -168,7 +240,14 @@ def main():
     p.add_argument("--train", action="store_true")
     p.add_argument("--train-fast", action="store_true")
     p.add_argument("--train-steps", type=int, default=10)
+    p.add_argument("--generate", action="store_true")
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--gen", type=int, default=128)
     a = p.parse_args()
+    if a.generate:
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        print(json.dumps({"device": name, "torch": torch.__version__, "results": [generate(a)]}, indent=2))
+        return
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     rows = []

@@ -19,6 +19,10 @@ pub enum Which {
     /// Training steps of a GPT-2-124M-shaped model (AdamW, random tokens): tokens/s and the
     /// time per kernel. Not part of `all`.
     Train,
+    /// Inference of a Llama-family model, batch 1: load, time to first token, prefill and
+    /// decode tokens/s (p50/p95 ms per token), dispatches and CPU time per token. Not part
+    /// of `all`.
+    Generate,
 }
 
 #[derive(Args)]
@@ -49,8 +53,18 @@ pub struct BenchArgs {
     json: bool,
     /// train: model shape, "gpt2-124m" (12 layers, 768 wide, 12 heads, vocab 50304) or
     /// "gpt2-tiny" (2 layers, 64 wide); default gpt2-tiny on a CPU adapter.
+    /// generate: synthetic weights of "smollm2-135m" (default; Q8_0 embeddings, Q4_1
+    /// blocks) or "llama3-8b-q4k" (Q4_K, Q6_K output), unless --model is given.
     #[arg(long)]
     preset: Option<String>,
+    /// generate: a model file or directory instead of synthetic weights.
+    #[arg(short, long)]
+    model: Option<std::path::PathBuf>,
+    /// generate: prompt tokens (prefill) and generated tokens (decode).
+    #[arg(long, default_value_t = 512)]
+    prompt: usize,
+    #[arg(long, default_value_t = 128)]
+    gen: usize,
     /// train: sequences per step (default 8) and their length (default 1024).
     #[arg(long)]
     train_batch: Option<usize>,
@@ -274,6 +288,16 @@ fn train(gpu: &Gpu, args: &BenchArgs, trace: &mut doppler::gpu::Trace, rows: &mu
 
 pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
     let mut rows = Vec::new();
+    if args.which == Which::Generate {
+        let g = crate::bench_generate::GenBenchArgs {
+            model: args.model.clone(),
+            preset: args.preset.clone().unwrap_or_else(|| "smollm2-135m".into()),
+            prompt: args.prompt,
+            gen: args.gen,
+            json: args.json,
+        };
+        return crate::bench_generate::run(gpu, &g);
+    }
     if args.which == Which::Train {
         let mut trace = doppler::gpu::Trace::default();
         train(gpu, args, &mut trace, &mut rows)?;

@@ -11,7 +11,7 @@ use crate::ops::quant::{dequantize, get_rows, qmatmul, QMatrix, MATVEC_MAX_ROWS,
 use crate::reference::quant as cpu;
 
 /// Byte offsets of the f16 scale fields in one block (random bytes there are often NaN).
-fn scale_offsets(name: &str) -> &'static [usize] {
+pub fn scale_offsets(name: &str) -> &'static [usize] {
     match name {
         "Q4_0" | "Q5_0" | "Q8_0" => &[0],
         "Q4_1" | "Q5_1" | "Q4_K" | "Q5_K" => &[0, 2],

@@ -1,0 +1,213 @@
+//! `doppler bench generate`: model load, time to first token, prefill and decode speed of
+//! a Llama-family model, batch 1, greedy. A model file, or synthetic weights of a preset's
+//! shapes (random blocks of the file types; the speed does not depend on the values).
+
+use std::borrow::Cow;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use doppler::check::Rng;
+use doppler::formats::gguf::GgmlType;
+use doppler::gpu::Gpu;
+use doppler::models::llama::{Llama, LlamaConfig, Source, Stored};
+use doppler::ops::rope::Pairing;
+
+/// What `bench generate` runs (from `doppler bench`'s arguments).
+pub struct GenBenchArgs {
+    pub model: Option<PathBuf>,
+    pub preset: String,
+    pub prompt: usize,
+    pub gen: usize,
+    pub json: bool,
+}
+
+struct Synthetic {
+    cfg: LlamaConfig,
+    embd: &'static str,
+    block: &'static str,
+    output: Option<&'static str>,
+}
+
+impl Synthetic {
+    fn preset(name: &str) -> doppler::Result<Synthetic> {
+        let base = |n_layer, n_embd, n_head, n_kv_head, ffn, vocab, theta| LlamaConfig {
+            arch: "llama".into(),
+            n_layer,
+            n_embd,
+            n_head,
+            n_kv_head,
+            head_dim: n_embd / n_head,
+            ffn_hidden: ffn,
+            vocab_size: vocab,
+            norm_eps: 1e-5,
+            rope_theta: theta,
+            context_length: 8192,
+            pairing: Pairing::Interleaved,
+            rope_llama3: None,
+            rope_linear: None,
+            tied_embeddings: true,
+        };
+        match name {
+            "smollm2-135m" => Ok(Synthetic { cfg: base(30, 576, 9, 3, 1536, 49152, 100000.0), embd: "Q8_0", block: "Q4_1", output: None }),
+            "llama3-8b-q4k" => {
+                let mut cfg = base(32, 4096, 32, 8, 14336, 128256, 500000.0);
+                cfg.tied_embeddings = false;
+                Ok(Synthetic { cfg, embd: "Q4_K", block: "Q4_K", output: Some("Q6_K") })
+            }
+            other => Err(doppler::Error::Invalid { op: "bench generate", detail: format!("unknown preset {other:?} (smollm2-135m, llama3-8b-q4k)") }),
+        }
+    }
+
+    fn dims(&self, name: &str) -> Option<(Vec<u64>, &'static str)> {
+        let c = &self.cfg;
+        let (e, f, q, kv) = (c.n_embd as u64, c.ffn_hidden as u64, (c.n_head * c.head_dim) as u64, (c.n_kv_head * c.head_dim) as u64);
+        match name {
+            "token_embd.weight" => return Some((vec![e, c.vocab_size as u64], self.embd)),
+            "output.weight" => return self.output.map(|t| (vec![e, c.vocab_size as u64], t)),
+            "output_norm.weight" => return Some((vec![e], "F32")),
+            _ => {}
+        }
+        let what = name.strip_prefix("blk.")?.split_once('.')?.1;
+        Some(match what {
+            "attn_norm.weight" | "ffn_norm.weight" => (vec![e], "F32"),
+            "attn_q.weight" => (vec![e, q], self.block),
+            "attn_k.weight" | "attn_v.weight" => (vec![e, kv], self.block),
+            "attn_output.weight" => (vec![q, e], self.block),
+            "ffn_gate.weight" | "ffn_up.weight" => (vec![e, f], self.block),
+            "ffn_down.weight" => (vec![f, e], self.block),
+            _ => return None,
+        })
+    }
+}
+
+impl Source for Synthetic {
+    fn path(&self) -> &str {
+        "synthetic"
+    }
+    fn tensor(&self, name: &str) -> doppler::Result<Option<Stored<'_>>> {
+        let Some((dims, tyname)) = self.dims(name) else { return Ok(None) };
+        let ty = GgmlType::from_name(tyname).expect("known type");
+        let n: u64 = dims.iter().product();
+        if tyname == "F32" {
+            let v: Vec<u8> = (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect();
+            return Ok(Some(Stored { bytes: Cow::Owned(v), ty, dims }));
+        }
+        let (per, bytes) = ty.block().expect("block type");
+        let mut raw = vec![0u8; (n / per * bytes) as usize];
+        let mut rng = Rng::new(n ^ name.len() as u64);
+        for c in raw.chunks_mut(8) {
+            let r = rng.next_u64().to_le_bytes();
+            c.copy_from_slice(&r[..c.len()]);
+        }
+        let scale = [0x1Fu8, 0x21]; // f16 0.01
+        for b in raw.chunks_exact_mut(bytes as usize) {
+            for &off in doppler::verify::quant::scale_offsets(tyname) {
+                b[off..off + 2].copy_from_slice(&scale);
+            }
+        }
+        Ok(Some(Stored { bytes: Cow::Owned(raw), ty, dims }))
+    }
+}
+
+/// User + system CPU seconds of this process so far (Linux; 0 elsewhere).
+fn cpu_seconds() -> f64 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/stat") else { return 0.0 };
+    let Some(rest) = s.rsplit(')').next() else { return 0.0 };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // Fields 14 and 15 (utime, stime) are at 11 and 12 after the command name.
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+fn pct(v: &[f64], p: f64) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s.get(((s.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0)
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
+    let ctx = args.prompt + args.gen + 1;
+    let t0 = Instant::now();
+    let (llama, label): (Llama, String) = match &args.model {
+        Some(p) => (doppler::infer::Model::open(gpu, p, ctx)?.llama, p.display().to_string()),
+        None => {
+            let s = Synthetic::preset(&args.preset)?;
+            (Llama::load(gpu, s.cfg.clone(), &s, ctx)?, format!("synthetic {}", args.preset))
+        }
+    };
+    gpu.wait()?;
+    let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let v = llama.cfg.vocab_size;
+    let prompt: Vec<u32> = (0..args.prompt).map(|i| (i * 7919 % v) as u32).collect();
+    let mut cache = llama.cache(gpu, ctx)?;
+    // One prefill + decode round first: pipelines compile, buffers enter the pool.
+    let round = |cache: &mut doppler::ops::kvcache::KvCache, decode: usize| -> doppler::Result<(f64, Vec<f64>, Vec<usize>, f64, f64)> {
+        cache.len = 0;
+        let t = Instant::now();
+        let mut logits = Vec::new();
+        for chunk in prompt.chunks(doppler::infer::PREFILL_CHUNK) {
+            let l = gpu.run(|rec| llama.forward(rec, chunk, cache, false))?;
+            logits = l.read_f32(gpu)?;
+        }
+        let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
+        let mut next = argmax(&logits);
+        let (mut per_token, mut dispatches) = (Vec::new(), Vec::new());
+        let mut record_ms = 0.0;
+        let cpu0 = cpu_seconds();
+        for _ in 0..decode {
+            let t = Instant::now();
+            let mut rec = gpu.recorder("decode");
+            let l = llama.forward(&mut rec, &[next], cache, false)?;
+            dispatches.push(rec.dispatches());
+            rec.submit()?;
+            record_ms += t.elapsed().as_secs_f64() * 1e3;
+            next = argmax(&l.read_f32(gpu)?);
+            per_token.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let cpu_ms = (cpu_seconds() - cpu0) * 1e3;
+        Ok((prefill_ms, per_token, dispatches, record_ms, cpu_ms))
+    };
+    round(&mut cache, 2)?;
+    let (prefill_ms, per_token, dispatches, record_ms, cpu_ms) = round(&mut cache, args.gen)?;
+    let n = per_token.len().max(1) as f64;
+    let decode_s: f64 = per_token.iter().sum::<f64>() / 1e3;
+    let p50 = pct(&per_token, 0.5);
+    let result = serde_json::json!({
+        "model": label,
+        "adapter": gpu.info.name,
+        "backend": format!("{:?}", gpu.info.backend),
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "weights_mib": llama.weight_bytes as f64 / (1u64 << 20) as f64,
+        "load_ms": load_ms,
+        "prompt_tokens": args.prompt,
+        "generated_tokens": per_token.len(),
+        "ttft_ms": prefill_ms,
+        "prefill_tok_s": args.prompt as f64 / prefill_ms * 1e3,
+        "decode_tok_s": n / decode_s,
+        "token_ms_p50": p50,
+        "token_ms_p95": pct(&per_token, 0.95),
+        "dispatches_per_token": dispatches.iter().sum::<usize>() as f64 / n,
+        "record_ms_per_token": record_ms / n,
+        "cpu_ms_per_token": cpu_ms / n,
+        "weight_gb_s_at_p50": llama.weight_bytes as f64 / (p50 / 1e3) / 1e9,
+    });
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&result).unwrap());
+    } else {
+        for (k, v) in result.as_object().unwrap() {
+            println!("{k:<22} {v}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
