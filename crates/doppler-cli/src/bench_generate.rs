@@ -137,7 +137,7 @@ fn argmax(v: &[f32]) -> u32 {
 }
 
 pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
-    let ctx = args.prompt + args.gen + 1;
+    let ctx = args.prompt + args.gen + 8;
     let t0 = Instant::now();
     let (llama, label): (Llama, String) = match &args.model {
         Some(p) => (doppler::infer::Model::open(gpu, p, ctx)?.llama, p.display().to_string()),
@@ -180,6 +180,22 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
     };
     round(&mut cache, 2)?;
     let (prefill_ms, per_token, dispatches, record_ms, cpu_ms) = round(&mut cache, args.gen)?;
+    // GPU time per kernel over a few more decode steps, each dispatch in its own pass with
+    // timestamps (slower than the timed loop: the figures are for proportions).
+    let mut trace = doppler::gpu::Trace::default();
+    let mut next = 0u32;
+    for _ in 0..4.min(cache.capacity - cache.len) {
+        let mut rec = gpu.profiling_recorder("decode");
+        let l = llama.forward(&mut rec, &[next], &mut cache, false)?;
+        trace.extend(rec.submit()?.wait(gpu)?);
+        next = argmax(&l.read_f32(gpu)?);
+    }
+    let steps = 4.0;
+    let kernels: Vec<serde_json::Value> = trace
+        .by_kernel()
+        .iter()
+        .map(|k| serde_json::json!({ "kernel": k.name, "ms_per_token": k.total_ns / 1e6 / steps, "dispatches_per_token": k.count as f64 / steps }))
+        .collect();
     let n = per_token.len().max(1) as f64;
     let decode_s: f64 = per_token.iter().sum::<f64>() / 1e3;
     let p50 = pct(&per_token, 0.5);
@@ -201,6 +217,7 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         "record_ms_per_token": record_ms / n,
         "cpu_ms_per_token": cpu_ms / n,
         "weight_gb_s_at_p50": llama.weight_bytes as f64 / (p50 / 1e3) / 1e9,
+        "decode_kernels": kernels,
     });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&result).unwrap());

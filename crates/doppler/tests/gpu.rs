@@ -365,3 +365,14 @@ fn llama_from_gguf_and_safetensors_agree() {
     // llama and qwen2, each in f32, f16 and bf16.
     assert_checks("llama gguf vs safetensors", 6);
 }
+
+#[test]
+fn fused_quantized_products_match_reference() {
+    // Norm + SwiGLU and residual, three types, three shapes.
+    assert_checks("qmatmul fused", 9);
+}
+
+#[test]
+fn rope_store_matches_reference() {
+    assert_checks("rope_store", 2);
+}

@@ -11,6 +11,10 @@
 //!              x += attend(q, cache) Wo^T
 //!              h = rmsnorm(x) * ffn_norm;  x += (silu(h Wg^T) * h Wu^T) Wd^T
 //!   logits = rmsnorm(x[last]) * out_norm @ Wout^T         (V) (Wout = embd when tied)
+//! in six dispatches a layer: Wq, Wk, Wv are stacked into one matrix at load (as Wg, Wu),
+//! the norms run inside the products that follow them, the residual adds inside the
+//! products before them, SwiGLU inside the gate/up product, and one kernel adds the biases,
+//! turns q and k and stores k and v (`ops::kvcache::rope_store`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -18,10 +22,9 @@ use std::path::Path;
 use crate::error::{Error, Result};
 use crate::formats::gguf::{GgmlType, Value};
 use crate::gpu::{DType, Gpu, Recorder, Tensor};
-use crate::ops::kvcache::{kv_attend, kv_store, KvCache};
-use crate::ops::quant::{get_rows, qmatmul, QMatrix};
-use crate::ops::rope::{inv_freq, rope, Pairing, RopeTable};
-use crate::ops::{bias::bias_add, elementwise::add, norm::rms_norm, silu::swiglu};
+use crate::ops::kvcache::{kv_attend, rope_store, KvCache};
+use crate::ops::quant::{get_rows, qmatmul_fused, Fuse, QMatrix};
+use crate::ops::rope::{inv_freq, Pairing, RopeTable};
 
 /// Architectures this decoder runs.
 pub const ARCHITECTURES: &[&str] = &["llama", "qwen2"];
@@ -96,16 +99,14 @@ impl LlamaConfig {
 
 struct Layer {
     attn_norm: Tensor,
-    q: QMatrix,
-    k: QMatrix,
-    v: QMatrix,
+    /// Wq, Wk, Wv stacked: ((Hq + 2 Hkv) D, E)
+    qkv: QMatrix,
+    /// bq, bk, bv stacked (qwen2)
+    qkv_bias: Option<Tensor>,
     o: QMatrix,
-    q_bias: Option<Tensor>,
-    k_bias: Option<Tensor>,
-    v_bias: Option<Tensor>,
     ffn_norm: Tensor,
-    gate: QMatrix,
-    up: QMatrix,
+    /// Wg, Wu stacked: (2 F, E)
+    gate_up: QMatrix,
     down: QMatrix,
 }
 
@@ -151,14 +152,35 @@ fn matrix(gpu: &Gpu, src: &dyn Source, name: &str, rows: usize, cols: usize) -> 
     QMatrix::new(gpu, name, &t.bytes, t.ty, rows, cols).map_err(|e| format_err(src.path(), e.to_string()))
 }
 
+/// Matrices (name, rows) of one type and width stacked row-wise into one.
+fn stacked(gpu: &Gpu, src: &dyn Source, parts: &[(String, usize)], cols: usize) -> Result<QMatrix> {
+    let mut stored = Vec::new();
+    for (name, rows) in parts {
+        let t = need(src, name)?;
+        if t.dims != [cols as u64, *rows as u64] {
+            return Err(format_err(src.path(), format!("{name}: dims {:?}, expected [{cols}, {rows}] (innermost first)", t.dims)));
+        }
+        stored.push((t, *rows));
+    }
+    let refs: Vec<(&[u8], GgmlType, usize)> = stored.iter().map(|(t, r)| (&t.bytes[..], t.ty, *r)).collect();
+    let label = parts.iter().map(|p| p.0.as_str()).collect::<Vec<_>>().join("+");
+    QMatrix::stacked(gpu, &label, &refs, cols).map_err(|e| format_err(src.path(), e.to_string()))
+}
+
 /// A vector (norm weight, bias) widened to f32 on the host.
-fn vector(gpu: &Gpu, src: &dyn Source, name: &str, n: usize) -> Result<Option<Tensor>> {
+fn vector_f32(src: &dyn Source, name: &str, n: usize) -> Result<Option<Vec<f32>>> {
     let Some(t) = src.tensor(name)? else { return Ok(None) };
     if t.dims != [n as u64] {
         return Err(format_err(src.path(), format!("{name}: dims {:?}, expected [{n}]", t.dims)));
     }
-    let v = crate::reference::quant::dequantize(t.ty, &t.bytes, n).map_err(|e| format_err(src.path(), format!("{name}: {e}")))?;
-    Ok(Some(Tensor::from_f32(gpu, &[n], &v, name)?))
+    crate::reference::quant::dequantize(t.ty, &t.bytes, n).map(Some).map_err(|e| format_err(src.path(), format!("{name}: {e}")))
+}
+
+fn vector(gpu: &Gpu, src: &dyn Source, name: &str, n: usize) -> Result<Option<Tensor>> {
+    match vector_f32(src, name, n)? {
+        Some(v) => Ok(Some(Tensor::from_f32(gpu, &[n], &v, name)?)),
+        None => Ok(None),
+    }
 }
 
 impl Llama {
@@ -173,25 +195,23 @@ impl Llama {
             let norm = |s: &str| -> Result<Tensor> {
                 vector(gpu, src, &n(s), e)?.ok_or_else(|| format_err(src.path(), format!("tensor {} is missing", n(s))))
             };
-            let bias = |s: &str, len: usize| -> Result<Option<Tensor>> {
-                let b = vector(gpu, src, &n(s), len)?;
-                if b.is_none() && cfg.arch == "qwen2" {
-                    return Err(format_err(src.path(), format!("qwen2 needs {}", n(s))));
-                }
-                Ok(b)
+            // qwen2 has q, k, v biases (all three or none).
+            let biases: Vec<Option<Vec<f32>>> = [("attn_q.bias", qd), ("attn_k.bias", kvd), ("attn_v.bias", kvd)]
+                .iter()
+                .map(|(s, len)| vector_f32(src, &n(s), *len))
+                .collect::<Result<_>>()?;
+            let qkv_bias = match (biases.iter().all(Option::is_some), biases.iter().any(Option::is_some)) {
+                (true, _) => Some(Tensor::from_f32(gpu, &[qd + 2 * kvd], &biases.into_iter().flatten().flatten().collect::<Vec<_>>(), &n("qkv.bias"))?),
+                (false, false) if cfg.arch != "qwen2" => None,
+                _ => return Err(format_err(src.path(), format!("layer {i}: {} needs q, k and v biases", cfg.arch))),
             };
             layers.push(Layer {
                 attn_norm: norm("attn_norm.weight")?,
-                q: matrix(gpu, src, &n("attn_q.weight"), qd, e)?,
-                k: matrix(gpu, src, &n("attn_k.weight"), kvd, e)?,
-                v: matrix(gpu, src, &n("attn_v.weight"), kvd, e)?,
+                qkv: stacked(gpu, src, &[(n("attn_q.weight"), qd), (n("attn_k.weight"), kvd), (n("attn_v.weight"), kvd)], e)?,
+                qkv_bias,
                 o: matrix(gpu, src, &n("attn_output.weight"), e, qd)?,
-                q_bias: bias("attn_q.bias", qd)?,
-                k_bias: bias("attn_k.bias", kvd)?,
-                v_bias: bias("attn_v.bias", kvd)?,
                 ffn_norm: norm("ffn_norm.weight")?,
-                gate: matrix(gpu, src, &n("ffn_gate.weight"), cfg.ffn_hidden, e)?,
-                up: matrix(gpu, src, &n("ffn_up.weight"), cfg.ffn_hidden, e)?,
+                gate_up: stacked(gpu, src, &[(n("ffn_gate.weight"), cfg.ffn_hidden), (n("ffn_up.weight"), cfg.ffn_hidden)], e)?,
                 down: matrix(gpu, src, &n("ffn_down.weight"), e, cfg.ffn_hidden)?,
             });
         }
@@ -212,7 +232,7 @@ impl Llama {
             weight_bytes += output.raw.byte_size();
         }
         for l in &layers {
-            for m in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
+            for m in [&l.qkv, &l.o, &l.gate_up, &l.down] {
                 weight_bytes += m.raw.byte_size();
             }
         }
@@ -245,29 +265,12 @@ impl Llama {
         let ids_t = Tensor::from_u32(gpu, &[t], ids, "llama.ids")?;
         let mut x = get_rows(rec, &self.embd, &ids_t)?; // (T, E)
         for (li, l) in self.layers.iter().enumerate() {
-            let h = rms_norm(rec, &x, &l.attn_norm, eps, false)?.y;
-            let proj = |rec: &mut Recorder<'_>, w: &QMatrix, b: &Option<Tensor>, heads: usize| -> Result<Tensor> {
-                let mut y = qmatmul(rec, &h, w)?;
-                if let Some(b) = b {
-                    y = bias_add(rec, &y, b)?;
-                }
-                y.reshape(&[t, heads, d])
-            };
-            let q = proj(rec, &l.q, &l.q_bias, c.n_head)?;
-            let k = proj(rec, &l.k, &l.k_bias, c.n_kv_head)?;
-            let v = proj(rec, &l.v, &l.v_bias, c.n_kv_head)?;
-            let q = rope(rec, &q, &self.rope, pos, c.pairing)?;
-            let k = rope(rec, &k, &self.rope, pos, c.pairing)?;
-            kv_store(rec, &cache.k[li], &k, pos)?;
-            kv_store(rec, &cache.v[li], &v, pos)?;
+            let qkv = qmatmul_fused(rec, &x, &l.qkv, Fuse { norm: Some((&l.attn_norm, eps)), ..Default::default() })?;
+            let q = rope_store(rec, &qkv, l.qkv_bias.as_ref(), &self.rope, c.pairing, c.n_head, &cache.k[li], &cache.v[li], pos)?;
             let a = kv_attend(rec, &q, &cache.k[li], &cache.v[li], pos)?.reshape(&[t, c.n_head * d])?;
-            let o = qmatmul(rec, &a, &l.o)?;
-            x = add(rec, &x, &o)?;
-            let h = rms_norm(rec, &x, &l.ffn_norm, eps, false)?.y;
-            let (gate, up) = (qmatmul(rec, &h, &l.gate)?, qmatmul(rec, &h, &l.up)?);
-            let g = swiglu(rec, &gate, &up)?;
-            let down = qmatmul(rec, &g, &l.down)?;
-            x = add(rec, &x, &down)?;
+            x = qmatmul_fused(rec, &a, &l.o, Fuse { residual: Some(&x), ..Default::default() })?;
+            let g = qmatmul_fused(rec, &x, &l.gate_up, Fuse { norm: Some((&l.ffn_norm, eps)), swiglu: true, ..Default::default() })?;
+            x = qmatmul_fused(rec, &g, &l.down, Fuse { residual: Some(&x), ..Default::default() })?;
         }
         cache.len += t;
         let last = if all || t == 1 {
@@ -277,8 +280,7 @@ impl Llama {
             rec.copy_elements(&x, (t - 1) * c.n_embd, &row, 0, c.n_embd)?;
             row
         };
-        let h = rms_norm(rec, &last, &self.out_norm, eps, false)?.y;
-        let logits = qmatmul(rec, &h, &self.output)?;
+        let logits = qmatmul_fused(rec, &last, &self.output, Fuse { norm: Some((&self.out_norm, eps)), ..Default::default() })?;
         if all {
             Ok(logits)
         } else {

@@ -5,6 +5,7 @@
 use super::expect_f32;
 use crate::error::{Error, Result};
 use crate::gpu::{Binding::*, DType, Grid, Gpu, Kernel, Recorder, Tensor};
+use crate::ops::rope::{Pairing, RopeTable};
 use crate::shaders::KVCACHE;
 
 #[repr(C)]
@@ -22,6 +23,11 @@ pub struct Params {
 
 static STORE: Kernel = Kernel::new(&KVCACHE, "kv_store", &[(5, Read), (6, ReadWrite)]);
 static ATTEND: Kernel = Kernel::new(&KVCACHE, "attend", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite)]);
+static ROPE_STORE: Kernel = Kernel::new(
+    &KVCACHE,
+    "rope_store",
+    &[(5, Read), (7, Read), (8, Read), (9, ReadWrite), (10, ReadWrite), (11, ReadWrite)],
+);
 
 /// Largest head dimension (one thread per dimension in a workgroup of 256).
 pub const MAX_HEAD_DIM: usize = 256;
@@ -97,4 +103,30 @@ pub fn kv_attend(rec: &mut Recorder<'_>, q: &Tensor, k: &Tensor, v: &Tensor, pos
     let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend.o")?;
     rec.dispatch(&ATTEND, &[], bytemuck::bytes_of(&p), &[q, k, v, &o], Grid::Linear((p.t * p.hq) as u64))?;
     Ok(o)
+}
+
+/// Splits the stacked projections `qkv` (T, (Hq + 2 Hkv) D) of the tokens at pos..pos+T:
+/// adds `bias` ((Hq + 2 Hkv) D) if any, turns q and k by RoPE, stores k and v in the caches
+/// and returns q (T, Hq, D). One dispatch for what `bias_add`, `rope` twice and `kv_store`
+/// twice do.
+pub fn rope_store(rec: &mut Recorder<'_>, qkv: &Tensor, bias: Option<&Tensor>, table: &RopeTable, pairing: Pairing, hq: usize, k_cache: &Tensor, v_cache: &Tensor, pos: usize) -> Result<Tensor> {
+    expect_f32("rope_store", qkv)?;
+    let cs = k_cache.shape();
+    let (t, hkv, d) = (qkv.shape()[0], cs.get(1).copied().unwrap_or(0), cs.get(2).copied().unwrap_or(0));
+    let width = (hq + 2 * hkv) * d;
+    let p = params(&[t, hq, d], cs, pos, "qkv")?;
+    if qkv.shape() != [t, width] || v_cache.shape() != cs || table.head_dim != d || bias.is_some_and(|b| b.shape() != [width]) {
+        return Err(Error::Shape {
+            op: "rope_store",
+            detail: format!("qkv {:?} (expected [T, {width}]), caches {cs:?} / {:?}, bias {:?}, RoPE head dim {}", qkv.shape(), v_cache.shape(), bias.map(|b| b.shape().to_vec()), table.head_dim),
+        });
+    }
+    if pos + t > table.positions {
+        return Err(Error::Shape { op: "rope_store", detail: format!("positions {pos}..{} exceed the RoPE table's {}", pos + t, table.positions) });
+    }
+    let q = Tensor::empty(rec.gpu(), &[t, hq, d], DType::F32, "rope_store.q")?;
+    let c = [("HAS_BIAS", bias.is_some() as u32 as f64), ("INTERLEAVED", (pairing == Pairing::Interleaved) as u32 as f64)];
+    let pairs = (t * (hq + 2 * hkv) * d / 2) as u64;
+    rec.dispatch(&ROPE_STORE, &c, bytemuck::bytes_of(&p), &[qkv, bias.unwrap_or(qkv), &table.table, &q, k_cache, v_cache], Grid::cover(pairs, 256))?;
+    Ok(q)
 }

@@ -14,13 +14,15 @@ pub struct Params {
     pub n: u32,
     pub m: u32,
     pub k: u32,
-    pub _pad: u32,
+    /// RMSNorm epsilon of a fused product (f32 bits).
+    pub eps: u32,
 }
 
 static DEQUANT: Kernel = Kernel::new(&QUANT, "dequantize", &[(1, Read), (2, ReadWrite)]);
 static GET_ROWS: Kernel = Kernel::new(&QUANT, "get_rows", &[(1, Read), (2, ReadWrite), (4, Read)]);
-static QMATVEC: Kernel = Kernel::new(&QUANT, "qmatvec", &[(1, Read), (2, ReadWrite), (3, Read)]);
-static QMATMUL: Kernel = Kernel::new(&QUANT, "qmatmul", &[(1, Read), (2, ReadWrite), (3, Read)]);
+// Products bind the norm weight (5) and the residual (6) always; x stands in when unused.
+static QMATVEC: Kernel = Kernel::new(&QUANT, "qmatvec", &[(1, Read), (2, ReadWrite), (3, Read), (5, Read), (6, Read)]);
+static QMATMUL: Kernel = Kernel::new(&QUANT, "qmatmul", &[(1, Read), (2, ReadWrite), (3, Read), (5, Read), (6, Read)]);
 
 /// Rows of x up to which [`qmatmul`] runs the matrix-vector kernel (it reads W once per 8
 /// rows; the tiled kernel computes 64-row tiles).
@@ -42,7 +44,7 @@ pub fn dequantize(rec: &mut Recorder<'_>, raw: &Tensor, ty: GgmlType, shape: &[u
         return bad(format!("{n} elements of {} need {} bytes; raw tensor {:?} {:?}", ty.name(), n / per * bytes, raw.dtype(), raw.shape()));
     }
     let y = Tensor::empty(rec.gpu(), shape, DType::F32, "dequantize.y")?;
-    let p = Params { n: n as u32, m: 0, k: 0, _pad: 0 };
+    let p = Params { n: n as u32, m: 0, k: 0, eps: 0 };
     rec.dispatch(&DEQUANT, &[("TYPE", ty.0 as f64)], bytemuck::bytes_of(&p), &[raw, &y], Grid::cover(n as u64, 256))?;
     Ok(y)
 }
@@ -77,7 +79,17 @@ impl QMatrix {
     }
 
     fn params(&self, m: usize) -> Params {
-        Params { n: self.rows as u32, m: m as u32, k: self.cols as u32, _pad: 0 }
+        Params { n: self.rows as u32, m: m as u32, k: self.cols as u32, eps: 0 }
+    }
+
+    /// One matrix of these stacked row-wise (all of one type and width), e.g. q, k and v.
+    pub fn stacked(gpu: &crate::gpu::Gpu, name: &str, parts: &[(&[u8], GgmlType, usize)], cols: usize) -> Result<QMatrix> {
+        let ty = parts.first().map(|p| p.1).ok_or_else(|| Error::Invalid { op: "qmatrix", detail: format!("{name}: nothing to stack") })?;
+        if let Some(p) = parts.iter().find(|p| p.1 != ty) {
+            return Err(Error::Invalid { op: "qmatrix", detail: format!("{name}: parts of types {} and {} cannot be stacked", ty.name(), p.1.name()) });
+        }
+        let bytes: Vec<u8> = parts.iter().flat_map(|p| p.0.iter().copied()).collect();
+        QMatrix::new(gpu, name, &bytes, ty, parts.iter().map(|p| p.2).sum(), cols)
     }
 }
 
@@ -94,29 +106,68 @@ pub fn get_rows(rec: &mut Recorder<'_>, w: &QMatrix, ids: &Tensor) -> Result<Ten
     Ok(y)
 }
 
+/// What a product does besides the product (see `quant.wgsl`).
+#[derive(Clone, Copy, Default)]
+pub struct Fuse<'a> {
+    /// RMS-normalise each row of x first, with this weight (cols) and epsilon.
+    pub norm: Option<(&'a Tensor, f32)>,
+    /// Add this (.., rows of W) to the result.
+    pub residual: Option<&'a Tensor>,
+    /// W holds [gate; up] (2n rows): the result is silu(x gate^T) * (x up^T), (.., n).
+    pub swiglu: bool,
+}
+
 /// y (.., rows of W) = x (.., cols) @ W^T with W read in its encoding. Up to
 /// [`MATVEC_MAX_ROWS`] rows of x run the matrix-vector kernel, more the tiled one.
 pub fn qmatmul(rec: &mut Recorder<'_>, x: &Tensor, w: &QMatrix) -> Result<Tensor> {
+    qmatmul_fused(rec, x, w, Fuse::default())
+}
+
+/// [`qmatmul`] with a norm before, a residual after, or SwiGLU of stacked gate/up rows.
+pub fn qmatmul_fused(rec: &mut Recorder<'_>, x: &Tensor, w: &QMatrix, fuse: Fuse<'_>) -> Result<Tensor> {
     super::expect_f32("qmatmul", x)?;
     let sh = x.shape();
+    let err = |why: String| Error::Shape { op: "qmatmul", detail: format!("x {sh:?} @ W^T with W ({}, {}) {}: {why}", w.rows, w.cols, w.ty.name()) };
     if sh.is_empty() || sh[sh.len() - 1] != w.cols {
-        return Err(Error::Shape {
-            op: "qmatmul",
-            detail: format!("x {sh:?} @ W^T with W ({}, {}) {}: x's last dimension must be {}", w.rows, w.cols, w.ty.name(), w.cols),
-        });
+        return Err(err(format!("x's last dimension must be {}", w.cols)));
     }
+    if fuse.swiglu && (w.rows % 2 != 0 || fuse.residual.is_some()) {
+        return Err(err("SwiGLU needs an even number of rows (gate, up) and no residual".into()));
+    }
+    let outs = if fuse.swiglu { w.rows / 2 } else { w.rows };
     let m = x.numel() / w.cols;
     let mut out = sh.to_vec();
-    *out.last_mut().expect("non-empty") = w.rows;
+    *out.last_mut().expect("non-empty") = outs;
+    if let Some((nwt, _)) = fuse.norm {
+        super::expect_f32("qmatmul", nwt)?;
+        if nwt.shape() != [w.cols] {
+            return Err(err(format!("norm weight {:?}, expected [{}]", nwt.shape(), w.cols)));
+        }
+    }
+    if let Some(r) = fuse.residual {
+        super::expect_f32("qmatmul", r)?;
+        if r.shape() != out.as_slice() {
+            return Err(err(format!("residual {:?}, expected {out:?}", r.shape())));
+        }
+    }
     let y = Tensor::empty(rec.gpu(), &out, DType::F32, "qmatmul.y")?;
-    let p = w.params(m);
-    let c = [("TYPE", w.ty.0 as f64)];
+    let mut p = w.params(m);
+    p.n = outs as u32;
+    p.eps = fuse.norm.map_or(0.0f32, |n| n.1).to_bits();
+    let c = [
+        ("TYPE", w.ty.0 as f64),
+        ("NORM", fuse.norm.is_some() as u32 as f64),
+        ("RESIDUAL", fuse.residual.is_some() as u32 as f64),
+        ("SWIGLU", fuse.swiglu as u32 as f64),
+    ];
+    let nw = fuse.norm.map_or(x, |n| n.0);
+    let res = fuse.residual.unwrap_or(x);
     if m <= MATVEC_MAX_ROWS {
         let groups = w.rows.div_ceil(8) * m.div_ceil(8);
-        rec.dispatch(&QMATVEC, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, x], Grid::Linear(groups as u64))?;
+        rec.dispatch(&QMATVEC, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, x, nw, res], Grid::Linear(groups as u64))?;
     } else {
         let grid = [w.rows.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
-        rec.dispatch(&QMATMUL, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, x], Grid::Xyz(grid))?;
+        rec.dispatch(&QMATMUL, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, x, nw, res], Grid::Xyz(grid))?;
     }
     Ok(y)
 }

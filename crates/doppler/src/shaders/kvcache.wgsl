@@ -9,6 +9,12 @@
 //              per thread, with a running max and sum (online softmax); for the output the
 //              threads form 256 / D groups of D, group g taking keys g, g + groups, ... of
 //              each chunk, and the groups are summed in a fixed order at the end.
+//   rope_store the projections of T new tokens, qkv (T, (Hq + 2 Hkv) D) = [q | k | v] per
+//              token, plus a bias (HAS_BIAS, binding 7) -> q turned by RoPE (T, Hq, D) at
+//              binding 9, k turned and v as is into the caches (binding 10, 11) at
+//              pos..pos+T. RoPE as rope.wgsl: (x_i, x_j) -> (x_i c - x_j s, x_i s + x_j c)
+//              for pair k, j = i + 1 (INTERLEAVED) or i + D/2, (c, s) from the table
+//              (positions, D/2) at binding 8. One thread per pair; cover T (Hq + 2Hkv) D/2.
 // Every sum runs in a fixed order: the same inputs give the same bits.
 
 struct Params {
@@ -120,5 +126,56 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
             sum += red[gg * d + lid];
         }
         o[(t * p.hq + h) * d + lid] = sum / l;
+    }
+}
+
+override HAS_BIAS: bool = false;
+override INTERLEAVED: bool = false;
+@group(0) @binding(7) var<storage, read> bias: array<f32>;
+@group(0) @binding(8) var<storage, read> table: array<vec2<f32>>;
+@group(0) @binding(9) var<storage, read_write> q_out: array<f32>;
+@group(0) @binding(10) var<storage, read_write> k_cache: array<f32>;
+@group(0) @binding(11) var<storage, read_write> v_cache: array<f32>;
+
+@compute @workgroup_size(256)
+fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let idx = (wid.x + wid.y * nwg.x) * 256u + lid;
+    let half = p.d / 2u;
+    let heads = p.hq + 2u * p.hkv;
+    if (idx >= p.t * heads * half) {
+        return;
+    }
+    let k = idx % half;
+    let slot = (idx / half) % heads;     // q heads, then k heads, then v heads
+    let t = idx / (half * heads);
+    let width = heads * p.d;
+    let off = slot * p.d;                // within the token's row
+    let i = select(k, 2u * k, INTERLEAVED);
+    let j = select(k + half, 2u * k + 1u, INTERLEAVED);
+    var a = src[t * width + off + i];
+    var b = src[t * width + off + j];
+    if (HAS_BIAS) {
+        a += bias[off + i];
+        b += bias[off + j];
+    }
+    let pos = p.pos + t;
+    if (slot < p.hq + p.hkv) {
+        let cs = table[pos * half + k];
+        let ra = a * cs.x - b * cs.y;
+        let rb = a * cs.y + b * cs.x;
+        if (slot < p.hq) {
+            let o = (t * p.hq + slot) * p.d;
+            q_out[o + i] = ra;
+            q_out[o + j] = rb;
+        } else {
+            let o = (pos * p.hkv + slot - p.hq) * p.d;
+            k_cache[o + i] = ra;
+            k_cache[o + j] = rb;
+        }
+    } else {
+        let o = (pos * p.hkv + slot - p.hq - p.hkv) * p.d;
+        v_cache[o + i] = a;
+        v_cache[o + j] = b;
     }
 }

@@ -21,10 +21,11 @@
 // Sums run in a fixed order: the same inputs give the same bits.
 
 struct Params {
-    n: u32,    // elements (dequantize); rows of W = outputs per row of x (products)
+    n: u32,    // elements (dequantize); outputs per row of x (products: rows of W, or
+               // half of them with SWIGLU)
     m: u32,    // rows of x / ids
     k: u32,    // row length
-    _pad: u32,
+    eps: u32,  // NORM's epsilon, f32 bits
 }
 
 override TYPE: u32 = 2u;   // ggml type id
@@ -171,6 +172,36 @@ fn value4(i: u32) -> vec4<f32> {
             let q = vec4<f32>(f32((w << 24u) >> 24u), f32((w << 16u) >> 24u), f32((w << 8u) >> 24u), f32(w >> 24u));
             return q * half(b);
         }
+        case 12u, 13u: {
+            let k5 = TYPE == 13u;
+            let b = (i / 256u) * select(144u, 176u, k5);   // word-aligned blocks
+            let j = i % 256u;
+            let c = j / 64u;
+            let hi = (j % 64u) >= 32u;
+            let l = j % 32u;
+            let sub = 2u * c + select(0u, 1u, hi);
+            let sm = scale_min(b + 4u, sub);
+            let dm = unpack2x16float(src[b >> 2u]);
+            var q = nibbles4(src[(b + select(16u, 48u, k5) + 32u * c + l) >> 2u], hi);
+            if (k5) {
+                let h = src[(b + 16u + l) >> 2u] >> sub;
+                q += vec4<f32>(f32(h & 1u), f32((h >> 8u) & 1u), f32((h >> 16u) & 1u), f32((h >> 24u) & 1u)) * 16.0;
+            }
+            return dm.x * sm.x * q - dm.y * sm.y;
+        }
+        case 14u: {
+            let b = (i / 256u) * 210u;
+            let j = i % 256u;
+            let n = j / 128u;
+            let run = (j % 128u) / 32u;
+            let l = j % 32u;
+            let ql = word_at(b + 64u * n + l + 32u * (run & 1u));
+            let qh = word_at(b + 128u + 32u * n + l) >> (2u * run);
+            let lo = nibbles4(ql, run >= 2u);
+            let hb = vec4<f32>(f32(qh & 3u), f32((qh >> 8u) & 3u), f32((qh >> 16u) & 3u), f32((qh >> 24u) & 3u));
+            let q = lo + hb * 16.0 - 32.0;
+            return half(b + 208u) * signed8(b + 192u + 8u * n + l / 16u + 2u * run) * q;
+        }
         default: { return vec4<f32>(value(i), value(i + 1u), value(i + 2u), value(i + 3u)); }
     }
 }
@@ -197,9 +228,45 @@ fn get_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     dst[i] = select(0.0, value(id * p.k + i % p.k), id < p.n);
 }
 
+// Fusions of the products (override constants; unused bindings get a placeholder):
+//   NORM     x rows are RMS-normalised first: x * rsqrt(mean(x^2) + eps) * nw (binding 5).
+//            The row's scale factors out of the sum: the kernels sum x * nw * w and x^2 in
+//            the same pass and multiply by rsqrt(mean(x^2) + eps) at the end.
+//   RESIDUAL dst = res (binding 6) + product
+//   SWIGLU   W holds 2n rows [gate; up]: dst[r, j] = silu(x.gate_j) * x.up_j, j < n
+override NORM: bool = false;
+override RESIDUAL: bool = false;
+override SWIGLU: bool = false;
+
+@group(0) @binding(5) var<storage, read> nw: array<f32>;
+@group(0) @binding(6) var<storage, read> res: array<f32>;
+
+fn silu(v: f32) -> f32 {
+    return v / (1.0 + exp(-v));
+}
+
+// Rows of W the product reads, and W's row for (virtual) output column v: with SWIGLU the
+// columns interleave gate and up rows (v even: gate v / 2, odd: up v / 2).
+fn w_rows() -> u32 {
+    return select(p.n, 2u * p.n, SWIGLU);
+}
+fn w_row(v: u32) -> u32 {
+    return select(v, select(v / 2u, p.n + v / 2u, (v & 1u) == 1u), SWIGLU);
+}
+
+fn nw4(c: u32) -> vec4<f32> {
+    return vec4<f32>(nw[c], nw[c + 1u], nw[c + 2u], nw[c + 3u]);
+}
+
+// The value stored for row r, output j, from the sum (RESIDUAL adds res).
+fn finish(r: u32, j: u32, sum: f32) -> f32 {
+    return select(sum, res[r * p.n + j] + sum, RESIDUAL);
+}
+
 const MV_ROWS: u32 = 8u;   // rows of W a workgroup (32 threads each)
 const MV_X: u32 = 8u;      // rows of x a workgroup: each W value read once serves them all
 var<workgroup> mv_part: array<array<f32, 256>, 8>;
+var<workgroup> mv_ss: array<array<f32, 32>, 8>;   // NORM: x^2 sums of the first 32 threads
 
 fn x4(r: u32, c: u32) -> vec4<f32> {
     let b = r * p.k + c;
@@ -210,45 +277,86 @@ fn x4(r: u32, c: u32) -> vec4<f32> {
 fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
     let g = wid.x + wid.y * nwg.x;
-    let per_row = (p.n + MV_ROWS - 1u) / MV_ROWS;
+    let wr = w_rows();
+    let per_row = (wr + MV_ROWS - 1u) / MV_ROWS;
     let r0 = (g / per_row) * MV_X;               // first row of x
-    let j = (g % per_row) * MV_ROWS + lid / 32u;  // row of W
+    let v = (g % per_row) * MV_ROWS + lid / 32u;  // output column (virtual with SWIGLU)
     let lane = lid % 32u;
     let nr = min(MV_X, p.m - min(r0, p.m));
     var acc: array<f32, 8>;
-    if (nr > 0u && j < p.n) {
-        let wbase = j * p.k;
+    var ss: array<f32, 8>;   // NORM: sum of x^2 over this thread's columns
+    if (nr > 0u && v < wr) {
+        let wbase = w_row(v) * p.k;
         if (p.k % 4u == 0u) {
             for (var c = lane * 4u; c < p.k; c += 128u) {
                 let w = value4(wbase + c);
-                for (var r = 0u; r < nr; r++) {
-                    acc[r] += dot(x4(r0 + r, c), w);
+                var wn = w;
+                if (NORM) {
+                    wn = w * nw4(c);
+                }
+                // Constant bounds: the loop unrolls and acc stays in registers.
+                for (var r = 0u; r < MV_X; r++) {
+                    if (r < nr) {
+                        let xv = x4(r0 + r, c);
+                        acc[r] += dot(xv, wn);
+                        if (NORM) {
+                            ss[r] += dot(xv, xv);
+                        }
+                    }
                 }
             }
         } else {
             for (var c = lane; c < p.k; c += 32u) {
-                let w = value(wbase + c);
-                for (var r = 0u; r < nr; r++) {
-                    acc[r] += x[(r0 + r) * p.k + c] * w;
+                var w = value(wbase + c);
+                if (NORM) {
+                    w *= nw[c];
+                }
+                for (var r = 0u; r < MV_X; r++) {
+                    if (r < nr) {
+                        let xv = x[(r0 + r) * p.k + c];
+                        acc[r] += xv * w;
+                        if (NORM) {
+                            ss[r] += xv * xv;
+                        }
+                    }
                 }
             }
         }
     }
     for (var r = 0u; r < MV_X; r++) {
-        mv_part[r][lid] = acc[r];
+        if (r < nr) {
+            mv_part[r][lid] = acc[r];
+            // Every group of 32 covers all of k: the first group's sums serve them all.
+            if (NORM && lid < 32u) {
+                mv_ss[r][lid] = ss[r];
+            }
+        }
     }
     workgroupBarrier();
     for (var s = 16u; s > 0u; s >>= 1u) {
         if (lane < s) {
-            for (var r = 0u; r < MV_X; r++) {
+            for (var r = 0u; r < nr; r++) {
                 mv_part[r][lid] += mv_part[r][lid + s];
+                if (NORM && lid < 32u) {
+                    mv_ss[r][lid] += mv_ss[r][lid + s];
+                }
             }
         }
         workgroupBarrier();
     }
-    if (lane == 0u && j < p.n) {
+    if (lane == 0u && v < wr) {
         for (var r = 0u; r < nr; r++) {
-            dst[(r0 + r) * p.n + j] = mv_part[r][lid];
+            var scale = 1.0;
+            if (NORM) {
+                scale = inverseSqrt(mv_ss[r][0] / f32(p.k) + bitcast<f32>(p.eps));
+            }
+            if (SWIGLU) {
+                if ((v & 1u) == 0u) {
+                    dst[(r0 + r) * p.n + v / 2u] = silu(mv_part[r][lid] * scale) * (mv_part[r][lid + 32u] * scale);
+                }
+            } else {
+                dst[(r0 + r) * p.n + v] = finish(r0 + r, v, mv_part[r][lid] * scale);
+            }
         }
     }
 }
@@ -257,6 +365,8 @@ const MM_T: u32 = 64u;
 const MM_BK: u32 = 16u;
 var<workgroup> mm_x: array<array<f32, 64>, 16>;   // [k][row of x]
 var<workgroup> mm_w: array<array<f32, 64>, 16>;   // [k][row of W]
+var<workgroup> mm_red: array<f32, 256>;
+var<workgroup> mm_rstd: array<f32, 64>;
 
 // Grid: (ceil(n / 64), ceil(m / 64)).
 @compute @workgroup_size(256)
@@ -265,7 +375,13 @@ fn qmatmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     let row0 = wid.y * MM_T;   // first row of x
     let tx = lid % 16u;
     let ty = lid / 16u;
-    var acc: array<array<f32, 4>, 4>;
+    // Accumulators as named vectors (constant indices keep them in registers).
+    var acc0 = vec4<f32>(0.0);
+    var acc1 = vec4<f32>(0.0);
+    var acc2 = vec4<f32>(0.0);
+    var acc3 = vec4<f32>(0.0);
+    let wr = w_rows();
+    var ss = 0.0;   // NORM: sum of x^2 over this thread's columns of its row
     for (var c0 = 0u; c0 < p.k; c0 += MM_BK) {
         // 1024 values of each tile, 4 consecutive k of one row a thread.
         let rr = lid / 4u;
@@ -275,19 +391,26 @@ fn qmatmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
         var wv = vec4<f32>(0.0);
         if (p.k % 4u == 0u) {
             if (c < p.k && row0 + rr < p.m) {
-                let xb = (row0 + rr) * p.k + c;
-                xv = vec4<f32>(x[xb], x[xb + 1u], x[xb + 2u], x[xb + 3u]);
+                xv = x4(row0 + rr, c);
+                if (NORM) {
+                    ss += dot(xv, xv);
+                    xv *= nw4(c);
+                }
             }
-            if (c < p.k && col0 + rr < p.n) {
-                wv = value4((col0 + rr) * p.k + c);
+            if (c < p.k && col0 + rr < wr) {
+                wv = value4(w_row(col0 + rr) * p.k + c);
             }
         } else {
             for (var e = 0u; e < 4u; e++) {
                 if (c + e < p.k && row0 + rr < p.m) {
                     xv[e] = x[(row0 + rr) * p.k + c + e];
+                    if (NORM) {
+                        ss += xv[e] * xv[e];
+                        xv[e] *= nw[c + e];
+                    }
                 }
-                if (c + e < p.k && col0 + rr < p.n) {
-                    wv[e] = value((col0 + rr) * p.k + c + e);
+                if (c + e < p.k && col0 + rr < wr) {
+                    wv[e] = value(w_row(col0 + rr) * p.k + c + e);
                 }
             }
         }
@@ -297,26 +420,46 @@ fn qmatmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
         }
         workgroupBarrier();
         for (var kk = 0u; kk < MM_BK; kk++) {
-            var a: array<f32, 4>;
-            var b: array<f32, 4>;
-            for (var i = 0u; i < 4u; i++) {
-                a[i] = mm_x[kk][ty * 4u + i];
-                b[i] = mm_w[kk][tx * 4u + i];
-            }
-            for (var i = 0u; i < 4u; i++) {
-                for (var jj = 0u; jj < 4u; jj++) {
-                    acc[i][jj] += a[i] * b[jj];
-                }
-            }
+            let a = vec4<f32>(mm_x[kk][ty * 4u], mm_x[kk][ty * 4u + 1u], mm_x[kk][ty * 4u + 2u], mm_x[kk][ty * 4u + 3u]);
+            let b = vec4<f32>(mm_w[kk][tx * 4u], mm_w[kk][tx * 4u + 1u], mm_w[kk][tx * 4u + 2u], mm_w[kk][tx * 4u + 3u]);
+            acc0 += a.x * b;
+            acc1 += a.y * b;
+            acc2 += a.z * b;
+            acc3 += a.w * b;
         }
         workgroupBarrier();
     }
+    if (NORM) {
+        // Row rr's x^2 sums sit with threads 4 rr .. 4 rr + 3: added in that order.
+        mm_red[lid] = ss;
+        workgroupBarrier();
+        if (lid < 64u) {
+            let t = ((mm_red[4u * lid] + mm_red[4u * lid + 1u]) + mm_red[4u * lid + 2u]) + mm_red[4u * lid + 3u];
+            mm_rstd[lid] = inverseSqrt(t / f32(p.k) + bitcast<f32>(p.eps));
+        }
+        workgroupBarrier();
+    }
+    let accs = array<vec4<f32>, 4>(acc0, acc1, acc2, acc3);
     for (var i = 0u; i < 4u; i++) {
         let r = row0 + ty * 4u + i;
-        for (var jj = 0u; jj < 4u; jj++) {
-            let j = col0 + tx * 4u + jj;
-            if (r < p.m && j < p.n) {
-                dst[r * p.n + j] = acc[i][jj];
+        var v = accs[i];
+        if (NORM) {
+            v *= mm_rstd[ty * 4u + i];
+        }
+        if (SWIGLU) {
+            // Columns (2u, 2u + 1) are (gate, up) of output u.
+            for (var jj = 0u; jj < 4u; jj += 2u) {
+                let u = (col0 + tx * 4u + jj) / 2u;
+                if (r < p.m && u < p.n) {
+                    dst[r * p.n + u] = silu(v[jj]) * v[jj + 1u];
+                }
+            }
+        } else {
+            for (var jj = 0u; jj < 4u; jj++) {
+                let j = col0 + tx * 4u + jj;
+                if (r < p.m && j < p.n) {
+                    dst[r * p.n + j] = finish(r, j, v[jj]);
+                }
             }
         }
     }

@@ -46,3 +46,44 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         push(out, "kv_attend", format!("cap {cap}, Hq {hq}/Hkv {hkv}, D {d}, {pre} + {steps}x1"), res);
     }
 }
+
+/// rope_store against the f64 RoPE reference: biases added, q and k turned, k and v in the
+/// caches at pos..pos+T; both pairings, an odd token count at an offset.
+pub(super) fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    use crate::ops::kvcache::rope_store;
+    use crate::ops::rope::{Pairing, RopeTable};
+    let (t, hq, hkv, d, pos, cap) = (5usize, 4usize, 2usize, 8usize, 3usize, 12usize);
+    let width = (hq + 2 * hkv) * d;
+    for (n, pairing) in [Pairing::Interleaved, Pairing::Half].into_iter().enumerate() {
+        let mut rng = Rng::new(3300 + n as u64);
+        let (qkv, bias) = (rng.vec(t * width), rng.vec(width));
+        let r = twice("rope_store", || {
+            let table = RopeTable::new(gpu, cap, d, 10000.0)?;
+            let x = Tensor::from_f32(gpu, &[t, width], &qkv, "qkv")?;
+            let b = Tensor::from_f32(gpu, &[width], &bias, "bias")?;
+            let kc = Tensor::from_f32(gpu, &[cap, hkv, d], &vec![0.0; cap * hkv * d], "k")?;
+            let vc = Tensor::from_f32(gpu, &[cap, hkv, d], &vec![0.0; cap * hkv * d], "v")?;
+            let q = gpu.run(|rec| rope_store(rec, &x, Some(&b), &table, pairing, hq, &kc, &vc, pos))?;
+            Ok(vec![q.read_f32(gpu)?, kc.read_f32(gpu)?, vc.read_f32(gpu)?])
+        });
+        // Split (T, width) + bias into q (T, Hq, D), k and v (T, Hkv, D) in f64.
+        let part = |from: usize, heads: usize| -> Vec<f64> {
+            (0..t).flat_map(|tt| (0..heads * d).map(move |i| (tt, from + i))).map(|(tt, c)| qkv[tt * width + c] as f64 + bias[c] as f64).collect()
+        };
+        let q = crate::reference::rope::rope(&part(0, hq), t, hq, d, pos, 10000.0, pairing, 1.0);
+        let k = crate::reference::rope::rope(&part(hq * d, hkv), t, hkv, d, pos, 10000.0, pairing, 1.0);
+        let v = part((hq + hkv) * d, hkv);
+        let at_pos = |x: Vec<f64>| {
+            let mut c = vec![0.0; cap * hkv * d];
+            c[pos * hkv * d..(pos + t) * hkv * d].copy_from_slice(&x);
+            c
+        };
+        let tol = Tolerance { abs: 1e-6, rel: 1e-6 };
+        let res = r.and_then(|got| {
+            compare("rope_store q", &got[0], &q, None, tol).map_err(s)?;
+            compare("rope_store k", &got[1], &at_pos(k), None, tol).map_err(s)?;
+            compare("rope_store v", &got[2], &at_pos(v), None, tol).map_err(s)
+        });
+        push(out, "rope_store", format!("T {t} at {pos}, Hq {hq}/Hkv {hkv}, D {d}, {pairing:?}"), res);
+    }
+}

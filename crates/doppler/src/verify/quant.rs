@@ -7,7 +7,7 @@ use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
-use crate::ops::quant::{dequantize, get_rows, qmatmul, QMatrix, MATVEC_MAX_ROWS, SUPPORTED};
+use crate::ops::quant::{dequantize, get_rows, qmatmul, qmatmul_fused, Fuse, QMatrix, MATVEC_MAX_ROWS, SUPPORTED};
 use crate::reference::quant as cpu;
 
 /// Byte offsets of the f16 scale fields in one block (random bytes there are often NaN).
@@ -137,6 +137,78 @@ pub(super) fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             }
             let res = r.and_then(|got| compare(&format!("qmatmul {name}"), &got[0], &want, Some(&mag), Tolerance::dot(cols)).map_err(s));
             push(out, &format!("qmatmul {name}"), format!("x {xs:?} @ ({rows}, {cols})^T"), res);
+        }
+    }
+}
+
+/// The fused products against f64: RMSNorm before with SwiGLU of stacked gate/up rows, and
+/// a residual added after; for one 32-element type, one K-quant, and f32 with an odd width
+/// (scalar path); on 1, 31 and 2 x 67 rows of x (both kernels).
+pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    for (i, (name, cols)) in [("Q4_1", 96usize), ("Q4_K", 512), ("F32", 70)].into_iter().enumerate() {
+        let ty = GgmlType::from_name(name).expect("known type");
+        let rows = 38usize; // 19 gate + 19 up
+        let mut rng = Rng::new(3900 + i as u64);
+        let raw = random_blocks(name, rows * cols, &mut rng);
+        let w = cpu::dequantize(ty, &raw, rows * cols).expect("dequantizes");
+        let nw: Vec<f32> = rng.vec(cols).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let eps = 1e-5f32;
+        for shape in [vec![1usize], vec![MATVEC_MAX_ROWS - 1], vec![2, 67]] {
+            let m: usize = shape.iter().product();
+            let xv = rng.vec(m * cols);
+            let resv = rng.vec(m * rows);
+            let mut xs = shape.clone();
+            xs.push(cols);
+            let mut ys = shape.clone();
+            ys.push(rows);
+            let r = twice("qmatmul fused", || {
+                let q = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
+                let xt = Tensor::from_f32(gpu, &xs, &xv, "x")?;
+                let nwt = Tensor::from_f32(gpu, &[cols], &nw, "nw")?;
+                let rt = Tensor::from_f32(gpu, &ys, &resv, "res")?;
+                let (a, b) = gpu.run(|rec| {
+                    let a = qmatmul_fused(rec, &xt, &q, Fuse { norm: Some((&nwt, eps)), swiglu: true, ..Default::default() })?;
+                    let b = qmatmul_fused(rec, &xt, &q, Fuse { residual: Some(&rt), ..Default::default() })?;
+                    Ok((a, b))
+                })?;
+                Ok(vec![a.read_f32(gpu)?, b.read_f32(gpu)?])
+            });
+            // f64: h = x / rms(x) * nw; gate/up dots; silu(g) * u. And res + x W^T.
+            let half = rows / 2;
+            let (mut sw, mut sw_mag, mut rs, mut rs_mag) = (vec![0.0; m * half], vec![0.0; m * half], vec![0.0; m * rows], vec![0.0; m * rows]);
+            for a in 0..m {
+                let xr = &xv[a * cols..(a + 1) * cols];
+                let ms = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / cols as f64;
+                let rstd = 1.0 / (ms + eps as f64).sqrt();
+                let dot = |j: usize, norm: bool| -> (f64, f64) {
+                    let mut s = 0.0;
+                    let mut g = 0.0;
+                    for c in 0..cols {
+                        let h = if norm { xr[c] as f64 * rstd * nw[c] as f64 } else { xr[c] as f64 };
+                        let t = h * w[j * cols + c] as f64;
+                        s += t;
+                        g += t.abs();
+                    }
+                    (s, g)
+                };
+                for j in 0..half {
+                    let ((g, gm), (u, um)) = (dot(j, true), dot(half + j, true));
+                    let sig = 1.0 / (1.0 + (-g).exp());
+                    sw[a * half + j] = g * sig * u;
+                    // Errors in g and u carry through silu(g) * u: |u| gm + |g| um bounds them.
+                    sw_mag[a * half + j] = u.abs() * gm + (g * sig).abs() * um + (g * sig * u).abs();
+                }
+                for j in 0..rows {
+                    let (d, dm) = dot(j, false);
+                    rs[a * rows + j] = resv[a * rows + j] as f64 + d;
+                    rs_mag[a * rows + j] = resv[a * rows + j].abs() as f64 + dm;
+                }
+            }
+            let res = r.and_then(|got| {
+                compare(&format!("qmatmul norm+swiglu {name}"), &got[0], &sw, Some(&sw_mag), Tolerance::dot(cols)).map_err(s)?;
+                compare(&format!("qmatmul residual {name}"), &got[1], &rs, Some(&rs_mag), Tolerance::dot(cols)).map_err(s)
+            });
+            push(out, &format!("qmatmul fused {name}"), format!("x {xs:?} @ ({rows}, {cols})^T"), res);
         }
     }
 }
