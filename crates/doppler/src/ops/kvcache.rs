@@ -45,8 +45,8 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(gpu: &Gpu, layers: usize, capacity: usize, hkv: usize, d: usize) -> Result<KvCache> {
-        if d == 0 || d > MAX_HEAD_DIM || hkv == 0 || capacity == 0 {
-            return Err(Error::Invalid { op: "kv_cache", detail: format!("capacity {capacity}, {hkv} kv heads of dim {d} (at most {MAX_HEAD_DIM})") });
+        if d == 0 || d > MAX_HEAD_DIM || d % 4 != 0 || hkv == 0 || capacity == 0 {
+            return Err(Error::Invalid { op: "kv_cache", detail: format!("capacity {capacity}, {hkv} kv heads of dim {d} (a multiple of 4 up to {MAX_HEAD_DIM})") });
         }
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);
@@ -70,8 +70,8 @@ fn params(q: &[usize], cache: &[usize], pos: usize, what: &str) -> Result<Params
     }
     let (t, h, d) = (q[0], q[1], q[2]);
     let (tmax, hkv) = (cache[0], cache[1]);
-    if cache[2] != d || d == 0 || d > MAX_HEAD_DIM {
-        return Err(err(format!("head dims differ or exceed {MAX_HEAD_DIM}")));
+    if cache[2] != d || d == 0 || d > MAX_HEAD_DIM || d % 4 != 0 {
+        return Err(err(format!("head dims differ, or are not a multiple of 4 up to {MAX_HEAD_DIM}")));
     }
     if pos + t > tmax {
         return Err(err(format!("{} tokens exceed the cache's capacity {tmax}", pos + t)));

@@ -20,9 +20,10 @@ pub struct Params {
 
 static DEQUANT: Kernel = Kernel::new(&QUANT, "dequantize", &[(1, Read), (2, ReadWrite)]);
 static GET_ROWS: Kernel = Kernel::new(&QUANT, "get_rows", &[(1, Read), (2, ReadWrite), (4, Read)]);
-// Products bind the norm weight (5) and the residual (6) always; x stands in when unused.
-static QMATVEC: Kernel = Kernel::new(&QUANT, "qmatvec", &[(1, Read), (2, ReadWrite), (3, Read), (5, Read), (6, Read)]);
-static QMATMUL: Kernel = Kernel::new(&QUANT, "qmatmul", &[(1, Read), (2, ReadWrite), (3, Read), (5, Read), (6, Read)]);
+// Products bind the norm weight (5) and the residual (6) always (x stands in when unused),
+// and x and the norm weight again as vec4s (7, 8).
+static QMATVEC: Kernel = Kernel::new(&QUANT, "qmatvec", &[(1, Read), (2, ReadWrite), (3, Read), (5, Read), (6, Read), (7, Read), (8, Read)]);
+static QMATMUL: Kernel = Kernel::new(&QUANT, "qmatmul", &[(1, Read), (2, ReadWrite), (3, Read), (5, Read), (6, Read), (7, Read), (8, Read)]);
 
 /// Rows of x up to which [`qmatmul`] runs the matrix-vector kernel (it reads W once per 8
 /// rows; the tiled kernel computes 64-row tiles).
@@ -164,10 +165,10 @@ pub fn qmatmul_fused(rec: &mut Recorder<'_>, x: &Tensor, w: &QMatrix, fuse: Fuse
     let res = fuse.residual.unwrap_or(x);
     if m <= MATVEC_MAX_ROWS {
         let groups = w.rows.div_ceil(8) * m.div_ceil(8);
-        rec.dispatch(&QMATVEC, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, x, nw, res], Grid::Linear(groups as u64))?;
+        rec.dispatch(&QMATVEC, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, x, nw, res, x, nw], Grid::Linear(groups as u64))?;
     } else {
         let grid = [w.rows.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
-        rec.dispatch(&QMATMUL, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, x, nw, res], Grid::Xyz(grid))?;
+        rec.dispatch(&QMATMUL, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, x, nw, res, x, nw], Grid::Xyz(grid))?;
     }
     Ok(y)
 }

@@ -7,8 +7,9 @@
 //              stored at pos..pos+T). q, o (T, Hq, D); k, v caches (tmax, Hkv, D), G = Hq / Hkv.
 //              One workgroup per (t, h), 256 threads. Keys go in chunks of 256, one score
 //              per thread, with a running max and sum (online softmax); for the output the
-//              threads form 256 / D groups of D, group g taking keys g, g + groups, ... of
-//              each chunk, and the groups are summed in a fixed order at the end.
+//              threads form 1024 / D groups of D / 4 threads holding 4 dims each, group g
+//              taking keys g, g + groups, ... of each chunk, and the groups are summed in a
+//              fixed order at the end. D a multiple of 4.
 //   rope_store the projections of T new tokens, qkv (T, (Hq + 2 Hkv) D) = [q | k | v] per
 //              token, plus a bias (HAS_BIAS, binding 7) -> q turned by RoPE (T, Hq, D) at
 //              binding 9, k turned and v as is into the caches (binding 10, 11) at
@@ -46,9 +47,10 @@ fn kv_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
 }
 
 const WG: u32 = 256u;
-var<workgroup> qs: array<f32, 256>;
+var<workgroup> qs: array<vec4<f32>, 64>;
 var<workgroup> sc: array<f32, 256>;
 var<workgroup> red: array<f32, 256>;
+var<workgroup> red4: array<vec4<f32>, 256>;
 
 // Fixed-order tree over red[0..256] with op max (is_max) or +; result in red[0].
 fn reduce(lid: u32, is_max: bool) {
@@ -63,6 +65,15 @@ fn reduce(lid: u32, is_max: bool) {
     workgroupBarrier();
 }
 
+fn k4(i: u32) -> vec4<f32> {
+    return vec4<f32>(kc[i], kc[i + 1u], kc[i + 2u], kc[i + 3u]);
+}
+fn v4(i: u32) -> vec4<f32> {
+    return vec4<f32>(vc[i], vc[i + 1u], vc[i + 2u], vc[i + 3u]);
+}
+
+// D a multiple of 4 up to 256. For the output the threads form groups of D/4, each thread
+// holding 4 dims; group g takes keys g, g + groups, ... of a chunk.
 @compute @workgroup_size(256)
 fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
           @builtin(local_invocation_index) lid: u32) {
@@ -73,30 +84,31 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let t = g / p.hq;
     let h = g % p.hq;
     let kvh = h / (p.hq / p.hkv);
-    let d = p.d;
-    let groups = WG / d;
-    let grp = lid / d;
-    let dim = lid % d;
-    let stride = p.hkv * d;               // floats between consecutive cached tokens
-    let base = kvh * d;
+    let d4 = p.d / 4u;
+    let groups = WG / d4;
+    let grp = lid / d4;
+    let dim4 = lid % d4;
+    let stride = p.hkv * p.d;             // floats between consecutive cached tokens
+    let base = kvh * p.d;
     let nkeys = p.pos + t + 1u;           // causal: keys 0..=pos+t
-    if (lid < d) {
-        qs[lid] = q[(t * p.hq + h) * d + lid];
+    if (lid < d4) {
+        let qb = (t * p.hq + h) * p.d + 4u * lid;
+        qs[lid] = vec4<f32>(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]);
     }
     var m = -3.0e38;                       // running max of the scores
     var l = 0.0;                           // running sum of exp(score - m)
-    var acc = 0.0;                         // this thread's output dim, its group's keys
+    var acc = vec4<f32>(0.0);              // this thread's 4 output dims, its group's keys
     for (var c0 = 0u; c0 < nkeys; c0 += WG) {
         workgroupBarrier();
         let j = c0 + lid;
         var s = -3.0e38;
         if (j < nkeys) {
-            var dot = 0.0;
+            var dot4 = vec4<f32>(0.0);
             let kb = j * stride + base;
-            for (var e = 0u; e < d; e++) {
-                dot += qs[e] * kc[kb + e];
+            for (var e = 0u; e < d4; e++) {
+                dot4 += qs[e] * k4(kb + 4u * e);
             }
-            s = dot * p.scale;
+            s = (dot4.x + dot4.y + dot4.z + dot4.w) * p.scale;
         }
         red[lid] = s;
         reduce(lid, true);
@@ -113,19 +125,24 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
         if (grp < groups) {
             let n = min(WG, nkeys - c0);
             for (var jj = grp; jj < n; jj += groups) {
-                acc += sc[jj] * vc[(c0 + jj) * stride + base + dim];
+                acc += sc[jj] * v4((c0 + jj) * stride + base + 4u * dim4);
             }
         }
     }
     workgroupBarrier();
-    red[lid] = select(0.0, acc, grp < groups);
+    red4[lid] = select(vec4<f32>(0.0), acc, grp < groups);
     workgroupBarrier();
-    if (lid < d) {
-        var sum = 0.0;
+    if (lid < d4) {
+        var sum = vec4<f32>(0.0);
         for (var gg = 0u; gg < groups; gg++) {
-            sum += red[gg * d + lid];
+            sum += red4[gg * d4 + lid];
         }
-        o[(t * p.hq + h) * d + lid] = sum / l;
+        let ob = (t * p.hq + h) * p.d + 4u * lid;
+        let r = sum / l;
+        o[ob] = r.x;
+        o[ob + 1u] = r.y;
+        o[ob + 2u] = r.z;
+        o[ob + 3u] = r.w;
     }
 }
 

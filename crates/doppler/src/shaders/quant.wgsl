@@ -239,6 +239,9 @@ override RESIDUAL: bool = false;
 override SWIGLU: bool = false;
 
 @group(0) @binding(5) var<storage, read> nw: array<f32>;
+// x and nw again as vec4s (the same buffers), for rows whose length is a multiple of 4.
+@group(0) @binding(7) var<storage, read> xv4: array<vec4<f32>>;
+@group(0) @binding(8) var<storage, read> nwv4: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read> res: array<f32>;
 
 fn silu(v: f32) -> f32 {
@@ -255,7 +258,7 @@ fn w_row(v: u32) -> u32 {
 }
 
 fn nw4(c: u32) -> vec4<f32> {
-    return vec4<f32>(nw[c], nw[c + 1u], nw[c + 2u], nw[c + 3u]);
+    return nwv4[c / 4u];
 }
 
 // The value stored for row r, output j, from the sum (RESIDUAL adds res).
@@ -268,9 +271,9 @@ const MV_X: u32 = 8u;      // rows of x a workgroup: each W value read once serv
 var<workgroup> mv_part: array<array<f32, 256>, 8>;
 var<workgroup> mv_ss: array<array<f32, 32>, 8>;   // NORM: x^2 sums of the first 32 threads
 
+// 4 elements of row r from column c (k and c multiples of 4).
 fn x4(r: u32, c: u32) -> vec4<f32> {
-    let b = r * p.k + c;
-    return vec4<f32>(x[b], x[b + 1u], x[b + 2u], x[b + 3u]);
+    return xv4[(r * p.k + c) / 4u];
 }
 
 @compute @workgroup_size(256)
