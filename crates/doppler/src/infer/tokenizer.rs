@@ -330,9 +330,19 @@ impl Spm {
 }
 
 /// f32 with a total order, for the merge heap (scores are finite).
-#[derive(PartialEq, PartialOrd, Clone, Copy)]
+#[derive(Clone, Copy)]
 struct OrdF32(f32);
+impl PartialEq for OrdF32 {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == std::cmp::Ordering::Equal
+    }
+}
 impl Eq for OrdF32 {}
+impl PartialOrd for OrdF32 {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
 impl Ord for OrdF32 {
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
         self.0.total_cmp(&o.0)

@@ -17,7 +17,6 @@
 //! turns q and k and stores k and v (`ops::kvcache::rope_store`).
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::formats::gguf::{GgmlType, Value};
@@ -514,7 +513,7 @@ impl Source for SafeTensorsDir {
 /// Returns the configuration, the loaded model, and the GGUF metadata (empty for
 /// SafeTensors) for the tokenizer.
 #[cfg(not(target_arch = "wasm32"))]
-pub fn open(gpu: &Gpu, path: &Path, max_context: usize) -> Result<(Llama, BTreeMap<String, Value>)> {
+pub fn open(gpu: &Gpu, path: &std::path::Path, max_context: usize) -> Result<(Llama, BTreeMap<String, Value>)> {
     let shown = path.display().to_string();
     if path.is_dir() {
         let cfg_path = path.join("config.json");
