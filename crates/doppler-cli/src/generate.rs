@@ -116,11 +116,7 @@ pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode>
     } else {
         (args.prompt.clone(), args.special)
     };
-    let mut ids = Vec::new();
-    if tk.add_bos && !args.chat {
-        ids.extend(tk.bos);
-    }
-    ids.extend(tk.encode(&text, special)?);
+    let mut ids = model.prompt_ids(&text, special, true)?;
     if ids.is_empty() {
         ids.extend(tk.bos.or(tk.eos));
     }
@@ -241,7 +237,7 @@ pub fn chat_cmd(gpu: &Gpu, args: &ChatArgs) -> doppler::Result<ExitCode> {
         }
         msgs.push(Message::new("user", line));
         let mut text = pending.clone() + &template.render(&msgs, first);
-        let mut ids = tk.encode(&text, true)?;
+        let mut ids = model.prompt_ids(&text, true, first)?;
         if ids.len() + 16 > session.capacity() - session.cache.len {
             // The turn does not fit after the conversation: start over with this message.
             eprintln!("(context full: {} of {} tokens used; the conversation is cleared and this message starts a new one)", session.cache.len, session.capacity());
@@ -250,7 +246,7 @@ pub fn chat_cmd(gpu: &Gpu, args: &ChatArgs) -> doppler::Result<ExitCode> {
                 msgs.insert(0, Message::new("system", s));
             }
             text = template.render(&msgs, true);
-            ids = tk.encode(&text, true)?;
+            ids = model.prompt_ids(&text, true, true)?;
             if ids.len() + 16 > session.capacity() {
                 eprintln!("(this message alone is {} tokens; the context holds {}: not sent)", ids.len(), session.capacity());
                 pending.clear();

@@ -54,6 +54,21 @@ impl Model {
         Ok(Model { llama, tokenizer, template, load_ms: t0.elapsed().as_secs_f64() * 1e3 })
     }
 
+    /// Token ids of `text` for the model: BOS first when the tokenizer asks for it, this is
+    /// the start of the sequence (`first`), and the text does not write it itself (Llama
+    /// 3's template does); control tokens parsed when `special`.
+    pub fn prompt_ids(&self, text: &str, special: bool, first: bool) -> Result<Vec<u32>> {
+        let tk = &self.tokenizer;
+        let mut ids = Vec::new();
+        if let (true, true, Some(bos)) = (first, tk.add_bos, tk.bos) {
+            if !(special && tk.piece(bos).is_some_and(|p| text.starts_with(p))) {
+                ids.push(bos);
+            }
+        }
+        ids.extend(tk.encode(text, special)?);
+        Ok(ids)
+    }
+
     /// Ids that end generation: EOS and the template's end-of-turn token.
     pub fn stop_tokens(&self) -> Vec<u32> {
         let mut v: Vec<u32> = self.tokenizer.eos.into_iter().collect();

@@ -23,6 +23,15 @@ pub struct Params {
 
 static STORE: Kernel = Kernel::new(&KVCACHE, "kv_store", &[(5, Read), (6, ReadWrite)]);
 static ATTEND: Kernel = Kernel::new(&KVCACHE, "attend", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite)]);
+static ATTEND_PART: Kernel = Kernel::new(&KVCACHE, "attend_part", &[(1, Read), (2, Read), (3, Read), (12, ReadWrite)]);
+static ATTEND_MERGE: Kernel = Kernel::new(&KVCACHE, "attend_merge", &[(4, ReadWrite), (12, ReadWrite)]);
+
+/// Queries up to which attention splits the keys into ranges of 64 (decode), and the
+/// fewest keys for which it does.
+pub const SPLIT_MAX_QUERIES: usize = 4;
+pub const SPLIT_MIN_KEYS: usize = 128;
+const SPLIT: usize = 64;
+
 static ROPE_STORE: Kernel = Kernel::new(
     &KVCACHE,
     "rope_store",
@@ -93,7 +102,9 @@ pub fn kv_store(rec: &mut Recorder<'_>, cache: &Tensor, x: &Tensor, pos: usize) 
 }
 
 /// Causal attention of q (T, Hq, D), the tokens at pos..pos+T, over the cached keys and
-/// values 0..pos+T (the new ones stored already). Scale 1/sqrt(D).
+/// values 0..pos+T (the new ones stored already). Scale 1/sqrt(D). Up to
+/// [`SPLIT_MAX_QUERIES`] queries over at least [`SPLIT_MIN_KEYS`] keys split the keys into
+/// ranges (two dispatches, many more workgroups), otherwise one workgroup per (t, h).
 pub fn kv_attend(rec: &mut Recorder<'_>, q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<Tensor> {
     expect_f32("kv_attend", q)?;
     let p = params(q.shape(), k.shape(), pos, "q")?;
@@ -101,7 +112,16 @@ pub fn kv_attend(rec: &mut Recorder<'_>, q: &Tensor, k: &Tensor, v: &Tensor, pos
         return Err(Error::Shape { op: "kv_attend", detail: format!("k cache {:?} vs v cache {:?}", k.shape(), v.shape()) });
     }
     let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend.o")?;
-    rec.dispatch(&ATTEND, &[], bytemuck::bytes_of(&p), &[q, k, v, &o], Grid::Linear((p.t * p.hq) as u64))?;
+    let (t, keys) = (p.t as usize, pos + p.t as usize);
+    if t <= SPLIT_MAX_QUERIES && keys >= SPLIT_MIN_KEYS {
+        let splits = keys.div_ceil(SPLIT);
+        let rows = t * p.hq as usize * splits;
+        let part = Tensor::empty(rec.gpu(), &[rows, p.d as usize + 2], DType::F32, "kv_attend.part")?;
+        rec.dispatch(&ATTEND_PART, &[], bytemuck::bytes_of(&p), &[q, k, v, &part], Grid::Linear(rows as u64))?;
+        rec.dispatch(&ATTEND_MERGE, &[], bytemuck::bytes_of(&p), &[&o, &part], Grid::Linear((p.t * p.hq) as u64))?;
+    } else {
+        rec.dispatch(&ATTEND, &[], bytemuck::bytes_of(&p), &[q, k, v, &o], Grid::Linear((p.t * p.hq) as u64))?;
+    }
     Ok(o)
 }
 

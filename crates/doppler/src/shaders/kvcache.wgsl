@@ -10,6 +10,12 @@
 //              threads form 1024 / D groups of D / 4 threads holding 4 dims each, group g
 //              taking keys g, g + groups, ... of each chunk, and the groups are summed in a
 //              fixed order at the end. D a multiple of 4.
+//   attend_part, attend_merge   the same for few queries over many keys (decode), split
+//              over key ranges so that more than Hq workgroups work (flash-decoding):
+//              attend_part, one workgroup of 64 per (t, h, range of 64 keys), writes the
+//              range's max score m, sum l of exp(s - m) and unnormalised output to `part`
+//              (binding 12, (T, Hq, splits, D + 2)); attend_merge, one workgroup per (t, h),
+//              combines the ranges in order: o = sum_r e^(m_r - M) acc_r / sum_r e^(m_r - M) l_r.
 //   rope_store the projections of T new tokens, qkv (T, (Hq + 2 Hkv) D) = [q | k | v] per
 //              token, plus a bias (HAS_BIAS, binding 7) -> q turned by RoPE (T, Hq, D) at
 //              binding 9, k turned and v as is into the caches (binding 10, 11) at
@@ -144,6 +150,130 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
         o[ob + 2u] = r.z;
         o[ob + 3u] = r.w;
     }
+}
+
+const SPLIT: u32 = 64u;
+@group(0) @binding(12) var<storage, read_write> part: array<f32>;
+var<workgroup> red64: array<f32, 64>;
+var<workgroup> sc64: array<f32, 64>;
+
+// Fixed-order tree over red64 (max or +); result in red64[0].
+fn reduce64(lid: u32, is_max: bool) {
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        workgroupBarrier();
+        if (lid < s) {
+            let a = red64[lid];
+            let b = red64[lid + s];
+            red64[lid] = select(a + b, max(a, b), is_max);
+        }
+    }
+    workgroupBarrier();
+}
+
+fn splits() -> u32 {
+    return (p.pos + p.t + SPLIT - 1u) / SPLIT;
+}
+
+@compute @workgroup_size(64)
+fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let ns = splits();
+    let g = wid.x + wid.y * nwg.x;
+    if (g >= p.t * p.hq * ns) {
+        return;
+    }
+    let sp = g % ns;
+    let th = g / ns;
+    let t = th / p.hq;
+    let h = th % p.hq;
+    let kvh = h / (p.hq / p.hkv);
+    let d4 = p.d / 4u;
+    let groups = 64u / d4;
+    let grp = lid / d4;
+    let dim4 = lid % d4;
+    let stride = p.hkv * p.d;
+    let base = kvh * p.d;
+    let nkeys = p.pos + t + 1u;
+    let k0 = sp * SPLIT;
+    let out = g * (p.d + 2u);
+    if (lid < d4) {
+        let qb = (t * p.hq + h) * p.d + 4u * lid;
+        qs[lid] = vec4<f32>(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]);
+    }
+    workgroupBarrier();
+    let j = k0 + lid;
+    var s = -3.0e38;
+    if (j < nkeys) {
+        var dot4 = vec4<f32>(0.0);
+        let kb = j * stride + base;
+        for (var e = 0u; e < d4; e++) {
+            dot4 += qs[e] * k4(kb + 4u * e);
+        }
+        s = (dot4.x + dot4.y + dot4.z + dot4.w) * p.scale;
+    }
+    red64[lid] = s;
+    reduce64(lid, true);
+    let m = red64[0];
+    let pj = select(0.0, exp(s - m), j < nkeys);
+    workgroupBarrier();
+    sc64[lid] = pj;
+    red64[lid] = pj;
+    reduce64(lid, false);
+    let l = red64[0];
+    var acc = vec4<f32>(0.0);
+    if (grp < groups && k0 < nkeys) {
+        let n = min(SPLIT, nkeys - k0);
+        for (var jj = grp; jj < n; jj += groups) {
+            acc += sc64[jj] * v4((k0 + jj) * stride + base + 4u * dim4);
+        }
+    }
+    red4[lid] = select(vec4<f32>(0.0), acc, grp < groups);
+    workgroupBarrier();
+    if (lid < d4) {
+        var sum = vec4<f32>(0.0);
+        for (var gg = 0u; gg < groups; gg++) {
+            sum += red4[gg * d4 + lid];
+        }
+        part[out + 4u * lid] = sum.x;
+        part[out + 4u * lid + 1u] = sum.y;
+        part[out + 4u * lid + 2u] = sum.z;
+        part[out + 4u * lid + 3u] = sum.w;
+    }
+    if (lid == 0u) {
+        // An empty range (past this query's keys) has l = 0 and adds nothing.
+        part[out + p.d] = select(-3.0e38, m, k0 < nkeys);
+        part[out + p.d + 1u] = select(0.0, l, k0 < nkeys);
+    }
+}
+
+@compute @workgroup_size(64)
+fn attend_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) lid: u32) {
+    let th = wid.x + wid.y * nwg.x;
+    let d4 = p.d / 4u;
+    if (th >= p.t * p.hq || lid >= d4) {
+        return;
+    }
+    let ns = splits();
+    let w = p.d + 2u;
+    var mx = -3.0e38;
+    for (var sp = 0u; sp < ns; sp++) {
+        mx = max(mx, part[(th * ns + sp) * w + p.d]);
+    }
+    var l = 0.0;
+    var acc = vec4<f32>(0.0);
+    for (var sp = 0u; sp < ns; sp++) {
+        let b = (th * ns + sp) * w;
+        let f = exp(part[b + p.d] - mx);
+        l += f * part[b + p.d + 1u];
+        acc += f * vec4<f32>(part[b + 4u * lid], part[b + 4u * lid + 1u], part[b + 4u * lid + 2u], part[b + 4u * lid + 3u]);
+    }
+    let r = acc / l;
+    let ob = th * p.d + 4u * lid;
+    o[ob] = r.x;
+    o[ob + 1u] = r.y;
+    o[ob + 2u] = r.z;
+    o[ob + 3u] = r.w;
 }
 
 override HAS_BIAS: bool = false;

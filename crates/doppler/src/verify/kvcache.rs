@@ -7,10 +7,11 @@ use crate::gpu::{Gpu, Tensor};
 use crate::ops::kvcache::{kv_attend, kv_store};
 use crate::reference::{attention as cpu, widen};
 
-/// (capacity, Hq, Hkv, D, prefill tokens, then steps of one token): grouped heads with an
-/// odd prefill longer than one chunk of 256 keys; one head of the largest dim; D = 64 as
-/// SmolLM2 has.
-pub const KV_CASES: [(usize, usize, usize, usize, usize, usize); 3] = [(300, 6, 2, 16, 261, 3), (8, 1, 1, 256, 3, 2), (40, 9, 3, 64, 17, 2)];
+/// (capacity, Hq, Hkv, D, prefill tokens, then that many more tokens in steps of 2, 1, 1,
+/// ...): grouped heads with an odd prefill longer than one chunk of 256 keys, the steps
+/// over more than 128 keys (key ranges split over workgroups); one head of the largest dim;
+/// D = 64 as SmolLM2 has, also over split key ranges.
+pub const KV_CASES: [(usize, usize, usize, usize, usize, usize); 4] = [(300, 6, 2, 16, 261, 4), (8, 1, 1, 256, 3, 2), (40, 9, 3, 64, 17, 2), (160, 9, 3, 64, 130, 3)];
 
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (n, &(cap, hq, hkv, d, pre, steps)) in KV_CASES.iter().enumerate() {
@@ -25,7 +26,9 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let vc = Tensor::empty(gpu, &[cap, hkv, d], crate::gpu::DType::F32, "v")?;
             let mut got = Vec::new();
             let mut pos = 0;
-            for t in std::iter::once(pre).chain(std::iter::repeat_n(1, steps)) {
+            // After the prefill: a step of 2 tokens (when there are 3 or more), then 1s.
+            let chunks: Vec<usize> = if steps >= 3 { [pre, 2].into_iter().chain(std::iter::repeat_n(1, steps - 2)).collect() } else { std::iter::once(pre).chain(std::iter::repeat_n(1, steps)).collect() };
+            for t in chunks {
                 let slice = |x: &[f32], h: usize| x[pos * h * d..(pos + t) * h * d].to_vec();
                 let qt = Tensor::from_f32(gpu, &[t, hq, d], &slice(&q, hq), "q")?;
                 let kt = Tensor::from_f32(gpu, &[t, hkv, d], &slice(&k, hkv), "k")?;
@@ -43,7 +46,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         // Convex combinations of v with probabilities from D-term dots and exp(): as the
         // training kernels, judged against max |v| (here ~1) with the dot's tolerance.
         let res = r.and_then(|got| compare("kv_attend", &got[0], &want, None, Tolerance { abs: 2e-6 * (d as f64).sqrt(), rel: 1e-5 }).map_err(s));
-        push(out, "kv_attend", format!("cap {cap}, Hq {hq}/Hkv {hkv}, D {d}, {pre} + {steps}x1"), res);
+        push(out, "kv_attend", format!("cap {cap}, Hq {hq}/Hkv {hkv}, D {d}, {pre} + {steps}"), res);
     }
 }
 
