@@ -78,6 +78,32 @@ fn v4(i: u32) -> vec4<f32> {
     return vec4<f32>(vc[i], vc[i + 1u], vc[i + 2u], vc[i + 3u]);
 }
 
+// q[t, h] into qs, by threads lid < D/4 (the caller synchronises).
+fn load_q(t: u32, h: u32, lid: u32) {
+    if (lid < p.d / 4u) {
+        let qb = (t * p.hq + h) * p.d + 4u * lid;
+        qs[lid] = vec4<f32>(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]);
+    }
+}
+
+// scale * (qs . the cached key whose first float is kb).
+fn score(kb: u32) -> f32 {
+    var dot4 = vec4<f32>(0.0);
+    for (var e = 0u; e < p.d / 4u; e++) {
+        dot4 += qs[e] * k4(kb + 4u * e);
+    }
+    return (dot4.x + dot4.y + dot4.z + dot4.w) * p.scale;
+}
+
+// Thread lid < D/4: its 4 dims summed over the `groups` groups' partials in red4, in order.
+fn group_sum(lid: u32, groups: u32) -> vec4<f32> {
+    var sum = vec4<f32>(0.0);
+    for (var gg = 0u; gg < groups; gg++) {
+        sum += red4[gg * (p.d / 4u) + lid];
+    }
+    return sum;
+}
+
 // D a multiple of 4 up to 256. For the output the threads form groups of D/4, each thread
 // holding 4 dims; group g takes keys g, g + groups, ... of a chunk.
 @compute @workgroup_size(256)
@@ -97,10 +123,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let stride = p.hkv * p.d;             // floats between consecutive cached tokens
     let base = kvh * p.d;
     let nkeys = p.pos + t + 1u;           // causal: keys 0..=pos+t
-    if (lid < d4) {
-        let qb = (t * p.hq + h) * p.d + 4u * lid;
-        qs[lid] = vec4<f32>(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]);
-    }
+    load_q(t, h, lid);
     var m = -3.0e38;                       // running max of the scores
     var l = 0.0;                           // running sum of exp(score - m)
     var acc = vec4<f32>(0.0);              // this thread's 4 output dims, its group's keys
@@ -109,12 +132,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
         let j = c0 + lid;
         var s = -3.0e38;
         if (j < nkeys) {
-            var dot4 = vec4<f32>(0.0);
-            let kb = j * stride + base;
-            for (var e = 0u; e < d4; e++) {
-                dot4 += qs[e] * k4(kb + 4u * e);
-            }
-            s = (dot4.x + dot4.y + dot4.z + dot4.w) * p.scale;
+            s = score(j * stride + base);
         }
         red[lid] = s;
         reduce(lid, true);
@@ -139,10 +157,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     red4[lid] = select(vec4<f32>(0.0), acc, grp < groups);
     workgroupBarrier();
     if (lid < d4) {
-        var sum = vec4<f32>(0.0);
-        for (var gg = 0u; gg < groups; gg++) {
-            sum += red4[gg * d4 + lid];
-        }
+        let sum = group_sum(lid, groups);
         let ob = (t * p.hq + h) * p.d + 4u * lid;
         let r = sum / l;
         o[ob] = r.x;
@@ -196,20 +211,12 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let nkeys = p.pos + t + 1u;
     let k0 = sp * SPLIT;
     let out = g * (p.d + 2u);
-    if (lid < d4) {
-        let qb = (t * p.hq + h) * p.d + 4u * lid;
-        qs[lid] = vec4<f32>(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]);
-    }
+    load_q(t, h, lid);
     workgroupBarrier();
     let j = k0 + lid;
     var s = -3.0e38;
     if (j < nkeys) {
-        var dot4 = vec4<f32>(0.0);
-        let kb = j * stride + base;
-        for (var e = 0u; e < d4; e++) {
-            dot4 += qs[e] * k4(kb + 4u * e);
-        }
-        s = (dot4.x + dot4.y + dot4.z + dot4.w) * p.scale;
+        s = score(j * stride + base);
     }
     red64[lid] = s;
     reduce64(lid, true);
@@ -230,10 +237,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     red4[lid] = select(vec4<f32>(0.0), acc, grp < groups);
     workgroupBarrier();
     if (lid < d4) {
-        var sum = vec4<f32>(0.0);
-        for (var gg = 0u; gg < groups; gg++) {
-            sum += red4[gg * d4 + lid];
-        }
+        let sum = group_sum(lid, groups);
         part[out + 4u * lid] = sum.x;
         part[out + 4u * lid + 1u] = sum.y;
         part[out + 4u * lid + 2u] = sum.z;
