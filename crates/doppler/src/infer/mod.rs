@@ -103,7 +103,8 @@ pub struct Generation {
     pub tokens: Vec<u32>,
     pub text: String,
     pub stop: StopReason,
-    /// The sampled stop token (not run through the model yet), if any.
+    /// The last sampled token when it was not run through the model: the stop token, or
+    /// the last one of a length or context stop (None after a stop string: it ran).
     pub stop_token: Option<u32>,
     /// Prompt processing until the first token's logits were back.
     pub prefill_ms: f64,
@@ -178,14 +179,17 @@ impl<'m> Session<'m> {
             out.tokens.push(next);
             let text = tk.decode(&out.tokens);
             if let Some(at) = opts.stop_strings.iter().filter_map(|s| text.find(s.as_str())).min() {
-                on_text(&text[sent..at])?;
+                // Text already sent held back any start of a stop string, so at >= sent.
+                if at > sent && text.is_char_boundary(sent) {
+                    on_text(&text[sent..at])?;
+                }
                 out.text = text[..at].to_string();
                 out.stop = StopReason::String;
                 self.feed_last(gpu, next)?;
                 return Ok(out);
             }
             let safe = safe_prefix(&text, &opts.stop_strings);
-            if safe > sent {
+            if safe > sent && text.is_char_boundary(sent) {
                 on_text(&text[sent..safe])?;
                 sent = safe;
             }
@@ -203,7 +207,7 @@ impl<'m> Session<'m> {
             out.token_ms.push(t.elapsed().as_secs_f64() * 1e3);
             t = Instant::now();
         }
-        if sent < out.text.len() {
+        if sent < out.text.len() && out.text.is_char_boundary(sent) {
             on_text(&out.text[sent..])?;
         }
         Ok(out)
