@@ -467,7 +467,7 @@ impl SafeTensorsDir {
     }
 
     /// Hugging Face's name for a GGUF name.
-    fn hf_name(name: &str) -> Option<String> {
+    pub fn hf_name(name: &str) -> Option<String> {
         let fixed = match name {
             "token_embd.weight" => Some("model.embed_tokens.weight"),
             "output_norm.weight" => Some("model.norm.weight"),

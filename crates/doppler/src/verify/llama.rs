@@ -41,8 +41,8 @@ fn byte_chars() -> Vec<char> {
         .collect()
 }
 
-/// Hugging Face tensors (name, shape, f32 values) of a tiny random model.
-fn hf_tensors(arch: &str, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+/// Tensors (GGUF name, shape as Hugging Face writes it, f32 values) of a tiny random model.
+fn tensors(arch: &str, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut rng = Rng::new(seed);
     let mut t = Vec::new();
     let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
@@ -50,27 +50,27 @@ fn hf_tensors(arch: &str, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
         let v = rng.vec(n).into_iter().map(|x| x * scale + offset).collect();
         t.push((name, shape, v));
     };
-    add("model.embed_tokens.weight".into(), vec![VOCAB, E], 1.0, 0.0);
+    add("token_embd.weight".into(), vec![VOCAB, E], 1.0, 0.0);
     for i in 0..LAYERS {
-        let p = |s: &str| format!("model.layers.{i}.{s}");
-        add(p("input_layernorm.weight"), vec![E], 0.2, 1.0);
-        add(p("self_attn.q_proj.weight"), vec![H * D, E], 0.3, 0.0);
-        add(p("self_attn.k_proj.weight"), vec![KV * D, E], 0.3, 0.0);
-        add(p("self_attn.v_proj.weight"), vec![KV * D, E], 0.3, 0.0);
+        let p = |s: &str| format!("blk.{i}.{s}");
+        add(p("attn_norm.weight"), vec![E], 0.2, 1.0);
+        add(p("attn_q.weight"), vec![H * D, E], 0.3, 0.0);
+        add(p("attn_k.weight"), vec![KV * D, E], 0.3, 0.0);
+        add(p("attn_v.weight"), vec![KV * D, E], 0.3, 0.0);
         if arch == "qwen2" {
-            add(p("self_attn.q_proj.bias"), vec![H * D], 0.3, 0.0);
-            add(p("self_attn.k_proj.bias"), vec![KV * D], 0.3, 0.0);
-            add(p("self_attn.v_proj.bias"), vec![KV * D], 0.3, 0.0);
+            add(p("attn_q.bias"), vec![H * D], 0.3, 0.0);
+            add(p("attn_k.bias"), vec![KV * D], 0.3, 0.0);
+            add(p("attn_v.bias"), vec![KV * D], 0.3, 0.0);
         }
-        add(p("self_attn.o_proj.weight"), vec![E, H * D], 0.3, 0.0);
-        add(p("post_attention_layernorm.weight"), vec![E], 0.2, 1.0);
-        add(p("mlp.gate_proj.weight"), vec![FF, E], 0.3, 0.0);
-        add(p("mlp.up_proj.weight"), vec![FF, E], 0.3, 0.0);
-        add(p("mlp.down_proj.weight"), vec![E, FF], 0.3, 0.0);
+        add(p("attn_output.weight"), vec![E, H * D], 0.3, 0.0);
+        add(p("ffn_norm.weight"), vec![E], 0.2, 1.0);
+        add(p("ffn_gate.weight"), vec![FF, E], 0.3, 0.0);
+        add(p("ffn_up.weight"), vec![FF, E], 0.3, 0.0);
+        add(p("ffn_down.weight"), vec![E, FF], 0.3, 0.0);
     }
-    add("model.norm.weight".into(), vec![E], 0.2, 1.0);
+    add("output_norm.weight".into(), vec![E], 0.2, 1.0);
     if arch == "qwen2" {
-        add("lm_head.weight".into(), vec![VOCAB, E], 1.0, 0.0);
+        add("output.weight".into(), vec![VOCAB, E], 1.0, 0.0);
     }
     t
 }
@@ -106,7 +106,7 @@ pub fn write_tiny(dir: &Path, arch: &str, ty: &str, seed: u64) -> crate::Result<
         let p = p.display().to_string();
         move |source| crate::Error::Io { path: p.clone(), source }
     };
-    let tensors = hf_tensors(arch, seed);
+    let tensors = tensors(arch, seed);
     // Hugging Face directory.
     let hf = dir.join("hf");
     std::fs::create_dir_all(&hf).map_err(io(&hf))?;
@@ -119,7 +119,7 @@ pub fn write_tiny(dir: &Path, arch: &str, ty: &str, seed: u64) -> crate::Result<
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
         .iter()
         .zip(&bytes)
-        .map(|((n, sh, _), b)| (n.clone(), safetensors::tensor::TensorView::new(st_dtype, sh.clone(), b).expect("consistent view")))
+        .map(|((n, sh, _), b)| (llama::SafeTensorsDir::hf_name(n).expect("a Hugging Face name"), safetensors::tensor::TensorView::new(st_dtype, sh.clone(), b).expect("consistent view")))
         .collect();
     let st = safetensors::serialize(views, None).map_err(|e| crate::Error::Invalid { op: "safetensors", detail: e.to_string() })?;
     std::fs::write(hf.join("model.safetensors"), st).map_err(io(&hf))?;
@@ -133,9 +133,9 @@ pub fn write_tiny(dir: &Path, arch: &str, ty: &str, seed: u64) -> crate::Result<
     let gty = GgmlType::from_name(ty).expect("known type");
     let mut g: Vec<(String, Vec<u64>, GgmlType, Vec<u8>)> = Vec::new();
     for (name, shape, v) in &tensors {
-        let gname = gguf_name(name);
+        let gname = name.clone();
         let mut v = v.clone();
-        if arch == "llama" && (name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight")) {
+        if arch == "llama" && (name.ends_with("attn_q.weight") || name.ends_with("attn_k.weight")) {
             v = permute_rows(&v, shape[0] / D, shape[1]);
         }
         // Vectors as F32 (as llama.cpp writes norms), holding the values the SafeTensors
@@ -178,33 +178,6 @@ pub fn write_tiny(dir: &Path, arch: &str, ty: &str, seed: u64) -> crate::Result<
     let file = dir.join("model.gguf");
     std::fs::write(&file, gguf::write(&md_ref, &t_ref, 32)).map_err(io(&file))?;
     Ok((file, hf))
-}
-
-fn gguf_name(hf: &str) -> String {
-    match hf {
-        "model.embed_tokens.weight" => return "token_embd.weight".into(),
-        "model.norm.weight" => return "output_norm.weight".into(),
-        "lm_head.weight" => return "output.weight".into(),
-        _ => {}
-    }
-    let rest = hf.strip_prefix("model.layers.").expect("layer tensor");
-    let (i, what) = rest.split_once('.').expect("layer.name");
-    let g = match what {
-        "input_layernorm.weight" => "attn_norm.weight",
-        "post_attention_layernorm.weight" => "ffn_norm.weight",
-        "self_attn.q_proj.weight" => "attn_q.weight",
-        "self_attn.k_proj.weight" => "attn_k.weight",
-        "self_attn.v_proj.weight" => "attn_v.weight",
-        "self_attn.q_proj.bias" => "attn_q.bias",
-        "self_attn.k_proj.bias" => "attn_k.bias",
-        "self_attn.v_proj.bias" => "attn_v.bias",
-        "self_attn.o_proj.weight" => "attn_output.weight",
-        "mlp.gate_proj.weight" => "ffn_gate.weight",
-        "mlp.up_proj.weight" => "ffn_up.weight",
-        "mlp.down_proj.weight" => "ffn_down.weight",
-        other => panic!("no GGUF name for {other}"),
-    };
-    format!("blk.{i}.{g}")
 }
 
 /// Logits of a 7-token prefill, then two single-token steps, concatenated.
