@@ -134,33 +134,66 @@ fn time(
             trace.extend(tr);
         }
     }
-    let g = if gpu_times.is_empty() { None } else { Some(median(&mut gpu_times)) };
+    let g = if gpu_times.is_empty() {
+        None
+    } else {
+        Some(median(&mut gpu_times))
+    };
     Ok((median(&mut walls), g))
 }
 
 /// The training-kernel shapes, forward + backward each (embedding: backward).
-fn kernels(gpu: &Gpu, args: &BenchArgs, trace: &mut doppler::gpu::Trace, rows: &mut Vec<Row>) -> doppler::Result<()> {
+fn kernels(
+    gpu: &Gpu,
+    args: &BenchArgs,
+    trace: &mut doppler::gpu::Trace,
+    rows: &mut Vec<Row>,
+) -> doppler::Result<()> {
     use doppler::ops::{conv2d, cross_entropy as ce, embedding, groupnorm};
     let mut rng = Rng::new(3);
     let cpu = is_cpu(gpu);
-    let mut push = |name: &str, shape: String, (wall, g): (f64, Option<f64>), work: f64, unit: &'static str| {
+    let mut push = |name: &str,
+                    shape: String,
+                    (wall, g): (f64, Option<f64>),
+                    work: f64,
+                    unit: &'static str| {
         let t = g.unwrap_or(wall);
-        rows.push(Row { name: name.into(), shape, wall_ms: wall, gpu_ms: g, value: work / t / 1e6, unit });
+        rows.push(Row {
+            name: name.into(),
+            shape,
+            wall_ms: wall,
+            gpu_ms: g,
+            value: work / t / 1e6,
+            unit,
+        });
     };
 
     // conv2d 3x3, N=8, 64 -> 128 channels, 64x64, padding 1: forward + dx + dw + db.
-    let (n, ci, co, hw) = if cpu { (1, 8, 16, 16) } else { (8, 64, 128, 64) };
+    let (n, ci, co, hw) = if cpu {
+        (1, 8, 16, 16)
+    } else {
+        (8, 64, 128, 64)
+    };
     let x = Tensor::from_f32(gpu, &[n, ci, hw, hw], &rng.vec(n * ci * hw * hw), "x")?;
     let w = Tensor::from_f32(gpu, &[co, ci, 3, 3], &rng.vec(co * ci * 9), "w")?;
     let b = Tensor::from_f32(gpu, &[co], &rng.vec(co), "b")?;
     let dy = Tensor::from_f32(gpu, &[n, co, hw, hw], &rng.vec(n * co * hw * hw), "dy")?;
-    let o = conv2d::Conv2dOpts { padding: (1, 1), ..Default::default() };
+    let o = conv2d::Conv2dOpts {
+        padding: (1, 1),
+        ..Default::default()
+    };
     let t = time(gpu, args, trace, |rec| {
         conv2d::conv2d(rec, &x, &w, Some(&b), o)?;
         conv2d::conv2d_backward(rec, &x, &w, &dy, o, true).map(|_| ())
     })?;
     let flops = 3.0 * 2.0 * (n * co * hw * hw * ci * 9) as f64;
-    push("conv2d 3x3 fwd+bwd", format!("{n}x{ci}->{co}x{hw}x{hw}"), t, flops / 1e3, "TFLOP/s");
+    push(
+        "conv2d 3x3 fwd+bwd",
+        format!("{n}x{ci}->{co}x{hw}x{hw}"),
+        t,
+        flops / 1e3,
+        "TFLOP/s",
+    );
 
     // GroupNorm, 32 groups, N=8, C=256, 64x64: forward + backward.
     let (n, c, hw) = if cpu { (2, 64, 16) } else { (8, 256, 64) };
@@ -174,46 +207,103 @@ fn kernels(gpu: &Gpu, args: &BenchArgs, trace: &mut doppler::gpu::Trace, rows: &
         groupnorm::group_norm_backward(rec, &x, &gamma, &f, &dy, 32).map(|_| ())
     })?;
     // Least traffic: read x, write y; read x and dy, write dx.
-    push("group_norm fwd+bwd", format!("{n}x{c}x{hw}x{hw} g32"), t, 5.0 * 4.0 * len as f64, "GB/s");
+    push(
+        "group_norm fwd+bwd",
+        format!("{n}x{c}x{hw}x{hw} g32"),
+        t,
+        5.0 * 4.0 * len as f64,
+        "GB/s",
+    );
 
     // Cross-entropy, 4096 tokens x 49152 vocabulary: forward + backward.
     let (tk, v) = if cpu { (64, 4096) } else { (4096, 49152) };
-    let logits = Tensor::from_f32(gpu, &[tk, v], &rng.vec(tk * v).iter().map(|a| a * 4.0).collect::<Vec<_>>(), "logits")?;
-    let targets: Vec<u32> = (0..tk).map(|_| (rng.next_u64() % v as u64) as u32).collect();
+    let logits = Tensor::from_f32(
+        gpu,
+        &[tk, v],
+        &rng.vec(tk * v).iter().map(|a| a * 4.0).collect::<Vec<_>>(),
+        "logits",
+    )?;
+    let targets: Vec<u32> = (0..tk)
+        .map(|_| (rng.next_u64() % v as u64) as u32)
+        .collect();
     let targets = Tensor::from_u32(gpu, &[tk], &targets, "targets")?;
     let g = Tensor::from_f32(gpu, &[1], &[1.0], "g")?;
     let opts = ce::CrossEntropyOpts::default();
     let t = time(gpu, args, trace, |rec| {
         let f = ce::cross_entropy(rec, &logits, &targets, opts)?;
-        ce::cross_entropy_backward(rec, &logits, &targets, &f, ce::Upstream::Mean(&g), opts).map(|_| ())
+        ce::cross_entropy_backward(rec, &logits, &targets, &f, ce::Upstream::Mean(&g), opts)
+            .map(|_| ())
     })?;
     // Least traffic: read the logits twice, write dlogits once.
-    push("cross_entropy fwd+bwd", format!("{tk}x{v}"), t, 3.0 * 4.0 * (tk * v) as f64, "GB/s");
+    push(
+        "cross_entropy fwd+bwd",
+        format!("{tk}x{v}"),
+        t,
+        3.0 * 4.0 * (tk * v) as f64,
+        "GB/s",
+    );
 
     // Embedding backward, 16384 tokens x 576 hidden, vocabulary 49152, one id in half the positions.
-    let (tk, h, v) = if cpu { (1024, 64, 4096) } else { (16384, 576, 49152) };
-    let ids: Vec<u32> = (0..tk).map(|i| if i % 2 == 0 { 7 } else { (rng.next_u64() % v as u64) as u32 }).collect();
+    let (tk, h, v) = if cpu {
+        (1024, 64, 4096)
+    } else {
+        (16384, 576, 49152)
+    };
+    let ids: Vec<u32> = (0..tk)
+        .map(|i| {
+            if i % 2 == 0 {
+                7
+            } else {
+                (rng.next_u64() % v as u64) as u32
+            }
+        })
+        .collect();
     let ids = Tensor::from_u32(gpu, &[tk], &ids, "ids")?;
     let dout = Tensor::from_f32(gpu, &[tk, h], &rng.vec(tk * h), "dout")?;
     let dtable = Tensor::empty(gpu, &[v, h], doppler::gpu::DType::F32, "dtable")?;
-    let t = time(gpu, args, trace, |rec| embedding::embedding_backward_into(rec, &ids, &dout, &dtable, false))?;
+    let t = time(gpu, args, trace, |rec| {
+        embedding::embedding_backward_into(rec, &ids, &dout, &dtable, false)
+    })?;
     // Least traffic: read dout, write the table gradient.
-    push("embedding backward", format!("{tk}x{h} -> {v}x{h}"), t, 4.0 * (tk * h + v * h) as f64, "GB/s");
+    push(
+        "embedding backward",
+        format!("{tk}x{h} -> {v}x{h}"),
+        t,
+        4.0 * (tk * h + v * h) as f64,
+        "GB/s",
+    );
     Ok(())
 }
 
 /// GPT-2-124M-shaped training: forward, backward, global-norm clip, AdamW, each step
 /// synchronised by reading its loss (as `loss.item()` does in PyTorch).
-fn train(gpu: &Gpu, args: &BenchArgs, trace: &mut doppler::gpu::Trace, rows: &mut Vec<Row>) -> doppler::Result<()> {
+fn train(
+    gpu: &Gpu,
+    args: &BenchArgs,
+    trace: &mut doppler::gpu::Trace,
+    rows: &mut Vec<Row>,
+) -> doppler::Result<()> {
     use doppler::autograd::Tape;
     use doppler::models::transformer::{Arch, ModelConfig, Transformer};
-    let preset = args.preset.clone().unwrap_or(if is_cpu(gpu) { "gpt2-tiny".into() } else { "gpt2-124m".into() });
+    let preset = args.preset.clone().unwrap_or(if is_cpu(gpu) {
+        "gpt2-tiny".into()
+    } else {
+        "gpt2-124m".into()
+    });
     let (n_layer, n_embd, n_head, vocab) = match preset.as_str() {
         "gpt2-124m" => (12, 768, 12, 50304),
         "gpt2-tiny" => (2, 64, 4, 512),
-        other => return Err(doppler::Error::Invalid { op: "bench train", detail: format!("unknown preset {other:?} (gpt2-124m, gpt2-tiny)") }),
+        other => {
+            return Err(doppler::Error::Invalid {
+                op: "bench train",
+                detail: format!("unknown preset {other:?} (gpt2-124m, gpt2-tiny)"),
+            })
+        }
     };
-    let (b, t) = (args.train_batch.unwrap_or(8), args.seq.unwrap_or(if is_cpu(gpu) { 64 } else { 1024 }));
+    let (b, t) = (
+        args.train_batch.unwrap_or(8),
+        args.seq.unwrap_or(if is_cpu(gpu) { 64 } else { 1024 }),
+    );
     let cfg = ModelConfig {
         arch: Arch::Gpt2,
         vocab_size: vocab,
@@ -234,17 +324,30 @@ fn train(gpu: &Gpu, args: &BenchArgs, trace: &mut doppler::gpu::Trace, rows: &mu
     let mut opt = doppler::optim::AdamW::new(gpu, &refs, 6e-4)?;
     opt.decay_mask = model.decayed();
     let mut rng = Rng::new(7);
-    let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % vocab as u64) as u32).collect() };
+    let mut tokens = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| (rng.next_u64() % vocab as u64) as u32)
+            .collect()
+    };
     let ids = Tensor::from_u32(gpu, &[b, t], &tokens(b * t), "ids")?;
     let targets = Tensor::from_u32(gpu, &[b, t], &tokens(b * t), "targets")?;
     let mut step = |profile: bool| -> doppler::Result<(f64, doppler::gpu::Trace, f32)> {
         let t0 = Instant::now();
-        let mut rec = if profile { gpu.profiling_recorder("train") } else { gpu.recorder("train") };
+        let mut rec = if profile {
+            gpu.profiling_recorder("train")
+        } else {
+            gpu.recorder("train")
+        };
         let mut tape = Tape::new();
         let loss = model.loss(&mut tape, &mut rec, &ids, &targets, 0)?;
         let lt = tape.value(loss)?.clone();
         tape.backward(&mut rec, loss, 1.0, &mut model.params)?;
-        let grads: Vec<Tensor> = model.params.grads.iter().map(|g| g.clone().expect("gradient")).collect();
+        let grads: Vec<Tensor> = model
+            .params
+            .grads
+            .iter()
+            .map(|g| g.clone().expect("gradient"))
+            .collect();
         let grefs: Vec<&Tensor> = grads.iter().collect();
         let scale = doppler::optim::grad_scale(&mut rec, &grefs, Some(1.0), 1.0)?;
         opt.step(&mut rec, &refs, &grefs, &scale)?;
@@ -267,7 +370,11 @@ fn train(gpu: &Gpu, args: &BenchArgs, trace: &mut doppler::gpu::Trace, rows: &mu
     let (_, tr, _) = step(true)?;
     let med = median(&mut ms);
     let tokens_per_s = (b * t) as f64 / (med / 1e3);
-    let gpu_ms = if tr.events.is_empty() { None } else { Some(tr.events.iter().map(|e| e.dur_ns).sum::<f64>() / 1e6) };
+    let gpu_ms = if tr.events.is_empty() {
+        None
+    } else {
+        Some(tr.events.iter().map(|e| e.dur_ns).sum::<f64>() / 1e6)
+    };
     rows.push(Row {
         name: format!("train {preset} (loss {last_loss:.3})"),
         shape: format!("B{b} T{t}, {} params", model.params.numel()),
@@ -277,7 +384,10 @@ fn train(gpu: &Gpu, args: &BenchArgs, trace: &mut doppler::gpu::Trace, rows: &mu
         unit: "K tok/s",
     });
     if !args.json {
-        eprintln!("per kernel, one profiled step ({} dispatches):", tr.events.len());
+        eprintln!(
+            "per kernel, one profiled step ({} dispatches):",
+            tr.events.len()
+        );
         for k in tr.by_kernel().iter().take(20) {
             eprintln!("  {:>9.3} ms {:>5}x  {}", k.total_ns / 1e6, k.count, k.name);
         }
@@ -312,14 +422,36 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
         let bytes = 2.0 * (n * 4) as f64; // read + written
         let shape = format!("{mib} MiB");
         // copy_buffer_to_buffer has no dispatch to time: wall clock only.
-        let (wall, _) = time(gpu, args, &mut Default::default(), |rec| rec.copy(&src, &dst))?;
-        rows.push(Row { name: "copy (copy_buffer_to_buffer)".into(), shape: shape.clone(), wall_ms: wall, gpu_ms: None, value: bytes / wall / 1e6, unit: "GB/s" });
-        let (wall, g) = time(gpu, args, &mut trace, |rec| elementwise::scale_into(rec, &src, 1.0, &dst))?;
+        let (wall, _) = time(gpu, args, &mut Default::default(), |rec| {
+            rec.copy(&src, &dst)
+        })?;
+        rows.push(Row {
+            name: "copy (copy_buffer_to_buffer)".into(),
+            shape: shape.clone(),
+            wall_ms: wall,
+            gpu_ms: None,
+            value: bytes / wall / 1e6,
+            unit: "GB/s",
+        });
+        let (wall, g) = time(gpu, args, &mut trace, |rec| {
+            elementwise::scale_into(rec, &src, 1.0, &dst)
+        })?;
         let t = g.unwrap_or(wall);
-        rows.push(Row { name: "copy (scale kernel, vec4)".into(), shape, wall_ms: wall, gpu_ms: g, value: bytes / t / 1e6, unit: "GB/s" });
+        rows.push(Row {
+            name: "copy (scale kernel, vec4)".into(),
+            shape,
+            wall_ms: wall,
+            gpu_ms: g,
+            value: bytes / t / 1e6,
+            unit: "GB/s",
+        });
     }
     if matches!(args.which, Which::All | Which::Matmul) {
-        let sizes = if args.size.is_empty() { vec![if is_cpu(gpu) { 256 } else { 4096 }] } else { args.size.clone() };
+        let sizes = if args.size.is_empty() {
+            vec![if is_cpu(gpu) { 256 } else { 4096 }]
+        } else {
+            args.size.clone()
+        };
         for s in sizes {
             let mut rng = Rng::new(2);
             let a = Tensor::from_f32(gpu, &[s, s], &rng.vec(s * s), "bench.a")?;
@@ -349,7 +481,12 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
     report(gpu, args, &rows, &trace)
 }
 
-fn report(gpu: &Gpu, args: &BenchArgs, rows: &[Row], trace: &doppler::gpu::Trace) -> doppler::Result<ExitCode> {
+fn report(
+    gpu: &Gpu,
+    args: &BenchArgs,
+    rows: &[Row],
+    trace: &doppler::gpu::Trace,
+) -> doppler::Result<ExitCode> {
     if let Some(path) = &args.trace {
         trace.write_chrome_json(path)?;
     }
@@ -362,11 +499,20 @@ fn report(gpu: &Gpu, args: &BenchArgs, rows: &[Row], trace: &doppler::gpu::Trace
         });
         println!("{}", serde_json::to_string_pretty(&v).unwrap());
     } else {
-        println!("adapter: {} ({:?}), median of {} batches of {}", gpu.info.name, gpu.info.backend, args.repeat, args.batch);
-        println!("{:<30} {:<26} {:>10} {:>10} {:>12}", "bench", "shape", "wall ms", "gpu ms", "throughput");
+        println!(
+            "adapter: {} ({:?}), median of {} batches of {}",
+            gpu.info.name, gpu.info.backend, args.repeat, args.batch
+        );
+        println!(
+            "{:<30} {:<26} {:>10} {:>10} {:>12}",
+            "bench", "shape", "wall ms", "gpu ms", "throughput"
+        );
         for r in rows {
             let g = r.gpu_ms.map_or("-".to_string(), |g| format!("{g:.4}"));
-            println!("{:<30} {:<26} {:>10.4} {:>10} {:>9.3} {}", r.name, r.shape, r.wall_ms, g, r.value, r.unit);
+            println!(
+                "{:<30} {:<26} {:>10.4} {:>10} {:>9.3} {}",
+                r.name, r.shape, r.wall_ms, g, r.value, r.unit
+            );
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -10,6 +10,7 @@ use std::time::Instant;
 use doppler::check::Rng;
 use doppler::formats::gguf::GgmlType;
 use doppler::gpu::Gpu;
+use doppler::infer::greedy::GreedyDecoder;
 use doppler::models::llama::{Llama, LlamaConfig, Source, Stored};
 use doppler::ops::rope::Pairing;
 
@@ -49,19 +50,37 @@ impl Synthetic {
             tied_embeddings: true,
         };
         match name {
-            "smollm2-135m" => Ok(Synthetic { cfg: base(30, 576, 9, 3, 1536, 49152, 100000.0), embd: "Q8_0", block: "Q4_1", output: None }),
+            "smollm2-135m" => Ok(Synthetic {
+                cfg: base(30, 576, 9, 3, 1536, 49152, 100000.0),
+                embd: "Q8_0",
+                block: "Q4_1",
+                output: None,
+            }),
             "llama3-8b-q4k" => {
                 let mut cfg = base(32, 4096, 32, 8, 14336, 128256, 500000.0);
                 cfg.tied_embeddings = false;
-                Ok(Synthetic { cfg, embd: "Q4_K", block: "Q4_K", output: Some("Q6_K") })
+                Ok(Synthetic {
+                    cfg,
+                    embd: "Q4_K",
+                    block: "Q4_K",
+                    output: Some("Q6_K"),
+                })
             }
-            other => Err(doppler::Error::Invalid { op: "bench generate", detail: format!("unknown preset {other:?} (smollm2-135m, llama3-8b-q4k)") }),
+            other => Err(doppler::Error::Invalid {
+                op: "bench generate",
+                detail: format!("unknown preset {other:?} (smollm2-135m, llama3-8b-q4k)"),
+            }),
         }
     }
 
     fn dims(&self, name: &str) -> Option<(Vec<u64>, &'static str)> {
         let c = &self.cfg;
-        let (e, f, q, kv) = (c.n_embd as u64, c.ffn_hidden as u64, (c.n_head * c.head_dim) as u64, (c.n_kv_head * c.head_dim) as u64);
+        let (e, f, q, kv) = (
+            c.n_embd as u64,
+            c.ffn_hidden as u64,
+            (c.n_head * c.head_dim) as u64,
+            (c.n_kv_head * c.head_dim) as u64,
+        );
         match name {
             "token_embd.weight" => return Some((vec![e, c.vocab_size as u64], self.embd)),
             "output.weight" => return self.output.map(|t| (vec![e, c.vocab_size as u64], t)),
@@ -86,12 +105,18 @@ impl Source for Synthetic {
         "synthetic"
     }
     fn tensor(&self, name: &str) -> doppler::Result<Option<Stored<'_>>> {
-        let Some((dims, tyname)) = self.dims(name) else { return Ok(None) };
+        let Some((dims, tyname)) = self.dims(name) else {
+            return Ok(None);
+        };
         let ty = GgmlType::from_name(tyname).expect("known type");
         let n: u64 = dims.iter().product();
         if tyname == "F32" {
             let v: Vec<u8> = (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect();
-            return Ok(Some(Stored { bytes: Cow::Owned(v), ty, dims }));
+            return Ok(Some(Stored {
+                bytes: Cow::Owned(v),
+                ty,
+                dims,
+            }));
         }
         let (per, bytes) = ty.block().expect("block type");
         let mut raw = vec![0u8; (n / per * bytes) as usize];
@@ -106,14 +131,22 @@ impl Source for Synthetic {
                 b[off..off + 2].copy_from_slice(&scale);
             }
         }
-        Ok(Some(Stored { bytes: Cow::Owned(raw), ty, dims }))
+        Ok(Some(Stored {
+            bytes: Cow::Owned(raw),
+            ty,
+            dims,
+        }))
     }
 }
 
 /// User + system CPU seconds of this process so far (Linux; 0 elsewhere).
 fn cpu_seconds() -> f64 {
-    let Ok(s) = std::fs::read_to_string("/proc/self/stat") else { return 0.0 };
-    let Some(rest) = s.rsplit(')').next() else { return 0.0 };
+    let Ok(s) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    let Some(rest) = s.rsplit(')').next() else {
+        return 0.0;
+    };
     let f: Vec<&str> = rest.split_whitespace().collect();
     // Fields 14 and 15 (utime, stime) are at 11 and 12 after the command name.
     let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
@@ -123,7 +156,9 @@ fn cpu_seconds() -> f64 {
 fn pct(v: &[f64], p: f64) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
-    s.get(((s.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0)
+    s.get(((s.len() as f64 - 1.0) * p).round() as usize)
+        .copied()
+        .unwrap_or(0.0)
 }
 
 fn argmax(v: &[f32]) -> u32 {
@@ -140,10 +175,16 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
     let ctx = args.prompt + args.gen + 8;
     let t0 = Instant::now();
     let (llama, label): (Llama, String) = match &args.model {
-        Some(p) => (doppler::infer::Model::open(gpu, p, ctx)?.llama, p.display().to_string()),
+        Some(p) => (
+            doppler::infer::Model::open(gpu, p, ctx)?.llama,
+            p.display().to_string(),
+        ),
         None => {
             let s = Synthetic::preset(&args.preset)?;
-            (Llama::load(gpu, s.cfg.clone(), &s, ctx)?, format!("synthetic {}", args.preset))
+            (
+                Llama::load(gpu, s.cfg.clone(), &s, ctx)?,
+                format!("synthetic {}", args.preset),
+            )
         }
     };
     gpu.wait()?;
@@ -151,35 +192,65 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
     let v = llama.cfg.vocab_size;
     let prompt: Vec<u32> = (0..args.prompt).map(|i| (i * 7919 % v) as u32).collect();
     let mut cache = llama.cache(gpu, ctx)?;
-    // One prefill + decode round first: pipelines compile, buffers enter the pool.
-    let round = |cache: &mut doppler::ops::kvcache::KvCache, decode: usize| -> doppler::Result<(f64, Vec<f64>, Vec<usize>, f64, f64)> {
+    // One prefill + decode round first: pipelines compile, buffers enter the pool. Decoding
+    // is greedy with the argmax on the GPU and the next step submitted before the last
+    // token is read (doppler::infer::greedy, as `generate` does at temperature 0).
+    let round = |cache: &mut doppler::ops::kvcache::KvCache,
+                 decode: usize|
+     -> doppler::Result<(f64, Vec<f64>, Vec<usize>, f64, f64, u64)> {
         cache.len = 0;
+        let mut dec = GreedyDecoder::new(gpu)?;
         let t = Instant::now();
-        let mut logits = Vec::new();
-        for chunk in prompt.chunks(doppler::infer::PREFILL_CHUNK) {
-            let l = gpu.run(|rec| llama.forward(rec, chunk, cache, false))?;
-            logits = l.read_f32(gpu)?;
-        }
-        let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
-        let mut next = argmax(&logits);
-        let (mut per_token, mut dispatches) = (Vec::new(), Vec::new());
+        dec.prefill(gpu, &llama, cache, &prompt)?;
         let mut record_ms = 0.0;
-        let cpu0 = cpu_seconds();
-        for _ in 0..decode {
+        let mut dispatches = Vec::new();
+        let mut step = |dec: &mut GreedyDecoder,
+                        cache: &mut doppler::ops::kvcache::KvCache|
+         -> doppler::Result<()> {
             let t = Instant::now();
-            let mut rec = gpu.recorder("decode");
-            let l = llama.forward(&mut rec, &[next], cache, false)?;
-            dispatches.push(rec.dispatches());
-            rec.submit()?;
+            // Every dispatch takes a bind group, built or reused.
+            let count = || {
+                let (built, reused) = gpu.bind_group_stats();
+                built + reused
+            };
+            let before = count();
+            dec.step(gpu, &llama, cache)?;
+            dispatches.push((count() - before) as usize);
             record_ms += t.elapsed().as_secs_f64() * 1e3;
-            next = argmax(&l.read_f32(gpu)?);
+            Ok(())
+        };
+        dec.next_token(gpu)?;
+        let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
+        let mut per_token = Vec::new();
+        let cpu0 = cpu_seconds();
+        let binds0 = gpu.bind_group_stats();
+        let mut t = Instant::now();
+        if decode > 0 {
+            step(&mut dec, cache)?;
+        }
+        for k in 0..decode {
+            if k + 1 < decode {
+                step(&mut dec, cache)?;
+            }
+            dec.next_token(gpu)?;
             per_token.push(t.elapsed().as_secs_f64() * 1e3);
+            t = Instant::now();
         }
         let cpu_ms = (cpu_seconds() - cpu0) * 1e3;
-        Ok((prefill_ms, per_token, dispatches, record_ms, cpu_ms))
+        let binds = gpu.bind_group_stats();
+        drop(step);
+        Ok((
+            prefill_ms,
+            per_token,
+            dispatches,
+            record_ms,
+            cpu_ms,
+            binds.0 - binds0.0,
+        ))
     };
     round(&mut cache, 2)?;
-    let (prefill_ms, per_token, dispatches, record_ms, cpu_ms) = round(&mut cache, args.gen)?;
+    let (prefill_ms, per_token, dispatches, record_ms, cpu_ms, built) =
+        round(&mut cache, args.gen)?;
     // GPU time per kernel over a few more decode steps, each dispatch in its own pass with
     // timestamps (slower than the timed loop: the figures are for proportions).
     let mut trace = doppler::gpu::Trace::default();
@@ -216,6 +287,7 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         "dispatches_per_token": dispatches.iter().sum::<usize>() as f64 / n,
         "record_ms_per_token": record_ms / n,
         "cpu_ms_per_token": cpu_ms / n,
+        "bind_groups_built_per_token": built as f64 / n,
         "weight_gb_s_at_p50": llama.weight_bytes as f64 / (p50 / 1e3) / 1e9,
         "decode_kernels": kernels,
     });

@@ -48,7 +48,10 @@ impl SamplingArgs {
             repeat_last_n: self.repeat_last_n,
             seed: self.seed,
         };
-        cfg.validate().map_err(|detail| Error::Invalid { op: "sampling", detail })?;
+        cfg.validate().map_err(|detail| Error::Invalid {
+            op: "sampling",
+            detail,
+        })?;
         Ok(Sampler::new(cfg))
     }
 }
@@ -56,7 +59,12 @@ impl SamplingArgs {
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
     /// Model: a .gguf file, or a directory with config.json, *.safetensors and tokenizer.json.
-    #[arg(short, long, conflicts_with = "checkpoint", required_unless_present = "checkpoint")]
+    #[arg(
+        short,
+        long,
+        conflicts_with = "checkpoint",
+        required_unless_present = "checkpoint"
+    )]
     model: Option<PathBuf>,
     /// A training run directory (its latest checkpoint) or one checkpoint directory.
     #[arg(long)]
@@ -94,24 +102,44 @@ pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode>
         if !args.json {
             print!("{}", args.prompt);
         }
-        let text = generate_checkpoint(gpu, &model, &tokenizer, &args.prompt, args.max_tokens, &mut sampler, &mut |piece| {
-            if !args.json {
-                print!("{piece}");
-                let _ = out.flush();
-            }
-        })?;
+        let text = generate_checkpoint(
+            gpu,
+            &model,
+            &tokenizer,
+            &args.prompt,
+            args.max_tokens,
+            &mut sampler,
+            &mut |piece| {
+                if !args.json {
+                    print!("{piece}");
+                    let _ = out.flush();
+                }
+            },
+        )?;
         if args.json {
-            println!("{}", serde_json::json!({ "prompt": args.prompt, "text": text, "tokens": args.max_tokens }));
+            println!(
+                "{}",
+                serde_json::json!({ "prompt": args.prompt, "text": text, "tokens": args.max_tokens })
+            );
         } else {
             println!();
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let path = args.model.as_ref().expect("clap requires --model or --checkpoint");
+    let path = args
+        .model
+        .as_ref()
+        .expect("clap requires --model or --checkpoint");
     let model = Model::open(gpu, path, args.ctx_size)?;
     let tk = &model.tokenizer;
     let (text, special) = if args.chat {
-        let t = model.template.as_ref().ok_or_else(|| Error::Invalid { op: "generate", detail: format!("{} has no chat template this build recognises (ChatML, Llama 3, Zephyr)", path.display()) })?;
+        let t = model.template.as_ref().ok_or_else(|| Error::Invalid {
+            op: "generate",
+            detail: format!(
+                "{} has no chat template this build recognises (ChatML, Llama 3, Zephyr)",
+                path.display()
+            ),
+        })?;
         (t.render(&[Message::new("user", &args.prompt)], true), true)
     } else {
         (args.prompt.clone(), args.special)
@@ -121,14 +149,23 @@ pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode>
         ids.extend(tk.bos.or(tk.eos));
     }
     let mut session = Session::new(gpu, &model, args.ctx_size)?;
-    let opts = GenOptions { max_tokens: args.max_tokens.min(session.capacity().saturating_sub(ids.len())), stop_tokens: model.stop_tokens(), stop_strings: args.stop.clone() };
+    let opts = GenOptions {
+        max_tokens: args
+            .max_tokens
+            .min(session.capacity().saturating_sub(ids.len())),
+        stop_tokens: model.stop_tokens(),
+        stop_strings: args.stop.clone(),
+    };
     if !args.json && !args.chat {
         print!("{}", args.prompt);
     }
     let g = session.generate(gpu, &ids, &opts, &mut sampler, &mut |piece| {
         if !args.json {
             print!("{piece}");
-            out.flush().map_err(|source| Error::Io { path: "stdout".into(), source })?;
+            out.flush().map_err(|source| Error::Io {
+                path: "stdout".into(),
+                source,
+            })?;
         }
         Ok(())
     })?;
@@ -174,7 +211,11 @@ fn stats_line(g: &Generation) -> String {
         g.prompt_tokens,
         g.prefill_ms,
         g.tokens.len(),
-        if decode_ms > 0.0 { g.token_ms.len() as f64 / decode_ms * 1e3 } else { 0.0 }
+        if decode_ms > 0.0 {
+            g.token_ms.len() as f64 / decode_ms * 1e3
+        } else {
+            0.0
+        }
     )
 }
 
@@ -201,7 +242,13 @@ pub struct ChatArgs {
 pub fn chat_cmd(gpu: &Gpu, args: &ChatArgs) -> doppler::Result<ExitCode> {
     let mut sampler = args.sampling.sampler()?;
     let model = Model::open(gpu, &args.model, args.ctx_size)?;
-    let template = model.template.clone().ok_or_else(|| Error::Invalid { op: "chat", detail: format!("{} has no chat template this build recognises (ChatML, Llama 3, Zephyr)", args.model.display()) })?;
+    let template = model.template.clone().ok_or_else(|| Error::Invalid {
+        op: "chat",
+        detail: format!(
+            "{} has no chat template this build recognises (ChatML, Llama 3, Zephyr)",
+            args.model.display()
+        ),
+    })?;
     let tk = &model.tokenizer;
     let mut session = Session::new(gpu, &model, args.ctx_size)?;
     let stop_tokens = model.stop_tokens();
@@ -213,7 +260,15 @@ pub fn chat_cmd(gpu: &Gpu, args: &ChatArgs) -> doppler::Result<ExitCode> {
     loop {
         eprint!("> ");
         let mut line = String::new();
-        if stdin.lock().read_line(&mut line).map_err(|source| Error::Io { path: "stdin".into(), source })? == 0 {
+        if stdin
+            .lock()
+            .read_line(&mut line)
+            .map_err(|source| Error::Io {
+                path: "stdin".into(),
+                source,
+            })?
+            == 0
+        {
             break;
         }
         let line = line.trim_end_matches(['\n', '\r']);
@@ -248,16 +303,27 @@ pub fn chat_cmd(gpu: &Gpu, args: &ChatArgs) -> doppler::Result<ExitCode> {
             text = template.render(&msgs, true);
             ids = model.prompt_ids(&text, true, true)?;
             if ids.len() + 16 > session.capacity() {
-                eprintln!("(this message alone is {} tokens; the context holds {}: not sent)", ids.len(), session.capacity());
+                eprintln!(
+                    "(this message alone is {} tokens; the context holds {}: not sent)",
+                    ids.len(),
+                    session.capacity()
+                );
                 pending.clear();
                 continue;
             }
         }
         let room = session.capacity() - session.cache.len - ids.len();
-        let opts = GenOptions { max_tokens: args.max_tokens.min(room), stop_tokens: stop_tokens.clone(), stop_strings: vec![] };
+        let opts = GenOptions {
+            max_tokens: args.max_tokens.min(room),
+            stop_tokens: stop_tokens.clone(),
+            stop_strings: vec![],
+        };
         let g = session.generate(gpu, &ids, &opts, &mut sampler, &mut |piece| {
             print!("{piece}");
-            out.flush().map_err(|source| Error::Io { path: "stdout".into(), source })?;
+            out.flush().map_err(|source| Error::Io {
+                path: "stdout".into(),
+                source,
+            })?;
             Ok(())
         })?;
         println!();

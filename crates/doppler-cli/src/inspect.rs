@@ -27,7 +27,14 @@ pub fn inspect(args: &InspectArgs) -> doppler::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         return Ok(ExitCode::SUCCESS);
     }
-    println!("{}: GGUF v{}, {} metadata keys, {} tensors, {params} parameters, {:.1} MiB of tensor data", args.model.display(), g.version, g.metadata.len(), g.tensors.len(), total as f64 / (1 << 20) as f64);
+    println!(
+        "{}: GGUF v{}, {} metadata keys, {} tensors, {params} parameters, {:.1} MiB of tensor data",
+        args.model.display(),
+        g.version,
+        g.metadata.len(),
+        g.tensors.len(),
+        total as f64 / (1 << 20) as f64
+    );
     println!("\nmetadata");
     for (k, v) in &g.metadata {
         println!("  {k:<44} {}", v.summary());
@@ -38,10 +45,27 @@ pub fn inspect(args: &InspectArgs) -> doppler::Result<ExitCode> {
         e.0 += 1;
         e.1 += t.n_bytes;
     }
-    println!("\ntensors ({})", by_type.iter().map(|(k, (n, b))| format!("{n} {k}, {:.1} MiB", *b as f64 / (1 << 20) as f64)).collect::<Vec<_>>().join("; "));
-    println!("  {:<40} {:<6} {:<22} {:>12} {:>12}", "name", "type", "dims (innermost first)", "bytes", "offset");
+    println!(
+        "\ntensors ({})",
+        by_type
+            .iter()
+            .map(|(k, (n, b))| format!("{n} {k}, {:.1} MiB", *b as f64 / (1 << 20) as f64))
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    println!(
+        "  {:<40} {:<6} {:<22} {:>12} {:>12}",
+        "name", "type", "dims (innermost first)", "bytes", "offset"
+    );
     for t in &g.tensors {
-        println!("  {:<40} {:<6} {:<22} {:>12} {:>12}", t.name, t.ty.name(), format!("{:?}", t.dims), t.n_bytes, t.offset);
+        println!(
+            "  {:<40} {:<6} {:<22} {:>12} {:>12}",
+            t.name,
+            t.ty.name(),
+            format!("{:?}", t.dims),
+            t.n_bytes,
+            t.offset
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -11,7 +11,11 @@ use doppler::gpu::{Gpu, GpuOptions};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "doppler", version, about = "WebGPU runtime for running and training neural networks on your own GPU")]
+#[command(
+    name = "doppler",
+    version,
+    about = "WebGPU runtime for running and training neural networks on your own GPU"
+)]
 struct Cli {
     /// Adapter to use: a case-insensitive part of its name (see `doppler info`).
     #[arg(long, global = true, env = "DOPPLER_ADAPTER")]
@@ -64,8 +68,11 @@ fn main() -> ExitCode {
     };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{level},wgpu_hal=error,wgpu_core=error,naga=warn"))),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new(format!(
+                    "{level},wgpu_hal=error,wgpu_core=error,naga=warn"
+                ))
+            }),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -80,7 +87,11 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> doppler::Result<ExitCode> {
     // Commands that need no GPU run before one is opened.
-    let opts = GpuOptions { adapter: cli.adapter, backend: cli.backend, ..GpuOptions::from_env() };
+    let opts = GpuOptions {
+        adapter: cli.adapter,
+        backend: cli.backend,
+        ..GpuOptions::from_env()
+    };
     let gpu = || Gpu::new_blocking(&opts);
     match cli.command {
         Command::Inspect(args) => inspect::inspect(&args),
@@ -96,12 +107,21 @@ fn run(cli: Cli) -> doppler::Result<ExitCode> {
 fn info(gpu: &Gpu, json: bool) -> doppler::Result<ExitCode> {
     let i = &gpu.info;
     let l = &gpu.limits;
-    let features: Vec<String> = gpu.features.iter_names().map(|(n, _)| n.to_string()).collect();
+    let features: Vec<String> = gpu
+        .features
+        .iter_names()
+        .map(|(n, _)| n.to_string())
+        .collect();
     let coop: Vec<String> = gpu
         .adapter
         .cooperative_matrix_properties()
         .iter()
-        .map(|p| format!("{}x{}x{} {:?}->{:?}", p.m_size, p.n_size, p.k_size, p.ab_type, p.cr_type))
+        .map(|p| {
+            format!(
+                "{}x{}x{} {:?}->{:?}",
+                p.m_size, p.n_size, p.k_size, p.ab_type, p.cr_type
+            )
+        })
         .collect();
     let limits = serde_json::json!({
         "max_buffer_size": l.max_buffer_size,
@@ -127,7 +147,14 @@ fn info(gpu: &Gpu, json: bool) -> doppler::Result<ExitCode> {
     println!("backend   {:?}", i.backend);
     println!("driver    {} {}", i.driver, i.driver_info);
     println!("subgroups {}..{}", i.subgroup_min_size, i.subgroup_max_size);
-    println!("features  {}", if features.is_empty() { "(none)".into() } else { features.join(", ") });
+    println!(
+        "features  {}",
+        if features.is_empty() {
+            "(none)".into()
+        } else {
+            features.join(", ")
+        }
+    );
     if !coop.is_empty() {
         println!("coop mat  {}", coop.join(", "));
     }
@@ -142,11 +169,15 @@ fn verify(gpu: &Gpu, filter: Option<&str>, json: bool) -> doppler::Result<ExitCo
     let results = doppler::verify::run(gpu, filter);
     let failed = results.iter().filter(|c| !c.pass).count();
     if json {
-        let v = serde_json::json!({ "adapter": gpu.info.name, "checks": results, "failed": failed });
+        let v =
+            serde_json::json!({ "adapter": gpu.info.name, "checks": results, "failed": failed });
         println!("{}", serde_json::to_string_pretty(&v).unwrap());
     } else {
         println!("adapter: {} ({:?})", gpu.info.name, gpu.info.backend);
-        println!("{:<44} {:<34} {:>10} {:>10}  result", "op", "shape", "max abs", "max rel");
+        println!(
+            "{:<44} {:<34} {:>10} {:>10}  result",
+            "op", "shape", "max abs", "max rel"
+        );
         for c in &results {
             println!(
                 "{:<44} {:<34} {:>10.2e} {:>10.2e}  {}",
@@ -154,14 +185,27 @@ fn verify(gpu: &Gpu, filter: Option<&str>, json: bool) -> doppler::Result<ExitCo
                 c.shape,
                 c.max_abs,
                 c.max_rel,
-                if c.pass { "pass".to_string() } else { format!("FAIL: {}", c.error.as_deref().unwrap_or("")) }
+                if c.pass {
+                    "pass".to_string()
+                } else {
+                    format!("FAIL: {}", c.error.as_deref().unwrap_or(""))
+                }
             );
         }
-        println!("{} checks, {} passed, {} failed", results.len(), results.len() - failed, failed);
+        println!(
+            "{} checks, {} passed, {} failed",
+            results.len(),
+            results.len() - failed,
+            failed
+        );
     }
     if results.is_empty() {
         eprintln!("error: no check matches the filter");
         return Ok(ExitCode::FAILURE);
     }
-    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

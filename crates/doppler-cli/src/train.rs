@@ -39,7 +39,11 @@ pub fn train(gpu: &Gpu, args: &TrainArgs) -> doppler::Result<ExitCode> {
     if let (Some(path), Some(trace)) = (&args.trace, &trainer.trace) {
         trace.write_chrome_json(path)?;
         let total: f64 = trace.events.iter().map(|e| e.dur_ns).sum();
-        eprintln!("{} dispatches, {:.1} ms of GPU time; slowest kernels:", trace.events.len(), total / 1e6);
+        eprintln!(
+            "{} dispatches, {:.1} ms of GPU time; slowest kernels:",
+            trace.events.len(),
+            total / 1e6
+        );
         for k in trace.by_kernel().iter().take(15) {
             eprintln!("  {:>9.2} ms {:>6}x  {}", k.total_ns / 1e6, k.count, k.name);
         }
@@ -52,25 +56,45 @@ fn run_until(trainer: &mut Trainer<'_>, stop: u64, json: bool) -> doppler::Resul
     let mut on_event = |e: Event<'_>| {
         if json {
             let v = match e {
-                Event::Started { params, vocab, train_tokens, val_tokens, start_step, steps } => serde_json::json!({
+                Event::Started {
+                    params,
+                    vocab,
+                    train_tokens,
+                    val_tokens,
+                    start_step,
+                    steps,
+                } => serde_json::json!({
                     "event": "start", "params": params, "vocab": vocab, "train_tokens": train_tokens,
                     "val_tokens": val_tokens, "start_step": start_step, "steps": steps }),
                 Event::Step(s) => serde_json::json!({ "event": "step", "step": s }),
-                Event::Eval { step, val_loss } => serde_json::json!({ "event": "eval", "step": step, "val_loss": val_loss }),
-                Event::Checkpoint { step, dir } => serde_json::json!({ "event": "checkpoint", "step": step, "dir": dir }),
+                Event::Eval { step, val_loss } => {
+                    serde_json::json!({ "event": "eval", "step": step, "val_loss": val_loss })
+                }
+                Event::Checkpoint { step, dir } => {
+                    serde_json::json!({ "event": "checkpoint", "step": step, "dir": dir })
+                }
             };
             println!("{v}");
             return;
         }
         match e {
-            Event::Started { params, vocab, train_tokens, val_tokens, start_step, steps } => {
+            Event::Started {
+                params,
+                vocab,
+                train_tokens,
+                val_tokens,
+                start_step,
+                steps,
+            } => {
                 eprintln!("model: {params} parameters, vocabulary {vocab}; data: {train_tokens} training / {val_tokens} validation tokens");
                 bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
                 bar.set_length(steps);
                 bar.set_position(start_step);
                 bar.set_style(
-                    ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]")
-                        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                    ProgressStyle::with_template(
+                        "{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
+                    )
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
                 );
             }
             Event::Step(s) => {
@@ -80,19 +104,32 @@ fn run_until(trainer: &mut Trainer<'_>, stop: u64, json: bool) -> doppler::Resul
                     s.loss,
                     s.lr,
                     s.tokens_per_s,
-                    if s.skipped { "  (overflow: step skipped)" } else { "" }
+                    if s.skipped {
+                        "  (overflow: step skipped)"
+                    } else {
+                        ""
+                    }
                 ));
             }
-            Event::Eval { step, val_loss } => bar.println(format!("step {step}: validation loss {val_loss:.4}")),
-            Event::Checkpoint { step, dir } => bar.println(format!("step {step}: checkpoint {}", dir.display())),
+            Event::Eval { step, val_loss } => {
+                bar.println(format!("step {step}: validation loss {val_loss:.4}"))
+            }
+            Event::Checkpoint { step, dir } => {
+                bar.println(format!("step {step}: checkpoint {}", dir.display()))
+            }
         }
     };
     let summary = trainer.run(stop, &mut on_event)?;
     bar.finish_and_clear();
     if json {
-        println!("{}", serde_json::json!({ "event": "done", "summary": summary }));
+        println!(
+            "{}",
+            serde_json::json!({ "event": "done", "summary": summary })
+        );
     } else {
-        let first = summary.first_val_loss.map_or("-".into(), |v| format!("{v:.4}"));
+        let first = summary
+            .first_val_loss
+            .map_or("-".into(), |v| format!("{v:.4}"));
         eprintln!(
             "done: steps {} -> {}, validation loss {first} -> {:.4}, {:.0} tokens/s, {:.1} s; checkpoint {}",
             summary.start_step,

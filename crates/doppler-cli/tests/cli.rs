@@ -3,8 +3,15 @@
 use std::process::Command;
 
 fn doppler(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_doppler")).args(args).output().expect("run doppler");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    let out = Command::new(env!("CARGO_BIN_EXE_doppler"))
+        .args(args)
+        .output()
+        .expect("run doppler");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 #[test]
@@ -22,7 +29,12 @@ fn info_json_names_the_adapter() {
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert!(!v["name"].as_str().unwrap().is_empty());
-    assert!(v["limits"]["max_compute_workgroups_per_dimension"].as_u64().unwrap() >= 65535);
+    assert!(
+        v["limits"]["max_compute_workgroups_per_dimension"]
+            .as_u64()
+            .unwrap()
+            >= 65535
+    );
     assert!(v["features"].is_array());
 }
 
@@ -47,7 +59,10 @@ fn verify_with_no_matching_check_fails() {
 fn unknown_adapter_is_a_clear_error() {
     let (ok, _, err) = doppler(&["--adapter", "no-such-gpu-xyz", "info"]);
     assert!(!ok);
-    assert!(err.contains("no adapter matches \"no-such-gpu-xyz\"") && err.contains("available"), "{err}");
+    assert!(
+        err.contains("no adapter matches \"no-such-gpu-xyz\"") && err.contains("available"),
+        "{err}"
+    );
     let (ok, _, err) = doppler(&["--backend", "glide", "info"]);
     assert!(!ok);
     assert!(err.contains("unknown backend"), "{err}");
@@ -55,14 +70,18 @@ fn unknown_adapter_is_a_clear_error() {
 
 #[test]
 fn bench_json_reports_medians() {
-    let (ok, out, err) =
-        doppler(&["bench", "--json", "--mib", "1", "--size", "64", "--repeat", "2", "--batch", "2"]);
+    let (ok, out, err) = doppler(&[
+        "bench", "--json", "--mib", "1", "--size", "64", "--repeat", "2", "--batch", "2",
+    ]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let rows = v["results"].as_array().unwrap();
     assert_eq!(rows.len(), 7, "{out}");
     for r in rows {
-        assert!(r["wall_ms"].as_f64().unwrap() > 0.0 && r["value"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(
+            r["wall_ms"].as_f64().unwrap() > 0.0 && r["value"].as_f64().unwrap() > 0.0,
+            "{r}"
+        );
     }
 }
 
@@ -73,7 +92,8 @@ fn tiny_run(dir: &std::path::Path, arch: &str) -> std::path::PathBuf {
 
 fn tiny_run_with(dir: &std::path::Path, arch: &str, extra_train: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(dir).unwrap();
-    let text = "the cat sat on the mat. the dog sat on the log. a cat and a dog met on a mat.\n".repeat(40);
+    let text = "the cat sat on the mat. the dog sat on the log. a cat and a dog met on a mat.\n"
+        .repeat(40);
     std::fs::write(dir.join("corpus.txt"), text).unwrap();
     let cfg = format!(
         "[model]\narch = \"{arch}\"\nn_layer = 1\nn_embd = 32\nn_head = 2\nblock_size = 16\n\
@@ -103,11 +123,23 @@ fn train_resume_and_generate() {
     let done: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
     let s = &done["summary"];
     assert_eq!(s["steps"], 8);
-    assert!(s["final_val_loss"].as_f64().unwrap() < s["first_val_loss"].as_f64().unwrap(), "{s}");
+    assert!(
+        s["final_val_loss"].as_f64().unwrap() < s["first_val_loss"].as_f64().unwrap(),
+        "{s}"
+    );
     // Interrupted after 3 steps (checkpoint at the stop), then resumed: the same bits.
-    let (ok, _, err) = doppler(&["train", "--config", cfg_b.to_str().unwrap(), "--max-steps", "3"]);
+    let (ok, _, err) = doppler(&[
+        "train",
+        "--config",
+        cfg_b.to_str().unwrap(),
+        "--max-steps",
+        "3",
+    ]);
     assert!(ok, "{err}");
-    assert_eq!(std::fs::read_to_string(b.join("run/latest")).unwrap(), "step-00000003");
+    assert_eq!(
+        std::fs::read_to_string(b.join("run/latest")).unwrap(),
+        "step-00000003"
+    );
     // Without --resume the run refuses to overwrite.
     let (ok, _, err) = doppler(&["train", "--config", cfg_b.to_str().unwrap()]);
     assert!(!ok && err.contains("--resume"), "{err}");
@@ -116,16 +148,34 @@ fn train_resume_and_generate() {
     for f in ["model.safetensors", "optim.safetensors"] {
         let x = std::fs::read(a.join("run/step-00000008").join(f)).unwrap();
         let y = std::fs::read(b.join("run/step-00000008").join(f)).unwrap();
-        assert!(x == y, "{f} differs between the uninterrupted and the resumed run");
+        assert!(
+            x == y,
+            "{f} differs between the uninterrupted and the resumed run"
+        );
     }
-    assert!(std::fs::read_to_string(a.join("run/loss.svg")).unwrap().contains("<polyline"));
+    assert!(std::fs::read_to_string(a.join("run/loss.svg"))
+        .unwrap()
+        .contains("<polyline"));
     // A different model cannot resume this run.
-    let other = std::fs::read_to_string(&cfg_b).unwrap().replace("n_embd = 32", "n_embd = 64");
+    let other = std::fs::read_to_string(&cfg_b)
+        .unwrap()
+        .replace("n_embd = 32", "n_embd = 64");
     std::fs::write(&cfg_b, other).unwrap();
     let (ok, _, err) = doppler(&["train", "--config", cfg_b.to_str().unwrap(), "--resume"]);
-    assert!(!ok && err.contains("another config") && err.contains("model.n_embd: 32 vs 64"), "{err}");
+    assert!(
+        !ok && err.contains("another config") && err.contains("model.n_embd: 32 vs 64"),
+        "{err}"
+    );
     // Sampling from the checkpoint.
-    let (ok, out, err) = doppler(&["generate", "--checkpoint", a.join("run").to_str().unwrap(), "the ", "-n", "10", "--json"]);
+    let (ok, out, err) = doppler(&[
+        "generate",
+        "--checkpoint",
+        a.join("run").to_str().unwrap(),
+        "the ",
+        "-n",
+        "10",
+        "--json",
+    ]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["text"].as_str().unwrap().chars().count(), 10);
@@ -135,7 +185,12 @@ fn train_resume_and_generate() {
     let n = bytes.len();
     bytes[n - 1] ^= 1;
     std::fs::write(&model, bytes).unwrap();
-    let (ok, _, err) = doppler(&["generate", "--checkpoint", a.join("run").to_str().unwrap(), "x"]);
+    let (ok, _, err) = doppler(&[
+        "generate",
+        "--checkpoint",
+        a.join("run").to_str().unwrap(),
+        "x",
+    ]);
     assert!(!ok && err.contains("SHA-256"), "{err}");
     let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
 }
@@ -146,7 +201,13 @@ fn two_identical_runs_give_identical_bits() {
     for d in [&a, &b] {
         // Also through gradient accumulation and dynamic loss scaling.
         let cfg = tiny_run_with(d, "llama", "grad_accum = 2\nloss_scale = \"dynamic\"\n");
-        let (ok, _, err) = doppler(&["train", "--config", cfg.to_str().unwrap(), "--max-steps", "4"]);
+        let (ok, _, err) = doppler(&[
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--max-steps",
+            "4",
+        ]);
         assert!(ok, "{err}");
     }
     for f in ["model.safetensors", "optim.safetensors"] {
@@ -164,11 +225,19 @@ fn bad_train_configs_get_clear_errors() {
     let text = std::fs::read_to_string(&cfg).unwrap();
     std::fs::write(&cfg, text.replace("n_head = 2", "n_head = 3")).unwrap();
     let (ok, _, err) = doppler(&["train", "--config", cfg.to_str().unwrap()]);
-    assert!(!ok && err.contains("tiny.toml") && err.contains("n_head"), "{err}");
+    assert!(
+        !ok && err.contains("tiny.toml") && err.contains("n_head"),
+        "{err}"
+    );
     std::fs::write(&cfg, text.replace("corpus.txt", "missing.txt")).unwrap();
     let (ok, _, err) = doppler(&["train", "--config", cfg.to_str().unwrap()]);
     assert!(!ok && err.contains("missing.txt"), "{err}");
-    let (ok, _, err) = doppler(&["generate", "--checkpoint", d.join("nowhere").to_str().unwrap(), "x"]);
+    let (ok, _, err) = doppler(&[
+        "generate",
+        "--checkpoint",
+        d.join("nowhere").to_str().unwrap(),
+        "x",
+    ]);
     assert!(!ok && err.contains("nowhere"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
@@ -180,7 +249,10 @@ fn inspect_lists_gguf_metadata_and_tensors_and_rejects_truncated_files() {
     std::fs::create_dir_all(&d).unwrap();
     let q4_1 = vec![0u8; 20 * 4];
     let bytes = write(
-        &[("general.architecture", Value::String("llama".into())), ("llama.block_count", Value::U32(1))],
+        &[
+            ("general.architecture", Value::String("llama".into())),
+            ("llama.block_count", Value::U32(1)),
+        ],
         &[("blk.0.attn_q.weight", &[64, 2], GgmlType(3), &q4_1)],
         32,
     );
@@ -193,10 +265,18 @@ fn inspect_lists_gguf_metadata_and_tensors_and_rejects_truncated_files() {
     assert_eq!(v["tensors"][0]["ty"], "Q4_1");
     assert_eq!(v["tensors"][0]["n_bytes"], 80);
     let (ok, out, _) = doppler(&["inspect", path.to_str().unwrap()]);
-    assert!(ok && out.contains("blk.0.attn_q.weight") && out.contains("Q4_1"), "{out}");
+    assert!(
+        ok && out.contains("blk.0.attn_q.weight") && out.contains("Q4_1"),
+        "{out}"
+    );
     std::fs::write(&path, &bytes[..bytes.len() - 7]).unwrap();
     let (ok, _, err) = doppler(&["inspect", path.to_str().unwrap()]);
-    assert!(!ok && err.contains("m.gguf") && err.contains("truncated") && err.contains("blk.0.attn_q.weight"), "{err}");
+    assert!(
+        !ok && err.contains("m.gguf")
+            && err.contains("truncated")
+            && err.contains("blk.0.attn_q.weight"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -215,9 +295,18 @@ fn doppler_stdin(args: &[&str], input: &str) -> (bool, String, String) {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("run doppler");
-    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
     let out = child.wait_with_output().unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 #[test]
@@ -225,17 +314,44 @@ fn generate_from_a_model_file_is_seeded_and_reports_json() {
     let (gguf, _) = tiny_model("gen-model", "llama");
     let m = gguf.to_str().unwrap();
     let run = |seed: &str| {
-        let (ok, out, err) = doppler(&["generate", "-m", m, "hello", "-n", "6", "--seed", seed, "--temperature", "1.0", "--json"]);
+        let (ok, out, err) = doppler(&[
+            "generate",
+            "-m",
+            m,
+            "hello",
+            "-n",
+            "6",
+            "--seed",
+            seed,
+            "--temperature",
+            "1.0",
+            "--json",
+        ]);
         assert!(ok, "{err}");
         serde_json::from_str::<serde_json::Value>(&out).unwrap()
     };
     let (a, b, c) = (run("1"), run("1"), run("2"));
     assert_eq!(a["tokens"], b["tokens"]);
-    assert_eq!(a["generated_tokens"].as_u64().unwrap(), a["tokens"].as_array().unwrap().len() as u64);
-    assert!(a["tokens"] != c["tokens"] || a["tokens"].as_array().unwrap().len() < 2, "seeds 1 and 2 gave the same tokens");
+    assert_eq!(
+        a["generated_tokens"].as_u64().unwrap(),
+        a["tokens"].as_array().unwrap().len() as u64
+    );
+    assert!(
+        a["tokens"] != c["tokens"] || a["tokens"].as_array().unwrap().len() < 2,
+        "seeds 1 and 2 gave the same tokens"
+    );
     assert!(a["prefill_ms"].as_f64().unwrap() > 0.0 && a["load_ms"].as_f64().unwrap() > 0.0);
     // Streaming: the prompt, then the text.
-    let (ok, out, err) = doppler(&["generate", "-m", m, "hello", "-n", "4", "--temperature", "0"]);
+    let (ok, out, err) = doppler(&[
+        "generate",
+        "-m",
+        m,
+        "hello",
+        "-n",
+        "4",
+        "--temperature",
+        "0",
+    ]);
     assert!(ok && out.starts_with("hello"), "{out}{err}");
     // Bad sampling values and a missing model are clear errors.
     let (ok, _, err) = doppler(&["generate", "-m", m, "x", "--top-p", "1.5"]);
@@ -251,7 +367,15 @@ fn generate_from_safetensors_matches_gguf() {
     let (ok, _, err) = doppler(&["generate", "-m", hf.to_str().unwrap(), "x", "-n", "2"]);
     assert!(!ok && err.contains("tokenizer.json"), "{err}");
     // ...while the GGUF of the same weights generates.
-    let (ok, _, err) = doppler(&["generate", "-m", gguf.to_str().unwrap(), "x", "-n", "2", "--json"]);
+    let (ok, _, err) = doppler(&[
+        "generate",
+        "-m",
+        gguf.to_str().unwrap(),
+        "x",
+        "-n",
+        "2",
+        "--json",
+    ]);
     assert!(ok, "{err}");
 }
 
@@ -259,14 +383,20 @@ fn generate_from_safetensors_matches_gguf() {
 fn chat_keeps_the_conversation_and_handles_a_full_context() {
     let (gguf, _) = tiny_model("chat", "llama");
     let m = gguf.to_str().unwrap();
-    let (ok, out, err) = doppler_stdin(&["chat", "-m", m, "-n", "3", "--temperature", "0"], "hi\nhow are you\n/reset\nagain\n/exit\n");
+    let (ok, out, err) = doppler_stdin(
+        &["chat", "-m", m, "-n", "3", "--temperature", "0"],
+        "hi\nhow are you\n/reset\nagain\n/exit\n",
+    );
     assert!(ok, "{err}");
     assert!(err.contains("conversation cleared"), "{err}");
     // Five prompts shown (three messages, /reset, /exit), replies on stdout.
     assert_eq!(err.matches("> ").count(), 5, "{err}");
     assert!(!out.trim().is_empty(), "no reply: {out:?}");
     // A 48-token context fills within a few turns: the user is told and the chat goes on.
-    let (ok, _, err) = doppler_stdin(&["chat", "-m", m, "-n", "8", "-c", "48", "--temperature", "0"], "one two three\nfour five six\nseven eight nine\nten\n");
+    let (ok, _, err) = doppler_stdin(
+        &["chat", "-m", m, "-n", "8", "-c", "48", "--temperature", "0"],
+        "one two three\nfour five six\nseven eight nine\nten\n",
+    );
     assert!(ok, "{err}");
     assert!(err.contains("context full"), "{err}");
 }
@@ -286,5 +416,8 @@ fn unsupported_architectures_and_truncated_models_are_refused() {
     let odd = gguf.with_file_name("mamba.gguf");
     std::fs::write(&odd, &other).unwrap();
     let (ok, _, err) = doppler(&["generate", "-m", odd.to_str().unwrap(), "x"]);
-    assert!(!ok && err.contains("unsupported architecture mamba"), "{err}");
+    assert!(
+        !ok && err.contains("unsupported architecture mamba"),
+        "{err}"
+    );
 }

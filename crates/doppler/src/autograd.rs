@@ -65,26 +65,81 @@ impl ParamStore {
 /// How a value was made; what its backward needs is saved here.
 enum Op {
     /// An input, a parameter (its index in the store), or a value with no gradient.
-    Leaf { param: Option<usize> },
-    Reshape { x: Var },
+    Leaf {
+        param: Option<usize>,
+    },
+    Reshape {
+        x: Var,
+    },
     /// a + b, same shapes.
-    Add { a: Var, b: Var },
-    Scale { x: Var, alpha: f32 },
+    Add {
+        a: Var,
+        b: Var,
+    },
+    Scale {
+        x: Var,
+        alpha: f32,
+    },
     /// x (..., in) @ w^T (out, in) + b (out)
-    Linear { x: Var, w: Var, b: Option<Var> },
+    Linear {
+        x: Var,
+        w: Var,
+        b: Option<Var>,
+    },
     /// table (V, H) gathered at ids (...) u32.
-    Embedding { table: Var, ids: Tensor },
-    LayerNorm { x: Var, w: Var, b: Var, out: NormOut },
-    RmsNorm { x: Var, w: Var, out: NormOut, one_plus: bool },
-    Gelu { x: Var, mode: GeluMode },
-    Silu { x: Var },
-    SwiGlu { a: Var, b: Var },
-    Rope { x: Var, table: Arc<RopeTable>, offset: usize, pairing: Pairing },
-    Attention { q: Var, k: Var, v: Var, out: AttnOut, opts: AttnOpts },
-    Dropout { x: Var, p: f64, seed: u64 },
+    Embedding {
+        table: Var,
+        ids: Tensor,
+    },
+    LayerNorm {
+        x: Var,
+        w: Var,
+        b: Var,
+        out: NormOut,
+    },
+    RmsNorm {
+        x: Var,
+        w: Var,
+        out: NormOut,
+        one_plus: bool,
+    },
+    Gelu {
+        x: Var,
+        mode: GeluMode,
+    },
+    Silu {
+        x: Var,
+    },
+    SwiGlu {
+        a: Var,
+        b: Var,
+    },
+    Rope {
+        x: Var,
+        table: Arc<RopeTable>,
+        offset: usize,
+        pairing: Pairing,
+    },
+    Attention {
+        q: Var,
+        k: Var,
+        v: Var,
+        out: AttnOut,
+        opts: AttnOpts,
+    },
+    Dropout {
+        x: Var,
+        p: f64,
+        seed: u64,
+    },
     /// Mean cross-entropy of logits (..., V) against targets (...); the value is the
     /// (mean, count) pair the kernel writes.
-    CrossEntropy { logits: Var, targets: Tensor, out: CrossEntropyOut, opts: CrossEntropyOpts },
+    CrossEntropy {
+        logits: Var,
+        targets: Tensor,
+        out: CrossEntropyOut,
+        opts: CrossEntropyOpts,
+    },
 }
 
 pub struct Tape {
@@ -102,7 +157,12 @@ impl Default for Tape {
 
 impl Tape {
     pub fn new() -> Tape {
-        Tape { values: Vec::new(), ops: Vec::new(), needs_grad: Vec::new(), grad_enabled: true }
+        Tape {
+            values: Vec::new(),
+            ops: Vec::new(),
+            needs_grad: Vec::new(),
+            grad_enabled: true,
+        }
     }
 
     /// Number of values recorded.
@@ -131,9 +191,10 @@ impl Tape {
 
     /// The tensor behind `v`.
     pub fn value(&self, v: Var) -> Result<&Tensor> {
-        self.values[v.0]
-            .as_ref()
-            .ok_or_else(|| Error::Invalid { op: "tape", detail: format!("value {} was freed by backward", v.0) })
+        self.values[v.0].as_ref().ok_or_else(|| Error::Invalid {
+            op: "tape",
+            detail: format!("value {} was freed by backward", v.0),
+        })
     }
 
     fn push(&mut self, value: Tensor, op: Op, inputs: &[Var]) -> Var {
@@ -193,10 +254,24 @@ impl Tape {
     }
 
     /// x (..., in) @ w^T + b with w (out, in), as torch.nn.Linear.
-    pub fn linear(&mut self, rec: &mut Recorder<'_>, x: Var, w: Var, b: Option<Var>) -> Result<Var> {
+    pub fn linear(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        x: Var,
+        w: Var,
+        b: Option<Var>,
+    ) -> Result<Var> {
         let [tx, tw] = self.vals([x, w])?;
         let (x2, out) = flat_rows("linear", &tx, &tw)?;
-        let mut y = matmul(rec, &x2, &tw, MatmulOpts { trans_b: true, ..Default::default() })?;
+        let mut y = matmul(
+            rec,
+            &x2,
+            &tw,
+            MatmulOpts {
+                trans_b: true,
+                ..Default::default()
+            },
+        )?;
         if let Some(b) = b {
             y = bias::bias_add(rec, &y, self.value(b)?)?;
         }
@@ -209,21 +284,51 @@ impl Tape {
     pub fn embedding(&mut self, rec: &mut Recorder<'_>, table: Var, ids: &Tensor) -> Result<Var> {
         let [tt] = self.vals([table])?;
         let y = embedding::embedding(rec, &tt, ids)?;
-        Ok(self.push(y, Op::Embedding { table, ids: ids.clone() }, &[table]))
+        Ok(self.push(
+            y,
+            Op::Embedding {
+                table,
+                ids: ids.clone(),
+            },
+            &[table],
+        ))
     }
 
-    pub fn layer_norm(&mut self, rec: &mut Recorder<'_>, x: Var, w: Var, b: Var, eps: f32) -> Result<Var> {
+    pub fn layer_norm(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        x: Var,
+        w: Var,
+        b: Var,
+        eps: f32,
+    ) -> Result<Var> {
         let [tx, tw, tb] = self.vals([x, w, b])?;
         let out = norm::layer_norm(rec, &tx, &tw, &tb, eps)?;
         let y = out.y.clone();
         Ok(self.push(y, Op::LayerNorm { x, w, b, out }, &[x, w, b]))
     }
 
-    pub fn rms_norm(&mut self, rec: &mut Recorder<'_>, x: Var, w: Var, eps: f32, one_plus: bool) -> Result<Var> {
+    pub fn rms_norm(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        x: Var,
+        w: Var,
+        eps: f32,
+        one_plus: bool,
+    ) -> Result<Var> {
         let [tx, tw] = self.vals([x, w])?;
         let out = norm::rms_norm(rec, &tx, &tw, eps, one_plus)?;
         let y = out.y.clone();
-        Ok(self.push(y, Op::RmsNorm { x, w, out, one_plus }, &[x, w]))
+        Ok(self.push(
+            y,
+            Op::RmsNorm {
+                x,
+                w,
+                out,
+                one_plus,
+            },
+            &[x, w],
+        ))
     }
 
     pub fn gelu(&mut self, rec: &mut Recorder<'_>, x: Var, mode: GeluMode) -> Result<Var> {
@@ -246,14 +351,37 @@ impl Tape {
     }
 
     /// x (..., T, H, Dh) turned by the angles of positions offset.. offset + T.
-    pub fn rope(&mut self, rec: &mut Recorder<'_>, x: Var, table: &Arc<RopeTable>, offset: usize, pairing: Pairing) -> Result<Var> {
+    pub fn rope(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        x: Var,
+        table: &Arc<RopeTable>,
+        offset: usize,
+        pairing: Pairing,
+    ) -> Result<Var> {
         let [tx] = self.vals([x])?;
         let y = rope::rope(rec, &tx, table, offset, pairing)?;
-        Ok(self.push(y, Op::Rope { x, table: table.clone(), offset, pairing }, &[x]))
+        Ok(self.push(
+            y,
+            Op::Rope {
+                x,
+                table: table.clone(),
+                offset,
+                pairing,
+            },
+            &[x],
+        ))
     }
 
     /// q (B, Tq, Hq, D), k and v (B, Tk, Hkv, D) -> (B, Tq, Hq, D).
-    pub fn attention(&mut self, rec: &mut Recorder<'_>, q: Var, k: Var, v: Var, opts: AttnOpts) -> Result<Var> {
+    pub fn attention(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        q: Var,
+        k: Var,
+        v: Var,
+        opts: AttnOpts,
+    ) -> Result<Var> {
         let [tq, tk, tv] = self.vals([q, k, v])?;
         let out = attention::attention(rec, &tq, &tk, &tv, opts)?;
         let y = out.o.clone();
@@ -271,19 +399,43 @@ impl Tape {
     }
 
     /// Mean cross-entropy over non-ignored tokens; the value is (mean, count).
-    pub fn cross_entropy(&mut self, rec: &mut Recorder<'_>, logits: Var, targets: &Tensor, opts: CrossEntropyOpts) -> Result<Var> {
+    pub fn cross_entropy(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        logits: Var,
+        targets: &Tensor,
+        opts: CrossEntropyOpts,
+    ) -> Result<Var> {
         let [tl] = self.vals([logits])?;
         let out = ce::cross_entropy(rec, &tl, targets, opts)?;
         let y = out.stats.clone();
-        Ok(self.push(y, Op::CrossEntropy { logits, targets: targets.clone(), out, opts }, &[logits]))
+        Ok(self.push(
+            y,
+            Op::CrossEntropy {
+                logits,
+                targets: targets.clone(),
+                out,
+                opts,
+            },
+            &[logits],
+        ))
     }
 
     /// Backpropagates from `loss` (a cross-entropy value) with upstream gradient `seed`
     /// (1, or the loss scale, or 1 / micro-batches), accumulating into `store`'s gradients.
     /// The tape is consumed: every activation is dropped once no later rule needs it.
-    pub fn backward(mut self, rec: &mut Recorder<'_>, loss: Var, seed: f32, store: &mut ParamStore) -> Result<()> {
+    pub fn backward(
+        mut self,
+        rec: &mut Recorder<'_>,
+        loss: Var,
+        seed: f32,
+        store: &mut ParamStore,
+    ) -> Result<()> {
         if !matches!(self.ops[loss.0], Op::CrossEntropy { .. }) {
-            return Err(Error::Invalid { op: "backward", detail: "the loss must be a cross-entropy value".into() });
+            return Err(Error::Invalid {
+                op: "backward",
+                detail: "the loss must be a cross-entropy value".into(),
+            });
         }
         let n = self.values.len();
         let mut grads: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
@@ -334,7 +486,10 @@ impl Tape {
                         let dx = matmul(rec, &g2, &tw, MatmulOpts::default())?;
                         contrib.push((x, dx.reshape(tx.shape())?));
                     }
-                    let at = MatmulOpts { trans_a: true, ..Default::default() };
+                    let at = MatmulOpts {
+                        trans_a: true,
+                        ..Default::default()
+                    };
                     match self.param_of(w) {
                         // Straight into the stored gradient (beta = 1 adds to it).
                         Some(p) => match &store.grads[p] {
@@ -352,10 +507,22 @@ impl Tape {
                     let tt = self.value(table)?.clone();
                     match self.param_of(table) {
                         Some(p) => match &store.grads[p] {
-                            Some(acc) => embedding::embedding_backward_into(rec, &ids, &g, acc, true)?,
-                            None => store.grads[p] = Some(embedding::embedding_backward(rec, &ids, &g, tt.shape()[0])?),
+                            Some(acc) => {
+                                embedding::embedding_backward_into(rec, &ids, &g, acc, true)?
+                            }
+                            None => {
+                                store.grads[p] = Some(embedding::embedding_backward(
+                                    rec,
+                                    &ids,
+                                    &g,
+                                    tt.shape()[0],
+                                )?)
+                            }
                         },
-                        None => contrib.push((table, embedding::embedding_backward(rec, &ids, &g, tt.shape()[0])?)),
+                        None => contrib.push((
+                            table,
+                            embedding::embedding_backward(rec, &ids, &g, tt.shape()[0])?,
+                        )),
                     }
                 }
                 // Formulas in norm.wgsl.
@@ -368,7 +535,12 @@ impl Tape {
                         contrib.push((b, db));
                     }
                 }
-                Op::RmsNorm { x, w, out, one_plus } => {
+                Op::RmsNorm {
+                    x,
+                    w,
+                    out,
+                    one_plus,
+                } => {
                     let [tx, tw] = self.vals([x, w])?;
                     let gr = norm::rms_norm_backward(rec, &tx, &tw, &out, &g, one_plus)?;
                     contrib.push((x, gr.dx));
@@ -392,7 +564,12 @@ impl Tape {
                     contrib.push((b, db));
                 }
                 // The rotation's transpose: turn g by the negative angles.
-                Op::Rope { x, table, offset, pairing } => {
+                Op::Rope {
+                    x,
+                    table,
+                    offset,
+                    pairing,
+                } => {
                     contrib.push((x, rope::rope_backward(rec, &g, &table, offset, pairing)?));
                 }
                 // Formulas in attention.wgsl (recomputes the probabilities from lse).
@@ -404,11 +581,25 @@ impl Tape {
                     contrib.push((v, gr.dv));
                 }
                 // dx = g * mask / (1 - p), the mask regenerated from the seed
-                Op::Dropout { x, p, seed } => contrib.push((x, dropout::dropout_backward(rec, &g, p, seed)?)),
+                Op::Dropout { x, p, seed } => {
+                    contrib.push((x, dropout::dropout_backward(rec, &g, p, seed)?))
+                }
                 // dlogits = (softmax(logits) - onehot) * g / count
-                Op::CrossEntropy { logits, targets, out, opts } => {
+                Op::CrossEntropy {
+                    logits,
+                    targets,
+                    out,
+                    opts,
+                } => {
                     let [tl] = self.vals([logits])?;
-                    let dl = ce::cross_entropy_backward(rec, &tl, &targets, &out, Upstream::Mean(&g), opts)?;
+                    let dl = ce::cross_entropy_backward(
+                        rec,
+                        &tl,
+                        &targets,
+                        &out,
+                        Upstream::Mean(&g),
+                        opts,
+                    )?;
                     contrib.push((logits, dl));
                 }
             }
@@ -437,10 +628,20 @@ impl Tape {
 /// x (..., in) as (rows, in) and the output shape (..., out) for w (out, in).
 fn flat_rows(op: &'static str, x: &Tensor, w: &Tensor) -> Result<(Tensor, Vec<usize>)> {
     let (Some(&din), [dout, win]) = (x.shape().last(), w.shape()) else {
-        return Err(Error::Shape { op, detail: format!("x {:?}, w {:?}: expected x (..., in), w (out, in)", x.shape(), w.shape()) });
+        return Err(Error::Shape {
+            op,
+            detail: format!(
+                "x {:?}, w {:?}: expected x (..., in), w (out, in)",
+                x.shape(),
+                w.shape()
+            ),
+        });
     };
     if din != *win || x.dtype() != DType::F32 {
-        return Err(Error::Shape { op, detail: format!("x {:?} vs w {:?} (out, in)", x.shape(), w.shape()) });
+        return Err(Error::Shape {
+            op,
+            detail: format!("x {:?} vs w {:?} (out, in)", x.shape(), w.shape()),
+        });
     }
     let mut out = x.shape().to_vec();
     *out.last_mut().unwrap() = *dout;

@@ -11,7 +11,10 @@ pub struct Tolerance {
 
 impl Tolerance {
     /// One f32 rounding per element (add, mul, scale).
-    pub const ELEMENTWISE: Tolerance = Tolerance { abs: 0.0, rel: 1.2e-7 };
+    pub const ELEMENTWISE: Tolerance = Tolerance {
+        abs: 0.0,
+        rel: 1.2e-7,
+    };
 
     /// A sum of `terms` f32 values, relative to the sum of their magnitudes. Rounding
     /// error in a sum of n terms is bounded by about n * eps * sum|x| (Higham, 2002); we
@@ -19,7 +22,10 @@ impl Tolerance {
     /// up to the short sequential runs inside each thread (at most 16 terms).
     pub fn sum(terms: usize) -> Tolerance {
         let depth = (terms.max(1) as f64).log2().ceil() + 2.0 + 16.0;
-        Tolerance { abs: 1e-30, rel: 2.0 * depth * f32::EPSILON as f64 }
+        Tolerance {
+            abs: 1e-30,
+            rel: 2.0 * depth * f32::EPSILON as f64,
+        }
     }
 
     /// A dot product accumulated sequentially over `k` terms (matmul, convolution): the
@@ -27,7 +33,10 @@ impl Tolerance {
     /// ch. 3, probabilistic bound); 4 sqrt(k) + 36 eps leaves room for the final
     /// scaling and bias additions.
     pub fn dot(k: usize) -> Tolerance {
-        Tolerance { abs: 1e-30, rel: (4.0 * (k.max(1) as f64).sqrt() + 36.0) * f32::EPSILON as f64 }
+        Tolerance {
+            abs: 1e-30,
+            rel: (4.0 * (k.max(1) as f64).sqrt() + 36.0) * f32::EPSILON as f64,
+        }
     }
 }
 
@@ -67,7 +76,13 @@ impl std::fmt::Display for Mismatch {
 impl std::error::Error for Mismatch {}
 
 /// Compares `got` with `want` elementwise; `scale` defaults to |want|.
-pub fn compare(op: &str, got: &[f32], want: &[f64], scale: Option<&[f64]>, tol: Tolerance) -> Result<Stats, Mismatch> {
+pub fn compare(
+    op: &str,
+    got: &[f32],
+    want: &[f64],
+    scale: Option<&[f64]>,
+    tol: Tolerance,
+) -> Result<Stats, Mismatch> {
     let mut stats = Stats::default();
     let mut first_bad = None;
     if got.len() != want.len() {
@@ -99,13 +114,23 @@ pub fn compare(op: &str, got: &[f32], want: &[f64], scale: Option<&[f64]>, tol: 
     }
     match first_bad {
         None => Ok(stats),
-        Some((index, got, want, allowed)) => Err(Mismatch { op: op.to_string(), index, got, want, allowed, stats }),
+        Some((index, got, want, allowed)) => Err(Mismatch {
+            op: op.to_string(),
+            index,
+            got,
+            want,
+            allowed,
+            stats,
+        }),
     }
 }
 
 /// Bit-for-bit equality (determinism checks); names the first differing index.
 pub fn same_bits(op: &str, a: &[f32], b: &[f32]) -> Result<(), Mismatch> {
-    let bad = a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits());
+    let bad = a
+        .iter()
+        .zip(b)
+        .position(|(x, y)| x.to_bits() != y.to_bits());
     match (bad, a.len() == b.len()) {
         (None, true) => Ok(()),
         (i, _) => {
@@ -155,11 +180,32 @@ mod tests {
 
     #[test]
     fn compare_names_first_bad_index() {
-        let err = compare("op", &[1.0, 2.5, 9.0], &[1.0, 2.0, 3.0], None, Tolerance { abs: 0.1, rel: 0.0 }).unwrap_err();
+        let err = compare(
+            "op",
+            &[1.0, 2.5, 9.0],
+            &[1.0, 2.0, 3.0],
+            None,
+            Tolerance { abs: 0.1, rel: 0.0 },
+        )
+        .unwrap_err();
         assert_eq!(err.index, 1);
         assert!(err.to_string().contains("first bad index 1"), "{err}");
-        assert!(compare("op", &[f32::NAN], &[0.0], None, Tolerance { abs: 1.0, rel: 1.0 }).is_err());
-        let ok = compare("op", &[1.0, 2.05], &[1.0, 2.0], None, Tolerance { abs: 0.1, rel: 0.0 }).unwrap();
+        assert!(compare(
+            "op",
+            &[f32::NAN],
+            &[0.0],
+            None,
+            Tolerance { abs: 1.0, rel: 1.0 }
+        )
+        .is_err());
+        let ok = compare(
+            "op",
+            &[1.0, 2.05],
+            &[1.0, 2.0],
+            None,
+            Tolerance { abs: 0.1, rel: 0.0 },
+        )
+        .unwrap();
         assert!((ok.max_abs - 0.05).abs() < 1e-6);
     }
 

@@ -23,22 +23,44 @@ pub enum Error {
     Shape { op: &'static str, detail: String },
 
     #[error("{op}: dtype {got:?} not supported (expected {expected})")]
-    DType { op: &'static str, got: DType, expected: &'static str },
+    DType {
+        op: &'static str,
+        got: DType,
+        expected: &'static str,
+    },
 
     #[error("{op}: needs GPU feature {feature}, which this adapter does not offer")]
-    MissingFeature { op: &'static str, feature: &'static str },
+    MissingFeature {
+        op: &'static str,
+        feature: &'static str,
+    },
 
     #[error("out of GPU memory allocating {bytes} bytes for {label}")]
     OutOfMemory { label: String, bytes: u64 },
 
     #[error("{label}: {bytes} bytes exceeds the device limit {limit_name} = {limit}")]
-    TooLarge { label: String, bytes: u64, limit_name: &'static str, limit: u64 },
+    TooLarge {
+        label: String,
+        bytes: u64,
+        limit_name: &'static str,
+        limit: u64,
+    },
 
     #[error("upload to {label}: got {got} elements, tensor holds {expected}")]
-    UploadSize { label: String, got: usize, expected: usize },
+    UploadSize {
+        label: String,
+        got: usize,
+        expected: usize,
+    },
 
     #[error("{op}: id {id} at position {position} is out of range (must be < {limit}; {count} bad ids in all)")]
-    IndexOutOfRange { op: &'static str, position: usize, id: u32, limit: u32, count: usize },
+    IndexOutOfRange {
+        op: &'static str,
+        position: usize,
+        id: u32,
+        limit: u32,
+        count: usize,
+    },
 
     #[error("{op}: invalid argument: {detail}")]
     Invalid { op: &'static str, detail: String },
@@ -53,7 +75,10 @@ pub enum Error {
     Readback { label: String, reason: String },
 
     #[error("I/O error on {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
 
     #[error("{path}: {detail}")]
     Format { path: String, detail: String },

@@ -3,7 +3,7 @@
 //! Shader: `optim.wgsl` (PyTorch's update formulas in its header).
 
 use crate::error::{Error, Result};
-use crate::gpu::{Binding::*, DType, Grid, Gpu, Kernel, Recorder, Tensor};
+use crate::gpu::{Binding::*, DType, Gpu, Grid, Kernel, Recorder, Tensor};
 use crate::shaders::OPTIM;
 
 #[repr(C)]
@@ -26,9 +26,22 @@ pub struct Params {
     pub _pad: [u32; 2],
 }
 
-static ADAMW: Kernel = Kernel::new(&OPTIM, "adamw_step", &[(1, ReadWrite), (2, Read), (3, ReadWrite), (4, ReadWrite), (5, Read)]);
-static SGD: Kernel =
-    Kernel::new(&OPTIM, "sgd_step", &[(1, ReadWrite), (2, Read), (3, ReadWrite), (5, Read)]);
+static ADAMW: Kernel = Kernel::new(
+    &OPTIM,
+    "adamw_step",
+    &[
+        (1, ReadWrite),
+        (2, Read),
+        (3, ReadWrite),
+        (4, ReadWrite),
+        (5, Read),
+    ],
+);
+static SGD: Kernel = Kernel::new(
+    &OPTIM,
+    "sgd_step",
+    &[(1, ReadWrite), (2, Read), (3, ReadWrite), (5, Read)],
+);
 static SUMSQ: Kernel = Kernel::new(&OPTIM, "sumsq_partial", &[(2, Read), (6, ReadWrite)]);
 static CLIP: Kernel = Kernel::new(&OPTIM, "clip_factor", &[(6, ReadWrite), (7, ReadWrite)]);
 
@@ -39,15 +52,35 @@ fn zeros_like(gpu: &Gpu, t: &Tensor, label: &str) -> Result<Tensor> {
     Tensor::from_f32(gpu, t.shape(), &vec![0.0; t.numel()], label)
 }
 
-fn check_pairs(op: &'static str, params: &[&Tensor], grads: &[&Tensor], state: usize) -> Result<()> {
+fn check_pairs(
+    op: &'static str,
+    params: &[&Tensor],
+    grads: &[&Tensor],
+    state: usize,
+) -> Result<()> {
     if params.len() != grads.len() || params.len() != state {
-        return Err(Error::Shape { op, detail: format!("{} parameters, {} gradients, state for {state}", params.len(), grads.len()) });
+        return Err(Error::Shape {
+            op,
+            detail: format!(
+                "{} parameters, {} gradients, state for {state}",
+                params.len(),
+                grads.len()
+            ),
+        });
     }
     for (p, g) in params.iter().zip(grads) {
         super::ops::expect_f32(op, p)?;
         super::ops::expect_f32(op, g)?;
         if p.shape() != g.shape() {
-            return Err(Error::Shape { op, detail: format!("{} {:?} vs its gradient {:?}", p.label(), p.shape(), g.shape()) });
+            return Err(Error::Shape {
+                op,
+                detail: format!(
+                    "{} {:?} vs its gradient {:?}",
+                    p.label(),
+                    p.shape(),
+                    g.shape()
+                ),
+            });
         }
     }
     Ok(())
@@ -56,7 +89,12 @@ fn check_pairs(op: &'static str, params: &[&Tensor], grads: &[&Tensor], state: u
 /// (norm, factor): the global L2 norm of `grads` and the factor every gradient is multiplied
 /// by in the step: min(1, max_norm / (norm + 1e-6)) / loss_scale (no clipping when
 /// `max_norm` is None). Stays on the GPU; read it only to log it.
-pub fn grad_scale(rec: &mut Recorder<'_>, grads: &[&Tensor], max_norm: Option<f32>, loss_scale: f32) -> Result<Tensor> {
+pub fn grad_scale(
+    rec: &mut Recorder<'_>,
+    grads: &[&Tensor],
+    max_norm: Option<f32>,
+    loss_scale: f32,
+) -> Result<Tensor> {
     let gpu = rec.gpu();
     let chunks: Vec<usize> = grads.iter().map(|g| g.numel().div_ceil(CHUNK)).collect();
     let total: usize = chunks.iter().sum();
@@ -66,12 +104,33 @@ pub fn grad_scale(rec: &mut Recorder<'_>, grads: &[&Tensor], max_norm: Option<f3
     let mut offset = 0;
     for (g, &c) in grads.iter().zip(&chunks) {
         super::ops::expect_f32("grad_scale", g)?;
-        let p = Params { n: g.numel() as u32, offset: offset as u32, ..Default::default() };
-        rec.dispatch(&SUMSQ, &[], bytemuck::bytes_of(&p), &[g, &partials], Grid::Linear(c as u64))?;
+        let p = Params {
+            n: g.numel() as u32,
+            offset: offset as u32,
+            ..Default::default()
+        };
+        rec.dispatch(
+            &SUMSQ,
+            &[],
+            bytemuck::bytes_of(&p),
+            &[g, &partials],
+            Grid::Linear(c as u64),
+        )?;
         offset += c;
     }
-    let p = Params { offset: total as u32, max_norm: max_norm.unwrap_or(0.0), loss_scale, ..Default::default() };
-    rec.dispatch(&CLIP, &[], bytemuck::bytes_of(&p), &[&partials, &out], Grid::Linear(1))?;
+    let p = Params {
+        offset: total as u32,
+        max_norm: max_norm.unwrap_or(0.0),
+        loss_scale,
+        ..Default::default()
+    };
+    rec.dispatch(
+        &CLIP,
+        &[],
+        bytemuck::bytes_of(&p),
+        &[&partials, &out],
+        Grid::Linear(1),
+    )?;
     Ok(out)
 }
 
@@ -97,14 +156,42 @@ pub struct AdamW {
 impl AdamW {
     /// PyTorch's defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
     pub fn new(gpu: &Gpu, params: &[&Tensor], lr: f64) -> Result<AdamW> {
-        let state = params.iter().map(|p| Ok((zeros_like(gpu, p, "adamw.m")?, zeros_like(gpu, p, "adamw.v")?))).collect::<Result<_>>()?;
-        Ok(AdamW { lr, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01, decay_mask: Vec::new(), step: 0, state })
+        let state = params
+            .iter()
+            .map(|p| {
+                Ok((
+                    zeros_like(gpu, p, "adamw.m")?,
+                    zeros_like(gpu, p, "adamw.v")?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        Ok(AdamW {
+            lr,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.01,
+            decay_mask: Vec::new(),
+            step: 0,
+            state,
+        })
     }
 
     /// Continues from a checkpoint: the step count and each parameter's (m, v).
     pub fn restore(&mut self, step: u32, state: Vec<(Tensor, Tensor)>) -> Result<()> {
-        if state.len() != self.state.len() || state.iter().zip(&self.state).any(|(a, b)| a.0.shape() != b.0.shape() || a.1.shape() != b.1.shape()) {
-            return Err(Error::Shape { op: "adamw restore", detail: format!("state for {} parameters, optimizer has {}", state.len(), self.state.len()) });
+        if state.len() != self.state.len()
+            || state
+                .iter()
+                .zip(&self.state)
+                .any(|(a, b)| a.0.shape() != b.0.shape() || a.1.shape() != b.1.shape())
+        {
+            return Err(Error::Shape {
+                op: "adamw restore",
+                detail: format!(
+                    "state for {} parameters, optimizer has {}",
+                    state.len(),
+                    self.state.len()
+                ),
+            });
         }
         self.step = step;
         self.state = state;
@@ -121,14 +208,24 @@ impl AdamW {
     }
 
     /// One update of every parameter; gradients are multiplied by `scale`'s factor first.
-    pub fn step(&mut self, rec: &mut Recorder<'_>, params: &[&Tensor], grads: &[&Tensor], scale: &Tensor) -> Result<()> {
+    pub fn step(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        params: &[&Tensor],
+        grads: &[&Tensor],
+        scale: &Tensor,
+    ) -> Result<()> {
         check_pairs("adamw", params, grads, self.state.len())?;
         self.step += 1;
         let t = self.step as i32;
         let (lr, wd, (b1, b2)) = (self.lr, self.weight_decay, self.betas);
         let (bc1, bc2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
         for (i, ((p, g), (m, v))) in params.iter().zip(grads).zip(&self.state).enumerate() {
-            let wd = if self.decay_mask.get(i).copied().unwrap_or(true) { wd } else { 0.0 };
+            let wd = if self.decay_mask.get(i).copied().unwrap_or(true) {
+                wd
+            } else {
+                0.0
+            };
             let prm = Params {
                 n: p.numel() as u32,
                 b1: b1 as f32,
@@ -141,7 +238,13 @@ impl AdamW {
                 bc2_sqrt: bc2.sqrt() as f32,
                 ..Default::default()
             };
-            rec.dispatch(&ADAMW, &[], bytemuck::bytes_of(&prm), &[p, g, m, v, scale], Grid::cover(p.numel() as u64, 256))?;
+            rec.dispatch(
+                &ADAMW,
+                &[],
+                bytemuck::bytes_of(&prm),
+                &[p, g, m, v, scale],
+                Grid::cover(p.numel() as u64, 256),
+            )?;
         }
         Ok(())
     }
@@ -160,15 +263,35 @@ pub struct Sgd {
 
 impl Sgd {
     pub fn new(gpu: &Gpu, params: &[&Tensor], lr: f64, momentum: f64) -> Result<Sgd> {
-        let buffers = params.iter().map(|p| zeros_like(gpu, p, "sgd.momentum")).collect::<Result<_>>()?;
-        Ok(Sgd { lr, momentum, dampening: 0.0, nesterov: false, weight_decay: 0.0, step: 0, buffers })
+        let buffers = params
+            .iter()
+            .map(|p| zeros_like(gpu, p, "sgd.momentum"))
+            .collect::<Result<_>>()?;
+        Ok(Sgd {
+            lr,
+            momentum,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+            step: 0,
+            buffers,
+        })
     }
 
-    pub fn step(&mut self, rec: &mut Recorder<'_>, params: &[&Tensor], grads: &[&Tensor], scale: &Tensor) -> Result<()> {
+    pub fn step(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        params: &[&Tensor],
+        grads: &[&Tensor],
+        scale: &Tensor,
+    ) -> Result<()> {
         check_pairs("sgd", params, grads, self.buffers.len())?;
         let first = self.step == 0;
         self.step += 1;
-        let c = [("NESTEROV", self.nesterov as u32 as f64), ("FIRST", first as u32 as f64)];
+        let c = [
+            ("NESTEROV", self.nesterov as u32 as f64),
+            ("FIRST", first as u32 as f64),
+        ];
         for ((p, g), buf) in params.iter().zip(grads).zip(&self.buffers) {
             let prm = Params {
                 n: p.numel() as u32,
@@ -178,7 +301,13 @@ impl Sgd {
                 omb2: (1.0 - self.dampening) as f32,
                 ..Default::default()
             };
-            rec.dispatch(&SGD, &c, bytemuck::bytes_of(&prm), &[p, g, buf, scale], Grid::cover(p.numel() as u64, 256))?;
+            rec.dispatch(
+                &SGD,
+                &c,
+                bytemuck::bytes_of(&prm),
+                &[p, g, buf, scale],
+                Grid::cover(p.numel() as u64, 256),
+            )?;
         }
         Ok(())
     }
@@ -211,11 +340,21 @@ pub struct LossScaler {
 
 impl LossScaler {
     pub fn fixed() -> LossScaler {
-        LossScaler { scale: 1.0, growth_interval: 2000, good_steps: 0, dynamic: false }
+        LossScaler {
+            scale: 1.0,
+            growth_interval: 2000,
+            good_steps: 0,
+            dynamic: false,
+        }
     }
 
     pub fn dynamic(initial: f32) -> LossScaler {
-        LossScaler { scale: initial, growth_interval: 2000, good_steps: 0, dynamic: true }
+        LossScaler {
+            scale: initial,
+            growth_interval: 2000,
+            good_steps: 0,
+            dynamic: true,
+        }
     }
 
     /// Records whether this step's gradient norm was finite; returns whether to apply the

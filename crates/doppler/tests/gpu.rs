@@ -9,13 +9,20 @@ use std::sync::OnceLock;
 
 fn gpu() -> &'static Gpu {
     static GPU: OnceLock<Gpu> = OnceLock::new();
-    GPU.get_or_init(|| Gpu::new_blocking(&GpuOptions::from_env()).expect("a GPU adapter (install mesa-vulkan-drivers)"))
+    GPU.get_or_init(|| {
+        Gpu::new_blocking(&GpuOptions::from_env())
+            .expect("a GPU adapter (install mesa-vulkan-drivers)")
+    })
 }
 
 /// Runs every check of the families `filter` names; at least `min` must have run.
 fn assert_checks(filter: &str, min: usize) {
     let results = verify::run_families(gpu(), Some(filter));
-    assert!(results.len() >= min, "{filter}: only {} checks ran", results.len());
+    assert!(
+        results.len() >= min,
+        "{filter}: only {} checks ran",
+        results.len()
+    );
     let failed: Vec<String> = results
         .iter()
         .filter(|c| !c.pass)
@@ -32,6 +39,11 @@ fn elementwise_matches_reference() {
 #[test]
 fn sum_rows_matches_reference_and_is_deterministic() {
     assert_checks("sum_rows", verify::SUM_SHAPES.len());
+}
+
+#[test]
+fn argmax_rows_matches_the_greedy_sampler() {
+    assert_checks("argmax_rows", verify::ARGMAX_SHAPES.len());
 }
 
 #[test]
@@ -58,9 +70,21 @@ fn sum_of_all_elements() {
 fn tensors_round_trip_every_dtype() {
     let gpu = gpu();
     let f: Vec<f32> = Rng::new(1).vec(37);
-    assert_eq!(Tensor::from_f32(gpu, &[37], &f, "f").unwrap().read_f32(gpu).unwrap(), f);
+    assert_eq!(
+        Tensor::from_f32(gpu, &[37], &f, "f")
+            .unwrap()
+            .read_f32(gpu)
+            .unwrap(),
+        f
+    );
     let u: Vec<u32> = (0..37).map(|i| i * 0x0101_0101).collect();
-    assert_eq!(Tensor::from_u32(gpu, &[37], &u, "u").unwrap().read_u32(gpu).unwrap(), u);
+    assert_eq!(
+        Tensor::from_u32(gpu, &[37], &u, "u")
+            .unwrap()
+            .read_u32(gpu)
+            .unwrap(),
+        u
+    );
     // Odd f16 count: 74 bytes, padded to a 4-byte write and trimmed on the way back.
     let h: Vec<half::f16> = f.iter().map(|&v| half::f16::from_f32(v)).collect();
     let th = Tensor::from_f16(gpu, &[37], &h, "h").unwrap();
@@ -76,23 +100,54 @@ fn bad_input_gets_clear_errors() {
     let gpu = gpu();
     let a = Tensor::from_f32(gpu, &[2, 3], &[0.0; 6], "a").unwrap();
     let b = Tensor::from_f32(gpu, &[4, 5], &[0.0; 20], "b").unwrap();
-    let e = gpu.run(|rec| matmul::matmul(rec, &a, &b, Default::default())).unwrap_err();
+    let e = gpu
+        .run(|rec| matmul::matmul(rec, &a, &b, Default::default()))
+        .unwrap_err();
     assert!(matches!(e, Error::Shape { op: "matmul", .. }), "{e}");
-    assert!(e.to_string().contains("[2, 3]") && e.to_string().contains("[4, 5]"), "{e}");
+    assert!(
+        e.to_string().contains("[2, 3]") && e.to_string().contains("[4, 5]"),
+        "{e}"
+    );
     let e = gpu.run(|rec| elementwise::add(rec, &a, &b)).unwrap_err();
-    assert!(e.to_string().contains("add") && e.to_string().contains("[2, 3]"), "{e}");
+    assert!(
+        e.to_string().contains("add") && e.to_string().contains("[2, 3]"),
+        "{e}"
+    );
     let u = Tensor::from_u32(gpu, &[2, 3], &[0; 6], "u").unwrap();
     let e = gpu.run(|rec| elementwise::add(rec, &a, &u)).unwrap_err();
-    assert!(matches!(e, Error::DType { op: "add", got: DType::U32, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::DType {
+                op: "add",
+                got: DType::U32,
+                ..
+            }
+        ),
+        "{e}"
+    );
     let e = Tensor::from_f32(gpu, &[2, 3], &[0.0; 5], "short").unwrap_err();
-    assert!(matches!(e, Error::UploadSize { got: 5, expected: 6, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::UploadSize {
+                got: 5,
+                expected: 6,
+                ..
+            }
+        ),
+        "{e}"
+    );
     let e = a.reshape(&[4]).unwrap_err();
     assert!(e.to_string().contains("reshape"), "{e}");
     let e = Tensor::empty(gpu, &[1 << 40], DType::F32, "huge").unwrap_err();
     assert!(matches!(e, Error::TooLarge { .. }), "{e}");
     let empty = Tensor::empty(gpu, &[3, 0], DType::F32, "empty").unwrap();
     let e = gpu.run(|rec| reduce::sum_rows(rec, &empty)).unwrap_err();
-    assert!(e.to_string().contains("sum_rows") && e.to_string().contains("[3, 0]"), "{e}");
+    assert!(
+        e.to_string().contains("sum_rows") && e.to_string().contains("[3, 0]"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -115,12 +170,19 @@ fn pool_returns_buffers_only_after_the_gpu_is_done() {
     let mut rec = gpu.recorder("pool");
     let y = elementwise::scale(&mut rec, &x, 2.0).unwrap();
     drop(x); // the recorder still holds x's buffer
-    assert_eq!(gpu.pool.stats().pooled_bytes, s0.pooled_bytes, "x returned while recorded");
+    assert_eq!(
+        gpu.pool.stats().pooled_bytes,
+        s0.pooled_bytes,
+        "x returned while recorded"
+    );
     rec.submit().unwrap();
     gpu.wait().unwrap();
     let s1 = gpu.pool.stats();
     assert_eq!(s1.in_flight, 0);
-    assert!(s1.pooled_bytes >= 4096, "x and the uniform buffer back in the pool: {s1:?}");
+    assert!(
+        s1.pooled_bytes >= 4096,
+        "x and the uniform buffer back in the pool: {s1:?}"
+    );
     // Same size class again: a hit, no new buffer.
     let z = Tensor::empty(&gpu, &[999], DType::F32, "z").unwrap();
     let s2 = gpu.pool.stats();
@@ -137,12 +199,20 @@ fn pipelines_are_built_once_per_key() {
     let gpu = Gpu::new_blocking(&GpuOptions::from_env()).unwrap();
     let a = Tensor::from_f32(&gpu, &[8, 8], &[1.0; 64], "a").unwrap();
     for _ in 0..3 {
-        gpu.run(|rec| matmul::matmul(rec, &a, &a, Default::default())).unwrap();
+        gpu.run(|rec| matmul::matmul(rec, &a, &a, Default::default()))
+            .unwrap();
     }
     assert_eq!(gpu.pipelines.len(), 1);
-    let opts = matmul::MatmulOpts { trans_b: true, ..Default::default() };
+    let opts = matmul::MatmulOpts {
+        trans_b: true,
+        ..Default::default()
+    };
     gpu.run(|rec| matmul::matmul(rec, &a, &a, opts)).unwrap();
-    assert_eq!(gpu.pipelines.len(), 2, "different override constants, different pipeline");
+    assert_eq!(
+        gpu.pipelines.len(),
+        2,
+        "different override constants, different pipeline"
+    );
 }
 
 #[test]
@@ -159,9 +229,18 @@ fn profiling_recorder_writes_a_chrome_trace() {
         return;
     }
     let names: Vec<&str> = trace.events.iter().map(|e| e.name.as_str()).collect();
-    assert_eq!(names, ["elementwise.add4", "elementwise.mul4", "reduce.sum_rows"]);
-    assert!(trace.events.iter().all(|e| e.dur_ns >= 0.0 && e.start_ns >= 0.0));
-    assert!(trace.events.windows(2).all(|w| w[1].start_ns >= w[0].start_ns));
+    assert_eq!(
+        names,
+        ["elementwise.add4", "elementwise.mul4", "reduce.sum_rows"]
+    );
+    assert!(trace
+        .events
+        .iter()
+        .all(|e| e.dur_ns >= 0.0 && e.start_ns >= 0.0));
+    assert!(trace
+        .events
+        .windows(2)
+        .all(|w| w[1].start_ns >= w[0].start_ns));
     let json: serde_json::Value = serde_json::from_str(&trace.to_chrome_json()).unwrap();
     assert_eq!(json["traceEvents"].as_array().unwrap().len(), 3);
     assert_eq!(json["traceEvents"][0]["ph"], "X");
@@ -197,31 +276,78 @@ fn conv2d_matches_reference_and_is_deterministic() {
 fn seed_ops_reject_bad_shapes_and_dtypes() {
     use doppler::ops::{conv2d, cross_entropy as ce, embedding, gelu, groupnorm};
     let gpu = gpu();
-    let f = |shape: &[usize]| Tensor::from_f32(gpu, shape, &vec![0.5; shape.iter().product()], "t").unwrap();
+    let f = |shape: &[usize]| {
+        Tensor::from_f32(gpu, shape, &vec![0.5; shape.iter().product()], "t").unwrap()
+    };
     let msg = |r: doppler::Result<()>| r.unwrap_err().to_string();
 
     // conv2d: weight channels must be Cin / groups.
-    let e = msg(gpu.run(|rec| conv2d::conv2d(rec, &f(&[1, 4, 5, 5]), &f(&[6, 3, 3, 3]), None, Default::default()).map(|_| ())));
-    assert!(e.contains("conv2d") && e.contains("[1, 4, 5, 5]") && e.contains("[6, 3, 3, 3]"), "{e}");
-    let e = msg(gpu.run(|rec| conv2d::conv2d_backward(rec, &f(&[1, 4, 5, 5]), &f(&[6, 4, 3, 3]), &f(&[1, 6, 5, 5]), Default::default(), false).map(|_| ())));
-    assert!(e.contains("conv2d_backward") && e.contains("dy [1, 6, 5, 5]"), "{e}");
+    let e = msg(gpu.run(|rec| {
+        conv2d::conv2d(
+            rec,
+            &f(&[1, 4, 5, 5]),
+            &f(&[6, 3, 3, 3]),
+            None,
+            Default::default(),
+        )
+        .map(|_| ())
+    }));
+    assert!(
+        e.contains("conv2d") && e.contains("[1, 4, 5, 5]") && e.contains("[6, 3, 3, 3]"),
+        "{e}"
+    );
+    let e = msg(gpu.run(|rec| {
+        conv2d::conv2d_backward(
+            rec,
+            &f(&[1, 4, 5, 5]),
+            &f(&[6, 4, 3, 3]),
+            &f(&[1, 6, 5, 5]),
+            Default::default(),
+            false,
+        )
+        .map(|_| ())
+    }));
+    assert!(
+        e.contains("conv2d_backward") && e.contains("dy [1, 6, 5, 5]"),
+        "{e}"
+    );
     // group_norm: channels must split into groups.
-    let e = msg(gpu.run(|rec| groupnorm::group_norm(rec, &f(&[2, 6, 4]), &f(&[6]), &f(&[6]), 4, 1e-5).map(|_| ())));
-    assert!(e.contains("group_norm") && e.contains("6 channels") && e.contains("4 groups"), "{e}");
+    let e = msg(gpu.run(|rec| {
+        groupnorm::group_norm(rec, &f(&[2, 6, 4]), &f(&[6]), &f(&[6]), 4, 1e-5).map(|_| ())
+    }));
+    assert!(
+        e.contains("group_norm") && e.contains("6 channels") && e.contains("4 groups"),
+        "{e}"
+    );
     // cross_entropy: one target per row, u32.
     let t = Tensor::from_u32(gpu, &[3], &[0, 1, 2], "targets").unwrap();
-    let e = msg(gpu.run(|rec| ce::cross_entropy(rec, &f(&[4, 10]), &t, Default::default()).map(|_| ())));
-    assert!(e.contains("cross_entropy") && e.contains("[4, 10]") && e.contains("[3]"), "{e}");
-    let e = msg(gpu.run(|rec| ce::cross_entropy(rec, &f(&[3, 10]), &f(&[3]), Default::default()).map(|_| ())));
+    let e = msg(
+        gpu.run(|rec| ce::cross_entropy(rec, &f(&[4, 10]), &t, Default::default()).map(|_| ()))
+    );
+    assert!(
+        e.contains("cross_entropy") && e.contains("[4, 10]") && e.contains("[3]"),
+        "{e}"
+    );
+    let e = msg(gpu
+        .run(|rec| ce::cross_entropy(rec, &f(&[3, 10]), &f(&[3]), Default::default()).map(|_| ())));
     assert!(e.contains("cross_entropy") && e.contains("u32"), "{e}");
     // embedding: ids must be u32, dout must be (ids..., H).
     let e = msg(gpu.run(|rec| embedding::embedding(rec, &f(&[10, 4]), &f(&[3])).map(|_| ())));
     assert!(e.contains("embedding") && e.contains("u32"), "{e}");
-    let e = msg(gpu.run(|rec| embedding::embedding_backward_into(rec, &t, &f(&[3, 5]), &f(&[10, 4]), false)));
-    assert!(e.contains("embedding_backward") && e.contains("[3, 5]"), "{e}");
+    let e = msg(gpu
+        .run(|rec| embedding::embedding_backward_into(rec, &t, &f(&[3, 5]), &f(&[10, 4]), false)));
+    assert!(
+        e.contains("embedding_backward") && e.contains("[3, 5]"),
+        "{e}"
+    );
     // gelu backward: x and dy alike.
-    let e = msg(gpu.run(|rec| gelu::gelu_backward(rec, &f(&[4]), &f(&[5]), gelu::GeluMode::Exact).map(|_| ())));
-    assert!(e.contains("gelu_backward") && e.contains("[4]") && e.contains("[5]"), "{e}");
+    let e = msg(gpu.run(|rec| {
+        gelu::gelu_backward(rec, &f(&[4]), &f(&[5]), gelu::GeluMode::Exact).map(|_| ())
+    }));
+    assert!(
+        e.contains("gelu_backward") && e.contains("[4]") && e.contains("[5]"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -273,20 +399,60 @@ fn pixel_shuffle_and_upsample_match_reference() {
 fn training_ops_reject_bad_shapes() {
     use doppler::ops::{attention, bias, upsample};
     let gpu = gpu();
-    let f = |shape: &[usize]| Tensor::from_f32(gpu, shape, &vec![0.5; shape.iter().product()], "t").unwrap();
+    let f = |shape: &[usize]| {
+        Tensor::from_f32(gpu, shape, &vec![0.5; shape.iter().product()], "t").unwrap()
+    };
     let msg = |r: doppler::Result<()>| r.unwrap_err().to_string();
     let a = attention::AttnOpts::default();
     // 3 query heads cannot share 2 key/value heads.
-    let e = msg(gpu.run(|rec| attention::attention(rec, &f(&[1, 4, 3, 8]), &f(&[1, 4, 2, 8]), &f(&[1, 4, 2, 8]), a).map(|_| ())));
-    assert!(e.contains("attention") && e.contains("[1, 4, 3, 8]") && e.contains("multiple of key/value heads"), "{e}");
-    let e = msg(gpu.run(|rec| attention::attention(rec, &f(&[1, 4, 2, 256]), &f(&[1, 4, 2, 256]), &f(&[1, 4, 2, 256]), a).map(|_| ())));
+    let e = msg(gpu.run(|rec| {
+        attention::attention(
+            rec,
+            &f(&[1, 4, 3, 8]),
+            &f(&[1, 4, 2, 8]),
+            &f(&[1, 4, 2, 8]),
+            a,
+        )
+        .map(|_| ())
+    }));
+    assert!(
+        e.contains("attention")
+            && e.contains("[1, 4, 3, 8]")
+            && e.contains("multiple of key/value heads"),
+        "{e}"
+    );
+    let e = msg(gpu.run(|rec| {
+        attention::attention(
+            rec,
+            &f(&[1, 4, 2, 256]),
+            &f(&[1, 4, 2, 256]),
+            &f(&[1, 4, 2, 256]),
+            a,
+        )
+        .map(|_| ())
+    }));
     assert!(e.contains("head dimension"), "{e}");
-    let e = msg(gpu.run(|rec| attention::attention(rec, &f(&[1, 5, 2, 8]), &f(&[1, 4, 2, 8]), &f(&[1, 4, 2, 8]), a).map(|_| ())));
+    let e = msg(gpu.run(|rec| {
+        attention::attention(
+            rec,
+            &f(&[1, 5, 2, 8]),
+            &f(&[1, 4, 2, 8]),
+            &f(&[1, 4, 2, 8]),
+            a,
+        )
+        .map(|_| ())
+    }));
     assert!(e.contains("causal"), "{e}");
     let e = msg(gpu.run(|rec| bias::bias_add(rec, &f(&[3, 4]), &f(&[5])).map(|_| ())));
-    assert!(e.contains("bias_add") && e.contains("[3, 4]") && e.contains("5"), "{e}");
+    assert!(
+        e.contains("bias_add") && e.contains("[3, 4]") && e.contains("5"),
+        "{e}"
+    );
     let e = msg(gpu.run(|rec| upsample::pixel_shuffle(rec, &f(&[1, 6, 2, 2]), 2).map(|_| ())));
-    assert!(e.contains("pixel_shuffle") && e.contains("[1, 6, 2, 2]"), "{e}");
+    assert!(
+        e.contains("pixel_shuffle") && e.contains("[1, 6, 2, 2]"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -301,7 +467,16 @@ fn weight_gradient_products_split_k() {
     let a = Tensor::from_f32(gpu, &[2048, 36], &vec![0.5; 2048 * 36], "dy").unwrap();
     let b = Tensor::from_f32(gpu, &[2048, 44], &vec![0.25; 2048 * 44], "x").unwrap();
     let mut rec = gpu.recorder("splitk");
-    let c = matmul::matmul(&mut rec, &a, &b, matmul::MatmulOpts { trans_a: true, ..Default::default() }).unwrap();
+    let c = matmul::matmul(
+        &mut rec,
+        &a,
+        &b,
+        matmul::MatmulOpts {
+            trans_a: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     // Four chunks of 512 in one batched dispatch, then the ordered sum.
     assert_eq!(rec.dispatches(), 2);
     rec.submit().unwrap();
@@ -326,10 +501,16 @@ fn gradient_accumulation_matches_one_big_batch() {
             let mut rec = gpu.recorder("accum");
             let mut tape = Tape::new();
             let loss = model.loss(&mut tape, &mut rec, &ti, &tt, 0).unwrap();
-            tape.backward(&mut rec, loss, 1.0 / parts as f32, &mut model.params).unwrap();
+            tape.backward(&mut rec, loss, 1.0 / parts as f32, &mut model.params)
+                .unwrap();
             rec.submit().unwrap();
         }
-        let out = model.params.grads.iter().map(|g| g.as_ref().unwrap().read_f32(gpu).unwrap()).collect();
+        let out = model
+            .params
+            .grads
+            .iter()
+            .map(|g| g.as_ref().unwrap().read_f32(gpu).unwrap())
+            .collect();
         model.params.zero_grad();
         out
     };
@@ -339,7 +520,10 @@ fn gradient_accumulation_matches_one_big_batch() {
     for (name, (w, s)) in model.params.names.iter().zip(whole.iter().zip(&split)) {
         let big = w.iter().fold(1e-12f32, |m, v| m.max(v.abs()));
         for (i, (x, y)) in w.iter().zip(s).enumerate() {
-            assert!((x - y).abs() <= 1e-5 * big, "{name}[{i}]: one batch {x}, two micro-batches {y}");
+            assert!(
+                (x - y).abs() <= 1e-5 * big,
+                "{name}[{i}]: one batch {x}, two micro-batches {y}"
+            );
         }
     }
 }

@@ -4,7 +4,8 @@
 use doppler::shaders::ALL;
 
 fn parse(name: &str, src: &str) -> naga::Module {
-    naga::front::wgsl::parse_str(src).unwrap_or_else(|e| panic!("{name}.wgsl: {}", e.emit_to_string(src)))
+    naga::front::wgsl::parse_str(src)
+        .unwrap_or_else(|e| panic!("{name}.wgsl: {}", e.emit_to_string(src)))
 }
 
 #[test]
@@ -12,17 +13,27 @@ fn every_shader_validates() {
     assert!(ALL.len() >= 3);
     for s in ALL {
         let module = parse(s.name, s.source);
-        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
-            .validate(&module)
-            .unwrap_or_else(|e| panic!("{}.wgsl: {}", s.name, e.emit_to_string(s.source)));
-        assert!(!module.entry_points.is_empty(), "{}.wgsl has no entry point", s.name);
+        naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{}.wgsl: {}", s.name, e.emit_to_string(s.source)));
+        assert!(
+            !module.entry_points.is_empty(),
+            "{}.wgsl has no entry point",
+            s.name
+        );
     }
 }
 
 #[test]
 fn uniform_blocks_match_rust_params() {
     for (shader, rust_size) in doppler::ops::param_sizes() {
-        let s = ALL.iter().find(|s| s.name == shader).unwrap_or_else(|| panic!("no shader {shader}"));
+        let s = ALL
+            .iter()
+            .find(|s| s.name == shader)
+            .unwrap_or_else(|| panic!("no shader {shader}"));
         let module = parse(s.name, s.source);
         let mut layouter = naga::proc::Layouter::default();
         layouter.update(module.to_ctx()).unwrap();
@@ -32,7 +43,14 @@ fn uniform_blocks_match_rust_params() {
             .find(|(_, v)| v.space == naga::AddressSpace::Uniform)
             .unwrap_or_else(|| panic!("{shader}.wgsl has no uniform block"));
         let wgsl_size = layouter[uniform.1.ty].size as usize;
-        assert_eq!(wgsl_size, rust_size, "{shader}: WGSL Params is {wgsl_size} bytes, Rust {rust_size}");
-        assert_eq!(rust_size % 16, 0, "{shader}: Params must be padded to 16 bytes");
+        assert_eq!(
+            wgsl_size, rust_size,
+            "{shader}: WGSL Params is {wgsl_size} bytes, Rust {rust_size}"
+        );
+        assert_eq!(
+            rust_size % 16,
+            0,
+            "{shader}: Params must be padded to 16 bytes"
+        );
     }
 }

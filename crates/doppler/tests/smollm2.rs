@@ -11,27 +11,40 @@ use std::sync::OnceLock;
 use doppler::gpu::{Gpu, GpuOptions};
 use doppler::infer::chat::{Message, Template};
 use doppler::infer::sample::{Sampler, SamplerConfig};
-use doppler::infer::{GenOptions, Model, Session};
+use doppler::infer::{GenOptions, Model, Session, StopReason};
 use serde_json::Value;
 
 fn model_path() -> PathBuf {
     if let Ok(p) = std::env::var("DOPPLER_SMOLLM2") {
         return p.into();
     }
-    let cache = std::env::var("DOPPLER_CACHE").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/doppler"));
+    let cache = std::env::var("DOPPLER_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/doppler")
+        });
     let p = cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(p.exists(), "{} is missing: run scripts/fetch_model.sh (the README's test command does)", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch_model.sh (the README's test command does)",
+        p.display()
+    );
     p
 }
 
 fn fixture() -> &'static Value {
     static F: OnceLock<Value> = OnceLock::new();
-    F.get_or_init(|| serde_json::from_str(include_str!("fixtures/smollm2.json")).expect("fixture parses"))
+    F.get_or_init(|| {
+        serde_json::from_str(include_str!("fixtures/smollm2.json")).expect("fixture parses")
+    })
 }
 
 fn gpu() -> &'static Gpu {
     static GPU: OnceLock<Gpu> = OnceLock::new();
-    GPU.get_or_init(|| Gpu::new_blocking(&GpuOptions::from_env()).expect("a GPU adapter (install mesa-vulkan-drivers)"))
+    GPU.get_or_init(|| {
+        Gpu::new_blocking(&GpuOptions::from_env())
+            .expect("a GPU adapter (install mesa-vulkan-drivers)")
+    })
 }
 
 fn model() -> &'static Model {
@@ -40,15 +53,26 @@ fn model() -> &'static Model {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 #[test]
 fn tokenizer_matches_hugging_face() {
-    let md = doppler::formats::gguf::GgufFile::open(&model_path()).unwrap().gguf.metadata;
+    let md = doppler::formats::gguf::GgufFile::open(&model_path())
+        .unwrap()
+        .gguf
+        .metadata;
     let tk = doppler::infer::tokenizer::Tokenizer::from_gguf(&md, "smollm2").unwrap();
     let f = fixture();
-    let cases = f["tokenize"].as_array().unwrap().iter().chain(f["prompts"].as_array().unwrap());
+    let cases = f["tokenize"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(f["prompts"].as_array().unwrap());
     for c in cases {
         let text = c["text"].as_str().unwrap();
         let want = ids(&c["ids"]);
@@ -56,12 +80,18 @@ fn tokenizer_matches_hugging_face() {
         assert_eq!(tk.decode(&want), text, "decode of {text:?}");
     }
     // Without special parsing, control tokens written in text are plain text.
-    assert_ne!(tk.encode("<|im_start|>", false).unwrap(), vec![tk.special("<|im_start|>").unwrap()]);
+    assert_ne!(
+        tk.encode("<|im_start|>", false).unwrap(),
+        vec![tk.special("<|im_start|>").unwrap()]
+    );
 }
 
 #[test]
 fn chat_template_matches_hugging_face() {
-    let md = doppler::formats::gguf::GgufFile::open(&model_path()).unwrap().gguf.metadata;
+    let md = doppler::formats::gguf::GgufFile::open(&model_path())
+        .unwrap()
+        .gguf
+        .metadata;
     let jinja = md["tokenizer.chat_template"].as_str().unwrap();
     let t = Template::detect(jinja).expect("ChatML recognised");
     let chat = &fixture()["chat"];
@@ -75,9 +105,16 @@ const LOGIT_TOL: f32 = 2e-3;
 
 fn check_top(pi: usize, step: usize, logits: &[f32], top: &Value) {
     for e in top.as_array().unwrap() {
-        let (id, want) = (e[0].as_u64().unwrap() as usize, e[1].as_f64().unwrap() as f32);
+        let (id, want) = (
+            e[0].as_u64().unwrap() as usize,
+            e[1].as_f64().unwrap() as f32,
+        );
         let d = (logits[id] - want).abs();
-        assert!(d <= LOGIT_TOL, "prompt {pi} step {step}: logit of token {id} is {}, transformers {want} (diff {d})", logits[id]);
+        assert!(
+            d <= LOGIT_TOL,
+            "prompt {pi} step {step}: logit of token {id} is {}, transformers {want} (diff {d})",
+            logits[id]
+        );
     }
 }
 
@@ -102,14 +139,72 @@ fn logits_and_greedy_continuations_match_transformers() {
     // Session::generate streams the same tokens.
     let p = &fixture()["prompts"][0];
     let mut s = Session::new(gpu, m, 256).unwrap();
-    let opts = GenOptions { max_tokens: 4, stop_tokens: vec![], stop_strings: vec![] };
+    let opts = GenOptions {
+        max_tokens: 4,
+        stop_tokens: vec![],
+        stop_strings: vec![],
+    };
     let mut streamed = String::new();
-    let g = s.generate(gpu, &ids(&p["ids"]), &opts, &mut Sampler::new(SamplerConfig::greedy()), &mut |t| {
-        streamed.push_str(t);
-        Ok(())
-    }).unwrap();
+    let g = s
+        .generate(
+            gpu,
+            &ids(&p["ids"]),
+            &opts,
+            &mut Sampler::new(SamplerConfig::greedy()),
+            &mut |t| {
+                streamed.push_str(t);
+                Ok(())
+            },
+        )
+        .unwrap();
     assert_eq!(g.tokens, ids(&p["greedy"])[..4]);
     assert_eq!(streamed, m.tokenizer.decode(&g.tokens));
+    // Greedy decoding runs each token's step before reading it: a stop token's step is
+    // taken back out of the cache, and a full context stops after the last token that fit.
+    let (prompt, want) = (ids(&p["ids"]), ids(&p["greedy"]));
+    // want[4] is the first token that did not come before (the fixture's "\n\n" repeats).
+    assert!(!want[..4].contains(&want[4]));
+    let opts = GenOptions {
+        max_tokens: 8,
+        stop_tokens: vec![want[4]],
+        stop_strings: vec![],
+    };
+    let mut s = Session::new(gpu, m, 256).unwrap();
+    let g = s
+        .generate(
+            gpu,
+            &prompt,
+            &opts,
+            &mut Sampler::new(SamplerConfig::greedy()),
+            &mut |_| Ok(()),
+        )
+        .unwrap();
+    assert_eq!(
+        (g.tokens.as_slice(), g.stop, g.stop_token),
+        (&want[..4], StopReason::Token, Some(want[4]))
+    );
+    assert_eq!(s.cache.len, prompt.len() + 4);
+    assert_eq!(s.tokens, [&prompt[..], &want[..4]].concat());
+    let mut s = Session::new(gpu, m, prompt.len() + 2).unwrap();
+    let opts = GenOptions {
+        max_tokens: 8,
+        stop_tokens: vec![],
+        stop_strings: vec![],
+    };
+    let g = s
+        .generate(
+            gpu,
+            &prompt,
+            &opts,
+            &mut Sampler::new(SamplerConfig::greedy()),
+            &mut |_| Ok(()),
+        )
+        .unwrap();
+    assert_eq!(
+        (g.tokens.as_slice(), g.stop, g.stop_token),
+        (&want[..3], StopReason::Context, Some(want[2]))
+    );
+    assert_eq!(s.cache.len, prompt.len() + 2);
 }
 
 #[test]

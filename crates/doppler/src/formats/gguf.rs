@@ -60,7 +60,10 @@ impl GgmlType {
     }
 
     pub fn from_name(name: &str) -> Option<GgmlType> {
-        TYPES.iter().find(|t| t.1.eq_ignore_ascii_case(name)).map(|t| GgmlType(t.0))
+        TYPES
+            .iter()
+            .find(|t| t.1.eq_ignore_ascii_case(name))
+            .map(|t| GgmlType(t.0))
     }
 }
 
@@ -116,7 +119,9 @@ impl Value {
     /// Short form for listings: arrays as their type and length.
     pub fn summary(&self) -> String {
         match self {
-            Value::String(s) if s.chars().count() > 80 => format!("{:?}...", s.chars().take(77).collect::<String>()),
+            Value::String(s) if s.chars().count() > 80 => {
+                format!("{:?}...", s.chars().take(77).collect::<String>())
+            }
             Value::String(s) => format!("{s:?}"),
             Value::Array(a) => match a.first() {
                 Some(first) => format!("[{} x {}]", a.len(), first.type_name()),
@@ -181,7 +186,10 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn err(&self, detail: impl Into<String>) -> Error {
-        Error::Format { path: self.name.to_string(), detail: format!("{} (at byte {})", detail.into(), self.pos) }
+        Error::Format {
+            path: self.name.to_string(),
+            detail: format!("{} (at byte {})", detail.into(), self.pos),
+        }
     }
 
     fn remaining(&self) -> usize {
@@ -190,7 +198,10 @@ impl<'a> Reader<'a> {
 
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
         if n > self.remaining() {
-            return Err(self.err(format!("truncated: {what} needs {n} bytes, {} left", self.remaining())));
+            return Err(self.err(format!(
+                "truncated: {what} needs {n} bytes, {} left",
+                self.remaining()
+            )));
         }
         let s = &self.buf[self.pos..self.pos + n];
         self.pos += n;
@@ -209,7 +220,10 @@ impl<'a> Reader<'a> {
     fn count(&mut self, what: &str, min_size: usize) -> Result<usize> {
         let n = self.u64(what)?;
         if n > (self.remaining() / min_size.max(1)) as u64 {
-            return Err(self.err(format!("truncated or corrupt: {what} {n} cannot fit in the {} bytes left", self.remaining())));
+            return Err(self.err(format!(
+                "truncated or corrupt: {what} {n} cannot fit in the {} bytes left",
+                self.remaining()
+            )));
         }
         Ok(n as usize)
     }
@@ -246,7 +260,11 @@ impl<'a> Reader<'a> {
                     2 | 3 => 2,
                     4..=6 => 4,
                     8 | 10..=12 => 8,
-                    _ => return Err(self.err(format!("metadata {key}: unknown array element type {ety}"))),
+                    _ => {
+                        return Err(
+                            self.err(format!("metadata {key}: unknown array element type {ety}"))
+                        )
+                    }
                 };
                 let n = self.count(key, min)?;
                 let mut out = Vec::with_capacity(n);
@@ -274,7 +292,9 @@ impl Gguf {
         }
         let version = r.u32("version")?;
         if !(2..=3).contains(&version) {
-            return Err(r.err(format!("GGUF version {version} (this reader takes 2 and 3)")));
+            return Err(r.err(format!(
+                "GGUF version {version} (this reader takes 2 and 3)"
+            )));
         }
         // A tensor info is at least 8 + 4 + 8 + 4 + 8 bytes, a metadata pair 8 + 4 + 1.
         let n_tensors = r.count("tensor count", 32)?;
@@ -300,7 +320,9 @@ impl Gguf {
             let name = r.string("tensor name")?;
             let n_dims = r.u32(&name)? as usize;
             if n_dims == 0 || n_dims > MAX_DIMS {
-                return Err(r.err(format!("tensor {name}: {n_dims} dimensions (1..={MAX_DIMS})")));
+                return Err(r.err(format!(
+                    "tensor {name}: {n_dims} dimensions (1..={MAX_DIMS})"
+                )));
             }
             let mut dims = Vec::with_capacity(n_dims);
             for _ in 0..n_dims {
@@ -313,16 +335,31 @@ impl Gguf {
             };
             let n_elements = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
             let Some(n_elements) = n_elements.filter(|&n| n > 0 && n < 1 << 48) else {
-                return Err(r.err(format!("tensor {name}: dimensions {dims:?} give no valid element count")));
+                return Err(r.err(format!(
+                    "tensor {name}: dimensions {dims:?} give no valid element count"
+                )));
             };
             if dims[0] % block != 0 {
-                return Err(r.err(format!("tensor {name}: row length {} is not a multiple of {}'s block of {block}", dims[0], ty.name())));
+                return Err(r.err(format!(
+                    "tensor {name}: row length {} is not a multiple of {}'s block of {block}",
+                    dims[0],
+                    ty.name()
+                )));
             }
             if offset % alignment != 0 {
-                return Err(r.err(format!("tensor {name}: offset {offset} not aligned to {alignment}")));
+                return Err(r.err(format!(
+                    "tensor {name}: offset {offset} not aligned to {alignment}"
+                )));
             }
             let n_bytes = n_elements / block * block_bytes;
-            tensors.push(TensorInfo { name, dims, ty, offset, n_elements, n_bytes });
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                ty,
+                offset,
+                n_elements,
+                n_bytes,
+            });
         }
         let data_offset = (r.pos as u64).next_multiple_of(alignment);
         let data_len = (buf.len() as u64).saturating_sub(data_offset);
@@ -342,7 +379,13 @@ impl Gguf {
                 });
             }
         }
-        Ok(Gguf { version, metadata, tensors, alignment, data_offset })
+        Ok(Gguf {
+            version,
+            metadata,
+            tensors,
+            alignment,
+            data_offset,
+        })
     }
 
     /// The tensor's bytes within the whole file's bytes (checked by `parse`).
@@ -367,13 +410,20 @@ pub struct GgufFile {
 #[cfg(not(target_arch = "wasm32"))]
 impl GgufFile {
     pub fn open(path: &std::path::Path) -> Result<GgufFile> {
-        let io = |source| Error::Io { path: path.display().to_string(), source };
+        let io = |source| Error::Io {
+            path: path.display().to_string(),
+            source,
+        };
         let file = std::fs::File::open(path).map_err(io)?;
         // SAFETY: the map is read-only; a file changed underneath while mapped is the
         // caller's problem as with any model loader (llama.cpp maps the same way).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
         let gguf = Gguf::parse(&map, &path.display().to_string())?;
-        Ok(GgufFile { gguf, path: path.display().to_string(), map })
+        Ok(GgufFile {
+            gguf,
+            path: path.display().to_string(),
+            map,
+        })
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -387,7 +437,11 @@ impl GgufFile {
 
 /// Writes GGUF v3 (for tests, fixtures and synthetic models): metadata in the given order,
 /// tensors packed at `alignment`.
-pub fn write(metadata: &[(&str, Value)], tensors: &[(&str, &[u64], GgmlType, &[u8])], alignment: u64) -> Vec<u8> {
+pub fn write(
+    metadata: &[(&str, Value)],
+    tensors: &[(&str, &[u64], GgmlType, &[u8])],
+    alignment: u64,
+) -> Vec<u8> {
     fn string(out: &mut Vec<u8>, s: &str) {
         out.extend((s.len() as u64).to_le_bytes());
         out.extend(s.as_bytes());
@@ -473,11 +527,17 @@ mod tests {
                 ("general.architecture", Value::String("llama".into())),
                 ("llama.context_length", Value::U32(2048)),
                 ("llama.rope.freq_base", Value::F32(10000.0)),
-                ("tokenizer.ggml.tokens", Value::Array(vec![Value::String("a".into()), Value::String("b".into())])),
+                (
+                    "tokenizer.ggml.tokens",
+                    Value::Array(vec![Value::String("a".into()), Value::String("b".into())]),
+                ),
                 ("general.flag", Value::Bool(true)),
                 ("x.i64", Value::I64(-5)),
             ],
-            &[("w", &[3, 2], GgmlType(0), &f32s), ("q", &[64], GgmlType(8), &q8)],
+            &[
+                ("w", &[3, 2], GgmlType(0), &f32s),
+                ("q", &[64], GgmlType(8), &q8),
+            ],
             32,
         )
     }
@@ -489,7 +549,10 @@ mod tests {
         assert_eq!(g.version, 3);
         assert_eq!(g.metadata["general.architecture"].as_str(), Some("llama"));
         assert_eq!(g.metadata["llama.context_length"].as_u64(), Some(2048));
-        assert_eq!(g.metadata["tokenizer.ggml.tokens"], Value::Array(vec![Value::String("a".into()), Value::String("b".into())]));
+        assert_eq!(
+            g.metadata["tokenizer.ggml.tokens"],
+            Value::Array(vec![Value::String("a".into()), Value::String("b".into())])
+        );
         assert_eq!(g.metadata["x.i64"], Value::I64(-5));
         let w = g.tensor("w").unwrap();
         assert_eq!((w.n_elements, w.n_bytes, w.ty.name()), (6, 24, "F32"));
@@ -514,11 +577,17 @@ mod tests {
         assert!(e.contains("m.gguf") && e.contains("truncated"), "{e}");
         // An unknown tensor type (the u32 after w's dims).
         let mut bad = buf.clone();
-        let name_pos = buf.windows(9).position(|w| w == [1, 0, 0, 0, 0, 0, 0, 0, b'w']).unwrap();
+        let name_pos = buf
+            .windows(9)
+            .position(|w| w == [1, 0, 0, 0, 0, 0, 0, 0, b'w'])
+            .unwrap();
         let ty_pos = name_pos + 9 + 4 + 16;
         bad[ty_pos..ty_pos + 4].copy_from_slice(&99u32.to_le_bytes());
         let e = msg(&bad);
-        assert!(e.contains("tensor w") && e.contains("unknown tensor type 99"), "{e}");
+        assert!(
+            e.contains("tensor w") && e.contains("unknown tensor type 99"),
+            "{e}"
+        );
         // A count far beyond the file.
         let mut huge = buf.clone();
         huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());

@@ -1,6 +1,7 @@
 //! The GPU layer: adapter and device ([`Gpu`]), tensors, the buffer pool, the command
 //! recorder, the pipeline cache and timing traces.
 
+mod binds;
 mod pipeline;
 mod pool;
 mod recorder;
@@ -9,7 +10,7 @@ pub mod trace;
 
 pub use pipeline::{Binding, Kernel, PipelineCache, Shader};
 pub use pool::{BufferPool, PoolStats};
-pub use recorder::{Grid, Recorder, Submission};
+pub use recorder::{Grid, Readback, Recorder, Submission};
 pub use tensor::{DType, Tensor};
 pub use trace::{Trace, TraceEvent};
 
@@ -93,6 +94,9 @@ pub struct Gpu {
     pub pipelines: PipelineCache,
     /// See [`GpuOptions::unchecked_shaders`].
     pub unchecked_shaders: bool,
+    /// Bind groups and the shared parameter buffer (see `binds.rs`); held while a
+    /// recorder writes its parameters and submits.
+    pub(crate) binds: Mutex<binds::Binds>,
     /// Errors the device reported outside any error scope; drained by [`Gpu::check_errors`].
     errors: Arc<Mutex<Vec<String>>>,
 }
@@ -128,7 +132,10 @@ impl Gpu {
                 trace: wgpu::Trace::Off,
             })
             .await
-            .map_err(|e| Error::RequestDevice { adapter: info.name.clone(), reason: e.to_string() })?;
+            .map_err(|e| Error::RequestDevice {
+                adapter: info.name.clone(),
+                reason: e.to_string(),
+            })?;
         let errors = Arc::new(Mutex::new(Vec::new()));
         let sink = errors.clone();
         device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
@@ -146,6 +153,7 @@ impl Gpu {
             features,
             limits,
             unchecked_shaders: opts.unchecked_shaders && !cfg!(target_arch = "wasm32"),
+            binds: Mutex::new(binds::Binds::default()),
             errors,
         })
     }
@@ -181,7 +189,10 @@ impl Gpu {
             let w = want.to_ascii_lowercase();
             adapters.retain(|a| a.get_info().name.to_ascii_lowercase().contains(&w));
             if adapters.is_empty() {
-                return Err(Error::AdapterNotFound { wanted: want.clone(), available: names.join(", ") });
+                return Err(Error::AdapterNotFound {
+                    wanted: want.clone(),
+                    available: names.join(", "),
+                });
             }
         }
         // Stable sort: among equal types keep the driver's order.
@@ -201,11 +212,19 @@ impl Gpu {
                 ..Default::default()
             })
             .await
-            .map_err(|e| Error::NoAdapter { detail: format!(" ({e}; is WebGPU enabled?)") })?;
+            .map_err(|e| Error::NoAdapter {
+                detail: format!(" ({e}; is WebGPU enabled?)"),
+            })?;
         if let Some(want) = &opts.adapter {
             let name = adapter.get_info().name;
-            if !name.to_ascii_lowercase().contains(&want.to_ascii_lowercase()) {
-                return Err(Error::AdapterNotFound { wanted: want.clone(), available: name });
+            if !name
+                .to_ascii_lowercase()
+                .contains(&want.to_ascii_lowercase())
+            {
+                return Err(Error::AdapterNotFound {
+                    wanted: want.clone(),
+                    available: name,
+                });
             }
         }
         Ok(adapter)
@@ -275,6 +294,12 @@ impl Gpu {
         self.pool.collect();
     }
 
+    /// Bind groups built so far and dispatches that reused a cached one.
+    pub fn bind_group_stats(&self) -> (u64, u64) {
+        let b = self.binds.lock().unwrap();
+        (b.built, b.reused)
+    }
+
     /// Largest workgroup count per grid dimension (65535 on most devices).
     pub fn max_workgroups_per_dim(&self) -> u32 {
         self.limits.max_compute_workgroups_per_dimension
@@ -283,7 +308,11 @@ impl Gpu {
 
 /// Runs `f` inside an error scope; returns its value and the error message, if any.
 /// Natively the scope resolves at once; in the browser errors reach the uncaptured handler.
-pub(crate) fn scoped<T>(device: &wgpu::Device, filter: wgpu::ErrorFilter, f: impl FnOnce() -> T) -> (T, Option<String>) {
+pub(crate) fn scoped<T>(
+    device: &wgpu::Device,
+    filter: wgpu::ErrorFilter,
+    f: impl FnOnce() -> T,
+) -> (T, Option<String>) {
     #[cfg(not(target_arch = "wasm32"))]
     {
         let scope = device.push_error_scope(filter);
@@ -300,8 +329,14 @@ pub(crate) fn scoped<T>(device: &wgpu::Device, filter: wgpu::ErrorFilter, f: imp
 
 /// Maps `buffer[..size]` for reading. Resolves when `map_async`'s callback has run: the
 /// browser runs it from its event loop; natively nothing does unless the device is polled,
-/// so there the future waits on the device.
-pub(crate) async fn map_read(gpu: &Gpu, buffer: &wgpu::Buffer, size: u64) -> std::result::Result<(), String> {
+/// so there the future waits on the device: for submission `until` when given (later
+/// submissions keep running), else for everything submitted.
+pub(crate) async fn map_read(
+    gpu: &Gpu,
+    buffer: &wgpu::Buffer,
+    size: u64,
+    until: Option<wgpu::SubmissionIndex>,
+) -> std::result::Result<(), String> {
     let state = Arc::new(Mutex::new(MapState::default()));
     let s = state.clone();
     buffer.map_async(wgpu::MapMode::Read, 0..size, move |r| {
@@ -311,7 +346,12 @@ pub(crate) async fn map_read(gpu: &Gpu, buffer: &wgpu::Buffer, size: u64) -> std
             w.wake();
         }
     });
-    MapFuture { state, device: gpu.device.clone() }.await
+    MapFuture {
+        state,
+        device: gpu.device.clone(),
+        until,
+    }
+    .await
 }
 
 #[derive(Default)]
@@ -324,6 +364,8 @@ struct MapFuture {
     state: Arc<Mutex<MapState>>,
     #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
     device: wgpu::Device,
+    #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
+    until: Option<wgpu::SubmissionIndex>,
 }
 
 impl Future for MapFuture {
@@ -340,7 +382,11 @@ impl Future for MapFuture {
             #[cfg(target_arch = "wasm32")]
             return Poll::Pending;
             #[cfg(not(target_arch = "wasm32"))]
-            if let Err(e) = self.device.poll(wgpu::PollType::wait_indefinitely()) {
+            let wait = wgpu::PollType::Wait {
+                submission_index: self.until.clone(),
+                timeout: None,
+            };
+            if let Err(e) = self.device.poll(wait) {
                 return Poll::Ready(Err(e.to_string()));
             }
         }

@@ -19,7 +19,7 @@ pub enum Binding {
 }
 
 /// One entry point and its bind-group layout: binding 0 is always the uniform parameter
-/// block; `storage` lists the storage bindings (binding number, access) in the order the
+/// block (bound at a dynamic offset); `storage` lists the storage bindings (binding number, access) in the order the
 /// recorder's `tensors` argument fills them. A file's entry points may use different
 /// subsets of its bindings.
 pub struct Kernel {
@@ -32,8 +32,17 @@ pub struct Kernel {
 
 impl Kernel {
     /// An entry point that needs no optional GPU feature.
-    pub const fn new(shader: &'static Shader, entry: &'static str, storage: &'static [(u32, Binding)]) -> Kernel {
-        Kernel { shader, entry, storage, features: wgpu::Features::empty() }
+    pub const fn new(
+        shader: &'static Shader,
+        entry: &'static str,
+        storage: &'static [(u32, Binding)],
+    ) -> Kernel {
+        Kernel {
+            shader,
+            entry,
+            storage,
+            features: wgpu::Features::empty(),
+        }
     }
 
     pub fn name(&self) -> String {
@@ -87,7 +96,10 @@ impl PipelineCache {
         }
         let missing = kernel.features - gpu.features;
         if !missing.is_empty() {
-            return Err(Error::MissingFeature { op: kernel.entry, feature: feature_name(missing) });
+            return Err(Error::MissingFeature {
+                op: kernel.entry,
+                feature: feature_name(missing),
+            });
         }
         let module = self.module(gpu, kernel.shader)?;
         let name: Arc<str> = if constants.is_empty() {
@@ -101,7 +113,8 @@ impl PipelineCache {
             visibility: wgpu::ShaderStages::COMPUTE,
             ty: wgpu::BindingType::Buffer {
                 ty: wgpu::BufferBindingType::Uniform,
-                has_dynamic_offset: false,
+                // Parameters of all dispatches share one buffer (gpu/binds.rs).
+                has_dynamic_offset: true,
                 min_binding_size: None,
             },
             count: None,
@@ -111,7 +124,9 @@ impl PipelineCache {
                 binding,
                 visibility: wgpu::ShaderStages::COMPUTE,
                 ty: wgpu::BindingType::Buffer {
-                    ty: wgpu::BufferBindingType::Storage { read_only: b == Binding::Read },
+                    ty: wgpu::BufferBindingType::Storage {
+                        read_only: b == Binding::Read,
+                    },
                     has_dynamic_offset: false,
                     min_binding_size: None,
                 },
@@ -119,34 +134,48 @@ impl PipelineCache {
             });
         }
         let (built, err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
-            let layout = gpu.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-                label: Some(&name),
-                entries: &entries,
-            });
-            let pl = gpu.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-                label: Some(&name),
-                bind_group_layouts: &[Some(&layout)],
-                immediate_size: 0,
-            });
-            let pipeline = gpu.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(&name),
-                layout: Some(&pl),
-                module: &module,
-                entry_point: Some(kernel.entry),
-                compilation_options: wgpu::PipelineCompilationOptions {
-                    constants,
-                    // Every kernel writes its workgroup memory before reading it.
-                    zero_initialize_workgroup_memory: false,
-                },
-                cache: None,
-            });
+            let layout = gpu
+                .device
+                .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                    label: Some(&name),
+                    entries: &entries,
+                });
+            let pl = gpu
+                .device
+                .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                    label: Some(&name),
+                    bind_group_layouts: &[Some(&layout)],
+                    immediate_size: 0,
+                });
+            let pipeline = gpu
+                .device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(&name),
+                    layout: Some(&pl),
+                    module: &module,
+                    entry_point: Some(kernel.entry),
+                    compilation_options: wgpu::PipelineCompilationOptions {
+                        constants,
+                        // Every kernel writes its workgroup memory before reading it.
+                        zero_initialize_workgroup_memory: false,
+                    },
+                    cache: None,
+                });
             (pipeline, layout)
         });
         if let Some(message) = err {
-            return Err(Error::Shader { shader: name.to_string(), message });
+            return Err(Error::Shader {
+                shader: name.to_string(),
+                message,
+            });
         }
         let (pipeline, layout) = built;
-        let cached = Arc::new(CachedPipeline { pipeline, layout, storage: kernel.storage, name });
+        let cached = Arc::new(CachedPipeline {
+            pipeline,
+            layout,
+            storage: kernel.storage,
+            name,
+        });
         self.pipelines.lock().unwrap().insert(key, cached.clone());
         Ok(cached)
     }
@@ -163,15 +192,24 @@ impl PipelineCache {
             if gpu.unchecked_shaders {
                 // SAFETY: opted into by the user (GpuOptions::unchecked_shaders); every kernel
                 // bounds-checks its own indices against the shapes in its parameters.
-                unsafe { gpu.device.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked()) }
+                unsafe {
+                    gpu.device
+                        .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+                }
             } else {
                 gpu.device.create_shader_module(desc)
             }
         });
         if let Some(message) = err {
-            return Err(Error::Shader { shader: shader.name.to_string(), message });
+            return Err(Error::Shader {
+                shader: shader.name.to_string(),
+                message,
+            });
         }
-        self.modules.lock().unwrap().insert(shader.name, module.clone());
+        self.modules
+            .lock()
+            .unwrap()
+            .insert(shader.name, module.clone());
         Ok(module)
     }
 }

@@ -3,7 +3,7 @@
 //! submission uses until the GPU reports that submission complete.
 
 use crate::error::{Error, Result};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
@@ -26,7 +26,11 @@ type Key = (u64, u32);
 
 #[derive(Default)]
 struct Inner {
-    free: HashMap<Key, Vec<wgpu::Buffer>>,
+    /// Free buffers by size class, keyed by creation serial: the oldest is handed out
+    /// first, so a step that allocates the same sizes as the last one gets the same
+    /// buffers in the same roles (and reuses its cached bind groups, see binds.rs).
+    free: HashMap<Key, BTreeMap<u64, wgpu::Buffer>>,
+    serial: u64,
     stats: PoolStats,
     pending: Vec<(Arc<AtomicBool>, Vec<Arc<PooledBuffer>>)>,
 }
@@ -40,6 +44,7 @@ pub struct BufferPool {
 /// A buffer on loan from the pool. Dropping the last handle returns it to the free list.
 pub struct PooledBuffer {
     pub buffer: wgpu::Buffer,
+    serial: u64,
     class: u64,
     usage: wgpu::BufferUsages,
     pool: Weak<Mutex<Inner>>,
@@ -51,7 +56,10 @@ impl Drop for PooledBuffer {
             let mut p = pool.lock().unwrap();
             p.stats.live_bytes -= self.class;
             p.stats.pooled_bytes += self.class;
-            p.free.entry((self.class, self.usage.bits())).or_default().push(self.buffer.clone());
+            p.free
+                .entry((self.class, self.usage.bits()))
+                .or_default()
+                .insert(self.serial, self.buffer.clone());
         }
     }
 }
@@ -106,11 +114,21 @@ impl BufferPool {
         self.collect();
         {
             let mut p = self.inner.lock().unwrap();
-            if let Some(buffer) = p.free.get_mut(&(class, usage.bits())).and_then(|v| v.pop()) {
+            if let Some((serial, buffer)) = p
+                .free
+                .get_mut(&(class, usage.bits()))
+                .and_then(|v| v.pop_first())
+            {
                 p.stats.hits += 1;
                 p.stats.pooled_bytes -= class;
                 p.stats.live_bytes += class;
-                return Ok(Arc::new(PooledBuffer { buffer, class, usage, pool: Arc::downgrade(&self.inner) }));
+                return Ok(Arc::new(PooledBuffer {
+                    buffer,
+                    serial,
+                    class,
+                    usage,
+                    pool: Arc::downgrade(&self.inner),
+                }));
             }
         }
         self.create(device, class, usage, label)
@@ -136,14 +154,23 @@ impl BufferPool {
             None => {
                 // Out of memory: give the free lists back to the driver and try once more.
                 self.trim();
-                create_checked(device, make)
-                    .ok_or_else(|| Error::OutOfMemory { label: label.to_string(), bytes: class })?
+                create_checked(device, make).ok_or_else(|| Error::OutOfMemory {
+                    label: label.to_string(),
+                    bytes: class,
+                })?
             }
         };
         let mut p = self.inner.lock().unwrap();
         p.stats.misses += 1;
         p.stats.live_bytes += class;
-        Ok(Arc::new(PooledBuffer { buffer, class, usage, pool: Arc::downgrade(&self.inner) }))
+        p.serial += 1;
+        Ok(Arc::new(PooledBuffer {
+            buffer,
+            serial: p.serial,
+            class,
+            usage,
+            pool: Arc::downgrade(&self.inner),
+        }))
     }
 
     /// Keeps `bufs` alive until `done` is set (by the queue's work-done callback).
@@ -155,8 +182,10 @@ impl BufferPool {
     pub fn collect(&self) {
         let finished: Vec<_> = {
             let mut p = self.inner.lock().unwrap();
-            let (done, pending): (Vec<_>, Vec<_>) =
-                p.pending.drain(..).partition(|(d, _)| d.load(Ordering::Acquire));
+            let (done, pending): (Vec<_>, Vec<_>) = p
+                .pending
+                .drain(..)
+                .partition(|(d, _)| d.load(Ordering::Acquire));
             p.pending = pending;
             done
         };
@@ -168,7 +197,7 @@ impl BufferPool {
     pub fn trim(&self) {
         let mut p = self.inner.lock().unwrap();
         for (_, bufs) in p.free.drain() {
-            for b in bufs {
+            for b in bufs.into_values() {
                 b.destroy();
             }
         }

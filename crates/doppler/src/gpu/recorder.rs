@@ -1,6 +1,7 @@
 //! The command recorder: ops append dispatches, `submit` encodes them into one command
 //! encoder and one queue submission. Parameter blocks of all dispatches share one uniform
-//! buffer; every buffer the submission touches stays alive until the GPU has finished it.
+//! buffer and bind groups are cached (binds.rs); every buffer the submission touches stays
+//! alive until the GPU has finished it.
 
 use super::pipeline::{CachedPipeline, Kernel};
 use super::pool::PooledBuffer;
@@ -8,9 +9,8 @@ use super::tensor::Tensor;
 use super::trace::{Trace, TraceEvent};
 use super::Gpu;
 use crate::error::{Error, Result};
-use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// The workgroup grid of a dispatch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,7 +45,10 @@ impl Grid {
             }
             Grid::Xyz(g) => {
                 if g.iter().any(|&d| d as u64 > max) {
-                    return Err(Error::Shape { op: "dispatch", detail: format!("grid {g:?} exceeds {max} per dimension") });
+                    return Err(Error::Shape {
+                        op: "dispatch",
+                        detail: format!("grid {g:?} exceeds {max} per dimension"),
+                    });
                 }
                 Ok(g)
             }
@@ -69,6 +72,11 @@ enum Cmd {
         bytes: u64,
     },
     Clear(Tensor),
+    /// A copy into a mappable buffer, read after the submission completes ([`Readback`]).
+    Stage {
+        src: Tensor,
+        staging: Arc<PooledBuffer>,
+    },
 }
 
 /// An index check done on the GPU: a kernel counts ids >= `limit` into `flag[0]` and
@@ -87,6 +95,54 @@ pub struct Recorder<'g> {
     uniforms: Vec<u8>,
     profile: bool,
     checks: Vec<IndexCheck>,
+    /// Readbacks learn their submission's index at submit.
+    readbacks: Vec<Arc<Mutex<Option<wgpu::SubmissionIndex>>>>,
+}
+
+/// A tensor's bytes as they were at a point of a submission, to read once the GPU has
+/// reached it; waiting for it does not wait for later submissions (pipelined decoding
+/// reads a step's token while the next step runs).
+pub struct Readback {
+    staging: Arc<PooledBuffer>,
+    bytes: u64,
+    label: Arc<str>,
+    index: Arc<Mutex<Option<wgpu::SubmissionIndex>>>,
+}
+
+impl Readback {
+    pub async fn bytes(&self, gpu: &Gpu) -> Result<Vec<u8>> {
+        let err = |reason: String| Error::Readback {
+            label: self.label.to_string(),
+            reason,
+        };
+        let index = self
+            .index
+            .lock()
+            .unwrap()
+            .clone()
+            .ok_or_else(|| err("read before its recorder was submitted".into()))?;
+        let size = self.bytes.next_multiple_of(4);
+        super::map_read(gpu, &self.staging.buffer, size, Some(index))
+            .await
+            .map_err(err)?;
+        let out = {
+            let view = self
+                .staging
+                .buffer
+                .get_mapped_range(0..size)
+                .map_err(|e| err(e.to_string()))?;
+            view[..self.bytes as usize].to_vec()
+        };
+        self.staging.buffer.unmap();
+        Ok(out)
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read_u32(&self, gpu: &Gpu) -> Result<Vec<u32>> {
+        Ok(bytemuck::pod_collect_to_vec(&pollster::block_on(
+            self.bytes(gpu),
+        )?))
+    }
 }
 
 /// Most timestamp queries in one query set (wgpu's `QUERY_SET_MAX_QUERIES`).
@@ -94,7 +150,15 @@ const QUERIES_PER_SET: u32 = 4096;
 
 impl<'g> Recorder<'g> {
     pub(crate) fn new(gpu: &'g Gpu, label: &str, profile: bool) -> Self {
-        Recorder { gpu, label: label.to_string(), cmds: Vec::new(), uniforms: Vec::new(), profile, checks: Vec::new() }
+        Recorder {
+            gpu,
+            label: label.to_string(),
+            cmds: Vec::new(),
+            uniforms: Vec::new(),
+            profile,
+            checks: Vec::new(),
+            readbacks: Vec::new(),
+        }
     }
 
     pub fn gpu(&self) -> &'g Gpu {
@@ -108,7 +172,10 @@ impl<'g> Recorder<'g> {
 
     /// Number of recorded dispatches (what a profiling trace has events for).
     pub fn dispatches(&self) -> usize {
-        self.cmds.iter().filter(|c| matches!(c, Cmd::Dispatch { .. })).count()
+        self.cmds
+            .iter()
+            .filter(|c| matches!(c, Cmd::Dispatch { .. }))
+            .count()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -129,7 +196,11 @@ impl<'g> Recorder<'g> {
         if tensors.len() != kernel.storage.len() {
             return Err(Error::Shape {
                 op: kernel.entry,
-                detail: format!("{} buffers bound, kernel takes {}", tensors.len(), kernel.storage.len()),
+                detail: format!(
+                    "{} buffers bound, kernel takes {}",
+                    tensors.len(),
+                    kernel.storage.len()
+                ),
             });
         }
         let grid = grid.resolve(self.gpu.max_workgroups_per_dim())?;
@@ -158,28 +229,89 @@ impl<'g> Recorder<'g> {
         if src.byte_size() != dst.byte_size() {
             return Err(Error::Shape {
                 op: "copy",
-                detail: format!("{:?} {:?} into {:?} {:?}", src.shape(), src.dtype(), dst.shape(), dst.dtype()),
+                detail: format!(
+                    "{:?} {:?} into {:?} {:?}",
+                    src.shape(),
+                    src.dtype(),
+                    dst.shape(),
+                    dst.dtype()
+                ),
             });
         }
-        self.cmds.push(Cmd::Copy { src: src.clone(), src_offset: 0, dst: dst.clone(), dst_offset: 0, bytes: src.binding_size() });
+        self.cmds.push(Cmd::Copy {
+            src: src.clone(),
+            src_offset: 0,
+            dst: dst.clone(),
+            dst_offset: 0,
+            bytes: src.binding_size(),
+        });
         Ok(())
     }
 
     /// Copies elements `src_at..src_at + n` of `src` to `dst_at..` of `dst` (same dtype;
     /// byte offsets and length must be multiples of 4, as WebGPU requires).
-    pub fn copy_elements(&mut self, src: &Tensor, src_at: usize, dst: &Tensor, dst_at: usize, n: usize) -> Result<()> {
+    pub fn copy_elements(
+        &mut self,
+        src: &Tensor,
+        src_at: usize,
+        dst: &Tensor,
+        dst_at: usize,
+        n: usize,
+    ) -> Result<()> {
         let size = src.dtype().size() as u64;
         let (so, doff, bytes) = (src_at as u64 * size, dst_at as u64 * size, n as u64 * size);
-        if src.dtype() != dst.dtype() || src_at + n > src.numel() || dst_at + n > dst.numel() || (so | doff | bytes) % 4 != 0 {
+        if src.dtype() != dst.dtype()
+            || src_at + n > src.numel()
+            || dst_at + n > dst.numel()
+            || (so | doff | bytes) % 4 != 0
+        {
             return Err(Error::Shape {
                 op: "copy_elements",
-                detail: format!("{n} elements from {:?} {:?} at {src_at} to {:?} {:?} at {dst_at}", src.shape(), src.dtype(), dst.shape(), dst.dtype()),
+                detail: format!(
+                    "{n} elements from {:?} {:?} at {src_at} to {:?} {:?} at {dst_at}",
+                    src.shape(),
+                    src.dtype(),
+                    dst.shape(),
+                    dst.dtype()
+                ),
             });
         }
         if n > 0 {
-            self.cmds.push(Cmd::Copy { src: src.clone(), src_offset: so, dst: dst.clone(), dst_offset: doff, bytes });
+            self.cmds.push(Cmd::Copy {
+                src: src.clone(),
+                src_offset: so,
+                dst: dst.clone(),
+                dst_offset: doff,
+                bytes,
+            });
         }
         Ok(())
+    }
+
+    /// Copies `t` as it is at this point of the recording into a mappable buffer, to read
+    /// after the submission (see [`Readback`]).
+    pub fn read_later(&mut self, t: &Tensor) -> Result<Readback> {
+        let gpu = self.gpu;
+        let bytes = t.byte_size();
+        let staging = gpu.pool.alloc(
+            &gpu.device,
+            &gpu.limits,
+            t.binding_size(),
+            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            "readback",
+        )?;
+        let index = Arc::new(Mutex::new(None));
+        self.readbacks.push(index.clone());
+        self.cmds.push(Cmd::Stage {
+            src: t.clone(),
+            staging: staging.clone(),
+        });
+        Ok(Readback {
+            staging,
+            bytes,
+            label: t.label().into(),
+            index,
+        })
     }
 
     /// Zero-fills `t`.
@@ -193,7 +325,12 @@ impl<'g> Recorder<'g> {
     pub fn index_check(&mut self, op: &'static str, ids: &Tensor, limit: u32) -> Result<Tensor> {
         let flag = Tensor::empty(self.gpu, &[2], super::DType::U32, "index_check")?;
         self.clear(&flag);
-        self.checks.push(IndexCheck { op, flag: flag.clone(), ids: ids.clone(), limit });
+        self.checks.push(IndexCheck {
+            op,
+            flag: flag.clone(),
+            ids: ids.clone(),
+            limit,
+        });
         Ok(flag)
     }
 
@@ -201,35 +338,58 @@ impl<'g> Recorder<'g> {
     pub fn submit(self) -> Result<Submission> {
         let gpu = self.gpu;
         let mut keep: Vec<Arc<PooledBuffer>> = Vec::new();
-        let uniform = if self.uniforms.is_empty() {
-            None
-        } else {
-            let u = gpu.pool.alloc(
-                &gpu.device,
-                &gpu.limits,
-                self.uniforms.len() as u64,
-                wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-                "uniforms",
-            )?;
-            gpu.queue.write_buffer(&u.buffer, 0, &self.uniforms);
-            Some(u)
-        };
+        // Held until the submit: the shared parameter buffer must carry this recorder's
+        // parameters when its commands run (queue order), not another recorder's.
+        let mut binds = gpu.binds.lock().unwrap();
+        if !self.uniforms.is_empty() {
+            let u = binds.uniform(gpu, self.uniforms.len() as u64)?;
+            gpu.queue.write_buffer(&u, 0, &self.uniforms);
+        }
         let n_dispatch = self.dispatches() as u32;
-        let queries = if self.profile && n_dispatch > 0 { Some(Queries::new(gpu, n_dispatch)?) } else { None };
+        let queries = if self.profile && n_dispatch > 0 {
+            Some(Queries::new(gpu, n_dispatch)?)
+        } else {
+            None
+        };
 
         let ((), err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
-            let mut enc =
-                gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(&self.label) });
+            let mut enc = gpu
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some(&self.label),
+                });
             let mut dispatched = 0u32;
             let mut i = 0;
             while i < self.cmds.len() {
                 match &self.cmds[i] {
-                    Cmd::Copy { src, src_offset, dst, dst_offset, bytes } => {
-                        enc.copy_buffer_to_buffer(src.buffer(), *src_offset, dst.buffer(), *dst_offset, *bytes);
+                    Cmd::Copy {
+                        src,
+                        src_offset,
+                        dst,
+                        dst_offset,
+                        bytes,
+                    } => {
+                        enc.copy_buffer_to_buffer(
+                            src.buffer(),
+                            *src_offset,
+                            dst.buffer(),
+                            *dst_offset,
+                            *bytes,
+                        );
                         i += 1;
                     }
                     Cmd::Clear(t) => {
                         enc.clear_buffer(t.buffer(), 0, Some(t.binding_size()));
+                        i += 1;
+                    }
+                    Cmd::Stage { src, staging } => {
+                        enc.copy_buffer_to_buffer(
+                            src.buffer(),
+                            0,
+                            &staging.buffer,
+                            0,
+                            src.binding_size(),
+                        );
                         i += 1;
                     }
                     Cmd::Dispatch { .. } => {
@@ -240,34 +400,21 @@ impl<'g> Recorder<'g> {
                             label: Some(&self.label),
                             timestamp_writes,
                         });
-                        while let Some(Cmd::Dispatch { pipe, uniform_offset, uniform_size, tensors, grid }) =
-                            self.cmds.get(i)
+                        while let Some(Cmd::Dispatch {
+                            pipe,
+                            uniform_offset,
+                            uniform_size,
+                            tensors,
+                            grid,
+                        }) = self.cmds.get(i)
                         {
-                            let mut entries = vec![wgpu::BindGroupEntry {
-                                binding: 0,
-                                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                                    buffer: &uniform.as_ref().expect("dispatch has uniforms").buffer,
-                                    offset: *uniform_offset,
-                                    size: NonZeroU64::new(*uniform_size),
-                                }),
-                            }];
-                            for (t, &(binding, _)) in tensors.iter().zip(pipe.storage) {
-                                entries.push(wgpu::BindGroupEntry {
-                                    binding,
-                                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                                        buffer: t.buffer(),
-                                        offset: 0,
-                                        size: NonZeroU64::new(t.binding_size()),
-                                    }),
-                                });
-                            }
-                            let bg = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                                label: Some(&pipe.name),
-                                layout: &pipe.layout,
-                                entries: &entries,
-                            });
+                            let storage = tensors
+                                .iter()
+                                .map(|t| (t.buffer().clone(), t.binding_size()))
+                                .collect();
+                            let bg = binds.group(gpu, pipe, *uniform_size, storage);
                             pass.set_pipeline(&pipe.pipeline);
-                            pass.set_bind_group(0, &bg, &[]);
+                            pass.set_bind_group(0, &bg, &[*uniform_offset as u32]);
                             pass.dispatch_workgroups(grid[0], grid[1], grid[2]);
                             dispatched += 1;
                             i += 1;
@@ -281,23 +428,32 @@ impl<'g> Recorder<'g> {
             if let Some(qs) = &queries {
                 qs.resolve(&mut enc);
             }
-            gpu.queue.submit([enc.finish()]);
+            let index = gpu.queue.submit([enc.finish()]);
+            for r in &self.readbacks {
+                *r.lock().unwrap() = Some(index.clone());
+            }
         });
+        drop(binds);
         if let Some(message) = err {
             return Err(Error::Device(format!("{}: {message}", self.label)));
         }
         // Release buffers once the GPU is done with this submission.
         for c in &self.cmds {
             match c {
-                Cmd::Dispatch { tensors, .. } => keep.extend(tensors.iter().map(|t| t.pooled().clone())),
-                Cmd::Copy { src, dst, .. } => keep.extend([src.pooled().clone(), dst.pooled().clone()]),
+                Cmd::Dispatch { tensors, .. } => {
+                    keep.extend(tensors.iter().map(|t| t.pooled().clone()))
+                }
+                Cmd::Copy { src, dst, .. } => {
+                    keep.extend([src.pooled().clone(), dst.pooled().clone()])
+                }
                 Cmd::Clear(t) => keep.push(t.pooled().clone()),
+                Cmd::Stage { src, staging } => keep.extend([src.pooled().clone(), staging.clone()]),
             }
         }
-        keep.extend(uniform);
         let done = Arc::new(AtomicBool::new(false));
         let flag = done.clone();
-        gpu.queue.on_submitted_work_done(move || flag.store(true, Ordering::Release));
+        gpu.queue
+            .on_submitted_work_done(move || flag.store(true, Ordering::Release));
         gpu.pool.retire(done, keep);
         gpu.poll();
         gpu.check_errors()?;
@@ -309,7 +465,11 @@ impl<'g> Recorder<'g> {
                 _ => None,
             })
             .collect();
-        Ok(Submission { queries, names, checks: self.checks })
+        Ok(Submission {
+            queries,
+            names,
+            checks: self.checks,
+        })
     }
 }
 
@@ -323,7 +483,11 @@ struct Queries {
 impl Queries {
     fn new(gpu: &Gpu, n_dispatch: u32) -> Result<Queries> {
         let total = n_dispatch * 2;
-        let mut q = Queries { sets: Vec::new(), resolve: Vec::new(), readback: Vec::new() };
+        let mut q = Queries {
+            sets: Vec::new(),
+            resolve: Vec::new(),
+            readback: Vec::new(),
+        };
         let mut left = total;
         while left > 0 {
             let count = left.min(QUERIES_PER_SET);
@@ -342,8 +506,12 @@ impl Queries {
                     mapped_at_creation: false,
                 })
             };
-            q.resolve.push(mk(wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC));
-            q.readback.push(mk(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST));
+            q.resolve.push(mk(
+                wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC
+            ));
+            q.readback.push(mk(
+                wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST
+            ));
             q.sets.push((set, count));
         }
         Ok(q)
@@ -406,15 +574,21 @@ impl Submission {
                 });
             }
         }
-        let Some(q) = self.queries else { return Ok(Trace::default()) };
+        let Some(q) = self.queries else {
+            return Ok(Trace::default());
+        };
         let mut ticks: Vec<u64> = Vec::new();
         for buf in &q.readback {
-            super::map_read(gpu, buf, buf.size())
+            super::map_read(gpu, buf, buf.size(), None)
                 .await
-                .map_err(|reason| Error::Readback { label: "timestamps".into(), reason })?;
-            let view = buf
-                .get_mapped_range(..)
-                .map_err(|e| Error::Readback { label: "timestamps".into(), reason: e.to_string() })?;
+                .map_err(|reason| Error::Readback {
+                    label: "timestamps".into(),
+                    reason,
+                })?;
+            let view = buf.get_mapped_range(..).map_err(|e| Error::Readback {
+                label: "timestamps".into(),
+                reason: e.to_string(),
+            })?;
             ticks.extend_from_slice(bytemuck::cast_slice(&view));
             drop(view);
             buf.unmap();

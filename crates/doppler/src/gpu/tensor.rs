@@ -38,7 +38,11 @@ pub struct Tensor {
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tensor({}: {:?} {:?})", self.label, self.dtype, self.shape)
+        write!(
+            f,
+            "Tensor({}: {:?} {:?})",
+            self.label, self.dtype, self.shape
+        )
     }
 }
 
@@ -56,15 +60,32 @@ impl Tensor {
                 limit: gpu.limits.max_storage_buffer_binding_size,
             });
         }
-        let buf = gpu.pool.alloc(&gpu.device, &gpu.limits, binding, STORAGE, label)?;
-        Ok(Tensor { buf, shape: shape.to_vec(), dtype, label: label.into() })
+        let buf = gpu
+            .pool
+            .alloc(&gpu.device, &gpu.limits, binding, STORAGE, label)?;
+        Ok(Tensor {
+            buf,
+            shape: shape.to_vec(),
+            dtype,
+            label: label.into(),
+        })
     }
 
-    fn from_bytes(gpu: &Gpu, shape: &[usize], dtype: DType, bytes: &[u8], label: &str) -> Result<Tensor> {
+    fn from_bytes(
+        gpu: &Gpu,
+        shape: &[usize],
+        dtype: DType,
+        bytes: &[u8],
+        label: &str,
+    ) -> Result<Tensor> {
         let t = Tensor::empty(gpu, shape, dtype, label)?;
         let expected = t.numel();
         if bytes.len() != expected * dtype.size() {
-            return Err(Error::UploadSize { label: label.into(), got: bytes.len() / dtype.size(), expected });
+            return Err(Error::UploadSize {
+                label: label.into(),
+                got: bytes.len() / dtype.size(),
+                expected,
+            });
         }
         if bytes.len() % 4 == 0 {
             gpu.queue.write_buffer(&t.buf.buffer, 0, bytes);
@@ -128,10 +149,18 @@ impl Tensor {
         if shape.iter().product::<usize>() != self.numel() {
             return Err(Error::Shape {
                 op: "reshape",
-                detail: format!("{:?} ({} elements) to {:?}", self.shape, self.numel(), shape),
+                detail: format!(
+                    "{:?} ({} elements) to {:?}",
+                    self.shape,
+                    self.numel(),
+                    shape
+                ),
             });
         }
-        Ok(Tensor { shape: shape.to_vec(), ..self.clone() })
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            ..self.clone()
+        })
     }
 
     /// Copies the tensor's bytes to the host. Asynchronous underneath (WebGPU maps buffers
@@ -145,17 +174,27 @@ impl Tensor {
             wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             "readback",
         )?;
-        let mut enc = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("readback") });
+        let mut enc = gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("readback"),
+            });
         enc.copy_buffer_to_buffer(&self.buf.buffer, 0, &staging.buffer, 0, size);
-        gpu.queue.submit([enc.finish()]);
-        super::map_read(gpu, &staging.buffer, size)
+        let index = gpu.queue.submit([enc.finish()]);
+        super::map_read(gpu, &staging.buffer, size, Some(index))
             .await
-            .map_err(|reason| Error::Readback { label: self.label.to_string(), reason })?;
+            .map_err(|reason| Error::Readback {
+                label: self.label.to_string(),
+                reason,
+            })?;
         let bytes = {
             let view = staging
                 .buffer
                 .get_mapped_range(0..size)
-                .map_err(|e| Error::Readback { label: self.label.to_string(), reason: e.to_string() })?;
+                .map_err(|e| Error::Readback {
+                    label: self.label.to_string(),
+                    reason: e.to_string(),
+                })?;
             view[..self.byte_size() as usize].to_vec()
         };
         staging.buffer.unmap();
@@ -168,21 +207,36 @@ impl Tensor {
         let bytes = self.read_bytes(gpu).await?;
         match self.dtype {
             DType::F32 => Ok(bytemuck::pod_collect_to_vec(&bytes)),
-            DType::F16 => Ok(bytemuck::pod_collect_to_vec::<u8, half::f16>(&bytes).iter().map(|h| h.to_f32()).collect()),
-            DType::U32 => Err(Error::DType { op: "to_vec_f32", got: self.dtype, expected: "f32 or f16" }),
+            DType::F16 => Ok(bytemuck::pod_collect_to_vec::<u8, half::f16>(&bytes)
+                .iter()
+                .map(|h| h.to_f32())
+                .collect()),
+            DType::U32 => Err(Error::DType {
+                op: "to_vec_f32",
+                got: self.dtype,
+                expected: "f32 or f16",
+            }),
         }
     }
 
     pub async fn to_vec_u32(&self, gpu: &Gpu) -> Result<Vec<u32>> {
         if self.dtype != DType::U32 {
-            return Err(Error::DType { op: "to_vec_u32", got: self.dtype, expected: "u32" });
+            return Err(Error::DType {
+                op: "to_vec_u32",
+                got: self.dtype,
+                expected: "u32",
+            });
         }
         Ok(bytemuck::pod_collect_to_vec(&self.read_bytes(gpu).await?))
     }
 
     pub async fn to_vec_f16(&self, gpu: &Gpu) -> Result<Vec<half::f16>> {
         if self.dtype != DType::F16 {
-            return Err(Error::DType { op: "to_vec_f16", got: self.dtype, expected: "f16" });
+            return Err(Error::DType {
+                op: "to_vec_f16",
+                got: self.dtype,
+                expected: "f16",
+            });
         }
         Ok(bytemuck::pod_collect_to_vec(&self.read_bytes(gpu).await?))
     }

@@ -1,7 +1,6 @@
 //! Per-dispatch GPU timings, written as Chrome trace-event JSON (opens in Perfetto or
 //! chrome://tracing).
 
-
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct TraceEvent {
     /// Pipeline name: "shader.entry[constants]".
@@ -27,7 +26,11 @@ pub struct KernelTime {
 
 impl Trace {
     pub fn extend(&mut self, other: Trace) {
-        let offset = self.events.last().map(|e| e.start_ns + e.dur_ns).unwrap_or(0.0);
+        let offset = self
+            .events
+            .last()
+            .map(|e| e.start_ns + e.dur_ns)
+            .unwrap_or(0.0);
         self.events.extend(other.events.into_iter().map(|mut e| {
             e.start_ns += offset;
             e
@@ -52,8 +55,10 @@ impl Trace {
     #[cfg(not(target_arch = "wasm32"))]
     pub fn write_chrome_json(&self, path: &std::path::Path) -> crate::Result<()> {
         use crate::Error;
-        std::fs::write(path, self.to_chrome_json())
-            .map_err(|source| Error::Io { path: path.display().to_string(), source })
+        std::fs::write(path, self.to_chrome_json()).map_err(|source| Error::Io {
+            path: path.display().to_string(),
+            source,
+        })
     }
 
     /// Per-kernel count, total and median, slowest total first.

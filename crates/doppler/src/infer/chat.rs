@@ -11,7 +11,10 @@ pub struct Message {
 
 impl Message {
     pub fn new(role: &str, content: &str) -> Message {
-        Message { role: role.into(), content: content.into() }
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -49,11 +52,15 @@ impl Template {
             ChatStyle::ChatMl => jinja.split("<|im_start|>system\n").nth(1).and_then(|rest| {
                 let text = rest.split("<|im_end|>").next()?;
                 // Only a literal: a template that prints a variable here has no default.
-                (!text.contains("{{") && !text.contains("{%") && !text.contains('\'')).then(|| text.to_string())
+                (!text.contains("{{") && !text.contains("{%") && !text.contains('\''))
+                    .then(|| text.to_string())
             }),
             _ => None,
         };
-        Some(Template { style, default_system })
+        Some(Template {
+            style,
+            default_system,
+        })
     }
 
     /// Text of `messages` (the start of a conversation when `first`), then the header of
@@ -114,16 +121,26 @@ mod tests {
 
     #[test]
     fn renders_the_three_styles() {
-        let msgs = [Message::new("user", "Hi"), Message::new("assistant", "Hello"), Message::new("user", "Bye")];
+        let msgs = [
+            Message::new("user", "Hi"),
+            Message::new("assistant", "Hello"),
+            Message::new("user", "Bye"),
+        ];
         let chatml = Template::detect("{{'<|im_start|>' + message['role'] }}").unwrap();
-        assert_eq!(chatml.render(&msgs[2..], true), "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n");
+        assert_eq!(
+            chatml.render(&msgs[2..], true),
+            "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+        );
         let llama3 = Template::detect("<|start_header_id|>").unwrap();
         assert_eq!(
             llama3.render(&msgs[..1], true),
             "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
         );
         let zephyr = Template::detect("<|user|> ... <|assistant|>").unwrap();
-        assert_eq!(zephyr.render(&msgs[..1], false), "<|user|>\nHi</s>\n<|assistant|>\n");
+        assert_eq!(
+            zephyr.render(&msgs[..1], false),
+            "<|user|>\nHi</s>\n<|assistant|>\n"
+        );
         assert!(Template::detect("[INST]").is_none());
     }
 
@@ -131,7 +148,11 @@ mod tests {
     fn takes_a_literal_default_system_message() {
         let t = Template::detect("{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}").unwrap();
         assert_eq!(t.default_system.as_deref(), Some("Be brief."));
-        assert!(t.render(&[Message::new("user", "x")], true).starts_with("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nx"));
-        assert!(!t.render(&[Message::new("user", "x")], false).contains("system"));
+        assert!(t
+            .render(&[Message::new("user", "x")], true)
+            .starts_with("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nx"));
+        assert!(!t
+            .render(&[Message::new("user", "x")], false)
+            .contains("system"));
     }
 }

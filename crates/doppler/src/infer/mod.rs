@@ -2,6 +2,7 @@
 //! keeps a conversation's keys and values on the GPU and generates from it.
 
 pub mod chat;
+pub mod greedy;
 pub mod sample;
 pub mod tokenizer;
 
@@ -14,6 +15,7 @@ use crate::gpu::Gpu;
 use crate::models::llama::{self, Llama};
 use crate::ops::kvcache::KvCache;
 use chat::Template;
+use greedy::GreedyDecoder;
 use sample::Sampler;
 use tokenizer::Tokenizer;
 
@@ -41,17 +43,38 @@ impl Model {
             let jinja = std::fs::read_to_string(path.join("tokenizer_config.json"))
                 .ok()
                 .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
-                .and_then(|v| v.get("chat_template").and_then(|t| t.as_str()).map(str::to_string));
+                .and_then(|v| {
+                    v.get("chat_template")
+                        .and_then(|t| t.as_str())
+                        .map(str::to_string)
+                });
             (tk, jinja)
         } else {
-            (Tokenizer::from_gguf(&md, &shown)?, md.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string))
+            (
+                Tokenizer::from_gguf(&md, &shown)?,
+                md.get("tokenizer.chat_template")
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
+            )
         };
         if tokenizer.vocab_size() > llama.cfg.vocab_size {
-            return Err(Error::Format { path: shown, detail: format!("tokenizer has {} tokens, the model's embedding {}", tokenizer.vocab_size(), llama.cfg.vocab_size) });
+            return Err(Error::Format {
+                path: shown,
+                detail: format!(
+                    "tokenizer has {} tokens, the model's embedding {}",
+                    tokenizer.vocab_size(),
+                    llama.cfg.vocab_size
+                ),
+            });
         }
         gpu.wait()?;
         let template = jinja.as_deref().and_then(Template::detect);
-        Ok(Model { llama, tokenizer, template, load_ms: t0.elapsed().as_secs_f64() * 1e3 })
+        Ok(Model {
+            llama,
+            tokenizer,
+            template,
+            load_ms: t0.elapsed().as_secs_f64() * 1e3,
+        })
     }
 
     /// Token ids of `text` for the model: BOS first when the tokenizer asks for it, this is
@@ -72,7 +95,13 @@ impl Model {
     /// Ids that end generation: EOS and the template's end-of-turn token.
     pub fn stop_tokens(&self) -> Vec<u32> {
         let mut v: Vec<u32> = self.tokenizer.eos.into_iter().collect();
-        for s in ["<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>"] {
+        for s in [
+            "<|im_end|>",
+            "<|eot_id|>",
+            "<|end_of_text|>",
+            "<|endoftext|>",
+            "</s>",
+        ] {
             if let Some(id) = self.tokenizer.special(s) {
                 v.push(id);
             }
@@ -106,9 +135,9 @@ pub struct Generation {
     /// The last sampled token when it was not run through the model: the stop token, or
     /// the last one of a length or context stop (None after a stop string: it ran).
     pub stop_token: Option<u32>,
-    /// Prompt processing until the first token's logits were back.
+    /// Prompt processing until the first token was chosen.
     pub prefill_ms: f64,
-    /// Per generated token after the first: forward, readback and sampling.
+    /// Per generated token after the first: the time since the one before was chosen.
     pub token_ms: Vec<f64>,
 }
 
@@ -127,7 +156,11 @@ pub struct Session<'m> {
 
 impl<'m> Session<'m> {
     pub fn new(gpu: &Gpu, model: &'m Model, capacity: usize) -> Result<Session<'m>> {
-        Ok(Session { model, cache: model.llama.cache(gpu, capacity)?, tokens: Vec::new() })
+        Ok(Session {
+            model,
+            cache: model.llama.cache(gpu, capacity)?,
+            tokens: Vec::new(),
+        })
     }
 
     pub fn capacity(&self) -> usize {
@@ -143,17 +176,18 @@ impl<'m> Session<'m> {
     /// Runs `ids` through the model after what is cached; logits (V) of the last.
     pub fn feed(&mut self, gpu: &Gpu, ids: &[u32]) -> Result<Vec<f32>> {
         if !self.cache.fits(ids.len()) {
-            return Err(Error::Invalid {
-                op: "generate",
-                detail: format!("{} cached + {} new tokens exceed the context of {} tokens", self.cache.len, ids.len(), self.cache.capacity),
-            });
+            return Err(self.full(ids.len()));
         }
         let mut logits = None;
         for chunk in ids.chunks(PREFILL_CHUNK) {
-            logits = Some(gpu.run(|rec| self.model.llama.forward(rec, chunk, &mut self.cache, false))?);
+            logits =
+                Some(gpu.run(|rec| self.model.llama.forward(rec, chunk, &mut self.cache, false))?);
             self.tokens.extend_from_slice(chunk);
         }
-        let logits = logits.ok_or_else(|| Error::Invalid { op: "generate", detail: "empty prompt".into() })?;
+        let logits = logits.ok_or_else(|| Error::Invalid {
+            op: "generate",
+            detail: "empty prompt".into(),
+        })?;
         logits.read_f32(gpu)
     }
 
@@ -161,31 +195,91 @@ impl<'m> Session<'m> {
     /// each piece of text as soon as it is certain (whole UTF-8 characters, not part of a
     /// stop string). The last sampled token is not run through the model (see
     /// [`Generation::stop_token`]); every other one is in the cache afterwards.
-    pub fn generate(&mut self, gpu: &Gpu, prompt: &[u32], opts: &GenOptions, sampler: &mut Sampler, on_text: &mut dyn FnMut(&str) -> Result<()>) -> Result<Generation> {
+    ///
+    /// A plain greedy sampler (temperature 0, no repetition penalty) picks on the GPU and
+    /// runs each token's step before the host has read it ([`GreedyDecoder`]); a stop
+    /// token found that way is taken back out of the cache.
+    pub fn generate(
+        &mut self,
+        gpu: &Gpu,
+        prompt: &[u32],
+        opts: &GenOptions,
+        sampler: &mut Sampler,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Generation> {
         let t0 = Instant::now();
-        let mut logits = self.feed(gpu, prompt)?;
-        let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let mut out = Generation { prompt_tokens: prompt.len(), tokens: Vec::new(), text: String::new(), stop: StopReason::Length, stop_token: None, prefill_ms, token_ms: Vec::new() };
+        let gpu_greedy = sampler.cfg.temperature == 0.0 && sampler.cfg.repeat_penalty == 1.0;
+        let mut dec = None;
+        let mut logits = Vec::new();
+        if gpu_greedy {
+            if !self.cache.fits(prompt.len()) {
+                return Err(self.full(prompt.len()));
+            }
+            let mut d = GreedyDecoder::new(gpu)?;
+            d.prefill(gpu, &self.model.llama, &mut self.cache, prompt)?;
+            self.tokens.extend_from_slice(prompt);
+            dec = Some(d);
+        } else {
+            logits = self.feed(gpu, prompt)?;
+        }
+        let mut out = Generation {
+            prompt_tokens: prompt.len(),
+            tokens: Vec::new(),
+            text: String::new(),
+            stop: StopReason::Length,
+            stop_token: None,
+            prefill_ms: 0.0,
+            token_ms: Vec::new(),
+        };
         let tk = &self.model.tokenizer;
         let mut sent = 0;
         let mut t = Instant::now();
         for i in 0..opts.max_tokens {
-            let next = sampler.sample(&logits, &self.tokens);
+            // Whether this token will run through the model unless it stops generation.
+            let runs = i + 1 < opts.max_tokens && self.cache.fits(1);
+            let next = match &mut dec {
+                Some(d) => {
+                    if runs {
+                        d.step(gpu, &self.model.llama, &mut self.cache)?;
+                    }
+                    d.next_token(gpu)?
+                }
+                None => sampler.sample(&logits, &self.tokens),
+            };
+            if i == 0 {
+                out.prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+            } else {
+                out.token_ms.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            t = Instant::now();
+            let ran = dec.is_some() && runs;
             if opts.stop_tokens.contains(&next) {
+                if ran {
+                    self.cache.len -= 1;
+                }
                 out.stop = StopReason::Token;
                 out.stop_token = Some(next);
                 break;
             }
             out.tokens.push(next);
             let text = tk.decode(&out.tokens);
-            if let Some(at) = opts.stop_strings.iter().filter_map(|s| text.find(s.as_str())).min() {
+            if let Some(at) = opts
+                .stop_strings
+                .iter()
+                .filter_map(|s| text.find(s.as_str()))
+                .min()
+            {
                 // Text already sent held back any start of a stop string, so at >= sent.
                 if at > sent && text.is_char_boundary(sent) {
                     on_text(&text[sent..at])?;
                 }
                 out.text = text[..at].to_string();
                 out.stop = StopReason::String;
-                self.feed_last(gpu, next)?;
+                if ran {
+                    self.tokens.push(next);
+                } else {
+                    self.feed_last(gpu, next)?;
+                }
                 return Ok(out);
             }
             let safe = safe_prefix(&text, &opts.stop_strings);
@@ -198,19 +292,31 @@ impl<'m> Session<'m> {
                 out.stop_token = Some(next);
                 break;
             }
-            if !self.cache.fits(1) {
+            if !self.cache.fits(1) && !ran {
                 out.stop = StopReason::Context;
                 out.stop_token = Some(next);
                 break;
             }
-            logits = self.feed(gpu, &[next])?;
-            out.token_ms.push(t.elapsed().as_secs_f64() * 1e3);
-            t = Instant::now();
+            if ran {
+                self.tokens.push(next);
+            } else {
+                logits = self.feed(gpu, &[next])?;
+            }
         }
         if sent < out.text.len() && out.text.is_char_boundary(sent) {
             on_text(&out.text[sent..])?;
         }
         Ok(out)
+    }
+
+    fn full(&self, n: usize) -> Error {
+        Error::Invalid {
+            op: "generate",
+            detail: format!(
+                "{} cached + {n} new tokens exceed the context of {} tokens",
+                self.cache.len, self.cache.capacity
+            ),
+        }
     }
 
     fn feed_last(&mut self, gpu: &Gpu, id: u32) -> Result<()> {

@@ -21,13 +21,27 @@ pub struct SamplerConfig {
 
 impl Default for SamplerConfig {
     fn default() -> Self {
-        SamplerConfig { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
+        SamplerConfig {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+        }
     }
 }
 
 impl SamplerConfig {
     pub fn greedy() -> Self {
-        SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, ..Default::default() }
+        SamplerConfig {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            ..Default::default()
+        }
     }
 
     /// A clear error for values outside their range.
@@ -42,7 +56,10 @@ impl SamplerConfig {
             return Err(format!("min-p {} must be in [0, 1]", self.min_p));
         }
         if !(self.repeat_penalty > 0.0 && self.repeat_penalty.is_finite()) {
-            return Err(format!("repeat penalty {} must be > 0", self.repeat_penalty));
+            return Err(format!(
+                "repeat penalty {} must be > 0",
+                self.repeat_penalty
+            ));
         }
         Ok(())
     }
@@ -73,7 +90,12 @@ impl Sampler {
     /// never chosen; if none is finite, token 0.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let c = &self.cfg;
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(i, &v)| (i as u32, v)).collect();
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.is_finite())
+            .map(|(i, &v)| (i as u32, v))
+            .collect();
         if cand.is_empty() {
             return 0;
         }
@@ -83,7 +105,11 @@ impl Sampler {
             for &t in recent {
                 if seen.insert(t) {
                     if let Some(e) = cand.iter_mut().find(|e| e.0 == t) {
-                        e.1 = if e.1 > 0.0 { e.1 / c.repeat_penalty } else { e.1 * c.repeat_penalty };
+                        e.1 = if e.1 > 0.0 {
+                            e.1 / c.repeat_penalty
+                        } else {
+                            e.1 * c.repeat_penalty
+                        };
                     }
                 }
             }
@@ -91,7 +117,11 @@ impl Sampler {
         // Most likely first; equal logits by id, so the order is total.
         let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if c.temperature == 0.0 {
-            return cand.iter().min_by(|a, b| order(a, b)).map(|e| e.0).unwrap_or(0);
+            return cand
+                .iter()
+                .min_by(|a, b| order(a, b))
+                .map(|e| e.0)
+                .unwrap_or(0);
         }
         if c.top_k > 0 && c.top_k < cand.len() {
             cand.select_nth_unstable_by(c.top_k - 1, order);
@@ -101,7 +131,10 @@ impl Sampler {
         // Probabilities at temperature 1 for the top-p and min-p cuts (as llama.cpp).
         let probs = |cand: &[(u32, f32)], temp: f32| -> Vec<f64> {
             let m = cand[0].1 as f64;
-            let e: Vec<f64> = cand.iter().map(|x| ((x.1 as f64 - m) / temp as f64).exp()).collect();
+            let e: Vec<f64> = cand
+                .iter()
+                .map(|x| ((x.1 as f64 - m) / temp as f64).exp())
+                .collect();
             let z: f64 = e.iter().sum();
             e.into_iter().map(|v| v / z).collect()
         };
@@ -147,10 +180,20 @@ mod tests {
     fn penalty_top_k_and_seeds() {
         let logits = [1.0f32, 3.0, 2.9, 0.5, -2.0];
         // A strong penalty on token 1 makes 2 the argmax.
-        let mut s = Sampler::new(SamplerConfig { repeat_penalty: 2.0, ..SamplerConfig::greedy() });
+        let mut s = Sampler::new(SamplerConfig {
+            repeat_penalty: 2.0,
+            ..SamplerConfig::greedy()
+        });
         assert_eq!(s.sample(&logits, &[1]), 2);
         // top-k 2 only ever yields 1 or 2; a seed repeats its draws, another differs.
-        let cfg = SamplerConfig { temperature: 1.5, top_k: 2, top_p: 1.0, min_p: 0.0, seed: 7, ..Default::default() };
+        let cfg = SamplerConfig {
+            temperature: 1.5,
+            top_k: 2,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 7,
+            ..Default::default()
+        };
         let draw = |cfg: SamplerConfig| {
             let mut s = Sampler::new(cfg);
             (0..200).map(|_| s.sample(&logits, &[])).collect::<Vec<_>>()
@@ -165,9 +208,26 @@ mod tests {
     fn top_p_and_min_p_cut_the_tail() {
         // p ~ [0.64, 0.24, 0.09, 0.03]: top-p 0.8 keeps two, min-p 0.2 keeps two.
         let logits = [3.0f32, 2.0, 1.0, -0.1];
-        for cfg in [SamplerConfig { top_p: 0.8, min_p: 0.0, top_k: 0, ..Default::default() }, SamplerConfig { top_p: 1.0, min_p: 0.2, top_k: 0, ..Default::default() }] {
-            let mut s = Sampler::new(SamplerConfig { temperature: 1.0, ..cfg });
-            let seen: std::collections::BTreeSet<u32> = (0..500).map(|_| s.sample(&logits, &[])).collect();
+        for cfg in [
+            SamplerConfig {
+                top_p: 0.8,
+                min_p: 0.0,
+                top_k: 0,
+                ..Default::default()
+            },
+            SamplerConfig {
+                top_p: 1.0,
+                min_p: 0.2,
+                top_k: 0,
+                ..Default::default()
+            },
+        ] {
+            let mut s = Sampler::new(SamplerConfig {
+                temperature: 1.0,
+                ..cfg
+            });
+            let seen: std::collections::BTreeSet<u32> =
+                (0..500).map(|_| s.sample(&logits, &[])).collect();
             assert_eq!(seen.into_iter().collect::<Vec<_>>(), [0, 1]);
         }
     }

@@ -27,7 +27,10 @@ const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p
 const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 fn err(path: &str, detail: impl Into<String>) -> Error {
-    Error::Format { path: path.to_string(), detail: format!("tokenizer: {}", detail.into()) }
+    Error::Format {
+        path: path.to_string(),
+        detail: format!("tokenizer: {}", detail.into()),
+    }
 }
 
 pub struct Tokenizer {
@@ -50,25 +53,46 @@ enum Kind {
 impl Tokenizer {
     /// From GGUF metadata (`tokenizer.ggml.model` = gpt2 or llama).
     pub fn from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Tokenizer> {
-        let model = md.get("tokenizer.ggml.model").and_then(Value::as_str).ok_or_else(|| err(path, "tokenizer.ggml.model is missing"))?;
+        let model = md
+            .get("tokenizer.ggml.model")
+            .and_then(Value::as_str)
+            .ok_or_else(|| err(path, "tokenizer.ggml.model is missing"))?;
         let strings = |key: &str| -> Result<Vec<String>> {
             match md.get(key) {
-                Some(Value::Array(a)) => a.iter().map(|v| v.as_str().map(str::to_string).ok_or_else(|| err(path, format!("{key} holds a non-string")))).collect(),
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .map(|v| {
+                        v.as_str()
+                            .map(str::to_string)
+                            .ok_or_else(|| err(path, format!("{key} holds a non-string")))
+                    })
+                    .collect(),
                 _ => Err(err(path, format!("{key} is missing"))),
             }
         };
         let pieces = strings("tokenizer.ggml.tokens")?;
         let types: Vec<i64> = match md.get("tokenizer.ggml.token_type") {
-            Some(Value::Array(a)) => a.iter().map(|v| match v {
-                Value::I32(x) => *x as i64,
-                other => other.as_u64().map(|x| x as i64).unwrap_or(1),
-            }).collect(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| match v {
+                    Value::I32(x) => *x as i64,
+                    other => other.as_u64().map(|x| x as i64).unwrap_or(1),
+                })
+                .collect(),
             _ => vec![1; pieces.len()],
         };
         if types.len() != pieces.len() {
-            return Err(err(path, format!("{} token types for {} tokens", types.len(), pieces.len())));
+            return Err(err(
+                path,
+                format!("{} token types for {} tokens", types.len(), pieces.len()),
+            ));
         }
-        let id = |key: &str| md.get(key).and_then(Value::as_u64).map(|v| v as u32).filter(|&v| (v as usize) < pieces.len());
+        let id = |key: &str| {
+            md.get(key)
+                .and_then(Value::as_u64)
+                .map(|v| v as u32)
+                .filter(|&v| (v as usize) < pieces.len())
+        };
         let flag = |key: &str, d: bool| match md.get(key) {
             Some(Value::Bool(b)) => *b,
             _ => d,
@@ -81,29 +105,66 @@ impl Tokenizer {
             .collect();
         let kind = match model {
             "gpt2" => {
-                let pre = md.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+                let pre = md
+                    .get("tokenizer.ggml.pre")
+                    .and_then(Value::as_str)
+                    .unwrap_or("default");
                 let merges: Vec<(String, String)> = strings("tokenizer.ggml.merges")?
                     .into_iter()
-                    .map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| err(path, format!("merge {m:?} is not two tokens"))))
+                    .map(|m| {
+                        m.split_once(' ')
+                            .map(|(a, b)| (a.to_string(), b.to_string()))
+                            .ok_or_else(|| err(path, format!("merge {m:?} is not two tokens")))
+                    })
                     .collect::<Result<_>>()?;
-                let vocab: tokenizers::models::bpe::Vocab = pieces.iter().enumerate().map(|(i, p)| (p.clone(), i as u32)).collect();
+                let vocab: tokenizers::models::bpe::Vocab = pieces
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| (p.clone(), i as u32))
+                    .collect();
                 Kind::Bpe(Box::new(byte_level_bpe(vocab, merges, pre, path)?))
             }
             "llama" => {
                 let scores: Vec<f32> = match md.get("tokenizer.ggml.scores") {
-                    Some(Value::Array(a)) => a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect(),
+                    Some(Value::Array(a)) => {
+                        a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect()
+                    }
                     _ => return Err(err(path, "tokenizer.ggml.scores is missing")),
                 };
                 if scores.len() != pieces.len() {
-                    return Err(err(path, format!("{} scores for {} tokens", scores.len(), pieces.len())));
+                    return Err(err(
+                        path,
+                        format!("{} scores for {} tokens", scores.len(), pieces.len()),
+                    ));
                 }
-                Kind::Spm(Spm::new(&pieces, &scores, &types, id("tokenizer.ggml.unknown_token_id"), flag("tokenizer.ggml.add_space_prefix", true)))
+                Kind::Spm(Spm::new(
+                    &pieces,
+                    &scores,
+                    &types,
+                    id("tokenizer.ggml.unknown_token_id"),
+                    flag("tokenizer.ggml.add_space_prefix", true),
+                ))
             }
-            other => return Err(err(path, format!("tokenizer model {other:?} is not supported (gpt2, llama)"))),
+            other => {
+                return Err(err(
+                    path,
+                    format!("tokenizer model {other:?} is not supported (gpt2, llama)"),
+                ))
+            }
         };
         let add_bos = flag("tokenizer.ggml.add_bos_token", model == "llama");
-        let (bos, eos) = (id("tokenizer.ggml.bos_token_id"), id("tokenizer.ggml.eos_token_id"));
-        Ok(Tokenizer { kind, pieces, bos, eos, add_bos, specials })
+        let (bos, eos) = (
+            id("tokenizer.ggml.bos_token_id"),
+            id("tokenizer.ggml.eos_token_id"),
+        );
+        Ok(Tokenizer {
+            kind,
+            pieces,
+            bos,
+            eos,
+            add_bos,
+            specials,
+        })
     }
 
     /// From a Hugging Face `tokenizer.json` (and its `tokenizer_config.json` for BOS/EOS).
@@ -117,7 +178,12 @@ impl Tokenizer {
                 pieces[i as usize] = p;
             }
         }
-        let specials: BTreeMap<String, u32> = tk.get_added_tokens_decoder().values().filter(|t| t.special).filter_map(|t| tk.token_to_id(&t.content).map(|i| (t.content.clone(), i))).collect();
+        let specials: BTreeMap<String, u32> = tk
+            .get_added_tokens_decoder()
+            .values()
+            .filter(|t| t.special)
+            .filter_map(|t| tk.token_to_id(&t.content).map(|i| (t.content.clone(), i)))
+            .collect();
         let cfg: serde_json::Value = path
             .parent()
             .map(|d| d.join("tokenizer_config.json"))
@@ -126,12 +192,24 @@ impl Tokenizer {
             .unwrap_or_default();
         let token = |k: &str| {
             let v = cfg.get(k)?;
-            let s = v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str()))?;
+            let s = v
+                .as_str()
+                .or_else(|| v.get("content").and_then(|c| c.as_str()))?;
             tk.token_to_id(s)
         };
         let (bos, eos) = (token("bos_token"), token("eos_token"));
-        let add_bos = cfg.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
-        Ok(Tokenizer { kind: Kind::Bpe(Box::new(tk)), pieces, bos, eos, add_bos, specials })
+        let add_bos = cfg
+            .get("add_bos_token")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        Ok(Tokenizer {
+            kind: Kind::Bpe(Box::new(tk)),
+            pieces,
+            bos,
+            eos,
+            add_bos,
+            specials,
+        })
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -151,7 +229,14 @@ impl Tokenizer {
             match id {
                 Some(id) => out.push(id),
                 None => match &self.kind {
-                    Kind::Bpe(tk) => out.extend(tk.encode(piece, false).map_err(|e| Error::Invalid { op: "tokenize", detail: e.to_string() })?.get_ids()),
+                    Kind::Bpe(tk) => out.extend(
+                        tk.encode(piece, false)
+                            .map_err(|e| Error::Invalid {
+                                op: "tokenize",
+                                detail: e.to_string(),
+                            })?
+                            .get_ids(),
+                    ),
                     Kind::Spm(s) => s.encode(piece, out.is_empty(), &mut out),
                 },
             }
@@ -166,7 +251,12 @@ impl Tokenizer {
         if special && !self.specials.is_empty() {
             'scan: while !rest.is_empty() {
                 for (i, _) in rest.char_indices() {
-                    if let Some((s, id)) = self.specials.iter().filter(|(s, _)| rest[i..].starts_with(s.as_str())).max_by_key(|(s, _)| s.len()) {
+                    if let Some((s, id)) = self
+                        .specials
+                        .iter()
+                        .filter(|(s, _)| rest[i..].starts_with(s.as_str()))
+                        .max_by_key(|(s, _)| s.len())
+                    {
                         if i > 0 {
                             out.push((&rest[..i], None));
                         }
@@ -198,10 +288,25 @@ impl Tokenizer {
     }
 }
 
-fn byte_level_bpe(vocab: tokenizers::models::bpe::Vocab, merges: Vec<(String, String)>, pre: &str, path: &str) -> Result<tokenizers::Tokenizer> {
-    let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(|e| err(path, e.to_string()))?;
+fn byte_level_bpe(
+    vocab: tokenizers::models::bpe::Vocab,
+    merges: Vec<(String, String)>,
+    pre: &str,
+    path: &str,
+) -> Result<tokenizers::Tokenizer> {
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| err(path, e.to_string()))?;
     let split = |pattern: &str| -> Result<PreTokenizerWrapper> {
-        Ok(PreTokenizerWrapper::Split(Split::new(SplitPattern::Regex(pattern.into()), SplitDelimiterBehavior::Isolated, false).map_err(|e| err(path, e.to_string()))?))
+        Ok(PreTokenizerWrapper::Split(
+            Split::new(
+                SplitPattern::Regex(pattern.into()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(|e| err(path, e.to_string()))?,
+        ))
     };
     let bytes_only = PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false));
     let gpt2 = PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true));
@@ -237,13 +342,23 @@ struct Spm {
 }
 
 impl Spm {
-    fn new(pieces: &[String], scores: &[f32], types: &[i64], unk: Option<u32>, add_space_prefix: bool) -> Spm {
+    fn new(
+        pieces: &[String],
+        scores: &[f32],
+        types: &[i64],
+        unk: Option<u32>,
+        add_space_prefix: bool,
+    ) -> Spm {
         let mut bytes = [None; 256];
         let mut byte_of = HashMap::new();
         let mut ids = HashMap::new();
         for (i, p) in pieces.iter().enumerate() {
             if types[i] == TYPE_BYTE {
-                if let Some(b) = p.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                if let Some(b) = p
+                    .strip_prefix("<0x")
+                    .and_then(|h| h.strip_suffix('>'))
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                {
                     bytes[b as usize] = Some(i as u32);
                     byte_of.insert(i as u32, b);
                 }
@@ -251,7 +366,14 @@ impl Spm {
                 ids.entry(p.clone()).or_insert(i as u32);
             }
         }
-        Spm { ids, scores: scores.to_vec(), bytes, unk, add_space_prefix, byte_of }
+        Spm {
+            ids,
+            scores: scores.to_vec(),
+            bytes,
+            unk,
+            add_space_prefix,
+            byte_of,
+        }
     }
 
     fn encode(&self, text: &str, first: bool, out: &mut Vec<u32>) {
@@ -263,15 +385,29 @@ impl Spm {
         let s = s.replace(' ', "\u{2581}");
         // Symbols as (start, end) byte ranges of s in a linked list; merge candidates in a
         // heap by (score, leftmost first).
-        let mut sym: Vec<(usize, usize)> = s.char_indices().map(|(i, c)| (i, i + c.len_utf8())).collect();
+        let mut sym: Vec<(usize, usize)> = s
+            .char_indices()
+            .map(|(i, c)| (i, i + c.len_utf8()))
+            .collect();
         let n = sym.len();
         let mut next: Vec<usize> = (1..=n).collect();
         let mut prev: Vec<Option<usize>> = (0..n).map(|i| i.checked_sub(1)).collect();
         let mut heap = BinaryHeap::new();
-        let score = |a: (usize, usize), b: (usize, usize)| self.ids.get(&s[a.0..b.1]).map(|&id| self.scores[id as usize]);
-        let push = |heap: &mut BinaryHeap<(OrdF32, std::cmp::Reverse<usize>, usize)>, sym: &[(usize, usize)], l: usize, r: usize| {
+        let score = |a: (usize, usize), b: (usize, usize)| {
+            self.ids
+                .get(&s[a.0..b.1])
+                .map(|&id| self.scores[id as usize])
+        };
+        let push = |heap: &mut BinaryHeap<(OrdF32, std::cmp::Reverse<usize>, usize)>,
+                    sym: &[(usize, usize)],
+                    l: usize,
+                    r: usize| {
             if let Some(sc) = score(sym[l], sym[r]) {
-                heap.push((OrdF32(sc), std::cmp::Reverse(l), sym[l].1 - sym[l].0 + sym[r].1 - sym[r].0));
+                heap.push((
+                    OrdF32(sc),
+                    std::cmp::Reverse(l),
+                    sym[l].1 - sym[l].0 + sym[r].1 - sym[r].0,
+                ));
             }
         };
         for i in 0..n.saturating_sub(1) {
@@ -318,7 +454,13 @@ impl Spm {
         for &id in ids {
             match self.byte_of.get(&id) {
                 Some(&b) => bytes.push(b),
-                None => bytes.extend(pieces.get(id as usize).map(|p| p.replace('\u{2581}', " ")).unwrap_or_default().bytes()),
+                None => bytes.extend(
+                    pieces
+                        .get(id as usize)
+                        .map(|p| p.replace('\u{2581}', " "))
+                        .unwrap_or_default()
+                        .bytes(),
+                ),
             }
         }
         let text = String::from_utf8_lossy(&bytes).into_owned();
@@ -363,7 +505,19 @@ mod tests {
             types.push(TYPE_BYTE);
             scores.push(0.0);
         }
-        for (p, s) in [("\u{2581}", -1.0), ("h", -2.0), ("e", -2.0), ("l", -2.0), ("o", -2.0), ("\u{2581}h", -3.0), ("ll", -1.5), ("\u{2581}he", -4.0), ("llo", -2.5), ("\u{2581}hello", -0.5), ("w", -2.0)] {
+        for (p, s) in [
+            ("\u{2581}", -1.0),
+            ("h", -2.0),
+            ("e", -2.0),
+            ("l", -2.0),
+            ("o", -2.0),
+            ("\u{2581}h", -3.0),
+            ("ll", -1.5),
+            ("\u{2581}he", -4.0),
+            ("llo", -2.5),
+            ("\u{2581}hello", -0.5),
+            ("w", -2.0),
+        ] {
             pieces.push(p.into());
             types.push(1);
             scores.push(s);

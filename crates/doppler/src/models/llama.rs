@@ -42,13 +42,17 @@ impl Llama3Scaling {
     /// kept, a linear blend between.
     fn apply(&self, f: f64) -> f64 {
         let wavelen = 2.0 * std::f64::consts::PI / f;
-        let (lo, hi) = (self.original_context / self.low_freq_factor, self.original_context / self.high_freq_factor);
+        let (lo, hi) = (
+            self.original_context / self.low_freq_factor,
+            self.original_context / self.high_freq_factor,
+        );
         if wavelen < hi {
             f
         } else if wavelen > lo {
             f / self.factor
         } else {
-            let s = (self.original_context / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor);
+            let s = (self.original_context / wavelen - self.low_freq_factor)
+                / (self.high_freq_factor - self.low_freq_factor);
             (1.0 - s) * f / self.factor + s * f
         }
     }
@@ -136,19 +140,30 @@ pub trait Source {
 }
 
 fn format_err(path: &str, detail: impl Into<String>) -> Error {
-    Error::Format { path: path.to_string(), detail: detail.into() }
+    Error::Format {
+        path: path.to_string(),
+        detail: detail.into(),
+    }
 }
 
 fn need<'a>(src: &'a dyn Source, name: &str) -> Result<Stored<'a>> {
-    src.tensor(name)?.ok_or_else(|| format_err(src.path(), format!("tensor {name} is missing")))
+    src.tensor(name)?
+        .ok_or_else(|| format_err(src.path(), format!("tensor {name} is missing")))
 }
 
 fn matrix(gpu: &Gpu, src: &dyn Source, name: &str, rows: usize, cols: usize) -> Result<QMatrix> {
     let t = need(src, name)?;
     if t.dims != [cols as u64, rows as u64] {
-        return Err(format_err(src.path(), format!("{name}: dims {:?}, expected [{cols}, {rows}] (innermost first)", t.dims)));
+        return Err(format_err(
+            src.path(),
+            format!(
+                "{name}: dims {:?}, expected [{cols}, {rows}] (innermost first)",
+                t.dims
+            ),
+        ));
     }
-    QMatrix::new(gpu, name, &t.bytes, t.ty, rows, cols).map_err(|e| format_err(src.path(), e.to_string()))
+    QMatrix::new(gpu, name, &t.bytes, t.ty, rows, cols)
+        .map_err(|e| format_err(src.path(), e.to_string()))
 }
 
 /// Matrices (name, rows) of one type and width stacked row-wise into one.
@@ -157,22 +172,42 @@ fn stacked(gpu: &Gpu, src: &dyn Source, parts: &[(String, usize)], cols: usize) 
     for (name, rows) in parts {
         let t = need(src, name)?;
         if t.dims != [cols as u64, *rows as u64] {
-            return Err(format_err(src.path(), format!("{name}: dims {:?}, expected [{cols}, {rows}] (innermost first)", t.dims)));
+            return Err(format_err(
+                src.path(),
+                format!(
+                    "{name}: dims {:?}, expected [{cols}, {rows}] (innermost first)",
+                    t.dims
+                ),
+            ));
         }
         stored.push((t, *rows));
     }
-    let refs: Vec<(&[u8], GgmlType, usize)> = stored.iter().map(|(t, r)| (&t.bytes[..], t.ty, *r)).collect();
-    let label = parts.iter().map(|p| p.0.as_str()).collect::<Vec<_>>().join("+");
+    let refs: Vec<(&[u8], GgmlType, usize)> = stored
+        .iter()
+        .map(|(t, r)| (&t.bytes[..], t.ty, *r))
+        .collect();
+    let label = parts
+        .iter()
+        .map(|p| p.0.as_str())
+        .collect::<Vec<_>>()
+        .join("+");
     QMatrix::stacked(gpu, &label, &refs, cols).map_err(|e| format_err(src.path(), e.to_string()))
 }
 
 /// A vector (norm weight, bias) widened to f32 on the host.
 fn vector_f32(src: &dyn Source, name: &str, n: usize) -> Result<Option<Vec<f32>>> {
-    let Some(t) = src.tensor(name)? else { return Ok(None) };
+    let Some(t) = src.tensor(name)? else {
+        return Ok(None);
+    };
     if t.dims != [n as u64] {
-        return Err(format_err(src.path(), format!("{name}: dims {:?}, expected [{n}]", t.dims)));
+        return Err(format_err(
+            src.path(),
+            format!("{name}: dims {:?}, expected [{n}]", t.dims),
+        ));
     }
-    crate::reference::quant::dequantize(t.ty, &t.bytes, n).map(Some).map_err(|e| format_err(src.path(), format!("{name}: {e}")))
+    crate::reference::quant::dequantize(t.ty, &t.bytes, n)
+        .map(Some)
+        .map_err(|e| format_err(src.path(), format!("{name}: {e}")))
 }
 
 fn vector(gpu: &Gpu, src: &dyn Source, name: &str, n: usize) -> Result<Option<Tensor>> {
@@ -184,7 +219,12 @@ fn vector(gpu: &Gpu, src: &dyn Source, name: &str, n: usize) -> Result<Option<Te
 
 impl Llama {
     /// Uploads the weights of `cfg` from `src`; positions up to `max_context`.
-    pub fn load(gpu: &Gpu, cfg: LlamaConfig, src: &dyn Source, max_context: usize) -> Result<Llama> {
+    pub fn load(
+        gpu: &Gpu,
+        cfg: LlamaConfig,
+        src: &dyn Source,
+        max_context: usize,
+    ) -> Result<Llama> {
         let (e, d) = (cfg.n_embd, cfg.head_dim);
         let (qd, kvd) = (cfg.n_head * d, cfg.n_kv_head * d);
         let embd = matrix(gpu, src, "token_embd.weight", cfg.vocab_size, e)?;
@@ -192,36 +232,75 @@ impl Llama {
         for i in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
             let norm = |s: &str| -> Result<Tensor> {
-                vector(gpu, src, &n(s), e)?.ok_or_else(|| format_err(src.path(), format!("tensor {} is missing", n(s))))
+                vector(gpu, src, &n(s), e)?
+                    .ok_or_else(|| format_err(src.path(), format!("tensor {} is missing", n(s))))
             };
             // qwen2 has q, k, v biases (all three or none).
-            let biases: Vec<Option<Vec<f32>>> = [("attn_q.bias", qd), ("attn_k.bias", kvd), ("attn_v.bias", kvd)]
-                .iter()
-                .map(|(s, len)| vector_f32(src, &n(s), *len))
-                .collect::<Result<_>>()?;
-            let qkv_bias = match (biases.iter().all(Option::is_some), biases.iter().any(Option::is_some)) {
-                (true, _) => Some(Tensor::from_f32(gpu, &[qd + 2 * kvd], &biases.into_iter().flatten().flatten().collect::<Vec<_>>(), &n("qkv.bias"))?),
+            let biases: Vec<Option<Vec<f32>>> = [
+                ("attn_q.bias", qd),
+                ("attn_k.bias", kvd),
+                ("attn_v.bias", kvd),
+            ]
+            .iter()
+            .map(|(s, len)| vector_f32(src, &n(s), *len))
+            .collect::<Result<_>>()?;
+            let qkv_bias = match (
+                biases.iter().all(Option::is_some),
+                biases.iter().any(Option::is_some),
+            ) {
+                (true, _) => Some(Tensor::from_f32(
+                    gpu,
+                    &[qd + 2 * kvd],
+                    &biases.into_iter().flatten().flatten().collect::<Vec<_>>(),
+                    &n("qkv.bias"),
+                )?),
                 (false, false) if cfg.arch != "qwen2" => None,
-                _ => return Err(format_err(src.path(), format!("layer {i}: {} needs q, k and v biases", cfg.arch))),
+                _ => {
+                    return Err(format_err(
+                        src.path(),
+                        format!("layer {i}: {} needs q, k and v biases", cfg.arch),
+                    ))
+                }
             };
             layers.push(Layer {
                 attn_norm: norm("attn_norm.weight")?,
-                qkv: stacked(gpu, src, &[(n("attn_q.weight"), qd), (n("attn_k.weight"), kvd), (n("attn_v.weight"), kvd)], e)?,
+                qkv: stacked(
+                    gpu,
+                    src,
+                    &[
+                        (n("attn_q.weight"), qd),
+                        (n("attn_k.weight"), kvd),
+                        (n("attn_v.weight"), kvd),
+                    ],
+                    e,
+                )?,
                 qkv_bias,
                 o: matrix(gpu, src, &n("attn_output.weight"), e, qd)?,
                 ffn_norm: norm("ffn_norm.weight")?,
-                gate_up: stacked(gpu, src, &[(n("ffn_gate.weight"), cfg.ffn_hidden), (n("ffn_up.weight"), cfg.ffn_hidden)], e)?,
+                gate_up: stacked(
+                    gpu,
+                    src,
+                    &[
+                        (n("ffn_gate.weight"), cfg.ffn_hidden),
+                        (n("ffn_up.weight"), cfg.ffn_hidden),
+                    ],
+                    e,
+                )?,
                 down: matrix(gpu, src, &n("ffn_down.weight"), e, cfg.ffn_hidden)?,
             });
         }
-        let out_norm = vector(gpu, src, "output_norm.weight", e)?.ok_or_else(|| format_err(src.path(), "tensor output_norm.weight is missing"))?;
+        let out_norm = vector(gpu, src, "output_norm.weight", e)?
+            .ok_or_else(|| format_err(src.path(), "tensor output_norm.weight is missing"))?;
         let output = if src.tensor("output.weight")?.is_some() {
             matrix(gpu, src, "output.weight", cfg.vocab_size, e)?
         } else {
             embd.clone()
         };
         let factors = match src.tensor("rope_freqs.weight")? {
-            Some(t) => Some(crate::reference::quant::dequantize(t.ty, &t.bytes, d / 2).map_err(|e| format_err(src.path(), format!("rope_freqs.weight: {e}")))?),
+            Some(t) => Some(
+                crate::reference::quant::dequantize(t.ty, &t.bytes, d / 2)
+                    .map_err(|e| format_err(src.path(), format!("rope_freqs.weight: {e}")))?,
+            ),
             None => None,
         };
         let max_context = max_context.min(cfg.context_length).max(1);
@@ -235,41 +314,148 @@ impl Llama {
                 weight_bytes += m.raw.byte_size();
             }
         }
-        Ok(Llama { cfg, embd, layers, out_norm, output, rope, max_context, weight_bytes })
+        Ok(Llama {
+            cfg,
+            embd,
+            layers,
+            out_norm,
+            output,
+            rope,
+            max_context,
+            weight_bytes,
+        })
     }
 
     /// An empty cache for up to `capacity` tokens (at most the model's context).
     pub fn cache(&self, gpu: &Gpu, capacity: usize) -> Result<KvCache> {
-        KvCache::new(gpu, self.cfg.n_layer, capacity.min(self.max_context), self.cfg.n_kv_head, self.cfg.head_dim)
+        KvCache::new(
+            gpu,
+            self.cfg.n_layer,
+            capacity.min(self.max_context),
+            self.cfg.n_kv_head,
+            self.cfg.head_dim,
+        )
     }
 
-    /// Records the step over `ids` (already checked < vocab) at the cache's position, stores
+    /// Records the step over `ids` (each below the vocabulary size, or an error) at the cache's position, stores
     /// their keys and values, and returns logits (V) of the last token, or (T, V) of every
     /// token when `all` is set. The cache length advances by T.
-    pub fn forward(&self, rec: &mut Recorder<'_>, ids: &[u32], cache: &mut KvCache, all: bool) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        rec: &mut Recorder<'_>,
+        ids: &[u32],
+        cache: &mut KvCache,
+        all: bool,
+    ) -> Result<Tensor> {
         let c = &self.cfg;
-        let (t, pos) = (ids.len(), cache.len);
-        if t == 0 {
-            return Err(Error::Invalid { op: "llama", detail: "no tokens to run".into() });
+        if let Some((i, &id)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= c.vocab_size)
+        {
+            return Err(Error::IndexOutOfRange {
+                op: "llama",
+                position: i,
+                id,
+                limit: c.vocab_size as u32,
+                count: ids.iter().filter(|&&v| v as usize >= c.vocab_size).count(),
+            });
         }
+        if ids.is_empty() {
+            return Err(Error::Invalid {
+                op: "llama",
+                detail: "no tokens to run".into(),
+            });
+        }
+        let ids_t = Tensor::from_u32(rec.gpu(), &[ids.len()], ids, "llama.ids")?;
+        self.forward_ids(rec, &ids_t, cache, all)
+    }
+
+    /// [`Llama::forward`] of token ids already on the GPU (u32, (T)), e.g. the argmax of the
+    /// previous step: the caller guarantees they are below the vocabulary size.
+    pub fn forward_ids(
+        &self,
+        rec: &mut Recorder<'_>,
+        ids_t: &Tensor,
+        cache: &mut KvCache,
+        all: bool,
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        if ids_t.dtype() != DType::U32 || ids_t.shape().len() != 1 || ids_t.numel() == 0 {
+            return Err(Error::Shape {
+                op: "llama",
+                detail: format!(
+                    "token ids {:?} {:?}, expected u32 (T) with T > 0",
+                    ids_t.dtype(),
+                    ids_t.shape()
+                ),
+            });
+        }
+        let (t, pos) = (ids_t.numel(), cache.len);
         if !cache.fits(t) {
-            return Err(Error::Invalid { op: "llama", detail: format!("{} + {t} tokens exceed the context of {} tokens", cache.len, cache.capacity) });
-        }
-        if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= c.vocab_size) {
-            return Err(Error::IndexOutOfRange { op: "llama", position: i, id, limit: c.vocab_size as u32, count: ids.iter().filter(|&&v| v as usize >= c.vocab_size).count() });
+            return Err(Error::Invalid {
+                op: "llama",
+                detail: format!(
+                    "{} + {t} tokens exceed the context of {} tokens",
+                    cache.len, cache.capacity
+                ),
+            });
         }
         let gpu = rec.gpu();
         let eps = c.norm_eps as f32;
         let d = c.head_dim;
-        let ids_t = Tensor::from_u32(gpu, &[t], ids, "llama.ids")?;
-        let mut x = get_rows(rec, &self.embd, &ids_t)?; // (T, E)
+        let mut x = get_rows(rec, &self.embd, ids_t)?; // (T, E)
         for (li, l) in self.layers.iter().enumerate() {
-            let qkv = qmatmul_fused(rec, &x, &l.qkv, Fuse { norm: Some((&l.attn_norm, eps)), ..Default::default() })?;
-            let q = rope_store(rec, &qkv, l.qkv_bias.as_ref(), &self.rope, c.pairing, c.n_head, &cache.k[li], &cache.v[li], pos)?;
-            let a = kv_attend(rec, &q, &cache.k[li], &cache.v[li], pos)?.reshape(&[t, c.n_head * d])?;
-            x = qmatmul_fused(rec, &a, &l.o, Fuse { residual: Some(&x), ..Default::default() })?;
-            let g = qmatmul_fused(rec, &x, &l.gate_up, Fuse { norm: Some((&l.ffn_norm, eps)), swiglu: true, ..Default::default() })?;
-            x = qmatmul_fused(rec, &g, &l.down, Fuse { residual: Some(&x), ..Default::default() })?;
+            let qkv = qmatmul_fused(
+                rec,
+                &x,
+                &l.qkv,
+                Fuse {
+                    norm: Some((&l.attn_norm, eps)),
+                    ..Default::default()
+                },
+            )?;
+            let q = rope_store(
+                rec,
+                &qkv,
+                l.qkv_bias.as_ref(),
+                &self.rope,
+                c.pairing,
+                c.n_head,
+                &cache.k[li],
+                &cache.v[li],
+                pos,
+            )?;
+            let a =
+                kv_attend(rec, &q, &cache.k[li], &cache.v[li], pos)?.reshape(&[t, c.n_head * d])?;
+            x = qmatmul_fused(
+                rec,
+                &a,
+                &l.o,
+                Fuse {
+                    residual: Some(&x),
+                    ..Default::default()
+                },
+            )?;
+            let g = qmatmul_fused(
+                rec,
+                &x,
+                &l.gate_up,
+                Fuse {
+                    norm: Some((&l.ffn_norm, eps)),
+                    swiglu: true,
+                    ..Default::default()
+                },
+            )?;
+            x = qmatmul_fused(
+                rec,
+                &g,
+                &l.down,
+                Fuse {
+                    residual: Some(&x),
+                    ..Default::default()
+                },
+            )?;
         }
         cache.len += t;
         let last = if all || t == 1 {
@@ -279,7 +465,15 @@ impl Llama {
             rec.copy_elements(&x, (t - 1) * c.n_embd, &row, 0, c.n_embd)?;
             row
         };
-        let logits = qmatmul_fused(rec, &last, &self.output, Fuse { norm: Some((&self.out_norm, eps)), ..Default::default() })?;
+        let logits = qmatmul_fused(
+            rec,
+            &last,
+            &self.output,
+            Fuse {
+                norm: Some((&self.out_norm, eps)),
+                ..Default::default()
+            },
+        )?;
         if all {
             Ok(logits)
         } else {
@@ -303,7 +497,12 @@ impl Meta<'_> {
         self.get(key)
             .and_then(Value::as_u64)
             .map(|v| v as usize)
-            .ok_or_else(|| format_err(self.path, format!("metadata {}.{key} is missing or not an integer", self.arch)))
+            .ok_or_else(|| {
+                format_err(
+                    self.path,
+                    format!("metadata {}.{key} is missing or not an integer", self.arch),
+                )
+            })
     }
     fn f64_or(&self, key: &str, default: f64) -> f64 {
         self.get(key).and_then(Value::as_f64).unwrap_or(default)
@@ -317,34 +516,64 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
         .and_then(Value::as_str)
         .ok_or_else(|| format_err(path, "metadata general.architecture is missing"))?;
     if !ARCHITECTURES.contains(&arch) {
-        return Err(format_err(path, format!("unsupported architecture {arch} (supported: {})", ARCHITECTURES.join(", "))));
+        return Err(format_err(
+            path,
+            format!(
+                "unsupported architecture {arch} (supported: {})",
+                ARCHITECTURES.join(", ")
+            ),
+        ));
     }
     let m = Meta { md, arch, path };
     let n_embd = m.usize("embedding_length")?;
     let n_head = m.usize("attention.head_count")?;
-    let n_kv_head = m.get("attention.head_count_kv").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(n_head);
+    let n_kv_head = m
+        .get("attention.head_count_kv")
+        .and_then(Value::as_u64)
+        .map(|v| v as usize)
+        .unwrap_or(n_head);
     if n_head == 0 || n_embd % n_head != 0 || n_kv_head == 0 || n_head % n_kv_head != 0 {
         return Err(format_err(path, format!("{n_head} heads, {n_kv_head} kv heads, width {n_embd}: heads must divide the width and kv heads the heads")));
     }
-    let head_dim = m.get("attention.key_length").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(n_embd / n_head);
+    let head_dim = m
+        .get("attention.key_length")
+        .and_then(Value::as_u64)
+        .map(|v| v as usize)
+        .unwrap_or(n_embd / n_head);
     if let Some(r) = m.get("rope.dimension_count").and_then(Value::as_u64) {
         if r as usize != head_dim {
-            return Err(format_err(path, format!("partial rotary embedding ({r} of {head_dim} dims) is not supported")));
+            return Err(format_err(
+                path,
+                format!("partial rotary embedding ({r} of {head_dim} dims) is not supported"),
+            ));
         }
     }
     let vocab_size = match m.get("vocab_size").and_then(Value::as_u64) {
         Some(v) => v as usize,
         None => match md.get("tokenizer.ggml.tokens") {
             Some(Value::Array(a)) => a.len(),
-            _ => return Err(format_err(path, format!("metadata {arch}.vocab_size and tokenizer.ggml.tokens are missing"))),
+            _ => {
+                return Err(format_err(
+                    path,
+                    format!("metadata {arch}.vocab_size and tokenizer.ggml.tokens are missing"),
+                ))
+            }
         },
     };
-    let scaling = md.get(&format!("{arch}.rope.scaling.type")).and_then(Value::as_str);
-    let rope_linear = match scaling {
-        None | Some("none") => None,
-        Some("linear") => Some(m.f64_or("rope.scaling.factor", 1.0)),
-        Some(other) => return Err(format_err(path, format!("RoPE scaling {other:?} is not supported (none, linear, llama3 via rope_freqs)"))),
-    };
+    let scaling = md
+        .get(&format!("{arch}.rope.scaling.type"))
+        .and_then(Value::as_str);
+    let rope_linear =
+        match scaling {
+            None | Some("none") => None,
+            Some("linear") => Some(m.f64_or("rope.scaling.factor", 1.0)),
+            Some(other) => return Err(format_err(
+                path,
+                format!(
+                    "RoPE scaling {other:?} is not supported (none, linear, llama3 via rope_freqs)"
+                ),
+            )),
+        };
     Ok(LlamaConfig {
         arch: arch.to_string(),
         n_layer: m.usize("block_count")?,
@@ -357,7 +586,11 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
         norm_eps: m.f64_or("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta: m.f64_or("rope.freq_base", 10000.0),
         context_length: m.usize("context_length")?,
-        pairing: if arch == "llama" { Pairing::Interleaved } else { Pairing::Half },
+        pairing: if arch == "llama" {
+            Pairing::Interleaved
+        } else {
+            Pairing::Half
+        },
         rope_llama3: None,
         rope_linear,
         tied_embeddings: false, // set by the loader from the tensors present
@@ -366,12 +599,24 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
 
 /// The configuration of a Hugging Face `config.json`.
 pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfig> {
-    let arch = json.get("model_type").and_then(|v| v.as_str()).ok_or_else(|| format_err(path, "model_type is missing"))?;
+    let arch = json
+        .get("model_type")
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| format_err(path, "model_type is missing"))?;
     if !ARCHITECTURES.contains(&arch) {
-        return Err(format_err(path, format!("unsupported architecture {arch} (supported: {})", ARCHITECTURES.join(", "))));
+        return Err(format_err(
+            path,
+            format!(
+                "unsupported architecture {arch} (supported: {})",
+                ARCHITECTURES.join(", ")
+            ),
+        ));
     }
     let int = |k: &str| -> Result<usize> {
-        json.get(k).and_then(|v| v.as_u64()).map(|v| v as usize).ok_or_else(|| format_err(path, format!("{k} is missing or not an integer")))
+        json.get(k)
+            .and_then(|v| v.as_u64())
+            .map(|v| v as usize)
+            .ok_or_else(|| format_err(path, format!("{k} is missing or not an integer")))
     };
     let num = |k: &str, d: f64| json.get(k).and_then(|v| v.as_f64()).unwrap_or(d);
     let n_embd = int("hidden_size")?;
@@ -380,11 +625,23 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
     if n_head == 0 || n_embd % n_head != 0 || n_kv_head == 0 || n_head % n_kv_head != 0 {
         return Err(format_err(path, format!("{n_head} heads, {n_kv_head} kv heads, width {n_embd}: heads must divide the width and kv heads the heads")));
     }
-    let head_dim = json.get("head_dim").and_then(|v| v.as_u64()).map(|v| v as usize).unwrap_or(n_embd / n_head);
+    let head_dim = json
+        .get("head_dim")
+        .and_then(|v| v.as_u64())
+        .map(|v| v as usize)
+        .unwrap_or(n_embd / n_head);
     let (mut rope_llama3, mut rope_linear) = (None, None);
     if let Some(rs) = json.get("rope_scaling").filter(|v| !v.is_null()) {
-        let kind = rs.get("rope_type").or_else(|| rs.get("type")).and_then(|v| v.as_str()).unwrap_or("");
-        let f = |k: &str| rs.get(k).and_then(|v| v.as_f64()).ok_or_else(|| format_err(path, format!("rope_scaling.{k} is missing")));
+        let kind = rs
+            .get("rope_type")
+            .or_else(|| rs.get("type"))
+            .and_then(|v| v.as_str())
+            .unwrap_or("");
+        let f = |k: &str| {
+            rs.get(k)
+                .and_then(|v| v.as_f64())
+                .ok_or_else(|| format_err(path, format!("rope_scaling.{k} is missing")))
+        };
         match kind {
             "llama3" => {
                 rope_llama3 = Some(Llama3Scaling {
@@ -396,7 +653,12 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
             }
             "linear" => rope_linear = Some(f("factor")?),
             "default" => {}
-            other => return Err(format_err(path, format!("rope_scaling type {other:?} is not supported (llama3, linear)"))),
+            other => {
+                return Err(format_err(
+                    path,
+                    format!("rope_scaling type {other:?} is not supported (llama3, linear)"),
+                ))
+            }
         }
     }
     Ok(LlamaConfig {
@@ -414,7 +676,10 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
         pairing: Pairing::Half,
         rope_llama3,
         rope_linear,
-        tied_embeddings: json.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+        tied_embeddings: json
+            .get("tie_word_embeddings")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false),
     })
 }
 
@@ -425,7 +690,11 @@ impl Source for crate::formats::gguf::GgufFile {
         &self.path
     }
     fn tensor(&self, name: &str) -> Result<Option<Stored<'_>>> {
-        Ok(self.gguf.tensor(name).map(|t| Stored { bytes: self.tensor_data(t).into(), ty: t.ty, dims: t.dims.clone() }))
+        Ok(self.gguf.tensor(name).map(|t| Stored {
+            bytes: self.tensor_data(t).into(),
+            ty: t.ty,
+            dims: t.dims.clone(),
+        }))
     }
 }
 
@@ -444,18 +713,27 @@ impl SafeTensorsDir {
         let mut maps = Vec::new();
         let mut index = BTreeMap::new();
         for (fi, f) in files.iter().enumerate() {
-            let io = |source| Error::Io { path: f.display().to_string(), source };
+            let io = |source| Error::Io {
+                path: f.display().to_string(),
+                source,
+            };
             let file = std::fs::File::open(f).map_err(io)?;
             // SAFETY: read-only map of a model file, as GgufFile.
             let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-            let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| format_err(&f.display().to_string(), e.to_string()))?;
+            let st = safetensors::SafeTensors::deserialize(&map)
+                .map_err(|e| format_err(&f.display().to_string(), e.to_string()))?;
             let base = map.as_ptr() as usize;
             for (name, view) in st.tensors() {
                 let ty = match view.dtype() {
                     safetensors::Dtype::F32 => GgmlType(0),
                     safetensors::Dtype::F16 => GgmlType(1),
                     safetensors::Dtype::BF16 => GgmlType(30),
-                    other => return Err(format_err(&f.display().to_string(), format!("{name}: dtype {other:?} not supported (f32, f16, bf16)"))),
+                    other => {
+                        return Err(format_err(
+                            &f.display().to_string(),
+                            format!("{name}: dtype {other:?} not supported (f32, f16, bf16)"),
+                        ))
+                    }
                 };
                 let start = view.data().as_ptr() as usize - base;
                 let dims = view.shape().iter().rev().map(|&d| d as u64).collect();
@@ -463,7 +741,11 @@ impl SafeTensorsDir {
             }
             maps.push(map);
         }
-        Ok(SafeTensorsDir { path: path.to_string(), maps, index })
+        Ok(SafeTensorsDir {
+            path: path.to_string(),
+            maps,
+            index,
+        })
     }
 
     /// Hugging Face's name for a GGUF name.
@@ -504,8 +786,14 @@ impl Source for SafeTensorsDir {
         &self.path
     }
     fn tensor(&self, name: &str) -> Result<Option<Stored<'_>>> {
-        let Some(hf) = Self::hf_name(name) else { return Ok(None) };
-        Ok(self.index.get(&hf).map(|(f, ty, dims, r)| Stored { bytes: self.maps[*f][r.clone()].into(), ty: *ty, dims: dims.clone() }))
+        let Some(hf) = Self::hf_name(name) else {
+            return Ok(None);
+        };
+        Ok(self.index.get(&hf).map(|(f, ty, dims, r)| Stored {
+            bytes: self.maps[*f][r.clone()].into(),
+            ty: *ty,
+            dims: dims.clone(),
+        }))
     }
 }
 
@@ -513,21 +801,35 @@ impl Source for SafeTensorsDir {
 /// Returns the configuration, the loaded model, and the GGUF metadata (empty for
 /// SafeTensors) for the tokenizer.
 #[cfg(not(target_arch = "wasm32"))]
-pub fn open(gpu: &Gpu, path: &std::path::Path, max_context: usize) -> Result<(Llama, BTreeMap<String, Value>)> {
+pub fn open(
+    gpu: &Gpu,
+    path: &std::path::Path,
+    max_context: usize,
+) -> Result<(Llama, BTreeMap<String, Value>)> {
     let shown = path.display().to_string();
     if path.is_dir() {
         let cfg_path = path.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|source| Error::Io { path: cfg_path.display().to_string(), source })?;
-        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| format_err(&cfg_path.display().to_string(), e.to_string()))?;
+        let text = std::fs::read_to_string(&cfg_path).map_err(|source| Error::Io {
+            path: cfg_path.display().to_string(),
+            source,
+        })?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| format_err(&cfg_path.display().to_string(), e.to_string()))?;
         let mut cfg = config_from_hf(&json, &cfg_path.display().to_string())?;
         let mut files: Vec<_> = std::fs::read_dir(path)
-            .map_err(|source| Error::Io { path: shown.clone(), source })?
+            .map_err(|source| Error::Io {
+                path: shown.clone(),
+                source,
+            })?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
             .collect();
         files.sort();
         if files.is_empty() {
-            return Err(format_err(&shown, "no *.safetensors files in the directory"));
+            return Err(format_err(
+                &shown,
+                "no *.safetensors files in the directory",
+            ));
         }
         let src = SafeTensorsDir::open(&files, &shown)?;
         cfg.tied_embeddings = src.tensor("output.weight")?.is_none();

@@ -88,25 +88,46 @@ impl ModelConfig {
 
     /// Every constraint the kernels put on the shapes, as one clear error.
     pub fn validate(&self) -> Result<()> {
-        let bad = |why: String| Err(Error::Invalid { op: "model config", detail: why });
-        if self.vocab_size == 0 || self.n_layer == 0 || self.n_embd == 0 || self.n_head == 0 || self.block_size == 0 {
+        let bad = |why: String| {
+            Err(Error::Invalid {
+                op: "model config",
+                detail: why,
+            })
+        };
+        if self.vocab_size == 0
+            || self.n_layer == 0
+            || self.n_embd == 0
+            || self.n_head == 0
+            || self.block_size == 0
+        {
             return bad(format!(
                 "vocab_size {}, n_layer {}, n_embd {}, n_head {}, block_size {} must all be positive",
                 self.vocab_size, self.n_layer, self.n_embd, self.n_head, self.block_size
             ));
         }
         if self.n_embd % self.n_head != 0 {
-            return bad(format!("n_embd {} is not a multiple of n_head {}", self.n_embd, self.n_head));
+            return bad(format!(
+                "n_embd {} is not a multiple of n_head {}",
+                self.n_embd, self.n_head
+            ));
         }
         let d = self.head_dim();
         if d % 4 != 0 || d > MAX_HEAD_DIM {
-            return bad(format!("head dim {d} (n_embd / n_head) must be a multiple of 4 up to {MAX_HEAD_DIM}"));
+            return bad(format!(
+                "head dim {d} (n_embd / n_head) must be a multiple of 4 up to {MAX_HEAD_DIM}"
+            ));
         }
         let kv = self.kv_heads();
         if kv == 0 || self.n_head % kv != 0 {
-            return bad(format!("n_head {} is not a multiple of n_kv_head {kv}", self.n_head));
+            return bad(format!(
+                "n_head {} is not a multiple of n_kv_head {kv}",
+                self.n_head
+            ));
         }
-        if self.arch == Arch::Gpt2 && (self.n_kv_head.is_some_and(|k| k != self.n_head) || self.tie_embeddings == Some(false)) {
+        if self.arch == Arch::Gpt2
+            && (self.n_kv_head.is_some_and(|k| k != self.n_head)
+                || self.tie_embeddings == Some(false))
+        {
             return bad("gpt2 has n_kv_head = n_head and tied embeddings".into());
         }
         if !(0.0..1.0).contains(&self.dropout) {
@@ -136,10 +157,15 @@ fn layout(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
     // GPT-2's init: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer).
     let std = 0.02;
     let proj = std / (2.0 * cfg.n_layer as f64).sqrt();
-    let mut out: Vec<(String, Vec<usize>, Init)> = vec![("tok_emb".into(), vec![v, c], Init::Normal(std))];
+    let mut out: Vec<(String, Vec<usize>, Init)> =
+        vec![("tok_emb".into(), vec![v, c], Init::Normal(std))];
     let gpt = cfg.arch == Arch::Gpt2;
     if gpt {
-        out.push(("pos_emb".into(), vec![cfg.block_size, c], Init::Normal(0.01)));
+        out.push((
+            "pos_emb".into(),
+            vec![cfg.block_size, c],
+            Init::Normal(0.01),
+        ));
     }
     for l in 0..cfg.n_layer {
         let n = |s: &str| format!("blocks.{l}.{s}");
@@ -150,9 +176,17 @@ fn layout(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
             out.push((n("attn_norm.weight"), vec![c], Init::Const(1.0)));
         }
         for (name, rows) in [("q", c), ("k", kvc), ("v", kvc)] {
-            out.push((n(&format!("attn.{name}.weight")), vec![rows, c], Init::Normal(std)));
+            out.push((
+                n(&format!("attn.{name}.weight")),
+                vec![rows, c],
+                Init::Normal(std),
+            ));
             if gpt {
-                out.push((n(&format!("attn.{name}.bias")), vec![rows], Init::Const(0.0)));
+                out.push((
+                    n(&format!("attn.{name}.bias")),
+                    vec![rows],
+                    Init::Const(0.0),
+                ));
             }
         }
         out.push((n("attn.o.weight"), vec![c, c], Init::Normal(proj)));
@@ -218,28 +252,54 @@ impl Transformer {
     }
 
     /// A model from named f32 weights; every expected name must be present with its shape.
-    pub fn from_weights(gpu: &Gpu, cfg: &ModelConfig, mut weights: Vec<(String, Vec<usize>, Vec<f32>)>) -> Result<Transformer> {
+    pub fn from_weights(
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+        mut weights: Vec<(String, Vec<usize>, Vec<f32>)>,
+    ) -> Result<Transformer> {
         cfg.validate()?;
         let mut params = ParamStore::default();
         let mut index = HashMap::new();
         for (name, shape) in Transformer::expected(cfg) {
             let Some(pos) = weights.iter().position(|w| w.0 == name) else {
-                return Err(Error::Invalid { op: "model weights", detail: format!("missing tensor {name} {shape:?}") });
+                return Err(Error::Invalid {
+                    op: "model weights",
+                    detail: format!("missing tensor {name} {shape:?}"),
+                });
             };
             let (_, got, data) = weights.swap_remove(pos);
             if got != shape {
-                return Err(Error::Invalid { op: "model weights", detail: format!("{name}: shape {got:?}, config expects {shape:?}") });
+                return Err(Error::Invalid {
+                    op: "model weights",
+                    detail: format!("{name}: shape {got:?}, config expects {shape:?}"),
+                });
             }
-            index.insert(name.clone(), params.push(name.clone(), Tensor::from_f32(gpu, &shape, &data, &name)?));
+            index.insert(
+                name.clone(),
+                params.push(name.clone(), Tensor::from_f32(gpu, &shape, &data, &name)?),
+            );
         }
         if let Some(extra) = weights.first() {
-            return Err(Error::Invalid { op: "model weights", detail: format!("unexpected tensor {} for this config", extra.0) });
+            return Err(Error::Invalid {
+                op: "model weights",
+                detail: format!("unexpected tensor {} for this config", extra.0),
+            });
         }
         let rope = match cfg.arch {
-            Arch::Llama => Some(Arc::new(RopeTable::new(gpu, cfg.block_size, cfg.head_dim(), cfg.rope_theta)?)),
+            Arch::Llama => Some(Arc::new(RopeTable::new(
+                gpu,
+                cfg.block_size,
+                cfg.head_dim(),
+                cfg.rope_theta,
+            )?)),
             Arch::Gpt2 => None,
         };
-        Ok(Transformer { cfg: cfg.clone(), params, index, rope })
+        Ok(Transformer {
+            cfg: cfg.clone(),
+            params,
+            index,
+            rope,
+        })
     }
 
     fn p(&self, tape: &mut Tape, name: &str) -> Var {
@@ -248,18 +308,34 @@ impl Transformer {
 
     /// Logits (B, T, V) for token ids (B, T) u32. `dropout_seed` varies the dropout masks
     /// per step (unused when the config's dropout is 0).
-    pub fn logits(&self, tape: &mut Tape, rec: &mut Recorder<'_>, ids: &Tensor, dropout_seed: u64) -> Result<Var> {
+    pub fn logits(
+        &self,
+        tape: &mut Tape,
+        rec: &mut Recorder<'_>,
+        ids: &Tensor,
+        dropout_seed: u64,
+    ) -> Result<Var> {
         let cfg = &self.cfg;
         let [b, t] = *ids.shape() else {
-            return Err(Error::Shape { op: "transformer", detail: format!("ids {:?}, expected (B, T)", ids.shape()) });
+            return Err(Error::Shape {
+                op: "transformer",
+                detail: format!("ids {:?}, expected (B, T)", ids.shape()),
+            });
         };
         if t == 0 || t > cfg.block_size {
-            return Err(Error::Shape { op: "transformer", detail: format!("sequence length {t} not in 1..={}", cfg.block_size) });
+            return Err(Error::Shape {
+                op: "transformer",
+                detail: format!("sequence length {t} not in 1..={}", cfg.block_size),
+            });
         }
         let (c, h, hkv, d) = (cfg.n_embd, cfg.n_head, cfg.kv_heads(), cfg.head_dim());
         let gpt = cfg.arch == Arch::Gpt2;
         let drop = cfg.dropout;
-        let seed = |i: u64| dropout_seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(i);
+        let seed = |i: u64| {
+            dropout_seed
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                .wrapping_add(i)
+        };
         let emb = self.p(tape, "tok_emb");
         let mut x = tape.embedding(rec, emb, ids)?; // (B, T, C)
         if gpt {
@@ -282,7 +358,11 @@ impl Transformer {
                 let w = self.p(tape, &n("attn_norm.weight"));
                 tape.rms_norm(rec, x, w, eps, false)?
             };
-            let proj = |tape: &mut Tape, rec: &mut Recorder<'_>, name: &str, heads: usize| -> Result<Var> {
+            let proj = |tape: &mut Tape,
+                        rec: &mut Recorder<'_>,
+                        name: &str,
+                        heads: usize|
+             -> Result<Var> {
                 let w = self.p(tape, &n(&format!("attn.{name}.weight")));
                 let bias = gpt.then(|| self.p(tape, &n(&format!("attn.{name}.bias"))));
                 let y = tape.linear(rec, hn, w, bias)?;
@@ -297,7 +377,10 @@ impl Transformer {
             }
             let a = tape.attention(rec, q, k, v, attn)?; // (B, T, H, D)
             let a = tape.reshape(a, &[b, t, c])?;
-            let (w, bb) = (self.p(tape, &n("attn.o.weight")), gpt.then(|| self.p(tape, &n("attn.o.bias"))));
+            let (w, bb) = (
+                self.p(tape, &n("attn.o.weight")),
+                gpt.then(|| self.p(tape, &n("attn.o.bias"))),
+            );
             let o = tape.linear(rec, a, w, bb)?;
             let o = tape.dropout(rec, o, drop, seed(2 * l as u64 + 1))?;
             x = tape.add(rec, x, o)?;
@@ -305,15 +388,24 @@ impl Transformer {
             let m = if gpt {
                 let (w, bb) = (self.p(tape, &n("ln2.weight")), self.p(tape, &n("ln2.bias")));
                 let hn = tape.layer_norm(rec, x, w, bb, eps)?;
-                let (w, bb) = (self.p(tape, &n("mlp.fc.weight")), self.p(tape, &n("mlp.fc.bias")));
+                let (w, bb) = (
+                    self.p(tape, &n("mlp.fc.weight")),
+                    self.p(tape, &n("mlp.fc.bias")),
+                );
                 let u = tape.linear(rec, hn, w, Some(bb))?; // (B, T, F)
                 let u = tape.gelu(rec, u, GeluMode::Tanh)?;
-                let (w, bb) = (self.p(tape, &n("mlp.proj.weight")), self.p(tape, &n("mlp.proj.bias")));
+                let (w, bb) = (
+                    self.p(tape, &n("mlp.proj.weight")),
+                    self.p(tape, &n("mlp.proj.bias")),
+                );
                 tape.linear(rec, u, w, Some(bb))?
             } else {
                 let w = self.p(tape, &n("mlp_norm.weight"));
                 let hn = tape.rms_norm(rec, x, w, eps, false)?;
-                let (wg, wu) = (self.p(tape, &n("mlp.gate.weight")), self.p(tape, &n("mlp.up.weight")));
+                let (wg, wu) = (
+                    self.p(tape, &n("mlp.gate.weight")),
+                    self.p(tape, &n("mlp.up.weight")),
+                );
                 let gate = tape.linear(rec, hn, wg, None)?; // (B, T, F)
                 let up = tape.linear(rec, hn, wu, None)?;
                 let u = tape.swiglu(rec, gate, up)?;
@@ -330,13 +422,27 @@ impl Transformer {
         } else {
             tape.rms_norm(rec, x, w, eps, false)?
         };
-        let head = self.p(tape, if cfg.tied() { "tok_emb" } else { "lm_head.weight" });
+        let head = self.p(
+            tape,
+            if cfg.tied() {
+                "tok_emb"
+            } else {
+                "lm_head.weight"
+            },
+        );
         tape.linear(rec, x, head, None) // (B, T, V)
     }
 
     /// Mean next-token cross-entropy of ids (B, T) against targets (B, T); the value is
     /// (mean, count).
-    pub fn loss(&self, tape: &mut Tape, rec: &mut Recorder<'_>, ids: &Tensor, targets: &Tensor, dropout_seed: u64) -> Result<Var> {
+    pub fn loss(
+        &self,
+        tape: &mut Tape,
+        rec: &mut Recorder<'_>,
+        ids: &Tensor,
+        targets: &Tensor,
+        dropout_seed: u64,
+    ) -> Result<Var> {
         let logits = self.logits(tape, rec, ids, dropout_seed)?;
         let v = self.cfg.vocab_size;
         let flat = tape.reshape(logits, &[ids.numel(), v])?;
@@ -347,6 +453,10 @@ impl Transformer {
     /// Weights and biases that AdamW decays (matrices, embeddings); norms' gains and biases
     /// are not decayed, as in GPT-2 / nanoGPT.
     pub fn decayed(&self) -> Vec<bool> {
-        self.params.values.iter().map(|t| t.shape().len() >= 2).collect()
+        self.params
+            .values
+            .iter()
+            .map(|t| t.shape().len() >= 2)
+            .collect()
     }
 }

@@ -21,35 +21,89 @@ pub struct Params {
     pub _pad: u32,
 }
 
-static FWD: Kernel =
-    Kernel::new(&ATTENTION, "attn_fwd", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, ReadWrite)]);
-static DELTA: Kernel = Kernel::new(&ATTENTION, "attn_delta", &[(6, Read), (7, Read), (9, ReadWrite)]);
+static FWD: Kernel = Kernel::new(
+    &ATTENTION,
+    "attn_fwd",
+    &[
+        (1, Read),
+        (2, Read),
+        (3, Read),
+        (4, ReadWrite),
+        (5, ReadWrite),
+    ],
+);
+static DELTA: Kernel = Kernel::new(
+    &ATTENTION,
+    "attn_delta",
+    &[(6, Read), (7, Read), (9, ReadWrite)],
+);
 static BWD_DQ: Kernel = Kernel::new(
     &ATTENTION,
     "attn_bwd_dq",
-    &[(1, Read), (2, Read), (3, Read), (7, Read), (8, Read), (10, Read), (11, ReadWrite)],
+    &[
+        (1, Read),
+        (2, Read),
+        (3, Read),
+        (7, Read),
+        (8, Read),
+        (10, Read),
+        (11, ReadWrite),
+    ],
 );
 static BWD_DKV: Kernel = Kernel::new(
     &ATTENTION,
     "attn_bwd_dkv",
-    &[(1, Read), (2, Read), (3, Read), (7, Read), (8, Read), (10, Read), (12, ReadWrite), (13, ReadWrite)],
+    &[
+        (1, Read),
+        (2, Read),
+        (3, Read),
+        (7, Read),
+        (8, Read),
+        (10, Read),
+        (12, ReadWrite),
+        (13, ReadWrite),
+    ],
 );
 // The tiled kernels share one staging function that can read dO (binding 7): the forward
 // binds q there, unread.
 static FWD_T: Kernel = Kernel::new(
     &ATTENTION,
     "attn_fwd_tiled",
-    &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, ReadWrite), (7, Read)],
+    &[
+        (1, Read),
+        (2, Read),
+        (3, Read),
+        (4, ReadWrite),
+        (5, ReadWrite),
+        (7, Read),
+    ],
 );
 static BWD_DQ_T: Kernel = Kernel::new(
     &ATTENTION,
     "attn_bwd_dq_tiled",
-    &[(1, Read), (2, Read), (3, Read), (7, Read), (8, Read), (10, Read), (11, ReadWrite)],
+    &[
+        (1, Read),
+        (2, Read),
+        (3, Read),
+        (7, Read),
+        (8, Read),
+        (10, Read),
+        (11, ReadWrite),
+    ],
 );
 static BWD_DKV_T: Kernel = Kernel::new(
     &ATTENTION,
     "attn_bwd_dkv_tiled",
-    &[(1, Read), (2, Read), (3, Read), (7, Read), (8, Read), (10, Read), (12, ReadWrite), (13, ReadWrite)],
+    &[
+        (1, Read),
+        (2, Read),
+        (3, Read),
+        (7, Read),
+        (8, Read),
+        (10, Read),
+        (12, ReadWrite),
+        (13, ReadWrite),
+    ],
 );
 
 /// Rows per workgroup of the tiled kernels, and the workgroup memory they need (bytes).
@@ -86,7 +140,11 @@ pub struct AttnOpts {
 
 impl Default for AttnOpts {
     fn default() -> Self {
-        AttnOpts { causal: true, scale: None, path: AttnPath::Auto }
+        AttnOpts {
+            causal: true,
+            scale: None,
+            path: AttnPath::Auto,
+        }
     }
 }
 
@@ -125,10 +183,20 @@ pub struct AttnGrads {
 }
 
 /// (params, head dim) from q (B, Tq, Hq, D) and k, v (B, Tk, Hkv, D).
-pub fn attn_params(q: &[usize], k: &[usize], v: &[usize], opts: &AttnOpts) -> Result<(Params, usize)> {
-    let err = |why: &str| Error::Shape { op: "attention", detail: format!("q {q:?}, k {k:?}, v {v:?}: {why}") };
+pub fn attn_params(
+    q: &[usize],
+    k: &[usize],
+    v: &[usize],
+    opts: &AttnOpts,
+) -> Result<(Params, usize)> {
+    let err = |why: &str| Error::Shape {
+        op: "attention",
+        detail: format!("q {q:?}, k {k:?}, v {v:?}: {why}"),
+    };
     if q.len() != 4 || k.len() != 4 || k != v {
-        return Err(err("expected q (B, Tq, Hq, D) and k, v of one shape (B, Tk, Hkv, D)"));
+        return Err(err(
+            "expected q (B, Tq, Hq, D) and k, v of one shape (B, Tk, Hkv, D)",
+        ));
     }
     let (b, tq, hq, d) = (q[0], q[1], q[2], q[3]);
     let (tk, hkv) = (k[1], k[2]);
@@ -136,7 +204,9 @@ pub fn attn_params(q: &[usize], k: &[usize], v: &[usize], opts: &AttnOpts) -> Re
         return Err(err("batch and head dimension must match"));
     }
     if d == 0 || d % 4 != 0 || d > MAX_HEAD_DIM {
-        return Err(err(&format!("head dimension must be a multiple of 4 up to {MAX_HEAD_DIM}")));
+        return Err(err(&format!(
+            "head dimension must be a multiple of 4 up to {MAX_HEAD_DIM}"
+        )));
     }
     if hkv == 0 || hq % hkv != 0 {
         return Err(err("query heads must be a multiple of key/value heads"));
@@ -145,7 +215,9 @@ pub fn attn_params(q: &[usize], k: &[usize], v: &[usize], opts: &AttnOpts) -> Re
         return Err(err("empty batch or sequence"));
     }
     if opts.causal && tk < tq {
-        return Err(err("causal attention needs at least as many keys as queries"));
+        return Err(err(
+            "causal attention needs at least as many keys as queries",
+        ));
     }
     let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
     let p = Params {
@@ -166,10 +238,16 @@ pub fn attn_params(q: &[usize], k: &[usize], v: &[usize], opts: &AttnOpts) -> Re
 fn constants(rec: &Recorder<'_>, d: usize) -> Result<[(&'static str, f64); 2]> {
     let limit = rec.gpu().limits.max_compute_workgroup_storage_size as usize;
     let per_row = 2 * d * 4 + 8;
-    let Some(bc) = [64usize, 32, 16, 8].into_iter().find(|bc| bc * per_row <= limit) else {
+    let Some(bc) = [64usize, 32, 16, 8]
+        .into_iter()
+        .find(|bc| bc * per_row <= limit)
+    else {
         return Err(Error::Invalid {
             op: "attention",
-            detail: format!("head dim {d} needs {} bytes of workgroup memory, device has {limit}", 8 * per_row),
+            detail: format!(
+                "head dim {d} needs {} bytes of workgroup memory, device has {limit}",
+                8 * per_row
+            ),
         });
     };
     Ok([("D4", (d / 4) as f64), ("BC", bc as f64)])
@@ -180,18 +258,41 @@ fn check_all_f32(ts: &[&Tensor]) -> Result<()> {
 }
 
 /// softmax(scale * q k^T, causal mask) v per head; q (B, Tq, Hq, D), k, v (B, Tk, Hkv, D).
-pub fn attention(rec: &mut Recorder<'_>, q: &Tensor, k: &Tensor, v: &Tensor, opts: AttnOpts) -> Result<AttnOut> {
+pub fn attention(
+    rec: &mut Recorder<'_>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: AttnOpts,
+) -> Result<AttnOut> {
     check_all_f32(&[q, k, v])?;
     let (p, d) = attn_params(q.shape(), k.shape(), v.shape(), &opts)?;
     let c = constants(rec, d)?;
     let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "attention.o")?;
-    let lse = Tensor::empty(rec.gpu(), &[q.shape()[0], q.shape()[2], q.shape()[1]], DType::F32, "attention.lse")?;
+    let lse = Tensor::empty(
+        rec.gpu(),
+        &[q.shape()[0], q.shape()[2], q.shape()[1]],
+        DType::F32,
+        "attention.lse",
+    )?;
     if tiled(rec, d, opts.path)? {
         let groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(TILED_ROWS);
-        rec.dispatch(&FWD_T, &c[..1], bytemuck::bytes_of(&p), &[q, k, v, &o, &lse, q], Grid::Linear(groups))?;
+        rec.dispatch(
+            &FWD_T,
+            &c[..1],
+            bytemuck::bytes_of(&p),
+            &[q, k, v, &o, &lse, q],
+            Grid::Linear(groups),
+        )?;
     } else {
         let groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(BR);
-        rec.dispatch(&FWD, &c, bytemuck::bytes_of(&p), &[q, k, v, &o, &lse], Grid::Linear(groups))?;
+        rec.dispatch(
+            &FWD,
+            &c,
+            bytemuck::bytes_of(&p),
+            &[q, k, v, &o, &lse],
+            Grid::Linear(groups),
+        )?;
     }
     Ok(AttnOut { o, lse })
 }
@@ -211,21 +312,48 @@ pub fn attention_backward(
     if d_o.shape() != q.shape() || fwd.o.shape() != q.shape() {
         return Err(Error::Shape {
             op: "attention_backward",
-            detail: format!("dO {:?} and o {:?} must have q's shape {:?}", d_o.shape(), fwd.o.shape(), q.shape()),
+            detail: format!(
+                "dO {:?} and o {:?} must have q's shape {:?}",
+                d_o.shape(),
+                fwd.o.shape(),
+                q.shape()
+            ),
         });
     }
     let c = constants(rec, d)?;
     let gpu = rec.gpu();
     let delta = Tensor::empty(gpu, fwd.lse.shape(), DType::F32, "attention.delta")?;
     let rows = fwd.lse.numel() as u64;
-    rec.dispatch(&DELTA, &c, bytemuck::bytes_of(&p), &[&fwd.o, d_o, &delta], Grid::cover(rows, BR))?;
+    rec.dispatch(
+        &DELTA,
+        &c,
+        bytemuck::bytes_of(&p),
+        &[&fwd.o, d_o, &delta],
+        Grid::cover(rows, BR),
+    )?;
     let dq = Tensor::empty(gpu, q.shape(), DType::F32, "attention.dq")?;
     let dk = Tensor::empty(gpu, k.shape(), DType::F32, "attention.dk")?;
     let dv = Tensor::empty(gpu, v.shape(), DType::F32, "attention.dv")?;
-    let (dq_k, dkv_k, rows, c) = if tiled(rec, d, opts.path)? { (&BWD_DQ_T, &BWD_DKV_T, TILED_ROWS, &c[..1]) } else { (&BWD_DQ, &BWD_DKV, BR, &c[..]) };
+    let (dq_k, dkv_k, rows, c) = if tiled(rec, d, opts.path)? {
+        (&BWD_DQ_T, &BWD_DKV_T, TILED_ROWS, &c[..1])
+    } else {
+        (&BWD_DQ, &BWD_DKV, BR, &c[..])
+    };
     let q_groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(rows);
-    rec.dispatch(dq_k, c, bytemuck::bytes_of(&p), &[q, k, v, d_o, &fwd.lse, &delta, &dq], Grid::Linear(q_groups))?;
+    rec.dispatch(
+        dq_k,
+        c,
+        bytemuck::bytes_of(&p),
+        &[q, k, v, d_o, &fwd.lse, &delta, &dq],
+        Grid::Linear(q_groups),
+    )?;
     let k_groups = (p.b * p.hkv) as u64 * (p.tk as u64).div_ceil(rows);
-    rec.dispatch(dkv_k, c, bytemuck::bytes_of(&p), &[q, k, v, d_o, &fwd.lse, &delta, &dk, &dv], Grid::Linear(k_groups))?;
+    rec.dispatch(
+        dkv_k,
+        c,
+        bytemuck::bytes_of(&p),
+        &[q, k, v, d_o, &fwd.lse, &delta, &dk, &dv],
+        Grid::Linear(k_groups),
+    )?;
     Ok(AttnGrads { dq, dk, dv })
 }

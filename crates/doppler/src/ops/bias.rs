@@ -26,7 +26,10 @@ fn rows_n(op: &'static str, x: &Tensor, n: usize) -> Result<usize> {
     expect_f32(op, x)?;
     match x.shape().last() {
         Some(&last) if last == n && n > 0 => Ok(x.numel() / n),
-        _ => Err(Error::Shape { op, detail: format!("x {:?}, bias of length {n}", x.shape()) }),
+        _ => Err(Error::Shape {
+            op,
+            detail: format!("x {:?}, bias of length {n}", x.shape()),
+        }),
     }
 }
 
@@ -34,13 +37,27 @@ fn rows_n(op: &'static str, x: &Tensor, n: usize) -> Result<usize> {
 pub fn bias_add(rec: &mut Recorder<'_>, x: &Tensor, b: &Tensor) -> Result<Tensor> {
     expect_f32("bias_add", b)?;
     if b.shape().len() != 1 {
-        return Err(Error::Shape { op: "bias_add", detail: format!("bias {:?} must be 1-D", b.shape()) });
+        return Err(Error::Shape {
+            op: "bias_add",
+            detail: format!("bias {:?} must be 1-D", b.shape()),
+        });
     }
     let n = b.numel();
     let rows = rows_n("bias_add", x, n)?;
     let y = Tensor::empty(rec.gpu(), x.shape(), DType::F32, "bias_add.y")?;
-    let p = Params { rows: rows as u32, n: n as u32, chunks: 0, _pad: 0 };
-    rec.dispatch(&ADD, &[], bytemuck::bytes_of(&p), &[x, b, &y], Grid::cover(x.numel() as u64, 256))?;
+    let p = Params {
+        rows: rows as u32,
+        n: n as u32,
+        chunks: 0,
+        _pad: 0,
+    };
+    rec.dispatch(
+        &ADD,
+        &[],
+        bytemuck::bytes_of(&p),
+        &[x, b, &y],
+        Grid::cover(x.numel() as u64, 256),
+    )?;
     Ok(y)
 }
 
@@ -52,9 +69,20 @@ pub fn bias_add_backward(rec: &mut Recorder<'_>, dy: &Tensor) -> Result<Tensor> 
     loop {
         let chunks = rows.div_ceil(ROWS);
         let out = Tensor::empty(rec.gpu(), &[chunks, n], DType::F32, "bias_add.db")?;
-        let p = Params { rows: rows as u32, n: n as u32, chunks: chunks as u32, _pad: 0 };
+        let p = Params {
+            rows: rows as u32,
+            n: n as u32,
+            chunks: chunks as u32,
+            _pad: 0,
+        };
         let groups = (chunks * n.div_ceil(COLS)) as u64;
-        rec.dispatch(&GRAD, &[], bytemuck::bytes_of(&p), &[&cur, &out], Grid::Linear(groups))?;
+        rec.dispatch(
+            &GRAD,
+            &[],
+            bytemuck::bytes_of(&p),
+            &[&cur, &out],
+            Grid::Linear(groups),
+        )?;
         if chunks == 1 {
             return out.reshape(&[n]);
         }

@@ -35,11 +35,14 @@ pub struct Params {
     pub chunk: u32,
 }
 
-static GEMM: Kernel = Kernel::new(&CONV2D, "conv_gemm", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, Read)]);
+static GEMM: Kernel = Kernel::new(
+    &CONV2D,
+    "conv_gemm",
+    &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, Read)],
+);
 static WGRAD_REDUCE: Kernel =
     Kernel::new(&CONV2D, "conv_wgrad_reduce", &[(6, Read), (7, ReadWrite)]);
-static BIAS_GRAD: Kernel =
-    Kernel::new(&CONV2D, "conv_bias_grad", &[(5, Read), (8, ReadWrite)]);
+static BIAS_GRAD: Kernel = Kernel::new(&CONV2D, "conv_bias_grad", &[(5, Read), (8, ReadWrite)]);
 
 /// Output tile edge and k-slab depth of `conv_gemm`.
 const TILE: usize = 64;
@@ -58,28 +61,49 @@ pub struct Conv2dOpts {
 
 impl Default for Conv2dOpts {
     fn default() -> Self {
-        Conv2dOpts { stride: (1, 1), padding: (0, 0), dilation: (1, 1), groups: 1 }
+        Conv2dOpts {
+            stride: (1, 1),
+            padding: (0, 0),
+            dilation: (1, 1),
+            groups: 1,
+        }
     }
 }
 
 /// Checks shapes and fills the size fields of the kernel parameters.
 pub fn conv_params(x: &[usize], w: &[usize], o: &Conv2dOpts) -> Result<Params> {
-    let err = |why: String| Error::Shape { op: "conv2d", detail: format!("x {x:?}, w {w:?}, {o:?}: {why}") };
+    let err = |why: String| Error::Shape {
+        op: "conv2d",
+        detail: format!("x {x:?}, w {w:?}, {o:?}: {why}"),
+    };
     let (&[n, cin, h, wd], &[cout, cig, kh, kw]) = (x, w) else {
-        return Err(err("x must be (N, Cin, H, W) and w (Cout, Cin/groups, KH, KW)".into()));
+        return Err(err(
+            "x must be (N, Cin, H, W) and w (Cout, Cin/groups, KH, KW)".into(),
+        ));
     };
     let g = o.groups;
     if g == 0 || cin % g != 0 || cout % g != 0 || cig != cin / g {
-        return Err(err(format!("groups {g} must divide Cin {cin} and Cout {cout}, with w's dim 1 = Cin/groups")));
+        return Err(err(format!(
+            "groups {g} must divide Cin {cin} and Cout {cout}, with w's dim 1 = Cin/groups"
+        )));
     }
     if [o.stride.0, o.stride.1, o.dilation.0, o.dilation.1, kh, kw].contains(&0) {
-        return Err(err("stride, dilation and kernel size must be positive".into()));
+        return Err(err(
+            "stride, dilation and kernel size must be positive".into()
+        ));
     }
     let out = |size: usize, pad: usize, dil: usize, k: usize, st: usize| {
-        (size + 2 * pad).checked_sub(dil * (k - 1) + 1).map(|v| v / st + 1)
+        (size + 2 * pad)
+            .checked_sub(dil * (k - 1) + 1)
+            .map(|v| v / st + 1)
     };
-    let (Some(oh), Some(ow)) = (out(h, o.padding.0, o.dilation.0, kh, o.stride.0), out(wd, o.padding.1, o.dilation.1, kw, o.stride.1)) else {
-        return Err(err("the (dilated) kernel is larger than the padded input".into()));
+    let (Some(oh), Some(ow)) = (
+        out(h, o.padding.0, o.dilation.0, kh, o.stride.0),
+        out(wd, o.padding.1, o.dilation.1, kw, o.stride.1),
+    ) else {
+        return Err(err(
+            "the (dilated) kernel is larger than the padded input".into()
+        ));
     };
     let u = |v: usize| v as u32;
     Ok(Params {
@@ -108,28 +132,61 @@ fn f32s(op: &'static str, ts: &[&Tensor]) -> Result<()> {
 }
 
 /// Records one `conv_gemm` of `mode` (0 forward, 1 dx, 2 dw partials), sizing the grid.
-fn gemm(rec: &mut Recorder<'_>, mut p: Params, mode: u32, m: usize, cols: usize, splits: usize, bias: bool, t: [&Tensor; 5]) -> Result<()> {
+fn gemm(
+    rec: &mut Recorder<'_>,
+    mut p: Params,
+    mode: u32,
+    m: usize,
+    cols: usize,
+    splits: usize,
+    bias: bool,
+    t: [&Tensor; 5],
+) -> Result<()> {
     p.tiles_p = cols.div_ceil(TILE) as u32;
     p.tiles_m = m.div_ceil(TILE) as u32;
     p.splits = splits as u32;
     let workgroups = p.tiles_p as u64 * p.tiles_m as u64 * (p.groups as u64 * splits as u64);
-    rec.dispatch(&GEMM, &[("MODE", mode as f64), ("HAS_BIAS", bias as u32 as f64)], bytemuck::bytes_of(&p), &t, Grid::Linear(workgroups))
+    rec.dispatch(
+        &GEMM,
+        &[("MODE", mode as f64), ("HAS_BIAS", bias as u32 as f64)],
+        bytemuck::bytes_of(&p),
+        &t,
+        Grid::Linear(workgroups),
+    )
 }
 
 /// y (N, Cout, OH, OW) = conv2d(x, w) + bias.
-pub fn conv2d(rec: &mut Recorder<'_>, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, o: Conv2dOpts) -> Result<Tensor> {
+pub fn conv2d(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    o: Conv2dOpts,
+) -> Result<Tensor> {
     f32s("conv2d", &[x, w])?;
     let p = conv_params(x.shape(), w.shape(), &o)?;
     if let Some(b) = bias {
         f32s("conv2d", &[b])?;
         if b.shape() != [p.cout as usize] {
-            return Err(Error::Shape { op: "conv2d", detail: format!("bias {:?}, expected [{}]", b.shape(), p.cout) });
+            return Err(Error::Shape {
+                op: "conv2d",
+                detail: format!("bias {:?}, expected [{}]", b.shape(), p.cout),
+            });
         }
     }
     let (n, cout, oh, ow) = (p.n as usize, p.cout as usize, p.oh as usize, p.ow as usize);
     let y = Tensor::empty(rec.gpu(), &[n, cout, oh, ow], DType::F32, "conv2d.y")?;
     // Unused bindings get any buffer of the right kind.
-    gemm(rec, p, 0, cout / o.groups, n * oh * ow, 1, bias.is_some(), [x, w, bias.unwrap_or(w), &y, x])?;
+    gemm(
+        rec,
+        p,
+        0,
+        cout / o.groups,
+        n * oh * ow,
+        1,
+        bias.is_some(),
+        [x, w, bias.unwrap_or(w), &y, x],
+    )?;
     Ok(y)
 }
 
@@ -141,13 +198,23 @@ pub struct Conv2dGrads {
 }
 
 /// dx, dw and (with `bias`) db from the forward's x and w and the upstream dy.
-pub fn conv2d_backward(rec: &mut Recorder<'_>, x: &Tensor, w: &Tensor, dy: &Tensor, o: Conv2dOpts, bias: bool) -> Result<Conv2dGrads> {
+pub fn conv2d_backward(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    o: Conv2dOpts,
+    bias: bool,
+) -> Result<Conv2dGrads> {
     f32s("conv2d_backward", &[x, w, dy])?;
     let p = conv_params(x.shape(), w.shape(), &o)?;
     let (n, cin, h, wd) = (p.n as usize, p.cin as usize, p.h as usize, p.w as usize);
     let (cout, oh, ow) = (p.cout as usize, p.oh as usize, p.ow as usize);
     if dy.shape() != [n, cout, oh, ow] {
-        return Err(Error::Shape { op: "conv2d_backward", detail: format!("dy {:?}, expected {:?}", dy.shape(), [n, cout, oh, ow]) });
+        return Err(Error::Shape {
+            op: "conv2d_backward",
+            detail: format!("dy {:?}, expected {:?}", dy.shape(), [n, cout, oh, ow]),
+        });
     }
     let g = o.groups;
     let gpu = rec.gpu();
@@ -162,14 +229,35 @@ pub fn conv2d_backward(rec: &mut Recorder<'_>, x: &Tensor, w: &Tensor, dy: &Tens
     let partial = Tensor::empty(gpu, &[splits, dw_len], DType::F32, "conv2d.dw_partial")?;
     let mut pw = p;
     pw.chunk = chunk as u32;
-    gemm(rec, pw, 2, cout / g, w.numel() / cout, splits, false, [x, w, w, &partial, dy])?;
+    gemm(
+        rec,
+        pw,
+        2,
+        cout / g,
+        w.numel() / cout,
+        splits,
+        false,
+        [x, w, w, &partial, dy],
+    )?;
     pw.splits = splits as u32;
     let dw = Tensor::empty(gpu, w.shape(), DType::F32, "conv2d.dw")?;
-    rec.dispatch(&WGRAD_REDUCE, &[], bytemuck::bytes_of(&pw), &[&partial, &dw], Grid::cover(dw_len as u64, 256))?;
+    rec.dispatch(
+        &WGRAD_REDUCE,
+        &[],
+        bytemuck::bytes_of(&pw),
+        &[&partial, &dw],
+        Grid::cover(dw_len as u64, 256),
+    )?;
 
     let db = if bias {
         let db = Tensor::empty(gpu, &[cout], DType::F32, "conv2d.db")?;
-        rec.dispatch(&BIAS_GRAD, &[], bytemuck::bytes_of(&p), &[dy, &db], Grid::Linear(cout as u64))?;
+        rec.dispatch(
+            &BIAS_GRAD,
+            &[],
+            bytemuck::bytes_of(&p),
+            &[dy, &db],
+            Grid::Linear(cout as u64),
+        )?;
         Some(db)
     } else {
         None

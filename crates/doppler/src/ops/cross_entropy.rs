@@ -20,12 +20,47 @@ pub struct Params {
     pub _pad: [u32; 3],
 }
 
-static FWD: Kernel = Kernel::new(&CROSS_ENTROPY, "ce_fwd", &[(1, Read), (2, Read), (3, ReadWrite), (4, ReadWrite), (5, ReadWrite)]);
-static MEAN: Kernel =
-    Kernel::new(&CROSS_ENTROPY, "ce_mean", &[(2, Read), (3, ReadWrite), (6, ReadWrite)]);
-static BWD: Kernel = Kernel::new(&CROSS_ENTROPY, "ce_bwd", &[(1, Read), (2, Read), (7, ReadWrite), (8, Read), (9, Read), (10, Read)]);
+static FWD: Kernel = Kernel::new(
+    &CROSS_ENTROPY,
+    "ce_fwd",
+    &[
+        (1, Read),
+        (2, Read),
+        (3, ReadWrite),
+        (4, ReadWrite),
+        (5, ReadWrite),
+    ],
+);
+static MEAN: Kernel = Kernel::new(
+    &CROSS_ENTROPY,
+    "ce_mean",
+    &[(2, Read), (3, ReadWrite), (6, ReadWrite)],
+);
+static BWD: Kernel = Kernel::new(
+    &CROSS_ENTROPY,
+    "ce_bwd",
+    &[
+        (1, Read),
+        (2, Read),
+        (7, ReadWrite),
+        (8, Read),
+        (9, Read),
+        (10, Read),
+    ],
+);
 
-static BWD4: Kernel = Kernel::new(&CROSS_ENTROPY, "ce_bwd4", &[(11, Read), (2, Read), (12, ReadWrite), (8, Read), (9, Read), (10, Read)]);
+static BWD4: Kernel = Kernel::new(
+    &CROSS_ENTROPY,
+    "ce_bwd4",
+    &[
+        (11, Read),
+        (2, Read),
+        (12, ReadWrite),
+        (8, Read),
+        (9, Read),
+        (10, Read),
+    ],
+);
 
 /// PyTorch's `ignore_index` and `label_smoothing`.
 #[derive(Clone, Copy, Debug, Default)]
@@ -54,20 +89,34 @@ pub enum Upstream<'a> {
 fn dims(logits: &Tensor, targets: &Tensor, opts: &CrossEntropyOpts) -> Result<(usize, usize)> {
     expect_f32("cross_entropy", logits)?;
     if targets.dtype() != DType::U32 {
-        return Err(Error::DType { op: "cross_entropy", got: targets.dtype(), expected: "u32 targets" });
+        return Err(Error::DType {
+            op: "cross_entropy",
+            got: targets.dtype(),
+            expected: "u32 targets",
+        });
     }
     let Some((&v, lead)) = logits.shape().split_last() else {
-        return Err(Error::Shape { op: "cross_entropy", detail: "logits need a vocabulary axis".into() });
+        return Err(Error::Shape {
+            op: "cross_entropy",
+            detail: "logits need a vocabulary axis".into(),
+        });
     };
     let t: usize = lead.iter().product();
     if v == 0 || targets.numel() != t {
         return Err(Error::Shape {
             op: "cross_entropy",
-            detail: format!("logits {:?} vs targets {:?}", logits.shape(), targets.shape()),
+            detail: format!(
+                "logits {:?} vs targets {:?}",
+                logits.shape(),
+                targets.shape()
+            ),
         });
     }
     if !(0.0..=1.0).contains(&opts.label_smoothing) {
-        return Err(Error::Invalid { op: "cross_entropy", detail: format!("label_smoothing {} not in [0, 1]", opts.label_smoothing) });
+        return Err(Error::Invalid {
+            op: "cross_entropy",
+            detail: format!("label_smoothing {} not in [0, 1]", opts.label_smoothing),
+        });
     }
     Ok((t, v))
 }
@@ -98,8 +147,20 @@ pub fn cross_entropy(
     let stats = Tensor::empty(gpu, &[2], DType::F32, "cross_entropy.stats")?;
     let flag = rec.index_check("cross_entropy", targets, v as u32)?;
     let p = params(t, v, &opts);
-    rec.dispatch(&FWD, &[], bytemuck::bytes_of(&p), &[logits, targets, &loss, &lse, &flag], Grid::Linear(t as u64))?;
-    rec.dispatch(&MEAN, &[], bytemuck::bytes_of(&p), &[targets, &loss, &stats], Grid::Linear(1))?;
+    rec.dispatch(
+        &FWD,
+        &[],
+        bytemuck::bytes_of(&p),
+        &[logits, targets, &loss, &lse, &flag],
+        Grid::Linear(t as u64),
+    )?;
+    rec.dispatch(
+        &MEAN,
+        &[],
+        bytemuck::bytes_of(&p),
+        &[targets, &loss, &stats],
+        Grid::Linear(1),
+    )?;
     Ok(CrossEntropyOut { loss, lse, stats })
 }
 
@@ -122,13 +183,26 @@ pub fn cross_entropy_backward(
     if g.numel() != want || fwd.lse.numel() != t {
         return Err(Error::Shape {
             op: "cross_entropy_backward",
-            detail: format!("upstream {:?} (want {want} elements), lse {:?}, {t} rows", g.shape(), fwd.lse.shape()),
+            detail: format!(
+                "upstream {:?} (want {want} elements), lse {:?}, {t} rows",
+                g.shape(),
+                fwd.lse.shape()
+            ),
         });
     }
-    let dlogits = Tensor::empty(rec.gpu(), logits.shape(), DType::F32, "cross_entropy.dlogits")?;
+    let dlogits = Tensor::empty(
+        rec.gpu(),
+        logits.shape(),
+        DType::F32,
+        "cross_entropy.dlogits",
+    )?;
     let p = params(t, v, &opts);
     // Four logits a thread when rows split into whole vec4s.
-    let (kernel, items) = if v % 4 == 0 { (&BWD4, t * v / 4) } else { (&BWD, t * v) };
+    let (kernel, items) = if v % 4 == 0 {
+        (&BWD4, t * v / 4)
+    } else {
+        (&BWD, t * v)
+    };
     rec.dispatch(
         kernel,
         &[("MEAN", mean as u32 as f64)],

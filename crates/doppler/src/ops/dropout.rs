@@ -17,8 +17,7 @@ pub struct Params {
     pub _pad: [u32; 3],
 }
 
-static DROPOUT_K: Kernel =
-    Kernel::new(&DROPOUT, "dropout", &[(1, Read), (2, ReadWrite)]);
+static DROPOUT_K: Kernel = Kernel::new(&DROPOUT, "dropout", &[(1, Read), (2, ReadWrite)]);
 
 /// The kernel parameters for drop probability `p` and `seed` (also used by the reference).
 pub fn params(n: usize, p: f64, seed: u64) -> Params {
@@ -35,11 +34,20 @@ pub fn params(n: usize, p: f64, seed: u64) -> Params {
 fn run(rec: &mut Recorder<'_>, op: &'static str, x: &Tensor, p: f64, seed: u64) -> Result<Tensor> {
     expect_f32(op, x)?;
     if !(0.0..1.0).contains(&p) {
-        return Err(Error::Invalid { op, detail: format!("drop probability {p} not in [0, 1)") });
+        return Err(Error::Invalid {
+            op,
+            detail: format!("drop probability {p} not in [0, 1)"),
+        });
     }
     let y = Tensor::empty(rec.gpu(), x.shape(), DType::F32, "dropout.y")?;
     let prm = params(x.numel(), p, seed);
-    rec.dispatch(&DROPOUT_K, &[], bytemuck::bytes_of(&prm), &[x, &y], Grid::cover(x.numel() as u64, 256))?;
+    rec.dispatch(
+        &DROPOUT_K,
+        &[],
+        bytemuck::bytes_of(&prm),
+        &[x, &y],
+        Grid::cover(x.numel() as u64, 256),
+    )?;
     Ok(y)
 }
 

@@ -36,16 +36,33 @@ fn dispatch(
     tensors: &[&Tensor],
 ) -> Result<()> {
     let n = tensors[0].numel() as u64;
-    let (kernel, items) = if n % 4 == 0 { (vec4, n / 4) } else { (scalar, n) };
-    let params = Params { n: items as u32, alpha, _pad: [0; 2] };
-    rec.dispatch(kernel, &[], bytemuck::bytes_of(&params), tensors, Grid::cover(items, WG))
+    let (kernel, items) = if n % 4 == 0 {
+        (vec4, n / 4)
+    } else {
+        (scalar, n)
+    };
+    let params = Params {
+        n: items as u32,
+        alpha,
+        _pad: [0; 2],
+    };
+    rec.dispatch(
+        kernel,
+        &[],
+        bytemuck::bytes_of(&params),
+        tensors,
+        Grid::cover(items, WG),
+    )
 }
 
 fn same_shape(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
     expect_f32(op, a)?;
     expect_f32(op, b)?;
     if a.shape() != b.shape() {
-        return Err(Error::Shape { op, detail: format!("a {:?} vs b {:?}", a.shape(), b.shape()) });
+        return Err(Error::Shape {
+            op,
+            detail: format!("a {:?} vs b {:?}", a.shape(), b.shape()),
+        });
     }
     Ok(())
 }

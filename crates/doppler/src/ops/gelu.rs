@@ -22,14 +22,22 @@ pub enum GeluMode {
 }
 
 static FWD: Kernel = Kernel::new(&GELU, "gelu_fwd", &[(1, Read), (3, ReadWrite)]);
-static BWD: Kernel =
-    Kernel::new(&GELU, "gelu_bwd", &[(1, Read), (2, Read), (3, ReadWrite)]);
+static BWD: Kernel = Kernel::new(&GELU, "gelu_bwd", &[(1, Read), (2, Read), (3, ReadWrite)]);
 
 fn run(rec: &mut Recorder<'_>, k: &Kernel, mode: GeluMode, tensors: &[&Tensor]) -> Result<()> {
     let n = tensors[0].numel() as u64;
-    let params = Params { n: n as u32, _pad: [0; 3] };
+    let params = Params {
+        n: n as u32,
+        _pad: [0; 3],
+    };
     let tanh = [("TANH", (mode == GeluMode::Tanh) as u32 as f64)];
-    rec.dispatch(k, &tanh, bytemuck::bytes_of(&params), tensors, Grid::cover(n, 256))
+    rec.dispatch(
+        k,
+        &tanh,
+        bytemuck::bytes_of(&params),
+        tensors,
+        Grid::cover(n, 256),
+    )
 }
 
 /// y = gelu(x), any shape.
@@ -41,11 +49,19 @@ pub fn gelu(rec: &mut Recorder<'_>, x: &Tensor, mode: GeluMode) -> Result<Tensor
 }
 
 /// dx = dy * gelu'(x), from the forward's input x and the upstream gradient dy.
-pub fn gelu_backward(rec: &mut Recorder<'_>, x: &Tensor, dy: &Tensor, mode: GeluMode) -> Result<Tensor> {
+pub fn gelu_backward(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    dy: &Tensor,
+    mode: GeluMode,
+) -> Result<Tensor> {
     expect_f32("gelu_backward", x)?;
     expect_f32("gelu_backward", dy)?;
     if x.shape() != dy.shape() {
-        return Err(Error::Shape { op: "gelu_backward", detail: format!("x {:?} vs dy {:?}", x.shape(), dy.shape()) });
+        return Err(Error::Shape {
+            op: "gelu_backward",
+            detail: format!("x {:?} vs dy {:?}", x.shape(), dy.shape()),
+        });
     }
     let dx = Tensor::empty(rec.gpu(), x.shape(), x.dtype(), "gelu.dx")?;
     run(rec, &BWD, mode, &[x, dy, &dx])?;

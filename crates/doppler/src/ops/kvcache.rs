@@ -4,7 +4,7 @@
 
 use super::expect_f32;
 use crate::error::{Error, Result};
-use crate::gpu::{Binding::*, DType, Grid, Gpu, Kernel, Recorder, Tensor};
+use crate::gpu::{Binding::*, DType, Gpu, Grid, Kernel, Recorder, Tensor};
 use crate::ops::rope::{Pairing, RopeTable};
 use crate::shaders::KVCACHE;
 
@@ -22,9 +22,18 @@ pub struct Params {
 }
 
 static STORE: Kernel = Kernel::new(&KVCACHE, "kv_store", &[(5, Read), (6, ReadWrite)]);
-static ATTEND: Kernel = Kernel::new(&KVCACHE, "attend", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite)]);
-static ATTEND_PART: Kernel = Kernel::new(&KVCACHE, "attend_part", &[(1, Read), (2, Read), (3, Read), (12, ReadWrite)]);
-static ATTEND_MERGE: Kernel = Kernel::new(&KVCACHE, "attend_merge", &[(4, ReadWrite), (12, ReadWrite)]);
+static ATTEND: Kernel = Kernel::new(
+    &KVCACHE,
+    "attend",
+    &[(1, Read), (2, Read), (3, Read), (4, ReadWrite)],
+);
+static ATTEND_PART: Kernel = Kernel::new(
+    &KVCACHE,
+    "attend_part",
+    &[(1, Read), (2, Read), (3, Read), (12, ReadWrite)],
+);
+static ATTEND_MERGE: Kernel =
+    Kernel::new(&KVCACHE, "attend_merge", &[(4, ReadWrite), (12, ReadWrite)]);
 
 /// Queries up to which attention splits the keys into ranges of 64 (decode), and the
 /// fewest keys for which it does.
@@ -35,7 +44,14 @@ const SPLIT: usize = 64;
 static ROPE_STORE: Kernel = Kernel::new(
     &KVCACHE,
     "rope_store",
-    &[(5, Read), (7, Read), (8, Read), (9, ReadWrite), (10, ReadWrite), (11, ReadWrite)],
+    &[
+        (5, Read),
+        (7, Read),
+        (8, Read),
+        (9, ReadWrite),
+        (10, ReadWrite),
+        (11, ReadWrite),
+    ],
 );
 
 /// Largest head dimension (one thread per dimension in a workgroup of 256).
@@ -60,10 +76,27 @@ impl KvCache {
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);
         for _ in 0..layers {
-            k.push(Tensor::empty(gpu, &[capacity, hkv, d], DType::F32, "kv_cache.k")?);
-            v.push(Tensor::empty(gpu, &[capacity, hkv, d], DType::F32, "kv_cache.v")?);
+            k.push(Tensor::empty(
+                gpu,
+                &[capacity, hkv, d],
+                DType::F32,
+                "kv_cache.k",
+            )?);
+            v.push(Tensor::empty(
+                gpu,
+                &[capacity, hkv, d],
+                DType::F32,
+                "kv_cache.v",
+            )?);
         }
-        Ok(KvCache { k, v, len: 0, capacity, hkv, d })
+        Ok(KvCache {
+            k,
+            v,
+            len: 0,
+            capacity,
+            hkv,
+            d,
+        })
     }
 
     /// Room for `t` more tokens?
@@ -73,22 +106,43 @@ impl KvCache {
 }
 
 fn params(q: &[usize], cache: &[usize], pos: usize, what: &str) -> Result<Params> {
-    let err = |why: String| Error::Shape { op: "kv_attend", detail: format!("{what} {q:?}, cache {cache:?}, position {pos}: {why}") };
+    let err = |why: String| Error::Shape {
+        op: "kv_attend",
+        detail: format!("{what} {q:?}, cache {cache:?}, position {pos}: {why}"),
+    };
     if q.len() != 3 || cache.len() != 3 {
-        return Err(err("expected (T, H, D) and a cache (capacity, Hkv, D)".into()));
+        return Err(err(
+            "expected (T, H, D) and a cache (capacity, Hkv, D)".into()
+        ));
     }
     let (t, h, d) = (q[0], q[1], q[2]);
     let (tmax, hkv) = (cache[0], cache[1]);
     if cache[2] != d || d == 0 || d > MAX_HEAD_DIM || d % 4 != 0 {
-        return Err(err(format!("head dims differ, or are not a multiple of 4 up to {MAX_HEAD_DIM}")));
+        return Err(err(format!(
+            "head dims differ, or are not a multiple of 4 up to {MAX_HEAD_DIM}"
+        )));
     }
     if pos + t > tmax {
-        return Err(err(format!("{} tokens exceed the cache's capacity {tmax}", pos + t)));
+        return Err(err(format!(
+            "{} tokens exceed the cache's capacity {tmax}",
+            pos + t
+        )));
     }
     if t == 0 || hkv == 0 || h % hkv != 0 {
-        return Err(err("no tokens, or query heads not a multiple of kv heads".into()));
+        return Err(err(
+            "no tokens, or query heads not a multiple of kv heads".into()
+        ));
     }
-    Ok(Params { t: t as u32, pos: pos as u32, hq: h as u32, hkv: hkv as u32, d: d as u32, tmax: tmax as u32, scale: 1.0 / (d as f32).sqrt(), row: (hkv * d) as u32 })
+    Ok(Params {
+        t: t as u32,
+        pos: pos as u32,
+        hq: h as u32,
+        hkv: hkv as u32,
+        d: d as u32,
+        tmax: tmax as u32,
+        scale: 1.0 / (d as f32).sqrt(),
+        row: (hkv * d) as u32,
+    })
 }
 
 /// Writes `x` (T, Hkv, D) into `cache` at tokens pos..pos+T.
@@ -96,31 +150,72 @@ pub fn kv_store(rec: &mut Recorder<'_>, cache: &Tensor, x: &Tensor, pos: usize) 
     expect_f32("kv_store", x)?;
     let p = params(x.shape(), cache.shape(), pos, "x")?;
     if p.hq != p.hkv {
-        return Err(Error::Shape { op: "kv_store", detail: format!("x {:?} vs cache {:?}", x.shape(), cache.shape()) });
+        return Err(Error::Shape {
+            op: "kv_store",
+            detail: format!("x {:?} vs cache {:?}", x.shape(), cache.shape()),
+        });
     }
-    rec.dispatch(&STORE, &[], bytemuck::bytes_of(&p), &[x, cache], Grid::cover((p.t * p.row) as u64, 256))
+    rec.dispatch(
+        &STORE,
+        &[],
+        bytemuck::bytes_of(&p),
+        &[x, cache],
+        Grid::cover((p.t * p.row) as u64, 256),
+    )
 }
 
 /// Causal attention of q (T, Hq, D), the tokens at pos..pos+T, over the cached keys and
 /// values 0..pos+T (the new ones stored already). Scale 1/sqrt(D). Up to
 /// [`SPLIT_MAX_QUERIES`] queries over at least [`SPLIT_MIN_KEYS`] keys split the keys into
 /// ranges (two dispatches, many more workgroups), otherwise one workgroup per (t, h).
-pub fn kv_attend(rec: &mut Recorder<'_>, q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<Tensor> {
+pub fn kv_attend(
+    rec: &mut Recorder<'_>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pos: usize,
+) -> Result<Tensor> {
     expect_f32("kv_attend", q)?;
     let p = params(q.shape(), k.shape(), pos, "q")?;
     if k.shape() != v.shape() {
-        return Err(Error::Shape { op: "kv_attend", detail: format!("k cache {:?} vs v cache {:?}", k.shape(), v.shape()) });
+        return Err(Error::Shape {
+            op: "kv_attend",
+            detail: format!("k cache {:?} vs v cache {:?}", k.shape(), v.shape()),
+        });
     }
     let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend.o")?;
     let (t, keys) = (p.t as usize, pos + p.t as usize);
     if t <= SPLIT_MAX_QUERIES && keys >= SPLIT_MIN_KEYS {
         let splits = keys.div_ceil(SPLIT);
         let rows = t * p.hq as usize * splits;
-        let part = Tensor::empty(rec.gpu(), &[rows, p.d as usize + 2], DType::F32, "kv_attend.part")?;
-        rec.dispatch(&ATTEND_PART, &[], bytemuck::bytes_of(&p), &[q, k, v, &part], Grid::Linear(rows as u64))?;
-        rec.dispatch(&ATTEND_MERGE, &[], bytemuck::bytes_of(&p), &[&o, &part], Grid::Linear((p.t * p.hq) as u64))?;
+        let part = Tensor::empty(
+            rec.gpu(),
+            &[rows, p.d as usize + 2],
+            DType::F32,
+            "kv_attend.part",
+        )?;
+        rec.dispatch(
+            &ATTEND_PART,
+            &[],
+            bytemuck::bytes_of(&p),
+            &[q, k, v, &part],
+            Grid::Linear(rows as u64),
+        )?;
+        rec.dispatch(
+            &ATTEND_MERGE,
+            &[],
+            bytemuck::bytes_of(&p),
+            &[&o, &part],
+            Grid::Linear((p.t * p.hq) as u64),
+        )?;
     } else {
-        rec.dispatch(&ATTEND, &[], bytemuck::bytes_of(&p), &[q, k, v, &o], Grid::Linear((p.t * p.hq) as u64))?;
+        rec.dispatch(
+            &ATTEND,
+            &[],
+            bytemuck::bytes_of(&p),
+            &[q, k, v, &o],
+            Grid::Linear((p.t * p.hq) as u64),
+        )?;
     }
     Ok(o)
 }
@@ -129,24 +224,61 @@ pub fn kv_attend(rec: &mut Recorder<'_>, q: &Tensor, k: &Tensor, v: &Tensor, pos
 /// adds `bias` ((Hq + 2 Hkv) D) if any, turns q and k by RoPE, stores k and v in the caches
 /// and returns q (T, Hq, D). One dispatch for what `bias_add`, `rope` twice and `kv_store`
 /// twice do.
-pub fn rope_store(rec: &mut Recorder<'_>, qkv: &Tensor, bias: Option<&Tensor>, table: &RopeTable, pairing: Pairing, hq: usize, k_cache: &Tensor, v_cache: &Tensor, pos: usize) -> Result<Tensor> {
+pub fn rope_store(
+    rec: &mut Recorder<'_>,
+    qkv: &Tensor,
+    bias: Option<&Tensor>,
+    table: &RopeTable,
+    pairing: Pairing,
+    hq: usize,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    pos: usize,
+) -> Result<Tensor> {
     expect_f32("rope_store", qkv)?;
     let cs = k_cache.shape();
-    let (t, hkv, d) = (qkv.shape()[0], cs.get(1).copied().unwrap_or(0), cs.get(2).copied().unwrap_or(0));
+    let (t, hkv, d) = (
+        qkv.shape()[0],
+        cs.get(1).copied().unwrap_or(0),
+        cs.get(2).copied().unwrap_or(0),
+    );
     let width = (hq + 2 * hkv) * d;
     let p = params(&[t, hq, d], cs, pos, "qkv")?;
-    if qkv.shape() != [t, width] || v_cache.shape() != cs || table.head_dim != d || bias.is_some_and(|b| b.shape() != [width]) {
+    if qkv.shape() != [t, width]
+        || v_cache.shape() != cs
+        || table.head_dim != d
+        || bias.is_some_and(|b| b.shape() != [width])
+    {
         return Err(Error::Shape {
             op: "rope_store",
             detail: format!("qkv {:?} (expected [T, {width}]), caches {cs:?} / {:?}, bias {:?}, RoPE head dim {}", qkv.shape(), v_cache.shape(), bias.map(|b| b.shape().to_vec()), table.head_dim),
         });
     }
     if pos + t > table.positions {
-        return Err(Error::Shape { op: "rope_store", detail: format!("positions {pos}..{} exceed the RoPE table's {}", pos + t, table.positions) });
+        return Err(Error::Shape {
+            op: "rope_store",
+            detail: format!(
+                "positions {pos}..{} exceed the RoPE table's {}",
+                pos + t,
+                table.positions
+            ),
+        });
     }
     let q = Tensor::empty(rec.gpu(), &[t, hq, d], DType::F32, "rope_store.q")?;
-    let c = [("HAS_BIAS", bias.is_some() as u32 as f64), ("INTERLEAVED", (pairing == Pairing::Interleaved) as u32 as f64)];
+    let c = [
+        ("HAS_BIAS", bias.is_some() as u32 as f64),
+        (
+            "INTERLEAVED",
+            (pairing == Pairing::Interleaved) as u32 as f64,
+        ),
+    ];
     let pairs = (t * (hq + 2 * hkv) * d / 2) as u64;
-    rec.dispatch(&ROPE_STORE, &c, bytemuck::bytes_of(&p), &[qkv, bias.unwrap_or(qkv), &table.table, &q, k_cache, v_cache], Grid::cover(pairs, 256))?;
+    rec.dispatch(
+        &ROPE_STORE,
+        &c,
+        bytemuck::bytes_of(&p),
+        &[qkv, bias.unwrap_or(qkv), &table.table, &q, k_cache, v_cache],
+        Grid::cover(pairs, 256),
+    )?;
     Ok(q)
 }

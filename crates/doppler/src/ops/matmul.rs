@@ -24,7 +24,11 @@ pub struct Params {
 }
 
 // a and b are each bound twice: as scalars and as vec4s.
-static MATMUL_KERNEL: Kernel = Kernel::new(&MATMUL, "matmul", &[(1, Read), (2, Read), (3, Read), (4, Read), (5, ReadWrite)]);
+static MATMUL_KERNEL: Kernel = Kernel::new(
+    &MATMUL,
+    "matmul",
+    &[(1, Read), (2, Read), (3, Read), (4, Read), (5, ReadWrite)],
+);
 
 static SPLITK_SUM: Kernel = Kernel::new(&MATMUL, "splitk_sum", &[(5, ReadWrite), (6, Read)]);
 
@@ -46,7 +50,11 @@ pub struct MatmulOpts {
 
 impl Default for MatmulOpts {
     fn default() -> Self {
-        MatmulOpts { trans_a: false, trans_b: false, alpha: 1.0 }
+        MatmulOpts {
+            trans_a: false,
+            trans_b: false,
+            alpha: 1.0,
+        }
     }
 }
 
@@ -78,15 +86,27 @@ impl MatmulShape {
     pub fn infer(a: &[usize], b: &[usize], opts: &MatmulOpts) -> Result<MatmulShape> {
         let err = |why: &str| Error::Shape {
             op: "matmul",
-            detail: format!("a {a:?}{} @ b {b:?}{}: {why}", if opts.trans_a { "^T" } else { "" }, if opts.trans_b { "^T" } else { "" }),
+            detail: format!(
+                "a {a:?}{} @ b {b:?}{}: {why}",
+                if opts.trans_a { "^T" } else { "" },
+                if opts.trans_b { "^T" } else { "" }
+            ),
         };
         if a.len() < 2 || b.len() < 2 {
             return Err(err("operands need at least 2 dimensions"));
         }
         let (ab, ar) = a.split_at(a.len() - 2);
         let (bb, br) = b.split_at(b.len() - 2);
-        let (m, ka) = if opts.trans_a { (ar[1], ar[0]) } else { (ar[0], ar[1]) };
-        let (kb, n) = if opts.trans_b { (br[1], br[0]) } else { (br[0], br[1]) };
+        let (m, ka) = if opts.trans_a {
+            (ar[1], ar[0])
+        } else {
+            (ar[0], ar[1])
+        };
+        let (kb, n) = if opts.trans_b {
+            (br[1], br[0])
+        } else {
+            (br[0], br[1])
+        };
         if ka != kb {
             return Err(err(&format!("inner dimensions differ ({ka} vs {kb})")));
         }
@@ -96,7 +116,14 @@ impl MatmulShape {
             (false, false) if ab == bb => ab.to_vec(),
             _ => return Err(err("batch dimensions differ")),
         };
-        Ok(MatmulShape { batch_dims, m, n, k: ka, batched_a: !ab.is_empty(), batched_b: !bb.is_empty() })
+        Ok(MatmulShape {
+            batch_dims,
+            m,
+            n,
+            k: ka,
+            batched_a: !ab.is_empty(),
+            batched_b: !bb.is_empty(),
+        })
     }
 }
 
@@ -144,7 +171,10 @@ pub fn matmul_into_tuned(
     tuning: Tuning,
 ) -> Result<()> {
     if !matches!(tuning.bk, 8 | 16) {
-        return Err(Error::Shape { op: "matmul", detail: format!("tuning bk = {} (must be 8 or 16)", tuning.bk) });
+        return Err(Error::Shape {
+            op: "matmul",
+            detail: format!("tuning bk = {} (must be 8 or 16)", tuning.bk),
+        });
     }
     expect_f32("matmul", a)?;
     expect_f32("matmul", b)?;
@@ -180,17 +210,43 @@ pub fn matmul_into_tuned(
     let tiles = (n as u64).div_ceil(TILE) * (m as u64).div_ceil(TILE);
     // Split-K needs K to be the outer (row) axis of both operands: A^T B, unbatched.
     if opts.trans_a && !opts.trans_b && s.batch() == 1 && tiles < SPLIT_BELOW_TILES {
-        let splits = [8usize, 4, 2]
-            .into_iter()
-            .find(|&sp| k % sp == 0 && k / sp >= MIN_SPLIT_K && tiles * sp as u64 <= 2 * SPLIT_BELOW_TILES);
+        let splits = [8usize, 4, 2].into_iter().find(|&sp| {
+            k % sp == 0 && k / sp >= MIN_SPLIT_K && tiles * sp as u64 <= 2 * SPLIT_BELOW_TILES
+        });
         if let Some(sp) = splits {
             let kc = k / sp;
             let parts = Tensor::empty(rec.gpu(), &[sp, m, n], c.dtype(), "matmul.splitk")?;
-            let p = Params { k: kc as u32, stride_a: (kc * m) as u32, stride_b: (kc * n) as u32, beta: 0.0, ..params };
-            let grid = Grid::Xyz([(n as u64).div_ceil(TILE) as u32, (m as u64).div_ceil(TILE) as u32, sp as u32]);
-            rec.dispatch(&MATMUL_KERNEL, &constants, bytemuck::bytes_of(&p), &[a, a, b, b, &parts], grid)?;
-            let p = Params { k: sp as u32, beta, ..params };
-            return rec.dispatch(&SPLITK_SUM, &[], bytemuck::bytes_of(&p), &[c, &parts], Grid::cover((m * n) as u64, 256));
+            let p = Params {
+                k: kc as u32,
+                stride_a: (kc * m) as u32,
+                stride_b: (kc * n) as u32,
+                beta: 0.0,
+                ..params
+            };
+            let grid = Grid::Xyz([
+                (n as u64).div_ceil(TILE) as u32,
+                (m as u64).div_ceil(TILE) as u32,
+                sp as u32,
+            ]);
+            rec.dispatch(
+                &MATMUL_KERNEL,
+                &constants,
+                bytemuck::bytes_of(&p),
+                &[a, a, b, b, &parts],
+                grid,
+            )?;
+            let p = Params {
+                k: sp as u32,
+                beta,
+                ..params
+            };
+            return rec.dispatch(
+                &SPLITK_SUM,
+                &[],
+                bytemuck::bytes_of(&p),
+                &[c, &parts],
+                Grid::cover((m * n) as u64, 256),
+            );
         }
     }
     let grid = Grid::Xyz([
@@ -198,5 +254,11 @@ pub fn matmul_into_tuned(
         (m as u64).div_ceil(TILE) as u32,
         s.batch() as u32,
     ]);
-    rec.dispatch(&MATMUL_KERNEL, &constants, bytemuck::bytes_of(&params), &[a, a, b, b, c], grid)
+    rec.dispatch(
+        &MATMUL_KERNEL,
+        &constants,
+        bytemuck::bytes_of(&params),
+        &[a, a, b, b, c],
+        grid,
+    )
 }

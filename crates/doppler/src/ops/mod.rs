@@ -25,7 +25,11 @@ use crate::gpu::{DType, Tensor};
 
 pub(crate) fn expect_f32(op: &'static str, t: &Tensor) -> Result<()> {
     if t.dtype() != DType::F32 {
-        return Err(Error::DType { op, got: t.dtype(), expected: "f32" });
+        return Err(Error::DType {
+            op,
+            got: t.dtype(),
+            expected: "f32",
+        });
     }
     Ok(())
 }
@@ -37,7 +41,10 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("reduce", std::mem::size_of::<reduce::Params>()),
         ("matmul", std::mem::size_of::<matmul::Params>()),
         ("gelu", std::mem::size_of::<gelu::Params>()),
-        ("cross_entropy", std::mem::size_of::<cross_entropy::Params>()),
+        (
+            "cross_entropy",
+            std::mem::size_of::<cross_entropy::Params>(),
+        ),
         ("embedding", std::mem::size_of::<embedding::Params>()),
         ("groupnorm", std::mem::size_of::<groupnorm::Params>()),
         ("conv2d", std::mem::size_of::<conv2d::Params>()),

@@ -16,10 +16,40 @@ pub struct Params {
     pub blocks: u32,
 }
 
-static FWD: Kernel = Kernel::new(&NORM, "norm_fwd", &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, ReadWrite), (6, ReadWrite)]);
-static BWD_DX: Kernel = Kernel::new(&NORM, "norm_bwd_dx", &[(1, Read), (2, Read), (7, Read), (8, ReadWrite), (12, Read), (13, Read)]);
-static BWD_WP: Kernel = Kernel::new(&NORM, "norm_bwd_wp", &[(1, Read), (7, Read), (9, ReadWrite), (12, Read), (13, Read)]);
-static BWD_W: Kernel = Kernel::new(&NORM, "norm_bwd_w", &[(9, ReadWrite), (10, ReadWrite), (11, ReadWrite)]);
+static FWD: Kernel = Kernel::new(
+    &NORM,
+    "norm_fwd",
+    &[
+        (1, Read),
+        (2, Read),
+        (3, Read),
+        (4, ReadWrite),
+        (5, ReadWrite),
+        (6, ReadWrite),
+    ],
+);
+static BWD_DX: Kernel = Kernel::new(
+    &NORM,
+    "norm_bwd_dx",
+    &[
+        (1, Read),
+        (2, Read),
+        (7, Read),
+        (8, ReadWrite),
+        (12, Read),
+        (13, Read),
+    ],
+);
+static BWD_WP: Kernel = Kernel::new(
+    &NORM,
+    "norm_bwd_wp",
+    &[(1, Read), (7, Read), (9, ReadWrite), (12, Read), (13, Read)],
+);
+static BWD_W: Kernel = Kernel::new(
+    &NORM,
+    "norm_bwd_w",
+    &[(9, ReadWrite), (10, ReadWrite), (11, ReadWrite)],
+);
 
 /// Rows per weight-gradient block (`ROWS_PER_BLOCK` in the shader).
 const ROWS_PER_BLOCK: usize = 256;
@@ -28,7 +58,9 @@ const ROWS_PER_BLOCK: usize = 256;
 pub enum NormKind {
     Layer,
     /// `one_plus`: the weight is applied as (1 + w).
-    Rms { one_plus: bool },
+    Rms {
+        one_plus: bool,
+    },
 }
 
 impl NormKind {
@@ -37,7 +69,10 @@ impl NormKind {
             NormKind::Layer => (false, false),
             NormKind::Rms { one_plus } => (true, one_plus),
         };
-        [("RMS", rms as u32 as f64), ("ONE_PLUS", one_plus as u32 as f64)]
+        [
+            ("RMS", rms as u32 as f64),
+            ("ONE_PLUS", one_plus as u32 as f64),
+        ]
     }
 }
 
@@ -61,22 +96,48 @@ fn rows_d(op: &'static str, x: &Tensor, w: &Tensor) -> Result<(usize, usize)> {
     expect_f32(op, w)?;
     let d = x.shape().last().copied().unwrap_or(0);
     if d == 0 || w.shape() != [d] {
-        return Err(Error::Shape { op, detail: format!("x {:?}, weight {:?}: weight must be [last dim of x]", x.shape(), w.shape()) });
+        return Err(Error::Shape {
+            op,
+            detail: format!(
+                "x {:?}, weight {:?}: weight must be [last dim of x]",
+                x.shape(),
+                w.shape()
+            ),
+        });
     }
     Ok((x.numel() / d, d))
 }
 
 fn params(rows: usize, d: usize, eps: f32) -> Params {
-    Params { rows: rows as u32, d: d as u32, eps, blocks: rows.div_ceil(ROWS_PER_BLOCK) as u32 }
+    Params {
+        rows: rows as u32,
+        d: d as u32,
+        eps,
+        blocks: rows.div_ceil(ROWS_PER_BLOCK) as u32,
+    }
 }
 
-fn forward(rec: &mut Recorder<'_>, kind: NormKind, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f32) -> Result<NormOut> {
-    let op = if kind == NormKind::Layer { "layer_norm" } else { "rms_norm" };
+fn forward(
+    rec: &mut Recorder<'_>,
+    kind: NormKind,
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    eps: f32,
+) -> Result<NormOut> {
+    let op = if kind == NormKind::Layer {
+        "layer_norm"
+    } else {
+        "rms_norm"
+    };
     let (rows, d) = rows_d(op, x, w)?;
     if let Some(b) = b {
         expect_f32(op, b)?;
         if b.shape() != w.shape() {
-            return Err(Error::Shape { op, detail: format!("bias {:?} vs weight {:?}", b.shape(), w.shape()) });
+            return Err(Error::Shape {
+                op,
+                detail: format!("bias {:?} vs weight {:?}", b.shape(), w.shape()),
+            });
         }
     }
     let gpu = rec.gpu();
@@ -84,18 +145,40 @@ fn forward(rec: &mut Recorder<'_>, kind: NormKind, x: &Tensor, w: &Tensor, b: Op
     let mean = Tensor::empty(gpu, &[rows], DType::F32, "norm.mean")?;
     let rstd = Tensor::empty(gpu, &[rows], DType::F32, "norm.rstd")?;
     let p = params(rows, d, eps);
-    rec.dispatch(&FWD, &kind.constants(), bytemuck::bytes_of(&p), &[x, w, b.unwrap_or(w), &y, &mean, &rstd], Grid::Linear(rows as u64))?;
+    rec.dispatch(
+        &FWD,
+        &kind.constants(),
+        bytemuck::bytes_of(&p),
+        &[x, w, b.unwrap_or(w), &y, &mean, &rstd],
+        Grid::Linear(rows as u64),
+    )?;
     Ok(NormOut { y, mean, rstd })
 }
 
-fn backward(rec: &mut Recorder<'_>, kind: NormKind, x: &Tensor, w: &Tensor, fwd: &NormOut, dy: &Tensor) -> Result<NormGrads> {
-    let op = if kind == NormKind::Layer { "layer_norm_backward" } else { "rms_norm_backward" };
+fn backward(
+    rec: &mut Recorder<'_>,
+    kind: NormKind,
+    x: &Tensor,
+    w: &Tensor,
+    fwd: &NormOut,
+    dy: &Tensor,
+) -> Result<NormGrads> {
+    let op = if kind == NormKind::Layer {
+        "layer_norm_backward"
+    } else {
+        "rms_norm_backward"
+    };
     let (rows, d) = rows_d(op, x, w)?;
     expect_f32(op, dy)?;
     if dy.shape() != x.shape() || fwd.rstd.numel() != rows || fwd.mean.numel() != rows {
         return Err(Error::Shape {
             op,
-            detail: format!("x {:?}, dy {:?}, saved statistics {:?}", x.shape(), dy.shape(), fwd.rstd.shape()),
+            detail: format!(
+                "x {:?}, dy {:?}, saved statistics {:?}",
+                x.shape(),
+                dy.shape(),
+                fwd.rstd.shape()
+            ),
         });
     }
     let gpu = rec.gpu();
@@ -106,26 +189,73 @@ fn backward(rec: &mut Recorder<'_>, kind: NormKind, x: &Tensor, w: &Tensor, fwd:
     let partial = Tensor::empty(gpu, &[p.blocks as usize, d, 2], DType::F32, "norm.partial")?;
     let dw = Tensor::empty(gpu, &[d], DType::F32, "norm.dw")?;
     let db = Tensor::empty(gpu, &[d], DType::F32, "norm.db")?;
-    rec.dispatch(&BWD_DX, &c, pb, &[x, w, dy, &dx, &fwd.mean, &fwd.rstd], Grid::Linear(rows as u64))?;
-    rec.dispatch(&BWD_WP, &c, pb, &[x, dy, &partial, &fwd.mean, &fwd.rstd], Grid::cover(p.blocks as u64 * d as u64, 256))?;
-    rec.dispatch(&BWD_W, &c, pb, &[&partial, &dw, &db], Grid::cover(d as u64, 256))?;
-    Ok(NormGrads { dx, dw, db: (kind == NormKind::Layer).then_some(db) })
+    rec.dispatch(
+        &BWD_DX,
+        &c,
+        pb,
+        &[x, w, dy, &dx, &fwd.mean, &fwd.rstd],
+        Grid::Linear(rows as u64),
+    )?;
+    rec.dispatch(
+        &BWD_WP,
+        &c,
+        pb,
+        &[x, dy, &partial, &fwd.mean, &fwd.rstd],
+        Grid::cover(p.blocks as u64 * d as u64, 256),
+    )?;
+    rec.dispatch(
+        &BWD_W,
+        &c,
+        pb,
+        &[&partial, &dw, &db],
+        Grid::cover(d as u64, 256),
+    )?;
+    Ok(NormGrads {
+        dx,
+        dw,
+        db: (kind == NormKind::Layer).then_some(db),
+    })
 }
 
 /// y = (x - mean) / sqrt(var + eps) * w + b over the last axis.
-pub fn layer_norm(rec: &mut Recorder<'_>, x: &Tensor, w: &Tensor, b: &Tensor, eps: f32) -> Result<NormOut> {
+pub fn layer_norm(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    eps: f32,
+) -> Result<NormOut> {
     forward(rec, NormKind::Layer, x, w, Some(b), eps)
 }
 
-pub fn layer_norm_backward(rec: &mut Recorder<'_>, x: &Tensor, w: &Tensor, fwd: &NormOut, dy: &Tensor) -> Result<NormGrads> {
+pub fn layer_norm_backward(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &Tensor,
+    fwd: &NormOut,
+    dy: &Tensor,
+) -> Result<NormGrads> {
     backward(rec, NormKind::Layer, x, w, fwd, dy)
 }
 
 /// y = x / sqrt(mean(x^2) + eps) * w (or * (1 + w)) over the last axis.
-pub fn rms_norm(rec: &mut Recorder<'_>, x: &Tensor, w: &Tensor, eps: f32, one_plus: bool) -> Result<NormOut> {
+pub fn rms_norm(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    one_plus: bool,
+) -> Result<NormOut> {
     forward(rec, NormKind::Rms { one_plus }, x, w, None, eps)
 }
 
-pub fn rms_norm_backward(rec: &mut Recorder<'_>, x: &Tensor, w: &Tensor, fwd: &NormOut, dy: &Tensor, one_plus: bool) -> Result<NormGrads> {
+pub fn rms_norm_backward(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &Tensor,
+    fwd: &NormOut,
+    dy: &Tensor,
+    one_plus: bool,
+) -> Result<NormGrads> {
     backward(rec, NormKind::Rms { one_plus }, x, w, fwd, dy)
 }

@@ -22,31 +22,91 @@ static DEQUANT: Kernel = Kernel::new(&QUANT, "dequantize", &[(1, Read), (2, Read
 static GET_ROWS: Kernel = Kernel::new(&QUANT, "get_rows", &[(1, Read), (2, ReadWrite), (4, Read)]);
 // Products bind the norm weight (5) and the residual (6) always (x stands in when unused),
 // and x and the norm weight again as vec4s (7, 8).
-static QMATVEC: Kernel = Kernel::new(&QUANT, "qmatvec", &[(1, Read), (2, ReadWrite), (3, Read), (5, Read), (6, Read), (7, Read), (8, Read)]);
-static QMATMUL: Kernel = Kernel::new(&QUANT, "qmatmul", &[(1, Read), (2, ReadWrite), (3, Read), (5, Read), (6, Read), (7, Read), (8, Read)]);
+static QMATVEC: Kernel = Kernel::new(
+    &QUANT,
+    "qmatvec",
+    &[
+        (1, Read),
+        (2, ReadWrite),
+        (3, Read),
+        (5, Read),
+        (6, Read),
+        (7, Read),
+        (8, Read),
+    ],
+);
+static QMATMUL: Kernel = Kernel::new(
+    &QUANT,
+    "qmatmul",
+    &[
+        (1, Read),
+        (2, ReadWrite),
+        (3, Read),
+        (5, Read),
+        (6, Read),
+        (7, Read),
+        (8, Read),
+    ],
+);
 
 /// Rows of x up to which [`qmatmul`] runs the matrix-vector kernel (it reads W once per 8
 /// rows; the tiled kernel computes 64-row tiles).
 pub const MATVEC_MAX_ROWS: usize = 32;
 
 /// Types the kernel decodes.
-pub const SUPPORTED: &[&str] = &["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"];
+pub const SUPPORTED: &[&str] = &[
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+];
 
 /// `n` elements of type `ty` from `raw` (the blocks' bytes as u32 words, see
 /// [`Tensor::from_raw_bytes`]) into a new f32 tensor of shape `shape`.
-pub fn dequantize(rec: &mut Recorder<'_>, raw: &Tensor, ty: GgmlType, shape: &[usize]) -> Result<Tensor> {
+pub fn dequantize(
+    rec: &mut Recorder<'_>,
+    raw: &Tensor,
+    ty: GgmlType,
+    shape: &[usize],
+) -> Result<Tensor> {
     let n: usize = shape.iter().product();
-    let bad = |detail: String| Err(Error::Invalid { op: "dequantize", detail });
+    let bad = |detail: String| {
+        Err(Error::Invalid {
+            op: "dequantize",
+            detail,
+        })
+    };
     if !SUPPORTED.contains(&ty.name()) {
-        return bad(format!("tensor type {} ({}) has no GPU dequantizer", ty.name(), ty.0));
+        return bad(format!(
+            "tensor type {} ({}) has no GPU dequantizer",
+            ty.name(),
+            ty.0
+        ));
     }
-    let (per, bytes) = ty.block().map(|(a, b)| (a as usize, b as usize)).unwrap_or((1, 1));
+    let (per, bytes) = ty
+        .block()
+        .map(|(a, b)| (a as usize, b as usize))
+        .unwrap_or((1, 1));
     if raw.dtype() != DType::U32 || n % per != 0 || raw.numel() * 4 < n / per * bytes {
-        return bad(format!("{n} elements of {} need {} bytes; raw tensor {:?} {:?}", ty.name(), n / per * bytes, raw.dtype(), raw.shape()));
+        return bad(format!(
+            "{n} elements of {} need {} bytes; raw tensor {:?} {:?}",
+            ty.name(),
+            n / per * bytes,
+            raw.dtype(),
+            raw.shape()
+        ));
     }
     let y = Tensor::empty(rec.gpu(), shape, DType::F32, "dequantize.y")?;
-    let p = Params { n: n as u32, m: 0, k: 0, eps: 0 };
-    rec.dispatch(&DEQUANT, &[("TYPE", ty.0 as f64)], bytemuck::bytes_of(&p), &[raw, &y], Grid::cover(n as u64, 256))?;
+    let p = Params {
+        n: n as u32,
+        m: 0,
+        k: 0,
+        eps: 0,
+    };
+    rec.dispatch(
+        &DEQUANT,
+        &[("TYPE", ty.0 as f64)],
+        bytemuck::bytes_of(&p),
+        &[raw, &y],
+        Grid::cover(n as u64, 256),
+    )?;
     Ok(y)
 }
 
@@ -62,32 +122,84 @@ pub struct QMatrix {
 
 impl QMatrix {
     /// Checks the type, that rows are whole blocks, and that `bytes` holds them all.
-    pub fn new(gpu: &crate::gpu::Gpu, name: &str, bytes: &[u8], ty: GgmlType, rows: usize, cols: usize) -> Result<QMatrix> {
-        let bad = |detail: String| Err(Error::Invalid { op: "qmatrix", detail: format!("{name}: {detail}") });
+    pub fn new(
+        gpu: &crate::gpu::Gpu,
+        name: &str,
+        bytes: &[u8],
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<QMatrix> {
+        let bad = |detail: String| {
+            Err(Error::Invalid {
+                op: "qmatrix",
+                detail: format!("{name}: {detail}"),
+            })
+        };
         if !SUPPORTED.contains(&ty.name()) {
-            return bad(format!("tensor type {} ({}) is not supported (supported: {})", ty.name(), ty.0, SUPPORTED.join(", ")));
+            return bad(format!(
+                "tensor type {} ({}) is not supported (supported: {})",
+                ty.name(),
+                ty.0,
+                SUPPORTED.join(", ")
+            ));
         }
-        let (per, block) = ty.block().map(|(a, b)| (a as usize, b as usize)).unwrap_or((1, 1));
+        let (per, block) = ty
+            .block()
+            .map(|(a, b)| (a as usize, b as usize))
+            .unwrap_or((1, 1));
         if cols % per != 0 {
-            return bad(format!("rows of {cols} elements are not whole {} blocks of {per}", ty.name()));
+            return bad(format!(
+                "rows of {cols} elements are not whole {} blocks of {per}",
+                ty.name()
+            ));
         }
         let need = rows * (cols / per) * block;
         if bytes.len() != need {
-            return bad(format!("({rows}, {cols}) {} needs {need} bytes, got {}", ty.name(), bytes.len()));
+            return bad(format!(
+                "({rows}, {cols}) {} needs {need} bytes, got {}",
+                ty.name(),
+                bytes.len()
+            ));
         }
         let raw = Tensor::from_raw_bytes(gpu, bytes, name)?;
-        Ok(QMatrix { raw, ty, rows, cols })
+        Ok(QMatrix {
+            raw,
+            ty,
+            rows,
+            cols,
+        })
     }
 
     fn params(&self, m: usize) -> Params {
-        Params { n: self.rows as u32, m: m as u32, k: self.cols as u32, eps: 0 }
+        Params {
+            n: self.rows as u32,
+            m: m as u32,
+            k: self.cols as u32,
+            eps: 0,
+        }
     }
 
     /// One matrix of these stacked row-wise (all of one type and width), e.g. q, k and v.
-    pub fn stacked(gpu: &crate::gpu::Gpu, name: &str, parts: &[(&[u8], GgmlType, usize)], cols: usize) -> Result<QMatrix> {
-        let ty = parts.first().map(|p| p.1).ok_or_else(|| Error::Invalid { op: "qmatrix", detail: format!("{name}: nothing to stack") })?;
+    pub fn stacked(
+        gpu: &crate::gpu::Gpu,
+        name: &str,
+        parts: &[(&[u8], GgmlType, usize)],
+        cols: usize,
+    ) -> Result<QMatrix> {
+        let ty = parts.first().map(|p| p.1).ok_or_else(|| Error::Invalid {
+            op: "qmatrix",
+            detail: format!("{name}: nothing to stack"),
+        })?;
         if let Some(p) = parts.iter().find(|p| p.1 != ty) {
-            return Err(Error::Invalid { op: "qmatrix", detail: format!("{name}: parts of types {} and {} cannot be stacked", ty.name(), p.1.name()) });
+            return Err(Error::Invalid {
+                op: "qmatrix",
+                detail: format!(
+                    "{name}: parts of types {} and {} cannot be stacked",
+                    ty.name(),
+                    p.1.name()
+                ),
+            });
         }
         let bytes: Vec<u8> = parts.iter().flat_map(|p| p.0.iter().copied()).collect();
         QMatrix::new(gpu, name, &bytes, ty, parts.iter().map(|p| p.2).sum(), cols)
@@ -98,12 +210,21 @@ impl QMatrix {
 /// Ids must be < rows (checked by the caller, which knows where they came from).
 pub fn get_rows(rec: &mut Recorder<'_>, w: &QMatrix, ids: &Tensor) -> Result<Tensor> {
     if ids.dtype() != DType::U32 || ids.shape().len() != 1 {
-        return Err(Error::Shape { op: "get_rows", detail: format!("ids {:?} {:?}, expected u32 (T)", ids.dtype(), ids.shape()) });
+        return Err(Error::Shape {
+            op: "get_rows",
+            detail: format!("ids {:?} {:?}, expected u32 (T)", ids.dtype(), ids.shape()),
+        });
     }
     let t = ids.shape()[0];
     let y = Tensor::empty(rec.gpu(), &[t, w.cols], DType::F32, "get_rows.y")?;
     let p = w.params(t);
-    rec.dispatch(&GET_ROWS, &[("TYPE", w.ty.0 as f64)], bytemuck::bytes_of(&p), &[&w.raw, &y, ids], Grid::cover((t * w.cols) as u64, 256))?;
+    rec.dispatch(
+        &GET_ROWS,
+        &[("TYPE", w.ty.0 as f64)],
+        bytemuck::bytes_of(&p),
+        &[&w.raw, &y, ids],
+        Grid::cover((t * w.cols) as u64, 256),
+    )?;
     Ok(y)
 }
 
@@ -125,15 +246,30 @@ pub fn qmatmul(rec: &mut Recorder<'_>, x: &Tensor, w: &QMatrix) -> Result<Tensor
 }
 
 /// [`qmatmul`] with a norm before, a residual after, or SwiGLU of stacked gate/up rows.
-pub fn qmatmul_fused(rec: &mut Recorder<'_>, x: &Tensor, w: &QMatrix, fuse: Fuse<'_>) -> Result<Tensor> {
+pub fn qmatmul_fused(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &QMatrix,
+    fuse: Fuse<'_>,
+) -> Result<Tensor> {
     super::expect_f32("qmatmul", x)?;
     let sh = x.shape();
-    let err = |why: String| Error::Shape { op: "qmatmul", detail: format!("x {sh:?} @ W^T with W ({}, {}) {}: {why}", w.rows, w.cols, w.ty.name()) };
+    let err = |why: String| Error::Shape {
+        op: "qmatmul",
+        detail: format!(
+            "x {sh:?} @ W^T with W ({}, {}) {}: {why}",
+            w.rows,
+            w.cols,
+            w.ty.name()
+        ),
+    };
     if sh.is_empty() || sh[sh.len() - 1] != w.cols {
         return Err(err(format!("x's last dimension must be {}", w.cols)));
     }
     if fuse.swiglu && (w.rows % 2 != 0 || fuse.residual.is_some()) {
-        return Err(err("SwiGLU needs an even number of rows (gate, up) and no residual".into()));
+        return Err(err(
+            "SwiGLU needs an even number of rows (gate, up) and no residual".into(),
+        ));
     }
     let outs = if fuse.swiglu { w.rows / 2 } else { w.rows };
     let m = x.numel() / w.cols;
@@ -142,7 +278,11 @@ pub fn qmatmul_fused(rec: &mut Recorder<'_>, x: &Tensor, w: &QMatrix, fuse: Fuse
     if let Some((nwt, _)) = fuse.norm {
         super::expect_f32("qmatmul", nwt)?;
         if nwt.shape() != [w.cols] {
-            return Err(err(format!("norm weight {:?}, expected [{}]", nwt.shape(), w.cols)));
+            return Err(err(format!(
+                "norm weight {:?}, expected [{}]",
+                nwt.shape(),
+                w.cols
+            )));
         }
     }
     if let Some(r) = fuse.residual {
@@ -165,10 +305,22 @@ pub fn qmatmul_fused(rec: &mut Recorder<'_>, x: &Tensor, w: &QMatrix, fuse: Fuse
     let res = fuse.residual.unwrap_or(x);
     if m <= MATVEC_MAX_ROWS {
         let groups = w.rows.div_ceil(8) * m.div_ceil(8);
-        rec.dispatch(&QMATVEC, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, x, nw, res, x, nw], Grid::Linear(groups as u64))?;
+        rec.dispatch(
+            &QMATVEC,
+            &c,
+            bytemuck::bytes_of(&p),
+            &[&w.raw, &y, x, nw, res, x, nw],
+            Grid::Linear(groups as u64),
+        )?;
     } else {
         let grid = [w.rows.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
-        rec.dispatch(&QMATMUL, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, x, nw, res, x, nw], Grid::Xyz(grid))?;
+        rec.dispatch(
+            &QMATMUL,
+            &c,
+            bytemuck::bytes_of(&p),
+            &[&w.raw, &y, x, nw, res, x, nw],
+            Grid::Xyz(grid),
+        )?;
     }
     Ok(y)
 }

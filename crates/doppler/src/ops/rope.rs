@@ -3,7 +3,7 @@
 
 use super::expect_f32;
 use crate::error::{Error, Result};
-use crate::gpu::{Binding::*, DType, Grid, Gpu, Kernel, Recorder, Tensor};
+use crate::gpu::{Binding::*, DType, Gpu, Grid, Kernel, Recorder, Tensor};
 use crate::shaders::ROPE;
 
 #[repr(C)]
@@ -18,8 +18,7 @@ pub struct Params {
     pub _pad: [u32; 2],
 }
 
-static ROPE_K: Kernel =
-    Kernel::new(&ROPE, "rope", &[(1, Read), (2, Read), (3, ReadWrite)]);
+static ROPE_K: Kernel = Kernel::new(&ROPE, "rope", &[(1, Read), (2, Read), (3, ReadWrite)]);
 
 /// Threads per workgroup: one pair each.
 const WG: u64 = 64;
@@ -36,7 +35,10 @@ impl RopeTable {
     /// angle(pos, k) = pos * theta^(-2k / head_dim).
     pub fn new(gpu: &Gpu, positions: usize, head_dim: usize, theta: f64) -> Result<RopeTable> {
         if head_dim == 0 || head_dim % 2 != 0 || theta <= 0.0 {
-            return Err(Error::Invalid { op: "rope", detail: format!("head_dim {head_dim} (must be even), theta {theta}") });
+            return Err(Error::Invalid {
+                op: "rope",
+                detail: format!("head_dim {head_dim} (must be even), theta {theta}"),
+            });
         }
         RopeTable::from_inv_freq(gpu, positions, &inv_freq(head_dim, theta))
     }
@@ -44,7 +46,13 @@ impl RopeTable {
     /// angle(pos, k) = pos * inv_freq[k], for frequencies a model rescales (Llama 3).
     pub fn from_inv_freq(gpu: &Gpu, positions: usize, inv_freq: &[f64]) -> Result<RopeTable> {
         if inv_freq.is_empty() || positions == 0 || inv_freq.iter().any(|f| !f.is_finite()) {
-            return Err(Error::Invalid { op: "rope", detail: format!("positions {positions}, {} frequencies (finite, at least one)", inv_freq.len()) });
+            return Err(Error::Invalid {
+                op: "rope",
+                detail: format!(
+                    "positions {positions}, {} frequencies (finite, at least one)",
+                    inv_freq.len()
+                ),
+            });
         }
         let mut data = Vec::with_capacity(positions * inv_freq.len() * 2);
         for pos in 0..positions {
@@ -54,13 +62,19 @@ impl RopeTable {
             }
         }
         let table = Tensor::from_f32(gpu, &[positions, inv_freq.len(), 2], &data, "rope.table")?;
-        Ok(RopeTable { table, positions, head_dim: 2 * inv_freq.len() })
+        Ok(RopeTable {
+            table,
+            positions,
+            head_dim: 2 * inv_freq.len(),
+        })
     }
 }
 
 /// theta^(-2k / head_dim) for k < head_dim / 2.
 pub fn inv_freq(head_dim: usize, theta: f64) -> Vec<f64> {
-    (0..head_dim / 2).map(|k| theta.powf(-2.0 * k as f64 / head_dim as f64)).collect()
+    (0..head_dim / 2)
+        .map(|k| theta.powf(-2.0 * k as f64 / head_dim as f64))
+        .collect()
 }
 
 /// Which elements form a rotating pair.
@@ -72,15 +86,33 @@ pub enum Pairing {
     Half,
 }
 
-fn run(rec: &mut Recorder<'_>, op: &'static str, x: &Tensor, t: &RopeTable, offset: usize, pairing: Pairing, backward: bool) -> Result<Tensor> {
+fn run(
+    rec: &mut Recorder<'_>,
+    op: &'static str,
+    x: &Tensor,
+    t: &RopeTable,
+    offset: usize,
+    pairing: Pairing,
+    backward: bool,
+) -> Result<Tensor> {
     expect_f32(op, x)?;
     let sh = x.shape();
     if sh.len() < 3 || sh[sh.len() - 1] != t.head_dim {
-        return Err(Error::Shape { op, detail: format!("x {sh:?}, expected (..., T, H, {})", t.head_dim) });
+        return Err(Error::Shape {
+            op,
+            detail: format!("x {sh:?}, expected (..., T, H, {})", t.head_dim),
+        });
     }
     let (tt, h, dh) = (sh[sh.len() - 3], sh[sh.len() - 2], sh[sh.len() - 1]);
     if offset + tt > t.positions {
-        return Err(Error::Shape { op, detail: format!("positions {offset}..{} exceed the table's {}", offset + tt, t.positions) });
+        return Err(Error::Shape {
+            op,
+            detail: format!(
+                "positions {offset}..{} exceed the table's {}",
+                offset + tt,
+                t.positions
+            ),
+        });
     }
     let y = Tensor::empty(rec.gpu(), sh, DType::F32, "rope.y")?;
     let p = Params {
@@ -92,16 +124,40 @@ fn run(rec: &mut Recorder<'_>, op: &'static str, x: &Tensor, t: &RopeTable, offs
         backward: backward as u32,
         _pad: [0; 2],
     };
-    let c = [("INTERLEAVED", (pairing == Pairing::Interleaved) as u32 as f64), ("WG", WG as f64)];
-    rec.dispatch(&ROPE_K, &c, bytemuck::bytes_of(&p), &[x, &t.table, &y], Grid::cover(p.pairs as u64, WG))?;
+    let c = [
+        (
+            "INTERLEAVED",
+            (pairing == Pairing::Interleaved) as u32 as f64,
+        ),
+        ("WG", WG as f64),
+    ];
+    rec.dispatch(
+        &ROPE_K,
+        &c,
+        bytemuck::bytes_of(&p),
+        &[x, &t.table, &y],
+        Grid::cover(p.pairs as u64, WG),
+    )?;
     Ok(y)
 }
 
 /// x (..., T, H, Dh) at positions offset..offset+T.
-pub fn rope(rec: &mut Recorder<'_>, x: &Tensor, table: &RopeTable, offset: usize, pairing: Pairing) -> Result<Tensor> {
+pub fn rope(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    table: &RopeTable,
+    offset: usize,
+    pairing: Pairing,
+) -> Result<Tensor> {
     run(rec, "rope", x, table, offset, pairing, false)
 }
 
-pub fn rope_backward(rec: &mut Recorder<'_>, dy: &Tensor, table: &RopeTable, offset: usize, pairing: Pairing) -> Result<Tensor> {
+pub fn rope_backward(
+    rec: &mut Recorder<'_>,
+    dy: &Tensor,
+    table: &RopeTable,
+    offset: usize,
+    pairing: Pairing,
+) -> Result<Tensor> {
     run(rec, "rope_backward", dy, table, offset, pairing, true)
 }

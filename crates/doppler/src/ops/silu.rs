@@ -17,16 +17,32 @@ static SILU_FWD: Kernel = Kernel::new(&SILU, "silu_fwd", &[(1, Read), (3, ReadWr
 static SILU_BWD: Kernel = Kernel::new(&SILU, "silu_bwd", &[(1, Read), (4, Read), (5, ReadWrite)]);
 static SWIGLU_FWD: Kernel =
     Kernel::new(&SILU, "swiglu_fwd", &[(1, Read), (2, Read), (3, ReadWrite)]);
-static SWIGLU_BWD: Kernel = Kernel::new(&SILU, "swiglu_bwd", &[(1, Read), (2, Read), (4, Read), (5, ReadWrite), (6, ReadWrite)]);
+static SWIGLU_BWD: Kernel = Kernel::new(
+    &SILU,
+    "swiglu_bwd",
+    &[
+        (1, Read),
+        (2, Read),
+        (4, Read),
+        (5, ReadWrite),
+        (6, ReadWrite),
+    ],
+);
 
 fn same(op: &'static str, ts: &[&Tensor]) -> Result<Params> {
     for t in ts {
         expect_f32(op, t)?;
         if t.shape() != ts[0].shape() {
-            return Err(Error::Shape { op, detail: format!("{:?} vs {:?}", ts[0].shape(), t.shape()) });
+            return Err(Error::Shape {
+                op,
+                detail: format!("{:?} vs {:?}", ts[0].shape(), t.shape()),
+            });
         }
     }
-    Ok(Params { n: ts[0].numel() as u32, _pad: [0; 3] })
+    Ok(Params {
+        n: ts[0].numel() as u32,
+        _pad: [0; 3],
+    })
 }
 
 fn out(rec: &Recorder<'_>, like: &Tensor, label: &str) -> Result<Tensor> {
@@ -34,7 +50,13 @@ fn out(rec: &Recorder<'_>, like: &Tensor, label: &str) -> Result<Tensor> {
 }
 
 fn run(rec: &mut Recorder<'_>, k: &Kernel, p: Params, ts: &[&Tensor]) -> Result<()> {
-    rec.dispatch(k, &[], bytemuck::bytes_of(&p), ts, Grid::cover(p.n as u64, 256))
+    rec.dispatch(
+        k,
+        &[],
+        bytemuck::bytes_of(&p),
+        ts,
+        Grid::cover(p.n as u64, 256),
+    )
 }
 
 /// y = a * sigmoid(a)
@@ -62,7 +84,12 @@ pub fn swiglu(rec: &mut Recorder<'_>, a: &Tensor, b: &Tensor) -> Result<Tensor> 
 }
 
 /// (da, db) from the forward's inputs and dy.
-pub fn swiglu_backward(rec: &mut Recorder<'_>, a: &Tensor, b: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+pub fn swiglu_backward(
+    rec: &mut Recorder<'_>,
+    a: &Tensor,
+    b: &Tensor,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor)> {
     let p = same("swiglu_backward", &[a, b, dy])?;
     let (da, db) = (out(rec, a, "swiglu.da")?, out(rec, a, "swiglu.db")?);
     run(rec, &SWIGLU_BWD, p, &[a, b, dy, &da, &db])?;

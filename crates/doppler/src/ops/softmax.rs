@@ -16,23 +16,39 @@ pub struct Params {
 }
 
 static FWD: Kernel = Kernel::new(&SOFTMAX, "softmax_fwd", &[(1, Read), (2, ReadWrite)]);
-static BWD: Kernel =
-    Kernel::new(&SOFTMAX, "softmax_bwd", &[(3, Read), (4, Read), (5, ReadWrite)]);
+static BWD: Kernel = Kernel::new(
+    &SOFTMAX,
+    "softmax_bwd",
+    &[(3, Read), (4, Read), (5, ReadWrite)],
+);
 
 fn params(op: &'static str, x: &Tensor) -> Result<Params> {
     expect_f32(op, x)?;
     let d = x.shape().last().copied().unwrap_or(0);
     if d == 0 {
-        return Err(Error::Shape { op, detail: format!("{:?}: no elements on the last axis", x.shape()) });
+        return Err(Error::Shape {
+            op,
+            detail: format!("{:?}: no elements on the last axis", x.shape()),
+        });
     }
-    Ok(Params { rows: (x.numel() / d) as u32, d: d as u32, _pad: [0; 2] })
+    Ok(Params {
+        rows: (x.numel() / d) as u32,
+        d: d as u32,
+        _pad: [0; 2],
+    })
 }
 
 /// y = softmax(x) over the last axis.
 pub fn softmax(rec: &mut Recorder<'_>, x: &Tensor) -> Result<Tensor> {
     let p = params("softmax", x)?;
     let y = Tensor::empty(rec.gpu(), x.shape(), DType::F32, "softmax.y")?;
-    rec.dispatch(&FWD, &[], bytemuck::bytes_of(&p), &[x, &y], Grid::Linear(p.rows as u64))?;
+    rec.dispatch(
+        &FWD,
+        &[],
+        bytemuck::bytes_of(&p),
+        &[x, &y],
+        Grid::Linear(p.rows as u64),
+    )?;
     Ok(y)
 }
 
@@ -41,9 +57,18 @@ pub fn softmax_backward(rec: &mut Recorder<'_>, y: &Tensor, dy: &Tensor) -> Resu
     let p = params("softmax_backward", y)?;
     expect_f32("softmax_backward", dy)?;
     if dy.shape() != y.shape() {
-        return Err(Error::Shape { op: "softmax_backward", detail: format!("y {:?} vs dy {:?}", y.shape(), dy.shape()) });
+        return Err(Error::Shape {
+            op: "softmax_backward",
+            detail: format!("y {:?} vs dy {:?}", y.shape(), dy.shape()),
+        });
     }
     let dx = Tensor::empty(rec.gpu(), y.shape(), DType::F32, "softmax.dx")?;
-    rec.dispatch(&BWD, &[], bytemuck::bytes_of(&p), &[y, dy, &dx], Grid::Linear(p.rows as u64))?;
+    rec.dispatch(
+        &BWD,
+        &[],
+        bytemuck::bytes_of(&p),
+        &[y, dy, &dx],
+        Grid::Linear(p.rows as u64),
+    )?;
     Ok(dx)
 }

@@ -60,10 +60,16 @@ pub fn attention(q: &[f64], k: &[f64], v: &[f64], dm: Dims) -> (Vec<f64>, Vec<f6
                 // lse = log sum exp(s): recomputed from the scores for clarity.
                 let s: Vec<f64> = (0..dm.tk)
                     .filter(|&j| dm.visible(i, j))
-                    .map(|j| dm.scale * (0..dm.d).map(|x| q[qa + x] * k[dm.k_at(b, j, h) + x]).sum::<f64>())
+                    .map(|j| {
+                        dm.scale
+                            * (0..dm.d)
+                                .map(|x| q[qa + x] * k[dm.k_at(b, j, h) + x])
+                                .sum::<f64>()
+                    })
                     .collect();
                 let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                lse[(b * dm.hq + h) * dm.tq + i] = m + s.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+                lse[(b * dm.hq + h) * dm.tq + i] =
+                    m + s.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
             }
         }
     }
@@ -72,7 +78,13 @@ pub fn attention(q: &[f64], k: &[f64], v: &[f64], dm: Dims) -> (Vec<f64>, Vec<f6
 
 /// (dq, dk, dv) for upstream dO: dp = dO v^T, ds = p (dp - rowsum(dO o)), dq = scale ds k,
 /// dk = scale ds^T q, dv = p^T dO (summed over the query heads sharing a key head).
-pub fn attention_backward(q: &[f64], k: &[f64], v: &[f64], d_o: &[f64], dm: Dims) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+pub fn attention_backward(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    d_o: &[f64],
+    dm: Dims,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
     for b in 0..dm.b {
         for h in 0..dm.hq {
@@ -80,7 +92,11 @@ pub fn attention_backward(q: &[f64], k: &[f64], v: &[f64], d_o: &[f64], dm: Dims
                 let p = dm.probs(q, k, b, h, i);
                 let qa = dm.q_at(b, i, h);
                 let dp: Vec<f64> = (0..dm.tk)
-                    .map(|j| (0..dm.d).map(|x| d_o[qa + x] * v[dm.k_at(b, j, h) + x]).sum())
+                    .map(|j| {
+                        (0..dm.d)
+                            .map(|x| d_o[qa + x] * v[dm.k_at(b, j, h) + x])
+                            .sum()
+                    })
                     .collect();
                 let delta: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
                 for j in 0..dm.tk {
@@ -106,10 +122,23 @@ mod tests {
     #[test]
     fn backward_matches_finite_differences() {
         // Grouped heads (4 query, 2 key/value), Tq < Tk with the causal offset, batch 2.
-        let dm = Dims { b: 2, tq: 3, tk: 4, hq: 4, hkv: 2, d: 2, causal: true, scale: 0.7 };
+        let dm = Dims {
+            b: 2,
+            tq: 3,
+            tk: 4,
+            hq: 4,
+            hkv: 2,
+            d: 2,
+            causal: true,
+            scale: 0.7,
+        };
         let nq = dm.b * dm.tq * dm.hq * dm.d;
         let nk = dm.b * dm.tk * dm.hkv * dm.d;
-        let gen = |n: usize, s: usize| -> Vec<f64> { (0..n).map(|i| (((i * s + 3) % 11) as f64 - 5.0) * 0.3).collect() };
+        let gen = |n: usize, s: usize| -> Vec<f64> {
+            (0..n)
+                .map(|i| (((i * s + 3) % 11) as f64 - 5.0) * 0.3)
+                .collect()
+        };
         let (q, k, v, g) = (gen(nq, 7), gen(nk, 5), gen(nk, 3), gen(nq, 9));
         let (dq, dk, dv) = attention_backward(&q, &k, &v, &g, dm);
         let loss = |o: Vec<f64>| o.iter().zip(&g).map(|(a, b)| a * b).sum::<f64>();

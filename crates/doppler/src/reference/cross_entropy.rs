@@ -3,7 +3,13 @@
 
 /// Per-token losses (0 when ignored), per-row logsumexp, and the mean over the non-ignored
 /// rows (NaN when there are none, as PyTorch), and their count.
-pub fn cross_entropy(x: &[f64], y: &[u32], v: usize, ignore: Option<u32>, eps: f64) -> (Vec<f64>, Vec<f64>, f64, usize) {
+pub fn cross_entropy(
+    x: &[f64],
+    y: &[u32],
+    v: usize,
+    ignore: Option<u32>,
+    eps: f64,
+) -> (Vec<f64>, Vec<f64>, f64, usize) {
     let t = y.len();
     let mut loss = vec![0.0; t];
     let mut lse = vec![0.0; t];
@@ -24,7 +30,14 @@ pub fn cross_entropy(x: &[f64], y: &[u32], v: usize, ignore: Option<u32>, eps: f
 }
 
 /// dlogits for upstream gradients `g` of each token's loss (for the mean, pass g / count).
-pub fn cross_entropy_backward(x: &[f64], y: &[u32], v: usize, ignore: Option<u32>, eps: f64, g: &[f64]) -> Vec<f64> {
+pub fn cross_entropy_backward(
+    x: &[f64],
+    y: &[u32],
+    v: usize,
+    ignore: Option<u32>,
+    eps: f64,
+    g: &[f64],
+) -> Vec<f64> {
     let (_, lse, _, _) = cross_entropy(x, y, v, ignore, eps);
     let mut d = vec![0.0; x.len()];
     for r in 0..y.len() {
@@ -47,20 +60,36 @@ mod tests {
     #[test]
     fn backward_matches_finite_differences() {
         let (t, v) = (4, 7);
-        let x: Vec<f64> = (0..t * v).map(|i| ((i * 37 % 11) as f64 - 5.0) * 0.7).collect();
+        let x: Vec<f64> = (0..t * v)
+            .map(|i| ((i * 37 % 11) as f64 - 5.0) * 0.7)
+            .collect();
         let y = [3, 0, 6, 2];
         let g = [0.5, -1.0, 2.0, 0.25];
         for (ignore, eps) in [(None, 0.0), (Some(6), 0.1)] {
-            let f = |x: &[f64]| cross_entropy(x, &y, v, ignore, eps).0.iter().zip(&g).map(|(l, g)| l * g).sum();
+            let f = |x: &[f64]| {
+                cross_entropy(x, &y, v, ignore, eps)
+                    .0
+                    .iter()
+                    .zip(&g)
+                    .map(|(l, g)| l * g)
+                    .sum()
+            };
             let fd = finite_diff(f, &x);
-            assert_close("cross-entropy backward vs finite differences", &cross_entropy_backward(&x, &y, v, ignore, eps, &g), &fd, 1e-7);
+            assert_close(
+                "cross-entropy backward vs finite differences",
+                &cross_entropy_backward(&x, &y, v, ignore, eps, &g),
+                &fd,
+                1e-7,
+            );
         }
     }
 
     #[test]
     fn uniform_logits_give_log_v() {
         let (loss, _, mean, count) = cross_entropy(&[0.0; 8], &[1, 3], 4, None, 0.0);
-        assert!((loss[0] - 4f64.ln()).abs() < 1e-12 && (mean - 4f64.ln()).abs() < 1e-12 && count == 2);
+        assert!(
+            (loss[0] - 4f64.ln()).abs() < 1e-12 && (mean - 4f64.ln()).abs() < 1e-12 && count == 2
+        );
         let (_, _, mean, count) = cross_entropy(&[0.0; 4], &[9], 4, Some(9), 0.0);
         assert!(mean.is_nan() && count == 0);
     }

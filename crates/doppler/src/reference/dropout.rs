@@ -14,5 +14,8 @@ pub fn keep(p: &Params, i: u32) -> bool {
 
 /// The f32 result the kernel must produce, bit for bit.
 pub fn dropout(x: &[f32], p: &Params) -> Vec<f32> {
-    x.iter().enumerate().map(|(i, &v)| if keep(p, i as u32) { v * p.scale } else { 0.0 }).collect()
+    x.iter()
+        .enumerate()
+        .map(|(i, &v)| if keep(p, i as u32) { v * p.scale } else { 0.0 })
+        .collect()
 }

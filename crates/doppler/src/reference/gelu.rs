@@ -47,8 +47,16 @@ mod tests {
         let x: Vec<f64> = (0..23).map(|i| -5.5 + i as f64 * 0.5).collect();
         let g: Vec<f64> = (0..23).map(|i| 0.3 + (i % 5) as f64 * 0.2).collect();
         for mode in [GeluMode::Exact, GeluMode::Tanh] {
-            let fd = finite_diff(|x| gelu(x, mode).iter().zip(&g).map(|(y, g)| y * g).sum(), &x);
-            assert_close("gelu backward vs finite differences", &gelu_backward(&x, &g, mode), &fd, 1e-7);
+            let fd = finite_diff(
+                |x| gelu(x, mode).iter().zip(&g).map(|(y, g)| y * g).sum(),
+                &x,
+            );
+            assert_close(
+                "gelu backward vs finite differences",
+                &gelu_backward(&x, &g, mode),
+                &fd,
+                1e-7,
+            );
         }
     }
 

@@ -8,7 +8,13 @@ pub struct Dims {
 }
 
 /// (y, mean (N, G), rstd (N, G))
-pub fn group_norm(x: &[f64], gamma: &[f64], beta: &[f64], d: &Dims, eps: f64) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+pub fn group_norm(
+    x: &[f64],
+    gamma: &[f64],
+    beta: &[f64],
+    d: &Dims,
+    eps: f64,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let cpg = d.c / d.g;
     let m = cpg * d.s;
     let mut y = vec![0.0; x.len()];
@@ -32,7 +38,13 @@ pub fn group_norm(x: &[f64], gamma: &[f64], beta: &[f64], d: &Dims, eps: f64) ->
 }
 
 /// (dx, dgamma, dbeta)
-pub fn group_norm_backward(x: &[f64], gamma: &[f64], dy: &[f64], d: &Dims, eps: f64) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+pub fn group_norm_backward(
+    x: &[f64],
+    gamma: &[f64],
+    dy: &[f64],
+    d: &Dims,
+    eps: f64,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let (_, mean, rstd) = group_norm(x, gamma, &vec![0.0; d.c], d, eps);
     let cpg = d.c / d.g;
     let m = cpg * d.s;
@@ -69,17 +81,48 @@ mod tests {
 
     #[test]
     fn backward_matches_finite_differences() {
-        let d = Dims { n: 2, c: 4, s: 3, g: 2 };
+        let d = Dims {
+            n: 2,
+            c: 4,
+            s: 3,
+            g: 2,
+        };
         let len = d.n * d.c * d.s;
-        let x: Vec<f64> = (0..len).map(|i| ((i * 7 % 13) as f64 - 6.0) * 0.3).collect();
+        let x: Vec<f64> = (0..len)
+            .map(|i| ((i * 7 % 13) as f64 - 6.0) * 0.3)
+            .collect();
         let gamma = [0.5, -1.0, 2.0, 1.5];
         let beta = [0.1, 0.2, -0.3, 0.0];
-        let g: Vec<f64> = (0..len).map(|i| ((i * 5 % 11) as f64 - 5.0) * 0.2).collect();
+        let g: Vec<f64> = (0..len)
+            .map(|i| ((i * 5 % 11) as f64 - 5.0) * 0.2)
+            .collect();
         let eps = 1e-5;
-        let loss = |x: &[f64], gm: &[f64], bt: &[f64]| group_norm(x, gm, bt, &d, eps).0.iter().zip(&g).map(|(a, b)| a * b).sum::<f64>();
+        let loss = |x: &[f64], gm: &[f64], bt: &[f64]| {
+            group_norm(x, gm, bt, &d, eps)
+                .0
+                .iter()
+                .zip(&g)
+                .map(|(a, b)| a * b)
+                .sum::<f64>()
+        };
         let (dx, dgamma, dbeta) = group_norm_backward(&x, &gamma, &g, &d, eps);
-        assert_close("groupnorm dx vs finite differences", &dx, &finite_diff(|x| loss(x, &gamma, &beta), &x), 1e-6);
-        assert_close("groupnorm dgamma", &dgamma, &finite_diff(|gm| loss(&x, gm, &beta), &gamma), 1e-6);
-        assert_close("groupnorm dbeta", &dbeta, &finite_diff(|bt| loss(&x, &gamma, bt), &beta), 1e-6);
+        assert_close(
+            "groupnorm dx vs finite differences",
+            &dx,
+            &finite_diff(|x| loss(x, &gamma, &beta), &x),
+            1e-6,
+        );
+        assert_close(
+            "groupnorm dgamma",
+            &dgamma,
+            &finite_diff(|gm| loss(&x, gm, &beta), &gamma),
+            1e-6,
+        );
+        assert_close(
+            "groupnorm dbeta",
+            &dbeta,
+            &finite_diff(|bt| loss(&x, &gamma, bt), &beta),
+            1e-6,
+        );
     }
 }

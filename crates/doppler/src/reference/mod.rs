@@ -41,7 +41,10 @@ pub fn finite_diff(f: impl Fn(&[f64]) -> f64, x: &[f64]) -> Vec<f64> {
 pub fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
     assert_eq!(got.len(), want.len(), "{what}: lengths differ");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((g - w).abs() <= tol * w.abs().max(1.0), "{what}: index {i}: {g} vs {w}");
+        assert!(
+            (g - w).abs() <= tol * w.abs().max(1.0),
+            "{what}: index {i}: {g} vs {w}"
+        );
     }
 }
 
@@ -52,12 +55,18 @@ pub fn widen(x: &[f32]) -> Vec<f64> {
 
 /// a + b
 pub fn add(a: &[f32], b: &[f32]) -> Vec<f64> {
-    a.iter().zip(b).map(|(&x, &y)| x as f64 + y as f64).collect()
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| x as f64 + y as f64)
+        .collect()
 }
 
 /// a * b
 pub fn mul(a: &[f32], b: &[f32]) -> Vec<f64> {
-    a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).collect()
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| x as f64 * y as f64)
+        .collect()
 }
 
 /// alpha * a
@@ -70,7 +79,10 @@ pub fn sum_rows(x: &[f32], rows: usize, n: usize) -> (Vec<f64>, Vec<f64>) {
     (0..rows)
         .map(|r| {
             let row = &x[r * n..(r + 1) * n];
-            (row.iter().map(|&v| v as f64).sum::<f64>(), row.iter().map(|&v| (v as f64).abs()).sum::<f64>())
+            (
+                row.iter().map(|&v| v as f64).sum::<f64>(),
+                row.iter().map(|&v| (v as f64).abs()).sum::<f64>(),
+            )
         })
         .unzip()
 }
@@ -91,7 +103,14 @@ pub struct MatmulDims {
 
 /// C = alpha * op(A) @ op(B) + beta * C0 (C0 may be empty when beta = 0), and the matching
 /// sum of |alpha * a * b| + |beta * c0| per element (the scale of the rounding error).
-pub fn matmul(a: &[f32], b: &[f32], c0: &[f32], d: MatmulDims, alpha: f32, beta: f32) -> (Vec<f64>, Vec<f64>) {
+pub fn matmul(
+    a: &[f32],
+    b: &[f32],
+    c0: &[f32],
+    d: MatmulDims,
+    alpha: f32,
+    beta: f32,
+) -> (Vec<f64>, Vec<f64>) {
     let MatmulDims { batch, m, n, k, .. } = d;
     let mut c = vec![0.0; batch * m * n];
     let mut scale = vec![0.0; batch * m * n];
@@ -102,13 +121,25 @@ pub fn matmul(a: &[f32], b: &[f32], c0: &[f32], d: MatmulDims, alpha: f32, beta:
             for j in 0..n {
                 let (mut s, mut s_abs) = (0.0f64, 0.0f64);
                 for p in 0..k {
-                    let av = if d.trans_a { a[ao + p * m + i] } else { a[ao + i * k + p] } as f64;
-                    let bv = if d.trans_b { b[bo + j * k + p] } else { b[bo + p * n + j] } as f64;
+                    let av = if d.trans_a {
+                        a[ao + p * m + i]
+                    } else {
+                        a[ao + i * k + p]
+                    } as f64;
+                    let bv = if d.trans_b {
+                        b[bo + j * k + p]
+                    } else {
+                        b[bo + p * n + j]
+                    } as f64;
                     s += av * bv;
                     s_abs += (av * bv).abs();
                 }
                 let idx = bi * m * n + i * n + j;
-                let old = if beta != 0.0 { beta as f64 * c0[idx] as f64 } else { 0.0 };
+                let old = if beta != 0.0 {
+                    beta as f64 * c0[idx] as f64
+                } else {
+                    0.0
+                };
                 c[idx] = alpha as f64 * s + old;
                 scale[idx] = (alpha as f64 * s_abs).abs() + old.abs();
             }
@@ -124,15 +155,35 @@ mod tests {
     #[test]
     fn matmul_reference_by_hand() {
         // [[1,2],[3,4]] @ [[5,6],[7,8]] = [[19,22],[43,50]]
-        let d = MatmulDims { batch: 1, m: 2, n: 2, k: 2, trans_a: false, trans_b: false, batched_a: true, batched_b: true };
+        let d = MatmulDims {
+            batch: 1,
+            m: 2,
+            n: 2,
+            k: 2,
+            trans_a: false,
+            trans_b: false,
+            batched_a: true,
+            batched_b: true,
+        };
         let (c, _) = matmul(&[1., 2., 3., 4.], &[5., 6., 7., 8.], &[], d, 1.0, 0.0);
         assert_eq!(c, vec![19., 22., 43., 50.]);
         // Same product from transposed storage of both operands.
-        let dt = MatmulDims { trans_a: true, trans_b: true, ..d };
+        let dt = MatmulDims {
+            trans_a: true,
+            trans_b: true,
+            ..d
+        };
         let (ct, _) = matmul(&[1., 3., 2., 4.], &[5., 7., 6., 8.], &[], dt, 1.0, 0.0);
         assert_eq!(ct, c);
         // alpha and beta.
-        let (c2, _) = matmul(&[1., 2., 3., 4.], &[5., 6., 7., 8.], &[1., 1., 1., 1.], d, 2.0, 3.0);
+        let (c2, _) = matmul(
+            &[1., 2., 3., 4.],
+            &[5., 6., 7., 8.],
+            &[1., 1., 1., 1.],
+            d,
+            2.0,
+            3.0,
+        );
         assert_eq!(c2, vec![41., 47., 89., 103.]);
     }
 

@@ -17,7 +17,10 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
@@ -131,18 +134,38 @@ fn block(ty: GgmlType, b: &[u8], y: &mut [f32]) {
 
 /// Elements of a tensor of type `ty` stored in `data` (n elements), as f32.
 pub fn dequantize(ty: GgmlType, data: &[u8], n: usize) -> Result<Vec<f32>> {
-    let bad = |detail: String| Err(Error::Invalid { op: "dequantize", detail });
+    let bad = |detail: String| {
+        Err(Error::Invalid {
+            op: "dequantize",
+            detail,
+        })
+    };
     let Some((per, bytes)) = ty.block() else {
         return bad(format!("unknown tensor type {}", ty.0));
     };
     let (per, bytes) = (per as usize, bytes as usize);
     if n % per != 0 || data.len() != n / per * bytes {
-        return bad(format!("{} elements of {} need {} bytes, got {}", n, ty.name(), n / per * bytes, data.len()));
+        return bad(format!(
+            "{} elements of {} need {} bytes, got {}",
+            n,
+            ty.name(),
+            n / per * bytes,
+            data.len()
+        ));
     }
     Ok(match ty.name() {
-        "F32" => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        "F16" => data.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        "BF16" => data.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        "F32" => data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        "F16" => data
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        "BF16" => data
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
         "Q4_0" | "Q4_1" | "Q5_0" | "Q5_1" | "Q8_0" | "Q4_K" | "Q5_K" | "Q6_K" => {
             let mut y = vec![0.0f32; n];
             for (b, out) in data.chunks_exact(bytes).zip(y.chunks_exact_mut(per)) {
@@ -161,26 +184,46 @@ mod tests {
     /// Against llama.cpp's gguf-py on random blocks (`scripts/make_quant_fixture.py`).
     #[test]
     fn matches_gguf_py_on_random_blocks() {
-        let v: serde_json::Value = serde_json::from_str(include_str!("../../tests/fixtures/quant.json")).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(include_str!("../../tests/fixtures/quant.json")).unwrap();
         let types = v["types"].as_object().unwrap();
         assert_eq!(types.len(), 10);
         for (name, case) in types {
             let hex = case["bytes"].as_str().unwrap();
-            let bytes: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
+            let bytes: Vec<u8> = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+                .collect();
             let n = case["n"].as_u64().unwrap() as usize;
-            let want: Vec<f32> = case["values"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+            let want: Vec<f32> = case["values"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect();
             let got = dequantize(GgmlType::from_name(name).unwrap(), &bytes, n).unwrap();
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert!(g.to_bits() == w.to_bits(), "{name}[{i}]: ours {g}, gguf-py {w}");
+                assert!(
+                    g.to_bits() == w.to_bits(),
+                    "{name}[{i}]: ours {g}, gguf-py {w}"
+                );
             }
         }
     }
 
     #[test]
     fn wrong_sizes_and_types_are_errors() {
-        let e = dequantize(GgmlType(8), &[0; 33], 32).unwrap_err().to_string();
+        let e = dequantize(GgmlType(8), &[0; 33], 32)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("Q8_0") && e.contains("34"), "{e}");
-        assert!(dequantize(GgmlType(99), &[], 0).unwrap_err().to_string().contains("unknown tensor type 99"));
-        assert!(dequantize(GgmlType(10), &[0; 84], 256).unwrap_err().to_string().contains("Q2_K"));
+        assert!(dequantize(GgmlType(99), &[], 0)
+            .unwrap_err()
+            .to_string()
+            .contains("unknown tensor type 99"));
+        assert!(dequantize(GgmlType(10), &[0; 84], 256)
+            .unwrap_err()
+            .to_string()
+            .contains("Q2_K"));
     }
 }

@@ -29,9 +29,21 @@ mod tests {
     #[test]
     fn backward_matches_finite_differences() {
         let d = 6;
-        let x: Vec<f64> = (0..2 * d).map(|i| ((i * 5 % 7) as f64 - 3.0) * 0.8).collect();
-        let g: Vec<f64> = (0..2 * d).map(|i| ((i * 3 % 5) as f64 - 2.0) * 0.5).collect();
-        let fd = finite_diff(|x| softmax(x, d).iter().zip(&g).map(|(a, b)| a * b).sum(), &x);
-        assert_close("softmax backward vs finite differences", &softmax_backward(&softmax(&x, d), &g, d), &fd, 1e-8);
+        let x: Vec<f64> = (0..2 * d)
+            .map(|i| ((i * 5 % 7) as f64 - 3.0) * 0.8)
+            .collect();
+        let g: Vec<f64> = (0..2 * d)
+            .map(|i| ((i * 3 % 5) as f64 - 2.0) * 0.5)
+            .collect();
+        let fd = finite_diff(
+            |x| softmax(x, d).iter().zip(&g).map(|(a, b)| a * b).sum(),
+            &x,
+        );
+        assert_close(
+            "softmax backward vs finite differences",
+            &softmax_backward(&softmax(&x, d), &g, d),
+            &fd,
+            1e-8,
+        );
     }
 }

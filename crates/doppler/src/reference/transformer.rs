@@ -15,7 +15,11 @@ fn linear(x: &[f64], w: &[f64], b: Option<&[f64]>, din: usize) -> Vec<f64> {
     x.chunks(din)
         .flat_map(|row| {
             (0..dout).map(move |o| {
-                let s: f64 = row.iter().zip(&w[o * din..(o + 1) * din]).map(|(a, c)| a * c).sum();
+                let s: f64 = row
+                    .iter()
+                    .zip(&w[o * din..(o + 1) * din])
+                    .map(|(a, c)| a * c)
+                    .sum();
                 s + b.map_or(0.0, |b| b[o])
             })
         })
@@ -27,8 +31,20 @@ fn add(a: &[f64], b: &[f64]) -> Vec<f64> {
 }
 
 /// Mean next-token loss of ids (B, T) against targets (B, T).
-pub fn loss(cfg: &ModelConfig, w: &HashMap<String, Vec<f64>>, ids: &[u32], targets: &[u32], t: usize) -> f64 {
-    let (c, h, hkv, d, f) = (cfg.n_embd, cfg.n_head, cfg.kv_heads(), cfg.head_dim(), cfg.hidden());
+pub fn loss(
+    cfg: &ModelConfig,
+    w: &HashMap<String, Vec<f64>>,
+    ids: &[u32],
+    targets: &[u32],
+    t: usize,
+) -> f64 {
+    let (c, h, hkv, d, f) = (
+        cfg.n_embd,
+        cfg.n_head,
+        cfg.kv_heads(),
+        cfg.head_dim(),
+        cfg.hidden(),
+    );
     let b = ids.len() / t;
     let gpt = cfg.arch == Arch::Gpt2;
     let eps = cfg.norm_eps as f64;
@@ -47,7 +63,11 @@ pub fn loss(cfg: &ModelConfig, w: &HashMap<String, Vec<f64>>, ids: &[u32], targe
     }
     for l in 0..cfg.n_layer {
         let n = |s: &str| format!("blocks.{l}.{s}");
-        let hn = if gpt { layer(&x, &n("ln1.weight"), Some(&n("ln1.bias"))) } else { layer(&x, &n("attn_norm.weight"), None) };
+        let hn = if gpt {
+            layer(&x, &n("ln1.weight"), Some(&n("ln1.bias")))
+        } else {
+            layer(&x, &n("attn_norm.weight"), None)
+        };
         let proj = |name: &str| {
             let bias = gpt.then(|| g(&n(&format!("attn.{name}.bias"))));
             linear(&hn, g(&n(&format!("attn.{name}.weight"))), bias, c)
@@ -57,14 +77,36 @@ pub fn loss(cfg: &ModelConfig, w: &HashMap<String, Vec<f64>>, ids: &[u32], targe
             q = rope::rope(&q, t, h, d, 0, cfg.rope_theta, Pairing::Half, 1.0);
             k = rope::rope(&k, t, hkv, d, 0, cfg.rope_theta, Pairing::Half, 1.0);
         }
-        let dm = attn::Dims { b, tq: t, tk: t, hq: h, hkv, d, causal: true, scale: 1.0 / (d as f64).sqrt() };
+        let dm = attn::Dims {
+            b,
+            tq: t,
+            tk: t,
+            hq: h,
+            hkv,
+            d,
+            causal: true,
+            scale: 1.0 / (d as f64).sqrt(),
+        };
         let a = attn::attention(&q, &k, &v, dm).0;
-        let o = linear(&a, g(&n("attn.o.weight")), gpt.then(|| g(&n("attn.o.bias"))), c);
+        let o = linear(
+            &a,
+            g(&n("attn.o.weight")),
+            gpt.then(|| g(&n("attn.o.bias"))),
+            c,
+        );
         x = add(&x, &o);
         let m = if gpt {
             let hn = layer(&x, &n("ln2.weight"), Some(&n("ln2.bias")));
-            let u = gelu::gelu(&linear(&hn, g(&n("mlp.fc.weight")), Some(g(&n("mlp.fc.bias"))), c), GeluMode::Tanh);
-            linear(&u, g(&n("mlp.proj.weight")), Some(g(&n("mlp.proj.bias"))), f)
+            let u = gelu::gelu(
+                &linear(&hn, g(&n("mlp.fc.weight")), Some(g(&n("mlp.fc.bias"))), c),
+                GeluMode::Tanh,
+            );
+            linear(
+                &u,
+                g(&n("mlp.proj.weight")),
+                Some(g(&n("mlp.proj.bias"))),
+                f,
+            )
         } else {
             let hn = layer(&x, &n("mlp_norm.weight"), None);
             let gate = linear(&hn, g(&n("mlp.gate.weight")), None, c);
@@ -73,8 +115,16 @@ pub fn loss(cfg: &ModelConfig, w: &HashMap<String, Vec<f64>>, ids: &[u32], targe
         };
         x = add(&x, &m);
     }
-    x = if gpt { layer(&x, "norm.weight", Some("norm.bias")) } else { layer(&x, "norm.weight", None) };
-    let head = if cfg.tied() { g("tok_emb") } else { g("lm_head.weight") };
+    x = if gpt {
+        layer(&x, "norm.weight", Some("norm.bias"))
+    } else {
+        layer(&x, "norm.weight", None)
+    };
+    let head = if cfg.tied() {
+        g("tok_emb")
+    } else {
+        g("lm_head.weight")
+    };
     let logits = linear(&x, head, None, c);
     cross_entropy::cross_entropy(&logits, targets, cfg.vocab_size, None, 0.0).2
 }

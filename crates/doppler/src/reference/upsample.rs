@@ -26,7 +26,8 @@ pub fn pixel_shuffle_backward(dy: &[f64], [n, cr, h, w]: [usize; 4], r: usize) -
             let (oc, i, j) = (ic / (r * r), (ic / r) % r, ic % r);
             for hh in 0..h {
                 for ww in 0..w {
-                    dx[((b * cr + ic) * h + hh) * w + ww] = dy[((b * c + oc) * h * r + hh * r + i) * w * r + ww * r + j];
+                    dx[((b * cr + ic) * h + hh) * w + ww] =
+                        dy[((b * c + oc) * h * r + hh * r + i) * w * r + ww * r + j];
                 }
             }
         }
@@ -48,7 +49,13 @@ pub fn upsample_nearest2d(x: &[f64], h: usize, w: usize, sh: usize, sw: usize) -
     y
 }
 
-pub fn upsample_nearest2d_backward(dy: &[f64], h: usize, w: usize, sh: usize, sw: usize) -> Vec<f64> {
+pub fn upsample_nearest2d_backward(
+    dy: &[f64],
+    h: usize,
+    w: usize,
+    sh: usize,
+    sw: usize,
+) -> Vec<f64> {
     let nc = dy.len() / (h * w * sh * sw);
     let mut dx = vec![0.0; nc * h * w];
     for p in 0..nc {
@@ -76,10 +83,22 @@ mod tests {
         let x: Vec<f64> = (0..96).map(|i| ((i * 5 % 13) as f64 - 6.0) * 0.2).collect();
         let g: Vec<f64> = (0..96).map(|i| ((i * 7 % 11) as f64 - 5.0) * 0.3).collect();
         let fd = finite_diff(|x| dot(&pixel_shuffle(x, shape, 2), &g), &x);
-        assert_close("pixel_shuffle backward vs finite differences", &pixel_shuffle_backward(&g, shape, 2), &fd, 1e-8);
+        assert_close(
+            "pixel_shuffle backward vs finite differences",
+            &pixel_shuffle_backward(&g, shape, 2),
+            &fd,
+            1e-8,
+        );
         let x = &x[..2 * 3 * 2 * 2];
-        let g: Vec<f64> = (0..x.len() * 6).map(|i| ((i * 7 % 11) as f64 - 5.0) * 0.3).collect();
+        let g: Vec<f64> = (0..x.len() * 6)
+            .map(|i| ((i * 7 % 11) as f64 - 5.0) * 0.3)
+            .collect();
         let fd = finite_diff(|x| dot(&upsample_nearest2d(x, 2, 2, 2, 3), &g), x);
-        assert_close("upsample backward vs finite differences", &upsample_nearest2d_backward(&g, 2, 2, 2, 3), &fd, 1e-8);
+        assert_close(
+            "upsample backward vs finite differences",
+            &upsample_nearest2d_backward(&g, 2, 2, 2, 3),
+            &fd,
+            1e-8,
+        );
     }
 }

@@ -5,7 +5,10 @@ use crate::gpu::Shader;
 
 macro_rules! shader {
     ($id:ident, $name:literal) => {
-        pub static $id: Shader = Shader { name: $name, source: include_str!(concat!($name, ".wgsl")) };
+        pub static $id: Shader = Shader {
+            name: $name,
+            source: include_str!(concat!($name, ".wgsl")),
+        };
     };
 }
 
@@ -30,4 +33,24 @@ shader!(QUANT, "quant");
 shader!(KVCACHE, "kvcache");
 
 /// All shaders, for validation and listing.
-pub static ALL: &[&Shader] = &[&ELEMENTWISE, &REDUCE, &MATMUL, &GELU, &CROSS_ENTROPY, &EMBEDDING, &GROUPNORM, &CONV2D, &NORM, &SOFTMAX, &SILU, &ROPE, &OPTIM, &DROPOUT, &ATTENTION, &BIAS, &UPSAMPLE, &QUANT, &KVCACHE];
+pub static ALL: &[&Shader] = &[
+    &ELEMENTWISE,
+    &REDUCE,
+    &MATMUL,
+    &GELU,
+    &CROSS_ENTROPY,
+    &EMBEDDING,
+    &GROUPNORM,
+    &CONV2D,
+    &NORM,
+    &SOFTMAX,
+    &SILU,
+    &ROPE,
+    &OPTIM,
+    &DROPOUT,
+    &ATTENTION,
+    &BIAS,
+    &UPSAMPLE,
+    &QUANT,
+    &KVCACHE,
+];

@@ -50,3 +50,52 @@ fn sum_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         out[row * p.chunks + chunk] = partial[0];
     }
 }
+
+// argmax_rows: idx[r] = the smallest j whose x[r, j] is the largest finite value of row r;
+// 0 when the row has no finite value (as the CPU sampler's greedy pick).
+//   x [rows, n] -> idx [rows]
+// One workgroup a row: thread t scans elements t, t+WG, ... keeping its best (value,
+// index), then a tree in workgroup memory keeps the better of each pair. Grid: rows.
+@group(0) @binding(3) var<storage, read_write> idx: array<u32>;
+
+const NONE: u32 = 0xffffffffu;
+var<workgroup> best_v: array<f32, WG>;
+var<workgroup> best_i: array<u32, WG>;
+
+// Whether (v2, i2) beats (v1, i1): a valid index, a larger value, or equal and earlier.
+fn better(v2: f32, i2: u32, v1: f32, i1: u32) -> bool {
+    return i2 != NONE && (i1 == NONE || v2 > v1 || (v2 == v1 && i2 < i1));
+}
+
+@compute @workgroup_size(WG)
+fn argmax_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let row = wid.x + wid.y * nwg.x;
+    let valid = row < p.rows;
+    var bv = 0.0;
+    var bi = NONE;
+    if (valid) {
+        let base = row * p.n;
+        for (var j = lid; j < p.n; j += WG) {
+            let v = x[base + j];
+            // abs(v) <= max finite is false for NaN and both infinities.
+            if (abs(v) <= 3.4028234663852886e38 && better(v, j, bv, bi)) {
+                bv = v;
+                bi = j;
+            }
+        }
+    }
+    best_v[lid] = bv;
+    best_i[lid] = bi;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (lid < s && better(best_v[lid + s], best_i[lid + s], best_v[lid], best_i[lid])) {
+            best_v[lid] = best_v[lid + s];
+            best_i[lid] = best_i[lid + s];
+        }
+        workgroupBarrier();
+    }
+    if (valid && lid == 0u) {
+        idx[row] = select(best_i[0], 0u, best_i[0] == NONE);
+    }
+}

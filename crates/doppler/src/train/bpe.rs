@@ -4,14 +4,20 @@
 
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper, TokenizerBuilder};
+use tokenizers::{
+    AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
+    TokenizerBuilder,
+};
 
 use crate::error::{Error, Result};
 
 pub const END_OF_TEXT: &str = "<|endoftext|>";
 
 fn err(e: impl std::fmt::Display) -> Error {
-    Error::Invalid { op: "bpe tokenizer", detail: e.to_string() }
+    Error::Invalid {
+        op: "bpe tokenizer",
+        detail: e.to_string(),
+    }
 }
 
 pub fn train(text: &str, vocab_size: usize) -> Result<tokenizers::Tokenizer> {
@@ -22,16 +28,25 @@ pub fn train(text: &str, vocab_size: usize) -> Result<tokenizers::Tokenizer> {
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
         .special_tokens(vec![AddedToken::from(END_OF_TEXT, true)])
         .build();
-    let mut tk = TokenizerBuilder::<BPE, NormalizerWrapper, PreTokenizerWrapper, PostProcessorWrapper, DecoderWrapper>::new()
-        .with_model(BPE::default())
-        .with_normalizer(None)
-        .with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(ByteLevel::default().add_prefix_space(false))))
-        .with_post_processor(None)
-        .with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::default())))
-        .build()
-        .map_err(err)?;
+    let mut tk = TokenizerBuilder::<
+        BPE,
+        NormalizerWrapper,
+        PreTokenizerWrapper,
+        PostProcessorWrapper,
+        DecoderWrapper,
+    >::new()
+    .with_model(BPE::default())
+    .with_normalizer(None)
+    .with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(
+        ByteLevel::default().add_prefix_space(false),
+    )))
+    .with_post_processor(None)
+    .with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::default())))
+    .build()
+    .map_err(err)?;
     // One training "sequence" per line keeps the pre-tokenizer's work small.
-    tk.train(&mut trainer, text.lines().map(|l| format!("{l}\n"))).map_err(err)?;
+    tk.train(&mut trainer, text.lines().map(|l| format!("{l}\n")))
+        .map_err(err)?;
     Ok(tokenizers::Tokenizer::from(tk))
 }
 

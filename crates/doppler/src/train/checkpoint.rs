@@ -42,15 +42,24 @@ pub struct RunState {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
-    move |source| Error::Io { path: path.display().to_string(), source }
+    move |source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    }
 }
 
 fn ckpt_err(path: &Path, detail: impl Into<String>) -> Error {
-    Error::Checkpoint { path: path.display().to_string(), detail: detail.into() }
+    Error::Checkpoint {
+        path: path.display().to_string(),
+        detail: detail.into(),
+    }
 }
 
 pub fn sha256(bytes: &[u8]) -> String {
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Writes `bytes` to `path` through a synced temporary file and a rename.
@@ -82,22 +91,37 @@ pub fn safetensors_bytes(gpu: &Gpu, tensors: &[(String, &Tensor)]) -> Result<Vec
     let views = data
         .iter()
         .map(|(n, s, b)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).map(|v| (n.clone(), v))
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .map(|v| (n.clone(), v))
         })
         .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| Error::Invalid { op: "safetensors", detail: e.to_string() })?;
-    safetensors::serialize(views, None).map_err(|e| Error::Invalid { op: "safetensors", detail: e.to_string() })
+        .map_err(|e| Error::Invalid {
+            op: "safetensors",
+            detail: e.to_string(),
+        })?;
+    safetensors::serialize(views, None).map_err(|e| Error::Invalid {
+        op: "safetensors",
+        detail: e.to_string(),
+    })
 }
 
 /// (name, shape, f32 data) of every tensor in a SafeTensors file's bytes.
 pub fn read_safetensors(path: &Path, bytes: &[u8]) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
-    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| ckpt_err(path, e.to_string()))?;
+    let st =
+        safetensors::SafeTensors::deserialize(bytes).map_err(|e| ckpt_err(path, e.to_string()))?;
     let mut out = Vec::new();
     for (name, view) in st.tensors() {
         if view.dtype() != safetensors::Dtype::F32 {
-            return Err(ckpt_err(path, format!("tensor {name} is {:?}, expected F32", view.dtype())));
+            return Err(ckpt_err(
+                path,
+                format!("tensor {name} is {:?}, expected F32", view.dtype()),
+            ));
         }
-        let data: Vec<f32> = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let data: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
         out.push((name, view.shape().to_vec(), data));
     }
     Ok(out)
@@ -119,11 +143,18 @@ pub fn save(run_dir: &Path, mut state: RunState, files: &CheckpointFiles) -> Res
         fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
     }
     fs::create_dir_all(&tmp).map_err(io(&tmp))?;
-    for (file, bytes) in [(MODEL_FILE, &files.model), (OPTIM_FILE, &files.optim), (TOKENIZER_FILE, &files.tokenizer)] {
+    for (file, bytes) in [
+        (MODEL_FILE, &files.model),
+        (OPTIM_FILE, &files.optim),
+        (TOKENIZER_FILE, &files.tokenizer),
+    ] {
         state.hashes.insert(file.into(), sha256(bytes));
         write_atomic(&tmp.join(file), bytes)?;
     }
-    let json = serde_json::to_vec_pretty(&state).map_err(|e| Error::Invalid { op: "checkpoint", detail: e.to_string() })?;
+    let json = serde_json::to_vec_pretty(&state).map_err(|e| Error::Invalid {
+        op: "checkpoint",
+        detail: e.to_string(),
+    })?;
     write_atomic(&tmp.join(STATE_FILE), &json)?;
     if final_dir.exists() {
         fs::remove_dir_all(&final_dir).map_err(io(&final_dir))?;
@@ -137,7 +168,9 @@ pub fn save(run_dir: &Path, mut state: RunState, files: &CheckpointFiles) -> Res
 
 /// Removes all but the newest KEEP checkpoints (never the one `latest` names).
 fn prune(run_dir: &Path, latest: &str) {
-    let Ok(entries) = fs::read_dir(run_dir) else { return };
+    let Ok(entries) = fs::read_dir(run_dir) else {
+        return;
+    };
     let mut dirs: Vec<String> = entries
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .filter(|n| n.starts_with("step-") && !n.contains(".tmp"))
@@ -160,7 +193,10 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
     let latest = path.join(LATEST);
     match fs::read_to_string(&latest) {
         Ok(name) => Ok(path.join(name.trim())),
-        Err(_) => Err(ckpt_err(path, "no state.json here and no `latest` file naming a checkpoint")),
+        Err(_) => Err(ckpt_err(
+            path,
+            "no state.json here and no `latest` file naming a checkpoint",
+        )),
     }
 }
 
@@ -179,11 +215,17 @@ impl Loaded {
         let path = self.dir.join(OPTIM_FILE);
         let mut all = read_safetensors(&path, &self.optim_bytes)?;
         let mut take = |key: String| -> Result<Tensor> {
-            let i = all.iter().position(|t| t.0 == key).ok_or_else(|| ckpt_err(&path, format!("missing tensor {key}")))?;
+            let i = all
+                .iter()
+                .position(|t| t.0 == key)
+                .ok_or_else(|| ckpt_err(&path, format!("missing tensor {key}")))?;
             let (n, shape, data) = all.swap_remove(i);
             Tensor::from_f32(gpu, &shape, &data, &n)
         };
-        names.iter().map(|n| Ok((take(format!("m.{n}"))?, take(format!("v.{n}"))?))).collect()
+        names
+            .iter()
+            .map(|n| Ok((take(format!("m.{n}"))?, take(format!("v.{n}"))?)))
+            .collect()
     }
 }
 
@@ -191,16 +233,26 @@ pub fn load(path: &Path) -> Result<Loaded> {
     let dir = resolve(path)?;
     let state_path = dir.join(STATE_FILE);
     let text = fs::read(&state_path).map_err(io(&state_path))?;
-    let state: RunState = serde_json::from_slice(&text).map_err(|e| ckpt_err(&state_path, e.to_string()))?;
+    let state: RunState =
+        serde_json::from_slice(&text).map_err(|e| ckpt_err(&state_path, e.to_string()))?;
     if state.format != 1 {
-        return Err(ckpt_err(&state_path, format!("format {} (this build reads 1)", state.format)));
+        return Err(ckpt_err(
+            &state_path,
+            format!("format {} (this build reads 1)", state.format),
+        ));
     }
     let read = |file: &str| -> Result<Vec<u8>> {
         let p = dir.join(file);
         let bytes = fs::read(&p).map_err(io(&p))?;
-        let want = state.hashes.get(file).ok_or_else(|| ckpt_err(&dir, format!("state.json has no hash for {file}")))?;
+        let want = state
+            .hashes
+            .get(file)
+            .ok_or_else(|| ckpt_err(&dir, format!("state.json has no hash for {file}")))?;
         if &sha256(&bytes) != want {
-            return Err(ckpt_err(&p, "SHA-256 does not match state.json (corrupt or partly written)"));
+            return Err(ckpt_err(
+                &p,
+                "SHA-256 does not match state.json (corrupt or partly written)",
+            ));
         }
         Ok(bytes)
     };
@@ -208,5 +260,11 @@ pub fn load(path: &Path) -> Result<Loaded> {
     let optim_bytes = read(OPTIM_FILE)?;
     let tokenizer = read(TOKENIZER_FILE)?;
     let model = read_safetensors(&dir.join(MODEL_FILE), &model_bytes)?;
-    Ok(Loaded { dir, state, model, tokenizer, optim_bytes })
+    Ok(Loaded {
+        dir,
+        state,
+        model,
+        tokenizer,
+        optim_bytes,
+    })
 }

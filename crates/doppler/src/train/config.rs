@@ -108,7 +108,10 @@ fn default_eval_batches() -> usize {
 impl TrainConfig {
     /// Reads and checks a TOML config; relative paths become relative to its directory.
     pub fn load(path: &Path) -> Result<TrainConfig> {
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
         let mut cfg = TrainConfig::parse(&text, &path.display().to_string())?;
         let base = path.parent().unwrap_or(Path::new("."));
         for p in [&mut cfg.data.corpus, &mut cfg.train.out_dir] {
@@ -120,45 +123,81 @@ impl TrainConfig {
     }
 
     pub fn parse(text: &str, name: &str) -> Result<TrainConfig> {
-        let cfg: TrainConfig = toml::from_str(text).map_err(|e| Error::Config { path: name.into(), detail: e.to_string() })?;
+        let cfg: TrainConfig = toml::from_str(text).map_err(|e| Error::Config {
+            path: name.into(),
+            detail: e.to_string(),
+        })?;
         cfg.check(name)?;
         Ok(cfg)
     }
 
     fn check(&self, name: &str) -> Result<()> {
-        let bad = |detail: String| Err(Error::Config { path: name.into(), detail });
+        let bad = |detail: String| {
+            Err(Error::Config {
+                path: name.into(),
+                detail,
+            })
+        };
         let (d, t) = (&self.data, &self.train);
         if !(0.0..1.0).contains(&d.val_fraction) || d.val_fraction == 0.0 {
-            return bad(format!("data.val_fraction {} must be in (0, 1)", d.val_fraction));
+            return bad(format!(
+                "data.val_fraction {} must be in (0, 1)",
+                d.val_fraction
+            ));
         }
         if d.tokenizer == TokenizerKind::Bpe && !(257..=1 << 20).contains(&d.vocab_size) {
-            return bad(format!("data.vocab_size {} must be at least 257 for byte-level BPE", d.vocab_size));
+            return bad(format!(
+                "data.vocab_size {} must be at least 257 for byte-level BPE",
+                d.vocab_size
+            ));
         }
-        if t.batch_size == 0 || t.grad_accum == 0 || t.steps == 0 || t.eval_interval == 0 || t.checkpoint_interval == 0 || t.eval_batches == 0 {
+        if t.batch_size == 0
+            || t.grad_accum == 0
+            || t.steps == 0
+            || t.eval_interval == 0
+            || t.checkpoint_interval == 0
+            || t.eval_batches == 0
+        {
             return bad("train.batch_size, grad_accum, steps, eval_interval, eval_batches and checkpoint_interval must be positive".into());
         }
         if !(t.lr > 0.0 && t.min_lr >= 0.0 && t.min_lr <= t.lr) {
-            return bad(format!("train.lr {} must be positive and min_lr {} in [0, lr]", t.lr, t.min_lr));
+            return bad(format!(
+                "train.lr {} must be positive and min_lr {} in [0, lr]",
+                t.lr, t.min_lr
+            ));
         }
         if let Some(c) = t.grad_clip {
             if !(c > 0.0) {
                 return bad(format!("train.grad_clip {c} must be positive"));
             }
         }
-        self.loss_scaler().map_err(|detail| Error::Config { path: name.into(), detail })?;
+        self.loss_scaler().map_err(|detail| Error::Config {
+            path: name.into(),
+            detail,
+        })?;
         // vocab_size comes from the tokenizer: validate the rest with a placeholder.
         let mut m = self.model.clone();
         m.vocab_size = m.vocab_size.max(1);
-        m.validate().map_err(|e| Error::Config { path: name.into(), detail: format!("[model] {e}") })
+        m.validate().map_err(|e| Error::Config {
+            path: name.into(),
+            detail: format!("[model] {e}"),
+        })
     }
 
     pub fn loss_scaler(&self) -> std::result::Result<crate::optim::LossScaler, String> {
         match &self.train.loss_scale {
             LossScaleConfig::Fixed(s) if *s > 0.0 && s.is_finite() => {
-                Ok(crate::optim::LossScaler { scale: *s, ..crate::optim::LossScaler::fixed() })
+                Ok(crate::optim::LossScaler {
+                    scale: *s,
+                    ..crate::optim::LossScaler::fixed()
+                })
             }
-            LossScaleConfig::Named(n) if n == "dynamic" => Ok(crate::optim::LossScaler::dynamic(65536.0)),
-            other => Err(format!("train.loss_scale {other:?}: a positive number or \"dynamic\"")),
+            LossScaleConfig::Named(n) if n == "dynamic" => {
+                Ok(crate::optim::LossScaler::dynamic(65536.0))
+            }
+            other => Err(format!(
+                "train.loss_scale {other:?}: a positive number or \"dynamic\""
+            )),
         }
     }
 
@@ -169,13 +208,19 @@ impl TrainConfig {
         let b = serde_json::to_value(other).unwrap_or_default();
         let mut out = Vec::new();
         for section in ["model", "data", "train"] {
-            let (Some(x), Some(y)) = (a[section].as_object(), b[section].as_object()) else { continue };
+            let (Some(x), Some(y)) = (a[section].as_object(), b[section].as_object()) else {
+                continue;
+            };
             for (k, v) in x {
                 if matches!(k.as_str(), "out_dir" | "corpus") {
                     continue;
                 }
                 if y.get(k) != Some(v) {
-                    out.push(format!("{section}.{k}: {} vs {}", v, y.get(k).cloned().unwrap_or_default()));
+                    out.push(format!(
+                        "{section}.{k}: {} vs {}",
+                        v,
+                        y.get(k).cloned().unwrap_or_default()
+                    ));
                 }
             }
         }
@@ -218,15 +263,28 @@ out_dir = "runs/x"
 
     #[test]
     fn bad_configs_get_clear_errors() {
-        let e = TrainConfig::parse(&GOOD.replace("n_head = 4", "n_haed = 4"), "t.toml").unwrap_err().to_string();
+        let e = TrainConfig::parse(&GOOD.replace("n_head = 4", "n_haed = 4"), "t.toml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("t.toml") && e.contains("n_haed"), "{e}");
-        let e = TrainConfig::parse(&GOOD.replace("n_head = 4", "n_head = 3"), "t.toml").unwrap_err().to_string();
+        let e = TrainConfig::parse(&GOOD.replace("n_head = 4", "n_head = 3"), "t.toml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("n_embd 64 is not a multiple of n_head 3"), "{e}");
-        let e = TrainConfig::parse(&GOOD.replace("lr = 1e-3", "lr = -1.0"), "t.toml").unwrap_err().to_string();
+        let e = TrainConfig::parse(&GOOD.replace("lr = 1e-3", "lr = -1.0"), "t.toml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("train.lr"), "{e}");
-        let e = TrainConfig::parse(&GOOD.replace("seed = 1", "seed = 1\nloss_scale = \"dynamc\""), "t.toml").unwrap_err().to_string();
+        let e = TrainConfig::parse(
+            &GOOD.replace("seed = 1", "seed = 1\nloss_scale = \"dynamc\""),
+            "t.toml",
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("loss_scale"), "{e}");
-        let e = TrainConfig::parse("[model\n", "t.toml").unwrap_err().to_string();
+        let e = TrainConfig::parse("[model\n", "t.toml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("t.toml"), "{e}");
     }
 

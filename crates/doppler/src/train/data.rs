@@ -10,19 +10,29 @@ use super::config::{DataConfig, TokenizerKind};
 
 /// Char-level (one id per distinct character, in sorted order) or byte-level BPE.
 pub enum Tokenizer {
-    Char { chars: Vec<char>, index: HashMap<char, u32> },
+    Char {
+        chars: Vec<char>,
+        index: HashMap<char, u32>,
+    },
     Bpe(Box<tokenizers::Tokenizer>),
 }
 
 fn tok_err(detail: impl std::fmt::Display) -> Error {
-    Error::Invalid { op: "tokenizer", detail: detail.to_string() }
+    Error::Invalid {
+        op: "tokenizer",
+        detail: detail.to_string(),
+    }
 }
 
 impl Tokenizer {
     fn from_chars(mut chars: Vec<char>) -> Tokenizer {
         chars.sort_unstable();
         chars.dedup();
-        let index = chars.iter().enumerate().map(|(i, &c)| (c, i as u32)).collect();
+        let index = chars
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| (c, i as u32))
+            .collect();
         Tokenizer::Char { chars, index }
     }
 
@@ -30,7 +40,9 @@ impl Tokenizer {
     pub fn train(cfg: &DataConfig, text: &str) -> Result<Tokenizer> {
         match cfg.tokenizer {
             TokenizerKind::Char => Ok(Tokenizer::from_chars(text.chars().collect())),
-            TokenizerKind::Bpe => super::bpe::train(text, cfg.vocab_size).map(|t| Tokenizer::Bpe(Box::new(t))),
+            TokenizerKind::Bpe => {
+                super::bpe::train(text, cfg.vocab_size).map(|t| Tokenizer::Bpe(Box::new(t)))
+            }
         }
     }
 
@@ -45,7 +57,13 @@ impl Tokenizer {
         match self {
             Tokenizer::Char { index, .. } => text
                 .chars()
-                .map(|c| index.get(&c).copied().ok_or_else(|| tok_err(format!("character {c:?} is not in the char-level vocabulary"))))
+                .map(|c| {
+                    index.get(&c).copied().ok_or_else(|| {
+                        tok_err(format!(
+                            "character {c:?} is not in the char-level vocabulary"
+                        ))
+                    })
+                })
                 .collect(),
             Tokenizer::Bpe(t) => Ok(t.encode(text, false).map_err(tok_err)?.get_ids().to_vec()),
         }
@@ -55,7 +73,11 @@ impl Tokenizer {
         match self {
             Tokenizer::Char { chars, .. } => ids
                 .iter()
-                .map(|&i| chars.get(i as usize).copied().ok_or_else(|| tok_err(format!("id {i} out of range (vocabulary {})", chars.len()))))
+                .map(|&i| {
+                    chars.get(i as usize).copied().ok_or_else(|| {
+                        tok_err(format!("id {i} out of range (vocabulary {})", chars.len()))
+                    })
+                })
                 .collect(),
             Tokenizer::Bpe(t) => t.decode(ids, false).map_err(tok_err),
         }
@@ -66,7 +88,10 @@ impl Tokenizer {
         match self {
             Tokenizer::Char { chars, .. } => {
                 let s: String = chars.iter().collect();
-                Ok(serde_json::to_vec(&serde_json::json!({ "kind": "char", "chars": s })).map_err(tok_err)?)
+                Ok(
+                    serde_json::to_vec(&serde_json::json!({ "kind": "char", "chars": s }))
+                        .map_err(tok_err)?,
+                )
             }
             Tokenizer::Bpe(t) => Ok(t.to_string(false).map_err(tok_err)?.into_bytes()),
         }
@@ -75,7 +100,9 @@ impl Tokenizer {
     pub fn from_json(bytes: &[u8]) -> Result<Tokenizer> {
         let v: serde_json::Value = serde_json::from_slice(bytes).map_err(tok_err)?;
         if v["kind"] == "char" {
-            let chars = v["chars"].as_str().ok_or_else(|| tok_err("char tokenizer without \"chars\""))?;
+            let chars = v["chars"]
+                .as_str()
+                .ok_or_else(|| tok_err("char tokenizer without \"chars\""))?;
             return Ok(Tokenizer::from_chars(chars.chars().collect()));
         }
         let t = tokenizers::Tokenizer::from_bytes(bytes).map_err(tok_err)?;
@@ -105,7 +132,9 @@ impl Dataset {
 
 /// SplitMix64-style mixing of several words into one seed.
 pub fn mix(words: &[u64]) -> u64 {
-    words.iter().fold(0x243F_6A88_85A3_08D3u64, |h, &w| Rng::new(h ^ w).next_u64())
+    words
+        .iter()
+        .fold(0x243F_6A88_85A3_08D3u64, |h, &w| Rng::new(h ^ w).next_u64())
 }
 
 /// (ids, targets), each (batch, block) row-major: random windows of `tokens` chosen by
@@ -113,7 +142,10 @@ pub fn mix(words: &[u64]) -> u64 {
 pub fn batch(tokens: &[u32], batch: usize, block: usize, key: u64) -> (Vec<u32>, Vec<u32>) {
     let mut rng = Rng::new(key);
     let span = (tokens.len() - block - 1) as u64;
-    let (mut ids, mut targets) = (Vec::with_capacity(batch * block), Vec::with_capacity(batch * block));
+    let (mut ids, mut targets) = (
+        Vec::with_capacity(batch * block),
+        Vec::with_capacity(batch * block),
+    );
     for _ in 0..batch {
         let start = (rng.next_u64() % span) as usize;
         ids.extend_from_slice(&tokens[start..start + block]);
@@ -128,7 +160,12 @@ mod tests {
 
     #[test]
     fn char_tokenizer_round_trips_and_names_unknown_chars() {
-        let cfg = DataConfig { corpus: "x".into(), tokenizer: TokenizerKind::Char, vocab_size: 0, val_fraction: 0.1 };
+        let cfg = DataConfig {
+            corpus: "x".into(),
+            tokenizer: TokenizerKind::Char,
+            vocab_size: 0,
+            val_fraction: 0.1,
+        };
         let t = Tokenizer::train(&cfg, "hello world").unwrap();
         assert_eq!(t.vocab_size(), 8);
         let ids = t.encode("low").unwrap();

@@ -39,10 +39,23 @@ pub struct StepInfo {
 }
 
 pub enum Event<'a> {
-    Started { params: usize, vocab: usize, train_tokens: usize, val_tokens: usize, start_step: u64, steps: u64 },
+    Started {
+        params: usize,
+        vocab: usize,
+        train_tokens: usize,
+        val_tokens: usize,
+        start_step: u64,
+        steps: u64,
+    },
     Step(&'a StepInfo),
-    Eval { step: u64, val_loss: f32 },
-    Checkpoint { step: u64, dir: &'a Path },
+    Eval {
+        step: u64,
+        val_loss: f32,
+    },
+    Checkpoint {
+        step: u64,
+        dir: &'a Path,
+    },
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -75,7 +88,10 @@ pub struct Trainer<'g> {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
-    move |source| Error::Io { path: path.display().to_string(), source }
+    move |source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    }
 }
 
 impl<'g> Trainer<'g> {
@@ -98,11 +114,22 @@ impl<'g> Trainer<'g> {
             }
             let tokenizer = Tokenizer::from_json(&ck.tokenizer)?;
             let mcfg = ck.state.config.model.clone();
-            let model = Transformer::from_weights(gpu, &mcfg, ck.model.clone())
-                .map_err(|e| Error::Checkpoint { path: ck.dir.display().to_string(), detail: e.to_string() })?;
+            let model = Transformer::from_weights(gpu, &mcfg, ck.model.clone()).map_err(|e| {
+                Error::Checkpoint {
+                    path: ck.dir.display().to_string(),
+                    detail: e.to_string(),
+                }
+            })?;
             let mut opt = Self::optimizer(gpu, cfg, &model)?;
-            opt.restore(ck.state.adamw_step, ck.optim_state(gpu, &model.params.names)?)?;
-            let data = Dataset::new(tokenizer.encode(&text)?, cfg.data.val_fraction, mcfg.block_size)?;
+            opt.restore(
+                ck.state.adamw_step,
+                ck.optim_state(gpu, &model.params.names)?,
+            )?;
+            let data = Dataset::new(
+                tokenizer.encode(&text)?,
+                cfg.data.val_fraction,
+                mcfg.block_size,
+            )?;
             let mut t = Trainer {
                 gpu,
                 cfg: ck.state.config.clone(),
@@ -132,9 +159,28 @@ impl<'g> Trainer<'g> {
         cfg.model.vocab_size = tokenizer.vocab_size();
         let model = Transformer::new(gpu, &cfg.model, mix(&[cfg.train.seed, 0x1417]))?;
         let opt = Self::optimizer(gpu, &cfg, &model)?;
-        let data = Dataset::new(tokenizer.encode(&text)?, cfg.data.val_fraction, cfg.model.block_size)?;
-        let scaler = cfg.loss_scaler().map_err(|d| Error::Config { path: "loss_scale".into(), detail: d })?;
-        Ok(Trainer { gpu, cfg, model, tokenizer, opt, data, scaler, step: 0, tokens_seen: 0, history: Vec::new(), trace: None })
+        let data = Dataset::new(
+            tokenizer.encode(&text)?,
+            cfg.data.val_fraction,
+            cfg.model.block_size,
+        )?;
+        let scaler = cfg.loss_scaler().map_err(|d| Error::Config {
+            path: "loss_scale".into(),
+            detail: d,
+        })?;
+        Ok(Trainer {
+            gpu,
+            cfg,
+            model,
+            tokenizer,
+            opt,
+            data,
+            scaler,
+            step: 0,
+            tokens_seen: 0,
+            history: Vec::new(),
+            trace: None,
+        })
     }
 
     fn optimizer(gpu: &Gpu, cfg: &TrainConfig, model: &Transformer) -> Result<AdamW> {
@@ -175,13 +221,19 @@ impl<'g> Trainer<'g> {
             let ids = Tensor::from_u32(gpu, &[b, t], &ids, "ids")?;
             let targets = Tensor::from_u32(gpu, &[b, t], &targets, "targets")?;
             let mut tape = Tape::new();
-            let loss = self.model.loss(&mut tape, &mut rec, &ids, &targets, mix(&[key, 1]))?;
+            let loss = self
+                .model
+                .loss(&mut tape, &mut rec, &ids, &targets, mix(&[key, 1]))?;
             losses.push(tape.value(loss)?.clone());
             tape.backward(&mut rec, loss, seed_grad, &mut self.model.params)?;
             if m + 1 < accum {
                 // Let the next micro-batch reuse this one's activation buffers.
                 let next = self.recorder();
-                finish(gpu, &mut self.trace, std::mem::replace(&mut rec, next).submit()?)?;
+                finish(
+                    gpu,
+                    &mut self.trace,
+                    std::mem::replace(&mut rec, next).submit()?,
+                )?;
             }
         }
         let grads: Vec<Tensor> = self
@@ -190,7 +242,12 @@ impl<'g> Trainer<'g> {
             .grads
             .iter()
             .zip(&self.model.params.names)
-            .map(|(g, n)| g.clone().ok_or_else(|| Error::Invalid { op: "train", detail: format!("parameter {n} got no gradient") }))
+            .map(|(g, n)| {
+                g.clone().ok_or_else(|| Error::Invalid {
+                    op: "train",
+                    detail: format!("parameter {n} got no gradient"),
+                })
+            })
             .collect::<Result<_>>()?;
         let grad_refs: Vec<&Tensor> = grads.iter().collect();
         let params: Vec<&Tensor> = self.model.params.values.iter().collect();
@@ -234,7 +291,12 @@ impl<'g> Trainer<'g> {
         let mut total = 0.0f64;
         let n = self.cfg.train.eval_batches;
         for i in 0..n {
-            let (ids, targets) = batch(&self.data.val, b, t, mix(&[self.cfg.train.seed, u64::MAX, i as u64]));
+            let (ids, targets) = batch(
+                &self.data.val,
+                b,
+                t,
+                mix(&[self.cfg.train.seed, u64::MAX, i as u64]),
+            );
             let ids = Tensor::from_u32(self.gpu, &[b, t], &ids, "ids")?;
             let targets = Tensor::from_u32(self.gpu, &[b, t], &targets, "targets")?;
             let mut tape = Tape::new();
@@ -276,7 +338,15 @@ impl<'g> Trainer<'g> {
         };
         let out = &self.cfg.train.out_dir;
         std::fs::create_dir_all(out).map_err(io(out))?;
-        let dir = checkpoint::save(out, state, &CheckpointFiles { model, optim, tokenizer: self.tokenizer.to_json()? })?;
+        let dir = checkpoint::save(
+            out,
+            state,
+            &CheckpointFiles {
+                model,
+                optim,
+                tokenizer: self.tokenizer.to_json()?,
+            },
+        )?;
         self.write_metrics()?;
         Ok(dir)
     }
@@ -289,10 +359,28 @@ impl<'g> Trainer<'g> {
             lines += &format!("{v}\n");
         }
         checkpoint::write_atomic(&out.join(METRICS), lines.as_bytes())?;
-        let train: Vec<(u64, f32)> = self.history.iter().filter(|h| h.1.is_finite()).map(|h| (h.0, h.1)).collect();
-        let val: Vec<(u64, f32)> = self.history.iter().filter_map(|h| h.2.map(|v| (h.0, v))).collect();
-        let title = format!("{:?} {}L {}d, {} params", self.cfg.model.arch, self.cfg.model.n_layer, self.cfg.model.n_embd, self.model.params.numel());
-        checkpoint::write_atomic(&out.join(CURVE), curve::svg(&train, &val, &title).as_bytes())
+        let train: Vec<(u64, f32)> = self
+            .history
+            .iter()
+            .filter(|h| h.1.is_finite())
+            .map(|h| (h.0, h.1))
+            .collect();
+        let val: Vec<(u64, f32)> = self
+            .history
+            .iter()
+            .filter_map(|h| h.2.map(|v| (h.0, v)))
+            .collect();
+        let title = format!(
+            "{:?} {}L {}d, {} params",
+            self.cfg.model.arch,
+            self.cfg.model.n_layer,
+            self.cfg.model.n_embd,
+            self.model.params.numel()
+        );
+        checkpoint::write_atomic(
+            &out.join(CURVE),
+            curve::svg(&train, &val, &title).as_bytes(),
+        )
     }
 
     /// Trains until step `stop` (at most the configured step count; the schedule always
@@ -314,33 +402,60 @@ impl<'g> Trainer<'g> {
         if start_step == 0 {
             let v = self.evaluate()?;
             first_val_loss = Some(v);
-            on_event(Event::Eval { step: 0, val_loss: v });
+            on_event(Event::Eval {
+                step: 0,
+                val_loss: v,
+            });
         }
         let mut final_train_loss = f32::NAN;
-        let mut final_val_loss = self.history.iter().rev().find_map(|h| h.2).unwrap_or(f32::NAN);
+        let mut final_val_loss = self
+            .history
+            .iter()
+            .rev()
+            .find_map(|h| h.2)
+            .unwrap_or(f32::NAN);
         let mut checkpoint = PathBuf::new();
         while self.step < stop {
             let info = self.train_step()?;
             final_train_loss = info.loss;
             if !info.loss.is_finite() && !self.scaler.dynamic {
-                return Err(Error::Invalid { op: "train", detail: format!("loss became {} at step {}", info.loss, info.step) });
+                return Err(Error::Invalid {
+                    op: "train",
+                    detail: format!("loss became {} at step {}", info.loss, info.step),
+                });
             }
             on_event(Event::Step(&info));
             if self.step % tc.eval_interval == 0 || self.step == stop {
                 final_val_loss = self.evaluate()?;
-                on_event(Event::Eval { step: self.step, val_loss: final_val_loss });
+                on_event(Event::Eval {
+                    step: self.step,
+                    val_loss: final_val_loss,
+                });
             }
             if self.step % tc.checkpoint_interval == 0 || self.step == stop {
                 checkpoint = self.save()?;
-                on_event(Event::Checkpoint { step: self.step, dir: &checkpoint });
+                on_event(Event::Checkpoint {
+                    step: self.step,
+                    dir: &checkpoint,
+                });
             }
         }
         let seconds = t0.elapsed().as_secs_f64();
-        let tokens = (self.step - start_step) as f64 * (tc.batch_size * self.cfg.model.block_size * tc.grad_accum) as f64;
+        let tokens = (self.step - start_step) as f64
+            * (tc.batch_size * self.cfg.model.block_size * tc.grad_accum) as f64;
         if checkpoint.as_os_str().is_empty() {
             checkpoint = checkpoint::resolve(&tc.out_dir)?;
         }
-        Ok(Summary { start_step, steps: self.step, first_val_loss, final_val_loss, final_train_loss, tokens_per_s: tokens / seconds, seconds, checkpoint })
+        Ok(Summary {
+            start_step,
+            steps: self.step,
+            first_val_loss,
+            final_val_loss,
+            final_train_loss,
+            tokens_per_s: tokens / seconds,
+            seconds,
+            checkpoint,
+        })
     }
 }
 
@@ -355,7 +470,9 @@ fn finish(gpu: &Gpu, trace: &mut Option<Trace>, sub: Submission) -> Result<()> {
 
 /// Metrics of steps up to `upto` from an earlier run of this directory.
 fn read_history(path: &Path, upto: u64) -> Vec<(u64, f32, Option<f32>)> {
-    let Ok(text) = std::fs::read_to_string(path) else { return Vec::new() };
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Vec::new();
+    };
     text.lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter_map(|v| {
@@ -370,8 +487,12 @@ fn read_history(path: &Path, upto: u64) -> Vec<(u64, f32, Option<f32>)> {
 pub fn load_for_generation(gpu: &Gpu, path: &Path) -> Result<(Transformer, Tokenizer)> {
     let ck = checkpoint::load(path)?;
     let tokenizer = Tokenizer::from_json(&ck.tokenizer)?;
-    let model = Transformer::from_weights(gpu, &ck.state.config.model, ck.model)
-        .map_err(|e| Error::Checkpoint { path: ck.dir.display().to_string(), detail: e.to_string() })?;
+    let model = Transformer::from_weights(gpu, &ck.state.config.model, ck.model).map_err(|e| {
+        Error::Checkpoint {
+            path: ck.dir.display().to_string(),
+            detail: e.to_string(),
+        }
+    })?;
     Ok((model, tokenizer))
 }
 
@@ -388,7 +509,10 @@ pub fn generate(
 ) -> Result<String> {
     let mut ids = tokenizer.encode(prompt)?;
     if ids.is_empty() {
-        ids = tokenizer.encode("\n").or_else(|_| tokenizer.encode(" ")).unwrap_or_default();
+        ids = tokenizer
+            .encode("\n")
+            .or_else(|_| tokenizer.encode(" "))
+            .unwrap_or_default();
         if ids.is_empty() {
             ids.push(0);
         }

@@ -27,12 +27,26 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 
 /// One case on the row kernels and, where it applies (head dim <= 64, enough workgroup
 /// memory), on the tiled kernels; the reference is computed once for both.
-fn check(gpu: &Gpu, out: &mut Vec<CheckResult>, n: usize, (b, tq, tk, hq, hkv, d, causal): (usize, usize, usize, usize, usize, usize, bool)) {
+fn check(
+    gpu: &Gpu,
+    out: &mut Vec<CheckResult>,
+    n: usize,
+    (b, tq, tk, hq, hkv, d, causal): (usize, usize, usize, usize, usize, usize, bool),
+) {
     let (qs, ks) = ([b, tq, hq, d], [b, tk, hkv, d]);
     let (nq, nk) = (b * tq * hq * d, b * tk * hkv * d);
     let mut rng = Rng::new(1500 + n as u64);
     let (q, k, v, g) = (rng.vec(nq), rng.vec(nk), rng.vec(nk), rng.vec(nq));
-    let dm = cpu::Dims { b, tq, tk, hq, hkv, d, causal, scale: 1.0 / (d as f32).sqrt() as f64 };
+    let dm = cpu::Dims {
+        b,
+        tq,
+        tk,
+        hq,
+        hkv,
+        d,
+        causal,
+        scale: 1.0 / (d as f32).sqrt() as f64,
+    };
     let (qd, kd, vd, gd) = (widen(&q), widen(&k), widen(&v), widen(&g));
     let (o, lse) = cpu::attention(&qd, &kd, &vd, dm);
     let (dq, dk, dv) = cpu::attention_backward(&qd, &kd, &vd, &gd, dm);
@@ -41,7 +55,13 @@ fn check(gpu: &Gpu, out: &mut Vec<CheckResult>, n: usize, (b, tq, tk, hq, hkv, d
     // element is judged against (1 + max|s|) times the largest magnitude in its tensor.
     let smax = dm.scale * d as f64;
     let tol = Tolerance::dot(tk + d);
-    let names = ["attention", "attention lse", "attention backward (dq)", "attention backward (dk)", "attention backward (dv)"];
+    let names = [
+        "attention",
+        "attention lse",
+        "attention backward (dq)",
+        "attention backward (dk)",
+        "attention backward (dv)",
+    ];
     let want = [o, lse, dq, dk, dv];
     let scales: Vec<Vec<f64>> = want
         .iter()
@@ -54,7 +74,11 @@ fn check(gpu: &Gpu, out: &mut Vec<CheckResult>, n: usize, (b, tq, tk, hq, hkv, d
         if path == AttnPath::Tiled && !tiled_fits(&gpu.limits, d) {
             continue;
         }
-        let opts = AttnOpts { causal, scale: None, path };
+        let opts = AttnOpts {
+            causal,
+            scale: None,
+            path,
+        };
         let r = twice("attention", || {
             let tq_ = Tensor::from_f32(gpu, &qs, &q, "q")?;
             let tk_ = Tensor::from_f32(gpu, &ks, &k, "k")?;
@@ -64,9 +88,23 @@ fn check(gpu: &Gpu, out: &mut Vec<CheckResult>, n: usize, (b, tq, tk, hq, hkv, d
             let f = attention(&mut rec, &tq_, &tk_, &tv_, opts)?;
             let gr = attention_backward(&mut rec, &tq_, &tk_, &tv_, &f, &tg, opts)?;
             rec.submit()?;
-            Ok(vec![f.o.read_f32(gpu)?, f.lse.read_f32(gpu)?, gr.dq.read_f32(gpu)?, gr.dk.read_f32(gpu)?, gr.dv.read_f32(gpu)?])
+            Ok(vec![
+                f.o.read_f32(gpu)?,
+                f.lse.read_f32(gpu)?,
+                gr.dq.read_f32(gpu)?,
+                gr.dk.read_f32(gpu)?,
+                gr.dv.read_f32(gpu)?,
+            ])
         });
-        let shape = format!("B{b} Tq{tq} Tk{tk} Hq{hq} Hkv{hkv} D{d}{}{}", if causal { " causal" } else { "" }, if path == AttnPath::Tiled { " tiled" } else { "" });
+        let shape = format!(
+            "B{b} Tq{tq} Tk{tk} Hq{hq} Hkv{hkv} D{d}{}{}",
+            if causal { " causal" } else { "" },
+            if path == AttnPath::Tiled {
+                " tiled"
+            } else {
+                ""
+            }
+        );
         for (i, name) in names.iter().enumerate() {
             let res = match &r {
                 Ok(got) => compare(name, &got[i], &want[i], Some(&scales[i]), tol).map_err(s),

@@ -14,21 +14,64 @@ pub(super) fn elementwise_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let mut rng = Rng::new(100 + i as u64);
         let (a, b) = (rng.vec(n), rng.vec(n));
         let shape = format!("[{n}]");
-        let run = |f: &dyn Fn(&mut crate::gpu::Recorder<'_>, &Tensor, &Tensor) -> crate::Result<Tensor>, want: Vec<f64>, op: &str| -> Outcome {
+        let run = |f: &dyn Fn(
+            &mut crate::gpu::Recorder<'_>,
+            &Tensor,
+            &Tensor,
+        ) -> crate::Result<Tensor>,
+                   want: Vec<f64>,
+                   op: &str|
+         -> Outcome {
             let ta = Tensor::from_f32(gpu, &[n], &a, "a").map_err(s)?;
             let tb = Tensor::from_f32(gpu, &[n], &b, "b").map_err(s)?;
-            let got = gpu.run(|rec| f(rec, &ta, &tb)).and_then(|t| t.read_f32(gpu)).map_err(s)?;
+            let got = gpu
+                .run(|rec| f(rec, &ta, &tb))
+                .and_then(|t| t.read_f32(gpu))
+                .map_err(s)?;
             compare(op, &got, &want, None, Tolerance::ELEMENTWISE).map_err(s)
         };
-        push(out, "add", shape.clone(), run(&|r, x, y| elementwise::add(r, x, y), cpu::add(&a, &b), "add"));
-        push(out, "mul", shape.clone(), run(&|r, x, y| elementwise::mul(r, x, y), cpu::mul(&a, &b), "mul"));
-        push(out, "scale", shape, run(&|r, x, _| elementwise::scale(r, x, -1.75), cpu::scale(&a, -1.75), "scale"));
+        push(
+            out,
+            "add",
+            shape.clone(),
+            run(
+                &|r, x, y| elementwise::add(r, x, y),
+                cpu::add(&a, &b),
+                "add",
+            ),
+        );
+        push(
+            out,
+            "mul",
+            shape.clone(),
+            run(
+                &|r, x, y| elementwise::mul(r, x, y),
+                cpu::mul(&a, &b),
+                "mul",
+            ),
+        );
+        push(
+            out,
+            "scale",
+            shape,
+            run(
+                &|r, x, _| elementwise::scale(r, x, -1.75),
+                cpu::scale(&a, -1.75),
+                "scale",
+            ),
+        );
     }
 }
 
 /// (rows, n): a single element, odd lengths, multi-pass rows (n > 4096), and more rows
 /// than fit one grid dimension.
-pub const SUM_SHAPES: [(usize, usize); 5] = [(1, 1), (3, 1000), (5, 70_001), (1, (1 << 20) + 7), (70_000, 3)];
+pub const SUM_SHAPES: [(usize, usize); 5] = [
+    (1, 1),
+    (3, 1000),
+    (5, 70_001),
+    (1, (1 << 20) + 7),
+    (70_000, 3),
+];
 
 pub(super) fn sum_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &(rows, n)) in SUM_SHAPES.iter().enumerate() {
@@ -41,11 +84,57 @@ pub(super) fn sum_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let r = (|| {
             let got = run().map_err(s)?;
             let (want, mag) = cpu::sum_rows(&x, rows, n);
-            let stats = compare("sum_rows", &got, &want, Some(&mag), Tolerance::sum(n)).map_err(s)?;
+            let stats =
+                compare("sum_rows", &got, &want, Some(&mag), Tolerance::sum(n)).map_err(s)?;
             same_bits("sum_rows", &got, &run().map_err(s)?).map_err(s)?;
             Ok(stats)
         })();
         push(out, "sum_rows", shape, r);
+    }
+}
+
+/// (rows, n) of the argmax checks: a single element, ties, the vocabulary of SmolLM2 with
+/// NaN and infinities planted, and more rows than fit one grid dimension.
+pub const ARGMAX_SHAPES: [(usize, usize); 4] = [(1, 1), (3, 1000), (2, 49_152), (70_000, 3)];
+
+/// argmax_rows against the CPU sampler's greedy pick, exactly (an index is right or not).
+pub(super) fn argmax_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    for (i, &(rows, n)) in ARGMAX_SHAPES.iter().enumerate() {
+        let mut x = Rng::new(300 + i as u64).vec(rows * n);
+        if n == 1000 {
+            // Ties: row 0's maximum appears twice, row 1 is constant, row 2 all NaN.
+            x[17] = 9.0;
+            x[600] = 9.0;
+            x[n..2 * n].fill(0.5);
+            x[2 * n..].fill(f32::NAN);
+        }
+        if n == 49_152 {
+            // Non-finite values are never picked; the largest finite one is.
+            x[5] = f32::INFINITY;
+            x[6] = f32::NAN;
+            x[40_000] = 1e30;
+            x[n + 7] = f32::NEG_INFINITY;
+        }
+        let r = (|| {
+            let t = Tensor::from_f32(gpu, &[rows, n], &x, "x").map_err(s)?;
+            let got = gpu
+                .run(|rec| reduce::argmax_rows(rec, &t))
+                .and_then(|t| t.read_u32(gpu))
+                .map_err(s)?;
+            let mut greedy =
+                crate::infer::sample::Sampler::new(crate::infer::sample::SamplerConfig::greedy());
+            for (r, row) in x.chunks(n).enumerate() {
+                let want = greedy.sample(row, &[]);
+                if got[r] != want {
+                    return Err(format!(
+                        "row {r}: index {} where the CPU sampler picks {want}",
+                        got[r]
+                    ));
+                }
+            }
+            Ok(crate::check::Stats::default())
+        })();
+        push(out, "argmax_rows", format!("[{rows}, {n}]"), r);
     }
 }
 
@@ -86,7 +175,13 @@ fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tunin
         let alpha = 0.75;
         let a_shape: Vec<usize> = if ta { vec![k, m] } else { vec![m, k] };
         let b_shape: Vec<usize> = if tb { vec![n, k] } else { vec![k, n] };
-        let with_batch = |batched: bool, s: &[usize]| if batched { [&[batch][..], s].concat() } else { s.to_vec() };
+        let with_batch = |batched: bool, s: &[usize]| {
+            if batched {
+                [&[batch][..], s].concat()
+            } else {
+                s.to_vec()
+            }
+        };
         let (a_shape, b_shape) = (with_batch(ba, &a_shape), with_batch(bb, &b_shape));
         let shape = format!(
             "{:?}{} @ {:?}{}{}",
@@ -100,11 +195,24 @@ fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tunin
             let ta_ = Tensor::from_f32(gpu, &a_shape, &a, "a")?;
             let tb_ = Tensor::from_f32(gpu, &b_shape, &b, "b")?;
             let c = Tensor::from_f32(gpu, &with_batch(ba || bb, &[m, n]), &c0, "c")?;
-            let opts = matmul::MatmulOpts { trans_a: ta, trans_b: tb, alpha };
+            let opts = matmul::MatmulOpts {
+                trans_a: ta,
+                trans_b: tb,
+                alpha,
+            };
             gpu.run(|rec| matmul::matmul_into_tuned(rec, &ta_, &tb_, &c, opts, beta, tuning))?;
             c.read_f32(gpu)
         };
-        let dims = cpu::MatmulDims { batch, m, n, k, trans_a: ta, trans_b: tb, batched_a: ba, batched_b: bb };
+        let dims = cpu::MatmulDims {
+            batch,
+            m,
+            n,
+            k,
+            trans_a: ta,
+            trans_b: tb,
+            batched_a: ba,
+            batched_b: bb,
+        };
         let r = (|| {
             let got = run().map_err(s)?;
             let (want, mag) = cpu::matmul(&a, &b, &c0, dims, alpha, beta);
@@ -135,13 +243,18 @@ pub(super) fn recorder_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let dispatches = rec.len();
         rec.submit().map_err(s)?;
         if dispatches != 4 {
-            return Err(format!("expected 4 dispatches in one submission, recorded {dispatches}"));
+            return Err(format!(
+                "expected 4 dispatches in one submission, recorded {dispatches}"
+            ));
         }
         let got = rowsum.read_f32(gpu).map_err(s)?;
         let prod_ref: Vec<f32> = a.iter().zip(&b).map(|(&x, &y)| (x + y) * 0.5 * y).collect();
         let (want, mag) = cpu::sum_rows(&prod_ref, rows, n);
         // Each product carries up to 3 roundings before the sum.
-        let tol = Tolerance { abs: 0.0, rel: Tolerance::sum(n).rel + 4.0 * f32::EPSILON as f64 };
+        let tol = Tolerance {
+            abs: 0.0,
+            rel: Tolerance::sum(n).rel + 4.0 * f32::EPSILON as f64,
+        };
         compare("recorder chain", &got, &want, Some(&mag), tol).map_err(s)
     })();
     push(out, RECORDER_CHAIN, format!("[{rows}, {n}]"), r);

@@ -17,7 +17,11 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let mut rng = Rng::new(1600 + i as u64);
         let (x, b, dy) = (rng.vec(len), rng.vec(n), rng.vec(len));
         let r = twice("bias_add", || {
-            let (tx, tb, tdy) = (Tensor::from_f32(gpu, shape, &x, "x")?, Tensor::from_f32(gpu, &[n], &b, "b")?, Tensor::from_f32(gpu, shape, &dy, "dy")?);
+            let (tx, tb, tdy) = (
+                Tensor::from_f32(gpu, shape, &x, "x")?,
+                Tensor::from_f32(gpu, &[n], &b, "b")?,
+                Tensor::from_f32(gpu, shape, &dy, "dy")?,
+            );
             let mut rec = gpu.recorder("bias_add");
             let y = bias_add(&mut rec, &tx, &tb)?;
             let db = bias_add_backward(&mut rec, &tdy)?;
@@ -32,7 +36,14 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             Err(e) => (Err(e.clone()), Err(e)),
             Ok(got) => (
                 compare("bias_add", &got[0], &y, None, Tolerance::ELEMENTWISE).map_err(s),
-                compare("bias_add backward", &got[1], &db, Some(&mag), Tolerance::sum(len / n)).map_err(s),
+                compare(
+                    "bias_add backward",
+                    &got[1],
+                    &db,
+                    Some(&mag),
+                    Tolerance::sum(len / n),
+                )
+                .map_err(s),
             ),
         };
         push(out, "bias_add", format!("{shape:?}"), fwd);

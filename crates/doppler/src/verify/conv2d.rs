@@ -8,20 +8,60 @@ use crate::reference::{conv2d as cpu, widen};
 
 type Case = (&'static [usize], &'static [usize], Conv2dOpts, bool);
 
-const fn opts(stride: (usize, usize), padding: (usize, usize), dilation: (usize, usize), groups: usize) -> Conv2dOpts {
-    Conv2dOpts { stride, padding, dilation, groups }
+const fn opts(
+    stride: (usize, usize),
+    padding: (usize, usize),
+    dilation: (usize, usize),
+    groups: usize,
+) -> Conv2dOpts {
+    Conv2dOpts {
+        stride,
+        padding,
+        dilation,
+        groups,
+    }
 }
 
 /// (x, w, options, bias): 3x3 with a batch and odd sizes; stride, padding and dilation per
 /// axis with groups; depthwise; 1x1; channels spanning several 64-tiles; and a 1x1 on
 /// 2 x 1450 x 1450 pixels (more than 65535 tiles, and a dw reduction of 8213 splits).
 pub const CONV_CASES: [Case; 6] = [
-    (&[2, 3, 7, 9], &[8, 3, 3, 3], opts((1, 1), (1, 1), (1, 1), 1), true),
-    (&[3, 4, 11, 10], &[6, 2, 3, 2], opts((2, 1), (1, 2), (1, 2), 2), true),
-    (&[2, 8, 9, 9], &[8, 1, 3, 3], opts((2, 2), (1, 1), (1, 1), 8), false),
-    (&[1, 5, 6, 7], &[3, 5, 1, 1], opts((1, 1), (0, 0), (1, 1), 1), false),
-    (&[2, 70, 5, 5], &[130, 70, 3, 3], opts((1, 1), (1, 1), (1, 1), 1), true),
-    (&[2, 1, 1450, 1450], &[1, 1, 1, 1], opts((1, 1), (0, 0), (1, 1), 1), true),
+    (
+        &[2, 3, 7, 9],
+        &[8, 3, 3, 3],
+        opts((1, 1), (1, 1), (1, 1), 1),
+        true,
+    ),
+    (
+        &[3, 4, 11, 10],
+        &[6, 2, 3, 2],
+        opts((2, 1), (1, 2), (1, 2), 2),
+        true,
+    ),
+    (
+        &[2, 8, 9, 9],
+        &[8, 1, 3, 3],
+        opts((2, 2), (1, 1), (1, 1), 8),
+        false,
+    ),
+    (
+        &[1, 5, 6, 7],
+        &[3, 5, 1, 1],
+        opts((1, 1), (0, 0), (1, 1), 1),
+        false,
+    ),
+    (
+        &[2, 70, 5, 5],
+        &[130, 70, 3, 3],
+        opts((1, 1), (1, 1), (1, 1), 1),
+        true,
+    ),
+    (
+        &[2, 1, 1450, 1450],
+        &[1, 1, 1, 1],
+        opts((1, 1), (0, 0), (1, 1), 1),
+        true,
+    ),
 ];
 
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
@@ -54,10 +94,19 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 Some(db) => db.read_f32(gpu)?,
                 None => vec![],
             };
-            Ok(vec![y.read_f32(gpu)?, gr.dx.read_f32(gpu)?, gr.dw.read_f32(gpu)?, db])
+            Ok(vec![
+                y.read_f32(gpu)?,
+                gr.dx.read_f32(gpu)?,
+                gr.dw.read_f32(gpu)?,
+                db,
+            ])
         };
         // The largest case is slow on a CPU adapter; the smaller ones check determinism.
-        let r = if i + 1 == CONV_CASES.len() { run().map_err(s) } else { twice("conv2d", run) };
+        let r = if i + 1 == CONV_CASES.len() {
+            run().map_err(s)
+        } else {
+            twice("conv2d", run)
+        };
         let (fwd, bwd) = match r {
             Err(e) => (Err(e.clone()), Err(e)),
             Ok(got) => {
@@ -65,18 +114,39 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 let y = cpu::conv2d(&xd, &wd, has_bias.then_some(&bd[..]), &p);
                 let (dx, dw, db) = cpu::conv2d_backward(&xd, &wd, &dyd, &p);
                 let (my, mdx, mdw) = cpu::magnitudes(&xd, &wd, &dyd, &p);
-                let my: Vec<f64> = my.iter().enumerate().map(|(k, v)| v + if has_bias { bd[k / (ys[2] * ys[3]) % ys[1]].abs() } else { 0.0 }).collect();
+                let my: Vec<f64> = my
+                    .iter()
+                    .enumerate()
+                    .map(|(k, v)| {
+                        v + if has_bias {
+                            bd[k / (ys[2] * ys[3]) % ys[1]].abs()
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
                 let cig = xs[1] / o.groups;
                 let k_fwd = cig * ws[2] * ws[3];
                 let k_dx = (ws[0] / o.groups) * ws[2] * ws[3];
                 let k_dw = ys[0] * ys[2] * ys[3];
-                let fwd = compare("conv2d y", &got[0], &y, Some(&my), Tolerance::dot(k_fwd)).map_err(s);
+                let fwd =
+                    compare("conv2d y", &got[0], &y, Some(&my), Tolerance::dot(k_fwd)).map_err(s);
                 let bwd = (|| {
-                    let st = compare("conv2d dx", &got[1], &dx, Some(&mdx), Tolerance::dot(k_dx)).map_err(s)?;
-                    compare("conv2d dw", &got[2], &dw, Some(&mdw), Tolerance::dot(k_dw)).map_err(s)?;
+                    let st = compare("conv2d dx", &got[1], &dx, Some(&mdx), Tolerance::dot(k_dx))
+                        .map_err(s)?;
+                    compare("conv2d dw", &got[2], &dw, Some(&mdw), Tolerance::dot(k_dw))
+                        .map_err(s)?;
                     if has_bias {
-                        let mdb: Vec<f64> = (0..ys[1]).map(|c| (0..dy.len()).filter(|k| k / (ys[2] * ys[3]) % ys[1] == c).map(|k| dyd[k].abs()).sum()).collect();
-                        compare("conv2d db", &got[3], &db, Some(&mdb), Tolerance::sum(k_dw)).map_err(s)?;
+                        let mdb: Vec<f64> = (0..ys[1])
+                            .map(|c| {
+                                (0..dy.len())
+                                    .filter(|k| k / (ys[2] * ys[3]) % ys[1] == c)
+                                    .map(|k| dyd[k].abs())
+                                    .sum()
+                            })
+                            .collect();
+                        compare("conv2d db", &got[3], &db, Some(&mdb), Tolerance::sum(k_dw))
+                            .map_err(s)?;
                     }
                     Ok(st)
                 })();

@@ -3,7 +3,9 @@
 use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::gpu::{Gpu, Tensor};
-use crate::ops::cross_entropy::{cross_entropy, cross_entropy_backward, CrossEntropyOpts, Upstream};
+use crate::ops::cross_entropy::{
+    cross_entropy, cross_entropy_backward, CrossEntropyOpts, Upstream,
+};
 use crate::reference::{cross_entropy as cpu, widen};
 
 pub struct CeCase {
@@ -19,12 +21,48 @@ pub struct CeCase {
 /// grid goes 2-D), per-token upstream gradients, a batch where every token is ignored, and
 /// vocabularies that are multiples of 4 (the vec4 backward).
 pub const CE_CASES: [CeCase; 6] = [
-    CeCase { logits: &[2, 3, 5], ignore_index: Some(2), ignore_every: 4, smoothing: 0.0, mean: true },
-    CeCase { logits: &[37, 1000], ignore_index: Some(u32::MAX), ignore_every: 5, smoothing: 0.1, mean: true },
-    CeCase { logits: &[5, 50_001], ignore_index: None, ignore_every: 0, smoothing: 0.0, mean: false },
-    CeCase { logits: &[512, 32_771], ignore_index: Some(7), ignore_every: 9, smoothing: 0.05, mean: true },
-    CeCase { logits: &[3, 10], ignore_index: Some(4), ignore_every: 1, smoothing: 0.0, mean: true },
-    CeCase { logits: &[2, 9, 4096], ignore_index: Some(0), ignore_every: 7, smoothing: 0.2, mean: false },
+    CeCase {
+        logits: &[2, 3, 5],
+        ignore_index: Some(2),
+        ignore_every: 4,
+        smoothing: 0.0,
+        mean: true,
+    },
+    CeCase {
+        logits: &[37, 1000],
+        ignore_index: Some(u32::MAX),
+        ignore_every: 5,
+        smoothing: 0.1,
+        mean: true,
+    },
+    CeCase {
+        logits: &[5, 50_001],
+        ignore_index: None,
+        ignore_every: 0,
+        smoothing: 0.0,
+        mean: false,
+    },
+    CeCase {
+        logits: &[512, 32_771],
+        ignore_index: Some(7),
+        ignore_every: 9,
+        smoothing: 0.05,
+        mean: true,
+    },
+    CeCase {
+        logits: &[3, 10],
+        ignore_index: Some(4),
+        ignore_every: 1,
+        smoothing: 0.0,
+        mean: true,
+    },
+    CeCase {
+        logits: &[2, 9, 4096],
+        ignore_index: Some(0),
+        ignore_every: 7,
+        smoothing: 0.2,
+        mean: false,
+    },
 ];
 
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
@@ -40,18 +78,35 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             })
             .collect();
         let g: Vec<f32> = if c.mean { vec![1.5] } else { rng.vec(t) };
-        let opts = CrossEntropyOpts { ignore_index: c.ignore_index, label_smoothing: c.smoothing };
-        let shape = format!("{:?}{}{}", c.logits, if c.smoothing > 0.0 { " smoothing" } else { "" }, if c.mean { " mean" } else { " per-token" });
+        let opts = CrossEntropyOpts {
+            ignore_index: c.ignore_index,
+            label_smoothing: c.smoothing,
+        };
+        let shape = format!(
+            "{:?}{}{}",
+            c.logits,
+            if c.smoothing > 0.0 { " smoothing" } else { "" },
+            if c.mean { " mean" } else { " per-token" }
+        );
         let r = twice("cross_entropy", || {
             let tx = Tensor::from_f32(gpu, c.logits, &x, "logits")?;
             let ty = Tensor::from_u32(gpu, &c.logits[..c.logits.len() - 1], &y, "targets")?;
             let tg = Tensor::from_f32(gpu, &[g.len()], &g, "g")?;
             let mut rec = gpu.recorder("cross_entropy");
             let fwd = cross_entropy(&mut rec, &tx, &ty, opts)?;
-            let up = if c.mean { Upstream::Mean(&tg) } else { Upstream::PerToken(&tg) };
+            let up = if c.mean {
+                Upstream::Mean(&tg)
+            } else {
+                Upstream::PerToken(&tg)
+            };
             let dx = cross_entropy_backward(&mut rec, &tx, &ty, &fwd, up, opts)?;
             rec.submit()?.wait(gpu)?;
-            Ok(vec![fwd.loss.read_f32(gpu)?, fwd.lse.read_f32(gpu)?, fwd.stats.read_f32(gpu)?, dx.read_f32(gpu)?])
+            Ok(vec![
+                fwd.loss.read_f32(gpu)?,
+                fwd.lse.read_f32(gpu)?,
+                fwd.stats.read_f32(gpu)?,
+                dx.read_f32(gpu)?,
+            ])
         });
         let (fwd, bwd) = match r {
             Err(e) => (Err(e.clone()), Err(e)),
@@ -59,39 +114,68 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 let xd = widen(&x);
                 let eps = c.smoothing as f64;
                 let (loss, lse, mean, count) = cpu::cross_entropy(&xd, &y, v, c.ignore_index, eps);
-                let gt: Vec<f64> = if c.mean { vec![g[0] as f64 / count as f64; t] } else { widen(&g) };
+                let gt: Vec<f64> = if c.mean {
+                    vec![g[0] as f64 / count as f64; t]
+                } else {
+                    widen(&g)
+                };
                 let dx = cpu::cross_entropy_backward(&xd, &y, v, c.ignore_index, eps, &gt);
                 // Rounding grows with the magnitudes involved and log2(V) (tree sums).
-                let tol = Tolerance { abs: 0.0, rel: 4.0 * ((v as f64).log2() + 4.0) * f32::EPSILON as f64 };
+                let tol = Tolerance {
+                    abs: 0.0,
+                    rel: 4.0 * ((v as f64).log2() + 4.0) * f32::EPSILON as f64,
+                };
                 let row_scale: Vec<f64> = (0..t).map(|r| lse[r].abs() + 8.0 + 1.0).collect();
                 let mean_scale = [row_scale.iter().sum::<f64>() / t as f64, 1.0];
                 let dx_scale: Vec<f64> = (0..t * v)
                     .map(|k| {
                         let r = k / v;
                         let prob = (xd[k] - lse[r]).exp();
-                        gt[r].abs() * (prob + 1.0 / v as f64 + if k % v == y[r] as usize { 1.0 } else { 0.0 }) * row_scale[r]
+                        gt[r].abs()
+                            * (prob
+                                + 1.0 / v as f64
+                                + if k % v == y[r] as usize { 1.0 } else { 0.0 })
+                            * row_scale[r]
                     })
                     .collect();
                 let fwd = (|| {
-                    let a = compare("cross_entropy loss", &got[0], &loss, Some(&row_scale), tol).map_err(s)?;
-                    compare("cross_entropy lse", &got[1], &lse, Some(&row_scale), tol).map_err(s)?;
+                    let a = compare("cross_entropy loss", &got[0], &loss, Some(&row_scale), tol)
+                        .map_err(s)?;
+                    compare("cross_entropy lse", &got[1], &lse, Some(&row_scale), tol)
+                        .map_err(s)?;
                     if count == 0 {
                         // PyTorch gives NaN for the mean of no tokens.
                         if !got[2][0].is_nan() || got[2][1] != 0.0 {
                             return Err(format!("all ignored: stats {:?}, want [NaN, 0]", got[2]));
                         }
                     } else {
-                        compare("cross_entropy mean", &got[2], &[mean, count as f64], Some(&mean_scale), tol).map_err(s)?;
+                        compare(
+                            "cross_entropy mean",
+                            &got[2],
+                            &[mean, count as f64],
+                            Some(&mean_scale),
+                            tol,
+                        )
+                        .map_err(s)?;
                     }
                     Ok(a)
                 })();
-                (fwd, compare("cross_entropy backward", &got[3], &dx, Some(&dx_scale), tol).map_err(s))
+                (
+                    fwd,
+                    compare("cross_entropy backward", &got[3], &dx, Some(&dx_scale), tol)
+                        .map_err(s),
+                )
             }
         };
         push(out, "cross_entropy", shape.clone(), fwd);
         push(out, "cross_entropy backward", shape, bwd);
     }
-    push(out, "cross_entropy bad target", "[3, 10], target 10".into(), bad_target(gpu));
+    push(
+        out,
+        "cross_entropy bad target",
+        "[3, 10], target 10".into(),
+        bad_target(gpu),
+    );
 }
 
 /// A target >= V must come back as an error naming the position and the id.
@@ -99,7 +183,12 @@ fn bad_target(gpu: &Gpu) -> super::Outcome {
     let tx = Tensor::from_f32(gpu, &[3, 10], &[0.0; 30], "logits").map_err(s)?;
     let ty = Tensor::from_u32(gpu, &[3], &[1, 10, 2], "targets").map_err(s)?;
     match gpu.run(|rec| cross_entropy(rec, &tx, &ty, Default::default())) {
-        Err(crate::Error::IndexOutOfRange { position: 1, id: 10, limit: 10, .. }) => Ok(Default::default()),
+        Err(crate::Error::IndexOutOfRange {
+            position: 1,
+            id: 10,
+            limit: 10,
+            ..
+        }) => Ok(Default::default()),
         Err(e) => Err(format!("wrong error: {e}")),
         Ok(_) => Err("target 10 with V = 10 was accepted".into()),
     }

@@ -8,7 +8,11 @@ use crate::ops::dropout::{dropout, dropout_backward, params};
 use crate::reference::dropout as cpu;
 
 /// (elements, p, seed): small odd; a large seed; more than 65535 x 256 elements.
-pub const DROPOUT_CASES: [(usize, f64, u64); 3] = [(1001, 0.1, 7), (4096, 0.5, 0xDEAD_BEEF_0000_0001), (65_537 * 256 + 9, 0.25, 42)];
+pub const DROPOUT_CASES: [(usize, f64, u64); 3] = [
+    (1001, 0.1, 7),
+    (4096, 0.5, 0xDEAD_BEEF_0000_0001),
+    (65_537 * 256 + 9, 0.25, 42),
+];
 
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &(n, p, seed)) in DROPOUT_CASES.iter().enumerate() {
@@ -32,10 +36,19 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let dropped = (0..n as u32).filter(|&k| !cpu::keep(&prm, k)).count() as f64;
             let sd = (n as f64 * p * (1.0 - p)).sqrt();
             if (dropped - n as f64 * p).abs() > 5.0 * sd + 1.0 {
-                return Err(format!("dropped {dropped} of {n}, expected {:.0} +- {:.0}", n as f64 * p, 5.0 * sd));
+                return Err(format!(
+                    "dropped {dropped} of {n}, expected {:.0} +- {:.0}",
+                    n as f64 * p,
+                    5.0 * sd
+                ));
             }
             Ok(Stats::default())
         });
-        push(out, "dropout (fwd + bwd, bit-exact mask)", format!("[{n}] p {p} seed {seed:#x}"), r);
+        push(
+            out,
+            "dropout (fwd + bwd, bit-exact mask)",
+            format!("[{n}] p {p} seed {seed:#x}"),
+            r,
+        );
     }
 }

@@ -8,8 +8,12 @@ use crate::reference::{embedding as cpu, widen};
 
 /// (ids shape, V, H, f16 table): odd sizes with a batch, an odd H for the f16 pairs, and
 /// 65537 x 256 outputs (grid goes 2-D).
-pub const FWD_CASES: [(&[usize], usize, usize, bool); 4] =
-    [(&[3, 11], 50, 7, false), (&[4, 9], 33, 5, true), (&[65_537], 1000, 256, false), (&[1], 1, 1, true)];
+pub const FWD_CASES: [(&[usize], usize, usize, bool); 4] = [
+    (&[3, 11], 50, 7, false),
+    (&[4, 9], 33, 5, true),
+    (&[65_537], 1000, 256, false),
+    (&[1], 1, 1, true),
+];
 
 /// (ids shape, V, H, hot id share, accumulate): random ids; few ids repeated (segments);
 /// one id in half of the positions; accumulation into an existing gradient; and V x H past
@@ -30,16 +34,41 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let table16: Vec<half::f16> = table.iter().map(|&x| half::f16::from_f32(x)).collect();
         let ids: Vec<u32> = (0..n).map(|_| (rng.next_u64() % v as u64) as u32).collect();
         let r = twice("embedding", || {
-            let t = if f16 { Tensor::from_f16(gpu, &[v, h], &table16, "table")? } else { Tensor::from_f32(gpu, &[v, h], &table, "table")? };
+            let t = if f16 {
+                Tensor::from_f16(gpu, &[v, h], &table16, "table")?
+            } else {
+                Tensor::from_f32(gpu, &[v, h], &table, "table")?
+            };
             let ti = Tensor::from_u32(gpu, ishape, &ids, "ids")?;
-            Ok(vec![gpu.run(|rec| embedding(rec, &t, &ti))?.read_f32(gpu)?])
+            Ok(vec![gpu
+                .run(|rec| embedding(rec, &t, &ti))?
+                .read_f32(gpu)?])
         })
         .and_then(|got| {
-            let src: Vec<f64> = if f16 { table16.iter().map(|x| x.to_f64()).collect() } else { widen(&table) };
+            let src: Vec<f64> = if f16 {
+                table16.iter().map(|x| x.to_f64()).collect()
+            } else {
+                widen(&table)
+            };
             // A gather copies: exact.
-            compare("embedding", &got[0], &cpu::embedding(&src, h, &ids), None, Tolerance { abs: 0.0, rel: 0.0 }).map_err(s)
+            compare(
+                "embedding",
+                &got[0],
+                &cpu::embedding(&src, h, &ids),
+                None,
+                Tolerance { abs: 0.0, rel: 0.0 },
+            )
+            .map_err(s)
         });
-        push(out, "embedding", format!("table [{v}, {h}] {}, ids {ishape:?}", if f16 { "f16" } else { "f32" }), r);
+        push(
+            out,
+            "embedding",
+            format!(
+                "table [{v}, {h}] {}, ids {ishape:?}",
+                if f16 { "f16" } else { "f32" }
+            ),
+            r,
+        );
     }
     for (i, &(ishape, v, h, hot, accumulate)) in BWD_CASES.iter().enumerate() {
         let mut rng = Rng::new(800 + i as u64);
@@ -74,17 +103,43 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     scale[k] += init[k].abs() as f64;
                 }
             }
-            let most = (0..v).map(|id| ids.iter().filter(|&&x| x == id as u32).count()).max().unwrap_or(1);
-            let st = compare("embedding_backward", &got[0], &want, Some(&scale), Tolerance::sum(most + 1)).map_err(s)?;
+            let most = (0..v)
+                .map(|id| ids.iter().filter(|&&x| x == id as u32).count())
+                .max()
+                .unwrap_or(1);
+            let st = compare(
+                "embedding_backward",
+                &got[0],
+                &want,
+                Some(&scale),
+                Tolerance::sum(most + 1),
+            )
+            .map_err(s)?;
             // And bit for bit the documented order: positions ascending, long runs in segments.
-            let exact = cpu::embedding_backward_f32_ordered(&ids, &dout, accumulate.then_some(&init[..]), v, h, SEGMENT);
+            let exact = cpu::embedding_backward_f32_ordered(
+                &ids,
+                &dout,
+                accumulate.then_some(&init[..]),
+                v,
+                h,
+                SEGMENT,
+            );
             same_bits("embedding_backward (summation order)", &exact, &got[0]).map_err(s)?;
             Ok(st)
         });
-        let what = format!("ids {ishape:?} -> [{v}, {h}]{}{}", if hot > 0.0 { " hot id" } else { "" }, if accumulate { " +=" } else { "" });
+        let what = format!(
+            "ids {ishape:?} -> [{v}, {h}]{}{}",
+            if hot > 0.0 { " hot id" } else { "" },
+            if accumulate { " +=" } else { "" }
+        );
         push(out, "embedding backward", what, r);
     }
-    push(out, "embedding bad id", "V = 10, id 12 at position 2".into(), bad_id(gpu));
+    push(
+        out,
+        "embedding bad id",
+        "V = 10, id 12 at position 2".into(),
+        bad_id(gpu),
+    );
 }
 
 /// An id >= V must come back as an error naming it, from the forward and the backward.
@@ -96,7 +151,12 @@ fn bad_id(gpu: &Gpu) -> Outcome {
     let bwd = gpu.run(|rec| embedding_backward_into(rec, &ids, &d, &t, false));
     for (what, r) in [("forward", fwd.map(|_| ())), ("backward", bwd)] {
         match r {
-            Err(crate::Error::IndexOutOfRange { position: 2, id: 12, limit: 10, .. }) => {}
+            Err(crate::Error::IndexOutOfRange {
+                position: 2,
+                id: 12,
+                limit: 10,
+                ..
+            }) => {}
             Err(e) => return Err(format!("{what}: wrong error: {e}")),
             Ok(()) => return Err(format!("{what}: id 12 with V = 10 was accepted")),
         }

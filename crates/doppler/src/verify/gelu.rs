@@ -10,7 +10,10 @@ use crate::reference::{self as cpu, widen};
 pub const GELU_SHAPES: [&[usize]; 3] = [&[1], &[3, 7, 47], &[65_537 * 256 + 3]];
 
 /// erfc's fit (1.2e-7 relative) and exp's rounding, over |x| <= 6.
-const TOL: Tolerance = Tolerance { abs: 1e-7, rel: 2e-6 };
+const TOL: Tolerance = Tolerance {
+    abs: 1e-7,
+    rel: 2e-6,
+};
 
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, shape) in GELU_SHAPES.iter().enumerate() {
@@ -37,7 +40,14 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     let (xd, dyd) = (widen(&x), widen(&dy));
                     (
                         compare(name, &v[0], &cpu::gelu::gelu(&xd, mode), None, TOL).map_err(s),
-                        compare(name, &v[1], &cpu::gelu::gelu_backward(&xd, &dyd, mode), None, TOL).map_err(s),
+                        compare(
+                            name,
+                            &v[1],
+                            &cpu::gelu::gelu_backward(&xd, &dyd, mode),
+                            None,
+                            TOL,
+                        )
+                        .map_err(s),
                     )
                 }
                 Err(e) => (Err(e.clone()), Err(e)),

@@ -30,7 +30,14 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let gamma: Vec<f32> = rng.vec(c).iter().map(|v| 1.0 + v).collect();
         let beta = rng.vec(c);
         let dy = rng.vec(len);
-        let what = format!("{shape:?} groups {groups}{}", if offset != 0.0 { format!(" x+{offset}") } else { String::new() });
+        let what = format!(
+            "{shape:?} groups {groups}{}",
+            if offset != 0.0 {
+                format!(" x+{offset}")
+            } else {
+                String::new()
+            }
+        );
         let r = twice("group_norm", || {
             let tx = Tensor::from_f32(gpu, shape, &x, "x")?;
             let tg = Tensor::from_f32(gpu, &[c], &gamma, "gamma")?;
@@ -40,12 +47,24 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let f = group_norm(&mut rec, &tx, &tg, &tb, groups, EPS)?;
             let b = group_norm_backward(&mut rec, &tx, &tg, &f, &tdy, groups)?;
             rec.submit()?;
-            Ok(vec![f.y.read_f32(gpu)?, f.mean.read_f32(gpu)?, f.rstd.read_f32(gpu)?, b.dx.read_f32(gpu)?, b.dgamma.read_f32(gpu)?, b.dbeta.read_f32(gpu)?])
+            Ok(vec![
+                f.y.read_f32(gpu)?,
+                f.mean.read_f32(gpu)?,
+                f.rstd.read_f32(gpu)?,
+                b.dx.read_f32(gpu)?,
+                b.dgamma.read_f32(gpu)?,
+                b.dbeta.read_f32(gpu)?,
+            ])
         });
         let (fwd, bwd) = match r {
             Err(e) => (Err(e.clone()), Err(e)),
             Ok(got) => {
-                let d = cpu::Dims { n, c, s: sp, g: groups };
+                let d = cpu::Dims {
+                    n,
+                    c,
+                    s: sp,
+                    g: groups,
+                };
                 let (xd, gd, bd, dyd) = (widen(&x), widen(&gamma), widen(&beta), widen(&dy));
                 let (y, mean, rstd) = cpu::group_norm(&xd, &gd, &bd, &d, EPS as f64);
                 let (dx, dgamma, dbeta) = cpu::group_norm_backward(&xd, &gd, &dyd, &d, EPS as f64);
@@ -57,7 +76,11 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 let grp = |k: usize| (k / (c * sp)) * groups + (k / sp % c) / cpg;
                 let cond = |k: usize| 1.0 + mean[grp(k)].abs() * rstd[grp(k)];
                 let xhat = |k: usize| (xd[k] - mean[grp(k)]) * rstd[grp(k)];
-                let y_scale: Vec<f64> = (0..len).map(|k| (xhat(k).abs() + cond(k)) * gd[k / sp % c].abs() + bd[k / sp % c].abs()).collect();
+                let y_scale: Vec<f64> = (0..len)
+                    .map(|k| {
+                        (xhat(k).abs() + cond(k)) * gd[k / sp % c].abs() + bd[k / sp % c].abs()
+                    })
+                    .collect();
                 let mut ga = vec![0.0; n * groups];
                 let mut gb = vec![0.0; n * groups];
                 for k in 0..len {
@@ -65,26 +88,41 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     ga[grp(k)] += t / m as f64;
                     gb[grp(k)] += t * (xhat(k).abs() + cond(k)) / m as f64;
                 }
-                let dx_scale: Vec<f64> =
-                    (0..len).map(|k| rstd[grp(k)] * ((dyd[k] * gd[k / sp % c]).abs() + ga[grp(k)] + (xhat(k).abs() + cond(k)) * gb[grp(k)])).collect();
+                let dx_scale: Vec<f64> = (0..len)
+                    .map(|k| {
+                        rstd[grp(k)]
+                            * ((dyd[k] * gd[k / sp % c]).abs()
+                                + ga[grp(k)]
+                                + (xhat(k).abs() + cond(k)) * gb[grp(k)])
+                    })
+                    .collect();
                 let mut dg_scale = vec![0.0; c];
                 let mut db_scale = vec![0.0; c];
                 for k in 0..len {
                     dg_scale[k / sp % c] += dyd[k].abs() * (xhat(k).abs() + cond(k));
                     db_scale[k / sp % c] += dyd[k].abs();
                 }
-                let stat_scale: Vec<f64> = (0..n * groups).map(|q| mean[q].abs() + 1.0 / rstd[q]).collect();
-                let rstd_scale: Vec<f64> = rstd.iter().map(|r| r * (1.0 + stat_scale[0] * r)).collect();
+                let stat_scale: Vec<f64> = (0..n * groups)
+                    .map(|q| mean[q].abs() + 1.0 / rstd[q])
+                    .collect();
+                let rstd_scale: Vec<f64> =
+                    rstd.iter().map(|r| r * (1.0 + stat_scale[0] * r)).collect();
                 let fwd = (|| {
-                    let st = compare("group_norm y", &got[0], &y, Some(&y_scale), tol).map_err(s)?;
-                    compare("group_norm mean", &got[1], &mean, Some(&stat_scale), tol).map_err(s)?;
-                    compare("group_norm rstd", &got[2], &rstd, Some(&rstd_scale), tol).map_err(s)?;
+                    let st =
+                        compare("group_norm y", &got[0], &y, Some(&y_scale), tol).map_err(s)?;
+                    compare("group_norm mean", &got[1], &mean, Some(&stat_scale), tol)
+                        .map_err(s)?;
+                    compare("group_norm rstd", &got[2], &rstd, Some(&rstd_scale), tol)
+                        .map_err(s)?;
                     Ok(st)
                 })();
                 let bwd = (|| {
-                    let st = compare("group_norm dx", &got[3], &dx, Some(&dx_scale), tol).map_err(s)?;
-                    compare("group_norm dgamma", &got[4], &dgamma, Some(&dg_scale), tol).map_err(s)?;
-                    compare("group_norm dbeta", &got[5], &dbeta, Some(&db_scale), tol).map_err(s)?;
+                    let st =
+                        compare("group_norm dx", &got[3], &dx, Some(&dx_scale), tol).map_err(s)?;
+                    compare("group_norm dgamma", &got[4], &dgamma, Some(&dg_scale), tol)
+                        .map_err(s)?;
+                    compare("group_norm dbeta", &got[5], &dbeta, Some(&db_scale), tol)
+                        .map_err(s)?;
                     Ok(st)
                 })();
                 (fwd, bwd)

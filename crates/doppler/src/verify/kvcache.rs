@@ -11,15 +11,33 @@ use crate::reference::{attention as cpu, widen};
 /// ...): grouped heads with an odd prefill longer than one chunk of 256 keys, the steps
 /// over more than 128 keys (key ranges split over workgroups); one head of the largest dim;
 /// D = 64 as SmolLM2 has, also over split key ranges.
-pub const KV_CASES: [(usize, usize, usize, usize, usize, usize); 4] = [(300, 6, 2, 16, 261, 4), (8, 1, 1, 256, 3, 2), (40, 9, 3, 64, 17, 2), (160, 9, 3, 64, 130, 3)];
+pub const KV_CASES: [(usize, usize, usize, usize, usize, usize); 4] = [
+    (300, 6, 2, 16, 261, 4),
+    (8, 1, 1, 256, 3, 2),
+    (40, 9, 3, 64, 17, 2),
+    (160, 9, 3, 64, 130, 3),
+];
 
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (n, &(cap, hq, hkv, d, pre, steps)) in KV_CASES.iter().enumerate() {
         let total = pre + steps;
         let mut rng = Rng::new(3100 + n as u64);
-        let (q, k, v) = (rng.vec(total * hq * d), rng.vec(total * hkv * d), rng.vec(total * hkv * d));
+        let (q, k, v) = (
+            rng.vec(total * hq * d),
+            rng.vec(total * hkv * d),
+            rng.vec(total * hkv * d),
+        );
         // Reference: all tokens at once, causal (query i sees keys <= i).
-        let dm = cpu::Dims { b: 1, tq: total, tk: total, hq, hkv, d, causal: true, scale: 1.0 / (d as f32).sqrt() as f64 };
+        let dm = cpu::Dims {
+            b: 1,
+            tq: total,
+            tk: total,
+            hq,
+            hkv,
+            d,
+            causal: true,
+            scale: 1.0 / (d as f32).sqrt() as f64,
+        };
         let (want, _) = cpu::attention(&widen(&q), &widen(&k), &widen(&v), dm);
         let r = twice("kv_attend", || {
             let kc = Tensor::empty(gpu, &[cap, hkv, d], crate::gpu::DType::F32, "k")?;
@@ -27,7 +45,16 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let mut got = Vec::new();
             let mut pos = 0;
             // After the prefill: a step of 2 tokens (when there are 3 or more), then 1s.
-            let chunks: Vec<usize> = if steps >= 3 { [pre, 2].into_iter().chain(std::iter::repeat_n(1, steps - 2)).collect() } else { std::iter::once(pre).chain(std::iter::repeat_n(1, steps)).collect() };
+            let chunks: Vec<usize> = if steps >= 3 {
+                [pre, 2]
+                    .into_iter()
+                    .chain(std::iter::repeat_n(1, steps - 2))
+                    .collect()
+            } else {
+                std::iter::once(pre)
+                    .chain(std::iter::repeat_n(1, steps))
+                    .collect()
+            };
             for t in chunks {
                 let slice = |x: &[f32], h: usize| x[pos * h * d..(pos + t) * h * d].to_vec();
                 let qt = Tensor::from_f32(gpu, &[t, hq, d], &slice(&q, hq), "q")?;
@@ -45,8 +72,25 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         });
         // Convex combinations of v with probabilities from D-term dots and exp(): as the
         // training kernels, judged against max |v| (here ~1) with the dot's tolerance.
-        let res = r.and_then(|got| compare("kv_attend", &got[0], &want, None, Tolerance { abs: 2e-6 * (d as f64).sqrt(), rel: 1e-5 }).map_err(s));
-        push(out, "kv_attend", format!("cap {cap}, Hq {hq}/Hkv {hkv}, D {d}, {pre} + {steps}"), res);
+        let res = r.and_then(|got| {
+            compare(
+                "kv_attend",
+                &got[0],
+                &want,
+                None,
+                Tolerance {
+                    abs: 2e-6 * (d as f64).sqrt(),
+                    rel: 1e-5,
+                },
+            )
+            .map_err(s)
+        });
+        push(
+            out,
+            "kv_attend",
+            format!("cap {cap}, Hq {hq}/Hkv {hkv}, D {d}, {pre} + {steps}"),
+            res,
+        );
     }
 }
 
@@ -57,7 +101,10 @@ pub(super) fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::rope::{Pairing, RopeTable};
     let (t, hq, hkv, d, pos, cap) = (5usize, 4usize, 2usize, 8usize, 3usize, 12usize);
     let width = (hq + 2 * hkv) * d;
-    for (n, pairing) in [Pairing::Interleaved, Pairing::Half].into_iter().enumerate() {
+    for (n, pairing) in [Pairing::Interleaved, Pairing::Half]
+        .into_iter()
+        .enumerate()
+    {
         let mut rng = Rng::new(3300 + n as u64);
         let (qkv, bias) = (rng.vec(t * width), rng.vec(width));
         let r = twice("rope_store", || {
@@ -66,27 +113,40 @@ pub(super) fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let b = Tensor::from_f32(gpu, &[width], &bias, "bias")?;
             let kc = Tensor::from_f32(gpu, &[cap, hkv, d], &vec![0.0; cap * hkv * d], "k")?;
             let vc = Tensor::from_f32(gpu, &[cap, hkv, d], &vec![0.0; cap * hkv * d], "v")?;
-            let q = gpu.run(|rec| rope_store(rec, &x, Some(&b), &table, pairing, hq, &kc, &vc, pos))?;
+            let q =
+                gpu.run(|rec| rope_store(rec, &x, Some(&b), &table, pairing, hq, &kc, &vc, pos))?;
             Ok(vec![q.read_f32(gpu)?, kc.read_f32(gpu)?, vc.read_f32(gpu)?])
         });
         // Split (T, width) + bias into q (T, Hq, D), k and v (T, Hkv, D) in f64.
         let part = |from: usize, heads: usize| -> Vec<f64> {
-            (0..t).flat_map(|tt| (0..heads * d).map(move |i| (tt, from + i))).map(|(tt, c)| qkv[tt * width + c] as f64 + bias[c] as f64).collect()
+            (0..t)
+                .flat_map(|tt| (0..heads * d).map(move |i| (tt, from + i)))
+                .map(|(tt, c)| qkv[tt * width + c] as f64 + bias[c] as f64)
+                .collect()
         };
         let q = crate::reference::rope::rope(&part(0, hq), t, hq, d, pos, 10000.0, pairing, 1.0);
-        let k = crate::reference::rope::rope(&part(hq * d, hkv), t, hkv, d, pos, 10000.0, pairing, 1.0);
+        let k =
+            crate::reference::rope::rope(&part(hq * d, hkv), t, hkv, d, pos, 10000.0, pairing, 1.0);
         let v = part((hq + hkv) * d, hkv);
         let at_pos = |x: Vec<f64>| {
             let mut c = vec![0.0; cap * hkv * d];
             c[pos * hkv * d..(pos + t) * hkv * d].copy_from_slice(&x);
             c
         };
-        let tol = Tolerance { abs: 1e-6, rel: 1e-6 };
+        let tol = Tolerance {
+            abs: 1e-6,
+            rel: 1e-6,
+        };
         let res = r.and_then(|got| {
             compare("rope_store q", &got[0], &q, None, tol).map_err(s)?;
             compare("rope_store k", &got[1], &at_pos(k), None, tol).map_err(s)?;
             compare("rope_store v", &got[2], &at_pos(v), None, tol).map_err(s)
         });
-        push(out, "rope_store", format!("T {t} at {pos}, Hq {hq}/Hkv {hkv}, D {d}, {pairing:?}"), res);
+        push(
+            out,
+            "rope_store",
+            format!("T {t} at {pos}, Hq {hq}/Hkv {hkv}, D {d}, {pairing:?}"),
+            res,
+        );
     }
 }

@@ -92,8 +92,14 @@ fn permute_rows(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
 
 fn encode(v: &[f32], ty: &str) -> Vec<u8> {
     match ty {
-        "F16" => v.iter().flat_map(|x| f16::from_f32(*x).to_le_bytes()).collect(),
-        "BF16" => v.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect(),
+        "F16" => v
+            .iter()
+            .flat_map(|x| f16::from_f32(*x).to_le_bytes())
+            .collect(),
+        "BF16" => v
+            .iter()
+            .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
+            .collect(),
         _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
     }
 }
@@ -101,10 +107,18 @@ fn encode(v: &[f32], ty: &str) -> Vec<u8> {
 /// Writes `dir/model.gguf` and the Hugging Face directory `dir/hf` of one tiny random model
 /// with matrices in `ty` (F32, F16 or BF16; norms F32 in the GGUF as llama.cpp writes them).
 /// The GGUF carries a byte-level tokenizer and a ChatML template, for command tests.
-pub fn write_tiny(dir: &Path, arch: &str, ty: &str, seed: u64) -> crate::Result<(PathBuf, PathBuf)> {
+pub fn write_tiny(
+    dir: &Path,
+    arch: &str,
+    ty: &str,
+    seed: u64,
+) -> crate::Result<(PathBuf, PathBuf)> {
     let io = |p: &Path| {
         let p = p.display().to_string();
-        move |source| crate::Error::Io { path: p.clone(), source }
+        move |source| crate::Error::Io {
+            path: p.clone(),
+            source,
+        }
     };
     let tensors = tensors(arch, seed);
     // Hugging Face directory.
@@ -119,9 +133,18 @@ pub fn write_tiny(dir: &Path, arch: &str, ty: &str, seed: u64) -> crate::Result<
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
         .iter()
         .zip(&bytes)
-        .map(|((n, sh, _), b)| (llama::SafeTensorsDir::hf_name(n).expect("a Hugging Face name"), safetensors::tensor::TensorView::new(st_dtype, sh.clone(), b).expect("consistent view")))
+        .map(|((n, sh, _), b)| {
+            (
+                llama::SafeTensorsDir::hf_name(n).expect("a Hugging Face name"),
+                safetensors::tensor::TensorView::new(st_dtype, sh.clone(), b)
+                    .expect("consistent view"),
+            )
+        })
         .collect();
-    let st = safetensors::serialize(views, None).map_err(|e| crate::Error::Invalid { op: "safetensors", detail: e.to_string() })?;
+    let st = safetensors::serialize(views, None).map_err(|e| crate::Error::Invalid {
+        op: "safetensors",
+        detail: e.to_string(),
+    })?;
     std::fs::write(hf.join("model.safetensors"), st).map_err(io(&hf))?;
     let config = serde_json::json!({
         "model_type": arch, "hidden_size": E, "num_hidden_layers": LAYERS, "num_attention_heads": H,
@@ -141,7 +164,11 @@ pub fn write_tiny(dir: &Path, arch: &str, ty: &str, seed: u64) -> crate::Result<
         // Vectors as F32 (as llama.cpp writes norms), holding the values the SafeTensors
         // file rounded to its dtype.
         let (t, b) = if shape.len() == 1 {
-            let rounded = crate::reference::quant::dequantize(gty, &encode(&v, ty), v.len()).map_err(|e| crate::Error::Invalid { op: "write_tiny", detail: e.to_string() })?;
+            let rounded = crate::reference::quant::dequantize(gty, &encode(&v, ty), v.len())
+                .map_err(|e| crate::Error::Invalid {
+                    op: "write_tiny",
+                    detail: e.to_string(),
+                })?;
             (GgmlType(0), encode(&rounded, "F32"))
         } else {
             (gty, encode(&v, ty))
@@ -150,7 +177,11 @@ pub fn write_tiny(dir: &Path, arch: &str, ty: &str, seed: u64) -> crate::Result<
     }
     let chars = byte_chars();
     let mut tokens: Vec<Value> = chars.iter().map(|c| Value::String(c.to_string())).collect();
-    tokens.extend([Value::String("he".into()), Value::String("<|im_start|>".into()), Value::String("<|im_end|>".into())]);
+    tokens.extend([
+        Value::String("he".into()),
+        Value::String("<|im_start|>".into()),
+        Value::String("<|im_end|>".into()),
+    ]);
     let mut types = vec![Value::I32(1); 257];
     types.extend([Value::I32(3), Value::I32(3)]);
     let a = |k: &str| format!("{arch}.{k}");
@@ -174,7 +205,10 @@ pub fn write_tiny(dir: &Path, arch: &str, ty: &str, seed: u64) -> crate::Result<
         ("tokenizer.chat_template".into(), Value::String("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}".into())),
     ];
     let md_ref: Vec<(&str, Value)> = md.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-    let t_ref: Vec<(&str, &[u64], GgmlType, &[u8])> = g.iter().map(|(n, d, t, b)| (n.as_str(), d.as_slice(), *t, b.as_slice())).collect();
+    let t_ref: Vec<(&str, &[u64], GgmlType, &[u8])> = g
+        .iter()
+        .map(|(n, d, t, b)| (n.as_str(), d.as_slice(), *t, b.as_slice()))
+        .collect();
     let file = dir.join("model.gguf");
     std::fs::write(&file, gguf::write(&md_ref, &t_ref, 32)).map_err(io(&file))?;
     Ok((file, hf))
@@ -204,9 +238,24 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 // Same weights, same math; only the row order of q/k (and the RoPE pairing
                 // that undoes it) differs: agreement to rounding.
                 let want: Vec<f64> = b.iter().map(|&v| v as f64).collect();
-                compare("llama gguf vs safetensors", &a, &want, None, Tolerance { abs: 1e-4, rel: 1e-5 }).map_err(s)
+                compare(
+                    "llama gguf vs safetensors",
+                    &a,
+                    &want,
+                    None,
+                    Tolerance {
+                        abs: 1e-4,
+                        rel: 1e-5,
+                    },
+                )
+                .map_err(s)
             })();
-            push(out, &format!("llama gguf vs safetensors {arch}"), format!("{ty}, 7 + 2x1 tokens"), res);
+            push(
+                out,
+                &format!("llama gguf vs safetensors {arch}"),
+                format!("{ty}, 7 + 2x1 tokens"),
+                res,
+            );
         }
     }
     let _ = std::fs::remove_dir_all(&base);

@@ -22,7 +22,7 @@ mod silu;
 mod softmax;
 mod upsample;
 
-pub use basic::{ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES};
+pub use basic::{ARGMAX_SHAPES, ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES};
 pub use kvcache::KV_CASES;
 
 use crate::check::Stats;
@@ -67,6 +67,7 @@ type Family = (&'static [&'static str], fn(&Gpu, &mut Vec<CheckResult>));
 const FAMILIES: &[Family] = &[
     (&["add", "mul", "scale"], basic::elementwise_checks),
     (&["sum_rows"], basic::sum_checks),
+    (&["argmax_rows"], basic::argmax_checks),
     (&["matmul"], basic::matmul_checks),
     (&[basic::RECORDER_CHAIN], basic::recorder_checks),
     (&["gelu"], gelu::checks),
@@ -106,7 +107,10 @@ pub fn run_families(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
     let want = |op: &str| filter.is_none_or(|f| op.contains(f));
     for (ops, f) in FAMILIES {
         // "embedding" runs the family; so does "embedding backward" (a name it reports).
-        if ops.iter().any(|op| want(op) || filter.is_some_and(|f| f.starts_with(op))) {
+        if ops
+            .iter()
+            .any(|op| want(op) || filter.is_some_and(|f| f.starts_with(op)))
+        {
             f(gpu, &mut out);
         }
     }

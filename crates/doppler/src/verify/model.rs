@@ -60,7 +60,16 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let lt = tape.value(loss)?.clone();
             tape.backward(&mut rec, loss, 1.0, &mut model.params)?;
             rec.submit()?;
-            let grads = model.params.grads.iter().map(|g| g.as_ref().expect("every parameter gets a gradient").read_f32(gpu)).collect::<crate::Result<_>>()?;
+            let grads = model
+                .params
+                .grads
+                .iter()
+                .map(|g| {
+                    g.as_ref()
+                        .expect("every parameter gets a gradient")
+                        .read_f32(gpu)
+                })
+                .collect::<crate::Result<_>>()?;
             Ok((lt.read_f32(gpu)?, grads))
         };
         let got = match run() {
@@ -70,9 +79,27 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 continue;
             }
         };
-        let w64: HashMap<String, Vec<f64>> = weights.iter().map(|(n, _, d)| (n.clone(), d.iter().map(|&v| v as f64).collect())).collect();
+        let w64: HashMap<String, Vec<f64>> = weights
+            .iter()
+            .map(|(n, _, d)| (n.clone(), d.iter().map(|&v| v as f64).collect()))
+            .collect();
         let want_loss = cpu::loss(&cfg, &w64, &ids, &targets, t);
-        push(out, &format!("{name} loss"), shape.clone(), compare("loss", &got.0[..1], &[want_loss], None, Tolerance { abs: 0.0, rel: 1e-5 }).map_err(s));
+        push(
+            out,
+            &format!("{name} loss"),
+            shape.clone(),
+            compare(
+                "loss",
+                &got.0[..1],
+                &[want_loss],
+                None,
+                Tolerance {
+                    abs: 0.0,
+                    rel: 1e-5,
+                },
+            )
+            .map_err(s),
+        );
         // All gradients in one comparison, each judged against its tensor's largest value:
         // f32 rounding through two layers stays far below 1e-4 of it, a wrong rule does not.
         // (The key bias's gradient is exactly zero, softmax being shift-invariant: such
@@ -94,6 +121,21 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         }
         let floor = 1e-3 * scale.iter().fold(0.0f64, |m, v| m.max(*v));
         scale.iter_mut().for_each(|v| *v = v.max(floor));
-        push(out, &name, shape, compare(&name, &all_got, &all_fd, Some(&scale), Tolerance { abs: 0.0, rel: 1e-4 }).map_err(s));
+        push(
+            out,
+            &name,
+            shape,
+            compare(
+                &name,
+                &all_got,
+                &all_fd,
+                Some(&scale),
+                Tolerance {
+                    abs: 0.0,
+                    rel: 1e-4,
+                },
+            )
+            .map_err(s),
+        );
     }
 }

@@ -39,7 +39,15 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             NormKind::Layer => ("layer_norm", false),
             NormKind::Rms { one_plus } => ("rms_norm", one_plus),
         };
-        let what = format!("{shape:?}{}{}", if one_plus { " (1 + w)" } else { "" }, if offset != 0.0 { format!(" x+{offset}") } else { String::new() });
+        let what = format!(
+            "{shape:?}{}{}",
+            if one_plus { " (1 + w)" } else { "" },
+            if offset != 0.0 {
+                format!(" x+{offset}")
+            } else {
+                String::new()
+            }
+        );
         let r = twice(name, || {
             let tx = Tensor::from_f32(gpu, shape, &x, "x")?;
             let tw = Tensor::from_f32(gpu, &[d], &w, "w")?;
@@ -60,7 +68,13 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 Some(t) => t.read_f32(gpu)?,
                 None => vec![],
             };
-            Ok(vec![f.y.read_f32(gpu)?, f.rstd.read_f32(gpu)?, g.dx.read_f32(gpu)?, g.dw.read_f32(gpu)?, db])
+            Ok(vec![
+                f.y.read_f32(gpu)?,
+                f.rstd.read_f32(gpu)?,
+                g.dx.read_f32(gpu)?,
+                g.dw.read_f32(gpu)?,
+                db,
+            ])
         });
         let (fwd, bwd) = match r {
             Err(e) => (Err(e.clone()), Err(e)),
@@ -74,7 +88,12 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 let cond = |r: usize| 1.0 + mean[r].abs() * rstd[r];
                 let xhat = |k: usize| (xd[k] - mean[k / d]) * rstd[k / d];
                 let wv = |c: usize| if one_plus { 1.0 + wd[c] } else { wd[c] }.abs();
-                let y_scale: Vec<f64> = (0..len).map(|k| (xhat(k).abs() + cond(k / d)) * wv(k % d) + bias.map_or(0.0, |b| b[k % d].abs())).collect();
+                let y_scale: Vec<f64> = (0..len)
+                    .map(|k| {
+                        (xhat(k).abs() + cond(k / d)) * wv(k % d)
+                            + bias.map_or(0.0, |b| b[k % d].abs())
+                    })
+                    .collect();
                 let mut ga = vec![0.0; rows];
                 let mut gb = vec![0.0; rows];
                 for k in 0..len {
@@ -82,8 +101,14 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     ga[k / d] += g / d as f64;
                     gb[k / d] += g * (xhat(k).abs() + cond(k / d)) / d as f64;
                 }
-                let dx_scale: Vec<f64> =
-                    (0..len).map(|k| rstd[k / d] * ((dyd[k] * wv(k % d)).abs() + ga[k / d] + (xhat(k).abs() + cond(k / d)) * gb[k / d])).collect();
+                let dx_scale: Vec<f64> = (0..len)
+                    .map(|k| {
+                        rstd[k / d]
+                            * ((dyd[k] * wv(k % d)).abs()
+                                + ga[k / d]
+                                + (xhat(k).abs() + cond(k / d)) * gb[k / d])
+                    })
+                    .collect();
                 let mut dw_scale = vec![0.0; d];
                 let mut db_scale = vec![0.0; d];
                 for k in 0..len {
@@ -93,14 +118,24 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 let rstd_scale: Vec<f64> = (0..rows).map(|r| rstd[r] * cond(r)).collect();
                 let fwd = (|| {
                     let st = compare(name, &got[0], &y, Some(&y_scale), tol).map_err(s)?;
-                    compare(&format!("{name} rstd"), &got[1], &rstd, Some(&rstd_scale), tol).map_err(s)?;
+                    compare(
+                        &format!("{name} rstd"),
+                        &got[1],
+                        &rstd,
+                        Some(&rstd_scale),
+                        tol,
+                    )
+                    .map_err(s)?;
                     Ok(st)
                 })();
                 let bwd = (|| {
-                    let st = compare(&format!("{name} dx"), &got[2], &dx, Some(&dx_scale), tol).map_err(s)?;
-                    compare(&format!("{name} dw"), &got[3], &dw, Some(&dw_scale), tol).map_err(s)?;
+                    let st = compare(&format!("{name} dx"), &got[2], &dx, Some(&dx_scale), tol)
+                        .map_err(s)?;
+                    compare(&format!("{name} dw"), &got[3], &dw, Some(&dw_scale), tol)
+                        .map_err(s)?;
                     if kind == L {
-                        compare(&format!("{name} db"), &got[4], &db, Some(&db_scale), tol).map_err(s)?;
+                        compare(&format!("{name} db"), &got[4], &db, Some(&db_scale), tol)
+                            .map_err(s)?;
                     }
                     Ok(st)
                 })();

@@ -8,7 +8,10 @@ use crate::reference::{optim as cpu, widen};
 
 const STEPS: usize = 3;
 /// Steps' roundings plus the norm's (a sum over every gradient element).
-const TOL: Tolerance = Tolerance { abs: 1e-30, rel: 64.0 * f32::EPSILON as f64 };
+const TOL: Tolerance = Tolerance {
+    abs: 1e-30,
+    rel: 64.0 * f32::EPSILON as f64,
+};
 
 /// AdamW with clipping and a loss scale over two odd-sized parameters for 3 steps; SGD with
 /// momentum, dampening, Nesterov and weight decay; AdamW on 65537 x 256 + 3 elements.
@@ -18,20 +21,42 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     sgd(gpu, out);
 }
 
-fn adamw(gpu: &Gpu, out: &mut Vec<CheckResult>, shapes: &[&[usize]], steps: usize, max_norm: Option<f32>, loss_scale: f32) {
+fn adamw(
+    gpu: &Gpu,
+    out: &mut Vec<CheckResult>,
+    shapes: &[&[usize]],
+    steps: usize,
+    max_norm: Option<f32>,
+    loss_scale: f32,
+) {
     let sizes: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
     let mut rng = Rng::new(1500 + sizes[0] as u64);
     let init: Vec<Vec<f32>> = sizes.iter().map(|&n| rng.vec(n)).collect();
-    let grads: Vec<Vec<Vec<f32>>> = (0..steps).map(|_| sizes.iter().map(|&n| rng.vec(n).iter().map(|g| g * 3.0).collect()).collect()).collect();
+    let grads: Vec<Vec<Vec<f32>>> = (0..steps)
+        .map(|_| {
+            sizes
+                .iter()
+                .map(|&n| rng.vec(n).iter().map(|g| g * 3.0).collect())
+                .collect()
+        })
+        .collect();
     let (lr, wd) = (1e-2f64, 0.1f64);
     let r = twice("adamw", || {
-        let params: Vec<Tensor> = shapes.iter().zip(&init).map(|(s, v)| Tensor::from_f32(gpu, s, v, "p")).collect::<crate::Result<_>>()?;
+        let params: Vec<Tensor> = shapes
+            .iter()
+            .zip(&init)
+            .map(|(s, v)| Tensor::from_f32(gpu, s, v, "p"))
+            .collect::<crate::Result<_>>()?;
         let pr: Vec<&Tensor> = params.iter().collect();
         let mut opt = AdamW::new(gpu, &pr, lr)?;
         opt.weight_decay = wd;
         let mut scales = Vec::new();
         for step in &grads {
-            let gs: Vec<Tensor> = shapes.iter().zip(step).map(|(s, v)| Tensor::from_f32(gpu, s, v, "g")).collect::<crate::Result<_>>()?;
+            let gs: Vec<Tensor> = shapes
+                .iter()
+                .zip(step)
+                .map(|(s, v)| Tensor::from_f32(gpu, s, v, "g"))
+                .collect::<crate::Result<_>>()?;
             let gr: Vec<&Tensor> = gs.iter().collect();
             let mut rec = gpu.recorder("adamw");
             let sc = grad_scale(&mut rec, &gr, max_norm, loss_scale)?;
@@ -45,7 +70,12 @@ fn adamw(gpu: &Gpu, out: &mut Vec<CheckResult>, shapes: &[&[usize]], steps: usiz
         }
         Ok(res)
     });
-    let what = format!("{shapes:?} x{steps} steps{}", max_norm.map_or(String::new(), |m| format!(", clip {m}, loss scale {loss_scale}")));
+    let what = format!(
+        "{shapes:?} x{steps} steps{}",
+        max_norm.map_or(String::new(), |m| format!(
+            ", clip {m}, loss scale {loss_scale}"
+        ))
+    );
     let res = r.and_then(|got| {
         let mut p: Vec<Vec<f64>> = init.iter().map(|v| widen(v)).collect();
         let mut m: Vec<Vec<f64>> = sizes.iter().map(|&n| vec![0.0; n]).collect();
@@ -55,19 +85,36 @@ fn adamw(gpu: &Gpu, out: &mut Vec<CheckResult>, shapes: &[&[usize]], steps: usiz
         let mut scales = Vec::new();
         for (t, step) in grads.iter().enumerate() {
             let gd: Vec<Vec<f64>> = step.iter().map(|g| widen(g)).collect();
-            let (norm, f) = cpu::grad_scale(&gd.iter().map(|g| &g[..]).collect::<Vec<_>>(), max_norm.map(|x| x as f64), loss_scale as f64);
+            let (norm, f) = cpu::grad_scale(
+                &gd.iter().map(|g| &g[..]).collect::<Vec<_>>(),
+                max_norm.map(|x| x as f64),
+                loss_scale as f64,
+            );
             scales.extend([norm, f]);
             for k in 0..p.len() {
                 let g: Vec<f64> = gd[k].iter().map(|x| x * f).collect();
                 for (ms, gi) in m_scale[k].iter_mut().zip(&g) {
                     *ms = 0.9 * *ms + 0.1 * gi.abs();
                 }
-                cpu::adamw_step(&mut p[k], &g, &mut m[k], &mut v[k], t as i32 + 1, lr, (0.9, 0.999), 1e-8, wd);
+                cpu::adamw_step(
+                    &mut p[k],
+                    &g,
+                    &mut m[k],
+                    &mut v[k],
+                    t as i32 + 1,
+                    lr,
+                    (0.9, 0.999),
+                    1e-8,
+                    wd,
+                );
             }
         }
         let st = compare("grad_scale (norm, factor)", &got[0], &scales, None, TOL).map_err(s)?;
         for k in 0..p.len() {
-            let p_scale: Vec<f64> = p[k].iter().map(|x| x.abs() + 2.0 * lr * steps as f64).collect();
+            let p_scale: Vec<f64> = p[k]
+                .iter()
+                .map(|x| x.abs() + 2.0 * lr * steps as f64)
+                .collect();
             compare("adamw param", &got[1 + 3 * k], &p[k], Some(&p_scale), TOL).map_err(s)?;
             compare("adamw m", &got[2 + 3 * k], &m[k], Some(&m_scale[k]), TOL).map_err(s)?;
             compare("adamw v", &got[3 + 3 * k], &v[k], None, TOL).map_err(s)?;
@@ -103,8 +150,16 @@ fn sgd(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         for (t, g) in grads.iter().enumerate() {
             cpu::sgd_step(&mut p, &widen(g), &mut buf, t == 0, lr, mom, damp, true, wd);
         }
-        let scale: Vec<f64> = p.iter().map(|x| x.abs() + lr * STEPS as f64 * 3.0).collect();
+        let scale: Vec<f64> = p
+            .iter()
+            .map(|x| x.abs() + lr * STEPS as f64 * 3.0)
+            .collect();
         compare("sgd param", &got[0], &p, Some(&scale), TOL).map_err(s)
     });
-    push(out, "sgd", format!("{shape:?} x{STEPS} steps, momentum {mom}, dampening {damp}, nesterov, wd {wd}"), res);
+    push(
+        out,
+        "sgd",
+        format!("{shape:?} x{STEPS} steps, momentum {mom}, dampening {damp}, nesterov, wd {wd}"),
+        res,
+    );
 }

@@ -7,7 +7,9 @@ use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
-use crate::ops::quant::{dequantize, get_rows, qmatmul, qmatmul_fused, Fuse, QMatrix, MATVEC_MAX_ROWS, SUPPORTED};
+use crate::ops::quant::{
+    dequantize, get_rows, qmatmul, qmatmul_fused, Fuse, QMatrix, MATVEC_MAX_ROWS, SUPPORTED,
+};
 use crate::reference::quant as cpu;
 
 /// Byte offsets of the f16 scale fields in one block (random bytes there are often NaN).
@@ -27,8 +29,20 @@ pub fn random_blocks(name: &str, n: usize, rng: &mut Rng) -> Vec<u8> {
     let (per, bytes) = (per as usize, bytes as usize);
     match name {
         "F32" => return rng.vec(n).iter().flat_map(|v| v.to_le_bytes()).collect(),
-        "F16" => return rng.vec(n).iter().flat_map(|v| f16::from_f32(*v * 4.0).to_le_bytes()).collect(),
-        "BF16" => return rng.vec(n).iter().flat_map(|v| bf16::from_f32(*v * 4.0).to_le_bytes()).collect(),
+        "F16" => {
+            return rng
+                .vec(n)
+                .iter()
+                .flat_map(|v| f16::from_f32(*v * 4.0).to_le_bytes())
+                .collect()
+        }
+        "BF16" => {
+            return rng
+                .vec(n)
+                .iter()
+                .flat_map(|v| bf16::from_f32(*v * 4.0).to_le_bytes())
+                .collect()
+        }
         _ => {}
     }
     let mut raw: Vec<u8> = (0..n / per * bytes).map(|_| rng.next_u64() as u8).collect();
@@ -60,11 +74,24 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             // Products of an f16 scale and small integers, minus a min: two roundings,
             // judged against the largest magnitude in each group of 32.
             let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
-            let scale: Vec<f64> = want64.chunks(32).flat_map(|g| {
-                let m = g.iter().fold(0.0f64, |a, v| a.max(v.abs()));
-                std::iter::repeat_n(m, g.len())
-            }).collect();
-            compare(&format!("dequantize {name}"), &got[0], &want64, Some(&scale), Tolerance { abs: 0.0, rel: 4.0 * f32::EPSILON as f64 }).map_err(s)
+            let scale: Vec<f64> = want64
+                .chunks(32)
+                .flat_map(|g| {
+                    let m = g.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+                    std::iter::repeat_n(m, g.len())
+                })
+                .collect();
+            compare(
+                &format!("dequantize {name}"),
+                &got[0],
+                &want64,
+                Some(&scale),
+                Tolerance {
+                    abs: 0.0,
+                    rel: 4.0 * f32::EPSILON as f64,
+                },
+            )
+            .map_err(s)
         })();
         push(out, &format!("dequantize {name}"), format!("{n}"), res);
     }
@@ -109,9 +136,26 @@ pub(super) fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let y = gpu.run(|rec| get_rows(rec, &q, &ids_t))?;
             Ok(vec![y.read_f32(gpu)?])
         });
-        let want: Vec<f64> = ids.iter().flat_map(|&id| w[id as usize * cols..][..cols].iter().map(|&v| v as f64)).collect();
-        let res = r.and_then(|got| compare(&format!("get_rows {name}"), &got[0], &want, None, Tolerance { abs: 0.0, rel: 0.0 }).map_err(s));
-        push(out, &format!("get_rows {name}"), format!("{} of ({rows}, {cols})", ids.len()), res);
+        let want: Vec<f64> = ids
+            .iter()
+            .flat_map(|&id| w[id as usize * cols..][..cols].iter().map(|&v| v as f64))
+            .collect();
+        let res = r.and_then(|got| {
+            compare(
+                &format!("get_rows {name}"),
+                &got[0],
+                &want,
+                None,
+                Tolerance { abs: 0.0, rel: 0.0 },
+            )
+            .map_err(s)
+        });
+        push(
+            out,
+            &format!("get_rows {name}"),
+            format!("{} of ({rows}, {cols})", ids.len()),
+            res,
+        );
         // Products.
         for shape in [vec![1usize], vec![MATVEC_MAX_ROWS - 1], vec![2, 67]] {
             let m: usize = shape.iter().product();
@@ -135,8 +179,22 @@ pub(super) fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     }
                 }
             }
-            let res = r.and_then(|got| compare(&format!("qmatmul {name}"), &got[0], &want, Some(&mag), Tolerance::dot(cols)).map_err(s));
-            push(out, &format!("qmatmul {name}"), format!("x {xs:?} @ ({rows}, {cols})^T"), res);
+            let res = r.and_then(|got| {
+                compare(
+                    &format!("qmatmul {name}"),
+                    &got[0],
+                    &want,
+                    Some(&mag),
+                    Tolerance::dot(cols),
+                )
+                .map_err(s)
+            });
+            push(
+                out,
+                &format!("qmatmul {name}"),
+                format!("x {xs:?} @ ({rows}, {cols})^T"),
+                res,
+            );
         }
     }
 }
@@ -145,7 +203,10 @@ pub(super) fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// a residual added after; for one 32-element type, one K-quant, and f32 with an odd width
 /// (scalar path); on 1, 31 and 2 x 67 rows of x (both kernels).
 pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    for (i, (name, cols)) in [("Q4_1", 96usize), ("Q4_K", 512), ("F32", 70)].into_iter().enumerate() {
+    for (i, (name, cols)) in [("Q4_1", 96usize), ("Q4_K", 512), ("F32", 70)]
+        .into_iter()
+        .enumerate()
+    {
         let ty = GgmlType::from_name(name).expect("known type");
         let rows = 38usize; // 19 gate + 19 up
         let mut rng = Rng::new(3900 + i as u64);
@@ -167,15 +228,37 @@ pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 let nwt = Tensor::from_f32(gpu, &[cols], &nw, "nw")?;
                 let rt = Tensor::from_f32(gpu, &ys, &resv, "res")?;
                 let (a, b) = gpu.run(|rec| {
-                    let a = qmatmul_fused(rec, &xt, &q, Fuse { norm: Some((&nwt, eps)), swiglu: true, ..Default::default() })?;
-                    let b = qmatmul_fused(rec, &xt, &q, Fuse { residual: Some(&rt), ..Default::default() })?;
+                    let a = qmatmul_fused(
+                        rec,
+                        &xt,
+                        &q,
+                        Fuse {
+                            norm: Some((&nwt, eps)),
+                            swiglu: true,
+                            ..Default::default()
+                        },
+                    )?;
+                    let b = qmatmul_fused(
+                        rec,
+                        &xt,
+                        &q,
+                        Fuse {
+                            residual: Some(&rt),
+                            ..Default::default()
+                        },
+                    )?;
                     Ok((a, b))
                 })?;
                 Ok(vec![a.read_f32(gpu)?, b.read_f32(gpu)?])
             });
             // f64: h = x / rms(x) * nw; gate/up dots; silu(g) * u. And res + x W^T.
             let half = rows / 2;
-            let (mut sw, mut sw_mag, mut rs, mut rs_mag) = (vec![0.0; m * half], vec![0.0; m * half], vec![0.0; m * rows], vec![0.0; m * rows]);
+            let (mut sw, mut sw_mag, mut rs, mut rs_mag) = (
+                vec![0.0; m * half],
+                vec![0.0; m * half],
+                vec![0.0; m * rows],
+                vec![0.0; m * rows],
+            );
             for a in 0..m {
                 let xr = &xv[a * cols..(a + 1) * cols];
                 let ms = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / cols as f64;
@@ -184,7 +267,11 @@ pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     let mut s = 0.0;
                     let mut g = 0.0;
                     for c in 0..cols {
-                        let h = if norm { xr[c] as f64 * rstd * nw[c] as f64 } else { xr[c] as f64 };
+                        let h = if norm {
+                            xr[c] as f64 * rstd * nw[c] as f64
+                        } else {
+                            xr[c] as f64
+                        };
                         let t = h * w[j * cols + c] as f64;
                         s += t;
                         g += t.abs();
@@ -196,7 +283,8 @@ pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     let sig = 1.0 / (1.0 + (-g).exp());
                     sw[a * half + j] = g * sig * u;
                     // Errors in g and u carry through silu(g) * u: |u| gm + |g| um bounds them.
-                    sw_mag[a * half + j] = u.abs() * gm + (g * sig).abs() * um + (g * sig * u).abs();
+                    sw_mag[a * half + j] =
+                        u.abs() * gm + (g * sig).abs() * um + (g * sig * u).abs();
                 }
                 for j in 0..rows {
                     let (d, dm) = dot(j, false);
@@ -205,10 +293,29 @@ pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 }
             }
             let res = r.and_then(|got| {
-                compare(&format!("qmatmul norm+swiglu {name}"), &got[0], &sw, Some(&sw_mag), Tolerance::dot(cols)).map_err(s)?;
-                compare(&format!("qmatmul residual {name}"), &got[1], &rs, Some(&rs_mag), Tolerance::dot(cols)).map_err(s)
+                compare(
+                    &format!("qmatmul norm+swiglu {name}"),
+                    &got[0],
+                    &sw,
+                    Some(&sw_mag),
+                    Tolerance::dot(cols),
+                )
+                .map_err(s)?;
+                compare(
+                    &format!("qmatmul residual {name}"),
+                    &got[1],
+                    &rs,
+                    Some(&rs_mag),
+                    Tolerance::dot(cols),
+                )
+                .map_err(s)
             });
-            push(out, &format!("qmatmul fused {name}"), format!("x {xs:?} @ ({rows}, {cols})^T"), res);
+            push(
+                out,
+                &format!("qmatmul fused {name}"),
+                format!("x {xs:?} @ ({rows}, {cols})^T"),
+                res,
+            );
         }
     }
 }

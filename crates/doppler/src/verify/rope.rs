@@ -35,7 +35,10 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let what = format!("{shape:?} offset {offset} {pairing:?}");
         let xd = widen(&x);
         // cos and sin are rounded to f32 in the table: a few eps of the pair's magnitude.
-        let tol = Tolerance { abs: 1e-30, rel: 4.0 * f32::EPSILON as f64 };
+        let tol = Tolerance {
+            abs: 1e-30,
+            rel: 4.0 * f32::EPSILON as f64,
+        };
         let scale: Vec<f64> = (0..n)
             .map(|k| {
                 let (base, kk) = (k - k % dh, k % dh);

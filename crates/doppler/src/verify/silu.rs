@@ -10,7 +10,10 @@ use crate::reference::{silu as cpu, widen};
 pub const SILU_SHAPES: [&[usize]; 3] = [&[1], &[3, 7, 45], &[65_537 * 256 + 5]];
 
 /// A few roundings; Vulkan allows exp(x) an error of 3 + 2|x| ulp, so scales carry (1 + |a|).
-const TOL: Tolerance = Tolerance { abs: 1e-30, rel: 8.0 * f32::EPSILON as f64 };
+const TOL: Tolerance = Tolerance {
+    abs: 1e-30,
+    rel: 8.0 * f32::EPSILON as f64,
+};
 
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, shape) in SILU_SHAPES.iter().enumerate() {
@@ -20,19 +23,41 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let b = rng.vec(n);
         let dy = rng.vec(n);
         let r = twice("silu", || {
-            let (ta, tb, tdy) = (Tensor::from_f32(gpu, shape, &a, "a")?, Tensor::from_f32(gpu, shape, &b, "b")?, Tensor::from_f32(gpu, shape, &dy, "dy")?);
+            let (ta, tb, tdy) = (
+                Tensor::from_f32(gpu, shape, &a, "a")?,
+                Tensor::from_f32(gpu, shape, &b, "b")?,
+                Tensor::from_f32(gpu, shape, &dy, "dy")?,
+            );
             let mut rec = gpu.recorder("silu");
             let y = silu(&mut rec, &ta)?;
             let da = silu_backward(&mut rec, &ta, &tdy)?;
             let z = swiglu(&mut rec, &ta, &tb)?;
             let (ga, gb) = swiglu_backward(&mut rec, &ta, &tb, &tdy)?;
             rec.submit()?;
-            Ok(vec![y.read_f32(gpu)?, da.read_f32(gpu)?, z.read_f32(gpu)?, ga.read_f32(gpu)?, gb.read_f32(gpu)?])
+            Ok(vec![
+                y.read_f32(gpu)?,
+                da.read_f32(gpu)?,
+                z.read_f32(gpu)?,
+                ga.read_f32(gpu)?,
+                gb.read_f32(gpu)?,
+            ])
         });
         let (ad, bd, dyd) = (widen(&a), widen(&b), widen(&dy));
         let (ga, gb) = cpu::swiglu_backward(&ad, &bd, &dyd);
-        let want = [cpu::silu(&ad), cpu::silu_backward(&ad, &dyd), cpu::swiglu(&ad, &bd), ga, gb];
-        let names = ["silu", "silu backward", "swiglu", "swiglu backward (da)", "swiglu backward (db)"];
+        let want = [
+            cpu::silu(&ad),
+            cpu::silu_backward(&ad, &dyd),
+            cpu::swiglu(&ad, &bd),
+            ga,
+            gb,
+        ];
+        let names = [
+            "silu",
+            "silu backward",
+            "swiglu",
+            "swiglu backward (da)",
+            "swiglu backward (db)",
+        ];
         for (k, name) in names.iter().enumerate() {
             // The derivative's two terms can cancel: scale by their magnitudes.
             let scale: Vec<f64> = (0..n)

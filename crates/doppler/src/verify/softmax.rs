@@ -34,10 +34,16 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 let dx = cpu::softmax_backward(&gy, &widen(&dy), d);
                 let tol = Tolerance::sum(d);
                 // exp(x - max) carries |x - max| * eps; the sum carries log2(d) roundings.
-                let y_scale: Vec<f64> = y.iter().zip(&x).map(|(v, &xv)| v * (1.0 + 2.0 * (xv.abs() as f64 + 10.0))).collect();
+                let y_scale: Vec<f64> = y
+                    .iter()
+                    .zip(&x)
+                    .map(|(v, &xv)| v * (1.0 + 2.0 * (xv.abs() as f64 + 10.0)))
+                    .collect();
                 let mut dx_scale = vec![0.0; len];
                 for r in 0..len / d {
-                    let dot: f64 = (0..d).map(|c| (dy[r * d + c] as f64 * gy[r * d + c]).abs()).sum();
+                    let dot: f64 = (0..d)
+                        .map(|c| (dy[r * d + c] as f64 * gy[r * d + c]).abs())
+                        .sum();
                     for c in 0..d {
                         let k = r * d + c;
                         dx_scale[k] = gy[k].abs() * (dy[k].abs() as f64 + dot);

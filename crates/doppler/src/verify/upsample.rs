@@ -3,7 +3,9 @@
 use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::gpu::{Gpu, Tensor};
-use crate::ops::upsample::{pixel_shuffle, pixel_shuffle_backward, upsample_nearest2d, upsample_nearest2d_backward};
+use crate::ops::upsample::{
+    pixel_shuffle, pixel_shuffle_backward, upsample_nearest2d, upsample_nearest2d_backward,
+};
 use crate::reference::{upsample as cpu, widen};
 
 /// (input NCHW, kind, sh, sw): odd sizes with batch; a 1x1 image; more than 65535 x 256
@@ -25,33 +27,58 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let mut rng = Rng::new(1700 + i as u64);
         let x = rng.vec(len);
         let dy = rng.vec(len * if shuffle { 1 } else { sh * sw });
-        let out_shape = if shuffle { [n, c / (sh * sw), h * sh, w * sw] } else { [n, c, h * sh, w * sw] };
+        let out_shape = if shuffle {
+            [n, c / (sh * sw), h * sh, w * sw]
+        } else {
+            [n, c, h * sh, w * sw]
+        };
         let r = twice(op, || {
             let tx = Tensor::from_f32(gpu, &shape, &x, "x")?;
             let tdy = Tensor::from_f32(gpu, &out_shape, &dy, "dy")?;
             let mut rec = gpu.recorder(op);
             let (y, dx) = if shuffle {
-                (pixel_shuffle(&mut rec, &tx, sh)?, pixel_shuffle_backward(&mut rec, &tdy, sh)?)
+                (
+                    pixel_shuffle(&mut rec, &tx, sh)?,
+                    pixel_shuffle_backward(&mut rec, &tdy, sh)?,
+                )
             } else {
-                (upsample_nearest2d(&mut rec, &tx, sh, sw)?, upsample_nearest2d_backward(&mut rec, &tdy, sh, sw)?)
+                (
+                    upsample_nearest2d(&mut rec, &tx, sh, sw)?,
+                    upsample_nearest2d_backward(&mut rec, &tdy, sh, sw)?,
+                )
             };
             rec.submit()?;
             Ok(vec![y.read_f32(gpu)?, dx.read_f32(gpu)?])
         });
         let (xd, dyd) = (widen(&x), widen(&dy));
         let (y, dx, mag) = if shuffle {
-            (cpu::pixel_shuffle(&xd, shape, sh), cpu::pixel_shuffle_backward(&dyd, shape, sh), None)
+            (
+                cpu::pixel_shuffle(&xd, shape, sh),
+                cpu::pixel_shuffle_backward(&dyd, shape, sh),
+                None,
+            )
         } else {
             let abs: Vec<f64> = dyd.iter().map(|v| v.abs()).collect();
             let mag = cpu::upsample_nearest2d_backward(&abs, h, w, sh, sw);
-            (cpu::upsample_nearest2d(&xd, h, w, sh, sw), cpu::upsample_nearest2d_backward(&dyd, h, w, sh, sw), Some(mag))
+            (
+                cpu::upsample_nearest2d(&xd, h, w, sh, sw),
+                cpu::upsample_nearest2d_backward(&dyd, h, w, sh, sw),
+                Some(mag),
+            )
         };
         let bwd_name = format!("{op} backward");
         let (fwd, bwd) = match r {
             Err(e) => (Err(e.clone()), Err(e)),
             Ok(got) => (
                 compare(op, &got[0], &y, None, Tolerance::ELEMENTWISE).map_err(s),
-                compare(&bwd_name, &got[1], &dx, mag.as_deref(), Tolerance::sum(sh * sw)).map_err(s),
+                compare(
+                    &bwd_name,
+                    &got[1],
+                    &dx,
+                    mag.as_deref(),
+                    Tolerance::sum(sh * sw),
+                )
+                .map_err(s),
             ),
         };
         let what = format!("{shape:?} x{sh}x{sw}");

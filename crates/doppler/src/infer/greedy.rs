@@ -1,0 +1,97 @@
+//! Greedy decoding with the argmax on the GPU, pipelined. Each step reads its token id
+//! from a GPU buffer, where the previous step's argmax wrote it, so step i + 1 can be
+//! recorded and submitted before step i's token is back on the host: the host records one
+//! step while the GPU runs the other, and only 4 bytes a token come back.
+
+use std::collections::VecDeque;
+
+use super::PREFILL_CHUNK;
+use crate::error::{Error, Result};
+use crate::gpu::{DType, Gpu, Readback, Tensor};
+use crate::models::llama::Llama;
+use crate::ops::kvcache::KvCache;
+use crate::ops::reduce::argmax_rows_into;
+
+pub struct GreedyDecoder {
+    /// (1) u32: the token the next step runs (the last submitted step's choice).
+    ids: Tensor,
+    /// Tokens chosen by submitted steps and not read yet, oldest first.
+    pending: VecDeque<Readback>,
+}
+
+impl GreedyDecoder {
+    pub fn new(gpu: &Gpu) -> Result<GreedyDecoder> {
+        Ok(GreedyDecoder {
+            ids: Tensor::empty(gpu, &[1], DType::U32, "greedy.ids")?,
+            pending: VecDeque::new(),
+        })
+    }
+
+    /// Runs `prompt` after what `cache` holds, in chunks of [`PREFILL_CHUNK`]; the argmax
+    /// of the last position's logits becomes the first pending token.
+    pub fn prefill(
+        &mut self,
+        gpu: &Gpu,
+        llama: &Llama,
+        cache: &mut KvCache,
+        prompt: &[u32],
+    ) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(Error::Invalid {
+                op: "generate",
+                detail: "empty prompt".into(),
+            });
+        }
+        let chunks = prompt.len().div_ceil(PREFILL_CHUNK);
+        for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
+            let mut rec = gpu.recorder("prefill");
+            let logits = llama.forward(&mut rec, chunk, cache, false)?;
+            if i + 1 == chunks {
+                argmax_rows_into(&mut rec, &logits, &self.ids)?;
+                self.pending.push_back(rec.read_later(&self.ids)?);
+            }
+            submit(gpu, rec)?;
+        }
+        Ok(())
+    }
+
+    /// Submits one step over the last submitted step's token (read or not): its key and
+    /// value enter the cache, and the argmax of its logits becomes a pending token.
+    pub fn step(&mut self, gpu: &Gpu, llama: &Llama, cache: &mut KvCache) -> Result<()> {
+        if self.pending.is_empty() {
+            return Err(Error::Invalid {
+                op: "generate",
+                detail: "a greedy step needs a prefill first".into(),
+            });
+        }
+        let mut rec = gpu.recorder("decode");
+        let logits = llama.forward_ids(&mut rec, &self.ids, cache, false)?;
+        argmax_rows_into(&mut rec, &logits, &self.ids)?;
+        self.pending.push_back(rec.read_later(&self.ids)?);
+        submit(gpu, rec)
+    }
+
+    /// Number of submitted steps whose token has not been read.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// The oldest pending token; waits for the step that chose it, not for later ones.
+    pub fn next_token(&mut self, gpu: &Gpu) -> Result<u32> {
+        let r = self.pending.pop_front().ok_or_else(|| Error::Invalid {
+            op: "generate",
+            detail: "no pending token".into(),
+        })?;
+        Ok(r.read_u32(gpu)?[0])
+    }
+}
+
+/// Submits without waiting, unless a kernel checks its input on the GPU (then its error
+/// comes back here).
+fn submit(gpu: &Gpu, rec: crate::gpu::Recorder<'_>) -> Result<()> {
+    let sub = rec.submit()?;
+    if sub.has_checks() {
+        sub.wait(gpu)?;
+    }
+    Ok(())
+}
