@@ -17,6 +17,8 @@ pub struct GreedyDecoder {
     ids: Tensor,
     /// Tokens chosen by submitted steps and not read yet, oldest first.
     pending: VecDeque<Readback>,
+    /// Whether a prefill has put a token into `ids`.
+    primed: bool,
 }
 
 impl GreedyDecoder {
@@ -24,6 +26,7 @@ impl GreedyDecoder {
         Ok(GreedyDecoder {
             ids: Tensor::empty(gpu, &[1], DType::U32, "greedy.ids")?,
             pending: VecDeque::new(),
+            primed: false,
         })
     }
 
@@ -49,6 +52,7 @@ impl GreedyDecoder {
             if i + 1 == chunks {
                 argmax_rows_into(&mut rec, &logits, &self.ids)?;
                 self.pending.push_back(rec.read_later(&self.ids)?);
+                self.primed = true;
             }
             submit(gpu, rec)?;
         }
@@ -58,7 +62,7 @@ impl GreedyDecoder {
     /// Submits one step over the last submitted step's token (read or not): its key and
     /// value enter the cache, and the argmax of its logits becomes a pending token.
     pub fn step(&mut self, gpu: &Gpu, llama: &Llama, cache: &mut KvCache) -> Result<()> {
-        if self.pending.is_empty() {
+        if !self.primed {
             return Err(Error::Invalid {
                 op: "generate",
                 detail: "a greedy step needs a prefill first".into(),

@@ -17,7 +17,8 @@
 //                k, then a fixed tree (a row's sum does not depend on m)
 //   qmatmul      the same product for many rows of x: 64 x 64 output tiles, k in slabs of
 //                16 staged (W dequantized on the way) in workgroup memory, 4 x 4 a thread
-// Both read 4 consecutive elements at a time (value4) when k is a multiple of 4.
+// Both read 4 consecutive elements at a time (value4) when k is a multiple of 4; qmatvec
+// reads runs of 32 (run32: scales decoded once a run) when k is a multiple of 32.
 // Sums run in a fixed order: the same inputs give the same bits.
 
 struct Params {
@@ -206,6 +207,74 @@ fn value4(i: u32) -> vec4<f32> {
     }
 }
 
+// Elements i..i+32 (i a multiple of 32: one block, or one 32-element sub-block of a
+// K-quant block), as 8 vec4s: the block's scales are decoded once for all 32, and the
+// quants come a word (4 or 8 elements) at a time.
+fn run32(i: u32) -> array<vec4<f32>, 8> {
+    var o: array<vec4<f32>, 8>;
+    switch (TYPE) {
+        case 2u: {
+            let b = (i / 32u) * 18u;
+            let d = half(b);
+            for (var w = 0u; w < 4u; w++) {
+                let q = word_at(b + 2u + 4u * w);
+                o[w] = (nibbles4(q, false) - 8.0) * d;
+                o[w + 4u] = (nibbles4(q, true) - 8.0) * d;
+            }
+        }
+        case 3u: {
+            let b = (i / 32u) * 5u;   // in words: 20-byte blocks are word-aligned
+            let dm = unpack2x16float(src[b]);
+            for (var w = 0u; w < 4u; w++) {
+                let q = src[b + 1u + w];
+                o[w] = nibbles4(q, false) * dm.x + dm.y;
+                o[w + 4u] = nibbles4(q, true) * dm.x + dm.y;
+            }
+        }
+        case 8u: {
+            let b = (i / 32u) * 34u;
+            let d = half(b);
+            for (var w = 0u; w < 8u; w++) {
+                let q = bitcast<i32>(word_at(b + 2u + 4u * w));
+                o[w] = vec4<f32>(f32((q << 24u) >> 24u), f32((q << 16u) >> 24u), f32((q << 8u) >> 24u), f32(q >> 24u)) * d;
+            }
+        }
+        case 12u: {
+            let b = (i / 256u) * 144u;   // word-aligned blocks
+            let r = (i % 256u) / 32u;    // sub-block
+            let sm = scale_min(b + 4u, r);
+            let dm = unpack2x16float(src[b >> 2u]);
+            let sc = dm.x * sm.x;
+            let mn = dm.y * sm.y;
+            let q0 = (b + 16u + 32u * (r / 2u)) >> 2u;
+            for (var w = 0u; w < 8u; w++) {
+                o[w] = nibbles4(src[q0 + w], (r & 1u) == 1u) * sc - mn;
+            }
+        }
+        case 14u: {
+            let b = (i / 256u) * 210u;
+            let j = i % 256u;
+            let n = j / 128u;
+            let run = (j % 128u) / 32u;
+            let d = half(b + 208u);
+            let s0 = d * signed8(b + 192u + 8u * n + 2u * run);
+            let s1 = d * signed8(b + 193u + 8u * n + 2u * run);
+            for (var w = 0u; w < 8u; w++) {
+                let ql = word_at(b + 64u * n + 32u * (run & 1u) + 4u * w);
+                let qh = word_at(b + 128u + 32u * n + 4u * w) >> (2u * run);
+                let hb = vec4<f32>(f32(qh & 3u), f32((qh >> 8u) & 3u), f32((qh >> 16u) & 3u), f32((qh >> 24u) & 3u));
+                o[w] = (nibbles4(ql, run >= 2u) + hb * 16.0 - 32.0) * select(s0, s1, w >= 4u);
+            }
+        }
+        default: {
+            for (var w = 0u; w < 8u; w++) {
+                o[w] = value4(i + 4u * w);
+            }
+        }
+    }
+    return o;
+}
+
 @compute @workgroup_size(256)
 fn dequantize(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
@@ -290,7 +359,28 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     var ss: array<f32, 8>;   // NORM: sum of x^2 over this thread's columns
     if (nr > 0u && v < wr) {
         let wbase = w_row(v) * p.k;
-        if (p.k % 4u == 0u) {
+        if (p.k % 32u == 0u) {
+            // A run of 32 a thread (run32), 32 threads covering 1024 columns a pass.
+            for (var c = lane * 32u; c < p.k; c += 1024u) {
+                var w = run32(wbase + c);
+                for (var e = 0u; e < 8u; e++) {
+                    if (NORM) {
+                        w[e] *= nw4(c + 4u * e);
+                    }
+                }
+                for (var r = 0u; r < MV_X; r++) {
+                    if (r < nr) {
+                        for (var e = 0u; e < 8u; e++) {
+                            let xv = x4(r0 + r, c + 4u * e);
+                            acc[r] += dot(xv, w[e]);
+                            if (NORM) {
+                                ss[r] += dot(xv, xv);
+                            }
+                        }
+                    }
+                }
+            }
+        } else if (p.k % 4u == 0u) {
             for (var c = lane * 4u; c < p.k; c += 128u) {
                 let w = value4(wbase + c);
                 var wn = w;
