@@ -563,17 +563,18 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
     let scaling = md
         .get(&format!("{arch}.rope.scaling.type"))
         .and_then(Value::as_str);
-    let rope_linear =
-        match scaling {
-            None | Some("none") => None,
-            Some("linear") => Some(m.f64_or("rope.scaling.factor", 1.0)),
-            Some(other) => return Err(format_err(
+    let rope_linear = match scaling {
+        None | Some("none") => None,
+        Some("linear") => Some(m.f64_or("rope.scaling.factor", 1.0)),
+        Some(other) => {
+            return Err(format_err(
                 path,
                 format!(
                     "RoPE scaling {other:?} is not supported (none, linear, llama3 via rope_freqs)"
                 ),
-            )),
-        };
+            ))
+        }
+    };
     Ok(LlamaConfig {
         arch: arch.to_string(),
         n_layer: m.usize("block_count")?,

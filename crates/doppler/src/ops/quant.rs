@@ -35,6 +35,19 @@ static QMATVEC: Kernel = Kernel::new(
         (8, Read),
     ],
 );
+static QMATVEC1: Kernel = Kernel::new(
+    &QUANT,
+    "qmatvec1",
+    &[
+        (1, Read),
+        (2, ReadWrite),
+        (3, Read),
+        (5, Read),
+        (6, Read),
+        (7, Read),
+        (8, Read),
+    ],
+);
 static QMATMUL: Kernel = Kernel::new(
     &QUANT,
     "qmatmul",
@@ -52,6 +65,11 @@ static QMATMUL: Kernel = Kernel::new(
 /// Rows of x up to which [`qmatmul`] runs the matrix-vector kernel (it reads W once per 8
 /// rows; the tiled kernel computes 64-row tiles).
 pub const MATVEC_MAX_ROWS: usize = 32;
+
+/// Rows of W from which one row of x runs the decode kernel `qmatvec1` (32 rows of W a
+/// workgroup): below, it would leave a large GPU's cores idle (measured on the H200:
+/// faster from 6144 rows, slower at 4096), and the 8-rows-a-workgroup kernel runs.
+pub const MATVEC1_MIN_ROWS: usize = 5120;
 
 /// Types the kernel decodes.
 pub const SUPPORTED: &[&str] = &[
@@ -239,8 +257,9 @@ pub struct Fuse<'a> {
     pub swiglu: bool,
 }
 
-/// y (.., rows of W) = x (.., cols) @ W^T with W read in its encoding. Up to
-/// [`MATVEC_MAX_ROWS`] rows of x run the matrix-vector kernel, more the tiled one.
+/// y (.., rows of W) = x (.., cols) @ W^T with W read in its encoding. One row of x runs
+/// the decode kernel (cols a multiple of 32, at least [`MATVEC1_MIN_ROWS`] rows), up to [`MATVEC_MAX_ROWS`] rows the
+/// matrix-vector kernel, more the tiled one.
 pub fn qmatmul(rec: &mut Recorder<'_>, x: &Tensor, w: &QMatrix) -> Result<Tensor> {
     qmatmul_fused(rec, x, w, Fuse::default())
 }
@@ -303,7 +322,16 @@ pub fn qmatmul_fused(
     ];
     let nw = fuse.norm.map_or(x, |n| n.0);
     let res = fuse.residual.unwrap_or(x);
-    if m <= MATVEC_MAX_ROWS {
+    if m == 1 && w.cols % 32 == 0 && w.rows >= MATVEC1_MIN_ROWS {
+        // One row (decode): 32 rows of W a workgroup sharing their reads of x.
+        rec.dispatch(
+            &QMATVEC1,
+            &c,
+            bytemuck::bytes_of(&p),
+            &[&w.raw, &y, x, nw, res, x, nw],
+            Grid::Linear(w.rows.div_ceil(32) as u64),
+        )?;
+    } else if m <= MATVEC_MAX_ROWS {
         let groups = w.rows.div_ceil(8) * m.div_ceil(8);
         rec.dispatch(
             &QMATVEC,

@@ -15,6 +15,8 @@
 //   qmatvec      y[r, j] = sum_c x[r, c] * value(j * k + c)     (n / 8) * (m / 8) groups:
 //                8 rows of W x 8 rows of x a workgroup, 32 threads a row of W striding over
 //                k, then a fixed tree (a row's sum does not depend on m)
+//   qmatvec1     the same for one row of x and k a multiple of 32 (decode): 32 rows of W
+//                a workgroup, 4 a group of 32 threads sharing their loads of x
 //   qmatmul      the same product for many rows of x: 64 x 64 output tiles, k in slabs of
 //                16 staged (W dequantized on the way) in workgroup memory, 4 x 4 a thread
 // Both read 4 consecutive elements at a time (value4) when k is a multiple of 4; qmatvec
@@ -449,6 +451,81 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
                 }
             } else {
                 dst[(r0 + r) * p.n + v] = finish(r0 + r, v, mv_part[r][lid] * scale);
+            }
+        }
+    }
+}
+
+// qmatvec for one row of x (decode), k a multiple of 32: a thread's run of x (times the
+// norm weight) is loaded once and serves MV1_RW rows of W, so activation reads do not
+// outnumber weight reads. 8 groups of 32 threads, MV1_RW rows of W each.
+const MV1_RW: u32 = 4u;
+var<workgroup> mv1_part: array<array<f32, 256>, 4>;   // [row of W in the group][thread]
+var<workgroup> mv1_ss: array<f32, 256>;
+
+@compute @workgroup_size(256)
+fn qmatvec1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let g = wid.x + wid.y * nwg.x;
+    let lane = lid % 32u;
+    let v0 = (g * 8u + lid / 32u) * MV1_RW;   // first (virtual) output column of the group
+    let wr = w_rows();
+    var acc = vec4<f32>(0.0);
+    var ss = 0.0;
+    if (v0 < wr) {
+        for (var c = lane * 32u; c < p.k; c += 1024u) {
+            var xs: array<vec4<f32>, 8>;
+            for (var e = 0u; e < 8u; e++) {
+                let xv = x4(0u, c + 4u * e);
+                xs[e] = xv;
+                if (NORM) {
+                    ss += dot(xv, xv);
+                    xs[e] = xv * nw4(c + 4u * e);
+                }
+            }
+            for (var q = 0u; q < MV1_RW; q++) {
+                if (v0 + q < wr) {
+                    let w = run32(w_row(v0 + q) * p.k + c);
+                    var sum = 0.0;
+                    for (var e = 0u; e < 8u; e++) {
+                        sum += dot(xs[e], w[e]);
+                    }
+                    acc[q] += sum;
+                }
+            }
+        }
+    }
+    for (var q = 0u; q < MV1_RW; q++) {
+        mv1_part[q][lid] = acc[q];
+    }
+    mv1_ss[lid] = ss;
+    workgroupBarrier();
+    for (var s = 16u; s > 0u; s >>= 1u) {
+        if (lane < s) {
+            for (var q = 0u; q < MV1_RW; q++) {
+                mv1_part[q][lid] += mv1_part[q][lid + s];
+            }
+            mv1_ss[lid] += mv1_ss[lid + s];
+        }
+        workgroupBarrier();
+    }
+    if (lane == 0u) {
+        var scale = 1.0;
+        if (NORM) {
+            // Every group's threads cover all of k: its own sum of squares is the row's.
+            scale = inverseSqrt(mv1_ss[lid] / f32(p.k) + bitcast<f32>(p.eps));
+        }
+        for (var q = 0u; q < MV1_RW; q++) {
+            let v = v0 + q;
+            if (v < wr) {
+                if (SWIGLU) {
+                    // v0 is a multiple of 4: gate (even v) and up (v + 1) are both here.
+                    if ((v & 1u) == 0u) {
+                        dst[v / 2u] = silu(mv1_part[q][lid] * scale) * (mv1_part[q + 1u][lid] * scale);
+                    }
+                } else {
+                    dst[v] = finish(0u, v, mv1_part[q][lid] * scale);
+                }
             }
         }
     }

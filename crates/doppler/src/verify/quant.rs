@@ -8,7 +8,8 @@ use crate::check::{compare, Rng, Tolerance};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
 use crate::ops::quant::{
-    dequantize, get_rows, qmatmul, qmatmul_fused, Fuse, QMatrix, MATVEC_MAX_ROWS, SUPPORTED,
+    dequantize, get_rows, qmatmul, qmatmul_fused, Fuse, QMatrix, MATVEC1_MIN_ROWS, MATVEC_MAX_ROWS,
+    SUPPORTED,
 };
 use crate::reference::quant as cpu;
 
@@ -201,20 +202,26 @@ pub(super) fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 
 /// The fused products against f64: RMSNorm before with SwiGLU of stacked gate/up rows, and
 /// a residual added after; for one 32-element type, one K-quant, and f32 with an odd width
-/// (scalar path); on 1, 31 and 2 x 67 rows of x (both kernels).
+/// (scalar path); on 1, 31 and 2 x 67 rows of x (both kernels); and a K-quant W tall
+/// enough for the one-row decode kernel.
 pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    for (i, (name, cols)) in [("Q4_1", 96usize), ("Q4_K", 512), ("F32", 70)]
-        .into_iter()
-        .enumerate()
-    {
+    let all = vec![vec![1usize], vec![MATVEC_MAX_ROWS - 1], vec![2, 67]];
+    // (type, cols, rows of W: half gate, half up, shapes of x). The last has enough rows
+    // for the one-row decode kernel (qmatvec1).
+    let cases = [
+        ("Q4_1", 96usize, 38usize, all.clone()),
+        ("Q4_K", 512, 38, all.clone()),
+        ("F32", 70, 38, all),
+        ("Q4_K", 512, MATVEC1_MIN_ROWS + 6, vec![vec![1]]),
+    ];
+    for (i, (name, cols, rows, shapes)) in cases.into_iter().enumerate() {
         let ty = GgmlType::from_name(name).expect("known type");
-        let rows = 38usize; // 19 gate + 19 up
         let mut rng = Rng::new(3900 + i as u64);
         let raw = random_blocks(name, rows * cols, &mut rng);
         let w = cpu::dequantize(ty, &raw, rows * cols).expect("dequantizes");
         let nw: Vec<f32> = rng.vec(cols).iter().map(|v| 1.0 + 0.5 * v).collect();
         let eps = 1e-5f32;
-        for shape in [vec![1usize], vec![MATVEC_MAX_ROWS - 1], vec![2, 67]] {
+        for shape in shapes {
             let m: usize = shape.iter().product();
             let xv = rng.vec(m * cols);
             let resv = rng.vec(m * rows);
