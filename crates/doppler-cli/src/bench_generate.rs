@@ -195,7 +195,8 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
     // One prefill + decode round first: pipelines compile, buffers enter the pool. Decoding
     // is greedy with the argmax on the GPU and the next step submitted before the last
     // token is read (doppler::infer::greedy, as `generate` does at temperature 0).
-    let round = |cache: &mut doppler::ops::kvcache::KvCache,
+    let mut split = (0.0, 0.0);
+    let mut round = |cache: &mut doppler::ops::kvcache::KvCache,
                  decode: usize|
      -> doppler::Result<(f64, Vec<f64>, Vec<usize>, f64, f64, u64)> {
         cache.len = 0;
@@ -239,6 +240,8 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         let cpu_ms = (cpu_seconds() - cpu0) * 1e3;
         let binds = gpu.bind_group_stats();
         drop(step);
+        let n = decode.max(1) as f64;
+        split = (dec.record_ms / n, dec.submit_ms / n);
         Ok((
             prefill_ms,
             per_token,
@@ -286,6 +289,8 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         "token_ms_p95": pct(&per_token, 0.95),
         "dispatches_per_token": dispatches.iter().sum::<usize>() as f64 / n,
         "record_ms_per_token": record_ms / n,
+        "ops_ms_per_token": split.0,
+        "submit_ms_per_token": split.1,
         "cpu_ms_per_token": cpu_ms / n,
         "bind_groups_built_per_token": built as f64 / n,
         "weight_gb_s_at_p50": llama.weight_bytes as f64 / (p50 / 1e3) / 1e9,

@@ -19,6 +19,10 @@ pub struct GreedyDecoder {
     pending: VecDeque<Readback>,
     /// Whether a prefill has put a token into `ids`.
     primed: bool,
+    /// Host time spent in [`GreedyDecoder::step`]: recording the ops, and submitting them
+    /// (encoding, bind groups, the queue submit).
+    pub record_ms: f64,
+    pub submit_ms: f64,
 }
 
 impl GreedyDecoder {
@@ -27,6 +31,8 @@ impl GreedyDecoder {
             ids: Tensor::empty(gpu, &[1], DType::U32, "greedy.ids")?,
             pending: VecDeque::new(),
             primed: false,
+            record_ms: 0.0,
+            submit_ms: 0.0,
         })
     }
 
@@ -68,11 +74,16 @@ impl GreedyDecoder {
                 detail: "a greedy step needs a prefill first".into(),
             });
         }
+        let t = std::time::Instant::now();
         let mut rec = gpu.recorder("decode");
         let logits = llama.forward_ids(&mut rec, &self.ids, cache, false)?;
         argmax_rows_into(&mut rec, &logits, &self.ids)?;
         self.pending.push_back(rec.read_later(&self.ids)?);
-        submit(gpu, rec)
+        let recorded = std::time::Instant::now();
+        self.record_ms += (recorded - t).as_secs_f64() * 1e3;
+        submit(gpu, rec)?;
+        self.submit_ms += recorded.elapsed().as_secs_f64() * 1e3;
+        Ok(())
     }
 
     /// Number of submitted steps whose token has not been read.

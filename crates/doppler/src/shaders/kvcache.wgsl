@@ -87,9 +87,20 @@ fn load_q(t: u32, h: u32, lid: u32) {
 }
 
 // scale * (qs . the cached key whose first float is kb).
+// Loops over cache rows load 4 rows before using any (unrolled by hand): a load's latency
+// is then paid once per 4 rows, not once per row.
 fn score(kb: u32) -> f32 {
+    let d4 = p.d / 4u;
     var dot4 = vec4<f32>(0.0);
-    for (var e = 0u; e < p.d / 4u; e++) {
+    var e = 0u;
+    for (; e + 4u <= d4; e += 4u) {
+        let a = k4(kb + 4u * e);
+        let b = k4(kb + 4u * e + 4u);
+        let c = k4(kb + 4u * e + 8u);
+        let d = k4(kb + 4u * e + 12u);
+        dot4 += qs[e] * a + qs[e + 1u] * b + qs[e + 2u] * c + qs[e + 3u] * d;
+    }
+    for (; e < d4; e++) {
         dot4 += qs[e] * k4(kb + 4u * e);
     }
     return (dot4.x + dot4.y + dot4.z + dot4.w) * p.scale;
@@ -148,8 +159,17 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
         acc *= alpha;
         if (grp < groups) {
             let n = min(WG, nkeys - c0);
-            for (var jj = grp; jj < n; jj += groups) {
-                acc += sc[jj] * v4((c0 + jj) * stride + base + 4u * dim4);
+            let vb = base + 4u * dim4;
+            var jj = grp;
+            for (; jj + 3u * groups < n; jj += 4u * groups) {
+                let a = v4((c0 + jj) * stride + vb);
+                let b = v4((c0 + jj + groups) * stride + vb);
+                let c = v4((c0 + jj + 2u * groups) * stride + vb);
+                let d = v4((c0 + jj + 3u * groups) * stride + vb);
+                acc += sc[jj] * a + sc[jj + groups] * b + sc[jj + 2u * groups] * c + sc[jj + 3u * groups] * d;
+            }
+            for (; jj < n; jj += groups) {
+                acc += sc[jj] * v4((c0 + jj) * stride + vb);
             }
         }
     }
@@ -230,8 +250,17 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     var acc = vec4<f32>(0.0);
     if (grp < groups && k0 < nkeys) {
         let n = min(SPLIT, nkeys - k0);
-        for (var jj = grp; jj < n; jj += groups) {
-            acc += sc64[jj] * v4((k0 + jj) * stride + base + 4u * dim4);
+        let vb = base + 4u * dim4;
+        var jj = grp;
+        for (; jj + 3u * groups < n; jj += 4u * groups) {
+            let a = v4((k0 + jj) * stride + vb);
+            let b = v4((k0 + jj + groups) * stride + vb);
+            let c = v4((k0 + jj + 2u * groups) * stride + vb);
+            let d = v4((k0 + jj + 3u * groups) * stride + vb);
+            acc += sc64[jj] * a + sc64[jj + groups] * b + sc64[jj + 2u * groups] * c + sc64[jj + 3u * groups] * d;
+        }
+        for (; jj < n; jj += groups) {
+            acc += sc64[jj] * v4((k0 + jj) * stride + vb);
         }
     }
     red4[lid] = select(vec4<f32>(0.0), acc, grp < groups);
@@ -261,12 +290,18 @@ fn attend_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let ns = splits();
     let w = p.d + 2u;
     var mx = -3.0e38;
-    for (var sp = 0u; sp < ns; sp++) {
+    var sp = 0u;
+    for (; sp + 4u <= ns; sp += 4u) {
+        let b = (th * ns + sp) * w + p.d;
+        let m4 = vec4<f32>(part[b], part[b + w], part[b + 2u * w], part[b + 3u * w]);
+        mx = max(mx, max(max(m4.x, m4.y), max(m4.z, m4.w)));
+    }
+    for (; sp < ns; sp++) {
         mx = max(mx, part[(th * ns + sp) * w + p.d]);
     }
     var l = 0.0;
     var acc = vec4<f32>(0.0);
-    for (var sp = 0u; sp < ns; sp++) {
+    for (sp = 0u; sp < ns; sp++) {
         let b = (th * ns + sp) * w;
         let f = exp(part[b + p.d] - mx);
         l += f * part[b + p.d + 1u];
