@@ -197,7 +197,7 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
     // token is read (doppler::infer::greedy, as `generate` does at temperature 0).
     let mut split = (0.0, 0.0);
     let mut round = |cache: &mut doppler::ops::kvcache::KvCache,
-                 decode: usize|
+                     decode: usize|
      -> doppler::Result<(f64, Vec<f64>, Vec<usize>, f64, f64, u64)> {
         cache.len = 0;
         let mut dec = GreedyDecoder::new(gpu)?;

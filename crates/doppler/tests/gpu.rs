@@ -557,6 +557,11 @@ fn fused_quantized_products_match_reference() {
 }
 
 #[test]
+fn attention_merged_into_the_o_product_matches_the_two_step_path() {
+    assert_checks("qmatvec_merged", 2);
+}
+
+#[test]
 fn rope_store_matches_reference() {
     assert_checks("rope_store", 2);
 }

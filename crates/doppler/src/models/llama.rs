@@ -21,8 +21,8 @@ use std::collections::BTreeMap;
 use crate::error::{Error, Result};
 use crate::formats::gguf::{GgmlType, Value};
 use crate::gpu::{DType, Gpu, Recorder, Tensor};
-use crate::ops::kvcache::{kv_attend, rope_store, KvCache};
-use crate::ops::quant::{get_rows, qmatmul_fused, Fuse, QMatrix};
+use crate::ops::kvcache::{kv_attend, kv_attend_parts, rope_store, KvCache};
+use crate::ops::quant::{get_rows, qmatmul_fused, qmatvec_merged, Fuse, QMatrix, MERGE_MAX_WIDTH};
 use crate::ops::rope::{inv_freq, Pairing, RopeTable};
 
 /// Architectures this decoder runs.
@@ -426,17 +426,25 @@ impl Llama {
                 &cache.v[li],
                 pos,
             )?;
-            let a =
-                kv_attend(rec, &q, &cache.k[li], &cache.v[li], pos)?.reshape(&[t, c.n_head * d])?;
-            x = qmatmul_fused(
-                rec,
-                &a,
-                &l.o,
-                Fuse {
-                    residual: Some(&x),
-                    ..Default::default()
-                },
-            )?;
+            // One token over many keys: the attention's key ranges are merged inside the
+            // o product (one dispatch fewer a layer).
+            let parts = if t == 1 && c.n_head * d <= MERGE_MAX_WIDTH {
+                kv_attend_parts(rec, &q, &cache.k[li], &cache.v[li], pos)?
+            } else {
+                None
+            };
+            x = match parts {
+                Some(parts) => qmatvec_merged(rec, &parts, &l.o, Some(&x))?,
+                None => {
+                    let a = kv_attend(rec, &q, &cache.k[li], &cache.v[li], pos)?
+                        .reshape(&[t, c.n_head * d])?;
+                    let fuse = Fuse {
+                        residual: Some(&x),
+                        ..Default::default()
+                    };
+                    qmatmul_fused(rec, &a, &l.o, fuse)?
+                }
+            };
             let g = qmatmul_fused(
                 rec,
                 &x,

@@ -164,6 +164,60 @@ pub fn kv_store(rec: &mut Recorder<'_>, cache: &Tensor, x: &Tensor, pos: usize) 
     )
 }
 
+/// A token's attention split over key ranges and not merged yet: `part` (Hq, splits, D + 2)
+/// holds each range's unnormalised output, max score and sum of exponentials. A product
+/// can merge it on the way in ([`crate::ops::quant::qmatvec_merged`]).
+pub struct AttnParts {
+    pub part: Tensor,
+    pub heads: usize,
+    pub d: usize,
+    pub splits: usize,
+}
+
+/// The first half of [`kv_attend`] when it splits the keys into ranges (one query over at
+/// least [`SPLIT_MIN_KEYS`] keys): the ranges' partial results. None when it would not split.
+pub fn kv_attend_parts(
+    rec: &mut Recorder<'_>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pos: usize,
+) -> Result<Option<AttnParts>> {
+    expect_f32("kv_attend", q)?;
+    let p = params(q.shape(), k.shape(), pos, "q")?;
+    if k.shape() != v.shape() {
+        return Err(Error::Shape {
+            op: "kv_attend",
+            detail: format!("k cache {:?} vs v cache {:?}", k.shape(), v.shape()),
+        });
+    }
+    let (t, keys) = (p.t as usize, pos + p.t as usize);
+    if t > SPLIT_MAX_QUERIES || keys < SPLIT_MIN_KEYS {
+        return Ok(None);
+    }
+    let splits = keys.div_ceil(SPLIT);
+    let rows = t * p.hq as usize * splits;
+    let part = Tensor::empty(
+        rec.gpu(),
+        &[rows, p.d as usize + 2],
+        DType::F32,
+        "kv_attend.part",
+    )?;
+    rec.dispatch(
+        &ATTEND_PART,
+        &[],
+        bytemuck::bytes_of(&p),
+        &[q, k, v, &part],
+        Grid::Linear(rows as u64),
+    )?;
+    Ok(Some(AttnParts {
+        part,
+        heads: t * p.hq as usize,
+        d: p.d as usize,
+        splits,
+    }))
+}
+
 /// Causal attention of q (T, Hq, D), the tokens at pos..pos+T, over the cached keys and
 /// values 0..pos+T (the new ones stored already). Scale 1/sqrt(D). Up to
 /// [`SPLIT_MAX_QUERIES`] queries over at least [`SPLIT_MIN_KEYS`] keys split the keys into
@@ -175,47 +229,24 @@ pub fn kv_attend(
     v: &Tensor,
     pos: usize,
 ) -> Result<Tensor> {
-    expect_f32("kv_attend", q)?;
-    let p = params(q.shape(), k.shape(), pos, "q")?;
-    if k.shape() != v.shape() {
-        return Err(Error::Shape {
-            op: "kv_attend",
-            detail: format!("k cache {:?} vs v cache {:?}", k.shape(), v.shape()),
-        });
-    }
     let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend.o")?;
-    let (t, keys) = (p.t as usize, pos + p.t as usize);
-    if t <= SPLIT_MAX_QUERIES && keys >= SPLIT_MIN_KEYS {
-        let splits = keys.div_ceil(SPLIT);
-        let rows = t * p.hq as usize * splits;
-        let part = Tensor::empty(
-            rec.gpu(),
-            &[rows, p.d as usize + 2],
-            DType::F32,
-            "kv_attend.part",
-        )?;
-        rec.dispatch(
-            &ATTEND_PART,
-            &[],
-            bytemuck::bytes_of(&p),
-            &[q, k, v, &part],
-            Grid::Linear(rows as u64),
-        )?;
-        rec.dispatch(
+    let parts = kv_attend_parts(rec, q, k, v, pos)?;
+    let p = params(q.shape(), k.shape(), pos, "q")?;
+    match parts {
+        Some(parts) => rec.dispatch(
             &ATTEND_MERGE,
             &[],
             bytemuck::bytes_of(&p),
-            &[&o, &part],
+            &[&o, &parts.part],
             Grid::Linear((p.t * p.hq) as u64),
-        )?;
-    } else {
-        rec.dispatch(
+        )?,
+        None => rec.dispatch(
             &ATTEND,
             &[],
             bytemuck::bytes_of(&p),
             &[q, k, v, &o],
             Grid::Linear((p.t * p.hq) as u64),
-        )?;
+        )?,
     }
     Ok(o)
 }

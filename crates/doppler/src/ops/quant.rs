@@ -3,19 +3,24 @@
 //! kept). Shader: `quant.wgsl` (block layouts in its header; the CPU oracle is
 //! `reference::quant`).
 
+use super::kvcache::AttnParts;
 use crate::error::{Error, Result};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Binding::*, DType, Grid, Kernel, Recorder, Tensor};
 use crate::shaders::QUANT;
 
 #[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct Params {
     pub n: u32,
     pub m: u32,
     pub k: u32,
     /// RMSNorm epsilon of a fused product (f32 bits).
     pub eps: u32,
+    /// MERGE: head size and key ranges of the attention parts x holds.
+    pub d: u32,
+    pub splits: u32,
+    pub _pad: [u32; 2],
 }
 
 static DEQUANT: Kernel = Kernel::new(&QUANT, "dequantize", &[(1, Read), (2, ReadWrite)]);
@@ -114,9 +119,7 @@ pub fn dequantize(
     let y = Tensor::empty(rec.gpu(), shape, DType::F32, "dequantize.y")?;
     let p = Params {
         n: n as u32,
-        m: 0,
-        k: 0,
-        eps: 0,
+        ..Default::default()
     };
     rec.dispatch(
         &DEQUANT,
@@ -194,7 +197,7 @@ impl QMatrix {
             n: self.rows as u32,
             m: m as u32,
             k: self.cols as u32,
-            eps: 0,
+            ..Default::default()
         }
     }
 
@@ -255,6 +258,70 @@ pub struct Fuse<'a> {
     pub residual: Option<&'a Tensor>,
     /// W holds [gate; up] (2n rows): the result is silu(x gate^T) * (x up^T), (.., n).
     pub swiglu: bool,
+}
+
+/// Widest attention output (heads x head size) [`qmatvec_merged`] takes: its workgroups
+/// hold the merged row in workgroup memory.
+pub const MERGE_MAX_WIDTH: usize = 1024;
+
+/// y (1, rows of W) = merge(parts) @ W^T (+ `residual` (1, rows)): one token's attention,
+/// split over key ranges by [`crate::ops::kvcache::kv_attend_parts`], merged inside the
+/// product (each workgroup merges the row into workgroup memory as `attend_merge` would,
+/// then runs the matrix-vector product): one dispatch instead of two.
+pub fn qmatvec_merged(
+    rec: &mut Recorder<'_>,
+    parts: &AttnParts,
+    w: &QMatrix,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
+    let width = parts.heads * parts.d;
+    let err = |why: String| Error::Shape {
+        op: "qmatvec_merged",
+        detail: format!(
+            "attention parts ({} heads of {}, {} ranges) @ W^T with W ({}, {}) {}: {why}",
+            parts.heads,
+            parts.d,
+            parts.splits,
+            w.rows,
+            w.cols,
+            w.ty.name()
+        ),
+    };
+    if width != w.cols || width > MERGE_MAX_WIDTH || parts.d % 4 != 0 || parts.splits == 0 {
+        return Err(err(format!("needs heads x head size = W's columns, at most {MERGE_MAX_WIDTH}, head size a multiple of 4")));
+    }
+    if parts.part.numel() != parts.heads * parts.splits * (parts.d + 2) {
+        return Err(err(format!("part tensor {:?}", parts.part.shape())));
+    }
+    if let Some(r) = residual {
+        super::expect_f32("qmatvec_merged", r)?;
+        if r.shape() != [1, w.rows] {
+            return Err(err(format!(
+                "residual {:?}, expected [1, {}]",
+                r.shape(),
+                w.rows
+            )));
+        }
+    }
+    let y = Tensor::empty(rec.gpu(), &[1, w.rows], DType::F32, "qmatvec_merged.y")?;
+    let mut p = w.params(1);
+    p.d = parts.d as u32;
+    p.splits = parts.splits as u32;
+    let c = [
+        ("TYPE", w.ty.0 as f64),
+        ("RESIDUAL", residual.is_some() as u32 as f64),
+        ("MERGE", 1.0),
+    ];
+    let x = &parts.part;
+    let res = residual.unwrap_or(x);
+    rec.dispatch(
+        &QMATVEC,
+        &c,
+        bytemuck::bytes_of(&p),
+        &[&w.raw, &y, x, x, res, x, x],
+        Grid::Linear(w.rows.div_ceil(8) as u64),
+    )?;
+    Ok(y)
 }
 
 /// y (.., rows of W) = x (.., cols) @ W^T with W read in its encoding. One row of x runs

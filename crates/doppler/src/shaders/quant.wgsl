@@ -29,6 +29,10 @@ struct Params {
     m: u32,    // rows of x / ids
     k: u32,    // row length
     eps: u32,  // NORM's epsilon, f32 bits
+    d: u32,        // MERGE: head size
+    splits: u32,   // MERGE: key ranges a head
+    _pad0: u32,
+    _pad1: u32,
 }
 
 override TYPE: u32 = 2u;   // ggml type id
@@ -342,8 +346,46 @@ const MV_X: u32 = 8u;      // rows of x a workgroup: each W value read once serv
 var<workgroup> mv_part: array<array<f32, 256>, 8>;
 var<workgroup> mv_ss: array<array<f32, 32>, 8>;   // NORM: x^2 sums of the first 32 threads
 
+// MERGE (qmatvec, one row of x): x holds a token's attention split over key ranges,
+// (heads, splits, d + 2) = unnormalised output, max score m, sum l (kvcache.wgsl's
+// attend_part); the workgroup first merges it into mx_in as attend_merge does (same
+// operations in the same order), then reads x from there. k = heads * d <= 1024.
+override MERGE: bool = false;
+var<workgroup> mx_in: array<f32, 1024>;
+
+fn merge_x(lid: u32) {
+    let w = p.d + 2u;
+    let ns = p.splits;
+    for (var i = lid; i < p.k; i += 256u) {
+        let base = (i / p.d) * ns * w;
+        let e = i % p.d;
+        var mx = -3.0e38;
+        var sp = 0u;
+        for (; sp + 4u <= ns; sp += 4u) {
+            let b = base + sp * w + p.d;
+            let m4 = vec4<f32>(x[b], x[b + w], x[b + 2u * w], x[b + 3u * w]);
+            mx = max(mx, max(max(m4.x, m4.y), max(m4.z, m4.w)));
+        }
+        for (; sp < ns; sp++) {
+            mx = max(mx, x[base + sp * w + p.d]);
+        }
+        var l = 0.0;
+        var acc = 0.0;
+        for (sp = 0u; sp < ns; sp++) {
+            let b = base + sp * w;
+            let f = exp(x[b + p.d] - mx);
+            l += f * x[b + p.d + 1u];
+            acc += f * x[b + e];
+        }
+        mx_in[i] = acc / l;
+    }
+}
+
 // 4 elements of row r from column c (k and c multiples of 4).
 fn x4(r: u32, c: u32) -> vec4<f32> {
+    if (MERGE) {
+        return vec4<f32>(mx_in[c], mx_in[c + 1u], mx_in[c + 2u], mx_in[c + 3u]);
+    }
     return xv4[(r * p.k + c) / 4u];
 }
 
@@ -357,6 +399,10 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let v = (g % per_row) * MV_ROWS + lid / 32u;  // output column (virtual with SWIGLU)
     let lane = lid % 32u;
     let nr = min(MV_X, p.m - min(r0, p.m));
+    if (MERGE) {
+        merge_x(lid);
+        workgroupBarrier();
+    }
     var acc: array<f32, 8>;
     var ss: array<f32, 8>;   // NORM: sum of x^2 over this thread's columns
     if (nr > 0u && v < wr) {

@@ -3,8 +3,10 @@
 
 use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
+use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
-use crate::ops::kvcache::{kv_attend, kv_store};
+use crate::ops::kvcache::{kv_attend, kv_attend_parts, kv_store};
+use crate::ops::quant::{qmatmul_fused, qmatvec_merged, Fuse, QMatrix};
 use crate::reference::{attention as cpu, widen};
 
 /// (capacity, Hq, Hkv, D, prefill tokens, then that many more tokens in steps of 2, 1, 1,
@@ -146,6 +148,64 @@ pub(super) fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             out,
             "rope_store",
             format!("T {t} at {pos}, Hq {hq}/Hkv {hkv}, D {d}, {pairing:?}"),
+            res,
+        );
+    }
+}
+
+/// The attention's key ranges merged inside the o product (`qmatvec_merged`, what decoding
+/// runs) against the two-step path it replaces (`kv_attend`, itself checked against the f64
+/// reference above, then `qmatmul_fused`): SmolLM2's heads over 150 cached keys, Q4_1
+/// weights, with and without the residual.
+pub(super) fn merged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    let (cap, hq, hkv, d, pos, rows) = (160usize, 9usize, 3usize, 64usize, 150usize, 37usize);
+    let cols = hq * d;
+    let mut rng = Rng::new(3300);
+    let (q, k, v) = (
+        rng.vec(hq * d),
+        rng.vec(cap * hkv * d),
+        rng.vec(cap * hkv * d),
+    );
+    let res = rng.vec(rows);
+    let raw = super::quant::random_blocks("Q4_1", rows * cols, &mut rng);
+    let ty = GgmlType::from_name("Q4_1").expect("known type");
+    for with_res in [false, true] {
+        let r = twice("qmatvec_merged", || {
+            let w = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
+            let qt = Tensor::from_f32(gpu, &[1, hq, d], &q, "q")?;
+            let kc = Tensor::from_f32(gpu, &[cap, hkv, d], &k, "k")?;
+            let vc = Tensor::from_f32(gpu, &[cap, hkv, d], &v, "v")?;
+            let rt = Tensor::from_f32(gpu, &[1, rows], &res, "res")?;
+            let residual = with_res.then_some(&rt);
+            let (fused, plain) = gpu.run(|rec| {
+                let parts = kv_attend_parts(rec, &qt, &kc, &vc, pos)?.expect("150 keys split");
+                let fused = qmatvec_merged(rec, &parts, &w, residual)?;
+                let a = kv_attend(rec, &qt, &kc, &vc, pos)?.reshape(&[1, cols])?;
+                let plain = qmatmul_fused(
+                    rec,
+                    &a,
+                    &w,
+                    Fuse {
+                        residual,
+                        ..Default::default()
+                    },
+                )?;
+                Ok((fused, plain))
+            })?;
+            Ok(vec![fused.read_f32(gpu)?, plain.read_f32(gpu)?])
+        });
+        let res = r.and_then(|got| {
+            let want: Vec<f64> = got[1].iter().map(|&v| v as f64).collect();
+            compare("qmatvec_merged", &got[0], &want, None, Tolerance::dot(cols)).map_err(s)
+        });
+        let what = if with_res { " + residual" } else { "" };
+        push(
+            out,
+            "qmatvec_merged",
+            format!(
+                "{hq} heads x {d}, {} keys @ ({rows}, {cols})^T Q4_1{what}",
+                pos + 1
+            ),
             res,
         );
     }
