@@ -301,7 +301,20 @@ fn attend_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
     var l = 0.0;
     var acc = vec4<f32>(0.0);
-    for (sp = 0u; sp < ns; sp++) {
+    // 2 ranges' loads before their sums (in range order).
+    for (sp = 0u; sp + 2u <= ns; sp += 2u) {
+        let b = (th * ns + sp) * w;
+        let c = b + w;
+        let f = exp(vec2<f32>(part[b + p.d], part[c + p.d]) - mx);
+        let l2 = vec2<f32>(part[b + p.d + 1u], part[c + p.d + 1u]);
+        let a0 = vec4<f32>(part[b + 4u * lid], part[b + 4u * lid + 1u], part[b + 4u * lid + 2u], part[b + 4u * lid + 3u]);
+        let a1 = vec4<f32>(part[c + 4u * lid], part[c + 4u * lid + 1u], part[c + 4u * lid + 2u], part[c + 4u * lid + 3u]);
+        l += f.x * l2.x;
+        l += f.y * l2.y;
+        acc += f.x * a0;
+        acc += f.y * a1;
+    }
+    for (; sp < ns; sp++) {
         let b = (th * ns + sp) * w;
         let f = exp(part[b + p.d] - mx);
         l += f * part[b + p.d + 1u];
