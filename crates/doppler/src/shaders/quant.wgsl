@@ -404,28 +404,6 @@ fn x4(r: u32, c: u32) -> vec4<f32> {
     return xv4[(r * p.k + c) / 4u];
 }
 
-// qmatvec: adds the run of W at column c (32 values) times rows r0..r0+nr of x into acc,
-// and (NORM) their squares into ss.
-fn mv_run(c: u32, w_in: array<vec4<f32>, 8>, r0: u32, nr: u32, acc: ptr<function, array<f32, 8>>, ss: ptr<function, array<f32, 8>>) {
-    var w = w_in;
-    for (var e = 0u; e < 8u; e++) {
-        if (NORM) {
-            w[e] *= nw4(c + 4u * e);
-        }
-    }
-    for (var r = 0u; r < MV_X; r++) {
-        if (r < nr) {
-            for (var e = 0u; e < 8u; e++) {
-                let xv = x4(r0 + r, c + 4u * e);
-                (*acc)[r] += dot(xv, w[e]);
-                if (NORM) {
-                    (*ss)[r] += dot(xv, xv);
-                }
-            }
-        }
-    }
-}
-
 @compute @workgroup_size(256)
 fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
            @builtin(local_invocation_index) lid: u32) {
@@ -445,18 +423,25 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     if (nr > 0u && v < wr) {
         let wbase = w_row(v) * p.k;
         if (p.k % 32u == 0u) {
-            // A run of 32 a thread (run32), 32 threads covering 1024 columns a pass; two
-            // passes' weights are loaded before either is used (long rows: more loads in
-            // flight), then the runs are added in column order.
-            var c = lane * 32u;
-            for (; c + 1024u < p.k; c += 2048u) {
-                let wa = run32(wbase + c);
-                let wb = run32(wbase + c + 1024u);
-                mv_run(c, wa, r0, nr, &acc, &ss);
-                mv_run(c + 1024u, wb, r0, nr, &acc, &ss);
-            }
-            if (c < p.k) {
-                mv_run(c, run32(wbase + c), r0, nr, &acc, &ss);
+            // A run of 32 a thread (run32), 32 threads covering 1024 columns a pass.
+            for (var c = lane * 32u; c < p.k; c += 1024u) {
+                var w = run32(wbase + c);
+                for (var e = 0u; e < 8u; e++) {
+                    if (NORM) {
+                        w[e] *= nw4(c + 4u * e);
+                    }
+                }
+                for (var r = 0u; r < MV_X; r++) {
+                    if (r < nr) {
+                        for (var e = 0u; e < 8u; e++) {
+                            let xv = x4(r0 + r, c + 4u * e);
+                            acc[r] += dot(xv, w[e]);
+                            if (NORM) {
+                                ss[r] += dot(xv, xv);
+                            }
+                        }
+                    }
+                }
             }
         } else if (p.k % 4u == 0u) {
             for (var c = lane * 4u; c < p.k; c += 128u) {

@@ -110,7 +110,7 @@ pub fn product_cases() -> Vec<(&'static str, usize)> {
         })
         .collect();
     // Rows longer than two passes of the matrix-vector kernel's 32 threads x 32 columns
-    // (its loop takes two passes at a time, then one), in the smaller K-quant blocks.
+    // (lanes with 3 passes and with 2), in the smaller K-quant blocks.
     v.extend([("F32", 70), ("F16", 70), ("Q6_K", 2816)]);
     v
 }
