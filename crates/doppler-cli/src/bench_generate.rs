@@ -270,6 +270,20 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         .iter()
         .map(|k| serde_json::json!({ "kernel": k.name, "ms_per_token": k.total_ns / 1e6 / steps, "dispatches_per_token": k.count as f64 / steps }))
         .collect();
+    // The same for the first prefill chunk (from an empty cache).
+    let mut prefill_trace = doppler::gpu::Trace::default();
+    let chunk = &prompt[..prompt.len().min(doppler::infer::PREFILL_CHUNK)];
+    if !chunk.is_empty() {
+        cache.len = 0;
+        let mut rec = gpu.profiling_recorder("prefill");
+        llama.forward(&mut rec, chunk, &mut cache, false)?;
+        prefill_trace = rec.submit()?.wait(gpu)?;
+    }
+    let prefill_kernels: Vec<serde_json::Value> = prefill_trace
+        .by_kernel()
+        .iter()
+        .map(|k| serde_json::json!({ "kernel": k.name, "ms": k.total_ns / 1e6, "dispatches": k.count }))
+        .collect();
     let n = per_token.len().max(1) as f64;
     let decode_s: f64 = per_token.iter().sum::<f64>() / 1e3;
     let p50 = pct(&per_token, 0.5);
@@ -295,6 +309,7 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         "bind_groups_built_per_token": built as f64 / n,
         "weight_gb_s_at_p50": llama.weight_bytes as f64 / (p50 / 1e3) / 1e9,
         "decode_kernels": kernels,
+        "prefill_kernels": prefill_kernels,
     });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&result).unwrap());

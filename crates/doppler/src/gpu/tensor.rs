@@ -163,6 +163,26 @@ impl Tensor {
         })
     }
 
+    /// A view of the first elements under `shape` (no more elements than this tensor has),
+    /// e.g. the filled part of a cache.
+    pub fn prefix(&self, shape: &[usize]) -> Result<Tensor> {
+        if shape.iter().product::<usize>() > self.numel() {
+            return Err(Error::Shape {
+                op: "prefix",
+                detail: format!(
+                    "{:?} ({} elements) of {:?}",
+                    shape,
+                    shape.iter().product::<usize>(),
+                    self.shape
+                ),
+            });
+        }
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            ..self.clone()
+        })
+    }
+
     /// Copies the tensor's bytes to the host. Asynchronous underneath (WebGPU maps buffers
     /// asynchronously); native code can use the `*_blocking` helpers.
     pub async fn read_bytes(&self, gpu: &Gpu) -> Result<Vec<u8>> {

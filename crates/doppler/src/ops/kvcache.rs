@@ -5,6 +5,7 @@
 use super::expect_f32;
 use crate::error::{Error, Result};
 use crate::gpu::{Binding::*, DType, Gpu, Grid, Kernel, Recorder, Tensor};
+use crate::ops::attention::{self, AttnOpts, AttnPath};
 use crate::ops::rope::{Pairing, RopeTable};
 use crate::shaders::KVCACHE;
 
@@ -221,7 +222,8 @@ pub fn kv_attend_parts(
 /// Causal attention of q (T, Hq, D), the tokens at pos..pos+T, over the cached keys and
 /// values 0..pos+T (the new ones stored already). Scale 1/sqrt(D). Up to
 /// [`SPLIT_MAX_QUERIES`] queries over at least [`SPLIT_MIN_KEYS`] keys split the keys into
-/// ranges (two dispatches, many more workgroups), otherwise one workgroup per (t, h).
+/// ranges (two dispatches, many more workgroups); more queries run the tiled attention of
+/// `ops::attention` where it fits (head dim <= 64), otherwise one workgroup per (t, h).
 pub fn kv_attend(
     rec: &mut Recorder<'_>,
     q: &Tensor,
@@ -229,24 +231,34 @@ pub fn kv_attend(
     v: &Tensor,
     pos: usize,
 ) -> Result<Tensor> {
-    let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend.o")?;
     let parts = kv_attend_parts(rec, q, k, v, pos)?;
     let p = params(q.shape(), k.shape(), pos, "q")?;
+    let (t, hq, hkv, d) = (p.t as usize, p.hq as usize, p.hkv as usize, p.d as usize);
+    if parts.is_none() && t > SPLIT_MAX_QUERIES && attention::tiled_fits(&rec.gpu().limits, d) {
+        // A prompt: the training kernels' tiled attention (a block of queries shares each
+        // tile of keys) over the filled part of the caches; its causal mask lets query i
+        // see keys up to pos + i.
+        let opts = AttnOpts {
+            causal: true,
+            scale: None,
+            path: AttnPath::Tiled,
+        };
+        let kc = k.prefix(&[1, pos + t, hkv, d])?;
+        let vc = v.prefix(&[1, pos + t, hkv, d])?;
+        let out = attention::attention(rec, &q.reshape(&[1, t, hq, d])?, &kc, &vc, opts)?;
+        return out.o.reshape(q.shape());
+    }
+    let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend.o")?;
+    let grid = Grid::Linear((p.t * p.hq) as u64);
     match parts {
         Some(parts) => rec.dispatch(
             &ATTEND_MERGE,
             &[],
             bytemuck::bytes_of(&p),
             &[&o, &parts.part],
-            Grid::Linear((p.t * p.hq) as u64),
+            grid,
         )?,
-        None => rec.dispatch(
-            &ATTEND,
-            &[],
-            bytemuck::bytes_of(&p),
-            &[q, k, v, &o],
-            Grid::Linear((p.t * p.hq) as u64),
-        )?,
+        None => rec.dispatch(&ATTEND, &[], bytemuck::bytes_of(&p), &[q, k, v, &o], grid)?,
     }
     Ok(o)
 }

@@ -10,14 +10,17 @@ use crate::ops::quant::{qmatmul_fused, qmatvec_merged, Fuse, QMatrix};
 use crate::reference::{attention as cpu, widen};
 
 /// (capacity, Hq, Hkv, D, prefill tokens, then that many more tokens in steps of 2, 1, 1,
-/// ...): grouped heads with an odd prefill longer than one chunk of 256 keys, the steps
-/// over more than 128 keys (key ranges split over workgroups); one head of the largest dim;
-/// D = 64 as SmolLM2 has, also over split key ranges.
-pub const KV_CASES: [(usize, usize, usize, usize, usize, usize); 4] = [
+/// ..., or of 7, 2, 1, 1, ... from 10 on): grouped heads with an odd prefill longer than
+/// one chunk of 256 keys, the steps over more than 128 keys (key ranges split over
+/// workgroups); one head of the largest dim (no tiled kernel); D = 64 as SmolLM2 has, also
+/// over split key ranges; a second prompt chunk of 7 after cached tokens (tiled, offset
+/// causal mask).
+pub const KV_CASES: [(usize, usize, usize, usize, usize, usize); 5] = [
     (300, 6, 2, 16, 261, 4),
     (8, 1, 1, 256, 3, 2),
     (40, 9, 3, 64, 17, 2),
     (160, 9, 3, 64, 130, 3),
+    (40, 4, 2, 32, 9, 12),
 ];
 
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
@@ -47,7 +50,12 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let mut got = Vec::new();
             let mut pos = 0;
             // After the prefill: a step of 2 tokens (when there are 3 or more), then 1s.
-            let chunks: Vec<usize> = if steps >= 3 {
+            let chunks: Vec<usize> = if steps >= 10 {
+                [pre, 7, 2]
+                    .into_iter()
+                    .chain(std::iter::repeat_n(1, steps - 9))
+                    .collect()
+            } else if steps >= 3 {
                 [pre, 2]
                     .into_iter()
                     .chain(std::iter::repeat_n(1, steps - 2))
