@@ -382,12 +382,14 @@ impl Future for MapFuture {
             #[cfg(target_arch = "wasm32")]
             return Poll::Pending;
             #[cfg(not(target_arch = "wasm32"))]
-            let wait = wgpu::PollType::Wait {
-                submission_index: self.until.clone(),
-                timeout: None,
-            };
-            if let Err(e) = self.device.poll(wait) {
-                return Poll::Ready(Err(e.to_string()));
+            {
+                let wait = wgpu::PollType::Wait {
+                    submission_index: self.until.clone(),
+                    timeout: None,
+                };
+                if let Err(e) = self.device.poll(wait) {
+                    return Poll::Ready(Err(e.to_string()));
+                }
             }
         }
     }
