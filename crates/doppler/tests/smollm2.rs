@@ -164,42 +164,28 @@ fn logits_and_greedy_continuations_match_transformers() {
     let (prompt, want) = (ids(&p["ids"]), ids(&p["greedy"]));
     // want[4] is the first token that did not come before (the fixture's "\n\n" repeats).
     assert!(!want[..4].contains(&want[4]));
-    let opts = GenOptions {
-        max_tokens: 8,
-        stop_tokens: vec![want[4]],
-        stop_strings: vec![],
+    // Greedy generation of up to 8 tokens in a session of `capacity`, stopping at `stop`.
+    let run = |capacity: usize, stop: Vec<u32>| {
+        let mut s = Session::new(gpu, m, capacity).unwrap();
+        let opts = GenOptions {
+            max_tokens: 8,
+            stop_tokens: stop,
+            stop_strings: vec![],
+        };
+        let mut greedy = Sampler::new(SamplerConfig::greedy());
+        let g = s
+            .generate(gpu, &prompt, &opts, &mut greedy, &mut |_| Ok(()))
+            .unwrap();
+        (s, g)
     };
-    let mut s = Session::new(gpu, m, 256).unwrap();
-    let g = s
-        .generate(
-            gpu,
-            &prompt,
-            &opts,
-            &mut Sampler::new(SamplerConfig::greedy()),
-            &mut |_| Ok(()),
-        )
-        .unwrap();
+    let (s, g) = run(256, vec![want[4]]);
     assert_eq!(
         (g.tokens.as_slice(), g.stop, g.stop_token),
         (&want[..4], StopReason::Token, Some(want[4]))
     );
     assert_eq!(s.cache.len, prompt.len() + 4);
     assert_eq!(s.tokens, [&prompt[..], &want[..4]].concat());
-    let mut s = Session::new(gpu, m, prompt.len() + 2).unwrap();
-    let opts = GenOptions {
-        max_tokens: 8,
-        stop_tokens: vec![],
-        stop_strings: vec![],
-    };
-    let g = s
-        .generate(
-            gpu,
-            &prompt,
-            &opts,
-            &mut Sampler::new(SamplerConfig::greedy()),
-            &mut |_| Ok(()),
-        )
-        .unwrap();
+    let (s, g) = run(prompt.len() + 2, vec![]);
     assert_eq!(
         (g.tokens.as_slice(), g.stop, g.stop_token),
         (&want[..3], StopReason::Context, Some(want[2]))

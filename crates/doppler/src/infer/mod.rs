@@ -228,7 +228,7 @@ impl<'m> Session<'m> {
             text: String::new(),
             stop: StopReason::Length,
             stop_token: None,
-            prefill_ms: 0.0,
+            prefill_ms: t0.elapsed().as_secs_f64() * 1e3,
             token_ms: Vec::new(),
         };
         let tk = &self.model.tokenizer;

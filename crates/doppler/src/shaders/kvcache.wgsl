@@ -106,6 +106,24 @@ fn score(kb: u32) -> f32 {
     return (dot4.x + dot4.y + dot4.z + dot4.w) * p.scale;
 }
 
+// sum over jj = first, first + step, ... < n of sc[jj] * (4 dims at vb of the cached value
+// row c0 + jj): a group's share of a chunk of keys.
+fn weighted_values(c0: u32, first: u32, step: u32, n: u32, stride: u32, vb: u32) -> vec4<f32> {
+    var acc = vec4<f32>(0.0);
+    var jj = first;
+    for (; jj + 3u * step < n; jj += 4u * step) {
+        let a = v4((c0 + jj) * stride + vb);
+        let b = v4((c0 + jj + step) * stride + vb);
+        let c = v4((c0 + jj + 2u * step) * stride + vb);
+        let d = v4((c0 + jj + 3u * step) * stride + vb);
+        acc += sc[jj] * a + sc[jj + step] * b + sc[jj + 2u * step] * c + sc[jj + 3u * step] * d;
+    }
+    for (; jj < n; jj += step) {
+        acc += sc[jj] * v4((c0 + jj) * stride + vb);
+    }
+    return acc;
+}
+
 // Thread lid < D/4: its 4 dims summed over the `groups` groups' partials in red4, in order.
 fn group_sum(lid: u32, groups: u32) -> vec4<f32> {
     var sum = vec4<f32>(0.0);
@@ -158,19 +176,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
         m = m_new;
         acc *= alpha;
         if (grp < groups) {
-            let n = min(WG, nkeys - c0);
-            let vb = base + 4u * dim4;
-            var jj = grp;
-            for (; jj + 3u * groups < n; jj += 4u * groups) {
-                let a = v4((c0 + jj) * stride + vb);
-                let b = v4((c0 + jj + groups) * stride + vb);
-                let c = v4((c0 + jj + 2u * groups) * stride + vb);
-                let d = v4((c0 + jj + 3u * groups) * stride + vb);
-                acc += sc[jj] * a + sc[jj + groups] * b + sc[jj + 2u * groups] * c + sc[jj + 3u * groups] * d;
-            }
-            for (; jj < n; jj += groups) {
-                acc += sc[jj] * v4((c0 + jj) * stride + vb);
-            }
+            acc += weighted_values(c0, grp, groups, min(WG, nkeys - c0), stride, base + 4u * dim4);
         }
     }
     workgroupBarrier();
@@ -190,7 +196,6 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 const SPLIT: u32 = 64u;
 @group(0) @binding(12) var<storage, read_write> part: array<f32>;
 var<workgroup> red64: array<f32, 64>;
-var<workgroup> sc64: array<f32, 64>;
 
 // Fixed-order tree over red64 (max or +); result in red64[0].
 fn reduce64(lid: u32, is_max: bool) {
@@ -243,25 +248,13 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let m = red64[0];
     let pj = select(0.0, exp(s - m), j < nkeys);
     workgroupBarrier();
-    sc64[lid] = pj;
+    sc[lid] = pj;
     red64[lid] = pj;
     reduce64(lid, false);
     let l = red64[0];
     var acc = vec4<f32>(0.0);
     if (grp < groups && k0 < nkeys) {
-        let n = min(SPLIT, nkeys - k0);
-        let vb = base + 4u * dim4;
-        var jj = grp;
-        for (; jj + 3u * groups < n; jj += 4u * groups) {
-            let a = v4((k0 + jj) * stride + vb);
-            let b = v4((k0 + jj + groups) * stride + vb);
-            let c = v4((k0 + jj + 2u * groups) * stride + vb);
-            let d = v4((k0 + jj + 3u * groups) * stride + vb);
-            acc += sc64[jj] * a + sc64[jj + groups] * b + sc64[jj + 2u * groups] * c + sc64[jj + 3u * groups] * d;
-        }
-        for (; jj < n; jj += groups) {
-            acc += sc64[jj] * v4((k0 + jj) * stride + vb);
-        }
+        acc = weighted_values(k0, grp, groups, min(SPLIT, nkeys - k0), stride, base + 4u * dim4);
     }
     red4[lid] = select(vec4<f32>(0.0), acc, grp < groups);
     workgroupBarrier();
