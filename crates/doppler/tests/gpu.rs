@@ -553,7 +553,7 @@ fn llama_from_gguf_and_safetensors_agree() {
 #[test]
 fn fused_quantized_products_match_reference() {
     // Norm + SwiGLU and residual, three types, three shapes.
-    assert_checks("qmatmul fused", 10);
+    assert_checks("qmatmul fused", 11);
 }
 
 #[test]

@@ -76,6 +76,12 @@ pub const MATVEC_MAX_ROWS: usize = 32;
 /// faster from 6144 rows, slower at 4096), and the 8-rows-a-workgroup kernel runs.
 pub const MATVEC1_MIN_ROWS: usize = 5120;
 
+/// Columns of W from which one row of x with fewer than [`MATVEC1_MIN_ROWS`] rows of W
+/// runs `qmatvec1` with each workgroup's 256 threads splitting k over 4 rows of W (the
+/// 8B's 4096 x 4096 and 4096 x 14336 products), not 8 rows a workgroup with 32 threads on
+/// each row's k.
+pub const SPLITK_MIN_COLS: usize = 4096;
+
 /// Types the kernel decodes.
 pub const SUPPORTED: &[&str] = &[
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
@@ -389,14 +395,18 @@ pub fn qmatmul_fused(
     ];
     let nw = fuse.norm.map_or(x, |n| n.0);
     let res = fuse.residual.unwrap_or(x);
-    if m == 1 && w.cols % 32 == 0 && w.rows >= MATVEC1_MIN_ROWS {
-        // One row (decode): 32 rows of W a workgroup sharing their reads of x.
+    let tall = w.rows >= MATVEC1_MIN_ROWS;
+    if m == 1 && w.cols % 32 == 0 && (tall || w.cols >= SPLITK_MIN_COLS) {
+        // One row (decode): 4 rows of W a group of 32 threads sharing their reads of x; 8
+        // such groups a workgroup (tall W), or 8 groups splitting long rows of 4.
+        let (split, rows_per_group) = if tall { (1.0, 32) } else { (8.0, 4) };
+        let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split)];
         rec.dispatch(
             &QMATVEC1,
-            &c,
+            &c1,
             bytemuck::bytes_of(&p),
             &[&w.raw, &y, x, nw, res, x, nw],
-            Grid::Linear(w.rows.div_ceil(32) as u64),
+            Grid::Linear(w.rows.div_ceil(rows_per_group) as u64),
         )?;
     } else if m <= MATVEC_MAX_ROWS {
         let groups = w.rows.div_ceil(8) * m.div_ceil(8);

@@ -15,8 +15,9 @@
 //   qmatvec      y[r, j] = sum_c x[r, c] * value(j * k + c)     (n / 8) * (m / 8) groups:
 //                8 rows of W x 8 rows of x a workgroup, 32 threads a row of W striding over
 //                k, then a fixed tree (a row's sum does not depend on m)
-//   qmatvec1     the same for one row of x and k a multiple of 32 (decode): 32 rows of W
-//                a workgroup, 4 a group of 32 threads sharing their loads of x
+//   qmatvec1     the same for one row of x and k a multiple of 32 (decode): 4 rows of W a
+//                group of 32 threads sharing their loads of x; 32 rows a workgroup, or 4
+//                with the workgroup's 8 groups splitting k (long rows, few rows)
 //   qmatmul      the same product for many rows of x: 64 x 64 output tiles, k in slabs of
 //                16 staged (W dequantized on the way) in workgroup memory, 4 x 4 a thread
 // Both read 4 consecutive elements at a time (value4) when k is a multiple of 4; qmatvec
@@ -519,22 +520,26 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 
 // qmatvec for one row of x (decode), k a multiple of 32: a thread's run of x (times the
 // norm weight) is loaded once and serves MV1_RW rows of W, so activation reads do not
-// outnumber weight reads. 8 groups of 32 threads, MV1_RW rows of W each.
+// outnumber weight reads. 8 groups of 32 threads; MV1_SPLIT consecutive groups share
+// MV1_RW rows of W and split k between them (1: 32 rows a workgroup, for tall W; 8: 4 rows
+// a workgroup, all 256 threads on one row's k, for long rows of few W rows).
 const MV1_RW: u32 = 4u;
-var<workgroup> mv1_part: array<array<f32, 256>, 4>;   // [row of W in the group][thread]
+override MV1_SPLIT: u32 = 1u;
+var<workgroup> mv1_part: array<array<f32, 256>, 4>;   // [row of W in the set][thread]
 var<workgroup> mv1_ss: array<f32, 256>;
 
 @compute @workgroup_size(256)
 fn qmatvec1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
     let g = wid.x + wid.y * nwg.x;
-    let lane = lid % 32u;
-    let v0 = (g * 8u + lid / 32u) * MV1_RW;   // first (virtual) output column of the group
+    let width = 32u * MV1_SPLIT;                   // threads sharing rows of W
+    let local = lid % width;
+    let v0 = (g * (256u / width) + lid / width) * MV1_RW;   // first (virtual) output column
     let wr = w_rows();
     var acc = vec4<f32>(0.0);
     var ss = 0.0;
     if (v0 < wr) {
-        for (var c = lane * 32u; c < p.k; c += 1024u) {
+        for (var c = local * 32u; c < p.k; c += 32u * width) {
             var xs: array<vec4<f32>, 8>;
             for (var e = 0u; e < 8u; e++) {
                 let xv = x4(0u, c + 4u * e);
@@ -561,8 +566,8 @@ fn qmatvec1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     }
     mv1_ss[lid] = ss;
     workgroupBarrier();
-    for (var s = 16u; s > 0u; s >>= 1u) {
-        if (lane < s) {
+    for (var s = width / 2u; s > 0u; s >>= 1u) {
+        if (local < s) {
             for (var q = 0u; q < MV1_RW; q++) {
                 mv1_part[q][lid] += mv1_part[q][lid + s];
             }
@@ -570,10 +575,10 @@ fn qmatvec1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         }
         workgroupBarrier();
     }
-    if (lane == 0u) {
+    if (local == 0u) {
         var scale = 1.0;
         if (NORM) {
-            // Every group's threads cover all of k: its own sum of squares is the row's.
+            // The threads sharing these rows cover all of k: their sum of squares is x's.
             scale = inverseSqrt(mv1_ss[lid] / f32(p.k) + bitcast<f32>(p.eps));
         }
         for (var q = 0u; q < MV1_RW; q++) {

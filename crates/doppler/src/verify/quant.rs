@@ -9,7 +9,7 @@ use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
 use crate::ops::quant::{
     dequantize, get_rows, qmatmul, qmatmul_fused, Fuse, QMatrix, MATVEC1_MIN_ROWS, MATVEC_MAX_ROWS,
-    SUPPORTED,
+    SPLITK_MIN_COLS, SUPPORTED,
 };
 use crate::reference::quant as cpu;
 
@@ -204,8 +204,8 @@ pub(super) fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 
 /// The fused products against f64: RMSNorm before with SwiGLU of stacked gate/up rows, and
 /// a residual added after; for one 32-element type, one K-quant, and f32 with an odd width
-/// (scalar path); on 1, 31 and 2 x 67 rows of x (both kernels); and a K-quant W tall
-/// enough for the one-row decode kernel.
+/// (scalar path); on 1, 31 and 2 x 67 rows of x (both kernels); and K-quant Ws tall
+/// enough, or with rows long enough, for the one-row decode kernel (both layouts).
 pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let all = vec![vec![1usize], vec![MATVEC_MAX_ROWS - 1], vec![2, 67]];
     // (type, cols, rows of W: half gate, half up, shapes of x). The last has enough rows
@@ -215,6 +215,7 @@ pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         ("Q4_K", 512, 38, all.clone()),
         ("F32", 70, 38, all),
         ("Q4_K", 512, MATVEC1_MIN_ROWS + 6, vec![vec![1]]),
+        ("Q4_K", SPLITK_MIN_COLS, 38, vec![vec![1]]),
     ];
     for (i, (name, cols, rows, shapes)) in cases.into_iter().enumerate() {
         let ty = GgmlType::from_name(name).expect("known type");
