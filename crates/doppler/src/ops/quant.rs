@@ -399,7 +399,12 @@ pub fn qmatmul_fused(
     if m == 1 && w.cols % 32 == 0 && (tall || w.cols >= SPLITK_MIN_COLS) {
         // One row (decode): 4 rows of W a group of 32 threads sharing their reads of x; 8
         // such groups a workgroup (tall W), or 8 groups splitting long rows of 4.
-        let (split, rows_per_group) = if tall { (1.0, 32) } else { (8.0, 4) };
+        // Tall W with long rows (the 8B's gate/up, q/k/v): 2 groups a row of 4.
+        let (split, rows_per_group) = match (tall, w.cols >= 2048) {
+            (true, false) => (1.0, 32),
+            (true, true) => (2.0, 16),
+            (false, _) => (8.0, 4),
+        };
         let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split)];
         rec.dispatch(
             &QMATVEC1,
