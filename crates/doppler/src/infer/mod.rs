@@ -261,6 +261,11 @@ impl<'m> Session<'m> {
                 out.stop_token = Some(next);
                 break;
             }
+            if ran {
+                // In the cache already: recorded at once, so that an error below (from
+                // on_text) leaves the session's tokens and cache in step.
+                self.tokens.push(next);
+            }
             out.tokens.push(next);
             let text = tk.decode(&out.tokens);
             if let Some(at) = opts
@@ -275,9 +280,7 @@ impl<'m> Session<'m> {
                 }
                 out.text = text[..at].to_string();
                 out.stop = StopReason::String;
-                if ran {
-                    self.tokens.push(next);
-                } else {
+                if !ran {
                     self.feed_last(gpu, next)?;
                 }
                 return Ok(out);
@@ -297,9 +300,7 @@ impl<'m> Session<'m> {
                 out.stop_token = Some(next);
                 break;
             }
-            if ran {
-                self.tokens.push(next);
-            } else {
+            if !ran {
                 logits = self.feed(gpu, &[next])?;
             }
         }
