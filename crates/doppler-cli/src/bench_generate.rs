@@ -139,6 +139,17 @@ impl Source for Synthetic {
     }
 }
 
+/// One timed prefill and greedy decode (`run`'s `round`).
+struct Round {
+    prefill_ms: f64,
+    per_token: Vec<f64>,
+    cpu_ms: f64,
+    /// Bind groups built during the decode.
+    built: u64,
+    /// Its host times and dispatch count.
+    dec: GreedyDecoder,
+}
+
 /// User + system CPU seconds of this process so far (Linux; 0 elsewhere).
 fn cpu_seconds() -> f64 {
     let Ok(s) = std::fs::read_to_string("/proc/self/stat") else {
@@ -195,65 +206,45 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
     // One prefill + decode round first: pipelines compile, buffers enter the pool. Decoding
     // is greedy with the argmax on the GPU and the next step submitted before the last
     // token is read (doppler::infer::greedy, as `generate` does at temperature 0).
-    let mut split = (0.0, 0.0);
-    let mut round = |cache: &mut doppler::ops::kvcache::KvCache,
-                     decode: usize|
-     -> doppler::Result<(f64, Vec<f64>, Vec<usize>, f64, f64, u64)> {
-        cache.len = 0;
-        let mut dec = GreedyDecoder::new(gpu)?;
-        let t = Instant::now();
-        dec.prefill(gpu, &llama, cache, &prompt)?;
-        let mut record_ms = 0.0;
-        let mut dispatches = Vec::new();
-        let mut step = |dec: &mut GreedyDecoder,
-                        cache: &mut doppler::ops::kvcache::KvCache|
-         -> doppler::Result<()> {
+    let round =
+        |cache: &mut doppler::ops::kvcache::KvCache, decode: usize| -> doppler::Result<Round> {
+            cache.len = 0;
+            let mut dec = GreedyDecoder::new(gpu)?;
             let t = Instant::now();
-            // Every dispatch takes a bind group, built or reused.
-            let count = || {
-                let (built, reused) = gpu.bind_group_stats();
-                built + reused
-            };
-            let before = count();
-            dec.step(gpu, &llama, cache)?;
-            dispatches.push((count() - before) as usize);
-            record_ms += t.elapsed().as_secs_f64() * 1e3;
-            Ok(())
-        };
-        dec.next_token(gpu)?;
-        let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
-        let mut per_token = Vec::new();
-        let cpu0 = cpu_seconds();
-        let binds0 = gpu.bind_group_stats();
-        let mut t = Instant::now();
-        if decode > 0 {
-            step(&mut dec, cache)?;
-        }
-        for k in 0..decode {
-            if k + 1 < decode {
-                step(&mut dec, cache)?;
-            }
+            dec.prefill(gpu, &llama, cache, &prompt)?;
             dec.next_token(gpu)?;
-            per_token.push(t.elapsed().as_secs_f64() * 1e3);
-            t = Instant::now();
-        }
-        let cpu_ms = (cpu_seconds() - cpu0) * 1e3;
-        let binds = gpu.bind_group_stats();
-        drop(step);
-        let n = decode.max(1) as f64;
-        split = (dec.record_ms / n, dec.submit_ms / n);
-        Ok((
-            prefill_ms,
-            per_token,
-            dispatches,
-            record_ms,
-            cpu_ms,
-            binds.0 - binds0.0,
-        ))
-    };
+            let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
+            let mut per_token = Vec::new();
+            let cpu0 = cpu_seconds();
+            let built0 = gpu.bind_group_stats().0;
+            let mut t = Instant::now();
+            if decode > 0 {
+                dec.step(gpu, &llama, cache)?;
+            }
+            for k in 0..decode {
+                if k + 1 < decode {
+                    dec.step(gpu, &llama, cache)?;
+                }
+                dec.next_token(gpu)?;
+                per_token.push(t.elapsed().as_secs_f64() * 1e3);
+                t = Instant::now();
+            }
+            Ok(Round {
+                prefill_ms,
+                per_token,
+                cpu_ms: (cpu_seconds() - cpu0) * 1e3,
+                built: gpu.bind_group_stats().0 - built0,
+                dec,
+            })
+        };
     round(&mut cache, 2)?;
-    let (prefill_ms, per_token, dispatches, record_ms, cpu_ms, built) =
-        round(&mut cache, args.gen)?;
+    let Round {
+        prefill_ms,
+        per_token,
+        cpu_ms,
+        built,
+        dec,
+    } = round(&mut cache, args.gen)?;
     // GPU time per kernel over a few more decode steps, each dispatch in its own pass with
     // timestamps (slower than the timed loop: the figures are for proportions).
     let mut trace = doppler::gpu::Trace::default();
@@ -301,10 +292,10 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         "decode_tok_s": n / decode_s,
         "token_ms_p50": p50,
         "token_ms_p95": pct(&per_token, 0.95),
-        "dispatches_per_token": dispatches.iter().sum::<usize>() as f64 / n,
-        "record_ms_per_token": record_ms / n,
-        "ops_ms_per_token": split.0,
-        "submit_ms_per_token": split.1,
+        "dispatches_per_token": dec.dispatched as f64 / n,
+        "record_ms_per_token": (dec.record_ms + dec.submit_ms) / n,
+        "ops_ms_per_token": dec.record_ms / n,
+        "submit_ms_per_token": dec.submit_ms / n,
         "cpu_ms_per_token": cpu_ms / n,
         "bind_groups_built_per_token": built as f64 / n,
         "weight_gb_s_at_p50": llama.weight_bytes as f64 / (p50 / 1e3) / 1e9,

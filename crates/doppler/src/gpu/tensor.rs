@@ -186,38 +186,10 @@ impl Tensor {
     /// Copies the tensor's bytes to the host. Asynchronous underneath (WebGPU maps buffers
     /// asynchronously); native code can use the `*_blocking` helpers.
     pub async fn read_bytes(&self, gpu: &Gpu) -> Result<Vec<u8>> {
-        let size = self.binding_size();
-        let staging = gpu.pool.alloc(
-            &gpu.device,
-            &gpu.limits,
-            size,
-            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            "readback",
-        )?;
-        let mut enc = gpu
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("readback"),
-            });
-        enc.copy_buffer_to_buffer(&self.buf.buffer, 0, &staging.buffer, 0, size);
-        let index = gpu.queue.submit([enc.finish()]);
-        super::map_read(gpu, &staging.buffer, size, Some(index))
-            .await
-            .map_err(|reason| Error::Readback {
-                label: self.label.to_string(),
-                reason,
-            })?;
-        let bytes = {
-            let view = staging
-                .buffer
-                .get_mapped_range(0..size)
-                .map_err(|e| Error::Readback {
-                    label: self.label.to_string(),
-                    reason: e.to_string(),
-                })?;
-            view[..self.byte_size() as usize].to_vec()
-        };
-        staging.buffer.unmap();
+        let mut rec = gpu.recorder("readback");
+        let read = rec.read_later(self)?;
+        rec.submit()?;
+        let bytes = read.bytes(gpu).await?;
         gpu.check_errors()?;
         Ok(bytes)
     }

@@ -23,6 +23,8 @@ pub struct GreedyDecoder {
     /// (encoding, bind groups, the queue submit).
     pub record_ms: f64,
     pub submit_ms: f64,
+    /// Dispatches recorded by those steps.
+    pub dispatched: usize,
 }
 
 impl GreedyDecoder {
@@ -33,6 +35,7 @@ impl GreedyDecoder {
             primed: false,
             record_ms: 0.0,
             submit_ms: 0.0,
+            dispatched: 0,
         })
     }
 
@@ -53,14 +56,19 @@ impl GreedyDecoder {
         }
         let chunks = prompt.len().div_ceil(PREFILL_CHUNK);
         for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
-            let mut rec = gpu.recorder("prefill");
-            let logits = llama.forward(&mut rec, chunk, cache, false)?;
-            if i + 1 == chunks {
-                argmax_rows_into(&mut rec, &logits, &self.ids)?;
-                self.pending.push_back(rec.read_later(&self.ids)?);
+            let ids = &self.ids;
+            let read = gpu.run(|rec| {
+                let logits = llama.forward(rec, chunk, cache, false)?;
+                if i + 1 < chunks {
+                    return Ok(None);
+                }
+                argmax_rows_into(rec, &logits, ids)?;
+                rec.read_later(ids).map(Some)
+            })?;
+            if let Some(r) = read {
+                self.pending.push_back(r);
                 self.primed = true;
             }
-            submit(gpu, rec)?;
         }
         Ok(())
     }
@@ -75,20 +83,19 @@ impl GreedyDecoder {
             });
         }
         let t = std::time::Instant::now();
-        let mut rec = gpu.recorder("decode");
-        let logits = llama.forward_ids(&mut rec, &self.ids, cache, false)?;
-        argmax_rows_into(&mut rec, &logits, &self.ids)?;
-        self.pending.push_back(rec.read_later(&self.ids)?);
-        let recorded = std::time::Instant::now();
+        let (ids, mut recorded) = (&self.ids, t);
+        let read = gpu.run(|rec| {
+            let logits = llama.forward_ids(rec, ids, cache, false)?;
+            argmax_rows_into(rec, &logits, ids)?;
+            let read = rec.read_later(ids)?;
+            self.dispatched += rec.dispatches();
+            recorded = std::time::Instant::now();
+            Ok(read)
+        })?;
+        self.pending.push_back(read);
         self.record_ms += (recorded - t).as_secs_f64() * 1e3;
-        submit(gpu, rec)?;
         self.submit_ms += recorded.elapsed().as_secs_f64() * 1e3;
         Ok(())
-    }
-
-    /// Number of submitted steps whose token has not been read.
-    pub fn pending(&self) -> usize {
-        self.pending.len()
     }
 
     /// The oldest pending token; waits for the step that chose it, not for later ones.
@@ -99,14 +106,4 @@ impl GreedyDecoder {
         })?;
         Ok(r.read_u32(gpu)?[0])
     }
-}
-
-/// Submits without waiting, unless a kernel checks its input on the GPU (then its error
-/// comes back here).
-fn submit(gpu: &Gpu, rec: crate::gpu::Recorder<'_>) -> Result<()> {
-    let sub = rec.submit()?;
-    if sub.has_checks() {
-        sub.wait(gpu)?;
-    }
-    Ok(())
 }
