@@ -11,18 +11,22 @@
 //!              x += attend(q, cache) Wo^T
 //!              h = rmsnorm(x) * ffn_norm;  x += (silu(h Wg^T) * h Wu^T) Wd^T
 //!   logits = rmsnorm(x[last]) * out_norm @ Wout^T         (V) (Wout = embd when tied)
-//! in six dispatches a layer: Wq, Wk, Wv are stacked into one matrix at load (as Wg, Wu),
-//! the norms run inside the products that follow them, the residual adds inside the
-//! products before them, SwiGLU inside the gate/up product, and one kernel adds the biases,
-//! turns q and k and stores k and v (`ops::kvcache::rope_store`).
+//! in five dispatches a layer when decoding: Wq, Wk, Wv are stacked into one matrix at load
+//! (as Wg, Wu), the norms run inside the products that follow them, the residual adds
+//! inside the products before them, SwiGLU inside the gate/up product, the q/k/v product
+//! adds the biases, turns q and k and stores k and v (`ops::quant::qmatmul_rope_store`;
+//! a prompt of more than 32 tokens runs `ops::kvcache::rope_store` after its product), and
+//! one token's attention key ranges merge inside the o product.
 
 use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
 use crate::formats::gguf::{GgmlType, Value};
 use crate::gpu::{DType, Gpu, Recorder, Tensor};
-use crate::ops::kvcache::{kv_attend, kv_attend_parts, rope_store, KvCache};
-use crate::ops::quant::{get_rows, qmatmul_fused, qmatvec_merged, Fuse, QMatrix, MERGE_MAX_WIDTH};
+use crate::ops::kvcache::{kv_attend, kv_attend_parts, KvCache, RopeStore};
+use crate::ops::quant::{
+    get_rows, qmatmul_fused, qmatmul_rope_store, qmatvec_merged, Fuse, QMatrix, MERGE_MAX_WIDTH,
+};
 use crate::ops::rope::{inv_freq, Pairing, RopeTable};
 
 /// Architectures this decoder runs.
@@ -406,26 +410,16 @@ impl Llama {
         let d = c.head_dim;
         let mut x = get_rows(rec, &self.embd, ids_t)?; // (T, E)
         for (li, l) in self.layers.iter().enumerate() {
-            let qkv = qmatmul_fused(
-                rec,
-                &x,
-                &l.qkv,
-                Fuse {
-                    norm: Some((&l.attn_norm, eps)),
-                    ..Default::default()
-                },
-            )?;
-            let q = rope_store(
-                rec,
-                &qkv,
-                l.qkv_bias.as_ref(),
-                &self.rope,
-                c.pairing,
-                c.n_head,
-                &cache.k[li],
-                &cache.v[li],
+            let to = RopeStore {
+                bias: l.qkv_bias.as_ref(),
+                table: &self.rope,
+                pairing: c.pairing,
+                hq: c.n_head,
+                k_cache: &cache.k[li],
+                v_cache: &cache.v[li],
                 pos,
-            )?;
+            };
+            let q = qmatmul_rope_store(rec, &x, &l.qkv, Some((&l.attn_norm, eps)), &to)?;
             // One token over many keys: the attention's key ranges are merged inside the
             // o product (one dispatch fewer a layer).
             let parts = if t == 1 && c.n_head * d <= MERGE_MAX_WIDTH {

@@ -263,64 +263,104 @@ pub fn kv_attend(
     Ok(o)
 }
 
+/// Where the stacked projections of new tokens go: the bias added to them, RoPE's table
+/// and pairing, the query heads, the caches and the position of the first token. What
+/// [`rope_store`] does after a product, and what `quant::qmatmul_rope_store` does in one.
+#[derive(Clone, Copy)]
+pub struct RopeStore<'a> {
+    /// ((Hq + 2 Hkv) D), added before RoPE.
+    pub bias: Option<&'a Tensor>,
+    pub table: &'a RopeTable,
+    pub pairing: Pairing,
+    /// Query heads Hq (the caches give Hkv and D).
+    pub hq: usize,
+    pub k_cache: &'a Tensor,
+    pub v_cache: &'a Tensor,
+    pub pos: usize,
+}
+
+impl RopeStore<'_> {
+    /// Checks `rows` stacked projections of `width` against the caches, bias and table.
+    pub(crate) fn params(&self, op: &'static str, rows: usize, width: usize) -> Result<Params> {
+        let cs = self.k_cache.shape();
+        let (hkv, d) = (
+            cs.get(1).copied().unwrap_or(0),
+            cs.get(2).copied().unwrap_or(0),
+        );
+        let want = (self.hq + 2 * hkv) * d;
+        let p = params(&[rows, self.hq, d], cs, self.pos, "qkv")?;
+        if width != want
+            || self.v_cache.shape() != cs
+            || self.table.head_dim != d
+            || self.bias.is_some_and(|b| b.shape() != [want])
+        {
+            return Err(Error::Shape {
+                op,
+                detail: format!(
+                    "{rows} rows of {width} q, k and v (expected {want}), caches {cs:?} / {:?}, bias {:?}, RoPE head dim {}",
+                    self.v_cache.shape(),
+                    self.bias.map(|b| b.shape().to_vec()),
+                    self.table.head_dim
+                ),
+            });
+        }
+        if self.pos + rows > self.table.positions {
+            return Err(Error::Shape {
+                op,
+                detail: format!(
+                    "positions {}..{} exceed the RoPE table's {}",
+                    self.pos,
+                    self.pos + rows,
+                    self.table.positions
+                ),
+            });
+        }
+        for t in [self.k_cache, self.v_cache, &self.table.table] {
+            expect_f32(op, t)?;
+        }
+        if let Some(b) = self.bias {
+            expect_f32(op, b)?;
+        }
+        Ok(p)
+    }
+}
+
 /// Splits the stacked projections `qkv` (T, (Hq + 2 Hkv) D) of the tokens at pos..pos+T:
-/// adds `bias` ((Hq + 2 Hkv) D) if any, turns q and k by RoPE, stores k and v in the caches
-/// and returns q (T, Hq, D). One dispatch for what `bias_add`, `rope` twice and `kv_store`
-/// twice do.
-pub fn rope_store(
-    rec: &mut Recorder<'_>,
-    qkv: &Tensor,
-    bias: Option<&Tensor>,
-    table: &RopeTable,
-    pairing: Pairing,
-    hq: usize,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    pos: usize,
-) -> Result<Tensor> {
+/// adds the bias ((Hq + 2 Hkv) D) if any, turns q and k by RoPE, stores k and v in the
+/// caches and returns q (T, Hq, D). One dispatch for what `bias_add`, `rope` twice and
+/// `kv_store` twice do.
+pub fn rope_store(rec: &mut Recorder<'_>, qkv: &Tensor, to: &RopeStore<'_>) -> Result<Tensor> {
     expect_f32("rope_store", qkv)?;
-    let cs = k_cache.shape();
-    let (t, hkv, d) = (
-        qkv.shape()[0],
-        cs.get(1).copied().unwrap_or(0),
-        cs.get(2).copied().unwrap_or(0),
-    );
-    let width = (hq + 2 * hkv) * d;
-    let p = params(&[t, hq, d], cs, pos, "qkv")?;
-    if qkv.shape() != [t, width]
-        || v_cache.shape() != cs
-        || table.head_dim != d
-        || bias.is_some_and(|b| b.shape() != [width])
-    {
+    let sh = qkv.shape();
+    if sh.len() != 2 {
         return Err(Error::Shape {
             op: "rope_store",
-            detail: format!("qkv {:?} (expected [T, {width}]), caches {cs:?} / {:?}, bias {:?}, RoPE head dim {}", qkv.shape(), v_cache.shape(), bias.map(|b| b.shape().to_vec()), table.head_dim),
+            detail: format!("qkv {sh:?}, expected (T, (Hq + 2 Hkv) D)"),
         });
     }
-    if pos + t > table.positions {
-        return Err(Error::Shape {
-            op: "rope_store",
-            detail: format!(
-                "positions {pos}..{} exceed the RoPE table's {}",
-                pos + t,
-                table.positions
-            ),
-        });
-    }
+    let p = to.params("rope_store", sh[0], sh[1])?;
+    let (t, hq, d) = (sh[0], to.hq, p.d as usize);
     let q = Tensor::empty(rec.gpu(), &[t, hq, d], DType::F32, "rope_store.q")?;
     let c = [
-        ("HAS_BIAS", bias.is_some() as u32 as f64),
+        ("HAS_BIAS", to.bias.is_some() as u32 as f64),
         (
             "INTERLEAVED",
-            (pairing == Pairing::Interleaved) as u32 as f64,
+            (to.pairing == Pairing::Interleaved) as u32 as f64,
         ),
     ];
-    let pairs = (t * (hq + 2 * hkv) * d / 2) as u64;
+    let pairs = (t * sh[1] / 2) as u64;
     rec.dispatch(
         &ROPE_STORE,
         &c,
         bytemuck::bytes_of(&p),
-        &[qkv, bias.unwrap_or(qkv), &table.table, &q, k_cache, v_cache],
+        &[
+            qkv,
+            to.bias.unwrap_or(qkv),
+            &to.table.table,
+            &q,
+            to.k_cache,
+            to.v_cache,
+        ],
         Grid::cover(pairs, 256),
     )?;
     Ok(q)

@@ -3,7 +3,8 @@
 //! kept). Shader: `quant.wgsl` (block layouts in its header; the CPU oracle is
 //! `reference::quant`).
 
-use super::kvcache::AttnParts;
+use super::kvcache::{rope_store, AttnParts, RopeStore};
+use super::rope::Pairing;
 use crate::error::{Error, Result};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Binding::*, DType, Grid, Kernel, Recorder, Tensor};
@@ -20,7 +21,9 @@ pub struct Params {
     /// MERGE: head size and key ranges of the attention parts x holds.
     pub d: u32,
     pub splits: u32,
-    pub _pad: [u32; 2],
+    /// ROPE: position of the first row of x, query heads.
+    pub pos: u32,
+    pub heads: u32,
 }
 
 static DEQUANT: Kernel = Kernel::new(&QUANT, "dequantize", &[(1, Read), (2, ReadWrite)]);
@@ -53,6 +56,22 @@ static QMATVEC1: Kernel = Kernel::new(
         (8, Read),
     ],
 );
+// The products with RoPE and the cache store (no residual): bias (9), RoPE table (10),
+// key and value caches (11, 12); dst (2) gets q.
+const ROPE_BINDINGS: &[(u32, crate::gpu::Binding)] = &[
+    (1, Read),
+    (2, ReadWrite),
+    (3, Read),
+    (5, Read),
+    (7, Read),
+    (8, Read),
+    (9, Read),
+    (10, Read),
+    (11, ReadWrite),
+    (12, ReadWrite),
+];
+static QMATVEC_ROPE: Kernel = Kernel::new(&QUANT, "qmatvec_rope", ROPE_BINDINGS);
+static QMATVEC1_ROPE: Kernel = Kernel::new(&QUANT, "qmatvec1_rope", ROPE_BINDINGS);
 static QMATMUL: Kernel = Kernel::new(
     &QUANT,
     "qmatmul",
@@ -395,42 +414,137 @@ pub fn qmatmul_fused(
     ];
     let nw = fuse.norm.map_or(x, |n| n.0);
     let res = fuse.residual.unwrap_or(x);
-    let tall = w.rows >= MATVEC1_MIN_ROWS;
-    if m == 1 && w.cols % 32 == 0 && (tall || w.cols >= SPLITK_MIN_COLS) {
-        // One row (decode): 4 rows of W a group of 32 threads sharing their reads of x; 8
-        // such groups a workgroup (tall W), or 8 groups splitting long rows of 4.
-        // Tall W with long rows (the 8B's gate/up, q/k/v): 2 groups a row of 4.
-        let (split, rows_per_group) = match (tall, w.cols >= 2048) {
-            (true, false) => (1.0, 32),
-            (true, true) => (2.0, 16),
-            (false, _) => (8.0, 4),
-        };
-        let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split)];
-        rec.dispatch(
-            &QMATVEC1,
-            &c1,
-            bytemuck::bytes_of(&p),
-            &[&w.raw, &y, x, nw, res, x, nw],
-            Grid::Linear(w.rows.div_ceil(rows_per_group) as u64),
-        )?;
-    } else if m <= MATVEC_MAX_ROWS {
-        let groups = w.rows.div_ceil(8) * m.div_ceil(8);
-        rec.dispatch(
-            &QMATVEC,
-            &c,
-            bytemuck::bytes_of(&p),
-            &[&w.raw, &y, x, nw, res, x, nw],
-            Grid::Linear(groups as u64),
-        )?;
-    } else {
-        let grid = [w.rows.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
-        rec.dispatch(
-            &QMATMUL,
-            &c,
-            bytemuck::bytes_of(&p),
-            &[&w.raw, &y, x, nw, res, x, nw],
-            Grid::Xyz(grid),
-        )?;
+    let bind = [&w.raw, &y, x, nw, res, x, nw];
+    match Path::of(m, w) {
+        Path::Decode { split, rows } => {
+            let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split)];
+            let grid = Grid::Linear(w.rows.div_ceil(rows) as u64);
+            rec.dispatch(&QMATVEC1, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
+        }
+        Path::MatVec => {
+            let grid = Grid::Linear((w.rows.div_ceil(8) * m.div_ceil(8)) as u64);
+            rec.dispatch(&QMATVEC, &c, bytemuck::bytes_of(&p), &bind, grid)?;
+        }
+        Path::Tiled => {
+            let grid = [w.rows.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
+            rec.dispatch(&QMATMUL, &c, bytemuck::bytes_of(&p), &bind, Grid::Xyz(grid))?;
+        }
     }
     Ok(y)
+}
+
+/// Which kernel a product of m rows of x runs.
+enum Path {
+    /// One row (decode), cols a multiple of 32: `qmatvec1`, 4 rows of W a group of 32
+    /// threads sharing their reads of x; 8 such groups a workgroup (tall W), or 8 groups
+    /// splitting long rows of 4 (`split` groups a row, `rows` rows of W a workgroup).
+    Decode { split: f64, rows: usize },
+    /// Up to [`MATVEC_MAX_ROWS`] rows: `qmatvec`, 8 rows of W x 8 rows of x a workgroup.
+    MatVec,
+    /// More: the tiled `qmatmul`.
+    Tiled,
+}
+
+impl Path {
+    fn of(m: usize, w: &QMatrix) -> Path {
+        let tall = w.rows >= MATVEC1_MIN_ROWS;
+        if m == 1 && w.cols % 32 == 0 && (tall || w.cols >= SPLITK_MIN_COLS) {
+            // Tall W with long rows (the 8B's gate/up, q/k/v): 2 groups a row of 4.
+            let (split, rows) = match (tall, w.cols >= 2048) {
+                (true, false) => (1.0, 32),
+                (true, true) => (2.0, 16),
+                (false, _) => (8.0, 4),
+            };
+            Path::Decode { split, rows }
+        } else if m <= MATVEC_MAX_ROWS {
+            Path::MatVec
+        } else {
+            Path::Tiled
+        }
+    }
+}
+
+/// Storage buffers the fused RoPE products bind (WebGPU's default limit is 8).
+const ROPE_STORAGE: u32 = 10;
+
+/// q (T, Hq, D) of x (T, cols) @ W^T, W stacking the q, k and v projections
+/// ((Hq + 2 Hkv) D rows), with `norm` (an RMSNorm weight (cols) and epsilon) first: the
+/// product, then [`rope_store`] (bias, RoPE, k and v into the caches at `to.pos`). Up to
+/// [`MATVEC_MAX_ROWS`] rows of x this is one dispatch (the matrix-vector kernels' entry
+/// points with ROPE); more rows, or an adapter with fewer than 10 storage buffers a stage,
+/// run the product and `rope_store` one after the other.
+pub fn qmatmul_rope_store(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &QMatrix,
+    norm: Option<(&Tensor, f32)>,
+    to: &RopeStore<'_>,
+) -> Result<Tensor> {
+    let sh = x.shape();
+    let t = x.numel() / w.cols.max(1);
+    let path = Path::of(t, w);
+    let fused = !matches!(path, Path::Tiled)
+        && rec.gpu().limits.max_storage_buffers_per_shader_stage >= ROPE_STORAGE;
+    if !fused || sh.len() != 2 || sh[1] != w.cols {
+        let fuse = Fuse {
+            norm,
+            ..Default::default()
+        };
+        let qkv = qmatmul_fused(rec, x, w, fuse)?;
+        return rope_store(rec, &qkv, to);
+    }
+    super::expect_f32("qmatmul_rope_store", x)?;
+    let mut p = w.params(t);
+    let kv = to.params("qmatmul_rope_store", t, w.rows)?;
+    let d = kv.d as usize;
+    if let Some((nwt, eps)) = norm {
+        super::expect_f32("qmatmul_rope_store", nwt)?;
+        if nwt.shape() != [w.cols] {
+            return Err(Error::Shape {
+                op: "qmatmul_rope_store",
+                detail: format!("norm weight {:?}, expected [{}]", nwt.shape(), w.cols),
+            });
+        }
+        p.eps = eps.to_bits();
+    }
+    p.d = d as u32;
+    p.pos = to.pos as u32;
+    p.heads = to.hq as u32;
+    let q = Tensor::empty(
+        rec.gpu(),
+        &[t, to.hq, d],
+        DType::F32,
+        "qmatmul_rope_store.q",
+    )?;
+    let c = [
+        ("TYPE", w.ty.0 as f64),
+        ("NORM", norm.is_some() as u32 as f64),
+        ("ROPE_HALF", (to.pairing == Pairing::Half) as u32 as f64),
+        ("ROPE_BIAS", to.bias.is_some() as u32 as f64),
+    ];
+    let nw = norm.map_or(x, |n| n.0);
+    let bind = [
+        &w.raw,
+        &q,
+        x,
+        nw,
+        x,
+        nw,
+        to.bias.unwrap_or(x),
+        &to.table.table,
+        to.k_cache,
+        to.v_cache,
+    ];
+    match path {
+        Path::Decode { split, rows } => {
+            let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split)];
+            let grid = Grid::Linear(w.rows.div_ceil(rows) as u64);
+            rec.dispatch(&QMATVEC1_ROPE, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
+        }
+        _ => {
+            let grid = Grid::Linear((w.rows.div_ceil(8) * t.div_ceil(8)) as u64);
+            rec.dispatch(&QMATVEC_ROPE, &c, bytemuck::bytes_of(&p), &bind, grid)?;
+        }
+    }
+    Ok(q)
 }

@@ -30,10 +30,10 @@ struct Params {
     m: u32,    // rows of x / ids
     k: u32,    // row length
     eps: u32,  // NORM's epsilon, f32 bits
-    d: u32,        // MERGE: head size
+    d: u32,        // MERGE, ROPE: head size
     splits: u32,   // MERGE: key ranges a head
-    _pad0: u32,
-    _pad1: u32,
+    pos: u32,      // ROPE: position of the first row of x
+    heads: u32,    // ROPE: query heads (W stacks heads q heads, then k and v heads)
 }
 
 override TYPE: u32 = 2u;   // ggml type id
@@ -314,6 +314,61 @@ override NORM: bool = false;
 override RESIDUAL: bool = false;
 override SWIGLU: bool = false;
 
+// ROPE (entry points qmatvec_rope, qmatvec1_rope; what kvcache.wgsl's rope_store does, on
+// the product's output): W stacks q, k and v heads ((heads + 2 hkv) d rows; p.heads query
+// heads of p.d). Row t of x's outputs get the bias (ROPE_BIAS, binding 9), q and k are
+// turned by RoPE at position p.pos + t (table (positions, d / 2) of (cos, sin), binding
+// 10), q goes to dst (T, heads, d), k and v into the caches (capacity, hkv, d) at that
+// position (bindings 11, 12). A head's pairs are (2e, 2e + 1), or (e, e + d / 2) with
+// ROPE_HALF: then virtual columns (2e, 2e + 1) read W's rows e and e + d / 2.
+override ROPE_HALF: bool = false;
+override ROPE_BIAS: bool = false;
+@group(0) @binding(9) var<storage, read> rbias: array<f32>;
+@group(0) @binding(10) var<storage, read> rtable: array<vec2<f32>>;
+@group(0) @binding(11) var<storage, read_write> k_cache: array<f32>;
+@group(0) @binding(12) var<storage, read_write> v_cache: array<f32>;
+
+fn rope_kv_heads() -> u32 {
+    return (p.n / p.d - p.heads) / 2u;
+}
+
+// Columns turned by RoPE (q and k heads); v follows.
+fn rope_turned() -> u32 {
+    return (p.heads + rope_kv_heads()) * p.d;
+}
+
+// Stores the pair of (virtual) columns (v, v + 1), v even, of row t of x: sums a and b.
+fn rope_out(t: u32, v: u32, sa: f32, sb: f32) {
+    let i = w_row(v);        // column in the stacked q, k, v row
+    let j = w_row(v + 1u);
+    var a = sa;
+    var b = sb;
+    if (ROPE_BIAS) {
+        a += rbias[i];
+        b += rbias[j];
+    }
+    let pos = p.pos + t;
+    let kv = rope_kv_heads() * p.d;
+    let qw = p.heads * p.d;
+    if (v < qw + kv) {
+        let cs = rtable[pos * (p.d / 2u) + (v % p.d) / 2u];
+        let ra = a * cs.x - b * cs.y;
+        let rb = a * cs.y + b * cs.x;
+        if (v < qw) {
+            dst[t * qw + i] = ra;
+            dst[t * qw + j] = rb;
+        } else {
+            let o = pos * kv - qw;
+            k_cache[o + i] = ra;
+            k_cache[o + j] = rb;
+        }
+    } else {
+        let o = pos * kv - qw - kv;
+        v_cache[o + i] = a;
+        v_cache[o + j] = b;
+    }
+}
+
 @group(0) @binding(5) var<storage, read> nw: array<f32>;
 // x and nw again as vec4s (the same buffers), for rows whose length is a multiple of 4.
 @group(0) @binding(7) var<storage, read> xv4: array<vec4<f32>>;
@@ -330,6 +385,11 @@ fn w_rows() -> u32 {
     return select(p.n, 2u * p.n, SWIGLU);
 }
 fn w_row(v: u32) -> u32 {
+    if (ROPE_HALF && v < rope_turned()) {
+        // Head element e of the pair list: (e / 2) or (e / 2 + d / 2).
+        let e = v % p.d;
+        return v - e + e / 2u + select(0u, p.d / 2u, (e & 1u) == 1u);
+    }
     return select(v, select(v / 2u, p.n + v / 2u, (v & 1u) == 1u), SWIGLU);
 }
 
@@ -405,16 +465,23 @@ fn x4(r: u32, c: u32) -> vec4<f32> {
     return xv4[(r * p.k + c) / 4u];
 }
 
-@compute @workgroup_size(256)
-fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-           @builtin(local_invocation_index) lid: u32) {
-    let g = wid.x + wid.y * nwg.x;
+// Where thread lid of workgroup g works in qmatvec: (first row of x, output column (virtual
+// with SWIGLU or ROPE_HALF), rows of x).
+fn mv_at(g: u32, lid: u32) -> vec3<u32> {
+    let per_row = (w_rows() + MV_ROWS - 1u) / MV_ROWS;
+    let r0 = (g / per_row) * MV_X;
+    return vec3<u32>(r0, (g % per_row) * MV_ROWS + lid / 32u, min(MV_X, p.m - min(r0, p.m)));
+}
+
+// qmatvec's sums: lane 0 of each group of 32 ends with its column's sum for row r0 + r of x
+// in mv_part[r][lid] (without the norm's scale, mv_scale(r)).
+fn mv_sums(g: u32, lid: u32) {
+    let at = mv_at(g, lid);
+    let r0 = at.x;
+    let v = at.y;
+    let nr = at.z;
     let wr = w_rows();
-    let per_row = (wr + MV_ROWS - 1u) / MV_ROWS;
-    let r0 = (g / per_row) * MV_X;               // first row of x
-    let v = (g % per_row) * MV_ROWS + lid / 32u;  // output column (virtual with SWIGLU)
     let lane = lid % 32u;
-    let nr = min(MV_X, p.m - min(r0, p.m));
     if (MERGE) {
         merge_x(lid);
         workgroupBarrier();
@@ -501,19 +568,49 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
         }
         workgroupBarrier();
     }
-    if (lane == 0u && v < wr) {
-        for (var r = 0u; r < nr; r++) {
-            var scale = 1.0;
-            if (NORM) {
-                scale = inverseSqrt(mv_ss[r][0] / f32(p.k) + bitcast<f32>(p.eps));
-            }
+}
+
+// RMSNorm's factor for row r of x (1 without NORM), after mv_sums.
+fn mv_scale(r: u32) -> f32 {
+    if (NORM) {
+        return inverseSqrt(mv_ss[r][0] / f32(p.k) + bitcast<f32>(p.eps));
+    }
+    return 1.0;
+}
+
+@compute @workgroup_size(256)
+fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+           @builtin(local_invocation_index) lid: u32) {
+    let g = wid.x + wid.y * nwg.x;
+    mv_sums(g, lid);
+    let at = mv_at(g, lid);
+    let v = at.y;
+    if (lid % 32u == 0u && v < w_rows()) {
+        for (var r = 0u; r < at.z; r++) {
+            let scale = mv_scale(r);
             if (SWIGLU) {
                 if ((v & 1u) == 0u) {
-                    dst[(r0 + r) * p.n + v / 2u] = silu(mv_part[r][lid] * scale) * (mv_part[r][lid + 32u] * scale);
+                    dst[(at.x + r) * p.n + v / 2u] = silu(mv_part[r][lid] * scale) * (mv_part[r][lid + 32u] * scale);
                 }
             } else {
-                dst[(r0 + r) * p.n + v] = finish(r0 + r, v, mv_part[r][lid] * scale);
+                dst[(at.x + r) * p.n + v] = finish(at.x + r, v, mv_part[r][lid] * scale);
             }
+        }
+    }
+}
+
+// qmatvec with ROPE: columns (v, v + 1), v even, are a pair, in neighbouring groups.
+@compute @workgroup_size(256)
+fn qmatvec_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) lid: u32) {
+    let g = wid.x + wid.y * nwg.x;
+    mv_sums(g, lid);
+    let at = mv_at(g, lid);
+    let v = at.y;
+    if (lid % 32u == 0u && v < w_rows() && (v & 1u) == 0u) {
+        for (var r = 0u; r < at.z; r++) {
+            let scale = mv_scale(r);
+            rope_out(at.x + r, v, mv_part[r][lid] * scale, mv_part[r][lid + 32u] * scale);
         }
     }
 }
@@ -528,13 +625,20 @@ override MV1_SPLIT: u32 = 1u;
 var<workgroup> mv1_part: array<array<f32, 256>, 4>;   // [row of W in the set][thread]
 var<workgroup> mv1_ss: array<f32, 256>;
 
-@compute @workgroup_size(256)
-fn qmatvec1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-            @builtin(local_invocation_index) lid: u32) {
-    let g = wid.x + wid.y * nwg.x;
-    let width = 32u * MV1_SPLIT;                   // threads sharing rows of W
-    let local = lid % width;
-    let v0 = (g * (256u / width) + lid / width) * MV1_RW;   // first (virtual) output column
+// Where thread lid of workgroup g works in qmatvec1: (first of its MV1_RW (virtual) output
+// columns, its index among the threads sharing them).
+fn mv1_at(g: u32, lid: u32) -> vec2<u32> {
+    let width = 32u * MV1_SPLIT;   // threads sharing rows of W
+    return vec2<u32>((g * (256u / width) + lid / width) * MV1_RW, lid % width);
+}
+
+// qmatvec1's sums: the first of the threads sharing columns v0.. ends with column v0 + q's
+// sum in mv1_part[q][lid] and the sum of x^2 in mv1_ss[lid].
+fn mv1_sums(g: u32, lid: u32) {
+    let width = 32u * MV1_SPLIT;
+    let at = mv1_at(g, lid);
+    let v0 = at.x;
+    let local = at.y;
     let wr = w_rows();
     var acc = vec4<f32>(0.0);
     var ss = 0.0;
@@ -575,14 +679,28 @@ fn qmatvec1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         }
         workgroupBarrier();
     }
-    if (local == 0u) {
-        var scale = 1.0;
-        if (NORM) {
-            // The threads sharing these rows cover all of k: their sum of squares is x's.
-            scale = inverseSqrt(mv1_ss[lid] / f32(p.k) + bitcast<f32>(p.eps));
-        }
+}
+
+// RMSNorm's factor (1 without NORM) for the first thread of a set, after mv1_sums: the
+// threads sharing these rows cover all of k, so their sum of squares is x's.
+fn mv1_scale(lid: u32) -> f32 {
+    if (NORM) {
+        return inverseSqrt(mv1_ss[lid] / f32(p.k) + bitcast<f32>(p.eps));
+    }
+    return 1.0;
+}
+
+@compute @workgroup_size(256)
+fn qmatvec1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let g = wid.x + wid.y * nwg.x;
+    mv1_sums(g, lid);
+    let at = mv1_at(g, lid);
+    let wr = w_rows();
+    if (at.y == 0u) {
+        let scale = mv1_scale(lid);
         for (var q = 0u; q < MV1_RW; q++) {
-            let v = v0 + q;
+            let v = at.x + q;
             if (v < wr) {
                 if (SWIGLU) {
                     // v0 is a multiple of 4: gate (even v) and up (v + 1) are both here.
@@ -592,6 +710,23 @@ fn qmatvec1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
                 } else {
                     dst[v] = finish(0u, v, mv1_part[q][lid] * scale);
                 }
+            }
+        }
+    }
+}
+
+// qmatvec1 with ROPE: a thread's 4 columns are two pairs.
+@compute @workgroup_size(256)
+fn qmatvec1_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let g = wid.x + wid.y * nwg.x;
+    mv1_sums(g, lid);
+    let at = mv1_at(g, lid);
+    if (at.y == 0u) {
+        let scale = mv1_scale(lid);
+        for (var q = 0u; q < MV1_RW; q += 2u) {
+            if (at.x + q < w_rows()) {
+                rope_out(0u, at.x + q, mv1_part[q][lid] * scale, mv1_part[q + 1u][lid] * scale);
             }
         }
     }

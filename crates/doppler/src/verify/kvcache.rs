@@ -5,7 +5,7 @@ use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
-use crate::ops::kvcache::{kv_attend, kv_attend_parts, kv_store};
+use crate::ops::kvcache::{kv_attend, kv_attend_parts, kv_store, RopeStore};
 use crate::ops::quant::{qmatmul_fused, qmatvec_merged, Fuse, QMatrix};
 use crate::reference::{attention as cpu, widen};
 
@@ -123,8 +123,16 @@ pub(super) fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let b = Tensor::from_f32(gpu, &[width], &bias, "bias")?;
             let kc = Tensor::from_f32(gpu, &[cap, hkv, d], &vec![0.0; cap * hkv * d], "k")?;
             let vc = Tensor::from_f32(gpu, &[cap, hkv, d], &vec![0.0; cap * hkv * d], "v")?;
-            let q =
-                gpu.run(|rec| rope_store(rec, &x, Some(&b), &table, pairing, hq, &kc, &vc, pos))?;
+            let to = RopeStore {
+                bias: Some(&b),
+                table: &table,
+                pairing,
+                hq,
+                k_cache: &kc,
+                v_cache: &vc,
+                pos,
+            };
+            let q = gpu.run(|rec| rope_store(rec, &x, &to))?;
             Ok(vec![q.read_f32(gpu)?, kc.read_f32(gpu)?, vc.read_f32(gpu)?])
         });
         // Split (T, width) + bias into q (T, Hq, D), k and v (T, Hkv, D) in f64.
@@ -156,6 +164,110 @@ pub(super) fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             out,
             "rope_store",
             format!("T {t} at {pos}, Hq {hq}/Hkv {hkv}, D {d}, {pairing:?}"),
+            res,
+        );
+    }
+}
+
+/// (cap, Hq, Hkv, D, cols, type, tokens, position, pairing) of `qmatmul_rope_store`'s fused
+/// cases: SmolLM2's heads and width (Q4_1, the 8-rows kernel) one token with either pairing;
+/// three tokens at an offset over rows of 36 f32 (no 32-runs); a tall stack (6,144 rows,
+/// the decode kernel) with short Q4_0 rows (one group of 32 a row) and long Q4_K rows
+/// (two groups a row).
+type RopeCase = (
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    &'static str,
+    usize,
+    usize,
+    bool,
+);
+pub const ROPE_STORE_CASES: [RopeCase; 5] = [
+    (12, 9, 3, 64, 576, "Q4_1", 1, 7, false),
+    (12, 9, 3, 64, 576, "Q4_1", 1, 4, true),
+    (8, 4, 2, 16, 36, "F32", 3, 2, true),
+    (4, 32, 8, 128, 64, "Q4_0", 1, 3, true),
+    (4, 32, 8, 128, 2048, "Q4_K", 1, 1, false),
+];
+
+/// The product with RoPE and the cache store in one (`qmatmul_rope_store`, what decoding
+/// runs) against the two steps it replaces (`qmatmul_fused` with the norm, then
+/// `rope_store`, itself checked against the f64 reference above): q and both whole caches
+/// (filled with noise first, so a stray write shows), with the norm and a bias.
+pub(super) fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    use crate::ops::kvcache::rope_store;
+    use crate::ops::quant::qmatmul_rope_store;
+    use crate::ops::rope::{Pairing, RopeTable};
+    for (n, &(cap, hq, hkv, d, cols, ty_name, t, pos, half)) in ROPE_STORE_CASES.iter().enumerate()
+    {
+        let rows = (hq + 2 * hkv) * d;
+        let pairing = if half {
+            Pairing::Half
+        } else {
+            Pairing::Interleaved
+        };
+        let ty = GgmlType::from_name(ty_name).expect("known type");
+        let mut rng = Rng::new(3400 + n as u64);
+        let raw = super::quant::random_blocks(ty_name, rows * cols, &mut rng);
+        let (x, nw, bias) = (rng.vec(t * cols), rng.vec(cols), rng.vec(rows));
+        let (k0, v0) = (rng.vec(cap * hkv * d), rng.vec(cap * hkv * d));
+        let r = twice("qmatmul_rope_store", || {
+            let w = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
+            let table = RopeTable::new(gpu, cap, d, 10000.0)?;
+            let xt = Tensor::from_f32(gpu, &[t, cols], &x, "x")?;
+            let nwt = Tensor::from_f32(gpu, &[cols], &nw, "nw")?;
+            let b = Tensor::from_f32(gpu, &[rows], &bias, "bias")?;
+            let mut got = Vec::new();
+            for fused in [true, false] {
+                let kc = Tensor::from_f32(gpu, &[cap, hkv, d], &k0, "k")?;
+                let vc = Tensor::from_f32(gpu, &[cap, hkv, d], &v0, "v")?;
+                let to = RopeStore {
+                    bias: Some(&b),
+                    table: &table,
+                    pairing,
+                    hq,
+                    k_cache: &kc,
+                    v_cache: &vc,
+                    pos,
+                };
+                let q = gpu.run(|rec| {
+                    let norm = Some((&nwt, 1e-5));
+                    if fused {
+                        qmatmul_rope_store(rec, &xt, &w, norm, &to)
+                    } else {
+                        let fuse = Fuse {
+                            norm,
+                            ..Default::default()
+                        };
+                        let qkv = qmatmul_fused(rec, &xt, &w, fuse)?;
+                        rope_store(rec, &qkv, &to)
+                    }
+                })?;
+                got.extend([q.read_f32(gpu)?, kc.read_f32(gpu)?, vc.read_f32(gpu)?]);
+            }
+            Ok(got)
+        });
+        let tol = Tolerance {
+            abs: 1e-5,
+            rel: 1e-5,
+        };
+        let res = r.and_then(|got| {
+            let mut worst = crate::check::Stats::default();
+            for (i, what) in ["q", "k cache", "v cache"].iter().enumerate() {
+                let want: Vec<f64> = got[i + 3].iter().map(|&v| v as f64).collect();
+                let st = compare(what, &got[i], &want, None, tol).map_err(s)?;
+                worst.max_abs = worst.max_abs.max(st.max_abs);
+                worst.max_rel = worst.max_rel.max(st.max_rel);
+            }
+            Ok(worst)
+        });
+        push(
+            out,
+            "qmatmul_rope_store",
+            format!("T {t} at {pos} @ ({rows}, {cols})^T {ty_name}, Hq {hq}/Hkv {hkv}, D {d}, {pairing:?}, norm + bias"),
             res,
         );
     }

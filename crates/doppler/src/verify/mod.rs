@@ -88,6 +88,7 @@ const FAMILIES: &[Family] = &[
     (&["qmatmul fused"], quant::fused_checks),
     (&["kv_attend"], kvcache::checks),
     (&["rope_store"], kvcache::rope_store_checks),
+    (&["qmatmul_rope_store"], kvcache::rope_product_checks),
     (&["qmatvec_merged"], kvcache::merged_checks),
     (&["llama gguf vs safetensors"], llama::checks),
     (&["bias_add"], bias::checks),
