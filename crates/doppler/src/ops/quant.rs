@@ -29,7 +29,8 @@ pub struct Params {
 static DEQUANT: Kernel = Kernel::new(&QUANT, "dequantize", &[(1, Read), (2, ReadWrite)]);
 static GET_ROWS: Kernel = Kernel::new(&QUANT, "get_rows", &[(1, Read), (2, ReadWrite), (4, Read)]);
 // Products bind the norm weight (5) and the residual (6) always (x stands in when unused),
-// and x and the norm weight again as vec4s (7, 8).
+// x and the norm weight again as vec4s (7, 8), and the matrix-vector ones W as 16-byte
+// words (13).
 static QMATVEC: Kernel = Kernel::new(
     &QUANT,
     "qmatvec",
@@ -41,6 +42,7 @@ static QMATVEC: Kernel = Kernel::new(
         (6, Read),
         (7, Read),
         (8, Read),
+        (13, Read),
     ],
 );
 static QMATVEC1: Kernel = Kernel::new(
@@ -54,6 +56,7 @@ static QMATVEC1: Kernel = Kernel::new(
         (6, Read),
         (7, Read),
         (8, Read),
+        (13, Read),
     ],
 );
 // The products with RoPE and the cache store (no residual): bias (9), RoPE table (10),
@@ -69,6 +72,7 @@ const ROPE_BINDINGS: &[(u32, crate::gpu::Binding)] = &[
     (10, Read),
     (11, ReadWrite),
     (12, ReadWrite),
+    (13, Read),
 ];
 static QMATVEC_ROPE: Kernel = Kernel::new(&QUANT, "qmatvec_rope", ROPE_BINDINGS);
 static QMATVEC1_ROPE: Kernel = Kernel::new(&QUANT, "qmatvec1_rope", ROPE_BINDINGS);
@@ -343,7 +347,7 @@ pub fn qmatvec_merged(
         &QMATVEC,
         &c,
         bytemuck::bytes_of(&p),
-        &[&w.raw, &y, x, x, res, x, x],
+        &[&w.raw, &y, x, x, res, x, x, &w.raw],
         Grid::Linear(w.rows.div_ceil(8) as u64),
     )?;
     Ok(y)
@@ -414,7 +418,7 @@ pub fn qmatmul_fused(
     ];
     let nw = fuse.norm.map_or(x, |n| n.0);
     let res = fuse.residual.unwrap_or(x);
-    let bind = [&w.raw, &y, x, nw, res, x, nw];
+    let bind = [&w.raw, &y, x, nw, res, x, nw, &w.raw];
     match Path::of(m, w) {
         Path::Decode { split, rows } => {
             let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split)];
@@ -427,7 +431,13 @@ pub fn qmatmul_fused(
         }
         Path::Tiled => {
             let grid = [w.rows.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
-            rec.dispatch(&QMATMUL, &c, bytemuck::bytes_of(&p), &bind, Grid::Xyz(grid))?;
+            rec.dispatch(
+                &QMATMUL,
+                &c,
+                bytemuck::bytes_of(&p),
+                &bind[..7],
+                Grid::Xyz(grid),
+            )?;
         }
     }
     Ok(y)
@@ -465,13 +475,13 @@ impl Path {
 }
 
 /// Storage buffers the fused RoPE products bind (WebGPU's default limit is 8).
-const ROPE_STORAGE: u32 = 10;
+const ROPE_STORAGE: u32 = 11;
 
 /// q (T, Hq, D) of x (T, cols) @ W^T, W stacking the q, k and v projections
 /// ((Hq + 2 Hkv) D rows), with `norm` (an RMSNorm weight (cols) and epsilon) first: the
 /// product, then [`rope_store`] (bias, RoPE, k and v into the caches at `to.pos`). Up to
 /// [`MATVEC_MAX_ROWS`] rows of x this is one dispatch (the matrix-vector kernels' entry
-/// points with ROPE); more rows, or an adapter with fewer than 10 storage buffers a stage,
+/// points with ROPE); more rows, or an adapter with fewer than 11 storage buffers a stage,
 /// run the product and `rope_store` one after the other.
 pub fn qmatmul_rope_store(
     rec: &mut Recorder<'_>,
@@ -534,6 +544,7 @@ pub fn qmatmul_rope_store(
         &to.table.table,
         to.k_cache,
         to.v_cache,
+        &w.raw,
     ];
     match path {
         Path::Decode { split, rows } => {

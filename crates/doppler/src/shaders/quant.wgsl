@@ -43,6 +43,8 @@ override TYPE: u32 = 2u;   // ggml type id
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
 @group(0) @binding(3) var<storage, read> x: array<f32>;
 @group(0) @binding(4) var<storage, read> ids: array<u32>;
+// src again as 16-byte words (the products; blocks of Q4_K and Q5_K are 16-byte aligned).
+@group(0) @binding(13) var<storage, read> srcv4: array<vec4<u32>>;
 
 fn byte(i: u32) -> u32 {
     return (src[i >> 2u] >> ((i & 3u) * 8u)) & 0xFFu;
@@ -149,9 +151,19 @@ fn word_at(i: u32) -> u32 {
     return (src[w] >> sh) | (src[w + 1u] << (32u - sh));
 }
 
+// The 4 bytes of a word, lowest first.
+fn bytes4(v: u32) -> vec4<u32> {
+    return vec4<u32>(v & 0xFFu, (v >> 8u) & 0xFFu, (v >> 16u) & 0xFFu, v >> 24u);
+}
+
+// f32(u) for u < 2^23, exactly, without integer-to-float conversions (a quarter of the
+// float rate on some GPUs): u's bits under the exponent of 2^23, minus 2^23.
+fn u2f4(u: vec4<u32>) -> vec4<f32> {
+    return bitcast<vec4<f32>>(u | vec4<u32>(0x4B000000u)) - 8388608.0;
+}
+
 fn nibbles4(w: u32, high: bool) -> vec4<f32> {
-    let v = select(w, w >> 4u, high);
-    return vec4<f32>(f32(v & 0xFu), f32((v >> 8u) & 0xFu), f32((v >> 16u) & 0xFu), f32((v >> 24u) & 0xFu));
+    return u2f4(bytes4(select(w, w >> 4u, high) & 0x0F0F0F0Fu));
 }
 
 // Elements i..i+4 (i a multiple of 4, all in one block): one word of quants and one of
@@ -214,9 +226,19 @@ fn value4(i: u32) -> vec4<f32> {
     }
 }
 
-// Elements i..i+32 (i a multiple of 32: one block, or one 32-element sub-block of a
-// K-quant block), as 8 vec4s: the block's scales are decoded once for all 32, and the
-// quants come a word (4 or 8 elements) at a time.
+// Column of the e-th 4 values (e < 8) of the run of 32 that run32 returns for the run
+// starting at column c (a multiple of 32): c + 4 e, except in Q4_K / Q5_K blocks.
+fn run_col(c: u32, e: u32) -> u32 {
+    if (TYPE == 12u || TYPE == 13u) {
+        let rb = (c % 256u) / 32u;
+        return c - 32u * rb + 64u * (rb / 2u) + 16u * (rb & 1u) + 4u * (e % 4u) + 32u * (e / 4u);
+    }
+    return c + 4u * e;
+}
+
+// The 32 elements of run i / 32 (i a multiple of 32: one block, or 32 elements of a K-quant
+// block), as 8 vec4s, the e-th at column run_col(i, e) of W's row: the scales are decoded
+// once for all 32, and the quants come a word (4 or 8 elements) at a time.
 fn run32(i: u32) -> array<vec4<f32>, 8> {
     var o: array<vec4<f32>, 8>;
     switch (TYPE) {
@@ -242,20 +264,34 @@ fn run32(i: u32) -> array<vec4<f32>, 8> {
             let b = (i / 32u) * 34u;
             let d = half(b);
             for (var w = 0u; w < 8u; w++) {
-                let q = bitcast<i32>(word_at(b + 2u + 4u * w));
-                o[w] = vec4<f32>(f32((q << 24u) >> 24u), f32((q << 16u) >> 24u), f32((q << 8u) >> 24u), f32(q >> 24u)) * d;
+                // Signed bytes as offset binary (b ^ 0x80 = b + 128).
+                let q = word_at(b + 2u + 4u * w) ^ 0x80808080u;
+                o[w] = (u2f4(bytes4(q)) - 128.0) * d;
             }
         }
-        case 12u: {
-            let b = (i / 256u) * 144u;   // word-aligned blocks
-            let r = (i % 256u) / 32u;    // sub-block
-            let sm = scale_min(b + 4u, r);
+        case 12u, 13u: {
+            // Run rb of the block is 16 bytes of sub-block pair j = rb / 2: their low
+            // nibbles are elements 16 h.. of sub-block 2 j, the high ones the same of 2 j + 1
+            // (h = rb % 2; run_col gives the columns). One 16-byte load of quants.
+            let k5 = TYPE == 13u;
+            let b = (i / 256u) * select(144u, 176u, k5);   // 16-byte-aligned blocks
+            let rb = (i % 256u) / 32u;
+            let j = rb / 2u;
+            let h = rb & 1u;
             let dm = unpack2x16float(src[b >> 2u]);
-            let sc = dm.x * sm.x;
-            let mn = dm.y * sm.y;
-            let q0 = (b + 16u + 32u * (r / 2u)) >> 2u;
-            for (var w = 0u; w < 8u; w++) {
-                o[w] = nibbles4(src[q0 + w], (r & 1u) == 1u) * sc - mn;
+            let s0 = dm * scale_min(b + 4u, 2u * j);
+            let s1 = dm * scale_min(b + 4u, 2u * j + 1u);
+            let q = srcv4[(b + select(16u, 48u, k5) + 32u * j + 16u * h) >> 4u];
+            var qh = vec4<u32>(0u);
+            if (k5) {
+                // Fifth bits: bit 2 j (low nibbles) and 2 j + 1 of the same 16 bytes' index.
+                qh = srcv4[(b + 16u + 16u * h) >> 4u] >> vec4<u32>(2u * j);
+            }
+            for (var w = 0u; w < 4u; w++) {
+                let lo = (q[w] & 0x0F0F0F0Fu) | ((qh[w] & 0x01010101u) << 4u);
+                let hi = ((q[w] >> 4u) & 0x0F0F0F0Fu) | (((qh[w] >> 1u) & 0x01010101u) << 4u);
+                o[w] = u2f4(bytes4(lo)) * s0.x - s0.y;
+                o[w + 4u] = u2f4(bytes4(hi)) * s1.x - s1.y;
             }
         }
         case 14u: {
@@ -269,8 +305,8 @@ fn run32(i: u32) -> array<vec4<f32>, 8> {
             for (var w = 0u; w < 8u; w++) {
                 let ql = word_at(b + 64u * n + 32u * (run & 1u) + 4u * w);
                 let qh = word_at(b + 128u + 32u * n + 4u * w) >> (2u * run);
-                let hb = vec4<f32>(f32(qh & 3u), f32((qh >> 8u) & 3u), f32((qh >> 16u) & 3u), f32((qh >> 24u) & 3u));
-                o[w] = (nibbles4(ql, run >= 2u) + hb * 16.0 - 32.0) * select(s0, s1, w >= 4u);
+                let q = (select(ql, ql >> 4u, run >= 2u) & 0x0F0F0F0Fu) | ((qh & 0x03030303u) << 4u);
+                o[w] = (u2f4(bytes4(q)) - 32.0) * select(s0, s1, w >= 4u);
             }
         }
         default: {
@@ -496,13 +532,13 @@ fn mv_sums(g: u32, lid: u32) {
                 var w = run32(wbase + c);
                 for (var e = 0u; e < 8u; e++) {
                     if (NORM) {
-                        w[e] *= nw4(c + 4u * e);
+                        w[e] *= nw4(run_col(c, e));
                     }
                 }
                 for (var r = 0u; r < MV_X; r++) {
                     if (r < nr) {
                         for (var e = 0u; e < 8u; e++) {
-                            let xv = x4(r0 + r, c + 4u * e);
+                            let xv = x4(r0 + r, run_col(c, e));
                             acc[r] += dot(xv, w[e]);
                             if (NORM) {
                                 ss[r] += dot(xv, xv);
@@ -646,11 +682,11 @@ fn mv1_sums(g: u32, lid: u32) {
         for (var c = local * 32u; c < p.k; c += 32u * width) {
             var xs: array<vec4<f32>, 8>;
             for (var e = 0u; e < 8u; e++) {
-                let xv = x4(0u, c + 4u * e);
+                let xv = x4(0u, run_col(c, e));
                 xs[e] = xv;
                 if (NORM) {
                     ss += dot(xv, xv);
-                    xs[e] = xv * nw4(c + 4u * e);
+                    xs[e] = xv * nw4(run_col(c, e));
                 }
             }
             for (var q = 0u; q < MV1_RW; q++) {
