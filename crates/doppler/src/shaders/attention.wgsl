@@ -351,8 +351,9 @@ fn attn_bwd_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 // scores like a matrix product, so every staged vector feeds several rows. Same formulas.
 //   attn_fwd_tiled:      32 query rows per workgroup, 32-key tiles; thread (ty, tx) = (tid/16,
 //                        tid%16) scores rows 2ty, 2ty+1 against keys tx, tx+16 and owns
-//                        vec4 tx of those two output rows. Threads 0..31 keep one row's
-//                        running max and sum each (online softmax, tile by tile).
+//                        vec4 tx of those two output rows. The 16 threads of a row share
+//                        its running max through workgroup memory (online softmax, tile
+//                        by tile) and add their shares of its sum at the end.
 //   attn_bwd_dq_tiled:   32 query rows, 16-key tiles; dS goes through workgroup memory.
 //   attn_bwd_dkv_tiled:  32 key rows, 16-query tiles over the group's heads in order.
 // Sums run in a fixed order per thread: same bits on every run.
@@ -367,6 +368,7 @@ var<workgroup> sd: array<vec4<f32>, 256>;   // 16 rows
 var<workgroup> sp: array<f32, 1024>;        // scores / probabilities
 var<workgroup> sds: array<f32, 512>;        // dS^T (dkv)
 var<workgroup> rs: array<f32, 96>;          // per-row statistics
+var<workgroup> pm: array<f32, 512>;         // [row][thread]: partial maxima / sums (forward)
 
 // Stages `rows` rows (from r0) of head hh of a (B, T, H, D) tensor, times `mul`, into
 // workgroup array `dst` (0: sa, 1: sb, 2: sc, 3: sd), zero past nt or D. `which` picks the
@@ -415,16 +417,17 @@ fn attn_fwd_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let ty = tid / 16u;
     let tx = tid % 16u;
     stage_rows(0u, 0u, bi, i0, 32u, p.tq, h, p.hq, p.scale, tid);   // Q, scaled -> sa
-    if (tid < 32u) {
-        rs[tid] = NEG;        // running max
-        rs[32u + tid] = 0.0;  // running sum
-    }
+    // Each row's running max and sum live with its 16 threads (the same max in all 16; the
+    // sum of each thread's own columns, added across the 16 at the end).
+    var m = vec2<f32>(NEG);
+    var l = vec2<f32>(0.0);
     var o0 = vec4<f32>(0.0);
     var o1 = vec4<f32>(0.0);
     let end = select(0u, key_end32(i0), ok);
     for (var j0 = 0u; j0 < end; j0 += 32u) {
         stage_rows(1u, 1u, bi, j0, 32u, p.tk, hk, p.hkv, 1.0, tid);   // K -> sb
         workgroupBarrier();
+        var sco: array<vec2<f32>, 2>;   // [row][column tx, tx + 16]
         for (var rr = 0u; rr < 2u; rr++) {
             let r = 2u * ty + rr;
             for (var cc = 0u; cc < 2u; cc++) {
@@ -434,36 +437,34 @@ fn attn_fwd_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
                     s += dot(sa[r * CH + ch], sb[c * CH + ch]);
                 }
                 let i = i0 + r;
-                sp[r * 32u + c] = select(NEG, s, i < p.tq && visible(i, j0 + c));
+                sco[rr][cc] = select(NEG, s, i < p.tq && visible(i, j0 + c));
             }
+            pm[r * 16u + tx] = max(sco[rr].x, sco[rr].y);
         }
         workgroupBarrier();
-        if (tid < 32u) {
-            let r = tid;
-            let m_old = rs[r];
-            var mx = m_old;
-            for (var c = 0u; c < 32u; c++) {
-                mx = max(mx, sp[r * 32u + c]);
+        // Every thread of a row reads the row's 16 partial maxima in the same order.
+        var corr = vec2<f32>(0.0);
+        for (var rr = 0u; rr < 2u; rr++) {
+            let r = 2u * ty + rr;
+            var mx = m[rr];
+            for (var t = 0u; t < 16u; t++) {
+                mx = max(mx, pm[r * 16u + t]);
             }
-            let corr = exp(m_old - mx);
-            var l = rs[32u + r] * corr;
-            for (var c = 0u; c < 32u; c++) {
-                let x = sp[r * 32u + c];
-                var pc = 0.0;
-                if (x > NEG) {
-                    pc = exp(x - mx);
+            corr[rr] = exp(m[rr] - mx);
+            m[rr] = mx;
+            var pr = vec2<f32>(0.0);
+            for (var cc = 0u; cc < 2u; cc++) {
+                if (sco[rr][cc] > NEG) {
+                    pr[cc] = exp(sco[rr][cc] - mx);
                 }
-                sp[r * 32u + c] = pc;
-                l += pc;
+                sp[r * 32u + tx + 16u * cc] = pr[cc];
             }
-            rs[r] = mx;
-            rs[32u + r] = l;
-            rs[64u + r] = corr;
+            l[rr] = l[rr] * corr[rr] + (pr.x + pr.y);
         }
         stage_rows(2u, 1u, bi, j0, 32u, p.tk, hk, p.hkv, 1.0, tid);   // V -> sb (K is done)
         workgroupBarrier();
-        o0 *= rs[64u + 2u * ty];
-        o1 *= rs[64u + 2u * ty + 1u];
+        o0 *= corr.x;
+        o1 *= corr.y;
         for (var c = 0u; c < 32u; c++) {
             let vv = sb[c * CH + tx];
             o0 += sp[(2u * ty) * 32u + c] * vv;
@@ -471,16 +472,24 @@ fn attn_fwd_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         }
         workgroupBarrier();
     }
+    // Row sums: each thread's share, added over the row's 16 threads in order.
+    pm[(2u * ty) * 16u + tx] = l.x;
+    pm[(2u * ty + 1u) * 16u + tx] = l.y;
+    workgroupBarrier();
     if (ok) {
         for (var rr = 0u; rr < 2u; rr++) {
             let r = 2u * ty + rr;
+            var lt = 0.0;
+            for (var t = 0u; t < 16u; t++) {
+                lt += pm[r * 16u + t];
+            }
             let i = i0 + r;
             if (i < p.tq && tx < D4) {
-                o[row_at(bi, i, p.tq, h, p.hq) + tx] = select(o0, o1, rr == 1u) / rs[32u + r];
+                o[row_at(bi, i, p.tq, h, p.hq) + tx] = select(o0, o1, rr == 1u) / lt;
             }
-        }
-        if (tid < 32u && i0 + tid < p.tq) {
-            lse[(bi * p.hq + h) * p.tq + i0 + tid] = rs[tid] + log(rs[32u + tid]);
+            if (i < p.tq && tx == 0u) {
+                lse[(bi * p.hq + h) * p.tq + i] = m[rr] + log(lt);
+            }
         }
     }
 }
