@@ -359,12 +359,14 @@ fn attn_bwd_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 // Sums run in a fixed order per thread: same bits on every run.
 
 const NT: u32 = 256u;
-const CH: u32 = 16u;   // vec4 slots per staged row (head dim <= 64)
+const CH: u32 = 16u;    // vec4 slots per staged row (head dim <= 64)
+const CHP: u32 = 17u;   // their stride in workgroup memory: threads reading the same slot of
+                        // different rows hit different banks
 
-var<workgroup> sa: array<vec4<f32>, 512>;   // 32 rows
-var<workgroup> sb: array<vec4<f32>, 512>;   // 32 rows
-var<workgroup> sc: array<vec4<f32>, 256>;   // 16 rows
-var<workgroup> sd: array<vec4<f32>, 256>;   // 16 rows
+var<workgroup> sa: array<vec4<f32>, 544>;   // 32 rows of CHP
+var<workgroup> sb: array<vec4<f32>, 544>;   // 32 rows
+var<workgroup> sc: array<vec4<f32>, 272>;   // 16 rows
+var<workgroup> sd: array<vec4<f32>, 272>;   // 16 rows
 var<workgroup> sp: array<f32, 1024>;        // scores / probabilities
 var<workgroup> sds: array<f32, 512>;        // dS^T (dkv)
 var<workgroup> rs: array<f32, 96>;          // per-row statistics
@@ -388,11 +390,12 @@ fn stage_rows(which: u32, dst: u32, bi: u32, r0: u32, rows: u32, nt: u32, hh: u3
             }
         }
         x *= mul;
+        let slot = (t / CH) * CHP + ch;
         switch (dst) {
-            case 0u: { sa[t] = x; }
-            case 1u: { sb[t] = x; }
-            case 2u: { sc[t] = x; }
-            default: { sd[t] = x; }
+            case 0u: { sa[slot] = x; }
+            case 1u: { sb[slot] = x; }
+            case 2u: { sc[slot] = x; }
+            default: { sd[slot] = x; }
         }
     }
 }
@@ -434,7 +437,7 @@ fn attn_fwd_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
                 let c = tx + 16u * cc;
                 var s = 0.0;
                 for (var ch = 0u; ch < D4; ch++) {
-                    s += dot(sa[r * CH + ch], sb[c * CH + ch]);
+                    s += dot(sa[r * CHP + ch], sb[c * CHP + ch]);
                 }
                 let i = i0 + r;
                 sco[rr][cc] = select(NEG, s, i < p.tq && visible(i, j0 + c));
@@ -466,7 +469,7 @@ fn attn_fwd_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         o0 *= corr.x;
         o1 *= corr.y;
         for (var c = 0u; c < 32u; c++) {
-            let vv = sb[c * CH + tx];
+            let vv = sb[c * CHP + tx];
             o0 += sp[(2u * ty) * 32u + c] * vv;
             o1 += sp[(2u * ty + 1u) * 32u + c] * vv;
         }
@@ -530,8 +533,8 @@ fn attn_bwd_dq_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
             var s = 0.0;
             var dp = 0.0;
             for (var ch = 0u; ch < D4; ch++) {
-                s += dot(sa[r * CH + ch], sc[tx * CH + ch]);
-                dp += dot(sb[r * CH + ch], sd[tx * CH + ch]);
+                s += dot(sa[r * CHP + ch], sc[tx * CHP + ch]);
+                dp += dot(sb[r * CHP + ch], sd[tx * CHP + ch]);
             }
             var ds = 0.0;
             if (i < p.tq && visible(i, j0 + tx)) {
@@ -541,7 +544,7 @@ fn attn_bwd_dq_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
         }
         workgroupBarrier();
         for (var c = 0u; c < 16u; c++) {
-            let kk = sc[c * CH + tx];
+            let kk = sc[c * CHP + tx];
             g0 += sp[(2u * ty) * 16u + c] * kk;
             g1 += sp[(2u * ty + 1u) * 16u + c] * kk;
         }
@@ -603,8 +606,8 @@ fn attn_bwd_dkv_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
                 var s = 0.0;
                 var dp = 0.0;
                 for (var ch = 0u; ch < D4; ch++) {
-                    s += dot(sb[jr * CH + ch], sc[tx * CH + ch]);
-                    dp += dot(sa[jr * CH + ch], sd[tx * CH + ch]);
+                    s += dot(sb[jr * CHP + ch], sc[tx * CHP + ch]);
+                    dp += dot(sa[jr * CHP + ch], sd[tx * CHP + ch]);
                 }
                 var pij = 0.0;
                 var ds = 0.0;
@@ -617,8 +620,8 @@ fn attn_bwd_dkv_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
             }
             workgroupBarrier();
             for (var c = 0u; c < 16u; c++) {
-                let dov = sd[c * CH + tx];
-                let qv = sc[c * CH + tx];
+                let dov = sd[c * CHP + tx];
+                let qv = sc[c * CHP + tx];
                 gv0 += sp[(2u * ty) * 16u + c] * dov;
                 gv1 += sp[(2u * ty + 1u) * 16u + c] * dov;
                 gk0 += sds[(2u * ty) * 16u + c] * qv;
