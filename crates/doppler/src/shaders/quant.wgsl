@@ -83,6 +83,20 @@ fn scale_min(q: u32, s: u32) -> vec2<f32> {
     return vec2<f32>(f32(sc), f32(m));
 }
 
+// scale_min from a K-quant block's first 16 bytes in registers (d and dmin, then the 12
+// packed bytes: words y, z, w).
+fn scale_min16(h: vec4<u32>, s: u32) -> vec2<f32> {
+    let sh = 8u * (s % 4u);
+    var sm: vec2<u32>;
+    if (s < 4u) {
+        sm = vec2<u32>((h.y >> sh) & 63u, (h.z >> sh) & 63u);
+    } else {
+        let e = h.w >> sh;
+        sm = vec2<u32>((e & 0xFu) | ((((h.y >> sh) >> 6u) & 3u) << 4u), ((e >> 4u) & 0xFu) | ((((h.z >> sh) >> 6u) & 3u) << 4u));
+    }
+    return u2f4(vec4<u32>(sm, 0u, 0u)).xy;
+}
+
 fn value(i: u32) -> f32 {
     switch (TYPE) {
         case 0u: { return bitcast<f32>(src[i]); }
@@ -278,9 +292,10 @@ fn run32(i: u32) -> array<vec4<f32>, 8> {
             let rb = (i % 256u) / 32u;
             let j = rb / 2u;
             let h = rb & 1u;
-            let dm = unpack2x16float(src[b >> 2u]);
-            let s0 = dm * scale_min(b + 4u, 2u * j);
-            let s1 = dm * scale_min(b + 4u, 2u * j + 1u);
+            let hdr = srcv4[b >> 4u];   // d, dmin, 12 bytes of scales and mins
+            let dm = unpack2x16float(hdr.x);
+            let s0 = dm * scale_min16(hdr, 2u * j);
+            let s1 = dm * scale_min16(hdr, 2u * j + 1u);
             let q = srcv4[(b + select(16u, 48u, k5) + 32u * j + 16u * h) >> 4u];
             var qh = vec4<u32>(0u);
             if (k5) {
