@@ -90,6 +90,30 @@ static QMATMUL: Kernel = Kernel::new(
     ],
 );
 
+static SPLITK_SUM: Kernel = Kernel::new(
+    &QUANT,
+    "splitk_sum",
+    &[(2, ReadWrite), (3, Read), (6, Read)],
+);
+
+/// Workgroups the tiled product aims for when its output has few tiles (two per core of a
+/// large GPU: the H200 has 132), by splitting k into slices of at least
+/// [`SLICE_MIN_COLS`] columns, at most [`MAX_SPLITS`] of them.
+const SPLITK_TARGET: usize = 256;
+const SLICE_MIN_COLS: usize = 128;
+const MAX_SPLITS: usize = 8;
+
+/// Slices of k for a tiled product of `tiles` output tiles over `k` columns (1: no split).
+fn split_k(tiles: usize, k: usize) -> usize {
+    if tiles * 2 >= SPLITK_TARGET {
+        return 1;
+    }
+    SPLITK_TARGET
+        .div_ceil(tiles)
+        .min(k / SLICE_MIN_COLS)
+        .clamp(1, MAX_SPLITS)
+}
+
 /// Rows of x up to which [`qmatmul`] runs the matrix-vector kernel (it reads W once per 8
 /// rows; the tiled kernel computes 64-row tiles).
 pub const MATVEC_MAX_ROWS: usize = 32;
@@ -430,14 +454,33 @@ pub fn qmatmul_fused(
             rec.dispatch(&QMATVEC, &c, bytemuck::bytes_of(&p), &bind, grid)?;
         }
         Path::Tiled => {
-            let grid = [w.rows.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
-            rec.dispatch(
-                &QMATMUL,
-                &c,
-                bytemuck::bytes_of(&p),
-                &bind[..7],
-                Grid::Xyz(grid),
-            )?;
+            let (gn, gm) = (w.rows.div_ceil(64), m.div_ceil(64));
+            let splits = match fuse.norm.is_none() && !fuse.swiglu {
+                true => split_k(gn * gm, w.cols),
+                false => 1,
+            };
+            if splits == 1 {
+                let grid = Grid::Xyz([gn as u32, gm as u32, 1]);
+                rec.dispatch(&QMATMUL, &c, bytemuck::bytes_of(&p), &bind[..7], grid)?;
+            } else {
+                // Partial tiles of k's slices, then their sum (+ the residual) in order.
+                let part =
+                    Tensor::empty(rec.gpu(), &[splits, m, outs], DType::F32, "qmatmul.part")?;
+                p.splits = splits as u32;
+                let cs = [c[0], ("SPLITK", 1.0)];
+                let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
+                let bind = [&w.raw, &part, x, nw, res, x, nw];
+                rec.dispatch(&QMATMUL, &cs, bytemuck::bytes_of(&p), &bind, grid)?;
+                let cr = [c[2]];
+                let grid = Grid::cover((m * outs) as u64, 256);
+                rec.dispatch(
+                    &SPLITK_SUM,
+                    &cr,
+                    bytemuck::bytes_of(&p),
+                    &[&y, &part, res],
+                    grid,
+                )?;
+            }
         }
     }
     Ok(y)

@@ -790,11 +790,26 @@ var<workgroup> mm_w: array<array<f32, 64>, 16>;   // [k][row of W]
 var<workgroup> mm_red: array<f32, 256>;
 var<workgroup> mm_rstd: array<f32, 64>;
 
-// Grid: (ceil(n / 64), ceil(m / 64)).
+// SPLITK (no NORM or SWIGLU): workgroup z of p.splits sums slice z of k and stores its
+// partial tile to dst (p.splits, m, n) for splitk_sum: more workgroups for products with
+// few output tiles (SmolLM2's o and down over a prompt).
+override SPLITK: bool = false;
+
+// Columns of k that SPLITK's slice z covers: [x, y).
+fn k_slice(z: u32) -> vec2<u32> {
+    if (!SPLITK) {
+        return vec2<u32>(0u, p.k);
+    }
+    let per = (p.k + p.splits * MM_BK - 1u) / (p.splits * MM_BK) * MM_BK;
+    return vec2<u32>(min(p.k, z * per), min(p.k, (z + 1u) * per));
+}
+
+// Grid: (ceil(n / 64), ceil(m / 64), splits).
 @compute @workgroup_size(256)
 fn qmatmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let col0 = wid.x * MM_T;   // first row of W (output column)
     let row0 = wid.y * MM_T;   // first row of x
+    let ks = k_slice(wid.z);
     let tx = lid % 16u;
     let ty = lid / 16u;
     // Accumulators as named vectors (constant indices keep them in registers).
@@ -804,7 +819,7 @@ fn qmatmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     var acc3 = vec4<f32>(0.0);
     let wr = w_rows();
     var ss = 0.0;   // NORM: sum of x^2 over this thread's columns of its row
-    for (var c0 = 0u; c0 < p.k; c0 += MM_BK) {
+    for (var c0 = ks.x; c0 < ks.y; c0 += MM_BK) {
         // 1024 values of each tile, 4 consecutive k of one row a thread.
         let rr = lid / 4u;
         let kq = (lid % 4u) * 4u;
@@ -812,26 +827,26 @@ fn qmatmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
         var xv = vec4<f32>(0.0);
         var wv = vec4<f32>(0.0);
         if (p.k % 4u == 0u) {
-            if (c < p.k && row0 + rr < p.m) {
+            if (c < ks.y && row0 + rr < p.m) {
                 xv = x4(row0 + rr, c);
                 if (NORM) {
                     ss += dot(xv, xv);
                     xv *= nw4(c);
                 }
             }
-            if (c < p.k && col0 + rr < wr) {
+            if (c < ks.y && col0 + rr < wr) {
                 wv = value4(w_row(col0 + rr) * p.k + c);
             }
         } else {
             for (var e = 0u; e < 4u; e++) {
-                if (c + e < p.k && row0 + rr < p.m) {
+                if (c + e < ks.y && row0 + rr < p.m) {
                     xv[e] = x[(row0 + rr) * p.k + c + e];
                     if (NORM) {
                         ss += xv[e] * xv[e];
                         xv[e] *= nw[c + e];
                     }
                 }
-                if (c + e < p.k && col0 + rr < wr) {
+                if (c + e < ks.y && col0 + rr < wr) {
                     wv[e] = value(w_row(col0 + rr) * p.k + c + e);
                 }
             }
@@ -880,9 +895,30 @@ fn qmatmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
             for (var jj = 0u; jj < 4u; jj++) {
                 let j = col0 + tx * 4u + jj;
                 if (r < p.m && j < p.n) {
-                    dst[r * p.n + j] = finish(r, j, v[jj]);
+                    if (SPLITK) {
+                        dst[(wid.z * p.m + r) * p.n + j] = v[jj];
+                    } else {
+                        dst[r * p.n + j] = finish(r, j, v[jj]);
+                    }
                 }
             }
         }
     }
+}
+
+// dst[i] = (res[i] +) the sum of qmatmul's SPLITK partials x (p.splits, m, n) in slice
+// order, i < m n. Cover m n, 256 a workgroup.
+@compute @workgroup_size(256)
+fn splitk_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+    let mn = p.m * p.n;
+    if (i >= mn) {
+        return;
+    }
+    var acc = 0.0;
+    for (var z = 0u; z < p.splits; z++) {
+        acc += x[z * mn + i];
+    }
+    dst[i] = finish(i / p.n, i % p.n, acc);
 }
