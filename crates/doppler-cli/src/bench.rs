@@ -457,15 +457,31 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
             let a = Tensor::from_f32(gpu, &[s, s], &rng.vec(s * s), "bench.a")?;
             let b = Tensor::from_f32(gpu, &[s, s], &rng.vec(s * s), "bench.b")?;
             let c = Tensor::empty(gpu, &[s, s], a.dtype(), "bench.c")?;
-            for &bk in &args.bk {
-                let tuning = matmul::Tuning { bk };
+            // The f32 kernel at each slab depth, then the cooperative-matrix one (f16
+            // operands) where the adapter has it.
+            let mut tunings: Vec<matmul::Tuning> = (args.bk.iter())
+                .map(|&bk| matmul::Tuning {
+                    bk,
+                    coop: Some(false),
+                })
+                .collect();
+            if gpu.coop_matmul_possible() {
+                tunings.push(matmul::Tuning {
+                    bk: 16,
+                    coop: Some(true),
+                });
+            }
+            for tuning in tunings {
                 let (wall, g) = time(gpu, args, &mut trace, |rec| {
                     matmul::matmul_into_tuned(rec, &a, &b, &c, Default::default(), 0.0, tuning)
                 })?;
                 let flops = 2.0 * (s as f64).powi(3);
                 let t = g.unwrap_or(wall);
                 rows.push(Row {
-                    name: format!("matmul f32 (bk {bk})"),
+                    name: match tuning.coop {
+                        Some(true) => "matmul, f16 operands (cooperative matrices)".into(),
+                        _ => format!("matmul f32 (bk {})", tuning.bk),
+                    },
                     shape: format!("{s}x{s}x{s}"),
                     wall_ms: wall,
                     gpu_ms: g,

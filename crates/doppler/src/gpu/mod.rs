@@ -32,6 +32,10 @@ pub struct GpuOptions {
     /// (`DOPPLER_SHADER_CHECKS=off`). Faster; safe only because our kernels check their
     /// own indices. Native only.
     pub unchecked_shaders: bool,
+    /// Run f32 matrix products on cooperative matrices (tensor cores) with the operands
+    /// rounded to f16 and f32 sums, where the adapter has them (`DOPPLER_MATMUL=f16`;
+    /// like PyTorch's TF32 or autocast: faster, about 3 decimal digits per operand).
+    pub f16_matmul: bool,
 }
 
 impl GpuOptions {
@@ -42,6 +46,7 @@ impl GpuOptions {
             adapter: get("DOPPLER_ADAPTER"),
             backend: get("DOPPLER_BACKEND"),
             unchecked_shaders: get("DOPPLER_SHADER_CHECKS").is_some_and(|v| v == "off"),
+            f16_matmul: get("DOPPLER_MATMUL").is_some_and(|v| v == "f16"),
         }
     }
 }
@@ -81,6 +86,14 @@ fn type_rank(t: wgpu::DeviceType) -> u32 {
     }
 }
 
+/// Whether `matmul_coop.wgsl` can run: cooperative matrices, f16, and subgroups of
+/// exactly 32 invocations (its layout of subgroups in the workgroup).
+fn coop_possible(features: wgpu::Features, info: &wgpu::AdapterInfo) -> bool {
+    features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16)
+        && info.subgroup_min_size == 32
+        && info.subgroup_max_size == 32
+}
+
 /// The adapter, device and queue, plus the objects every op shares: the buffer pool and
 /// the pipeline cache. Create one per process and pass `&Gpu` around.
 pub struct Gpu {
@@ -94,6 +107,9 @@ pub struct Gpu {
     pub pipelines: PipelineCache,
     /// See [`GpuOptions::unchecked_shaders`].
     pub unchecked_shaders: bool,
+    /// [`GpuOptions::f16_matmul`] asked for and possible here: cooperative matrices, f16
+    /// and subgroups of exactly 32 (the kernel's layout).
+    pub coop_matmul: bool,
     /// Bind groups and the shared parameter buffer (see `binds.rs`); held while a
     /// recorder writes its parameters and submits.
     pub(crate) binds: Mutex<binds::Binds>,
@@ -143,6 +159,7 @@ impl Gpu {
             sink.lock().unwrap().push(e.to_string());
         }));
         tracing::info!(adapter = %info.name, backend = ?info.backend, "opened GPU");
+        let coop_matmul = opts.f16_matmul && coop_possible(features, &info);
         Ok(Gpu {
             pool: BufferPool::new(),
             pipelines: PipelineCache::new(),
@@ -153,9 +170,16 @@ impl Gpu {
             features,
             limits,
             unchecked_shaders: opts.unchecked_shaders && !cfg!(target_arch = "wasm32"),
+            coop_matmul,
             binds: Mutex::new(binds::Binds::default()),
             errors,
         })
+    }
+
+    /// Whether this adapter can run the cooperative-matrix product (see
+    /// [`GpuOptions::f16_matmul`]), asked for or not.
+    pub fn coop_matmul_possible(&self) -> bool {
+        coop_possible(self.features, &self.info)
     }
 
     /// Blocking [`Gpu::new`] for native programs.

@@ -1,4 +1,6 @@
-//! Batched f32 matrix product with either operand transposed. Shader: `matmul.wgsl`.
+//! Batched f32 matrix product with either operand transposed. Shader: `matmul.wgsl`, or
+//! `matmul_coop.wgsl` on cooperative matrices (f16 operands, f32 sums) when the GPU was
+//! opened with [`crate::gpu::GpuOptions::f16_matmul`] and has them.
 //!
 //! Derivatives of C = A @ B (no transposes), for upstream dC:
 //!   dA = dC @ B^T   (matmul with trans_b)
@@ -8,7 +10,7 @@
 use super::expect_f32;
 use crate::error::{Error, Result};
 use crate::gpu::{Binding::*, Grid, Kernel, Recorder, Tensor};
-use crate::shaders::MATMUL;
+use crate::shaders::{MATMUL, MATMUL_COOP};
 
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -29,6 +31,15 @@ static MATMUL_KERNEL: Kernel = Kernel::new(
     "matmul",
     &[(1, Read), (2, Read), (3, Read), (4, Read), (5, ReadWrite)],
 );
+
+// The same product on cooperative matrices (operands rounded to f16, f32 sums; VEC only):
+// binds the vec4 views of a and b and c.
+static MATMUL_COOP_KERNEL: Kernel = Kernel {
+    shader: &MATMUL_COOP,
+    entry: "matmul_coop",
+    storage: &[(2, Read), (4, Read), (5, ReadWrite)],
+    features: wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX.union(wgpu::Features::SHADER_F16),
+};
 
 static SPLITK_SUM: Kernel = Kernel::new(&MATMUL, "splitk_sum", &[(5, ReadWrite), (6, Read)]);
 
@@ -138,13 +149,16 @@ pub fn matmul(rec: &mut Recorder<'_>, a: &Tensor, b: &Tensor, opts: MatmulOpts) 
 /// Kernel shape choices that do not change the result's meaning (benchmarks sweep them).
 #[derive(Clone, Copy, Debug)]
 pub struct Tuning {
-    /// k depth of each slab staged in workgroup memory: 8 or 16.
+    /// k depth of each slab staged in workgroup memory: 8 or 16 (the f32 kernel).
     pub bk: u32,
+    /// The cooperative-matrix kernel (f16 operands) or not; None: as the GPU was opened
+    /// ([`crate::gpu::GpuOptions::f16_matmul`]).
+    pub coop: Option<bool>,
 }
 
 impl Default for Tuning {
     fn default() -> Self {
-        Tuning { bk: 16 }
+        Tuning { bk: 16, coop: None }
     }
 }
 
@@ -207,6 +221,20 @@ pub fn matmul_into_tuned(
         ("VEC", vec as u32 as f64),
         ("BK", tuning.bk as f64),
     ];
+    // Cooperative matrices where asked for and possible: the same 128 x 128 tiles.
+    let gpu = rec.gpu();
+    if tuning.coop == Some(true) && !(vec && gpu.coop_matmul_possible()) {
+        return Err(Error::Invalid {
+            op: "matmul",
+            detail: format!(
+                "the cooperative-matrix product needs cooperative matrices, f16 and subgroups of 32 (adapter {}) and operands whose rows are multiples of 4 (a {:?}, b {:?})",
+                gpu.info.name,
+                a.shape(),
+                b.shape()
+            ),
+        });
+    }
+    let coop = vec && tuning.coop.unwrap_or(gpu.coop_matmul);
     let tiles = (n as u64).div_ceil(TILE) * (m as u64).div_ceil(TILE);
     // Split-K needs K to be the outer (row) axis of both operands: A^T B, unbatched.
     if opts.trans_a && !opts.trans_b && s.batch() == 1 && tiles < SPLIT_BELOW_TILES {
@@ -228,13 +256,7 @@ pub fn matmul_into_tuned(
                 (m as u64).div_ceil(TILE) as u32,
                 sp as u32,
             ]);
-            rec.dispatch(
-                &MATMUL_KERNEL,
-                &constants,
-                bytemuck::bytes_of(&p),
-                &[a, a, b, b, &parts],
-                grid,
-            )?;
+            product(rec, coop, &constants, &p, [a, b, &parts], grid)?;
             let p = Params {
                 k: sp as u32,
                 beta,
@@ -254,11 +276,35 @@ pub fn matmul_into_tuned(
         (m as u64).div_ceil(TILE) as u32,
         s.batch() as u32,
     ]);
-    rec.dispatch(
-        &MATMUL_KERNEL,
-        &constants,
-        bytemuck::bytes_of(&params),
-        &[a, a, b, b, c],
-        grid,
-    )
+    product(rec, coop, &constants, &params, [a, b, c], grid)
+}
+
+/// One dispatch of the product kernel (`coop`: the cooperative-matrix one) into `abc[2]`.
+fn product(
+    rec: &mut Recorder<'_>,
+    coop: bool,
+    constants: &[(&'static str, f64)],
+    p: &Params,
+    abc: [&Tensor; 3],
+    grid: Grid,
+) -> Result<()> {
+    let [a, b, c] = abc;
+    if coop {
+        let trans = [constants[0], constants[1]];
+        rec.dispatch(
+            &MATMUL_COOP_KERNEL,
+            &trans,
+            bytemuck::bytes_of(p),
+            &[a, b, c],
+            grid,
+        )
+    } else {
+        rec.dispatch(
+            &MATMUL_KERNEL,
+            constants,
+            bytemuck::bytes_of(p),
+            &[a, a, b, b, c],
+            grid,
+        )
+    }
 }

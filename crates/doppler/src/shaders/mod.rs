@@ -1,5 +1,6 @@
 //! Every WGSL file, embedded in the binary. One file per op family, named like its
-//! `ops/<name>.rs`.
+//! `ops/<name>.rs` (`matmul_coop.wgsl`: `ops/matmul.rs`'s kernel for adapters with
+//! cooperative matrices, a file of its own because it enables that extension).
 
 use crate::gpu::Shader;
 
@@ -15,6 +16,7 @@ macro_rules! shader {
 shader!(ELEMENTWISE, "elementwise");
 shader!(REDUCE, "reduce");
 shader!(MATMUL, "matmul");
+shader!(MATMUL_COOP, "matmul_coop");
 shader!(GELU, "gelu");
 shader!(CROSS_ENTROPY, "cross_entropy");
 shader!(EMBEDDING, "embedding");
@@ -37,6 +39,7 @@ pub static ALL: &[&Shader] = &[
     &ELEMENTWISE,
     &REDUCE,
     &MATMUL,
+    &MATMUL_COOP,
     &GELU,
     &CROSS_ENTROPY,
     &EMBEDDING,

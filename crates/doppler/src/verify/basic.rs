@@ -161,12 +161,30 @@ pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f3
 
 pub(super) fn matmul_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for bk in [8, 16] {
-        matmul_checks_bk(gpu, out, matmul::Tuning { bk });
+        let coop = Some(false);
+        matmul_checks_bk(gpu, out, matmul::Tuning { bk, coop });
+    }
+    // The cooperative-matrix kernel where the adapter has one (not lavapipe): every case
+    // whose operand rows are multiples of 4, f16 operands.
+    if gpu.coop_matmul_possible() {
+        matmul_checks_bk(
+            gpu,
+            out,
+            matmul::Tuning {
+                bk: 16,
+                coop: Some(true),
+            },
+        );
     }
 }
 
 fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tuning) {
+    let coop = tuning.coop == Some(true);
     for (i, &(batch, m, n, k, ta, tb, ba, bb, beta)) in MATMUL_CASES.iter().enumerate() {
+        let (a_inner, b_inner) = (if ta { m } else { k }, if tb { k } else { n });
+        if coop && (a_inner % 4 != 0 || b_inner % 4 != 0) {
+            continue;
+        }
         let mut rng = Rng::new(300 + i as u64);
         let (ab, bb_) = (if ba { batch } else { 1 }, if bb { batch } else { 1 });
         let a = rng.vec(ab * m * k);
@@ -216,11 +234,23 @@ fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tunin
         let r = (|| {
             let got = run().map_err(s)?;
             let (want, mag) = cpu::matmul(&a, &b, &c0, dims, alpha, beta);
-            let stats = compare("matmul", &got, &want, Some(&mag), Tolerance::dot(k)).map_err(s)?;
+            // f16 operands: each product within 2 x 2^-11 of its magnitude, then f32 sums.
+            let tol = match coop {
+                true => Tolerance {
+                    abs: 1e-30,
+                    rel: 1.5e-3,
+                },
+                false => Tolerance::dot(k),
+            };
+            let stats = compare("matmul", &got, &want, Some(&mag), tol).map_err(s)?;
             same_bits("matmul", &got, &run().map_err(s)?).map_err(s)?;
             Ok(stats)
         })();
-        push(out, &format!("matmul (bk {})", tuning.bk), shape, r);
+        let name = match coop {
+            true => "matmul (cooperative, f16 operands)".to_string(),
+            false => format!("matmul (bk {})", tuning.bk),
+        };
+        push(out, &name, shape, r);
     }
 }
 

@@ -1,0 +1,205 @@
+// matmul.wgsl's product on cooperative matrices (tensor cores), for adapters with
+// EXPERIMENTAL_COOPERATIVE_MATRIX, SHADER_F16 and subgroups of 32: the operands are
+// rounded to f16 as they are staged, products accumulate in f32.
+//   C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b]     (same Params and bindings)
+// The host runs it only in VEC mode (the contiguous dimension of each operand and the
+// batch strides multiples of 4).
+//
+// Tiling: a workgroup of 256 threads (8 subgroups of 32) computes a 128 x 128 tile of C,
+// stepping through K 32 at a time. Each step stages op(A) (128 x 32) and op(B) (32 x 128)
+// as f16, row-major, in workgroup memory (rows padded by 8 halves against bank conflicts);
+// the next step's values wait in registers meanwhile. Subgroup w owns rows 32 (w / 2)
+// .. + 32 and columns 64 (w % 2) .. + 64 of the tile: 2 x 4 accumulators of 16 x 16,
+// each step 2 x (2 A fragments, 4 B fragments, 8 multiply-adds). At the end each
+// accumulator goes through a 16 x 16 scratch of its subgroup to C (alpha, beta, bounds).
+// Sums run in a fixed order: the same inputs give the same bits on one device.
+// Grid: (ceil(N / 128), ceil(M / 128), batch).
+
+enable f16;
+enable wgpu_cooperative_matrix;
+
+struct Params {
+    m: u32,
+    n: u32,
+    k: u32,
+    stride_a: u32,
+    stride_b: u32,
+    stride_c: u32,
+    alpha: f32,
+    beta: f32,
+}
+
+override TRANS_A: bool = false;
+override TRANS_B: bool = false;
+
+const T: u32 = 128u;    // tile of C
+const BK: u32 = 32u;    // k a step
+const SA: u32 = 40u;    // row stride of the staged A (BK + 8 halves)
+const SB: u32 = 136u;   // row stride of the staged B (T + 8 halves)
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(2) var<storage, read> a4: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> b4: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read_write> c: array<f32>;
+
+var<workgroup> sa: array<f16, 5120>;    // [m][k], T rows of SA
+var<workgroup> sb: array<f16, 4352>;    // [k][n], BK rows of SB
+var<workgroup> scratch: array<f32, 2048>;   // 16 x 16 a subgroup
+
+// Load slot q (0..1024) of the op(A) step at k0: 4 values (zero outside).
+fn fetch_a(q: u32, m0: u32, k0: u32, off: u32) -> vec4<f32> {
+    if (TRANS_A) {   // A stored (K, M): 4 consecutive m of one k
+        let kk = k0 + q / 32u;
+        let m = m0 + (q % 32u) * 4u;
+        if (kk < p.k && m < p.m) {
+            return a4[(off + kk * p.m + m) / 4u];
+        }
+    } else {         // A stored (M, K): 4 consecutive k of one m
+        let m = m0 + q / 8u;
+        let kk = k0 + (q % 8u) * 4u;
+        if (m < p.m && kk < p.k) {
+            return a4[(off + m * p.k + kk) / 4u];
+        }
+    }
+    return vec4<f32>(0.0);
+}
+
+fn stash_a(q: u32, v: vec4<f32>) {
+    let h = vec4<f16>(v);
+    if (TRANS_A) {
+        let kk = q / 32u;
+        let m = (q % 32u) * 4u;
+        for (var e = 0u; e < 4u; e++) {
+            sa[(m + e) * SA + kk] = h[e];
+        }
+    } else {
+        let at = (q / 8u) * SA + (q % 8u) * 4u;
+        for (var e = 0u; e < 4u; e++) {
+            sa[at + e] = h[e];
+        }
+    }
+}
+
+fn fetch_b(q: u32, n0: u32, k0: u32, off: u32) -> vec4<f32> {
+    if (TRANS_B) {   // B stored (N, K): 4 consecutive k of one n
+        let n = n0 + q / 8u;
+        let kk = k0 + (q % 8u) * 4u;
+        if (n < p.n && kk < p.k) {
+            return b4[(off + n * p.k + kk) / 4u];
+        }
+    } else {         // B stored (K, N): 4 consecutive n of one k
+        let kk = k0 + q / 32u;
+        let n = n0 + (q % 32u) * 4u;
+        if (kk < p.k && n < p.n) {
+            return b4[(off + kk * p.n + n) / 4u];
+        }
+    }
+    return vec4<f32>(0.0);
+}
+
+fn stash_b(q: u32, v: vec4<f32>) {
+    let h = vec4<f16>(v);
+    if (TRANS_B) {
+        let n = q / 8u;
+        let kk = (q % 8u) * 4u;
+        for (var e = 0u; e < 4u; e++) {
+            sb[(kk + e) * SB + n] = h[e];
+        }
+    } else {
+        let at = (q / 32u) * SB + (q % 32u) * 4u;
+        for (var e = 0u; e < 4u; e++) {
+            sb[at + e] = h[e];
+        }
+    }
+}
+
+// Accumulator (rows r0.., columns c0.. of C) through the subgroup's scratch: lane l
+// writes elements 8 l .. 8 l + 7 of the 16 x 16 block.
+fn put(acc: coop_mat16x16<f32, C>, w: u32, lane: u32, r0: u32, c0: u32, c_off: u32) {
+    coopStoreT(acc, &scratch[w * 256u], 16u);
+    workgroupBarrier();
+    for (var e = 0u; e < 8u; e++) {
+        let i = lane * 8u + e;
+        let r = r0 + i / 16u;
+        let col = c0 + i % 16u;
+        if (r < p.m && col < p.n) {
+            let at = c_off + r * p.n + col;
+            var v = p.alpha * scratch[w * 256u + i];
+            if (p.beta != 0.0) {
+                v += p.beta * c[at];
+            }
+            c[at] = v;
+        }
+    }
+    workgroupBarrier();
+}
+
+@compute @workgroup_size(256)
+fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+    let m0 = wid.y * T;
+    let n0 = wid.x * T;
+    let a_off = wid.z * p.stride_a;
+    let b_off = wid.z * p.stride_b;
+    let c_off = wid.z * p.stride_c;
+    let w = tid / 32u;
+    let lane = tid % 32u;
+    let wr = (w / 2u) * 32u;   // the subgroup's rows and columns within the tile
+    let wc = (w % 2u) * 64u;
+
+    var c00 = coop_mat16x16<f32, C>();
+    var c01 = coop_mat16x16<f32, C>();
+    var c02 = coop_mat16x16<f32, C>();
+    var c03 = coop_mat16x16<f32, C>();
+    var c10 = coop_mat16x16<f32, C>();
+    var c11 = coop_mat16x16<f32, C>();
+    var c12 = coop_mat16x16<f32, C>();
+    var c13 = coop_mat16x16<f32, C>();
+
+    var pa: array<vec4<f32>, 4>;
+    var pb: array<vec4<f32>, 4>;
+    for (var i = 0u; i < 4u; i++) {
+        pa[i] = fetch_a(tid + 256u * i, m0, 0u, a_off);
+        pb[i] = fetch_b(tid + 256u * i, n0, 0u, b_off);
+    }
+    for (var k0 = 0u; k0 < p.k; k0 += BK) {
+        for (var i = 0u; i < 4u; i++) {
+            stash_a(tid + 256u * i, pa[i]);
+            stash_b(tid + 256u * i, pb[i]);
+        }
+        workgroupBarrier();
+        let k1 = k0 + BK;
+        if (k1 < p.k) {
+            for (var i = 0u; i < 4u; i++) {
+                pa[i] = fetch_a(tid + 256u * i, m0, k1, a_off);
+                pb[i] = fetch_b(tid + 256u * i, n0, k1, b_off);
+            }
+        }
+        for (var kb = 0u; kb < BK; kb += 16u) {
+            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[wr * SA + kb], SA);
+            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 16u) * SA + kb], SA);
+            let b0 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SB + wc], SB);
+            let b1 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SB + wc + 16u], SB);
+            let b2 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SB + wc + 32u], SB);
+            let b3 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SB + wc + 48u], SB);
+            c00 = coopMultiplyAdd(a0, b0, c00);
+            c01 = coopMultiplyAdd(a0, b1, c01);
+            c02 = coopMultiplyAdd(a0, b2, c02);
+            c03 = coopMultiplyAdd(a0, b3, c03);
+            c10 = coopMultiplyAdd(a1, b0, c10);
+            c11 = coopMultiplyAdd(a1, b1, c11);
+            c12 = coopMultiplyAdd(a1, b2, c12);
+            c13 = coopMultiplyAdd(a1, b3, c13);
+        }
+        workgroupBarrier();
+    }
+    let r0 = m0 + wr;
+    let c0 = n0 + wc;
+    put(c00, w, lane, r0, c0, c_off);
+    put(c01, w, lane, r0, c0 + 16u, c_off);
+    put(c02, w, lane, r0, c0 + 32u, c_off);
+    put(c03, w, lane, r0, c0 + 48u, c_off);
+    put(c10, w, lane, r0 + 16u, c0, c_off);
+    put(c11, w, lane, r0 + 16u, c0 + 16u, c_off);
+    put(c12, w, lane, r0 + 16u, c0 + 32u, c_off);
+    put(c13, w, lane, r0 + 16u, c0 + 48u, c_off);
+}
