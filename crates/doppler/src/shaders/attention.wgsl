@@ -354,8 +354,10 @@ fn attn_bwd_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 //                        vec4 tx of those two output rows. The 16 threads of a row share
 //                        its running max through workgroup memory (online softmax, tile
 //                        by tile) and add their shares of its sum at the end.
-//   attn_bwd_dq_tiled:   32 query rows, 16-key tiles; dS goes through workgroup memory.
-//   attn_bwd_dkv_tiled:  32 key rows, 16-query tiles over the group's heads in order.
+//   attn_bwd_dq_tiled:   32 query rows, 32-key tiles (2 x 2 scores a thread); dS goes
+//                        through workgroup memory.
+//   attn_bwd_dkv_tiled:  32 key rows, 32-query tiles (2 x 2 scores a thread) over the
+//                        group's heads in order.
 // Sums run in a fixed order per thread: same bits on every run.
 
 const NT: u32 = 256u;
@@ -365,10 +367,10 @@ const CHP: u32 = 17u;   // their stride in workgroup memory: threads reading the
 
 var<workgroup> sa: array<vec4<f32>, 544>;   // 32 rows of CHP
 var<workgroup> sb: array<vec4<f32>, 544>;   // 32 rows
-var<workgroup> sc: array<vec4<f32>, 272>;   // 16 rows
-var<workgroup> sd: array<vec4<f32>, 272>;   // 16 rows
+var<workgroup> sc: array<vec4<f32>, 544>;   // 32 rows
+var<workgroup> sd: array<vec4<f32>, 544>;   // 32 rows
 var<workgroup> sp: array<f32, 1024>;        // scores / probabilities
-var<workgroup> sds: array<f32, 512>;        // dS^T (dkv)
+var<workgroup> sds: array<f32, 1024>;       // dS^T (dkv)
 var<workgroup> rs: array<f32, 96>;          // per-row statistics
 var<workgroup> pm: array<f32, 512>;         // [row][thread]: partial maxima / sums (forward)
 
@@ -523,30 +525,44 @@ fn attn_bwd_dq_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     var g0 = vec4<f32>(0.0);
     var g1 = vec4<f32>(0.0);
     let end = select(0u, key_end32(i0), ok);
-    for (var j0 = 0u; j0 < end; j0 += 16u) {
-        stage_rows(1u, 2u, bi, j0, 16u, p.tk, hk, p.hkv, 1.0, tid);   // K -> sc
-        stage_rows(2u, 3u, bi, j0, 16u, p.tk, hk, p.hkv, 1.0, tid);   // V -> sd
+    for (var j0 = 0u; j0 < end; j0 += 32u) {
+        stage_rows(1u, 2u, bi, j0, 32u, p.tk, hk, p.hkv, 1.0, tid);   // K -> sc
+        stage_rows(2u, 3u, bi, j0, 32u, p.tk, hk, p.hkv, 1.0, tid);   // V -> sd
         workgroupBarrier();
+        // Rows 2ty, 2ty + 1 against keys tx, tx + 16: each staged vec4 read feeds two dots.
+        var s = mat2x2<f32>();
+        var dp = mat2x2<f32>();
+        for (var ch = 0u; ch < D4; ch++) {
+            let q0 = sa[(2u * ty) * CHP + ch];
+            let q1 = sa[(2u * ty + 1u) * CHP + ch];
+            let o0 = sb[(2u * ty) * CHP + ch];
+            let o1 = sb[(2u * ty + 1u) * CHP + ch];
+            let k0 = sc[tx * CHP + ch];
+            let k1 = sc[(tx + 16u) * CHP + ch];
+            let v0 = sd[tx * CHP + ch];
+            let v1 = sd[(tx + 16u) * CHP + ch];
+            s[0] += vec2<f32>(dot(q0, k0), dot(q0, k1));
+            s[1] += vec2<f32>(dot(q1, k0), dot(q1, k1));
+            dp[0] += vec2<f32>(dot(o0, v0), dot(o0, v1));
+            dp[1] += vec2<f32>(dot(o1, v0), dot(o1, v1));
+        }
         for (var rr = 0u; rr < 2u; rr++) {
             let r = 2u * ty + rr;
             let i = i0 + r;
-            var s = 0.0;
-            var dp = 0.0;
-            for (var ch = 0u; ch < D4; ch++) {
-                s += dot(sa[r * CHP + ch], sc[tx * CHP + ch]);
-                dp += dot(sb[r * CHP + ch], sd[tx * CHP + ch]);
+            for (var cc = 0u; cc < 2u; cc++) {
+                let c = tx + 16u * cc;
+                var ds = 0.0;
+                if (i < p.tq && visible(i, j0 + c)) {
+                    ds = exp(s[rr][cc] - lse_r[rr]) * (dp[rr][cc] - delta_r[rr]);
+                }
+                sp[r * 32u + c] = ds;
             }
-            var ds = 0.0;
-            if (i < p.tq && visible(i, j0 + tx)) {
-                ds = exp(s - lse_r[rr]) * (dp - delta_r[rr]);
-            }
-            sp[r * 16u + tx] = ds;
         }
         workgroupBarrier();
-        for (var c = 0u; c < 16u; c++) {
+        for (var c = 0u; c < 32u; c++) {
             let kk = sc[c * CHP + tx];
-            g0 += sp[(2u * ty) * 16u + c] * kk;
-            g1 += sp[(2u * ty + 1u) * 16u + c] * kk;
+            g0 += sp[(2u * ty) * 32u + c] * kk;
+            g1 += sp[(2u * ty + 1u) * 32u + c] * kk;
         }
         workgroupBarrier();
     }
@@ -584,10 +600,10 @@ fn attn_bwd_dkv_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     let hend = select(0u, group, ok);
     for (var gi = 0u; gi < hend; gi++) {
         let h = hk * group + gi;
-        for (var i0 = first; i0 < p.tq; i0 += 16u) {
-            stage_rows(0u, 2u, bi, i0, 16u, p.tq, h, p.hq, 1.0, tid);   // Q -> sc
-            stage_rows(3u, 3u, bi, i0, 16u, p.tq, h, p.hq, 1.0, tid);   // dO -> sd
-            if (tid < 16u) {
+        for (var i0 = first; i0 < p.tq; i0 += 32u) {
+            stage_rows(0u, 2u, bi, i0, 32u, p.tq, h, p.hq, 1.0, tid);   // Q -> sc
+            stage_rows(3u, 3u, bi, i0, 32u, p.tq, h, p.hq, 1.0, tid);   // dO -> sd
+            if (tid < 32u) {
                 var a = 0.0;
                 var b = 0.0;
                 if (i0 + tid < p.tq) {
@@ -596,36 +612,50 @@ fn attn_bwd_dkv_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
                     b = delta_in[at];
                 }
                 rs[tid] = a;
-                rs[16u + tid] = b;
+                rs[32u + tid] = b;
             }
             workgroupBarrier();
+            // Keys 2ty, 2ty + 1 against queries tx, tx + 16.
+            var s = mat2x2<f32>();
+            var dp = mat2x2<f32>();
+            for (var ch = 0u; ch < D4; ch++) {
+                let k0 = sb[(2u * ty) * CHP + ch];
+                let k1 = sb[(2u * ty + 1u) * CHP + ch];
+                let v0 = sa[(2u * ty) * CHP + ch];
+                let v1 = sa[(2u * ty + 1u) * CHP + ch];
+                let q0 = sc[tx * CHP + ch];
+                let q1 = sc[(tx + 16u) * CHP + ch];
+                let o0 = sd[tx * CHP + ch];
+                let o1 = sd[(tx + 16u) * CHP + ch];
+                s[0] += vec2<f32>(dot(k0, q0), dot(k0, q1));
+                s[1] += vec2<f32>(dot(k1, q0), dot(k1, q1));
+                dp[0] += vec2<f32>(dot(v0, o0), dot(v0, o1));
+                dp[1] += vec2<f32>(dot(v1, o0), dot(v1, o1));
+            }
             for (var kk = 0u; kk < 2u; kk++) {
                 let jr = 2u * ty + kk;
                 let j = j0 + jr;
-                let i = i0 + tx;
-                var s = 0.0;
-                var dp = 0.0;
-                for (var ch = 0u; ch < D4; ch++) {
-                    s += dot(sb[jr * CHP + ch], sc[tx * CHP + ch]);
-                    dp += dot(sa[jr * CHP + ch], sd[tx * CHP + ch]);
+                for (var cc = 0u; cc < 2u; cc++) {
+                    let ir = tx + 16u * cc;
+                    let i = i0 + ir;
+                    var pij = 0.0;
+                    var ds = 0.0;
+                    if (j < p.tk && i < p.tq && visible(i, j)) {
+                        pij = exp(s[kk][cc] - rs[ir]);
+                        ds = pij * (dp[kk][cc] - rs[32u + ir]);
+                    }
+                    sp[jr * 32u + ir] = pij;
+                    sds[jr * 32u + ir] = ds;
                 }
-                var pij = 0.0;
-                var ds = 0.0;
-                if (j < p.tk && i < p.tq && visible(i, j)) {
-                    pij = exp(s - rs[tx]);
-                    ds = pij * (dp - rs[16u + tx]);
-                }
-                sp[jr * 16u + tx] = pij;
-                sds[jr * 16u + tx] = ds;
             }
             workgroupBarrier();
-            for (var c = 0u; c < 16u; c++) {
+            for (var c = 0u; c < 32u; c++) {
                 let dov = sd[c * CHP + tx];
                 let qv = sc[c * CHP + tx];
-                gv0 += sp[(2u * ty) * 16u + c] * dov;
-                gv1 += sp[(2u * ty + 1u) * 16u + c] * dov;
-                gk0 += sds[(2u * ty) * 16u + c] * qv;
-                gk1 += sds[(2u * ty + 1u) * 16u + c] * qv;
+                gv0 += sp[(2u * ty) * 32u + c] * dov;
+                gv1 += sp[(2u * ty + 1u) * 32u + c] * dov;
+                gk0 += sds[(2u * ty) * 32u + c] * qv;
+                gk1 += sds[(2u * ty + 1u) * 32u + c] * qv;
             }
             workgroupBarrier();
         }

@@ -7,8 +7,11 @@
 //
 // Tiling: a workgroup of 256 threads (8 subgroups of 32) computes a 128 x 128 tile of C,
 // stepping through K 32 at a time. Each step stages op(A) (128 x 32) and op(B) (32 x 128)
-// as f16, row-major, in workgroup memory (rows padded by 8 halves against bank conflicts);
-// the next step's values wait in registers meanwhile. Subgroup w owns rows 32 (w / 2)
+// as f16 in workgroup memory in the order their global rows come (op(A) row-major, or
+// column-major when TRANS_A; op(B) row-major, or column-major when TRANS_B: a warp's
+// stores stay contiguous), rows padded by 8 halves against bank conflicts; fragments load
+// with coopLoadT (row-major) or coopLoad (column-major) to match. The next step's values
+// wait in registers meanwhile. Subgroup w owns rows 32 (w / 2)
 // .. + 32 and columns 64 (w % 2) .. + 64 of the tile: 2 x 4 accumulators of 16 x 16,
 // each step 2 x (2 A fragments, 4 B fragments, 8 multiply-adds). At the end each
 // accumulator goes through a 16 x 16 scratch of its subgroup to C (alpha, beta, bounds).
@@ -34,16 +37,16 @@ override TRANS_B: bool = false;
 
 const T: u32 = 128u;    // tile of C
 const BK: u32 = 32u;    // k a step
-const SA: u32 = 40u;    // row stride of the staged A (BK + 8 halves)
-const SB: u32 = 136u;   // row stride of the staged B (T + 8 halves)
+const SK: u32 = 40u;    // stride of a staged row along k (BK + 8 halves): A, or B^T
+const SM: u32 = 136u;   // stride of a staged row along m or n (T + 8 halves): A^T, or B
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(2) var<storage, read> a4: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> b4: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read_write> c: array<f32>;
 
-var<workgroup> sa: array<f16, 5120>;    // [m][k], T rows of SA
-var<workgroup> sb: array<f16, 4352>;    // [k][n], BK rows of SB
+var<workgroup> sa: array<f16, 5120>;    // [m][k] (T rows of SK), or [k][m] (TRANS_A)
+var<workgroup> sb: array<f16, 5120>;    // [k][n] (BK rows of SM), or [n][k] (TRANS_B)
 var<workgroup> scratch: array<f32, 2048>;   // 16 x 16 a subgroup
 
 // Load slot q (0..1024) of the op(A) step at k0: 4 values (zero outside).
@@ -66,17 +69,12 @@ fn fetch_a(q: u32, m0: u32, k0: u32, off: u32) -> vec4<f32> {
 
 fn stash_a(q: u32, v: vec4<f32>) {
     let h = vec4<f16>(v);
+    var at = (q / 8u) * SK + (q % 8u) * 4u;
     if (TRANS_A) {
-        let kk = q / 32u;
-        let m = (q % 32u) * 4u;
-        for (var e = 0u; e < 4u; e++) {
-            sa[(m + e) * SA + kk] = h[e];
-        }
-    } else {
-        let at = (q / 8u) * SA + (q % 8u) * 4u;
-        for (var e = 0u; e < 4u; e++) {
-            sa[at + e] = h[e];
-        }
+        at = (q / 32u) * SM + (q % 32u) * 4u;
+    }
+    for (var e = 0u; e < 4u; e++) {
+        sa[at + e] = h[e];
     }
 }
 
@@ -99,17 +97,12 @@ fn fetch_b(q: u32, n0: u32, k0: u32, off: u32) -> vec4<f32> {
 
 fn stash_b(q: u32, v: vec4<f32>) {
     let h = vec4<f16>(v);
+    var at = (q / 32u) * SM + (q % 32u) * 4u;
     if (TRANS_B) {
-        let n = q / 8u;
-        let kk = (q % 8u) * 4u;
-        for (var e = 0u; e < 4u; e++) {
-            sb[(kk + e) * SB + n] = h[e];
-        }
-    } else {
-        let at = (q / 32u) * SB + (q % 32u) * 4u;
-        for (var e = 0u; e < 4u; e++) {
-            sb[at + e] = h[e];
-        }
+        at = (q / 8u) * SK + (q % 8u) * 4u;
+    }
+    for (var e = 0u; e < 4u; e++) {
+        sb[at + e] = h[e];
     }
 }
 
@@ -175,12 +168,30 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
             }
         }
         for (var kb = 0u; kb < BK; kb += 16u) {
-            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[wr * SA + kb], SA);
-            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 16u) * SA + kb], SA);
-            let b0 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SB + wc], SB);
-            let b1 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SB + wc + 16u], SB);
-            let b2 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SB + wc + 32u], SB);
-            let b3 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SB + wc + 48u], SB);
+            var a0: coop_mat16x16<f16, A>;
+            var a1: coop_mat16x16<f16, A>;
+            if (TRANS_A) {
+                a0 = coopLoad<coop_mat16x16<f16, A>>(&sa[kb * SM + wr], SM);
+                a1 = coopLoad<coop_mat16x16<f16, A>>(&sa[kb * SM + wr + 16u], SM);
+            } else {
+                a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[wr * SK + kb], SK);
+                a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 16u) * SK + kb], SK);
+            }
+            var b0: coop_mat16x16<f16, B>;
+            var b1: coop_mat16x16<f16, B>;
+            var b2: coop_mat16x16<f16, B>;
+            var b3: coop_mat16x16<f16, B>;
+            if (TRANS_B) {
+                b0 = coopLoad<coop_mat16x16<f16, B>>(&sb[wc * SK + kb], SK);
+                b1 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 16u) * SK + kb], SK);
+                b2 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 32u) * SK + kb], SK);
+                b3 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 48u) * SK + kb], SK);
+            } else {
+                b0 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SM + wc], SM);
+                b1 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SM + wc + 16u], SM);
+                b2 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SM + wc + 32u], SM);
+                b3 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SM + wc + 48u], SM);
+            }
             c00 = coopMultiplyAdd(a0, b0, c00);
             c01 = coopMultiplyAdd(a0, b1, c01);
             c02 = coopMultiplyAdd(a0, b2, c02);
