@@ -86,9 +86,10 @@ fn check_pairs(
     Ok(())
 }
 
-/// (norm, factor): the global L2 norm of `grads` and the factor every gradient is multiplied
-/// by in the step: min(1, max_norm / (norm + 1e-6)) / loss_scale (no clipping when
-/// `max_norm` is None). Stays on the GPU; read it only to log it.
+/// (norm, factor): the global L2 norm of the unscaled gradients (`grads` / `loss_scale`)
+/// and the factor every gradient is multiplied by in the step:
+/// min(1, max_norm / (norm + 1e-6)) / loss_scale (no clipping when `max_norm` is None), so
+/// clipping acts as without a loss scale. Stays on the GPU; read it only to log it.
 pub fn grad_scale(
     rec: &mut Recorder<'_>,
     grads: &[&Tensor],

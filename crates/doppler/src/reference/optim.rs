@@ -60,7 +60,8 @@ pub fn grad_scale(grads: &[&[f64]], max_norm: Option<f64>, loss_scale: f64) -> (
         .flat_map(|g| g.iter())
         .map(|x| x * x)
         .sum::<f64>()
-        .sqrt();
+        .sqrt()
+        / loss_scale;
     let f = max_norm.map_or(1.0, |mx| (mx / (norm + 1e-6)).min(1.0));
     (norm, f / loss_scale)
 }

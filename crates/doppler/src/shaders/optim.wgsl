@@ -14,7 +14,8 @@
 // Global norm: sumsq_partial, one workgroup per chunk of 4096 elements of one gradient,
 // writes the chunk's sum of squares (fixed-order tree) into partials[offset + chunk];
 // clip_factor, one workgroup, sums all partials in order and writes
-//   scale = (norm, min(1, max_norm / (norm + 1e-6)) / loss_scale).
+//   scale = (norm, min(1, max_norm / (norm + 1e-6)) / loss_scale), norm that of the
+//   unscaled gradients (the grads' norm / loss_scale): clipping as if there were no scale.
 
 struct Params {
     n: u32,
@@ -111,7 +112,7 @@ fn clip_factor(@builtin(local_invocation_index) lid: u32) {
         workgroupBarrier();
     }
     if (lid == 0u) {
-        let norm = sqrt(red[0]);
+        let norm = sqrt(red[0]) / p.loss_scale;   // of the unscaled gradients
         var f = 1.0;
         if (p.max_norm > 0.0) { f = min(1.0, p.max_norm / (norm + 1e-6)); }
         scale_out[0] = norm;
