@@ -23,6 +23,10 @@ pub enum Which {
     /// decode tokens/s (p50/p95 ms per token), dispatches and CPU time per token. Not part
     /// of `all`.
     Generate,
+    /// The cost of a dispatch: chains of tiny dispatches in one submission, each reading
+    /// the previous one's output (a barrier between them) or all independent; wall-clock
+    /// µs per dispatch (the floor under a decode step of N dispatches).
+    Launch,
 }
 
 #[derive(Args)]
@@ -422,6 +426,9 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
         return report(gpu, args, &rows, &trace);
     }
     let mut trace = doppler::gpu::Trace::default();
+    if matches!(args.which, Which::All | Which::Launch) {
+        launch(gpu, args, &mut rows)?;
+    }
     if matches!(args.which, Which::All | Which::Copy) {
         let mib = args.mib.unwrap_or(if is_cpu(gpu) { 32 } else { 1024 });
         let n = (mib as usize) << 18; // f32 elements
@@ -503,6 +510,55 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
         kernels(gpu, args, &mut trace, &mut rows)?;
     }
     report(gpu, args, &rows, &trace)
+}
+
+/// Chains of `LAUNCH_CHAIN` scale dispatches over 256 floats, submitted at once: each
+/// reading the one before (dependent) or its own input (independent). Median wall time
+/// per dispatch over `repeat` submissions after a warm-up.
+fn launch(gpu: &Gpu, args: &BenchArgs, rows: &mut Vec<Row>) -> doppler::Result<()> {
+    const LAUNCH_CHAIN: usize = 1000;
+    let n = 256;
+    let bufs: Vec<Tensor> = (0..2)
+        .map(|i| Tensor::from_f32(gpu, &[n], &vec![1.0; n], &format!("bench.launch{i}")))
+        .collect::<doppler::Result<_>>()?;
+    let outs: Vec<Tensor> = (0..LAUNCH_CHAIN)
+        .map(|_| Tensor::empty(gpu, &[n], doppler::gpu::DType::F32, "bench.launch.out"))
+        .collect::<doppler::Result<_>>()?;
+    for dependent in [true, false] {
+        let mut per = Vec::new();
+        for r in 0..=args.repeat {
+            let mut rec = gpu.recorder("bench.launch");
+            for i in 0..LAUNCH_CHAIN {
+                if dependent {
+                    elementwise::scale_into(&mut rec, &bufs[i % 2], 1.0, &bufs[(i + 1) % 2])?;
+                } else {
+                    elementwise::scale_into(&mut rec, &bufs[0], 1.0, &outs[i])?;
+                }
+            }
+            let t = Instant::now();
+            rec.submit()?.wait(gpu)?;
+            if r > 0 {
+                per.push(t.elapsed().as_secs_f64() * 1e3 / LAUNCH_CHAIN as f64);
+            }
+        }
+        let ms = median(&mut per);
+        rows.push(Row {
+            name: format!(
+                "dispatch, {}",
+                if dependent {
+                    "each reading the one before"
+                } else {
+                    "independent"
+                }
+            ),
+            shape: format!("{LAUNCH_CHAIN} x scale of {n} floats, one submission"),
+            wall_ms: ms,
+            gpu_ms: None,
+            value: ms * 1e3,
+            unit: "µs",
+        });
+    }
+    Ok(())
 }
 
 fn report(
