@@ -195,20 +195,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
 
 const SPLIT: u32 = 64u;
 @group(0) @binding(12) var<storage, read_write> part: array<f32>;
-var<workgroup> red64: array<f32, 64>;
-
-// Fixed-order tree over red64 (max or +); result in red64[0].
-fn reduce64(lid: u32, is_max: bool) {
-    for (var s = 32u; s > 0u; s >>= 1u) {
-        workgroupBarrier();
-        if (lid < s) {
-            let a = red64[lid];
-            let b = red64[lid + s];
-            red64[lid] = select(a + b, max(a, b), is_max);
-        }
-    }
-    workgroupBarrier();
-}
+var<workgroup> red64: array<vec4<f32>, 16>;   // a range's 64 scores
 
 fn splits() -> u32 {
     return (p.pos + p.t + SPLIT - 1u) / SPLIT;
@@ -243,15 +230,17 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     if (j < nkeys) {
         s = score(j * stride + base);
     }
-    red64[lid] = s;
-    reduce64(lid, true);
-    let m = red64[0];
-    let pj = select(0.0, exp(s - m), j < nkeys);
+    // Every thread reads the 64 scores for the max (one barrier, not a tree of six).
+    red64[lid / 4u][lid % 4u] = s;
     workgroupBarrier();
+    var m4 = red64[0];
+    for (var i = 1u; i < 16u; i++) {
+        m4 = max(m4, red64[i]);
+    }
+    let m = max(max(m4.x, m4.y), max(m4.z, m4.w));
+    let pj = select(0.0, exp(s - m), j < nkeys);
     sc[lid] = pj;
-    red64[lid] = pj;
-    reduce64(lid, false);
-    let l = red64[0];
+    workgroupBarrier();
     var acc = vec4<f32>(0.0);
     if (grp < groups && k0 < nkeys) {
         acc = weighted_values(k0, grp, groups, min(SPLIT, nkeys - k0), stride, base + 4u * dim4);
@@ -266,7 +255,12 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         part[out + 4u * lid + 3u] = sum.w;
     }
     if (lid == 0u) {
-        // An empty range (past this query's keys) has l = 0 and adds nothing.
+        // The sum of the 64 weights, in order. An empty range (past this query's keys)
+        // has l = 0 and adds nothing.
+        var l = 0.0;
+        for (var i = 0u; i < 64u; i++) {
+            l += sc[i];
+        }
         part[out + p.d] = select(-3.0e38, m, k0 < nkeys);
         part[out + p.d + 1u] = select(0.0, l, k0 < nkeys);
     }

@@ -455,8 +455,10 @@ fn finish(r: u32, j: u32, sum: f32) -> f32 {
 
 const MV_ROWS: u32 = 8u;   // rows of W a workgroup (32 threads each)
 const MV_X: u32 = 8u;      // rows of x a workgroup: each W value read once serves them all
-var<workgroup> mv_part: array<array<f32, 256>, 8>;
-var<workgroup> mv_ss: array<array<f32, 32>, 8>;   // NORM: x^2 sums of the first 32 threads
+var<workgroup> mv_part: array<array<vec4<f32>, 64>, 8>;   // [row of x][thread / 4][thread % 4]
+var<workgroup> mv_ss: array<array<vec4<f32>, 8>, 8>;      // NORM: x^2 sums of the first 32 threads
+var<workgroup> mv_tot: array<array<f32, 8>, 8>;           // [row of x][group]: its column's sum
+var<workgroup> mv_sstot: array<f32, 8>;                   // NORM: [row of x] sum of x^2
 
 // MERGE (qmatvec, one row of x): x holds a token's attention split over key ranges,
 // (heads, splits, d + 2) = unnormalised output, max score m, sum l (kvcache.wgsl's
@@ -524,8 +526,8 @@ fn mv_at(g: u32, lid: u32) -> vec3<u32> {
     return vec3<u32>(r0, (g % per_row) * MV_ROWS + lid / 32u, min(MV_X, p.m - min(r0, p.m)));
 }
 
-// qmatvec's sums: lane 0 of each group of 32 ends with its column's sum for row r0 + r of x
-// in mv_part[r][lid] (without the norm's scale, mv_scale(r)).
+// qmatvec's sums: every thread ends seeing column (group g)'s sum for row r0 + r of x in
+// mv_tot[r][g] (without the norm's scale, mv_scale(r)).
 fn mv_sums(g: u32, lid: u32) {
     let at = mv_at(g, lid);
     let r0 = at.x;
@@ -600,31 +602,39 @@ fn mv_sums(g: u32, lid: u32) {
     }
     for (var r = 0u; r < MV_X; r++) {
         if (r < nr) {
-            mv_part[r][lid] = acc[r];
+            mv_part[r][lid / 4u][lid % 4u] = acc[r];
             // Every group of 32 covers all of k: the first group's sums serve them all.
             if (NORM && lid < 32u) {
-                mv_ss[r][lid] = ss[r];
+                mv_ss[r][lid / 4u][lid % 4u] = ss[r];
             }
         }
     }
     workgroupBarrier();
-    for (var s = 16u; s > 0u; s >>= 1u) {
-        if (lane < s) {
-            for (var r = 0u; r < nr; r++) {
-                mv_part[r][lid] += mv_part[r][lid + s];
-                if (NORM && lid < 32u) {
-                    mv_ss[r][lid] += mv_ss[r][lid + s];
+    // Lane 0 of each group adds its 32 partial sums in order (8 vec4s, then across).
+    if (lane == 0u) {
+        let g4 = lid / 4u;
+        for (var r = 0u; r < nr; r++) {
+            var t = mv_part[r][g4];
+            var u = mv_ss[r][0];
+            for (var i = 1u; i < 8u; i++) {
+                t += mv_part[r][g4 + i];
+                if (NORM && lid == 0u) {
+                    u += mv_ss[r][i];
                 }
             }
+            mv_tot[r][lid / 32u] = (t.x + t.y) + (t.z + t.w);
+            if (NORM && lid == 0u) {
+                mv_sstot[r] = (u.x + u.y) + (u.z + u.w);
+            }
         }
-        workgroupBarrier();
     }
+    workgroupBarrier();
 }
 
 // RMSNorm's factor for row r of x (1 without NORM), after mv_sums.
 fn mv_scale(r: u32) -> f32 {
     if (NORM) {
-        return inverseSqrt(mv_ss[r][0] / f32(p.k) + bitcast<f32>(p.eps));
+        return inverseSqrt(mv_sstot[r] / f32(p.k) + bitcast<f32>(p.eps));
     }
     return 1.0;
 }
@@ -641,10 +651,10 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
             let scale = mv_scale(r);
             if (SWIGLU) {
                 if ((v & 1u) == 0u) {
-                    dst[(at.x + r) * p.n + v / 2u] = silu(mv_part[r][lid] * scale) * (mv_part[r][lid + 32u] * scale);
+                    dst[(at.x + r) * p.n + v / 2u] = silu(mv_tot[r][lid / 32u] * scale) * (mv_tot[r][lid / 32u + 1u] * scale);
                 }
             } else {
-                dst[(at.x + r) * p.n + v] = finish(at.x + r, v, mv_part[r][lid] * scale);
+                dst[(at.x + r) * p.n + v] = finish(at.x + r, v, mv_tot[r][lid / 32u] * scale);
             }
         }
     }
@@ -661,7 +671,7 @@ fn qmatvec_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (lid % 32u == 0u && v < w_rows() && (v & 1u) == 0u) {
         for (var r = 0u; r < at.z; r++) {
             let scale = mv_scale(r);
-            rope_out(at.x + r, v, mv_part[r][lid] * scale, mv_part[r][lid + 32u] * scale);
+            rope_out(at.x + r, v, mv_tot[r][lid / 32u] * scale, mv_tot[r][lid / 32u + 1u] * scale);
         }
     }
 }
