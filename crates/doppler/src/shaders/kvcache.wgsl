@@ -223,34 +223,12 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let nkeys = p.pos + t + 1u;
     let k0 = sp * SPLIT;
     let out = g * (p.d + 2u);
-    let j = k0 + lid;
-    // Head dims up to 64: the thread's key row is read before q's barrier, so its latency
-    // overlaps it (then summed as score() sums).
-    var kr: array<vec4<f32>, 16>;
-    if (p.d <= 64u && j < nkeys) {
-        for (var e = 0u; e < 16u; e++) {
-            if (e < d4) {
-                kr[e] = k4(j * stride + base + 4u * e);
-            }
-        }
-    }
     load_q(t, h, lid);
     workgroupBarrier();
+    let j = k0 + lid;
     var s = -3.0e38;
     if (j < nkeys) {
-        if (p.d <= 64u) {
-            var dot4 = vec4<f32>(0.0);
-            var e = 0u;
-            for (; e + 4u <= d4; e += 4u) {
-                dot4 += qs[e] * kr[e] + qs[e + 1u] * kr[e + 1u] + qs[e + 2u] * kr[e + 2u] + qs[e + 3u] * kr[e + 3u];
-            }
-            for (; e < d4; e++) {
-                dot4 += qs[e] * kr[e];
-            }
-            s = (dot4.x + dot4.y + dot4.z + dot4.w) * p.scale;
-        } else {
-            s = score(j * stride + base);
-        }
+        s = score(j * stride + base);
     }
     // Every thread reads the 64 scores for the max (one barrier, not a tree of six).
     red64[lid / 4u][lid % 4u] = s;

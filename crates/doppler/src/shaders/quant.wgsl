@@ -535,13 +535,7 @@ fn mv_sums(g: u32, lid: u32) {
     let nr = at.z;
     let wr = w_rows();
     let lane = lid % 32u;
-    // MERGE: k <= 1024 is one pass of runs: a thread's run of W is read before the merge,
-    // so its latency overlaps the merge's.
-    var wpre: array<vec4<f32>, 8>;
     if (MERGE) {
-        if (nr > 0u && v < wr && p.k % 32u == 0u && lane * 32u < p.k) {
-            wpre = run32(w_row(v) * p.k + lane * 32u);
-        }
         merge_x(lid);
         workgroupBarrier();
     }
@@ -552,10 +546,7 @@ fn mv_sums(g: u32, lid: u32) {
         if (p.k % 32u == 0u) {
             // A run of 32 a thread (run32), 32 threads covering 1024 columns a pass.
             for (var c = lane * 32u; c < p.k; c += 1024u) {
-                var w = wpre;
-                if (!MERGE) {
-                    w = run32(wbase + c);
-                }
+                var w = run32(wbase + c);
                 for (var e = 0u; e < 8u; e++) {
                     if (NORM) {
                         w[e] *= nw4(run_col(c, e));
