@@ -503,19 +503,12 @@ impl Path {
         let tall = w.rows >= MATVEC1_MIN_ROWS;
         if m == 1 && w.cols % 32 == 0 && (tall || w.cols >= SPLITK_MIN_COLS) {
             // Tall W with long rows (the 8B's gate/up, q/k/v): 2 groups a row of 4.
-            // Long rows of few W rows (the 8B's o and down): the workgroup's 8 groups split
-            // k, as many as have a run of 32 each (4 for 4,096 columns: 8 rows a workgroup).
-            let runs = w.cols / 32;
-            let long = [8, 4, 2].into_iter().find(|&s| 32 * s <= runs).unwrap_or(1);
             let (split, rows) = match (tall, w.cols >= 2048) {
-                (true, false) => (1, 32),
-                (true, true) => (2, 16),
-                (false, _) => (long, 32 / long),
+                (true, false) => (1.0, 32),
+                (true, true) => (2.0, 16),
+                (false, _) => (8.0, 4),
             };
-            Path::Decode {
-                split: split as f64,
-                rows,
-            }
+            Path::Decode { split, rows }
         } else if m <= MATVEC_MAX_ROWS {
             Path::MatVec
         } else {

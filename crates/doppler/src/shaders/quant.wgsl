@@ -250,52 +250,6 @@ fn run_col(c: u32, e: u32) -> u32 {
     return c + 4u * e;
 }
 
-// What a Q4_K / Q5_K run of 32 (run32) decodes from, as 16-byte words: the block's header
-// (d, dmin, 12 bytes of scales and mins), the run's quants, and (Q5_K) its fifth bits.
-// Run rb of a block is 16 bytes of sub-block pair j = rb / 2: their low nibbles are
-// elements 16 h.. of sub-block 2 j, the high ones the same of 2 j + 1 (h = rb % 2;
-// run_col gives the columns).
-struct KRaw {
-    hdr: vec4<u32>,
-    q: vec4<u32>,
-    qh: vec4<u32>,
-}
-
-fn kraw(i: u32) -> KRaw {
-    let k5 = TYPE == 13u;
-    let b = (i / 256u) * select(144u, 176u, k5);   // 16-byte-aligned blocks
-    let rb = (i % 256u) / 32u;
-    let h = rb & 1u;
-    var r: KRaw;
-    r.hdr = srcv4[b >> 4u];
-    r.q = srcv4[(b + select(16u, 48u, k5) + 32u * (rb / 2u) + 16u * h) >> 4u];
-    if (k5) {
-        r.qh = srcv4[(b + 16u + 16u * h) >> 4u];
-    }
-    return r;
-}
-
-fn kdecode(r: KRaw, i: u32) -> array<vec4<f32>, 8> {
-    let j = ((i % 256u) / 32u) / 2u;
-    let dm = unpack2x16float(r.hdr.x);
-    let s0 = dm * scale_min16(r.hdr, 2u * j);
-    let s1 = dm * scale_min16(r.hdr, 2u * j + 1u);
-    // Fifth bits: bit 2 j (low nibbles) and 2 j + 1 of the same 16 bytes' index.
-    let qh = r.qh >> vec4<u32>(2u * j);
-    var o: array<vec4<f32>, 8>;
-    for (var w = 0u; w < 4u; w++) {
-        var lo = r.q[w] & 0x0F0F0F0Fu;
-        var hi = (r.q[w] >> 4u) & 0x0F0F0F0Fu;
-        if (TYPE == 13u) {
-            lo |= (qh[w] & 0x01010101u) << 4u;
-            hi |= ((qh[w] >> 1u) & 0x01010101u) << 4u;
-        }
-        o[w] = u2f4(bytes4(lo)) * s0.x - s0.y;
-        o[w + 4u] = u2f4(bytes4(hi)) * s1.x - s1.y;
-    }
-    return o;
-}
-
 // The 32 elements of run i / 32 (i a multiple of 32: one block, or 32 elements of a K-quant
 // block), as 8 vec4s, the e-th at column run_col(i, e) of W's row: the scales are decoded
 // once for all 32, and the quants come a word (4 or 8 elements) at a time.
@@ -330,7 +284,30 @@ fn run32(i: u32) -> array<vec4<f32>, 8> {
             }
         }
         case 12u, 13u: {
-            o = kdecode(kraw(i), i);
+            // Run rb of the block is 16 bytes of sub-block pair j = rb / 2: their low
+            // nibbles are elements 16 h.. of sub-block 2 j, the high ones the same of 2 j + 1
+            // (h = rb % 2; run_col gives the columns). One 16-byte load of quants.
+            let k5 = TYPE == 13u;
+            let b = (i / 256u) * select(144u, 176u, k5);   // 16-byte-aligned blocks
+            let rb = (i % 256u) / 32u;
+            let j = rb / 2u;
+            let h = rb & 1u;
+            let hdr = srcv4[b >> 4u];   // d, dmin, 12 bytes of scales and mins
+            let dm = unpack2x16float(hdr.x);
+            let s0 = dm * scale_min16(hdr, 2u * j);
+            let s1 = dm * scale_min16(hdr, 2u * j + 1u);
+            let q = srcv4[(b + select(16u, 48u, k5) + 32u * j + 16u * h) >> 4u];
+            var qh = vec4<u32>(0u);
+            if (k5) {
+                // Fifth bits: bit 2 j (low nibbles) and 2 j + 1 of the same 16 bytes' index.
+                qh = srcv4[(b + 16u + 16u * h) >> 4u] >> vec4<u32>(2u * j);
+            }
+            for (var w = 0u; w < 4u; w++) {
+                let lo = (q[w] & 0x0F0F0F0Fu) | ((qh[w] & 0x01010101u) << 4u);
+                let hi = ((q[w] >> 4u) & 0x0F0F0F0Fu) | (((qh[w] >> 1u) & 0x01010101u) << 4u);
+                o[w] = u2f4(bytes4(lo)) * s0.x - s0.y;
+                o[w + 4u] = u2f4(bytes4(hi)) * s1.x - s1.y;
+            }
         }
         case 14u: {
             let b = (i / 256u) * 210u;
@@ -737,34 +714,14 @@ fn mv1_sums(g: u32, lid: u32) {
                     xs[e] = xv * nw4(run_col(c, e));
                 }
             }
-            if (TYPE == 12u || TYPE == 13u) {
-                // All rows' loads first: one memory latency for the 4 rows, not 4.
-                var raws: array<KRaw, 4>;
-                for (var q = 0u; q < MV1_RW; q++) {
-                    if (v0 + q < wr) {
-                        raws[q] = kraw(w_row(v0 + q) * p.k + c);
+            for (var q = 0u; q < MV1_RW; q++) {
+                if (v0 + q < wr) {
+                    let w = run32(w_row(v0 + q) * p.k + c);
+                    var sum = 0.0;
+                    for (var e = 0u; e < 8u; e++) {
+                        sum += dot(xs[e], w[e]);
                     }
-                }
-                for (var q = 0u; q < MV1_RW; q++) {
-                    if (v0 + q < wr) {
-                        let w = kdecode(raws[q], w_row(v0 + q) * p.k + c);
-                        var sum = 0.0;
-                        for (var e = 0u; e < 8u; e++) {
-                            sum += dot(xs[e], w[e]);
-                        }
-                        acc[q] += sum;
-                    }
-                }
-            } else {
-                for (var q = 0u; q < MV1_RW; q++) {
-                    if (v0 + q < wr) {
-                        let w = run32(w_row(v0 + q) * p.k + c);
-                        var sum = 0.0;
-                        for (var e = 0u; e < 8u; e++) {
-                            sum += dot(xs[e], w[e]);
-                        }
-                        acc[q] += sum;
-                    }
+                    acc[q] += sum;
                 }
             }
         }
