@@ -18,8 +18,11 @@
 //   qmatvec1     the same for one row of x and k a multiple of 32 (decode): 4 rows of W a
 //                group of 32 threads sharing their loads of x; 32 rows a workgroup, or 4
 //                with the workgroup's 8 groups splitting k (long rows, few rows)
+//   qmatvec_rope, qmatvec1_rope  the two above with q/k/v's bias, RoPE and KV-cache store
+//                as the epilogue (ROPE below)
 //   qmatmul      the same product for many rows of x: 64 x 64 output tiles, k in slabs of
-//                16 staged (W dequantized on the way) in workgroup memory, 4 x 4 a thread
+//                16 staged (W dequantized on the way) in workgroup memory, 4 x 4 a thread;
+//                with SPLITK, slices of k into partial tiles that splitk_sum adds in order
 // Both read 4 consecutive elements at a time (value4) when k is a multiple of 4; qmatvec
 // reads runs of 32 (run32: scales decoded once a run) when k is a multiple of 32.
 // Sums run in a fixed order: the same inputs give the same bits.
