@@ -76,7 +76,13 @@ fn bench_json_reports_medians() {
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let rows = v["results"].as_array().unwrap();
-    assert_eq!(rows.len(), 7, "{out}");
+    // 2 launch rows (dependent, independent), 2 copies, 1 matmul, 4 seed kernels.
+    assert_eq!(rows.len(), 9, "{out}");
+    assert!(
+        rows.iter()
+            .any(|r| r["name"].as_str().unwrap().starts_with("dispatch") && r["unit"] == "µs"),
+        "{out}"
+    );
     for r in rows {
         assert!(
             r["wall_ms"].as_f64().unwrap() > 0.0 && r["value"].as_f64().unwrap() > 0.0,

@@ -20,6 +20,15 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
+/// Runtime checks compiled into shaders (see [`GpuOptions::shader_checks`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ShaderChecks {
+    #[default]
+    All,
+    Bounds,
+    Off,
+}
+
 /// How to choose an adapter. Empty fields mean "the default": the first discrete GPU,
 /// then integrated, virtual, CPU.
 #[derive(Clone, Debug, Default)]
@@ -28,10 +37,11 @@ pub struct GpuOptions {
     pub adapter: Option<String>,
     /// vulkan, metal, dx12, gl or webgpu (`DOPPLER_BACKEND`).
     pub backend: Option<String>,
-    /// Build shaders without the runtime bounds checks wgpu adds to every buffer access
-    /// (`DOPPLER_SHADER_CHECKS=off`). Faster; safe only because our kernels check their
-    /// own indices. Native only.
-    pub unchecked_shaders: bool,
+    /// Which runtime checks wgpu compiles into every shader (`DOPPLER_SHADER_CHECKS`): all
+    /// (default), `bounds` (bounds checks on every buffer access, no loop-iteration
+    /// counters: our loops end by construction), or `off` (neither: faster, safe only
+    /// because our kernels check their own indices). Native only; the browser keeps all.
+    pub shader_checks: ShaderChecks,
     /// Run f32 matrix products on cooperative matrices (tensor cores) with the operands
     /// rounded to f16 and f32 sums, where the adapter has them (`DOPPLER_MATMUL=f16`;
     /// like PyTorch's TF32 or autocast: faster, about 3 decimal digits per operand).
@@ -45,7 +55,11 @@ impl GpuOptions {
         GpuOptions {
             adapter: get("DOPPLER_ADAPTER"),
             backend: get("DOPPLER_BACKEND"),
-            unchecked_shaders: get("DOPPLER_SHADER_CHECKS").is_some_and(|v| v == "off"),
+            shader_checks: match get("DOPPLER_SHADER_CHECKS").as_deref() {
+                Some("off") => ShaderChecks::Off,
+                Some("bounds") => ShaderChecks::Bounds,
+                _ => ShaderChecks::All,
+            },
             f16_matmul: get("DOPPLER_MATMUL").is_some_and(|v| v == "f16"),
         }
     }
@@ -105,8 +119,8 @@ pub struct Gpu {
     pub limits: wgpu::Limits,
     pub pool: BufferPool,
     pub pipelines: PipelineCache,
-    /// See [`GpuOptions::unchecked_shaders`].
-    pub unchecked_shaders: bool,
+    /// See [`GpuOptions::shader_checks`].
+    pub shader_checks: ShaderChecks,
     /// [`GpuOptions::f16_matmul`] asked for and possible here: cooperative matrices, f16
     /// and subgroups of exactly 32 (the kernel's layout).
     pub coop_matmul: bool,
@@ -169,7 +183,10 @@ impl Gpu {
             info,
             features,
             limits,
-            unchecked_shaders: opts.unchecked_shaders && !cfg!(target_arch = "wasm32"),
+            shader_checks: match cfg!(target_arch = "wasm32") {
+                true => ShaderChecks::All,
+                false => opts.shader_checks,
+            },
             coop_matmul,
             binds: Mutex::new(binds::Binds::default()),
             errors,

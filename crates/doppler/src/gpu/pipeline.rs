@@ -1,6 +1,6 @@
 //! Compute pipelines, built once per (shader, entry point, override constants) and reused.
 
-use super::Gpu;
+use super::{Gpu, ShaderChecks};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -189,16 +189,18 @@ impl PipelineCache {
             source: wgpu::ShaderSource::Wgsl(shader.source.into()),
         };
         let (module, err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
-            if gpu.unchecked_shaders {
-                // SAFETY: opted into by the user (GpuOptions::unchecked_shaders); every kernel
-                // bounds-checks its own indices against the shapes in its parameters.
-                unsafe {
-                    gpu.device
-                        .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
-                }
-            } else {
-                gpu.device.create_shader_module(desc)
-            }
+            let checks = match gpu.shader_checks {
+                ShaderChecks::All => return gpu.device.create_shader_module(desc),
+                ShaderChecks::Bounds => wgpu::ShaderRuntimeChecks {
+                    force_loop_bounding: false,
+                    ..wgpu::ShaderRuntimeChecks::checked()
+                },
+                ShaderChecks::Off => wgpu::ShaderRuntimeChecks::unchecked(),
+            };
+            // SAFETY: opted into by the user (GpuOptions::shader_checks). Every kernel's loops
+            // are bounded by its parameters; with `Off`, every kernel also bounds-checks its
+            // own indices against the shapes in its parameters.
+            unsafe { gpu.device.create_shader_module_trusted(desc, checks) }
         });
         if let Some(message) = err {
             return Err(Error::Shader {

@@ -602,3 +602,22 @@ pub fn qmatmul_rope_store(
     }
     Ok(q)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::split_k;
+
+    #[test]
+    fn split_k_fills_a_large_gpu_only_when_tiles_are_few() {
+        // SmolLM2's o (576 x 576) and down (576 x 1536) over 512 tokens: 9 x 8 tiles.
+        assert_eq!(split_k(72, 576), 4);
+        assert_eq!(split_k(72, 1536), 4);
+        // Its gate/up (6144 rows): 768 tiles, no split.
+        assert_eq!(split_k(768, 576), 1);
+        // Slices keep 128 columns at least, and there are at most 8.
+        assert_eq!(split_k(3, 96), 1);
+        assert_eq!(split_k(3, 300), 2);
+        assert_eq!(split_k(3, 2816), 8);
+        assert_eq!(split_k(128, 4096), 1);
+    }
+}
