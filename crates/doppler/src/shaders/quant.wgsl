@@ -634,12 +634,14 @@ fn mv_sums(g: u32, lid: u32) {
     workgroupBarrier();
 }
 
+// NORM's factor for a row of x whose squares sum to ss: rsqrt(mean(x^2) + eps).
+fn rstd(ss: f32) -> f32 {
+    return inverseSqrt(ss / f32(p.k) + bitcast<f32>(p.eps));
+}
+
 // RMSNorm's factor for row r of x (1 without NORM), after mv_sums.
 fn mv_scale(r: u32) -> f32 {
-    if (NORM) {
-        return inverseSqrt(mv_sstot[r] / f32(p.k) + bitcast<f32>(p.eps));
-    }
-    return 1.0;
+    return select(1.0, rstd(mv_sstot[r]), NORM);
 }
 
 @compute @workgroup_size(256)
@@ -748,10 +750,7 @@ fn mv1_sums(g: u32, lid: u32) {
 // RMSNorm's factor (1 without NORM) for the first thread of a set, after mv1_sums: the
 // threads sharing these rows cover all of k, so their sum of squares is x's.
 fn mv1_scale(lid: u32) -> f32 {
-    if (NORM) {
-        return inverseSqrt(mv1_ss[lid] / f32(p.k) + bitcast<f32>(p.eps));
-    }
-    return 1.0;
+    return select(1.0, rstd(mv1_ss[lid]), NORM);
 }
 
 @compute @workgroup_size(256)
@@ -885,7 +884,7 @@ fn qmatmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
         workgroupBarrier();
         if (lid < 64u) {
             let t = ((mm_red[4u * lid] + mm_red[4u * lid + 1u]) + mm_red[4u * lid + 2u]) + mm_red[4u * lid + 3u];
-            mm_rstd[lid] = inverseSqrt(t / f32(p.k) + bitcast<f32>(p.eps));
+            mm_rstd[lid] = rstd(t);
         }
         workgroupBarrier();
     }
