@@ -58,9 +58,20 @@ impl GpuOptions {
             shader_checks: match get("DOPPLER_SHADER_CHECKS").as_deref() {
                 Some("off") => ShaderChecks::Off,
                 Some("bounds") => ShaderChecks::Bounds,
-                _ => ShaderChecks::All,
+                None | Some("on" | "all") => ShaderChecks::All,
+                Some(other) => {
+                    tracing::warn!("DOPPLER_SHADER_CHECKS={other:?} is not on, bounds or off: all checks stay on");
+                    ShaderChecks::All
+                }
             },
-            f16_matmul: get("DOPPLER_MATMUL").is_some_and(|v| v == "f16"),
+            f16_matmul: match get("DOPPLER_MATMUL").as_deref() {
+                Some("f16") => true,
+                None | Some("f32") => false,
+                Some(other) => {
+                    tracing::warn!("DOPPLER_MATMUL={other:?} is not f16 or f32: products stay f32");
+                    false
+                }
+            },
         }
     }
 }
@@ -174,6 +185,9 @@ impl Gpu {
         }));
         tracing::info!(adapter = %info.name, backend = ?info.backend, "opened GPU");
         let coop_matmul = opts.f16_matmul && coop_possible(features, &info);
+        if opts.f16_matmul && !coop_matmul {
+            tracing::warn!(adapter = %info.name, "f16 matrix products asked for, but the adapter lacks cooperative matrices, f16 or subgroups of 32: products stay f32");
+        }
         Ok(Gpu {
             pool: BufferPool::new(),
             pipelines: PipelineCache::new(),
