@@ -445,7 +445,7 @@ pub fn qmatmul_fused(
     let bind = [&w.raw, &y, x, nw, res, x, nw, &w.raw];
     match Path::of(m, w) {
         Path::Decode { split, rows } => {
-            let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split)];
+            let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split), xq8(w)];
             let grid = Grid::Linear(w.rows.div_ceil(rows) as u64);
             rec.dispatch(&QMATVEC1, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
         }
@@ -486,6 +486,34 @@ pub fn qmatmul_fused(
     Ok(y)
 }
 
+/// Types whose decode products ([`Path::Decode`]) round x to 8 bits (`quant.wgsl`'s XQ8:
+/// integer dot products with the quants), from [`XQ8_MIN_COLS`] columns.
+const XQ8_TYPES: &[&str] = &["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"];
+
+/// Row length from which the decode products round x to 8 bits: below, a thread reads at
+/// most one run of a row and the float work is not what limits (SmolLM2's 576-column
+/// output head: the same decode speed either way on the H200), so x stays f32 there.
+pub const XQ8_MIN_COLS: usize = 1024;
+
+fn xq8(w: &QMatrix) -> (&'static str, f64) {
+    (
+        "XQ8",
+        decode_rounds_x(1, w.ty, w.rows, w.cols) as u32 as f64,
+    )
+}
+
+/// Whether a product of `m` rows of x with W (`rows`, `cols`) of type `ty` ([`qmatmul`],
+/// [`qmatmul_fused`], [`qmatmul_rope_store`]) rounds x (after the fused norm's weight) to
+/// 8-bit integers in groups of 16 columns, as `reference::quant::round_x8` does, and
+/// multiplies those: the one-row decode kernel does, for the types with integer quants
+/// and rows of [`XQ8_MIN_COLS`] or more (as llama.cpp's quantized matrix-vector products
+/// do), for a quarter of the float work a weight.
+pub fn decode_rounds_x(m: usize, ty: GgmlType, rows: usize, cols: usize) -> bool {
+    matches!(Path::of_shape(m, rows, cols), Path::Decode { .. })
+        && cols >= XQ8_MIN_COLS
+        && XQ8_TYPES.contains(&ty.name())
+}
+
 /// Which kernel a product of m rows of x runs.
 enum Path {
     /// One row (decode), cols a multiple of 32: `qmatvec1`, 4 rows of W a group of 32
@@ -500,10 +528,14 @@ enum Path {
 
 impl Path {
     fn of(m: usize, w: &QMatrix) -> Path {
-        let tall = w.rows >= MATVEC1_MIN_ROWS;
-        if m == 1 && w.cols % 32 == 0 && (tall || w.cols >= SPLITK_MIN_COLS) {
+        Path::of_shape(m, w.rows, w.cols)
+    }
+
+    fn of_shape(m: usize, rows: usize, cols: usize) -> Path {
+        let tall = rows >= MATVEC1_MIN_ROWS;
+        if m == 1 && cols % 32 == 0 && (tall || cols >= SPLITK_MIN_COLS) {
             // Tall W with long rows (the 8B's gate/up, q/k/v): 2 groups a row of 4.
-            let (split, rows) = match (tall, w.cols >= 2048) {
+            let (split, rows) = match (tall, cols >= 2048) {
                 (true, false) => (1.0, 32),
                 (true, true) => (2.0, 16),
                 (false, _) => (8.0, 4),
@@ -591,7 +623,7 @@ pub fn qmatmul_rope_store(
     ];
     match path {
         Path::Decode { split, rows } => {
-            let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split)];
+            let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split), xq8(w)];
             let grid = Grid::Linear(w.rows.div_ceil(rows) as u64);
             rec.dispatch(&QMATVEC1_ROPE, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
         }

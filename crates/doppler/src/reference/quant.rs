@@ -177,6 +177,22 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n: usize) -> Result<Vec<f32>> {
     })
 }
 
+/// x rounded as the decode products round it (`quant.wgsl`'s XQ8): groups of 16
+/// consecutive values, each to the nearest (ties to even) of q * max|x| / 127, q an integer
+/// in -127..=127. `x.len()` is a multiple of 16.
+pub fn round_x8(x: &[f32]) -> Vec<f32> {
+    x.chunks(16)
+        .flat_map(|g| {
+            let amax = g.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            let d = amax / 127.0;
+            g.iter()
+                .map(move |v| (v * inv).round_ties_even() * d)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

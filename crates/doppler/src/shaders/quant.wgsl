@@ -336,6 +336,134 @@ fn run32(i: u32) -> array<vec4<f32>, 8> {
     return o;
 }
 
+// XQ8 (qmatvec1, qmatvec1_rope; the types with a case in run32_q8): x (times the norm
+// weight) is rounded to 8-bit integers in groups of 16 consecutive columns, scale
+// max|x| / 127 (a thread rounds the runs it reads, in registers), and a row's run is a sum
+// of integer dot products (dot4I8Packed) of those with W's quants, scaled per group: a
+// quarter of the float work of run32. The product is W's with x so rounded, exactly up to
+// f32 rounding of the scaled sums (reference::quant::round_x8 is the CPU side).
+override XQ8: bool = false;
+
+// A run of x (the 32 columns run_col(c, 0..8) maps; halves e < 4 and e >= 4 are groups of
+// 16 consecutive columns) rounded for XQ8: 4 quants a word, each half's scale and the sum
+// of its quants.
+struct Xq8 {
+    q: array<u32, 8>,
+    d: vec2<f32>,
+    s: vec2<i32>,
+}
+
+fn xq8_of(xs: array<vec4<f32>, 8>) -> Xq8 {
+    var o: Xq8;
+    for (var h = 0u; h < 2u; h++) {
+        var a = vec4<f32>(0.0);
+        for (var e = 0u; e < 4u; e++) {
+            a = max(a, abs(xs[4u * h + e]));
+        }
+        let amax = max(max(a.x, a.y), max(a.z, a.w));
+        let inv = select(0.0, 127.0 / amax, amax > 0.0);
+        o.d[h] = amax / 127.0;
+        var s = vec4<i32>(0);
+        for (var e = 0u; e < 4u; e++) {
+            // Round half to even by adding 1.5 * 2^23: the integer lands in the low bits.
+            let f = bitcast<vec4<u32>>(xs[4u * h + e] * inv + 12582912.0);
+            let q = bitcast<vec4<i32>>(f - vec4<u32>(0x4B400000u));
+            o.q[4u * h + e] = pack4xI8(q);
+            s += q;
+        }
+        o.s[h] = (s.x + s.y) + (s.z + s.w);
+    }
+    return o;
+}
+
+// dot(W's run i / 32, x's run as xq): run32's values and columns, as integer dot products
+// of the quants (unsigned, offset where the type's are signed) with x's, a group of 16 at
+// a time, then each group's scales.
+fn run32_q8(i: u32, xq: Xq8) -> f32 {
+    var lo = 0;   // integer dots of the halves
+    var hi = 0;
+    switch (TYPE) {
+        case 2u: {
+            let b = (i / 32u) * 18u;
+            for (var w = 0u; w < 4u; w++) {
+                let q = word_at(b + 2u + 4u * w);
+                lo += dot4I8Packed(q & 0x0F0F0F0Fu, xq.q[w]);
+                hi += dot4I8Packed((q >> 4u) & 0x0F0F0F0Fu, xq.q[w + 4u]);
+            }
+            // (q - 8) d
+            return half(b) * (xq.d.x * f32(lo - 8 * xq.s.x) + xq.d.y * f32(hi - 8 * xq.s.y));
+        }
+        case 3u: {
+            let b = (i / 32u) * 5u;   // in words
+            let dm = unpack2x16float(src[b]);
+            for (var w = 0u; w < 4u; w++) {
+                let q = src[b + 1u + w];
+                lo += dot4I8Packed(q & 0x0F0F0F0Fu, xq.q[w]);
+                hi += dot4I8Packed((q >> 4u) & 0x0F0F0F0Fu, xq.q[w + 4u]);
+            }
+            // q d + m
+            return xq.d.x * (dm.x * f32(lo) + dm.y * f32(xq.s.x)) + xq.d.y * (dm.x * f32(hi) + dm.y * f32(xq.s.y));
+        }
+        case 8u: {
+            let b = (i / 32u) * 34u;
+            for (var w = 0u; w < 4u; w++) {
+                lo += dot4I8Packed(word_at(b + 2u + 4u * w), xq.q[w]);
+                hi += dot4I8Packed(word_at(b + 18u + 4u * w), xq.q[w + 4u]);
+            }
+            return half(b) * (xq.d.x * f32(lo) + xq.d.y * f32(hi));
+        }
+        case 12u, 13u: {
+            // As run32: low nibbles are sub-block 2 j (scale, min s0), high ones 2 j + 1.
+            let k5 = TYPE == 13u;
+            let b = (i / 256u) * select(144u, 176u, k5);
+            let rb = (i % 256u) / 32u;
+            let j = rb / 2u;
+            let h = rb & 1u;
+            let hdr = srcv4[b >> 4u];
+            let dm = unpack2x16float(hdr.x);
+            let s0 = dm * scale_min16(hdr, 2u * j);
+            let s1 = dm * scale_min16(hdr, 2u * j + 1u);
+            let q = srcv4[(b + select(16u, 48u, k5) + 32u * j + 16u * h) >> 4u];
+            var qh = vec4<u32>(0u);
+            if (k5) {
+                qh = srcv4[(b + 16u + 16u * h) >> 4u] >> vec4<u32>(2u * j);
+            }
+            for (var w = 0u; w < 4u; w++) {
+                let l = (q[w] & 0x0F0F0F0Fu) | ((qh[w] & 0x01010101u) << 4u);
+                let u = ((q[w] >> 4u) & 0x0F0F0F0Fu) | (((qh[w] >> 1u) & 0x01010101u) << 4u);
+                lo += dot4I8Packed(l, xq.q[w]);
+                hi += dot4I8Packed(u, xq.q[w + 4u]);
+            }
+            // q scale - min
+            return xq.d.x * (s0.x * f32(lo) - s0.y * f32(xq.s.x)) + xq.d.y * (s1.x * f32(hi) - s1.y * f32(xq.s.y));
+        }
+        case 14u: {
+            let b = (i / 256u) * 210u;
+            let j = i % 256u;
+            let n = j / 128u;
+            let run = (j % 128u) / 32u;
+            let d = half(b + 208u);
+            let s0 = d * signed8(b + 192u + 8u * n + 2u * run);
+            let s1 = d * signed8(b + 193u + 8u * n + 2u * run);
+            for (var w = 0u; w < 8u; w++) {
+                let ql = word_at(b + 64u * n + 32u * (run & 1u) + 4u * w);
+                let qh = word_at(b + 128u + 32u * n + 4u * w) >> (2u * run);
+                let q = (select(ql, ql >> 4u, run >= 2u) & 0x0F0F0F0Fu) | ((qh & 0x03030303u) << 4u);
+                if (w < 4u) {
+                    lo += dot4I8Packed(q, xq.q[w]);
+                } else {
+                    hi += dot4I8Packed(q, xq.q[w]);
+                }
+            }
+            // (q - 32) scale
+            return s0 * xq.d.x * f32(lo - 32 * xq.s.x) + s1 * xq.d.y * f32(hi - 32 * xq.s.y);
+        }
+        default: {
+            return 0.0;
+        }
+    }
+}
+
 @compute @workgroup_size(256)
 fn dequantize(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
@@ -718,6 +846,15 @@ fn mv1_sums(g: u32, lid: u32) {
                     ss += dot(xv, xv);
                     xs[e] = xv * nw4(run_col(c, e));
                 }
+            }
+            if (XQ8) {
+                let xq = xq8_of(xs);
+                for (var q = 0u; q < MV1_RW; q++) {
+                    if (v0 + q < wr) {
+                        acc[q] += run32_q8(w_row(v0 + q) * p.k + c, xq);
+                    }
+                }
+                continue;
             }
             for (var q = 0u; q < MV1_RW; q++) {
                 if (v0 + q < wr) {

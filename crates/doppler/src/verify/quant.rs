@@ -8,8 +8,8 @@ use crate::check::{compare, Rng, Tolerance};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
 use crate::ops::quant::{
-    dequantize, get_rows, qmatmul, qmatmul_fused, Fuse, QMatrix, MATVEC1_MIN_ROWS, MATVEC_MAX_ROWS,
-    SPLITK_MIN_COLS, SUPPORTED,
+    decode_rounds_x, dequantize, get_rows, qmatmul, qmatmul_fused, Fuse, QMatrix, MATVEC1_MIN_ROWS,
+    MATVEC_MAX_ROWS, SPLITK_MIN_COLS, SUPPORTED, XQ8_MIN_COLS,
 };
 use crate::reference::quant as cpu;
 
@@ -269,18 +269,26 @@ pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 vec![0.0; m * rows],
                 vec![0.0; m * rows],
             );
+            // The decode kernel rounds x (times the norm weight) to 8 bits for some types.
+            let rounds = decode_rounds_x(m, ty, rows, cols);
             for a in 0..m {
                 let xr = &xv[a * cols..(a + 1) * cols];
                 let ms = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / cols as f64;
                 let rstd = 1.0 / (ms + eps as f64).sqrt();
+                let xn: Vec<f32> = xr.iter().zip(&nw).map(|(v, g)| v * g).collect();
+                let (xn8, x8) = match rounds {
+                    true => (cpu::round_x8(&xn), cpu::round_x8(xr)),
+                    false => (vec![], vec![]),
+                };
                 let dot = |j: usize, norm: bool| -> (f64, f64) {
                     let mut s = 0.0;
                     let mut g = 0.0;
                     for c in 0..cols {
-                        let h = if norm {
-                            xr[c] as f64 * rstd * nw[c] as f64
-                        } else {
-                            xr[c] as f64
+                        let h = match (norm, rounds) {
+                            (true, false) => xr[c] as f64 * rstd * nw[c] as f64,
+                            (true, true) => xn8[c] as f64 * rstd,
+                            (false, false) => xr[c] as f64,
+                            (false, true) => x8[c] as f64,
                         };
                         let t = h * w[j * cols + c] as f64;
                         s += t;
@@ -327,5 +335,59 @@ pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 res,
             );
         }
+    }
+}
+
+/// The one-row decode kernel (`qmatvec1`, W tall enough, rows long enough to round x) for
+/// every type against f64 sums over the CPU dequantizer, with x rounded to 8 bits first
+/// where the kernel does (`decode_rounds_x`: integer dot products); W's rows an odd count.
+pub(super) fn decode_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    for (i, &name) in SUPPORTED.iter().enumerate() {
+        let ty = GgmlType::from_name(name).expect("known type");
+        let (rows, cols) = (MATVEC1_MIN_ROWS + 3, XQ8_MIN_COLS);
+        let mut rng = Rng::new(4900 + i as u64);
+        let raw = random_blocks(name, rows * cols, &mut rng);
+        let w = cpu::dequantize(ty, &raw, rows * cols).expect("dequantizes");
+        // Two columns of a group at its largest magnitude, opposite signs (+-127 exactly).
+        let mut xv = rng.vec(cols);
+        xv[17] = 2.0;
+        xv[20] = -2.0;
+        let r = twice("qmatmul decode", || {
+            let q = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
+            let xt = Tensor::from_f32(gpu, &[1, cols], &xv, "x")?;
+            let y = gpu.run(|rec| qmatmul(rec, &xt, &q))?;
+            Ok(vec![y.read_f32(gpu)?])
+        });
+        let rounds = decode_rounds_x(1, ty, rows, cols);
+        let x = match rounds {
+            true => cpu::round_x8(&xv),
+            false => xv.clone(),
+        };
+        let mut want = vec![0.0f64; rows];
+        let mut mag = vec![0.0f64; rows];
+        for j in 0..rows {
+            for c in 0..cols {
+                let t = x[c] as f64 * w[j * cols + c] as f64;
+                want[j] += t;
+                mag[j] += t.abs();
+            }
+        }
+        let res = r.and_then(|got| {
+            compare(
+                &format!("qmatmul decode {name}"),
+                &got[0],
+                &want,
+                Some(&mag),
+                Tolerance::dot(cols),
+            )
+            .map_err(s)
+        });
+        let how = if rounds { ", x rounded to 8 bits" } else { "" };
+        push(
+            out,
+            &format!("qmatmul decode {name}"),
+            format!("x [1, {cols}] @ ({rows}, {cols})^T{how}"),
+            res,
+        );
     }
 }
