@@ -90,6 +90,13 @@ static QMATMUL: Kernel = Kernel::new(
     ],
 );
 
+// x rounded for the XQ8 decode products: x as vec4s (7), the norm weight as vec4s (8), out (14).
+static QUANTIZE_X8: Kernel = Kernel::new(
+    &QUANT,
+    "quantize_x8",
+    &[(7, Read), (8, Read), (14, ReadWrite)],
+);
+
 static SPLITK_SUM: Kernel = Kernel::new(
     &QUANT,
     "splitk_sum",
@@ -445,9 +452,16 @@ pub fn qmatmul_fused(
     let bind = [&w.raw, &y, x, nw, res, x, nw, &w.raw];
     match Path::of(m, w) {
         Path::Decode { split, rows } => {
-            let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split), xq8(w)];
             let grid = Grid::Linear(w.rows.div_ceil(rows) as u64);
-            rec.dispatch(&QMATVEC1, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
+            if decode_rounds_x(m, w.ty, w.rows, w.cols) {
+                let xq = quantize_x8(rec, x, w.cols, fuse.norm)?;
+                let c1 = [c[0], c[2], c[3], ("MV1_SPLIT", split), ("XQ8", 1.0)];
+                let bind = [&w.raw, &y, &xq, &xq, res, &xq, &xq, &w.raw];
+                rec.dispatch(&QMATVEC1, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
+            } else {
+                let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split)];
+                rec.dispatch(&QMATVEC1, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
+            }
         }
         Path::MatVec => {
             let grid = Grid::Linear((w.rows.div_ceil(8) * m.div_ceil(8)) as u64);
@@ -495,11 +509,38 @@ const XQ8_TYPES: &[&str] = &["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"];
 /// output head: the same decode speed either way on the H200), so x stays f32 there.
 pub const XQ8_MIN_COLS: usize = 1024;
 
-fn xq8(w: &QMatrix) -> (&'static str, f64) {
-    (
-        "XQ8",
-        decode_rounds_x(1, w.ty, w.rows, w.cols) as u32 as f64,
-    )
+/// x (.., cols) rounded for the XQ8 decode products (`quantize_x8`: groups of 16 columns
+/// to 8-bit integers, a scale and the quants' sum each), after `norm` (RMSNorm weight and
+/// epsilon) if given: (rows of x, cols / 4 + cols / 8) words.
+fn quantize_x8(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    cols: usize,
+    norm: Option<(&Tensor, f32)>,
+) -> Result<Tensor> {
+    let m = x.numel() / cols;
+    let xq = Tensor::empty(
+        rec.gpu(),
+        &[m, cols / 4 + cols / 8],
+        DType::U32,
+        "quantize_x8.xq",
+    )?;
+    let p = Params {
+        m: m as u32,
+        k: cols as u32,
+        eps: norm.map_or(0.0f32, |n| n.1).to_bits(),
+        ..Default::default()
+    };
+    let c = [("NORM", norm.is_some() as u32 as f64)];
+    let nw = norm.map_or(x, |n| n.0);
+    rec.dispatch(
+        &QUANTIZE_X8,
+        &c,
+        bytemuck::bytes_of(&p),
+        &[x, nw, &xq],
+        Grid::Linear(m as u64),
+    )?;
+    Ok(xq)
 }
 
 /// Whether a product of `m` rows of x with W (`rows`, `cols`) of type `ty` ([`qmatmul`],
@@ -516,9 +557,9 @@ pub fn decode_rounds_x(m: usize, ty: GgmlType, rows: usize, cols: usize) -> bool
 
 /// Which kernel a product of m rows of x runs.
 enum Path {
-    /// One row (decode), cols a multiple of 32: `qmatvec1`, 4 rows of W a group of 32
-    /// threads sharing their reads of x; 8 such groups a workgroup (tall W), or 8 groups
-    /// splitting long rows of 4 (`split` groups a row, `rows` rows of W a workgroup).
+    /// One row (decode), cols a multiple of 32: `qmatvec1`, 4 rows of W a set of
+    /// `split` groups of 32 threads sharing their reads of x and splitting k; `rows` rows
+    /// of W a workgroup. x is rounded to 8 bits first where [`decode_rounds_x`].
     Decode { split: f64, rows: usize },
     /// Up to [`MATVEC_MAX_ROWS`] rows: `qmatvec`, 8 rows of W x 8 rows of x a workgroup.
     MatVec,
@@ -535,10 +576,13 @@ impl Path {
         let tall = rows >= MATVEC1_MIN_ROWS;
         if m == 1 && cols % 32 == 0 && (tall || cols >= SPLITK_MIN_COLS) {
             // Tall W with long rows (the 8B's gate/up, q/k/v): 2 groups a row of 4.
+            // Tall W with long rows (the 8B's gate/up, q/k/v): 2 groups a row of 4; long rows
+            // of few W rows (the 8B's o and down): 4 (8 left half the threads idle on
+            // 4,096 columns: o + down 1.55 -> 1.32 ms a token on the H200).
             let (split, rows) = match (tall, cols >= 2048) {
                 (true, false) => (1.0, 32),
                 (true, true) => (2.0, 16),
-                (false, _) => (8.0, 4),
+                (false, _) => (4.0, 8),
             };
             Path::Decode { split, rows }
         } else if m <= MATVEC_MAX_ROWS {
@@ -623,9 +667,19 @@ pub fn qmatmul_rope_store(
     ];
     match path {
         Path::Decode { split, rows } => {
-            let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split), xq8(w)];
             let grid = Grid::Linear(w.rows.div_ceil(rows) as u64);
-            rec.dispatch(&QMATVEC1_ROPE, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
+            if decode_rounds_x(t, w.ty, w.rows, w.cols) {
+                let xq = quantize_x8(rec, x, w.cols, norm)?;
+                let c1 = [c[0], c[2], c[3], ("MV1_SPLIT", split), ("XQ8", 1.0)];
+                let mut bind = bind;
+                for i in [2, 3, 4, 5] {
+                    bind[i] = &xq;
+                }
+                rec.dispatch(&QMATVEC1_ROPE, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
+            } else {
+                let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split)];
+                rec.dispatch(&QMATVEC1_ROPE, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
+            }
         }
         _ => {
             let grid = Grid::Linear((w.rows.div_ceil(8) * t.div_ceil(8)) as u64);

@@ -336,44 +336,102 @@ fn run32(i: u32) -> array<vec4<f32>, 8> {
     return o;
 }
 
-// XQ8 (qmatvec1, qmatvec1_rope; the types with a case in run32_q8): x (times the norm
-// weight) is rounded to 8-bit integers in groups of 16 consecutive columns, scale
-// max|x| / 127 (a thread rounds the runs it reads, in registers), and a row's run is a sum
-// of integer dot products (dot4I8Packed) of those with W's quants, scaled per group: a
-// quarter of the float work of run32. The product is W's with x so rounded, exactly up to
-// f32 rounding of the scaled sums (reference::quant::round_x8 is the CPU side).
+// XQ8 (qmatvec1, qmatvec1_rope; the types with a case in run32_q8): x arrives rounded to
+// 8-bit integers by quantize_x8 (groups of 16 consecutive columns, scale max|h| / 127 of
+// h = x times the norm weight with NORM; the row's RMSNorm factor goes into the scales),
+// and a row's run is a sum of integer dot products (dot4I8Packed) of those with W's
+// quants, scaled per group: a quarter of the float work of run32, and 8 bits of x read a
+// value instead of 64 (x and the norm weight). The product is W's with x so rounded,
+// exactly up to f32 rounding of the scaled sums (reference::quant::round_x8 is the CPU
+// side). x's buffer (bindings 3 and 7) then holds k / 4 words of quants (4 a word, lowest
+// column first), then for each group its scale (f32) and the sum of its quants (i32).
 override XQ8: bool = false;
 
 // A run of x (the 32 columns run_col(c, 0..8) maps; halves e < 4 and e >= 4 are groups of
-// 16 consecutive columns) rounded for XQ8: 4 quants a word, each half's scale and the sum
-// of its quants.
+// 16 consecutive columns): 4 quants a word, each half's scale and the sum of its quants.
 struct Xq8 {
     q: array<u32, 8>,
     d: vec2<f32>,
     s: vec2<i32>,
 }
 
-fn xq8_of(xs: array<vec4<f32>, 8>) -> Xq8 {
+fn xq8_at(c: u32) -> Xq8 {
     var o: Xq8;
+    let sc = p.k / 4u;   // scales and sums
     for (var h = 0u; h < 2u; h++) {
+        let col = run_col(c, 4u * h);   // a multiple of 16
+        let w = bitcast<vec4<u32>>(xv4[col / 16u]);
+        o.q[4u * h] = w.x;
+        o.q[4u * h + 1u] = w.y;
+        o.q[4u * h + 2u] = w.z;
+        o.q[4u * h + 3u] = w.w;
+        o.d[h] = x[sc + col / 8u];
+        o.s[h] = bitcast<i32>(x[sc + col / 8u + 1u]);
+    }
+    return o;
+}
+
+// quantize_x8: x (m, k) (k a multiple of 16) to XQ8's layout in dst, one workgroup a row
+// (of k / 4 + k / 8 words): with NORM, h = x * nw is rounded and each scale multiplied by
+// the row's rsqrt(mean(x^2) + eps).
+var<workgroup> q8_ss: array<f32, 256>;
+@group(0) @binding(14) var<storage, read_write> xq_out: array<u32>;
+
+@compute @workgroup_size(256)
+fn quantize_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let r = wid.x + wid.y * nwg.x;
+    if (r >= p.m) {
+        return;
+    }
+    let groups = p.k / 16u;
+    let x0 = r * p.k / 4u;              // row r in vec4s of x
+    let o = r * (p.k / 4u + p.k / 8u);  // row r in dst's words
+    var factor = 1.0;
+    if (NORM) {
+        var ss = 0.0;
+        for (var i = lid; i < p.k / 4u; i += 256u) {
+            let v = xv4[x0 + i];
+            ss += dot(v, v);
+        }
+        q8_ss[lid] = ss;
+        workgroupBarrier();
+        // The first 16 threads add 16 partials each (strided), then thread 0 those.
+        if (lid < 16u) {
+            var t = 0.0;
+            for (var i = 0u; i < 16u; i++) {
+                t += q8_ss[lid + 16u * i];
+            }
+            q8_ss[lid] = t;
+        }
+        workgroupBarrier();
+        var t = 0.0;
+        for (var i = 0u; i < 16u; i++) {
+            t += q8_ss[i];
+        }
+        factor = rstd(t);
+    }
+    for (var g = lid; g < groups; g += 256u) {
+        var h: array<vec4<f32>, 4>;
         var a = vec4<f32>(0.0);
         for (var e = 0u; e < 4u; e++) {
-            a = max(a, abs(xs[4u * h + e]));
+            h[e] = xv4[x0 + 4u * g + e];
+            if (NORM) {
+                h[e] *= nwv4[4u * g + e];
+            }
+            a = max(a, abs(h[e]));
         }
         let amax = max(max(a.x, a.y), max(a.z, a.w));
         let inv = select(0.0, 127.0 / amax, amax > 0.0);
-        o.d[h] = amax / 127.0;
-        var s = vec4<i32>(0);
+        var sum = vec4<i32>(0);
         for (var e = 0u; e < 4u; e++) {
-            // Round half to even by adding 1.5 * 2^23: the integer lands in the low bits.
-            let f = bitcast<vec4<u32>>(xs[4u * h + e] * inv + 12582912.0);
-            let q = bitcast<vec4<i32>>(f - vec4<u32>(0x4B400000u));
-            o.q[4u * h + e] = pack4xI8(q);
-            s += q;
+            let q = vec4<i32>(round(h[e] * inv));
+            xq_out[o + 4u * g + e] = pack4xI8(q);
+            sum += q;
         }
-        o.s[h] = (s.x + s.y) + (s.z + s.w);
+        xq_out[o + p.k / 4u + 2u * g] = bitcast<u32>(amax / 127.0 * factor);
+        xq_out[o + p.k / 4u + 2u * g + 1u] = bitcast<u32>((sum.x + sum.y) + (sum.z + sum.w));
     }
-    return o;
 }
 
 // dot(W's run i / 32, x's run as xq): run32's values and columns, as integer dot products
@@ -811,12 +869,12 @@ fn qmatvec_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 
 // qmatvec for one row of x (decode), k a multiple of 32: a thread's run of x (times the
 // norm weight) is loaded once and serves MV1_RW rows of W, so activation reads do not
-// outnumber weight reads. 8 groups of 32 threads; MV1_SPLIT consecutive groups share
-// MV1_RW rows of W and split k between them (1: 32 rows a workgroup, for tall W; 8: 4 rows
-// a workgroup, all 256 threads on one row's k, for long rows of few W rows).
+// outnumber weight reads (with XQ8: a run of x's 8-bit quants). 8 groups of 32 threads;
+// MV1_SPLIT consecutive groups share MV1_RW rows of W and split k between them (1: 32
+// rows a workgroup, for tall W; 4: 8 rows a workgroup, for long rows of few W rows).
 const MV1_RW: u32 = 4u;
 override MV1_SPLIT: u32 = 1u;
-var<workgroup> mv1_part: array<array<f32, 256>, 4>;   // [row of W in the set][thread]
+var<workgroup> mv1_part: array<vec4<f32>, 256>;   // [thread][row of W in the set]
 var<workgroup> mv1_ss: array<f32, 256>;
 
 // Where thread lid of workgroup g works in qmatvec1: (first of its MV1_RW (virtual) output
@@ -827,7 +885,7 @@ fn mv1_at(g: u32, lid: u32) -> vec2<u32> {
 }
 
 // qmatvec1's sums: the first of the threads sharing columns v0.. ends with column v0 + q's
-// sum in mv1_part[q][lid] and the sum of x^2 in mv1_ss[lid].
+// sum in mv1_part[lid][q] and the sum of x^2 in mv1_ss[lid].
 fn mv1_sums(g: u32, lid: u32) {
     let width = 32u * MV1_SPLIT;
     let at = mv1_at(g, lid);
@@ -838,6 +896,15 @@ fn mv1_sums(g: u32, lid: u32) {
     var ss = 0.0;
     if (v0 < wr) {
         for (var c = local * 32u; c < p.k; c += 32u * width) {
+            if (XQ8) {
+                let xq = xq8_at(c);
+                for (var q = 0u; q < MV1_RW; q++) {
+                    if (v0 + q < wr) {
+                        acc[q] += run32_q8(w_row(v0 + q) * p.k + c, xq);
+                    }
+                }
+                continue;
+            }
             var xs: array<vec4<f32>, 8>;
             for (var e = 0u; e < 8u; e++) {
                 let xv = x4(0u, run_col(c, e));
@@ -846,15 +913,6 @@ fn mv1_sums(g: u32, lid: u32) {
                     ss += dot(xv, xv);
                     xs[e] = xv * nw4(run_col(c, e));
                 }
-            }
-            if (XQ8) {
-                let xq = xq8_of(xs);
-                for (var q = 0u; q < MV1_RW; q++) {
-                    if (v0 + q < wr) {
-                        acc[q] += run32_q8(w_row(v0 + q) * p.k + c, xq);
-                    }
-                }
-                continue;
             }
             for (var q = 0u; q < MV1_RW; q++) {
                 if (v0 + q < wr) {
@@ -868,19 +926,35 @@ fn mv1_sums(g: u32, lid: u32) {
             }
         }
     }
-    for (var q = 0u; q < MV1_RW; q++) {
-        mv1_part[q][lid] = acc[q];
-    }
+    mv1_part[lid] = acc;
     mv1_ss[lid] = ss;
     workgroupBarrier();
-    for (var s = width / 2u; s > 0u; s >>= 1u) {
-        if (local < s) {
-            for (var q = 0u; q < MV1_RW; q++) {
-                mv1_part[q][lid] += mv1_part[q][lid + s];
-            }
-            mv1_ss[lid] += mv1_ss[lid + s];
+    // Two barriers whatever the width: the first width / 8 threads of a set each add 8
+    // partials (theirs, then every width / 8-th after), into their own slot; then the
+    // first thread adds those, into its slot (which only it reads afterwards).
+    let n1 = width / 8u;
+    let first = lid - local;
+    if (local < n1) {
+        var t = vec4<f32>(0.0);
+        var u = 0.0;
+        for (var i = 0u; i < 8u; i++) {
+            let j = lid + i * n1;
+            t += mv1_part[j];
+            u += mv1_ss[j];
         }
-        workgroupBarrier();
+        mv1_part[lid] = t;
+        mv1_ss[lid] = u;
+    }
+    workgroupBarrier();
+    if (local == 0u) {
+        var t = vec4<f32>(0.0);
+        var u = 0.0;
+        for (var i = 0u; i < n1; i++) {
+            t += mv1_part[first + i];
+            u += mv1_ss[first + i];
+        }
+        mv1_part[lid] = t;
+        mv1_ss[lid] = u;
     }
 }
 
@@ -905,10 +979,10 @@ fn qmatvec1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
                 if (SWIGLU) {
                     // v0 is a multiple of 4: gate (even v) and up (v + 1) are both here.
                     if ((v & 1u) == 0u) {
-                        dst[v / 2u] = silu(mv1_part[q][lid] * scale) * (mv1_part[q + 1u][lid] * scale);
+                        dst[v / 2u] = silu(mv1_part[lid][q] * scale) * (mv1_part[lid][q + 1u] * scale);
                     }
                 } else {
-                    dst[v] = finish(0u, v, mv1_part[q][lid] * scale);
+                    dst[v] = finish(0u, v, mv1_part[lid][q] * scale);
                 }
             }
         }
@@ -926,7 +1000,7 @@ fn qmatvec1_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
         let scale = mv1_scale(lid);
         for (var q = 0u; q < MV1_RW; q += 2u) {
             if (at.x + q < w_rows()) {
-                rope_out(0u, at.x + q, mv1_part[q][lid] * scale, mv1_part[q + 1u][lid] * scale);
+                rope_out(0u, at.x + q, mv1_part[lid][q] * scale, mv1_part[lid][q + 1u] * scale);
             }
         }
     }
