@@ -12,7 +12,7 @@
 //              fixed order at the end. D a multiple of 4.
 //   attend_part, attend_merge   the same for few queries over many keys (decode), split
 //              over key ranges so that more than Hq workgroups work (flash-decoding):
-//              attend_part, one workgroup of 64 per (t, h, range of 64 keys), writes the
+//              attend_part, one workgroup of 256 per (t, h, range of 64 keys), writes the
 //              range's max score m, sum l of exp(s - m) and unnormalised output to `part`
 //              (binding 12, (T, Hq, splits, D + 2)); attend_merge, one workgroup per (t, h),
 //              combines the ranges in order: o = sum_r e^(m_r - M) acc_r / sum_r e^(m_r - M) l_r.
@@ -201,7 +201,14 @@ fn splits() -> u32 {
     return (p.pos + p.t + SPLIT - 1u) / SPLIT;
 }
 
-@compute @workgroup_size(64)
+// 256 threads a range: for the scores, 4 threads a key, each a quarter of the dims (vec4s
+// e = quarter, quarter + 4, ...; 4 loads in flight a thread), the quarters added in a fixed
+// order; for the output, 256 / (D / 4) groups of D / 4 threads as in `attend`. Fewer
+// dependent loads a thread than one thread a key (D = 128: 2 rounds of loads for the
+// score, not 8).
+var<workgroup> part_dot: array<f32, 256>;
+
+@compute @workgroup_size(256)
 fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
     let ns = splits();
@@ -215,7 +222,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let h = th % p.hq;
     let kvh = h / (p.hq / p.hkv);
     let d4 = p.d / 4u;
-    let groups = 64u / d4;
+    let groups = 256u / d4;
     let grp = lid / d4;
     let dim4 = lid % d4;
     let stride = p.hkv * p.d;
@@ -225,21 +232,44 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let out = g * (p.d + 2u);
     load_q(t, h, lid);
     workgroupBarrier();
+    // Quarter lid % 4 of key lid / 4's dot product.
+    let jq = k0 + lid / 4u;
+    var dq = vec4<f32>(0.0);
+    if (jq < nkeys) {
+        let kb = jq * stride + base;
+        var e = lid % 4u;
+        for (; e + 12u < d4; e += 16u) {
+            let a = k4(kb + 4u * e);
+            let b = k4(kb + 4u * e + 16u);
+            let c = k4(kb + 4u * e + 32u);
+            let d = k4(kb + 4u * e + 48u);
+            dq += qs[e] * a + qs[e + 4u] * b + qs[e + 8u] * c + qs[e + 12u] * d;
+        }
+        for (; e < d4; e += 4u) {
+            dq += qs[e] * k4(kb + 4u * e);
+        }
+    }
+    part_dot[lid] = (dq.x + dq.y) + (dq.z + dq.w);
+    workgroupBarrier();
+    // Threads lid < 64: key k0 + lid's score; every thread reads the 64 for the max.
     let j = k0 + lid;
     var s = -3.0e38;
-    if (j < nkeys) {
-        s = score(j * stride + base);
+    if (lid < SPLIT && j < nkeys) {
+        let b = 4u * lid;
+        s = ((part_dot[b] + part_dot[b + 1u]) + (part_dot[b + 2u] + part_dot[b + 3u])) * p.scale;
     }
-    // Every thread reads the 64 scores for the max (one barrier, not a tree of six).
-    red64[lid / 4u][lid % 4u] = s;
+    if (lid < SPLIT) {
+        red64[lid / 4u][lid % 4u] = s;
+    }
     workgroupBarrier();
     var m4 = red64[0];
     for (var i = 1u; i < 16u; i++) {
         m4 = max(m4, red64[i]);
     }
     let m = max(max(m4.x, m4.y), max(m4.z, m4.w));
-    let pj = select(0.0, exp(s - m), j < nkeys);
-    sc[lid] = pj;
+    if (lid < SPLIT) {
+        sc[lid] = select(0.0, exp(s - m), j < nkeys);
+    }
     workgroupBarrier();
     var acc = vec4<f32>(0.0);
     if (grp < groups && k0 < nkeys) {
@@ -288,18 +318,24 @@ fn attend_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
     var l = 0.0;
     var acc = vec4<f32>(0.0);
-    // 2 ranges' loads before their sums (in range order).
-    for (sp = 0u; sp + 2u <= ns; sp += 2u) {
+    // 4 ranges' loads before their sums (in range order).
+    for (sp = 0u; sp + 4u <= ns; sp += 4u) {
         let b = (th * ns + sp) * w;
-        let c = b + w;
-        let f = exp(vec2<f32>(part[b + p.d], part[c + p.d]) - mx);
-        let l2 = vec2<f32>(part[b + p.d + 1u], part[c + p.d + 1u]);
-        let a0 = vec4<f32>(part[b + 4u * lid], part[b + 4u * lid + 1u], part[b + 4u * lid + 2u], part[b + 4u * lid + 3u]);
-        let a1 = vec4<f32>(part[c + 4u * lid], part[c + 4u * lid + 1u], part[c + 4u * lid + 2u], part[c + 4u * lid + 3u]);
-        l += f.x * l2.x;
-        l += f.y * l2.y;
-        acc += f.x * a0;
-        acc += f.y * a1;
+        let f = exp(vec4<f32>(part[b + p.d], part[b + w + p.d], part[b + 2u * w + p.d], part[b + 3u * w + p.d]) - mx);
+        let l4 = vec4<f32>(part[b + p.d + 1u], part[b + w + p.d + 1u], part[b + 2u * w + p.d + 1u], part[b + 3u * w + p.d + 1u]);
+        var a: array<vec4<f32>, 4>;
+        for (var r = 0u; r < 4u; r++) {
+            let c = b + r * w + 4u * lid;
+            a[r] = vec4<f32>(part[c], part[c + 1u], part[c + 2u], part[c + 3u]);
+        }
+        l += f.x * l4.x;
+        l += f.y * l4.y;
+        l += f.z * l4.z;
+        l += f.w * l4.w;
+        acc += f.x * a[0];
+        acc += f.y * a[1];
+        acc += f.z * a[2];
+        acc += f.w * a[3];
     }
     for (; sp < ns; sp++) {
         let b = (th * ns + sp) * w;

@@ -897,11 +897,11 @@ fn mv1_sums(g: u32, lid: u32) {
     if (v0 < wr) {
         for (var c = local * 32u; c < p.k; c += 32u * width) {
             if (XQ8) {
+                // Rows past W's read its last row (their sums are not stored): no branch
+                // between the rows, so all their loads can be in flight at once.
                 let xq = xq8_at(c);
                 for (var q = 0u; q < MV1_RW; q++) {
-                    if (v0 + q < wr) {
-                        acc[q] += run32_q8(w_row(v0 + q) * p.k + c, xq);
-                    }
+                    acc[q] += run32_q8(w_row(min(v0 + q, wr - 1u)) * p.k + c, xq);
                 }
                 continue;
             }
