@@ -655,10 +655,58 @@ var<workgroup> mv_sstot: array<f32, 8>;                   // NORM: [row of x] su
 // operations in the same order), then reads x from there. k = heads * d <= 1024.
 override MERGE: bool = false;
 var<workgroup> mx_in: array<f32, 1024>;
+// With at most 512 (head, range) pairs and 64 heads, each range's factor exp(m - max m)
+// and each head's sum of factor * l are computed once, not once per element.
+var<workgroup> mx_fac: array<f32, 512>;   // [head][range]
+var<workgroup> mx_sum: array<f32, 64>;    // [head]
 
 fn merge_x(lid: u32) {
     let w = p.d + 2u;
     let ns = p.splits;
+    let heads = p.k / p.d;
+    if (heads * ns <= 512u && heads <= 64u) {
+        // m into mx_fac, l into mx_in (free until the end).
+        for (var i = lid; i < heads * ns; i += 256u) {
+            mx_fac[i] = x[i * w + p.d];
+            mx_in[i] = x[i * w + p.d + 1u];
+        }
+        workgroupBarrier();
+        if (lid < heads) {
+            let b = lid * ns;
+            var mx = -3.0e38;
+            for (var sp = 0u; sp < ns; sp++) {
+                mx = max(mx, mx_fac[b + sp]);
+            }
+            var l = 0.0;
+            for (var sp = 0u; sp < ns; sp++) {
+                let f = exp(mx_fac[b + sp] - mx);
+                mx_fac[b + sp] = f;
+                l += f * mx_in[b + sp];
+            }
+            mx_sum[lid] = l;
+        }
+        workgroupBarrier();
+        for (var i = lid; i < p.k; i += 256u) {
+            let hd = i / p.d;
+            let base = hd * ns * w + i % p.d;
+            var acc = 0.0;
+            var sp = 0u;
+            for (; sp + 4u <= ns; sp += 4u) {
+                let b = base + sp * w;
+                let a4 = vec4<f32>(x[b], x[b + w], x[b + 2u * w], x[b + 3u * w]);
+                let f = hd * ns + sp;
+                acc += mx_fac[f] * a4.x;
+                acc += mx_fac[f + 1u] * a4.y;
+                acc += mx_fac[f + 2u] * a4.z;
+                acc += mx_fac[f + 3u] * a4.w;
+            }
+            for (; sp < ns; sp++) {
+                acc += mx_fac[hd * ns + sp] * x[base + sp * w];
+            }
+            mx_in[i] = acc / mx_sum[hd];   // the l values were read before the barrier
+        }
+        return;
+    }
     for (var i = lid; i < p.k; i += 256u) {
         let base = (i / p.d) * ns * w;
         let e = i % p.d;

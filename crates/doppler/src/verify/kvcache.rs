@@ -276,12 +276,19 @@ pub(super) fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 
 /// The attention's key ranges merged inside the o product (`qmatvec_merged`, what decoding
 /// runs) against the two-step path it replaces (`kv_attend`, itself checked against the f64
-/// reference above, then `qmatmul_fused`): SmolLM2's heads over 150 cached keys, Q4_1
-/// weights, with and without the residual.
+/// reference above, then `qmatmul_fused`): SmolLM2's heads over 150 cached keys, and over
+/// 3,648 (more key ranges than the kernel's per-range factors hold: the per-element
+/// merge), Q4_1 weights, with and without the residual.
 pub(super) fn merged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    let (cap, hq, hkv, d, pos, rows) = (160usize, 9usize, 3usize, 64usize, 150usize, 37usize);
+    for (cap, pos) in [(160usize, 150usize), (3700, 3648)] {
+        merged_check(gpu, cap, pos, out);
+    }
+}
+
+fn merged_check(gpu: &Gpu, cap: usize, pos: usize, out: &mut Vec<CheckResult>) {
+    let (hq, hkv, d, rows) = (9usize, 3usize, 64usize, 37usize);
     let cols = hq * d;
-    let mut rng = Rng::new(3300);
+    let mut rng = Rng::new(3300 + pos as u64);
     let (q, k, v) = (
         rng.vec(hq * d),
         rng.vec(cap * hkv * d),
