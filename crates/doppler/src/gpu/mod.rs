@@ -62,7 +62,9 @@ impl GpuOptions {
                 None | Some("bounds") => ShaderChecks::Bounds,
                 Some("on" | "all") => ShaderChecks::All,
                 Some(other) => {
-                    tracing::warn!("DOPPLER_SHADER_CHECKS={other:?} is not all, bounds or off: all checks on");
+                    tracing::warn!(
+                        "DOPPLER_SHADER_CHECKS={other:?} is not all, bounds or off: all checks on"
+                    );
                     ShaderChecks::All
                 }
             },

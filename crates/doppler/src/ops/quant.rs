@@ -525,7 +525,13 @@ fn quantize_x8(
         DType::U32,
         "quantize_x8.xq",
     )?;
+    // Workgroups a row: slices of 256 groups of 16, or the whole row for the norm's sum.
+    let slices = match norm {
+        Some(_) => 1,
+        None => (cols / 16).div_ceil(256),
+    };
     let p = Params {
+        n: slices as u32,
         m: m as u32,
         k: cols as u32,
         eps: norm.map_or(0.0f32, |n| n.1).to_bits(),
@@ -538,7 +544,7 @@ fn quantize_x8(
         &c,
         bytemuck::bytes_of(&p),
         &[x, nw, &xq],
-        Grid::Linear(m as u64),
+        Grid::Linear((m * slices) as u64),
     )?;
     Ok(xq)
 }

@@ -371,20 +371,25 @@ fn xq8_at(c: u32) -> Xq8 {
     return o;
 }
 
-// quantize_x8: x (m, k) (k a multiple of 16) to XQ8's layout in dst, one workgroup a row
-// (of k / 4 + k / 8 words): with NORM, h = x * nw is rounded and each scale multiplied by
-// the row's rsqrt(mean(x^2) + eps).
+// quantize_x8: x (m, k) (k a multiple of 16) to XQ8's layout in xq_out (k / 4 + k / 8
+// words a row), a thread a group: with NORM, h = x * nw is rounded and each scale
+// multiplied by the row's rsqrt(mean(x^2) + eps).
 var<workgroup> q8_ss: array<f32, 256>;
 @group(0) @binding(14) var<storage, read_write> xq_out: array<u32>;
 
 @compute @workgroup_size(256)
 fn quantize_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
-    let r = wid.x + wid.y * nwg.x;
+    // Without NORM a row's groups are split into slices of 256 (p.n slices a row), one
+    // workgroup each; with NORM one workgroup takes the whole row (p.n = 1).
+    let g0 = wid.x + wid.y * nwg.x;
+    let r = g0 / p.n;
     if (r >= p.m) {
         return;
     }
     let groups = p.k / 16u;
+    let first = (g0 % p.n) * 256u;
+    let end = select(min(groups, first + 256u), groups, NORM);
     let x0 = r * p.k / 4u;              // row r in vec4s of x
     let o = r * (p.k / 4u + p.k / 8u);  // row r in dst's words
     var factor = 1.0;
@@ -411,7 +416,7 @@ fn quantize_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         }
         factor = rstd(t);
     }
-    for (var g = lid; g < groups; g += 256u) {
+    for (var g = first + lid; g < end; g += 256u) {
         var h: array<vec4<f32>, 4>;
         var a = vec4<f32>(0.0);
         for (var e = 0u; e < 4u; e++) {
@@ -686,24 +691,41 @@ fn merge_x(lid: u32) {
             mx_sum[lid] = l;
         }
         workgroupBarrier();
-        for (var i = lid; i < p.k; i += 256u) {
-            let hd = i / p.d;
-            let base = hd * ns * w + i % p.d;
-            var acc = 0.0;
-            var sp = 0u;
-            for (; sp + 4u <= ns; sp += 4u) {
-                let b = base + sp * w;
-                let a4 = vec4<f32>(x[b], x[b + w], x[b + 2u * w], x[b + 3u * w]);
-                let f = hd * ns + sp;
-                acc += mx_fac[f] * a4.x;
-                acc += mx_fac[f + 1u] * a4.y;
-                acc += mx_fac[f + 2u] * a4.z;
-                acc += mx_fac[f + 3u] * a4.w;
+        // A thread's (up to 4) elements lid + 256 j side by side: their loads of 4 ranges
+        // are in flight together. Rows past k read element 0 and are not stored.
+        var hd: vec4<u32>;
+        var base: vec4<u32>;
+        for (var j = 0u; j < 4u; j++) {
+            let i = select(0u, lid + 256u * j, lid + 256u * j < p.k);
+            hd[j] = i / p.d;
+            base[j] = hd[j] * ns * w + i % p.d;
+        }
+        var acc = vec4<f32>(0.0);
+        var sp = 0u;
+        for (; sp + 4u <= ns; sp += 4u) {
+            var a: array<vec4<f32>, 4>;   // [element][range]
+            for (var j = 0u; j < 4u; j++) {
+                let b = base[j] + sp * w;
+                a[j] = vec4<f32>(x[b], x[b + w], x[b + 2u * w], x[b + 3u * w]);
             }
-            for (; sp < ns; sp++) {
-                acc += mx_fac[hd * ns + sp] * x[base + sp * w];
+            for (var j = 0u; j < 4u; j++) {
+                let f = hd[j] * ns + sp;
+                acc[j] += mx_fac[f] * a[j].x;
+                acc[j] += mx_fac[f + 1u] * a[j].y;
+                acc[j] += mx_fac[f + 2u] * a[j].z;
+                acc[j] += mx_fac[f + 3u] * a[j].w;
             }
-            mx_in[i] = acc / mx_sum[hd];   // the l values were read before the barrier
+        }
+        for (; sp < ns; sp++) {
+            for (var j = 0u; j < 4u; j++) {
+                acc[j] += mx_fac[hd[j] * ns + sp] * x[base[j] + sp * w];
+            }
+        }
+        // (the l values in mx_in were read before the barrier)
+        for (var j = 0u; j < 4u; j++) {
+            if (lid + 256u * j < p.k) {
+                mx_in[lid + 256u * j] = acc[j] / mx_sum[hd[j]];
+            }
         }
         return;
     }

@@ -342,9 +342,15 @@ pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// every type against f64 sums over the CPU dequantizer, with x rounded to 8 bits first
 /// where the kernel does (`decode_rounds_x`: integer dot products); W's rows an odd count.
 pub(super) fn decode_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    for (i, &name) in SUPPORTED.iter().enumerate() {
+    let mut cases: Vec<(&str, usize, usize)> = SUPPORTED
+        .iter()
+        .map(|&t| (t, MATVEC1_MIN_ROWS + 3, XQ8_MIN_COLS))
+        .collect();
+    // Few rows of W, long enough for the decode kernel and for x's rounding to take two
+    // workgroups (more than 256 groups of 16).
+    cases.push(("Q4_K", 37, SPLITK_MIN_COLS + 512));
+    for (i, (name, rows, cols)) in cases.into_iter().enumerate() {
         let ty = GgmlType::from_name(name).expect("known type");
-        let (rows, cols) = (MATVEC1_MIN_ROWS + 3, XQ8_MIN_COLS);
         let mut rng = Rng::new(4900 + i as u64);
         let raw = random_blocks(name, rows * cols, &mut rng);
         let w = cpu::dequantize(ty, &raw, rows * cols).expect("dequantizes");
