@@ -964,17 +964,31 @@ fn mv1_sums(g: u32, lid: u32) {
     let wr = w_rows();
     var acc = vec4<f32>(0.0);
     var ss = 0.0;
-    if (v0 < wr) {
-        for (var c = local * 32u; c < p.k; c += 32u * width) {
-            if (XQ8) {
-                // Rows past W's read its last row (their sums are not stored): no branch
-                // between the rows, so all their loads can be in flight at once.
-                let xq = xq8_at(c);
-                for (var q = 0u; q < MV1_RW; q++) {
-                    acc[q] += run32_q8(w_row(min(v0 + q, wr - 1u)) * p.k + c, xq);
-                }
-                continue;
+    if (XQ8 && v0 < wr) {
+        // Two passes over k at a time, so that both passes' loads of the 4 rows are in
+        // flight together (8B o + down 1.05 -> 0.99 ms a token on the H200). Rows past W
+        // read its last row (their sums are not stored): no branch between the rows.
+        let step = 32u * width;
+        var c = local * 32u;
+        for (; c + step < p.k; c += 2u * step) {
+            let xa = xq8_at(c);
+            let xb = xq8_at(c + step);
+            for (var q = 0u; q < MV1_RW; q++) {
+                let row = w_row(min(v0 + q, wr - 1u)) * p.k;
+                let a = run32_q8(row + c, xa);
+                let b = run32_q8(row + c + step, xb);
+                acc[q] += a;
+                acc[q] += b;
             }
+        }
+        if (c < p.k) {
+            let xa = xq8_at(c);
+            for (var q = 0u; q < MV1_RW; q++) {
+                acc[q] += run32_q8(w_row(min(v0 + q, wr - 1u)) * p.k + c, xa);
+            }
+        }
+    } else if (v0 < wr) {
+        for (var c = local * 32u; c < p.k; c += 32u * width) {
             var xs: array<vec4<f32>, 8>;
             for (var e = 0u; e < 8u; e++) {
                 let xv = x4(0u, run_col(c, e));
