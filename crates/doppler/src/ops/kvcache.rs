@@ -37,9 +37,14 @@ static ATTEND_MERGE: Kernel =
     Kernel::new(&KVCACHE, "attend_merge", &[(4, ReadWrite), (12, ReadWrite)]);
 
 /// Queries up to which attention splits the keys into ranges of 64 (decode), and the
-/// fewest keys for which it does.
+/// fewest keys for which it does, unless heads have [`SPLIT_ALWAYS_D`] dimensions or more.
 pub const SPLIT_MAX_QUERIES: usize = 4;
 pub const SPLIT_MIN_KEYS: usize = 128;
+/// Head size from which decoding splits however few the keys: `attend` scores a key on one
+/// thread, and 128-dimension keys make that slower than the split kernels (H200, 8 + 64
+/// tokens: 8B shapes 245 -> 277 tok/s; SmolLM2's 64 dimensions are faster unsplit, 905
+/// against 858).
+pub const SPLIT_ALWAYS_D: usize = 128;
 const SPLIT: usize = 64;
 
 static ROPE_STORE: Kernel = Kernel::new(
@@ -175,8 +180,10 @@ pub struct AttnParts {
     pub splits: usize,
 }
 
-/// The first half of [`kv_attend`] when it splits the keys into ranges (one query over at
-/// least [`SPLIT_MIN_KEYS`] keys): the ranges' partial results. None when it would not split.
+/// The first half of [`kv_attend`] when it splits the keys into ranges (up to
+/// [`SPLIT_MAX_QUERIES`] queries over at least [`SPLIT_MIN_KEYS`] keys, or any number of
+/// keys with heads of [`SPLIT_ALWAYS_D`] or more): the ranges' partial results. None when
+/// it would not split.
 pub fn kv_attend_parts(
     rec: &mut Recorder<'_>,
     q: &Tensor,
@@ -193,7 +200,7 @@ pub fn kv_attend_parts(
         });
     }
     let (t, keys) = (p.t as usize, pos + p.t as usize);
-    if t > SPLIT_MAX_QUERIES || keys < SPLIT_MIN_KEYS {
+    if t > SPLIT_MAX_QUERIES || (keys < SPLIT_MIN_KEYS && (p.d as usize) < SPLIT_ALWAYS_D) {
         return Ok(None);
     }
     let splits = keys.div_ceil(SPLIT);
