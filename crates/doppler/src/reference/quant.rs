@@ -197,6 +197,34 @@ pub fn round_x8(x: &[f32]) -> Vec<f32> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn round_x8_keeps_16_column_groups_on_their_own_scales() {
+        // Group 1: max 2 -> steps of 2/127; group 2 all zeros; group 3 an exact half step.
+        let mut x = vec![0.0f32; 48];
+        x[0] = -2.0;
+        x[1] = 1.0;
+        x[2] = 2.0 / 127.0 * 0.5; // exactly half a step: ties to even (0)
+        x[3] = 2.0 / 127.0 * 1.5; // 1.5 steps: ties to even (2)
+        x[32] = 127.0;
+        x[33] = 2.5; // 2.5 steps: 2
+        x[34] = -3.5; // -3.5 steps: -4
+        let r = round_x8(&x);
+        let d = 2.0f32 / 127.0;
+        assert_eq!(r[0], -127.0 * d);
+        assert_eq!(r[1], (1.0f32 * (127.0 / 2.0)).round_ties_even() * d);
+        assert_eq!(r[2], 0.0);
+        assert_eq!(r[3], 2.0 * d);
+        assert!(r[16..32].iter().all(|&v| v == 0.0));
+        assert_eq!((r[32], r[33], r[34]), (127.0, 2.0, -4.0));
+        // Every value within half a step of x.
+        for (g, (a, b)) in x.chunks(16).zip(r.chunks(16)).enumerate() {
+            let step = a.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+            for (u, v) in a.iter().zip(b) {
+                assert!((u - v).abs() <= step * 0.5 + 1e-6, "group {g}: {u} -> {v}");
+            }
+        }
+    }
+
     /// Against llama.cpp's gguf-py on random blocks (`scripts/make_quant_fixture.py`).
     #[test]
     fn matches_gguf_py_on_random_blocks() {
