@@ -253,6 +253,64 @@ fn run_col(c: u32, e: u32) -> u32 {
     return c + 4u * e;
 }
 
+// The quants of run i / 32 of a Q4_K / Q5_K row as unsigned bytes, 4 a word in run32's
+// order (words 0..4 sub-block 2 j, 4..8 sub-block 2 j + 1), and those sub-blocks' (d scale,
+// dmin min): a value is q scale - min. Run rb of the block is 16 bytes of sub-block pair
+// j = rb / 2: their low nibbles are elements 16 h.. of sub-block 2 j, the high ones the
+// same of 2 j + 1 (h = rb % 2; run_col gives the columns). One 16-byte load of quants.
+struct KRun {
+    q: array<u32, 8>,
+    s0: vec2<f32>,
+    s1: vec2<f32>,
+}
+
+fn k_run(i: u32) -> KRun {
+    var r: KRun;
+    let k5 = TYPE == 13u;
+    let b = (i / 256u) * select(144u, 176u, k5);   // 16-byte-aligned blocks
+    let rb = (i % 256u) / 32u;
+    let j = rb / 2u;
+    let h = rb & 1u;
+    let hdr = srcv4[b >> 4u];   // d, dmin, 12 bytes of scales and mins
+    let dm = unpack2x16float(hdr.x);
+    r.s0 = dm * scale_min16(hdr, 2u * j);
+    r.s1 = dm * scale_min16(hdr, 2u * j + 1u);
+    let q = srcv4[(b + select(16u, 48u, k5) + 32u * j + 16u * h) >> 4u];
+    var qh = vec4<u32>(0u);
+    if (k5) {
+        // Fifth bits: bit 2 j (low nibbles) and 2 j + 1 of the same 16 bytes' index.
+        qh = srcv4[(b + 16u + 16u * h) >> 4u] >> vec4<u32>(2u * j);
+    }
+    for (var w = 0u; w < 4u; w++) {
+        r.q[w] = (q[w] & 0x0F0F0F0Fu) | ((qh[w] & 0x01010101u) << 4u);
+        r.q[w + 4u] = ((q[w] >> 4u) & 0x0F0F0F0Fu) | (((qh[w] >> 1u) & 0x01010101u) << 4u);
+    }
+    return r;
+}
+
+// The quants of run i / 32 of a Q6_K row as unsigned bytes (q + 32), 4 a word, and the
+// d scale of its two halves of 16: a value is (q - 32) scale.
+struct Q6Run {
+    q: array<u32, 8>,
+    s: vec2<f32>,
+}
+
+fn q6k_run(i: u32) -> Q6Run {
+    var r: Q6Run;
+    let b = (i / 256u) * 210u;
+    let j = i % 256u;
+    let n = j / 128u;
+    let run = (j % 128u) / 32u;
+    let d = half(b + 208u);
+    r.s = vec2<f32>(d * signed8(b + 192u + 8u * n + 2u * run), d * signed8(b + 193u + 8u * n + 2u * run));
+    for (var w = 0u; w < 8u; w++) {
+        let ql = word_at(b + 64u * n + 32u * (run & 1u) + 4u * w);
+        let qh = word_at(b + 128u + 32u * n + 4u * w) >> (2u * run);
+        r.q[w] = (select(ql, ql >> 4u, run >= 2u) & 0x0F0F0F0Fu) | ((qh & 0x03030303u) << 4u);
+    }
+    return r;
+}
+
 // The 32 elements of run i / 32 (i a multiple of 32: one block, or 32 elements of a K-quant
 // block), as 8 vec4s, the e-th at column run_col(i, e) of W's row: the scales are decoded
 // once for all 32, and the quants come a word (4 or 8 elements) at a time.
@@ -287,44 +345,16 @@ fn run32(i: u32) -> array<vec4<f32>, 8> {
             }
         }
         case 12u, 13u: {
-            // Run rb of the block is 16 bytes of sub-block pair j = rb / 2: their low
-            // nibbles are elements 16 h.. of sub-block 2 j, the high ones the same of 2 j + 1
-            // (h = rb % 2; run_col gives the columns). One 16-byte load of quants.
-            let k5 = TYPE == 13u;
-            let b = (i / 256u) * select(144u, 176u, k5);   // 16-byte-aligned blocks
-            let rb = (i % 256u) / 32u;
-            let j = rb / 2u;
-            let h = rb & 1u;
-            let hdr = srcv4[b >> 4u];   // d, dmin, 12 bytes of scales and mins
-            let dm = unpack2x16float(hdr.x);
-            let s0 = dm * scale_min16(hdr, 2u * j);
-            let s1 = dm * scale_min16(hdr, 2u * j + 1u);
-            let q = srcv4[(b + select(16u, 48u, k5) + 32u * j + 16u * h) >> 4u];
-            var qh = vec4<u32>(0u);
-            if (k5) {
-                // Fifth bits: bit 2 j (low nibbles) and 2 j + 1 of the same 16 bytes' index.
-                qh = srcv4[(b + 16u + 16u * h) >> 4u] >> vec4<u32>(2u * j);
-            }
+            let r = k_run(i);
             for (var w = 0u; w < 4u; w++) {
-                let lo = (q[w] & 0x0F0F0F0Fu) | ((qh[w] & 0x01010101u) << 4u);
-                let hi = ((q[w] >> 4u) & 0x0F0F0F0Fu) | (((qh[w] >> 1u) & 0x01010101u) << 4u);
-                o[w] = u2f4(bytes4(lo)) * s0.x - s0.y;
-                o[w + 4u] = u2f4(bytes4(hi)) * s1.x - s1.y;
+                o[w] = u2f4(bytes4(r.q[w])) * r.s0.x - r.s0.y;
+                o[w + 4u] = u2f4(bytes4(r.q[w + 4u])) * r.s1.x - r.s1.y;
             }
         }
         case 14u: {
-            let b = (i / 256u) * 210u;
-            let j = i % 256u;
-            let n = j / 128u;
-            let run = (j % 128u) / 32u;
-            let d = half(b + 208u);
-            let s0 = d * signed8(b + 192u + 8u * n + 2u * run);
-            let s1 = d * signed8(b + 193u + 8u * n + 2u * run);
+            let r = q6k_run(i);
             for (var w = 0u; w < 8u; w++) {
-                let ql = word_at(b + 64u * n + 32u * (run & 1u) + 4u * w);
-                let qh = word_at(b + 128u + 32u * n + 4u * w) >> (2u * run);
-                let q = (select(ql, ql >> 4u, run >= 2u) & 0x0F0F0F0Fu) | ((qh & 0x03030303u) << 4u);
-                o[w] = (u2f4(bytes4(q)) - 32.0) * select(s0, s1, w >= 4u);
+                o[w] = (u2f4(bytes4(r.q[w])) - 32.0) * select(r.s.x, r.s.y, w >= 4u);
             }
         }
         default: {
@@ -476,50 +506,22 @@ fn run32_q8(i: u32, xq: Xq8) -> f32 {
             return half(b) * (xq.d.x * f32(lo) + xq.d.y * f32(hi));
         }
         case 12u, 13u: {
-            // As run32: low nibbles are sub-block 2 j (scale, min s0), high ones 2 j + 1.
-            let k5 = TYPE == 13u;
-            let b = (i / 256u) * select(144u, 176u, k5);
-            let rb = (i % 256u) / 32u;
-            let j = rb / 2u;
-            let h = rb & 1u;
-            let hdr = srcv4[b >> 4u];
-            let dm = unpack2x16float(hdr.x);
-            let s0 = dm * scale_min16(hdr, 2u * j);
-            let s1 = dm * scale_min16(hdr, 2u * j + 1u);
-            let q = srcv4[(b + select(16u, 48u, k5) + 32u * j + 16u * h) >> 4u];
-            var qh = vec4<u32>(0u);
-            if (k5) {
-                qh = srcv4[(b + 16u + 16u * h) >> 4u] >> vec4<u32>(2u * j);
-            }
+            let r = k_run(i);
             for (var w = 0u; w < 4u; w++) {
-                let l = (q[w] & 0x0F0F0F0Fu) | ((qh[w] & 0x01010101u) << 4u);
-                let u = ((q[w] >> 4u) & 0x0F0F0F0Fu) | (((qh[w] >> 1u) & 0x01010101u) << 4u);
-                lo += dot4I8Packed(l, xq.q[w]);
-                hi += dot4I8Packed(u, xq.q[w + 4u]);
+                lo += dot4I8Packed(r.q[w], xq.q[w]);
+                hi += dot4I8Packed(r.q[w + 4u], xq.q[w + 4u]);
             }
             // q scale - min
-            return xq.d.x * (s0.x * f32(lo) - s0.y * f32(xq.s.x)) + xq.d.y * (s1.x * f32(hi) - s1.y * f32(xq.s.y));
+            return xq.d.x * (r.s0.x * f32(lo) - r.s0.y * f32(xq.s.x)) + xq.d.y * (r.s1.x * f32(hi) - r.s1.y * f32(xq.s.y));
         }
         case 14u: {
-            let b = (i / 256u) * 210u;
-            let j = i % 256u;
-            let n = j / 128u;
-            let run = (j % 128u) / 32u;
-            let d = half(b + 208u);
-            let s0 = d * signed8(b + 192u + 8u * n + 2u * run);
-            let s1 = d * signed8(b + 193u + 8u * n + 2u * run);
-            for (var w = 0u; w < 8u; w++) {
-                let ql = word_at(b + 64u * n + 32u * (run & 1u) + 4u * w);
-                let qh = word_at(b + 128u + 32u * n + 4u * w) >> (2u * run);
-                let q = (select(ql, ql >> 4u, run >= 2u) & 0x0F0F0F0Fu) | ((qh & 0x03030303u) << 4u);
-                if (w < 4u) {
-                    lo += dot4I8Packed(q, xq.q[w]);
-                } else {
-                    hi += dot4I8Packed(q, xq.q[w]);
-                }
+            let r = q6k_run(i);
+            for (var w = 0u; w < 4u; w++) {
+                lo += dot4I8Packed(r.q[w], xq.q[w]);
+                hi += dot4I8Packed(r.q[w + 4u], xq.q[w + 4u]);
             }
             // (q - 32) scale
-            return s0 * xq.d.x * f32(lo - 32 * xq.s.x) + s1 * xq.d.y * f32(hi - 32 * xq.s.y);
+            return r.s.x * xq.d.x * f32(lo - 32 * xq.s.x) + r.s.y * xq.d.y * f32(hi - 32 * xq.s.y);
         }
         default: {
             return 0.0;
