@@ -558,7 +558,7 @@ fn fused_quantized_products_match_reference() {
 
 #[test]
 fn attention_merged_into_the_o_product_matches_the_two_step_path() {
-    assert_checks("qmatvec_merged", 4);
+    assert_checks("qmatvec_merged", 8);
 }
 
 #[test]

@@ -25,7 +25,7 @@ use crate::formats::gguf::{GgmlType, Value};
 use crate::gpu::{DType, Gpu, Recorder, Tensor};
 use crate::ops::kvcache::{kv_attend, kv_attend_parts, KvCache, RopeStore};
 use crate::ops::quant::{
-    get_rows, qmatmul_fused, qmatmul_rope_store, qmatvec_merged, Fuse, QMatrix, MERGE_MAX_WIDTH,
+    get_rows, qmatmul_fused, qmatmul_rope_store, qmatvec_parts, Fuse, QMatrix,
 };
 use crate::ops::rope::{inv_freq, Pairing, RopeTable};
 
@@ -421,14 +421,14 @@ impl Llama {
             };
             let q = qmatmul_rope_store(rec, &x, &l.qkv, Some((&l.attn_norm, eps)), &to)?;
             // One token over many keys: the attention's key ranges are merged inside the
-            // o product (one dispatch fewer a layer).
-            let parts = if t == 1 && c.n_head * d <= MERGE_MAX_WIDTH {
+            // o product, or into its 8-bit x (one dispatch fewer a layer).
+            let parts = if t == 1 {
                 kv_attend_parts(rec, &q, &cache.k[li], &cache.v[li], pos)?
             } else {
                 None
             };
             x = match parts {
-                Some(parts) => qmatvec_merged(rec, &parts, &l.o, Some(&x))?,
+                Some(parts) => qmatvec_parts(rec, &parts, &l.o, Some(&x))?,
                 None => {
                     let a = kv_attend(rec, &q, &cache.k[li], &cache.v[li], pos)?
                         .reshape(&[t, c.n_head * d])?;

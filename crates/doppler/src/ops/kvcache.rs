@@ -35,6 +35,11 @@ static ATTEND_PART: Kernel = Kernel::new(
 );
 static ATTEND_MERGE: Kernel =
     Kernel::new(&KVCACHE, "attend_merge", &[(4, ReadWrite), (12, ReadWrite)]);
+static ATTEND_MERGE_X8: Kernel = Kernel::new(
+    &KVCACHE,
+    "attend_merge_x8",
+    &[(12, ReadWrite), (13, ReadWrite)],
+);
 
 /// Queries up to which attention splits the keys into ranges of 64 (decode), and the
 /// fewest keys for which it does, unless heads have [`SPLIT_ALWAYS_D`] dimensions or more.
@@ -268,6 +273,80 @@ pub fn kv_attend(
         None => rec.dispatch(&ATTEND, &[], bytemuck::bytes_of(&p), &[q, k, v, &o], grid)?,
     }
     Ok(o)
+}
+
+/// The second half of [`kv_attend`] for one query: its key ranges merged, o (1, Hq, D).
+pub fn attend_merge(rec: &mut Recorder<'_>, parts: &AttnParts) -> Result<Tensor> {
+    let p = parts_params(parts, "attend_merge")?;
+    let o = Tensor::empty(
+        rec.gpu(),
+        &[1, parts.heads, parts.d],
+        DType::F32,
+        "attend_merge.o",
+    )?;
+    let grid = Grid::Linear(parts.heads as u64);
+    rec.dispatch(
+        &ATTEND_MERGE,
+        &[],
+        bytemuck::bytes_of(&p),
+        &[&o, &parts.part],
+        grid,
+    )?;
+    Ok(o)
+}
+
+/// [`attend_merge`] with its output rounded for an XQ8 decode product (`quant.wgsl`'s
+/// layout of x: the row of Hq D columns in groups of 16, as `quant::quantize_x8` rounds it;
+/// D a multiple of 16): one dispatch instead of two, the same bits.
+pub fn attend_merge_x8(rec: &mut Recorder<'_>, parts: &AttnParts) -> Result<Tensor> {
+    let p = parts_params(parts, "attend_merge_x8")?;
+    if parts.d % 16 != 0 {
+        return Err(Error::Shape {
+            op: "attend_merge_x8",
+            detail: format!("head size {} is not a multiple of 16", parts.d),
+        });
+    }
+    let k = parts.heads * parts.d;
+    let xq = Tensor::empty(
+        rec.gpu(),
+        &[1, k / 4 + k / 8],
+        DType::U32,
+        "attend_merge_x8.xq",
+    )?;
+    let grid = Grid::Linear(parts.heads as u64);
+    rec.dispatch(
+        &ATTEND_MERGE_X8,
+        &[],
+        bytemuck::bytes_of(&p),
+        &[&parts.part, &xq],
+        grid,
+    )?;
+    Ok(xq)
+}
+
+/// The merge kernels' parameters for one query's parts.
+fn parts_params(parts: &AttnParts, op: &'static str) -> Result<Params> {
+    let (h, d, ns) = (parts.heads, parts.d, parts.splits);
+    if parts.part.numel() != h * ns * (d + 2) || d % 4 != 0 || d > 256 || ns == 0 {
+        return Err(Error::Shape {
+            op,
+            detail: format!(
+                "parts {:?} for one query of {h} heads of {d} over {ns} key ranges (head size a multiple of 4, at most 256)",
+                parts.part.shape()
+            ),
+        });
+    }
+    // splits() in the shader is (pos + t) / 64 rounded up: any key count in the last range.
+    Ok(Params {
+        t: 1,
+        pos: ((ns - 1) * SPLIT) as u32,
+        hq: h as u32,
+        hkv: h as u32,
+        d: d as u32,
+        tmax: (ns * SPLIT) as u32,
+        scale: 1.0,
+        row: (h * d) as u32,
+    })
 }
 
 /// Where the stacked projections of new tokens go: the bias added to them, RoPE's table

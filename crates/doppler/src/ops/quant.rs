@@ -384,6 +384,59 @@ pub fn qmatvec_merged(
     Ok(y)
 }
 
+/// y (1, rows of W) = merge(parts) @ W^T (+ `residual` (1, rows)) for one token's
+/// attention split over key ranges, whatever its width: merged inside the product
+/// ([`qmatvec_merged`]) up to [`MERGE_MAX_WIDTH`]; wider, merged straight into the 8-bit
+/// rounded row where the product rounds x ([`decode_rounds_x`]; head size a multiple of
+/// 16: `kvcache::attend_merge_x8`, one dispatch fewer than merging and then rounding);
+/// otherwise merged, then multiplied.
+pub fn qmatvec_parts(
+    rec: &mut Recorder<'_>,
+    parts: &AttnParts,
+    w: &QMatrix,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
+    let width = parts.heads * parts.d;
+    if width <= MERGE_MAX_WIDTH {
+        return qmatvec_merged(rec, parts, w, residual);
+    }
+    let fuse = Fuse {
+        residual,
+        ..Default::default()
+    };
+    let (split, rows) = match Path::of(1, w) {
+        Path::Decode { split, rows } => (split, rows),
+        _ => (0.0, 0),
+    };
+    if width != w.cols || !decode_rounds_x(1, w.ty, w.rows, w.cols) || parts.d % 16 != 0 {
+        let o = super::kvcache::attend_merge(rec, parts)?.reshape(&[1, width])?;
+        return qmatmul_fused(rec, &o, w, fuse);
+    }
+    if let Some(r) = residual {
+        super::expect_f32("qmatvec_parts", r)?;
+        if r.shape() != [1, w.rows] {
+            return Err(Error::Shape {
+                op: "qmatvec_parts",
+                detail: format!("residual {:?}, expected [1, {}]", r.shape(), w.rows),
+            });
+        }
+    }
+    let xq = super::kvcache::attend_merge_x8(rec, parts)?;
+    let y = Tensor::empty(rec.gpu(), &[1, w.rows], DType::F32, "qmatvec_parts.y")?;
+    let p = w.params(1);
+    let c = [
+        ("TYPE", w.ty.0 as f64),
+        ("RESIDUAL", residual.is_some() as u32 as f64),
+        ("MV1_SPLIT", split),
+        ("XQ8", 1.0),
+    ];
+    let res = residual.unwrap_or(&xq);
+    let bind = [&w.raw, &y, &xq, &xq, res, &xq, &xq, &w.raw];
+    let grid = Grid::Linear(w.rows.div_ceil(rows) as u64);
+    rec.dispatch(&QMATVEC1, &c, bytemuck::bytes_of(&p), &bind, grid)?;
+    Ok(y)
+}
+
 /// y (.., rows of W) = x (.., cols) @ W^T with W read in its encoding. One row of x runs
 /// the decode kernel (cols a multiple of 32, at least [`MATVEC1_MIN_ROWS`] rows), up to [`MATVEC_MAX_ROWS`] rows the
 /// matrix-vector kernel, more the tiled one.

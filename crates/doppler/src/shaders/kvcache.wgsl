@@ -300,10 +300,59 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
 fn attend_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_index) lid: u32) {
     let th = wid.x + wid.y * nwg.x;
-    let d4 = p.d / 4u;
-    if (th >= p.t * p.hq || lid >= d4) {
+    if (th >= p.t * p.hq || lid >= p.d / 4u) {
         return;
     }
+    let r = merged(th, lid);
+    let ob = th * p.d + 4u * lid;
+    o[ob] = r.x;
+    o[ob + 1u] = r.y;
+    o[ob + 2u] = r.z;
+    o[ob + 3u] = r.w;
+}
+
+// attend_merge for one query whose output goes to an XQ8 product (quant.wgsl): written
+// rounded as quant.wgsl's quantize_x8 rounds a row (groups of 16 columns, 4 threads a
+// group here; D a multiple of 16), to binding 13: (Hq D) / 4 words of quants, then a
+// scale and a quant sum a group. The same bits as attend_merge then quantize_x8.
+@group(0) @binding(13) var<storage, read_write> xq_o: array<u32>;
+var<workgroup> mg_max: array<f32, 64>;
+var<workgroup> mg_sum: array<i32, 64>;
+
+@compute @workgroup_size(64)
+fn attend_merge_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_index) lid: u32) {
+    let th = wid.x + wid.y * nwg.x;
+    if (th >= p.hq) {
+        return;
+    }
+    let on = lid < p.d / 4u;
+    var r = vec4<f32>(0.0);
+    if (on) {
+        r = merged(th, lid);
+    }
+    let a = abs(r);
+    mg_max[lid] = max(max(a.x, a.y), max(a.z, a.w));
+    workgroupBarrier();
+    let g0 = lid & ~3u;
+    let amax = max(max(mg_max[g0], mg_max[g0 + 1u]), max(mg_max[g0 + 2u], mg_max[g0 + 3u]));
+    let inv = select(0.0, 127.0 / amax, amax > 0.0);
+    let q = vec4<i32>(round(r * inv));
+    mg_sum[lid] = (q.x + q.y) + (q.z + q.w);
+    workgroupBarrier();
+    if (on) {
+        let c = th * p.d + 4u * lid;   // column in the row of Hq D
+        xq_o[c / 4u] = pack4xI8(q);
+        if ((lid & 3u) == 0u) {
+            let sc = p.hq * p.d / 4u + 2u * (c / 16u);
+            xq_o[sc] = bitcast<u32>(amax / 127.0 * 1.0);
+            xq_o[sc + 1u] = bitcast<u32>((mg_sum[lid] + mg_sum[lid + 1u]) + (mg_sum[lid + 2u] + mg_sum[lid + 3u]));
+        }
+    }
+}
+
+// Query-head th's output dims 4 lid.. merged over its key ranges.
+fn merged(th: u32, lid: u32) -> vec4<f32> {
     let ns = splits();
     let w = p.d + 2u;
     var mx = -3.0e38;
@@ -343,12 +392,7 @@ fn attend_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         l += f * part[b + p.d + 1u];
         acc += f * vec4<f32>(part[b + 4u * lid], part[b + 4u * lid + 1u], part[b + 4u * lid + 2u], part[b + 4u * lid + 3u]);
     }
-    let r = acc / l;
-    let ob = th * p.d + 4u * lid;
-    o[ob] = r.x;
-    o[ob + 1u] = r.y;
-    o[ob + 2u] = r.z;
-    o[ob + 3u] = r.w;
+    return acc / l;
 }
 
 override HAS_BIAS: bool = false;

@@ -6,7 +6,7 @@ use crate::check::{compare, Rng, Tolerance};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
 use crate::ops::kvcache::{kv_attend, kv_attend_parts, kv_store, RopeStore};
-use crate::ops::quant::{qmatmul_fused, qmatvec_merged, Fuse, QMatrix};
+use crate::ops::quant::{qmatmul_fused, qmatvec_parts, Fuse, QMatrix, MERGE_MAX_WIDTH};
 use crate::reference::{attention as cpu, widen};
 
 /// (capacity, Hq, Hkv, D, prefill tokens, then that many more tokens in steps of 2, 1, 1,
@@ -274,31 +274,52 @@ pub(super) fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     }
 }
 
-/// The attention's key ranges merged inside the o product (`qmatvec_merged`, what decoding
-/// runs) against the two-step path it replaces (`kv_attend`, itself checked against the f64
-/// reference above, then `qmatmul_fused`): SmolLM2's heads over 150 cached keys, and over
-/// 3,648 (more key ranges than the kernel's per-range factors hold: the per-element
-/// merge), Q4_1 weights, with and without the residual.
+/// The attention's key ranges merged inside the o product (`qmatvec_merged` through
+/// `qmatvec_parts`, what decoding runs) against the two-step path it replaces (`kv_attend`,
+/// itself checked against the f64 reference above, then `qmatmul_fused`), with and without
+/// the residual: SmolLM2's heads over 150 cached keys, and over 3,648 (more key ranges than
+/// the kernel's per-range factors hold: the per-element merge), Q4_1 weights; and 8B-sized
+/// rows (32 heads of 128, wider than the merge inside the product takes), Q4_K (merged
+/// straight into the 8-bit row: `attend_merge_x8`, the same bits as merging, then rounding)
+/// and F16 (merged, then multiplied).
 pub(super) fn merged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    for (cap, pos) in [(160usize, 150usize), (3700, 3648)] {
-        merged_check(gpu, cap, pos, out);
+    let smol = (9usize, 3usize, 64usize);
+    let wide = (32usize, 8usize, 128usize);
+    for (cap, pos, heads, ty) in [
+        (160usize, 150usize, smol, "Q4_1"),
+        (3700, 3648, smol, "Q4_1"),
+        (200, 150, wide, "Q4_K"),
+        (200, 150, wide, "F16"),
+    ] {
+        merged_check(gpu, cap, pos, heads, ty, out);
     }
 }
 
-fn merged_check(gpu: &Gpu, cap: usize, pos: usize, out: &mut Vec<CheckResult>) {
-    let (hq, hkv, d, rows) = (9usize, 3usize, 64usize, 37usize);
+fn merged_check(
+    gpu: &Gpu,
+    cap: usize,
+    pos: usize,
+    (hq, hkv, d): (usize, usize, usize),
+    ty_name: &str,
+    out: &mut Vec<CheckResult>,
+) {
+    let rows = 37usize;
     let cols = hq * d;
-    let mut rng = Rng::new(3300 + pos as u64);
+    let op = match cols <= MERGE_MAX_WIDTH {
+        true => "qmatvec_merged",
+        false => "qmatvec_parts",
+    };
+    let mut rng = Rng::new(3300 + pos as u64 + cols as u64);
     let (q, k, v) = (
         rng.vec(hq * d),
         rng.vec(cap * hkv * d),
         rng.vec(cap * hkv * d),
     );
     let res = rng.vec(rows);
-    let raw = super::quant::random_blocks("Q4_1", rows * cols, &mut rng);
-    let ty = GgmlType::from_name("Q4_1").expect("known type");
+    let raw = super::quant::random_blocks(ty_name, rows * cols, &mut rng);
+    let ty = GgmlType::from_name(ty_name).expect("known type");
     for with_res in [false, true] {
-        let r = twice("qmatvec_merged", || {
+        let r = twice(op, || {
             let w = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
             let qt = Tensor::from_f32(gpu, &[1, hq, d], &q, "q")?;
             let kc = Tensor::from_f32(gpu, &[cap, hkv, d], &k, "k")?;
@@ -307,7 +328,7 @@ fn merged_check(gpu: &Gpu, cap: usize, pos: usize, out: &mut Vec<CheckResult>) {
             let residual = with_res.then_some(&rt);
             let (fused, plain) = gpu.run(|rec| {
                 let parts = kv_attend_parts(rec, &qt, &kc, &vc, pos)?.expect("150 keys split");
-                let fused = qmatvec_merged(rec, &parts, &w, residual)?;
+                let fused = qmatvec_parts(rec, &parts, &w, residual)?;
                 let a = kv_attend(rec, &qt, &kc, &vc, pos)?.reshape(&[1, cols])?;
                 let plain = qmatmul_fused(
                     rec,
@@ -324,14 +345,14 @@ fn merged_check(gpu: &Gpu, cap: usize, pos: usize, out: &mut Vec<CheckResult>) {
         });
         let res = r.and_then(|got| {
             let want: Vec<f64> = got[1].iter().map(|&v| v as f64).collect();
-            compare("qmatvec_merged", &got[0], &want, None, Tolerance::dot(cols)).map_err(s)
+            compare(op, &got[0], &want, None, Tolerance::dot(cols)).map_err(s)
         });
         let what = if with_res { " + residual" } else { "" };
         push(
             out,
-            "qmatvec_merged",
+            op,
             format!(
-                "{hq} heads x {d}, {} keys @ ({rows}, {cols})^T Q4_1{what}",
+                "{hq} heads x {d}, {} keys @ ({rows}, {cols})^T {ty_name}{what}",
                 pos + 1
             ),
             res,

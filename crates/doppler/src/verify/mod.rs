@@ -90,7 +90,7 @@ const FAMILIES: &[Family] = &[
     (&["kv_attend"], kvcache::checks),
     (&["rope_store"], kvcache::rope_store_checks),
     (&["qmatmul_rope_store"], kvcache::rope_product_checks),
-    (&["qmatvec_merged"], kvcache::merged_checks),
+    (&["qmatvec_merged", "qmatvec_parts"], kvcache::merged_checks),
     (&["llama gguf vs safetensors"], llama::checks),
     (&["bias_add"], bias::checks),
     (&["pixel_shuffle", "upsample_nearest2d"], upsample::checks),
