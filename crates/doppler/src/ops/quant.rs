@@ -404,14 +404,14 @@ pub fn qmatvec_parts(
         residual,
         ..Default::default()
     };
+    let rounds = width == w.cols && decode_rounds_x(1, w.ty, w.rows, w.cols);
     let (split, rows) = match Path::of(1, w) {
-        Path::Decode { split, rows } => (split, rows),
-        _ => (0.0, 0),
+        Path::Decode { split, rows } if rounds && parts.d % 16 == 0 => (split, rows),
+        _ => {
+            let o = super::kvcache::attend_merge(rec, parts)?.reshape(&[1, width])?;
+            return qmatmul_fused(rec, &o, w, fuse);
+        }
     };
-    if width != w.cols || !decode_rounds_x(1, w.ty, w.rows, w.cols) || parts.d % 16 != 0 {
-        let o = super::kvcache::attend_merge(rec, parts)?.reshape(&[1, width])?;
-        return qmatmul_fused(rec, &o, w, fuse);
-    }
     if let Some(r) = residual {
         super::expect_f32("qmatvec_parts", r)?;
         if r.shape() != [1, w.rows] {
@@ -634,7 +634,6 @@ impl Path {
     fn of_shape(m: usize, rows: usize, cols: usize) -> Path {
         let tall = rows >= MATVEC1_MIN_ROWS;
         if m == 1 && cols % 32 == 0 && (tall || cols >= SPLITK_MIN_COLS) {
-            // Tall W with long rows (the 8B's gate/up, q/k/v): 2 groups a row of 4.
             // Tall W with long rows (the 8B's gate/up, q/k/v): 2 groups a row of 4; long rows
             // of few W rows (the 8B's o and down): 4 (8 left half the threads idle on
             // 4,096 columns: o + down 1.55 -> 1.32 ms a token on the H200).
