@@ -20,6 +20,8 @@
 //                with the workgroup's 8 groups splitting k (long rows, few rows)
 //   qmatvec_rope, qmatvec1_rope  the two above with q/k/v's bias, RoPE and KV-cache store
 //                as the epilogue (ROPE below)
+//   quantize_x8  a row of x (times a norm) rounded to 8 bits in groups of 16, for qmatvec1
+//                with XQ8 (integer dot products with the quants; see XQ8 below)
 //   qmatmul      the same product for many rows of x: 64 x 64 output tiles, k in slabs of
 //                16 staged (W dequantized on the way) in workgroup memory, 4 x 4 a thread;
 //                with SPLITK, slices of k into partial tiles that splitk_sum adds in order
