@@ -540,6 +540,28 @@ fn quantized_products_read_blocks_directly() {
 }
 
 #[test]
+fn decode_products_on_8_bit_x_keep_a_nan_or_infinity_non_finite() {
+    use doppler::formats::gguf::GgmlType;
+    use doppler::ops::quant::{decode_rounds_x, qmatmul, QMatrix, MATVEC1_MIN_ROWS, XQ8_MIN_COLS};
+    let (rows, cols) = (MATVEC1_MIN_ROWS, XQ8_MIN_COLS);
+    let ty = GgmlType::from_name("Q8_0").unwrap();
+    assert!(decode_rounds_x(1, ty, rows, cols));
+    let raw = verify::quant::random_blocks("Q8_0", rows * cols, &mut Rng::new(5));
+    let w = QMatrix::new(gpu(), "w", &raw, ty, rows, cols).unwrap();
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut x = Rng::new(6).vec(cols);
+        x[40] = bad;
+        let xt = Tensor::from_f32(gpu(), &[1, cols], &x, "x").unwrap();
+        let y = gpu().run(|rec| qmatmul(rec, &xt, &w)).unwrap();
+        let y = y.read_f32(gpu()).unwrap();
+        assert!(
+            y.iter().all(|v| !v.is_finite()),
+            "x[40] = {bad}: finite outputs"
+        );
+    }
+}
+
+#[test]
 fn cached_attention_matches_full_attention() {
     assert_checks("kv_attend", doppler::verify::KV_CASES.len());
 }

@@ -332,10 +332,15 @@ fn attend_merge_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
         r = merged(th, lid);
     }
     let a = abs(r);
-    mg_max[lid] = max(max(a.x, a.y), max(a.z, a.w));
+    // A NaN or infinity marks the lane (as quant.wgsl's quantize_x8: the group's scale
+    // becomes NaN); tested on the bits.
+    let bad = any((bitcast<vec4<u32>>(r) & vec4<u32>(0x7F800000u)) == vec4<u32>(0x7F800000u));
+    mg_max[lid] = select(max(max(a.x, a.y), max(a.z, a.w)), -1.0, bad);
     workgroupBarrier();
     let g0 = lid & ~3u;
-    let amax = max(max(mg_max[g0], mg_max[g0 + 1u]), max(mg_max[g0 + 2u], mg_max[g0 + 3u]));
+    let m4 = vec4<f32>(mg_max[g0], mg_max[g0 + 1u], mg_max[g0 + 2u], mg_max[g0 + 3u]);
+    let group_bad = any(m4 < vec4<f32>(0.0));
+    let amax = max(max(m4.x, m4.y), max(m4.z, m4.w));
     let inv = select(0.0, 127.0 / amax, amax > 0.0);
     let q = vec4<i32>(round(r * inv));
     mg_sum[lid] = (q.x + q.y) + (q.z + q.w);
@@ -345,7 +350,7 @@ fn attend_merge_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
         xq_o[c / 4u] = pack4xI8(q);
         if ((lid & 3u) == 0u) {
             let sc = p.hq * p.d / 4u + 2u * (c / 16u);
-            xq_o[sc] = bitcast<u32>(amax / 127.0 * 1.0);
+            xq_o[sc] = select(bitcast<u32>(amax / 127.0 * 1.0), 0x7FC00000u, group_bad);
             xq_o[sc + 1u] = bitcast<u32>((mg_sum[lid] + mg_sum[lid + 1u]) + (mg_sum[lid + 2u] + mg_sum[lid + 3u]));
         }
     }

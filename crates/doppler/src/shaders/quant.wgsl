@@ -403,6 +403,15 @@ fn xq8_at(c: u32) -> Xq8 {
     return o;
 }
 
+// A NaN or an infinity in x makes its group's scale NaN, so that the products' outputs are
+// not finite either (rounding alone would turn a NaN into 0). Tested on the bits: a
+// compiler may assume floats are never NaN.
+const NAN_BITS: u32 = 0x7FC00000u;
+
+fn non_finite(v: vec4<f32>) -> bool {
+    return any((bitcast<vec4<u32>>(v) & vec4<u32>(0x7F800000u)) == vec4<u32>(0x7F800000u));
+}
+
 // quantize_x8: x (m, k) (k a multiple of 16) to XQ8's layout in xq_out (k / 4 + k / 8
 // words a row), a thread a group: with NORM, h = x * nw is rounded and each scale
 // multiplied by the row's rsqrt(mean(x^2) + eps).
@@ -451,12 +460,14 @@ fn quantize_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     for (var g = first + lid; g < end; g += 256u) {
         var h: array<vec4<f32>, 4>;
         var a = vec4<f32>(0.0);
+        var bad = false;
         for (var e = 0u; e < 4u; e++) {
             h[e] = xv4[x0 + 4u * g + e];
             if (NORM) {
                 h[e] *= nwv4[4u * g + e];
             }
             a = max(a, abs(h[e]));
+            bad = bad || non_finite(h[e]);
         }
         let amax = max(max(a.x, a.y), max(a.z, a.w));
         let inv = select(0.0, 127.0 / amax, amax > 0.0);
@@ -466,7 +477,7 @@ fn quantize_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
             xq_out[o + 4u * g + e] = pack4xI8(q);
             sum += q;
         }
-        xq_out[o + p.k / 4u + 2u * g] = bitcast<u32>(amax / 127.0 * factor);
+        xq_out[o + p.k / 4u + 2u * g] = select(bitcast<u32>(amax / 127.0 * factor), NAN_BITS, bad);
         xq_out[o + p.k / 4u + 2u * g + 1u] = bitcast<u32>((sum.x + sum.y) + (sum.z + sum.w));
     }
 }
