@@ -260,22 +260,17 @@ pub fn kv_attend(
         let out = attention::attention(rec, &q.reshape(&[1, t, hq, d])?, &kc, &vc, opts)?;
         return out.o.reshape(q.shape());
     }
+    if let Some(parts) = parts {
+        return attend_merge(rec, &parts)?.reshape(q.shape());
+    }
     let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend.o")?;
     let grid = Grid::Linear((p.t * p.hq) as u64);
-    match parts {
-        Some(parts) => rec.dispatch(
-            &ATTEND_MERGE,
-            &[],
-            bytemuck::bytes_of(&p),
-            &[&o, &parts.part],
-            grid,
-        )?,
-        None => rec.dispatch(&ATTEND, &[], bytemuck::bytes_of(&p), &[q, k, v, &o], grid)?,
-    }
+    rec.dispatch(&ATTEND, &[], bytemuck::bytes_of(&p), &[q, k, v, &o], grid)?;
     Ok(o)
 }
 
-/// The second half of [`kv_attend`] for one query: its key ranges merged, o (1, Hq, D).
+/// The second half of [`kv_attend`]: each (query, head)'s key ranges merged, o (1, T Hq,
+/// D) (`parts.heads` = T Hq rows; a query's ranges past its own keys are empty).
 pub fn attend_merge(rec: &mut Recorder<'_>, parts: &AttnParts) -> Result<Tensor> {
     let p = parts_params(parts, "attend_merge")?;
     let o = Tensor::empty(
@@ -324,14 +319,15 @@ pub fn attend_merge_x8(rec: &mut Recorder<'_>, parts: &AttnParts) -> Result<Tens
     Ok(xq)
 }
 
-/// The merge kernels' parameters for one query's parts.
+/// The merge kernels' parameters for parts of `heads` rows over `splits` ranges: the
+/// kernels read only the head size and (through splits()) the range count.
 fn parts_params(parts: &AttnParts, op: &'static str) -> Result<Params> {
     let (h, d, ns) = (parts.heads, parts.d, parts.splits);
     if parts.part.numel() != h * ns * (d + 2) || d % 4 != 0 || d > 256 || ns == 0 {
         return Err(Error::Shape {
             op,
             detail: format!(
-                "parts {:?} for one query of {h} heads of {d} over {ns} key ranges (head size a multiple of 4, at most 256)",
+                "parts {:?} for {h} heads of {d} over {ns} key ranges (head size a multiple of 4, at most 256)",
                 parts.part.shape()
             ),
         });

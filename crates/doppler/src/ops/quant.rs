@@ -423,18 +423,33 @@ pub fn qmatvec_parts(
     }
     let xq = super::kvcache::attend_merge_x8(rec, parts)?;
     let y = Tensor::empty(rec.gpu(), &[1, w.rows], DType::F32, "qmatvec_parts.y")?;
-    let p = w.params(1);
+    qmatvec1_x8(rec, &xq, w, &w.params(1), &y, fuse, (split, rows))?;
+    Ok(y)
+}
+
+/// The decode kernel (`qmatvec1`, XQ8) on x already rounded (`quantize_x8`'s layout) into
+/// y, with `fuse`'s residual or SwiGLU (its norm went into the rounding); `(split, rows)`
+/// from [`Path::Decode`].
+fn qmatvec1_x8(
+    rec: &mut Recorder<'_>,
+    xq: &Tensor,
+    w: &QMatrix,
+    p: &Params,
+    y: &Tensor,
+    fuse: Fuse<'_>,
+    (split, rows): (f64, usize),
+) -> Result<()> {
     let c = [
         ("TYPE", w.ty.0 as f64),
-        ("RESIDUAL", residual.is_some() as u32 as f64),
+        ("RESIDUAL", fuse.residual.is_some() as u32 as f64),
+        ("SWIGLU", fuse.swiglu as u32 as f64),
         ("MV1_SPLIT", split),
         ("XQ8", 1.0),
     ];
-    let res = residual.unwrap_or(&xq);
-    let bind = [&w.raw, &y, &xq, &xq, res, &xq, &xq, &w.raw];
+    let res = fuse.residual.unwrap_or(xq);
+    let bind = [&w.raw, y, xq, xq, res, xq, xq, &w.raw];
     let grid = Grid::Linear(w.rows.div_ceil(rows) as u64);
-    rec.dispatch(&QMATVEC1, &c, bytemuck::bytes_of(&p), &bind, grid)?;
-    Ok(y)
+    rec.dispatch(&QMATVEC1, &c, bytemuck::bytes_of(p), &bind, grid)
 }
 
 /// y (.., rows of W) = x (.., cols) @ W^T with W read in its encoding. One row of x runs
@@ -505,14 +520,12 @@ pub fn qmatmul_fused(
     let bind = [&w.raw, &y, x, nw, res, x, nw, &w.raw];
     match Path::of(m, w) {
         Path::Decode { split, rows } => {
-            let grid = Grid::Linear(w.rows.div_ceil(rows) as u64);
             if decode_rounds_x(m, w.ty, w.rows, w.cols) {
                 let xq = quantize_x8(rec, x, w.cols, fuse.norm)?;
-                let c1 = [c[0], c[2], c[3], ("MV1_SPLIT", split), ("XQ8", 1.0)];
-                let bind = [&w.raw, &y, &xq, &xq, res, &xq, &xq, &w.raw];
-                rec.dispatch(&QMATVEC1, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
+                qmatvec1_x8(rec, &xq, w, &p, &y, fuse, (split, rows))?;
             } else {
                 let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split)];
+                let grid = Grid::Linear(w.rows.div_ceil(rows) as u64);
                 rec.dispatch(&QMATVEC1, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
             }
         }
