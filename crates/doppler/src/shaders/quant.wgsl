@@ -432,7 +432,7 @@ fn quantize_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let first = (g0 % p.n) * 256u;
     let end = select(min(groups, first + 256u), groups, NORM);
     let x0 = r * p.k / 4u;              // row r in vec4s of x
-    let o = r * (p.k / 4u + p.k / 8u);  // row r in dst's words
+    let o = r * (p.k / 4u + p.k / 8u);  // row r in xq_out
     var factor = 1.0;
     if (NORM) {
         var ss = 0.0;
@@ -442,7 +442,7 @@ fn quantize_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         }
         q8_ss[lid] = ss;
         workgroupBarrier();
-        // The first 16 threads add 16 partials each (strided), then thread 0 those.
+        // The first 16 threads add 16 partials each (strided), then every thread those 16.
         if (lid < 16u) {
             var t = 0.0;
             for (var i = 0u; i < 16u; i++) {
