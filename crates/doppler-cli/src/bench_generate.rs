@@ -245,10 +245,20 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         built,
         dec,
     } = round(&mut cache, args.gen)?;
+    // GPU time of a decode step on its own (first dispatch's start to last one's end, the
+    // step encoded as in the timed loop, waited for one at a time).
+    let mut gpu_ms = Vec::new();
+    let mut next = 0u32;
+    for _ in 0..16.min(cache.capacity - cache.len) {
+        let mut rec = gpu.timed_recorder("decode step");
+        let l = llama.forward(&mut rec, &[next], &mut cache, false)?;
+        let trace = rec.submit()?.wait(gpu)?;
+        gpu_ms.extend(trace.events.iter().map(|e| e.dur_ns / 1e6));
+        next = argmax(&l.read_f32(gpu)?);
+    }
     // GPU time per kernel over a few more decode steps, each dispatch in its own pass with
     // timestamps (slower than the timed loop: the figures are for proportions).
     let mut trace = doppler::gpu::Trace::default();
-    let mut next = 0u32;
     for _ in 0..4.min(cache.capacity - cache.len) {
         let mut rec = gpu.profiling_recorder("decode");
         let l = llama.forward(&mut rec, &[next], &mut cache, false)?;
@@ -297,6 +307,7 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         "ops_ms_per_token": dec.record_ms / n,
         "submit_ms_per_token": dec.submit_ms / n,
         "cpu_ms_per_token": cpu_ms / n,
+        "gpu_ms_per_token_p50": pct(&gpu_ms, 0.5),
         "bind_groups_built_per_token": built as f64 / n,
         "weight_gb_s_at_p50": llama.weight_bytes as f64 / (p50 / 1e3) / 1e9,
         "decode_kernels": kernels,

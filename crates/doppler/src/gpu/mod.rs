@@ -291,14 +291,32 @@ impl Gpu {
 
     /// A new command recorder: record many ops, then submit them at once.
     pub fn recorder(&self, label: &str) -> Recorder<'_> {
-        Recorder::new(self, label, false)
+        Recorder::new(self, label, recorder::Timing::Off)
     }
 
     /// A recorder that writes a GPU timestamp around every dispatch (needs `TIMESTAMP_QUERY`;
     /// without it the trace stays empty).
     pub fn profiling_recorder(&self, label: &str) -> Recorder<'_> {
         let on = self.features.contains(wgpu::Features::TIMESTAMP_QUERY);
-        Recorder::new(self, label, on)
+        let timing = if on {
+            recorder::Timing::EachDispatch
+        } else {
+            recorder::Timing::Off
+        };
+        Recorder::new(self, label, timing)
+    }
+
+    /// A recorder whose trace is one event, the GPU time from the start of its first pass
+    /// to the end of its last, its dispatches encoded as usual (needs `TIMESTAMP_QUERY`;
+    /// without it the trace stays empty).
+    pub fn timed_recorder(&self, label: &str) -> Recorder<'_> {
+        let on = self.features.contains(wgpu::Features::TIMESTAMP_QUERY);
+        let timing = if on {
+            recorder::Timing::Whole
+        } else {
+            recorder::Timing::Off
+        };
+        Recorder::new(self, label, timing)
     }
 
     /// Records `f` into a fresh recorder and submits it: the "run now" form of any op.

@@ -88,12 +88,23 @@ struct IndexCheck {
     limit: u32,
 }
 
+/// GPU timestamps a recorder takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Timing {
+    Off,
+    /// Around every dispatch (each in a pass of its own): a per-kernel trace.
+    EachDispatch,
+    /// At the start of the first pass and the end of the last: one event, the submission's
+    /// GPU time with its dispatches encoded as usual.
+    Whole,
+}
+
 pub struct Recorder<'g> {
     gpu: &'g Gpu,
     label: String,
     cmds: Vec<Cmd>,
     uniforms: Vec<u8>,
-    profile: bool,
+    timing: Timing,
     checks: Vec<IndexCheck>,
     /// Readbacks learn their submission's index at submit.
     readbacks: Vec<Arc<Mutex<Option<wgpu::SubmissionIndex>>>>,
@@ -149,13 +160,13 @@ impl Readback {
 const QUERIES_PER_SET: u32 = 4096;
 
 impl<'g> Recorder<'g> {
-    pub(crate) fn new(gpu: &'g Gpu, label: &str, profile: bool) -> Self {
+    pub(crate) fn new(gpu: &'g Gpu, label: &str, timing: Timing) -> Self {
         Recorder {
             gpu,
             label: label.to_string(),
             cmds: Vec::new(),
             uniforms: Vec::new(),
-            profile,
+            timing,
             checks: Vec::new(),
             readbacks: Vec::new(),
         }
@@ -346,93 +357,48 @@ impl<'g> Recorder<'g> {
             gpu.queue.write_buffer(&u, 0, &self.uniforms);
         }
         let n_dispatch = self.dispatches() as u32;
-        let queries = if self.profile && n_dispatch > 0 {
-            Some(Queries::new(gpu, n_dispatch)?)
-        } else {
-            None
+        let queries = match self.timing {
+            _ if n_dispatch == 0 => None,
+            Timing::Off => None,
+            Timing::EachDispatch => Some(Queries::new(gpu, n_dispatch)?),
+            Timing::Whole => Some(Queries::new(gpu, 1)?),
         };
-
-        let ((), err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
-            let mut enc = gpu
-                .device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                    label: Some(&self.label),
-                });
-            let mut dispatched = 0u32;
-            let mut i = 0;
-            while i < self.cmds.len() {
-                match &self.cmds[i] {
-                    Cmd::Copy {
-                        src,
-                        src_offset,
-                        dst,
-                        dst_offset,
-                        bytes,
-                    } => {
-                        enc.copy_buffer_to_buffer(
-                            src.buffer(),
-                            *src_offset,
-                            dst.buffer(),
-                            *dst_offset,
-                            *bytes,
-                        );
-                        i += 1;
-                    }
-                    Cmd::Clear(t) => {
-                        enc.clear_buffer(t.buffer(), 0, Some(t.binding_size()));
-                        i += 1;
-                    }
-                    Cmd::Stage { src, staging } => {
-                        enc.copy_buffer_to_buffer(
-                            src.buffer(),
-                            0,
-                            &staging.buffer,
-                            0,
-                            src.binding_size(),
-                        );
-                        i += 1;
-                    }
-                    Cmd::Dispatch { .. } => {
-                        // Without profiling, a run of dispatches shares one pass (wgpu inserts the
-                        // barriers between them); with it, each gets a pass with its own timestamps.
-                        let timestamp_writes = queries.as_ref().map(|qs| qs.writes(dispatched));
-                        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                            label: Some(&self.label),
-                            timestamp_writes,
-                        });
-                        while let Some(Cmd::Dispatch {
-                            pipe,
-                            uniform_offset,
-                            uniform_size,
-                            tensors,
-                            grid,
-                        }) = self.cmds.get(i)
-                        {
-                            let storage = tensors
-                                .iter()
-                                .map(|t| (t.buffer().clone(), t.binding_size()))
-                                .collect();
-                            let bg = binds.group(gpu, pipe, *uniform_size, storage);
-                            pass.set_pipeline(&pipe.pipeline);
-                            pass.set_bind_group(0, &bg, &[*uniform_offset as u32]);
-                            pass.dispatch_workgroups(grid[0], grid[1], grid[2]);
-                            dispatched += 1;
-                            i += 1;
-                            if queries.is_some() {
-                                break;
-                            }
-                        }
-                    }
+        // Bind groups first (their cache is behind the lock), then the encoding.
+        let groups: Vec<Option<wgpu::BindGroup>> = self
+            .cmds
+            .iter()
+            .map(|c| match c {
+                Cmd::Dispatch {
+                    pipe,
+                    uniform_size,
+                    tensors,
+                    ..
+                } => {
+                    let storage = tensors
+                        .iter()
+                        .map(|t| (t.buffer().clone(), t.binding_size()))
+                        .collect();
+                    Some(binds.group(gpu, pipe, *uniform_size, storage))
                 }
-            }
-            if let Some(qs) = &queries {
-                qs.resolve(&mut enc);
-            }
-            let index = gpu.queue.submit([enc.finish()]);
+                _ => None,
+            })
+            .collect();
+        let (cb, mut err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
+            encode_commands(
+                gpu,
+                &self.label,
+                &self.cmds,
+                &groups,
+                queries.as_ref().map(|q| (q, self.timing)),
+            )
+        });
+        let ((), submit_err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
+            let index = gpu.queue.submit([cb]);
             for r in &self.readbacks {
                 *r.lock().unwrap() = Some(index.clone());
             }
         });
+        err = err.or(submit_err);
         drop(binds);
         if let Some(message) = err {
             return Err(Error::Device(format!("{}: {message}", self.label)));
@@ -457,20 +423,114 @@ impl<'g> Recorder<'g> {
         gpu.pool.retire(done, keep);
         gpu.poll();
         gpu.check_errors()?;
-        let names = self
-            .cmds
-            .iter()
-            .filter_map(|c| match c {
-                Cmd::Dispatch { pipe, .. } => Some(pipe.name.clone()),
-                _ => None,
-            })
-            .collect();
+        let names = if self.timing == Timing::Whole {
+            vec![Arc::from(self.label.as_str())]
+        } else {
+            self.cmds
+                .iter()
+                .filter_map(|c| match c {
+                    Cmd::Dispatch { pipe, .. } => Some(pipe.name.clone()),
+                    _ => None,
+                })
+                .collect()
+        };
         Ok(Submission {
             queries,
             names,
+            dispatches: n_dispatch as usize,
             checks: self.checks,
         })
     }
+}
+
+/// One command buffer of `cmds` (whose bind groups are `groups`, None for non-dispatches).
+/// A run of dispatches shares one pass (wgpu inserts the barriers between them), except
+/// with `Timing::EachDispatch` (`queries`, a single range): then each gets a pass with its
+/// own timestamps. With `Timing::Whole` the first pass writes the first timestamp and the
+/// last pass the second. The queries are resolved at the end.
+fn encode_commands(
+    gpu: &Gpu,
+    label: &str,
+    cmds: &[Cmd],
+    groups: &[Option<wgpu::BindGroup>],
+    queries: Option<(&Queries, Timing)>,
+) -> wgpu::CommandBuffer {
+    let each = matches!(queries, Some((_, Timing::EachDispatch)));
+    let last_dispatch = cmds
+        .iter()
+        .rposition(|c| matches!(c, Cmd::Dispatch { .. }))
+        .unwrap_or(0);
+    let mut enc = gpu
+        .device
+        .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(label) });
+    let mut dispatched = 0u32;
+    let mut i = 0;
+    while i < cmds.len() {
+        match &cmds[i] {
+            Cmd::Copy {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                bytes,
+            } => {
+                enc.copy_buffer_to_buffer(
+                    src.buffer(),
+                    *src_offset,
+                    dst.buffer(),
+                    *dst_offset,
+                    *bytes,
+                );
+                i += 1;
+            }
+            Cmd::Clear(t) => {
+                enc.clear_buffer(t.buffer(), 0, Some(t.binding_size()));
+                i += 1;
+            }
+            Cmd::Stage { src, staging } => {
+                enc.copy_buffer_to_buffer(src.buffer(), 0, &staging.buffer, 0, src.binding_size());
+                i += 1;
+            }
+            Cmd::Dispatch { .. } => {
+                let run_end = cmds[i..]
+                    .iter()
+                    .position(|c| !matches!(c, Cmd::Dispatch { .. }))
+                    .map_or(cmds.len(), |n| i + n);
+                let timestamp_writes = queries.and_then(|(qs, timing)| match timing {
+                    Timing::EachDispatch => Some(qs.writes(dispatched)),
+                    Timing::Whole => qs.bracket(dispatched == 0, run_end > last_dispatch),
+                    Timing::Off => None,
+                });
+                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some(label),
+                    timestamp_writes,
+                });
+                while let (
+                    Some(Cmd::Dispatch {
+                        pipe,
+                        uniform_offset,
+                        grid,
+                        ..
+                    }),
+                    Some(Some(bg)),
+                ) = (cmds.get(i), groups.get(i))
+                {
+                    pass.set_pipeline(&pipe.pipeline);
+                    pass.set_bind_group(0, bg, &[*uniform_offset as u32]);
+                    pass.dispatch_workgroups(grid[0], grid[1], grid[2]);
+                    dispatched += 1;
+                    i += 1;
+                    if each {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    if let Some((qs, _)) = queries {
+        qs.resolve(&mut enc);
+    }
+    enc.finish()
 }
 
 /// Timestamp query sets and their readback buffers for one profiled submission.
@@ -529,6 +589,16 @@ impl Queries {
         }
     }
 
+    /// `Timing::Whole`'s writes for a pass: the first timestamp if it is the first pass, the
+    /// second if it is the last.
+    fn bracket(&self, first: bool, last: bool) -> Option<wgpu::ComputePassTimestampWrites<'_>> {
+        (first || last).then(|| wgpu::ComputePassTimestampWrites {
+            query_set: &self.sets[0].0,
+            beginning_of_pass_write_index: first.then_some(0),
+            end_of_pass_write_index: last.then_some(1),
+        })
+    }
+
     fn resolve(&self, enc: &mut wgpu::CommandEncoder) {
         for (k, (set, count)) in self.sets.iter().enumerate() {
             enc.resolve_query_set(set, 0..*count, &self.resolve[k], 0);
@@ -540,14 +610,17 @@ impl Queries {
 /// A submitted recorder. Holds what is needed to read its timestamps back.
 pub struct Submission {
     queries: Option<Queries>,
+    /// What the trace's events are: each dispatch's kernel, or the recorder's label
+    /// (`Timing::Whole`).
     names: Vec<Arc<str>>,
+    dispatches: usize,
     checks: Vec<IndexCheck>,
 }
 
 impl Submission {
     /// Number of dispatches in the submission.
     pub fn dispatches(&self) -> usize {
-        self.names.len()
+        self.dispatches
     }
 
     /// Whether kernels in this submission validate indices on the GPU (then
@@ -557,8 +630,8 @@ impl Submission {
     }
 
     /// Waits for the GPU, reports the first failed index check as an error, and returns the
-    /// per-dispatch GPU times (empty unless the recorder was a profiling one on an adapter
-    /// with timestamp queries).
+    /// per-dispatch GPU times, or the whole submission's (empty unless the recorder was a
+    /// profiling or timed one on an adapter with timestamp queries).
     pub async fn finish(self, gpu: &Gpu) -> Result<Trace> {
         for c in &self.checks {
             let flag = c.flag.to_vec_u32(gpu).await?;

@@ -31,7 +31,7 @@ static ATTEND: Kernel = Kernel::new(
 static ATTEND_PART: Kernel = Kernel::new(
     &KVCACHE,
     "attend_part",
-    &[(1, Read), (2, Read), (3, Read), (12, ReadWrite)],
+    &[(1, Read), (14, Read), (15, Read), (12, ReadWrite)],
 );
 static ATTEND_MERGE: Kernel =
     Kernel::new(&KVCACHE, "attend_merge", &[(4, ReadWrite), (12, ReadWrite)]);

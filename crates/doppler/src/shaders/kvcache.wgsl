@@ -14,7 +14,8 @@
 //              over key ranges so that more than Hq workgroups work (flash-decoding):
 //              attend_part, one workgroup of 256 per (t, h, range of 64 keys), writes the
 //              range's max score m, sum l of exp(s - m) and unnormalised output to `part`
-//              (binding 12, (T, Hq, splits, D + 2)); attend_merge, one workgroup per (t, h),
+//              (binding 12, (T, Hq, splits, D + 2)); it reads the caches as vec4s
+//              (bindings 14, 15) instead of 2, 3; attend_merge, one workgroup per (t, h),
 //              combines the ranges in order: o = sum_r e^(m_r - M) acc_r / sum_r e^(m_r - M) l_r.
 //   rope_store the projections of T new tokens, qkv (T, (Hq + 2 Hkv) D) = [q | k | v] per
 //              token, plus a bias (HAS_BIAS, binding 7) -> q turned by RoPE (T, Hq, D) at
@@ -202,11 +203,15 @@ fn splits() -> u32 {
 }
 
 // 256 threads a range: for the scores, 4 threads a key, each a quarter of the dims (vec4s
-// e = quarter, quarter + 4, ...; 4 loads in flight a thread), the quarters added in a fixed
-// order; for the output, 256 / (D / 4) groups of D / 4 threads as in `attend`. Fewer
-// dependent loads a thread than one thread a key (D = 128: 2 rounds of loads for the
-// score, not 8).
+// e = quarter, quarter + 4, ...), the quarters added in a fixed order; for the output,
+// 256 / (D / 4) groups of D / 4 threads as in `attend`. A thread's share of the keys and
+// of the values (up to 8 vec4s each: all of them for D <= 128) is loaded before anything
+// waits: the kernel pays one round trip to memory, not one for the keys and then one for
+// the values. The cache arrives as vec4s (bindings 14, 15: kc and vc again).
 var<workgroup> part_dot: array<f32, 256>;
+@group(0) @binding(14) var<storage, read> kc4: array<vec4<f32>>;
+@group(0) @binding(15) var<storage, read> vc4: array<vec4<f32>>;
+const PRE: u32 = 8u;   // vec4s of keys and of values a thread loads up front
 
 @compute @workgroup_size(256)
 fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -225,36 +230,47 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let groups = 256u / d4;
     let grp = lid / d4;
     let dim4 = lid % d4;
-    let stride = p.hkv * p.d;
-    let base = kvh * p.d;
+    let stride4 = p.hkv * d4;             // vec4s between consecutive cached tokens
+    let base4 = kvh * d4;
     let nkeys = p.pos + t + 1u;
     let k0 = sp * SPLIT;
+    let nk = select(0u, min(SPLIT, nkeys - k0), k0 < nkeys);   // keys in this range
     let out = g * (p.d + 2u);
+    // Quarter qtr of key k0 + lid / 4: vec4s qtr + 4 i of its row.
+    let qtr = lid % 4u;
+    let kb4 = (k0 + lid / 4u) * stride4 + base4;
+    let kn = select(0u, (d4 + 3u - qtr) / 4u, lid / 4u < nk);
+    var kq: array<vec4<f32>, 8>;
+    for (var i = 0u; i < PRE; i++) {
+        if (i < kn) {
+            kq[i] = kc4[kb4 + qtr + 4u * i];
+        }
+    }
+    // Group grp's keys grp + groups i, dims 4 dim4...
+    let on = grp < groups;
+    var vv: array<vec4<f32>, 8>;
+    for (var i = 0u; i < PRE; i++) {
+        let jj = grp + groups * i;
+        if (on && jj < nk) {
+            vv[i] = vc4[(k0 + jj) * stride4 + base4 + dim4];
+        }
+    }
     load_q(t, h, lid);
     workgroupBarrier();
-    // Quarter lid % 4 of key lid / 4's dot product.
-    let jq = k0 + lid / 4u;
     var dq = vec4<f32>(0.0);
-    if (jq < nkeys) {
-        let kb = jq * stride + base;
-        var e = lid % 4u;
-        for (; e + 12u < d4; e += 16u) {
-            let a = k4(kb + 4u * e);
-            let b = k4(kb + 4u * e + 16u);
-            let c = k4(kb + 4u * e + 32u);
-            let d = k4(kb + 4u * e + 48u);
-            dq += qs[e] * a + qs[e + 4u] * b + qs[e + 8u] * c + qs[e + 12u] * d;
+    for (var i = 0u; i < PRE; i++) {
+        if (i < kn) {
+            dq += qs[qtr + 4u * i] * kq[i];
         }
-        for (; e < d4; e += 4u) {
-            dq += qs[e] * k4(kb + 4u * e);
-        }
+    }
+    for (var i = PRE; i < kn; i++) {
+        dq += qs[qtr + 4u * i] * kc4[kb4 + qtr + 4u * i];
     }
     part_dot[lid] = (dq.x + dq.y) + (dq.z + dq.w);
     workgroupBarrier();
     // Threads lid < 64: key k0 + lid's score; every thread reads the 64 for the max.
-    let j = k0 + lid;
     var s = -3.0e38;
-    if (lid < SPLIT && j < nkeys) {
+    if (lid < nk) {
         let b = 4u * lid;
         s = ((part_dot[b] + part_dot[b + 1u]) + (part_dot[b + 2u] + part_dot[b + 3u])) * p.scale;
     }
@@ -268,14 +284,22 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     }
     let m = max(max(m4.x, m4.y), max(m4.z, m4.w));
     if (lid < SPLIT) {
-        sc[lid] = select(0.0, exp(s - m), j < nkeys);
+        sc[lid] = select(0.0, exp(s - m), lid < nk);
     }
     workgroupBarrier();
     var acc = vec4<f32>(0.0);
-    if (grp < groups && k0 < nkeys) {
-        acc = weighted_values(k0, grp, groups, min(SPLIT, nkeys - k0), stride, base + 4u * dim4);
+    if (on) {
+        for (var i = 0u; i < PRE; i++) {
+            let jj = grp + groups * i;
+            if (jj < nk) {
+                acc += sc[jj] * vv[i];
+            }
+        }
+        for (var jj = grp + groups * PRE; jj < nk; jj += groups) {
+            acc += sc[jj] * vc4[(k0 + jj) * stride4 + base4 + dim4];
+        }
     }
-    red4[lid] = select(vec4<f32>(0.0), acc, grp < groups);
+    red4[lid] = acc;
     workgroupBarrier();
     if (lid < d4) {
         let sum = group_sum(lid, groups);
@@ -284,15 +308,15 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         part[out + 4u * lid + 2u] = sum.z;
         part[out + 4u * lid + 3u] = sum.w;
     }
-    if (lid == 0u) {
-        // The sum of the 64 weights, in order. An empty range (past this query's keys)
-        // has l = 0 and adds nothing.
+    if (lid == 255u) {
+        // The sum of the 64 weights, in order (on a thread not summing groups above). An
+        // empty range (past this query's keys) has l = 0 and adds nothing.
         var l = 0.0;
         for (var i = 0u; i < 64u; i++) {
             l += sc[i];
         }
-        part[out + p.d] = select(-3.0e38, m, k0 < nkeys);
-        part[out + p.d + 1u] = select(0.0, l, k0 < nkeys);
+        part[out + p.d] = select(-3.0e38, m, nk > 0u);
+        part[out + p.d + 1u] = select(0.0, l, nk > 0u);
     }
 }
 

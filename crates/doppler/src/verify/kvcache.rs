@@ -15,13 +15,16 @@ use crate::reference::{attention as cpu, widen};
 /// workgroups); one head of the largest dim (no tiled kernel); D = 64 as SmolLM2 has, also
 /// over split key ranges; a second prompt chunk of 7 after cached tokens (tiled, offset
 /// causal mask).
-pub const KV_CASES: [(usize, usize, usize, usize, usize, usize); 6] = [
+pub const KV_CASES: [(usize, usize, usize, usize, usize, usize); 7] = [
     (300, 6, 2, 16, 261, 4),
     (160, 8, 2, 128, 140, 2),
     (8, 1, 1, 256, 3, 2),
     (40, 9, 3, 64, 17, 2),
     (160, 9, 3, 64, 130, 3),
     (40, 4, 2, 32, 9, 12),
+    // 256 dimensions over full ranges of 64 keys: attend_part's keys and values past the 8
+    // vec4s a thread loads up front.
+    (80, 2, 1, 256, 70, 2),
 ];
 
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
