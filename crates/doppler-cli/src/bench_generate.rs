@@ -183,7 +183,8 @@ fn argmax(v: &[f32]) -> u32 {
 }
 
 pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
-    let ctx = args.prompt + args.gen + 8;
+    // Room for the timed loop, then 16 steps timed on the GPU and 4 profiled ones.
+    let ctx = args.prompt + args.gen + 24;
     let t0 = Instant::now();
     let (llama, label): (Llama, String) = match &args.model {
         Some(p) => (
