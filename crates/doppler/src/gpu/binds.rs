@@ -4,10 +4,9 @@
 //! A decode step binds the same weights, caches and (pooled, hence recurring) activation
 //! buffers every token, so after the first tokens it builds no bind group at all.
 
-use super::pipeline::CachedPipeline;
+use super::pipeline::{CachedPipeline, FxMap};
 use super::Gpu;
 use crate::error::{Error, Result};
-use std::collections::HashMap;
 use std::num::NonZeroU64;
 
 /// (pipeline, parameter block size, storage buffers with their binding sizes).
@@ -20,7 +19,9 @@ const MAX_GROUPS: usize = 16384;
 pub(crate) struct Binds {
     /// The shared parameter buffer (grows; a new one drops every cached group).
     uniform: Option<wgpu::Buffer>,
-    groups: HashMap<Key, wgpu::BindGroup>,
+    groups: FxMap<Key, wgpu::BindGroup>,
+    /// The key being looked up, reused: a hit allocates nothing.
+    scratch: Key,
     pub built: u64,
     pub reused: u64,
 }
@@ -55,22 +56,24 @@ impl Binds {
 
     /// The bind group of `pipe` with a `uniform_size`-byte parameter block (at a dynamic
     /// offset) and `storage` (buffer, binding size) at the pipeline's storage bindings.
-    pub fn group(
+    pub fn group<'a>(
         &mut self,
         gpu: &Gpu,
         pipe: &CachedPipeline,
         uniform_size: u64,
-        storage: Vec<(wgpu::Buffer, u64)>,
+        storage: impl Iterator<Item = (&'a wgpu::Buffer, u64)>,
     ) -> wgpu::BindGroup {
-        let key: Key = (
-            pipe as *const CachedPipeline as usize,
-            uniform_size,
-            storage,
-        );
-        if let Some(g) = self.groups.get(&key) {
+        self.scratch.0 = pipe as *const CachedPipeline as usize;
+        self.scratch.1 = uniform_size;
+        self.scratch.2.clear();
+        self.scratch
+            .2
+            .extend(storage.map(|(b, size)| (b.clone(), size)));
+        if let Some(g) = self.groups.get(&self.scratch) {
             self.reused += 1;
             return g.clone();
         }
+        let key = self.scratch.clone();
         let uniform = self
             .uniform
             .as_ref()

@@ -58,12 +58,69 @@ pub(crate) struct CachedPipeline {
     pub name: Arc<str>,
 }
 
-type Key = (&'static str, &'static str, Vec<(&'static str, u64)>);
+/// Most override constants a pipeline takes.
+const MAX_CONSTANTS: usize = 12;
+
+/// (shader, entry point, override constants and their values' bits), kept inline: every
+/// dispatch looks its pipeline up, and the lookup allocates nothing.
+#[derive(Clone, Copy)]
+struct Key {
+    shader: &'static str,
+    entry: &'static str,
+    constants: [(&'static str, u64); MAX_CONSTANTS],
+    n: usize,
+}
+
+impl Key {
+    fn constants(&self) -> &[(&'static str, u64)] {
+        &self.constants[..self.n]
+    }
+}
+
+impl PartialEq for Key {
+    fn eq(&self, o: &Key) -> bool {
+        self.shader == o.shader && self.entry == o.entry && self.constants() == o.constants()
+    }
+}
+impl Eq for Key {}
+impl std::hash::Hash for Key {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        (self.shader, self.entry, self.constants()).hash(h);
+    }
+}
+
+/// FxHash (rustc's): a multiply and a rotate a word. The caches' keys are a few words and
+/// names, looked up on every dispatch; SipHash's resistance to chosen keys is not needed.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct FxHasher(u64);
+
+impl std::hash::Hasher for FxHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            self.write_u64(u64::from_le_bytes(c.try_into().expect("8 bytes")));
+        }
+        for &b in chunks.remainder() {
+            self.write_u64(b as u64);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    fn write_usize(&mut self, v: usize) {
+        self.write_u64(v as u64);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+pub(crate) type FxMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<FxHasher>>;
 
 #[derive(Default)]
 pub struct PipelineCache {
     modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
-    pipelines: Mutex<HashMap<Key, Arc<CachedPipeline>>>,
+    pipelines: Mutex<FxMap<Key, Arc<CachedPipeline>>>,
 }
 
 impl PipelineCache {
@@ -86,11 +143,24 @@ impl PipelineCache {
         kernel: &Kernel,
         constants: &[(&'static str, f64)],
     ) -> Result<Arc<CachedPipeline>> {
-        let key: Key = (
-            kernel.shader.name,
-            kernel.entry,
-            constants.iter().map(|(k, v)| (*k, v.to_bits())).collect(),
-        );
+        if constants.len() > MAX_CONSTANTS {
+            return Err(Error::Invalid {
+                op: kernel.entry,
+                detail: format!(
+                    "{} override constants, at most {MAX_CONSTANTS}",
+                    constants.len()
+                ),
+            });
+        }
+        let mut key = Key {
+            shader: kernel.shader.name,
+            entry: kernel.entry,
+            constants: [("", 0); MAX_CONSTANTS],
+            n: constants.len(),
+        };
+        for (slot, (k, v)) in key.constants.iter_mut().zip(constants) {
+            *slot = (k, v.to_bits());
+        }
         if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
             return Ok(p.clone());
         }

@@ -182,6 +182,11 @@ impl BufferPool {
     pub fn collect(&self) {
         let finished: Vec<_> = {
             let mut p = self.inner.lock().unwrap();
+            // Every allocation comes here: nothing to do (and nothing allocated) unless a
+            // submission finished.
+            if !p.pending.iter().any(|(d, _)| d.load(Ordering::Acquire)) {
+                return;
+            }
             let (done, pending): (Vec<_>, Vec<_>) = p
                 .pending
                 .drain(..)

@@ -374,10 +374,7 @@ impl<'g> Recorder<'g> {
                     tensors,
                     ..
                 } => {
-                    let storage = tensors
-                        .iter()
-                        .map(|t| (t.buffer().clone(), t.binding_size()))
-                        .collect();
+                    let storage = tensors.iter().map(|t| (t.buffer(), t.binding_size()));
                     Some(binds.group(gpu, pipe, *uniform_size, storage))
                 }
                 _ => None,

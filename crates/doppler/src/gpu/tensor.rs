@@ -27,11 +27,43 @@ pub(crate) const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
     .union(wgpu::BufferUsages::COPY_SRC)
     .union(wgpu::BufferUsages::COPY_DST);
 
+/// Most dimensions a tensor has.
+pub const MAX_RANK: usize = 8;
+
+/// A shape kept inline, so that making or cloning a tensor (every dispatch records its
+/// tensors) allocates nothing for it.
+#[derive(Clone, Copy)]
+struct Shape {
+    dims: [usize; MAX_RANK],
+    rank: u8,
+}
+
+impl Shape {
+    fn new(op: &'static str, dims: &[usize]) -> Result<Shape> {
+        if dims.len() > MAX_RANK {
+            return Err(Error::Shape {
+                op,
+                detail: format!("{dims:?} has more than {MAX_RANK} dimensions"),
+            });
+        }
+        let mut s = Shape {
+            dims: [0; MAX_RANK],
+            rank: dims.len() as u8,
+        };
+        s.dims[..dims.len()].copy_from_slice(dims);
+        Ok(s)
+    }
+
+    fn as_slice(&self) -> &[usize] {
+        &self.dims[..self.rank as usize]
+    }
+}
+
 /// A GPU tensor, contiguous, row-major. Cloning shares the buffer.
 #[derive(Clone)]
 pub struct Tensor {
     buf: Arc<PooledBuffer>,
-    shape: Vec<usize>,
+    shape: Shape,
     dtype: DType,
     label: Arc<str>,
 }
@@ -41,7 +73,9 @@ impl std::fmt::Debug for Tensor {
         write!(
             f,
             "Tensor({}: {:?} {:?})",
-            self.label, self.dtype, self.shape
+            self.label,
+            self.dtype,
+            self.shape()
         )
     }
 }
@@ -49,6 +83,7 @@ impl std::fmt::Debug for Tensor {
 impl Tensor {
     /// Uninitialised contents (whatever the pooled buffer held).
     pub fn empty(gpu: &Gpu, shape: &[usize], dtype: DType, label: &str) -> Result<Tensor> {
+        let dims = Shape::new("tensor", shape)?;
         let numel: usize = shape.iter().product();
         let bytes = (numel * dtype.size()) as u64;
         let binding = bytes.next_multiple_of(16).max(16);
@@ -65,7 +100,7 @@ impl Tensor {
             .alloc(&gpu.device, &gpu.limits, binding, STORAGE, label)?;
         Ok(Tensor {
             buf,
-            shape: shape.to_vec(),
+            shape: dims,
             dtype,
             label: label.into(),
         })
@@ -117,7 +152,7 @@ impl Tensor {
     }
 
     pub fn shape(&self) -> &[usize] {
-        &self.shape
+        self.shape.as_slice()
     }
     pub fn dtype(&self) -> DType {
         self.dtype
@@ -126,7 +161,7 @@ impl Tensor {
         &self.label
     }
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        self.shape().iter().product()
     }
     /// Bytes of actual data (not the pooled buffer's size).
     pub fn byte_size(&self) -> u64 {
@@ -151,14 +186,14 @@ impl Tensor {
                 op: "reshape",
                 detail: format!(
                     "{:?} ({} elements) to {:?}",
-                    self.shape,
+                    self.shape(),
                     self.numel(),
                     shape
                 ),
             });
         }
         Ok(Tensor {
-            shape: shape.to_vec(),
+            shape: Shape::new("reshape", shape)?,
             ..self.clone()
         })
     }
@@ -173,12 +208,12 @@ impl Tensor {
                     "{:?} ({} elements) of {:?}",
                     shape,
                     shape.iter().product::<usize>(),
-                    self.shape
+                    self.shape()
                 ),
             });
         }
         Ok(Tensor {
-            shape: shape.to_vec(),
+            shape: Shape::new("prefix", shape)?,
             ..self.clone()
         })
     }
