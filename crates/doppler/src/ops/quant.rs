@@ -371,6 +371,7 @@ pub fn qmatvec_merged(
         ("TYPE", w.ty.0 as f64),
         ("RESIDUAL", residual.is_some() as u32 as f64),
         ("MERGE", 1.0),
+        ("MV_X", 1.0),
     ];
     let x = &parts.part;
     let res = residual.unwrap_or(x);
@@ -530,8 +531,8 @@ pub fn qmatmul_fused(
             }
         }
         Path::MatVec => {
-            let grid = Grid::Linear((w.rows.div_ceil(8) * m.div_ceil(8)) as u64);
-            rec.dispatch(&QMATVEC, &c, bytemuck::bytes_of(&p), &bind, grid)?;
+            let (cm, grid) = matvec_grid(c, m, w.rows);
+            rec.dispatch(&QMATVEC, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         }
         Path::Tiled => {
             let (gn, gm) = (w.rows.div_ceil(64), m.div_ceil(64));
@@ -753,11 +754,27 @@ pub fn qmatmul_rope_store(
             }
         }
         _ => {
-            let grid = Grid::Linear((w.rows.div_ceil(8) * t.div_ceil(8)) as u64);
-            rec.dispatch(&QMATVEC_ROPE, &c, bytemuck::bytes_of(&p), &bind, grid)?;
+            let (cm, grid) = matvec_grid(c, t, w.rows);
+            rec.dispatch(&QMATVEC_ROPE, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         }
     }
     Ok(q)
+}
+
+/// The matrix-vector kernel's constants (`c` and its rows of x a workgroup, MV_X: 1 for
+/// one row, so that its loops keep one sum in registers, else 8) and grid (8 rows of W by
+/// MV_X rows of x a workgroup) for `m` rows of x and `rows` of W.
+fn matvec_grid(
+    c: [(&'static str, f64); 4],
+    m: usize,
+    rows: usize,
+) -> ([(&'static str, f64); 5], Grid) {
+    let mv_x = if m == 1 { 1 } else { 8 };
+    let cm = [c[0], c[1], c[2], c[3], ("MV_X", mv_x as f64)];
+    (
+        cm,
+        Grid::Linear((rows.div_ceil(8) * m.div_ceil(mv_x)) as u64),
+    )
 }
 
 #[cfg(test)]

@@ -663,7 +663,9 @@ fn finish(r: u32, j: u32, sum: f32) -> f32 {
 }
 
 const MV_ROWS: u32 = 8u;   // rows of W a workgroup (32 threads each)
-const MV_X: u32 = 8u;      // rows of x a workgroup: each W value read once serves them all
+// Rows of x a workgroup (8 at most): each W value read once serves them all. 1 for one
+// row of x (decode): the loops over rows then hold one sum, not eight, in registers.
+override MV_X: u32 = 8u;
 var<workgroup> mv_part: array<array<vec4<f32>, 64>, 8>;   // [row of x][thread / 4][thread % 4]
 var<workgroup> mv_ss: array<array<vec4<f32>, 8>, 8>;      // NORM: x^2 sums of the first 32 threads
 var<workgroup> mv_tot: array<array<f32, 8>, 8>;           // [row of x][group]: its column's sum
