@@ -216,9 +216,12 @@ pub fn kv_attend_parts(
         DType::F32,
         "kv_attend.part",
     )?;
+    // vec4s of keys and of values a thread holds: (D / 4) / 4 quarters, and 64 keys over
+    // 256 / (D / 4) groups: D / 16 each, at least 1, at most the kernel's 8.
+    let pre = (p.d as usize).div_ceil(16).clamp(1, 8);
     rec.dispatch(
         &ATTEND_PART,
-        &[],
+        &[("PRE", pre as f64)],
         bytemuck::bytes_of(&p),
         &[q, k, v, &part],
         Grid::Linear(rows as u64),

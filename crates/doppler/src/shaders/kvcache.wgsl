@@ -211,7 +211,9 @@ fn splits() -> u32 {
 var<workgroup> part_dot: array<f32, 256>;
 @group(0) @binding(14) var<storage, read> kc4: array<vec4<f32>>;
 @group(0) @binding(15) var<storage, read> vc4: array<vec4<f32>>;
-const PRE: u32 = 8u;   // vec4s of keys and of values a thread loads up front
+// vec4s of keys and of values a thread loads up front: D / 16 up to 8 (set by the host;
+// arrays past it are never touched, so they take no registers).
+override PRE: u32 = 8u;
 
 @compute @workgroup_size(256)
 fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
