@@ -363,7 +363,7 @@ impl<'g> Recorder<'g> {
             Timing::EachDispatch => Some(Queries::new(gpu, n_dispatch)?),
             Timing::Whole => Some(Queries::new(gpu, 1)?),
         };
-        // Bind groups first (their cache is behind the lock), then the encoding.
+        // Each dispatch's bind group (cached: built once for its pipeline and buffers).
         let groups: Vec<Option<wgpu::BindGroup>> = self
             .cmds
             .iter()
@@ -442,8 +442,7 @@ impl<'g> Recorder<'g> {
 
 /// One command buffer of `cmds` (whose bind groups are `groups`, None for non-dispatches).
 /// A run of dispatches shares one pass (wgpu inserts the barriers between them), except
-/// with `Timing::EachDispatch` (`queries`, a single range): then each gets a pass with its
-/// own timestamps. With `Timing::Whole` the first pass writes the first timestamp and the
+/// with `Timing::EachDispatch`: then each gets a pass with its own timestamps. With `Timing::Whole` the first pass writes the first timestamp and the
 /// last pass the second. The queries are resolved at the end.
 fn encode_commands(
     gpu: &Gpu,
