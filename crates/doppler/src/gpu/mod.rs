@@ -297,25 +297,19 @@ impl Gpu {
     /// A recorder that writes a GPU timestamp around every dispatch (needs `TIMESTAMP_QUERY`;
     /// without it the trace stays empty).
     pub fn profiling_recorder(&self, label: &str) -> Recorder<'_> {
-        let on = self.features.contains(wgpu::Features::TIMESTAMP_QUERY);
-        let timing = if on {
-            recorder::Timing::EachDispatch
-        } else {
-            recorder::Timing::Off
-        };
-        Recorder::new(self, label, timing)
+        self.timestamped(label, recorder::Timing::EachDispatch)
     }
 
     /// A recorder whose trace is one event, the GPU time from the start of its first pass
     /// to the end of its last, its dispatches encoded as usual (needs `TIMESTAMP_QUERY`;
     /// without it the trace stays empty).
     pub fn timed_recorder(&self, label: &str) -> Recorder<'_> {
+        self.timestamped(label, recorder::Timing::Whole)
+    }
+
+    fn timestamped(&self, label: &str, timing: recorder::Timing) -> Recorder<'_> {
         let on = self.features.contains(wgpu::Features::TIMESTAMP_QUERY);
-        let timing = if on {
-            recorder::Timing::Whole
-        } else {
-            recorder::Timing::Off
-        };
+        let timing = if on { timing } else { recorder::Timing::Off };
         Recorder::new(self, label, timing)
     }
 
