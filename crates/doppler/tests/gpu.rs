@@ -216,6 +216,31 @@ fn pipelines_are_built_once_per_key() {
 }
 
 #[test]
+fn timed_recorder_times_the_whole_submission_in_one_event() {
+    // Dispatches, a copy between them (so two passes: the first writes the first
+    // timestamp, the last the second), more dispatches: one event named by the recorder.
+    let gpu = gpu();
+    let a = Tensor::from_f32(gpu, &[4096], &[1.0; 4096], "a").unwrap();
+    let mut rec = gpu.timed_recorder("step");
+    let b = elementwise::add(&mut rec, &a, &a).unwrap();
+    let b2 = Tensor::empty(gpu, &[4096], DType::F32, "b2").unwrap();
+    rec.copy(&b, &b2).unwrap();
+    let c = elementwise::mul(&mut rec, &b2, &a).unwrap();
+    let s = reduce::sum_rows(&mut rec, &c.reshape(&[1, 4096]).unwrap()).unwrap();
+    let sub = rec.submit().unwrap();
+    assert_eq!(sub.dispatches(), 3);
+    let trace = sub.wait(gpu).unwrap();
+    assert_eq!(s.read_f32(gpu).unwrap(), [8192.0]);
+    if !gpu.features.contains(wgpu::Features::TIMESTAMP_QUERY) {
+        assert!(trace.events.is_empty());
+        return;
+    }
+    assert_eq!(trace.events.len(), 1);
+    assert_eq!(trace.events[0].name, "step");
+    assert!(trace.events[0].dur_ns > 0.0, "{:?}", trace.events[0].dur_ns);
+}
+
+#[test]
 fn profiling_recorder_writes_a_chrome_trace() {
     let gpu = gpu();
     let a = Tensor::from_f32(gpu, &[4096], &[1.0; 4096], "a").unwrap();
