@@ -12,9 +12,9 @@
 // GGUF rows are whole blocks):
 //   dequantize   dst[i] = value(i), i < n                       cover n, 256 a workgroup
 //   get_rows     dst[r, c] = value(ids[r] * k + c), r < m       cover m * k, 256 a workgroup
-//   qmatvec      y[r, j] = sum_c x[r, c] * value(j * k + c)     (n / 8) * (m / 8) groups:
-//                8 rows of W x 8 rows of x a workgroup, 32 threads a row of W striding over
-//                k, then a fixed tree (a row's sum does not depend on m)
+//   qmatvec      y[r, j] = sum_c x[r, c] * value(j * k + c)     (n / 8) * (m / MV_X) groups:
+//                8 rows of W x MV_X rows of x a workgroup (8; 1 for one row), 32 threads a
+//                row of W striding over k, then a fixed tree (a row's sum does not depend on m)
 //   qmatvec1     the same for one row of x and k a multiple of 32 (decode): 4 rows of W a
 //                group of 32 threads sharing their loads of x; 32 rows a workgroup, or 4
 //                with the workgroup's 8 groups splitting k (long rows, few rows)
