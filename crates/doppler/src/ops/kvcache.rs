@@ -41,15 +41,11 @@ static ATTEND_MERGE_X8: Kernel = Kernel::new(
     &[(12, ReadWrite), (13, ReadWrite)],
 );
 
-/// Queries up to which attention splits the keys into ranges of 64 (decode), and the
-/// fewest keys for which it does, unless heads have [`SPLIT_ALWAYS_D`] dimensions or more.
+/// Queries up to which attention splits the keys into ranges of 64 (decode), however few
+/// the keys: since `attend_part` loads its keys and values up front, that is faster than
+/// one workgroup a head (`attend`) for short contexts too (H200, SmolLM2 shapes, 16 + 100
+/// tokens: 920-938 -> 978-1000 tok/s, GPU 1.04 -> 0.89 ms a step).
 pub const SPLIT_MAX_QUERIES: usize = 4;
-pub const SPLIT_MIN_KEYS: usize = 128;
-/// Head size from which decoding splits however few the keys: `attend` scores a key on one
-/// thread, and 128-dimension keys make that slower than the split kernels (H200, 8 + 64
-/// tokens: 8B shapes 245 -> 277 tok/s; SmolLM2's 64 dimensions are faster unsplit, 905
-/// against 858).
-pub const SPLIT_ALWAYS_D: usize = 128;
 const SPLIT: usize = 64;
 
 static ROPE_STORE: Kernel = Kernel::new(
@@ -186,9 +182,8 @@ pub struct AttnParts {
 }
 
 /// The first half of [`kv_attend`] when it splits the keys into ranges (up to
-/// [`SPLIT_MAX_QUERIES`] queries over at least [`SPLIT_MIN_KEYS`] keys, or any number of
-/// keys with heads of [`SPLIT_ALWAYS_D`] or more): the ranges' partial results. None when
-/// it would not split.
+/// [`SPLIT_MAX_QUERIES`] queries): the ranges' partial results. None when it would not
+/// split.
 pub fn kv_attend_parts(
     rec: &mut Recorder<'_>,
     q: &Tensor,
@@ -205,7 +200,7 @@ pub fn kv_attend_parts(
         });
     }
     let (t, keys) = (p.t as usize, pos + p.t as usize);
-    if t > SPLIT_MAX_QUERIES || (keys < SPLIT_MIN_KEYS && (p.d as usize) < SPLIT_ALWAYS_D) {
+    if t > SPLIT_MAX_QUERIES {
         return Ok(None);
     }
     let splits = keys.div_ceil(SPLIT);
@@ -236,8 +231,8 @@ pub fn kv_attend_parts(
 
 /// Causal attention of q (T, Hq, D), the tokens at pos..pos+T, over the cached keys and
 /// values 0..pos+T (the new ones stored already). Scale 1/sqrt(D). Up to
-/// [`SPLIT_MAX_QUERIES`] queries over at least [`SPLIT_MIN_KEYS`] keys split the keys into
-/// ranges (two dispatches, many more workgroups); more queries run the tiled attention of
+/// [`SPLIT_MAX_QUERIES`] queries split the keys into ranges (two dispatches, many more
+/// workgroups); more queries run the tiled attention of
 /// `ops::attention` where it fits (head dim <= 64), otherwise one workgroup per (t, h).
 pub fn kv_attend(
     rec: &mut Recorder<'_>,

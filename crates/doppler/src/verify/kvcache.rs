@@ -11,10 +11,10 @@ use crate::reference::{attention as cpu, widen};
 
 /// (capacity, Hq, Hkv, D, prefill tokens, then that many more tokens in steps of 2, 1, 1,
 /// ..., or of 7, 2, 1, 1, ... from 10 on): grouped heads with an odd prefill longer than
-/// one chunk of 256 keys, the steps over more than 128 keys (key ranges split over
-/// workgroups); one head of the largest dim (no tiled kernel); D = 64 as SmolLM2 has, also
-/// over split key ranges; a second prompt chunk of 7 after cached tokens (tiled, offset
-/// causal mask).
+/// one chunk of 256 keys, then steps (up to 4 queries: key ranges split over workgroups,
+/// from a few keys to more than 128); prompts of heads too large for the tiled kernel (one
+/// workgroup a head); D = 64 as SmolLM2 has; a second prompt chunk of 7 after cached tokens
+/// (tiled, offset causal mask).
 pub const KV_CASES: [(usize, usize, usize, usize, usize, usize); 7] = [
     (300, 6, 2, 16, 261, 4),
     (160, 8, 2, 128, 140, 2),
