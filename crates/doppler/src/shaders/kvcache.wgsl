@@ -9,9 +9,10 @@
 //              per thread, with a running max and sum (online softmax); for the output the
 //              threads form 1024 / D groups of D / 4 threads holding 4 dims each, group g
 //              taking keys g, g + groups, ... of each chunk, and the groups are summed in a
-//              fixed order at the end. D a multiple of 4.
-//   attend_part, attend_merge   the same for few queries over many keys (decode), split
-//              over key ranges so that more than Hq workgroups work (flash-decoding):
+//              fixed order at the end. D a multiple of 4. (Used for prompts whose heads
+//              are too large for attention.wgsl's tiled kernel.)
+//   attend_part, attend_merge   the same for up to 4 queries (decode), however many keys,
+//              split over key ranges so that more than Hq workgroups work (flash-decoding):
 //              attend_part, one workgroup of 256 per (t, h, range of 64 keys), writes the
 //              range's max score m, sum l of exp(s - m) and unnormalised output to `part`
 //              (binding 12, (T, Hq, splits, D + 2)); it reads the caches as vec4s
