@@ -295,6 +295,7 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         "backend": format!("{:?}", gpu.info.backend),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "weights_mib": llama.weight_bytes as f64 / (1u64 << 20) as f64,
+        "decode_read_mib": llama.decode_bytes as f64 / (1u64 << 20) as f64,
         "load_ms": load_ms,
         "prompt_tokens": args.prompt,
         "generated_tokens": per_token.len(),
@@ -310,7 +311,7 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         "cpu_ms_per_token": cpu_ms / n,
         "gpu_ms_per_token_p50": pct(&gpu_ms, 0.5),
         "bind_groups_built_per_token": built as f64 / n,
-        "weight_gb_s_at_p50": llama.weight_bytes as f64 / (p50 / 1e3) / 1e9,
+        "weight_gb_s_at_p50": llama.decode_bytes as f64 / (p50 / 1e3) / 1e9,
         "decode_kernels": kernels,
         "prefill_kernels": prefill_kernels,
     });

@@ -157,6 +157,10 @@ impl Tensor {
     pub fn dtype(&self) -> DType {
         self.dtype
     }
+    /// Whether `other` is this tensor's buffer (a clone of it or a view of the same).
+    pub fn same_buffer(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.buf, &other.buf)
+    }
     pub fn label(&self) -> &str {
         &self.label
     }

@@ -25,7 +25,7 @@ use crate::formats::gguf::{GgmlType, Value};
 use crate::gpu::{DType, Gpu, Recorder, Tensor};
 use crate::ops::kvcache::{kv_attend, kv_attend_parts, KvCache, RopeStore};
 use crate::ops::quant::{
-    get_rows, qmatmul_fused, qmatmul_rope_store, qmatvec_parts, Fuse, QMatrix,
+    get_rows, qmatmul_chain, qmatmul_fused, qmatmul_rope_store, qmatvec_parts, Fuse, Next, QMatrix,
 };
 use crate::ops::rope::{inv_freq, Pairing, RopeTable};
 
@@ -126,8 +126,10 @@ pub struct Llama {
     rope: RopeTable,
     /// Largest context (positions) this instance serves: the RoPE table's length.
     pub max_context: usize,
-    /// Bytes of weights on the GPU.
+    /// Bytes of the weights (as the file stores them).
     pub weight_bytes: u64,
+    /// Bytes of weights a decode step reads: all but a separate embedding table's.
+    pub decode_bytes: u64,
 }
 
 /// A tensor as stored: bytes, type, dims innermost first.
@@ -309,15 +311,20 @@ impl Llama {
         };
         let max_context = max_context.min(cfg.context_length).max(1);
         let rope = RopeTable::from_inv_freq(gpu, max_context, &cfg.inv_freq(factors.as_deref()))?;
-        let mut weight_bytes = embd.raw.byte_size() + out_norm.byte_size();
-        if !cfg.tied_embeddings {
-            weight_bytes += output.raw.byte_size();
-        }
+        // A decode step reads every layer, the final norm and the output head (the
+        // embedding table when tied); of a separate embedding table, one row.
+        // Counted as the file stores them (Q6_K's padding on the GPU not included).
+        let mut decode_bytes = out_norm.byte_size() + output.file_bytes();
         for l in &layers {
             for m in [&l.qkv, &l.o, &l.gate_up, &l.down] {
-                weight_bytes += m.raw.byte_size();
+                decode_bytes += m.file_bytes();
             }
+            decode_bytes += l.attn_norm.byte_size() + l.ffn_norm.byte_size();
         }
+        let weight_bytes = match cfg.tied_embeddings {
+            true => decode_bytes,
+            false => decode_bytes + embd.file_bytes(),
+        };
         Ok(Llama {
             cfg,
             embd,
@@ -327,6 +334,7 @@ impl Llama {
             rope,
             max_context,
             weight_bytes,
+            decode_bytes,
         })
     }
 
@@ -409,6 +417,9 @@ impl Llama {
         let eps = c.norm_eps as f32;
         let d = c.head_dim;
         let mut x = get_rows(rec, &self.embd, ids_t)?; // (T, E)
+                                                       // x rounded to 8 bits for the next product by the product that made it, where both
+                                                       // round x (one token on large layers: see `ops::quant::qmatmul_chain`).
+        let mut x8 = None;
         for (li, l) in self.layers.iter().enumerate() {
             let to = RopeStore {
                 bias: l.qkv_bias.as_ref(),
@@ -419,7 +430,12 @@ impl Llama {
                 v_cache: &cache.v[li],
                 pos,
             };
-            let q = qmatmul_rope_store(rec, &x, &l.qkv, Some((&l.attn_norm, eps)), &to)?;
+            let q =
+                qmatmul_rope_store(rec, &x, &l.qkv, Some((&l.attn_norm, eps)), &to, x8.as_ref())?;
+            let gate_up = Next {
+                w: &l.gate_up,
+                norm: Some(&l.ffn_norm),
+            };
             // One token over many keys: the attention's key ranges are merged inside the
             // o product, or into its 8-bit x (one dispatch fewer a layer).
             let parts = if t == 1 {
@@ -427,8 +443,8 @@ impl Llama {
             } else {
                 None
             };
-            x = match parts {
-                Some(parts) => qmatvec_parts(rec, &parts, &l.o, Some(&x))?,
+            (x, x8) = match parts {
+                Some(parts) => qmatvec_parts(rec, &parts, &l.o, Some(&x), Some(gate_up))?,
                 None => {
                     let a = kv_attend(rec, &q, &cache.k[li], &cache.v[li], pos)?
                         .reshape(&[t, c.n_head * d])?;
@@ -436,36 +452,44 @@ impl Llama {
                         residual: Some(&x),
                         ..Default::default()
                     };
-                    qmatmul_fused(rec, &a, &l.o, fuse)?
+                    qmatmul_chain(rec, &a, &l.o, fuse, Some(gate_up))?
                 }
             };
-            let g = qmatmul_fused(
-                rec,
-                &x,
-                &l.gate_up,
-                Fuse {
-                    norm: Some((&l.ffn_norm, eps)),
-                    swiglu: true,
-                    ..Default::default()
+            let fuse = Fuse {
+                norm: Some((&l.ffn_norm, eps)),
+                swiglu: true,
+                x8: x8.as_ref(),
+                ..Default::default()
+            };
+            let down = Next {
+                w: &l.down,
+                norm: None,
+            };
+            let (g, g8) = qmatmul_chain(rec, &x, &l.gate_up, fuse, Some(down))?;
+            let next = match self.layers.get(li + 1) {
+                Some(n) => Next {
+                    w: &n.qkv,
+                    norm: Some(&n.attn_norm),
                 },
-            )?;
-            x = qmatmul_fused(
-                rec,
-                &g,
-                &l.down,
-                Fuse {
-                    residual: Some(&x),
-                    ..Default::default()
+                None => Next {
+                    w: &self.output,
+                    norm: Some(&self.out_norm),
                 },
-            )?;
+            };
+            let fuse = Fuse {
+                residual: Some(&x),
+                x8: g8.as_ref(),
+                ..Default::default()
+            };
+            (x, x8) = qmatmul_chain(rec, &g, &l.down, fuse, Some(next))?;
         }
         cache.len += t;
-        let last = if all || t == 1 {
-            x
+        let (last, x8) = if all || t == 1 {
+            (x, x8)
         } else {
             let row = Tensor::empty(gpu, &[1, c.n_embd], DType::F32, "llama.last")?;
             rec.copy_elements(&x, (t - 1) * c.n_embd, &row, 0, c.n_embd)?;
-            row
+            (row, None)
         };
         let logits = qmatmul_fused(
             rec,
@@ -473,6 +497,7 @@ impl Llama {
             &self.output,
             Fuse {
                 norm: Some((&self.out_norm, eps)),
+                x8: x8.as_ref(),
                 ..Default::default()
             },
         )?;

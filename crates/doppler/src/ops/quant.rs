@@ -90,6 +90,23 @@ static QMATMUL: Kernel = Kernel::new(
     ],
 );
 
+// The decode product on x rounded (XQ8) that can also round its output (X8_OUT): x's words
+// (3, 7), the next norm's weight (5), the residual (6), the rounded output (14).
+static QMATVEC1_X8: Kernel = Kernel::new(
+    &QUANT,
+    "qmatvec1_x8",
+    &[
+        (1, Read),
+        (2, ReadWrite),
+        (3, Read),
+        (5, Read),
+        (6, Read),
+        (7, Read),
+        (13, Read),
+        (14, ReadWrite),
+    ],
+);
+
 // x rounded for the XQ8 decode products: x as vec4s (7), the norm weight as vec4s (8), out (14).
 static QUANTIZE_X8: Kernel = Kernel::new(
     &QUANT,
@@ -141,8 +158,53 @@ pub const SUPPORTED: &[&str] = &[
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
 ];
 
-/// `n` elements of type `ty` from `raw` (the blocks' bytes as u32 words, see
-/// [`Tensor::from_raw_bytes`]) into a new f32 tensor of shape `shape`.
+/// Bytes of a Q6_K block as the file stores it and as the GPU holds it: 210-byte blocks
+/// are padded to 224 on upload, so that every block starts on a 16-byte boundary and the
+/// kernels read its quants, scales and d as 16-byte words, not byte by byte (the 8B's
+/// Q6_K output head on the H200: 0.43 -> 0.14 ms a token, 1.0 -> 3.2 TB/s).
+const Q6K_FILE_BYTES: usize = 210;
+const Q6K_GPU_BYTES: usize = 224;
+
+/// A block of `ty` in GPU memory: (elements, bytes).
+fn gpu_block(ty: GgmlType) -> (usize, usize) {
+    match ty.block() {
+        _ if ty.name() == "Q6_K" => (256, Q6K_GPU_BYTES),
+        Some((per, bytes)) => (per as usize, bytes as usize),
+        None => (1, 1),
+    }
+}
+
+/// Blocks of type `ty` (a GGUF tensor's bytes, whole blocks) into the u32 tensor the
+/// kernels read: the bytes as they are, except Q6_K's blocks, each padded with zeros to
+/// 224 bytes (see `quant.wgsl`).
+pub fn upload_blocks(
+    gpu: &crate::gpu::Gpu,
+    bytes: &[u8],
+    ty: GgmlType,
+    label: &str,
+) -> Result<Tensor> {
+    if ty.name() != "Q6_K" {
+        return Tensor::from_raw_bytes(gpu, bytes, label);
+    }
+    if bytes.len() % Q6K_FILE_BYTES != 0 {
+        return Err(Error::Invalid {
+            op: "upload_blocks",
+            detail: format!(
+                "{label}: {} bytes are not whole Q6_K blocks of {Q6K_FILE_BYTES}",
+                bytes.len()
+            ),
+        });
+    }
+    let mut padded = Vec::with_capacity(bytes.len() / Q6K_FILE_BYTES * Q6K_GPU_BYTES);
+    for block in bytes.chunks_exact(Q6K_FILE_BYTES) {
+        padded.extend_from_slice(block);
+        padded.resize(padded.len() + Q6K_GPU_BYTES - Q6K_FILE_BYTES, 0);
+    }
+    Tensor::from_raw_bytes(gpu, &padded, label)
+}
+
+/// `n` elements of type `ty` from `raw` (the blocks as [`upload_blocks`] puts them on the
+/// GPU) into a new f32 tensor of shape `shape`.
 pub fn dequantize(
     rec: &mut Recorder<'_>,
     raw: &Tensor,
@@ -163,10 +225,7 @@ pub fn dequantize(
             ty.0
         ));
     }
-    let (per, bytes) = ty
-        .block()
-        .map(|(a, b)| (a as usize, b as usize))
-        .unwrap_or((1, 1));
+    let (per, bytes) = gpu_block(ty);
     if raw.dtype() != DType::U32 || n % per != 0 || raw.numel() * 4 < n / per * bytes {
         return bad(format!(
             "{n} elements of {} need {} bytes; raw tensor {:?} {:?}",
@@ -243,13 +302,19 @@ impl QMatrix {
                 bytes.len()
             ));
         }
-        let raw = Tensor::from_raw_bytes(gpu, bytes, name)?;
+        let raw = upload_blocks(gpu, bytes, ty, name)?;
         Ok(QMatrix {
             raw,
             ty,
             rows,
             cols,
         })
+    }
+
+    /// Bytes of the matrix as the file stores it.
+    pub fn file_bytes(&self) -> u64 {
+        let (per, block) = self.ty.block().unwrap_or((1, 1));
+        (self.rows * self.cols) as u64 / per * block
     }
 
     fn params(&self, m: usize) -> Params {
@@ -318,6 +383,52 @@ pub struct Fuse<'a> {
     pub residual: Option<&'a Tensor>,
     /// W holds [gate; up] (2n rows): the result is silu(x gate^T) * (x up^T), (.., n).
     pub swiglu: bool,
+    /// x already rounded for this product by the one that made it ([`qmatmul_chain`]),
+    /// with `norm`'s weight: used instead of rounding x again where the product rounds x
+    /// ([`decode_rounds_x`]; x is read otherwise).
+    pub x8: Option<&'a X8>,
+}
+
+/// One row of x rounded to 8 bits for the XQ8 decode products (`quant.wgsl`'s layout:
+/// groups of 16 columns), after multiplying by a norm's weight (`norm`: the groups' sums
+/// of squares are kept for the norm's factor, which the product applies) or not.
+pub struct X8 {
+    pub q: Tensor,
+    pub cols: usize,
+    pub norm: Option<Tensor>,
+}
+
+impl X8 {
+    /// Whether a product of W with `norm` (its weight) takes this x.
+    fn check(&self, op: &'static str, w: &QMatrix, norm: Option<&Tensor>) -> Result<()> {
+        let same_norm = match (&self.norm, norm) {
+            (None, None) => true,
+            (Some(a), Some(b)) => a.same_buffer(b),
+            _ => false,
+        };
+        if self.cols != w.cols || !same_norm {
+            return Err(Error::Invalid {
+                op,
+                detail: format!(
+                    "x rounded for {} columns {} a norm weight, given to W ({}, {}) {} a norm weight",
+                    self.cols,
+                    if self.norm.is_some() { "after" } else { "without" },
+                    w.rows,
+                    w.cols,
+                    if norm.is_some() { "with" } else { "without" },
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The product that takes a product's output ([`qmatmul_chain`]): its W and the weight of
+/// the norm fused before it.
+#[derive(Clone, Copy)]
+pub struct Next<'a> {
+    pub w: &'a QMatrix,
+    pub norm: Option<&'a Tensor>,
 }
 
 /// Widest attention output (heads x head size) [`qmatvec_merged`] takes: its workgroups
@@ -390,27 +501,29 @@ pub fn qmatvec_merged(
 /// ([`qmatvec_merged`]) up to [`MERGE_MAX_WIDTH`]; wider, merged straight into the 8-bit
 /// rounded row where the product rounds x ([`decode_rounds_x`]; head size a multiple of
 /// 16: `kvcache::attend_merge_x8`, one dispatch fewer than merging and then rounding);
-/// otherwise merged, then multiplied.
+/// otherwise merged, then multiplied. With `next`, y also rounded for that product where
+/// both round x (see [`qmatmul_chain`]).
 pub fn qmatvec_parts(
     rec: &mut Recorder<'_>,
     parts: &AttnParts,
     w: &QMatrix,
     residual: Option<&Tensor>,
-) -> Result<Tensor> {
+    next: Option<Next<'_>>,
+) -> Result<(Tensor, Option<X8>)> {
     let width = parts.heads * parts.d;
     if width <= MERGE_MAX_WIDTH {
-        return qmatvec_merged(rec, parts, w, residual);
+        return Ok((qmatvec_merged(rec, parts, w, residual)?, None));
     }
     let fuse = Fuse {
         residual,
         ..Default::default()
     };
     let rounds = width == w.cols && decode_rounds_x(1, w.ty, w.rows, w.cols);
-    let (split, rows) = match Path::of(1, w) {
-        Path::Decode { split, rows } if rounds && parts.d % 16 == 0 => (split, rows),
+    let path = match Path::of(1, w) {
+        Path::Decode { split } if rounds && parts.d % 16 == 0 => split,
         _ => {
             let o = super::kvcache::attend_merge(rec, parts)?.reshape(&[1, width])?;
-            return qmatmul_fused(rec, &o, w, fuse);
+            return qmatmul_chain(rec, &o, w, fuse, next);
         }
     };
     if let Some(r) = residual {
@@ -422,35 +535,94 @@ pub fn qmatvec_parts(
             });
         }
     }
-    let xq = super::kvcache::attend_merge_x8(rec, parts)?;
+    let xq = X8 {
+        q: super::kvcache::attend_merge_x8(rec, parts)?,
+        cols: width,
+        norm: None,
+    };
     let y = Tensor::empty(rec.gpu(), &[1, w.rows], DType::F32, "qmatvec_parts.y")?;
-    qmatvec1_x8(rec, &xq, w, &w.params(1), &y, fuse, (split, rows))?;
-    Ok(y)
+    let y8 = qmatvec1_x8(rec, &xq, w, &w.params(1), &y, fuse, path, next)?;
+    Ok((y, y8))
 }
 
-/// The decode kernel (`qmatvec1`, XQ8) on x already rounded (`quantize_x8`'s layout) into
-/// y, with `fuse`'s residual or SwiGLU (its norm went into the rounding); `(split, rows)`
-/// from [`Path::Decode`].
+/// Most threads a decode workgroup takes (`quant.wgsl`'s MV1_MAX_WG).
+const MV1_MAX_WG: u32 = 512;
+
+/// The decode kernel (`qmatvec1_x8`) on x already rounded into y, with `fuse`'s residual
+/// or SwiGLU (and its norm's factor; the weight went into the rounding); `split` from
+/// [`Path::Decode`]. Where `next` rounds x too, the workgroups also round y for it (each
+/// making one group of 16 outputs: 128 to 512 threads, as the split needs, where the
+/// adapter allows).
+#[allow(clippy::too_many_arguments)]
 fn qmatvec1_x8(
     rec: &mut Recorder<'_>,
-    xq: &Tensor,
+    xq: &X8,
     w: &QMatrix,
     p: &Params,
     y: &Tensor,
     fuse: Fuse<'_>,
-    (split, rows): (f64, usize),
-) -> Result<()> {
+    split: u32,
+    next: Option<Next<'_>>,
+) -> Result<Option<X8>> {
+    let outs = p.n as usize;
+    // A workgroup makes 16 outputs (32 rows of W with SwiGLU): 256 threads in sets of 8
+    // rows where that fits and W has rows enough to keep the GPU busy (the 8B's gate/up:
+    // 1.28 -> 1.24 ms a token with the rounding, against 1.48 with 512 threads), else
+    // 512 (or fewer) threads in sets of 4 (the 8B's o and down: 1.02 -> 1.12 ms; with 8
+    // rows a set, half the workgroups, 1.67 ms). H200 figures, docs/benchmarks.md.
+    let t = 16 * (1 + fuse.swiglu as u32);
+    let (wg, rw) = match w.rows >= MATVEC1_MIN_ROWS && 64 / split == t {
+        true => (256, 8),
+        false => (8 * t * split, 4),
+    };
+    let l = &rec.gpu().limits;
+    let fits = wg <= MV1_MAX_WG
+        && wg <= l.max_compute_invocations_per_workgroup
+        && wg <= l.max_compute_workgroup_size_x;
+    let next = next.filter(|nx| {
+        fits && nx.w.cols == outs
+            && outs % 16 == 0
+            && decode_rounds_x(1, nx.w.ty, nx.w.rows, nx.w.cols)
+    });
+    let (wg, rw) = if next.is_some() { (wg, rw) } else { (256, 4) };
+    let y8 = match next {
+        Some(nx) => X8 {
+            q: Tensor::empty(
+                rec.gpu(),
+                &[1, x8_words(outs)],
+                DType::U32,
+                "qmatvec1_x8.y8",
+            )?,
+            cols: outs,
+            norm: nx.norm.cloned(),
+        },
+        // Unused (bound for the layout).
+        None => X8 {
+            q: Tensor::empty(rec.gpu(), &[1], DType::U32, "qmatvec1_x8.unused")?,
+            cols: 0,
+            norm: None,
+        },
+    };
     let c = [
         ("TYPE", w.ty.0 as f64),
+        ("NORM", xq.norm.is_some() as u32 as f64),
         ("RESIDUAL", fuse.residual.is_some() as u32 as f64),
         ("SWIGLU", fuse.swiglu as u32 as f64),
-        ("MV1_SPLIT", split),
-        ("XQ8", 1.0),
+        ("MV1_SPLIT", split as f64),
+        ("MV1_WG", wg as f64),
+        ("MV1_RW", rw as f64),
+        ("X8_OUT", next.is_some() as u32 as f64),
+        (
+            "X8_OUT_NORM",
+            next.is_some_and(|nx| nx.norm.is_some()) as u32 as f64,
+        ),
     ];
-    let res = fuse.residual.unwrap_or(xq);
-    let bind = [&w.raw, y, xq, xq, res, xq, xq, &w.raw];
-    let grid = Grid::Linear(w.rows.div_ceil(rows) as u64);
-    rec.dispatch(&QMATVEC1, &c, bytemuck::bytes_of(p), &bind, grid)
+    let res = fuse.residual.unwrap_or(&xq.q);
+    let nw = next.and_then(|nx| nx.norm).unwrap_or(&xq.q);
+    let bind = [&w.raw, y, &xq.q, nw, res, &xq.q, &w.raw, &y8.q];
+    let grid = Grid::Linear(w.rows.div_ceil(Path::rows(split, wg, rw)) as u64);
+    rec.dispatch(&QMATVEC1_X8, &c, bytemuck::bytes_of(p), &bind, grid)?;
+    Ok(next.map(|_| y8))
 }
 
 /// y (.., rows of W) = x (.., cols) @ W^T with W read in its encoding. One row of x runs
@@ -467,6 +639,21 @@ pub fn qmatmul_fused(
     w: &QMatrix,
     fuse: Fuse<'_>,
 ) -> Result<Tensor> {
+    Ok(qmatmul_chain(rec, x, w, fuse, None)?.0)
+}
+
+/// [`qmatmul_fused`] whose output is also rounded for `next` (the product that takes it,
+/// with its norm's weight), when both are one-row decode products that round x
+/// ([`decode_rounds_x`]): the rounding is then done by this product's workgroups, not by
+/// a dispatch of its own before `next` (pass it as `next`'s `Fuse::x8`). The rounded row
+/// is the same, bit for bit, as `next` would make.
+pub fn qmatmul_chain(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &QMatrix,
+    fuse: Fuse<'_>,
+    next: Option<Next<'_>>,
+) -> Result<(Tensor, Option<X8>)> {
     super::expect_f32("qmatmul", x)?;
     let sh = x.shape();
     let err = |why: String| Error::Shape {
@@ -520,15 +707,25 @@ pub fn qmatmul_fused(
     let res = fuse.residual.unwrap_or(x);
     let bind = [&w.raw, &y, x, nw, res, x, nw, &w.raw];
     match Path::of(m, w) {
-        Path::Decode { split, rows } => {
+        Path::Decode { split } => {
             if decode_rounds_x(m, w.ty, w.rows, w.cols) {
-                let xq = quantize_x8(rec, x, w.cols, fuse.norm)?;
-                qmatvec1_x8(rec, &xq, w, &p, &y, fuse, (split, rows))?;
-            } else {
-                let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split)];
-                let grid = Grid::Linear(w.rows.div_ceil(rows) as u64);
-                rec.dispatch(&QMATVEC1, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
+                let own;
+                let xq = match fuse.x8 {
+                    Some(x8) => {
+                        x8.check("qmatmul", w, fuse.norm.map(|n| n.0))?;
+                        x8
+                    }
+                    None => {
+                        own = quantize_x8(rec, x, w.cols, fuse.norm)?;
+                        &own
+                    }
+                };
+                let y8 = qmatvec1_x8(rec, xq, w, &p, &y, fuse, split, next)?;
+                return Ok((y, y8));
             }
+            let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split as f64)];
+            let grid = Grid::Linear(w.rows.div_ceil(Path::rows(split, 256, 4)) as u64);
+            rec.dispatch(&QMATVEC1, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
         }
         Path::MatVec => {
             let (cm, grid) = matvec_grid(c, m, w.rows);
@@ -564,7 +761,7 @@ pub fn qmatmul_fused(
             }
         }
     }
-    Ok(y)
+    Ok((y, None))
 }
 
 /// Types whose decode products ([`Path::Decode`]) round x to 8 bits (`quant.wgsl`'s XQ8:
@@ -576,32 +773,34 @@ const XQ8_TYPES: &[&str] = &["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"];
 /// output head: the same decode speed either way on the H200), so x stays f32 there.
 pub const XQ8_MIN_COLS: usize = 1024;
 
+/// Words of a row of `cols` rounded for the XQ8 products (`quant.wgsl`'s x8_row_words):
+/// the quants, each group's scale and quants' sum, and each group's sum of squares.
+fn x8_words(cols: usize) -> usize {
+    cols / 4 + cols / 8 + cols / 16
+}
+
 /// x (.., cols) rounded for the XQ8 decode products (`quantize_x8`: groups of 16 columns
-/// to 8-bit integers, a scale and the quants' sum each), after `norm` (RMSNorm weight and
-/// epsilon) if given: (rows of x, cols / 4 + cols / 8) words.
-fn quantize_x8(
+/// to 8-bit integers, a scale and the quants' sum each), after `norm`'s weight (and its
+/// epsilon) if given, with the groups' sums of squares for the norm's factor.
+pub(crate) fn quantize_x8(
     rec: &mut Recorder<'_>,
     x: &Tensor,
     cols: usize,
     norm: Option<(&Tensor, f32)>,
-) -> Result<Tensor> {
+) -> Result<X8> {
     let m = x.numel() / cols;
     let xq = Tensor::empty(
         rec.gpu(),
-        &[m, cols / 4 + cols / 8],
+        &[m, x8_words(cols)],
         DType::U32,
         "quantize_x8.xq",
     )?;
-    // Workgroups a row: slices of 256 groups of 16, or the whole row for the norm's sum.
-    let slices = match norm {
-        Some(_) => 1,
-        None => (cols / 16).div_ceil(256),
-    };
+    // Workgroups a row: slices of 256 groups of 16.
+    let slices = (cols / 16).div_ceil(256);
     let p = Params {
         n: slices as u32,
         m: m as u32,
         k: cols as u32,
-        eps: norm.map_or(0.0f32, |n| n.1).to_bits(),
         ..Default::default()
     };
     let c = [("NORM", norm.is_some() as u32 as f64)];
@@ -613,7 +812,11 @@ fn quantize_x8(
         &[x, nw, &xq],
         Grid::Linear((m * slices) as u64),
     )?;
-    Ok(xq)
+    Ok(X8 {
+        q: xq,
+        cols,
+        norm: norm.map(|n| n.0.clone()),
+    })
 }
 
 /// Whether a product of `m` rows of x with W (`rows`, `cols`) of type `ty` ([`qmatmul`],
@@ -630,10 +833,10 @@ pub fn decode_rounds_x(m: usize, ty: GgmlType, rows: usize, cols: usize) -> bool
 
 /// Which kernel a product of m rows of x runs.
 enum Path {
-    /// One row (decode), cols a multiple of 32: `qmatvec1`, 4 rows of W a set of
-    /// `split` groups of 32 threads sharing their reads of x and splitting k; `rows` rows
-    /// of W a workgroup. x is rounded to 8 bits first where [`decode_rounds_x`].
-    Decode { split: f64, rows: usize },
+    /// One row (decode), cols a multiple of 32: `qmatvec1`, sets of `split` groups of 32
+    /// threads sharing their reads of x and splitting k over 4 rows of W. x is rounded to
+    /// 8 bits first where [`decode_rounds_x`].
+    Decode { split: u32 },
     /// Up to [`MATVEC_MAX_ROWS`] rows: `qmatvec`, 8 rows of W x 8 rows of x a workgroup.
     MatVec,
     /// More: the tiled `qmatmul`.
@@ -651,17 +854,23 @@ impl Path {
             // Tall W with long rows (the 8B's gate/up, q/k/v): 2 groups a row of 4; long rows
             // of few W rows (the 8B's o and down): 4 (8 left half the threads idle on
             // 4,096 columns: o + down 1.55 -> 1.32 ms a token on the H200).
-            let (split, rows) = match (tall, cols >= 2048) {
-                (true, false) => (1.0, 32),
-                (true, true) => (2.0, 16),
-                (false, _) => (4.0, 8),
+            let split = match (tall, cols >= 2048) {
+                (true, false) => 1,
+                (true, true) => 2,
+                (false, _) => 4,
             };
-            Path::Decode { split, rows }
+            Path::Decode { split }
         } else if m <= MATVEC_MAX_ROWS {
             Path::MatVec
         } else {
             Path::Tiled
         }
+    }
+
+    /// Rows of W a decode workgroup of `wg` threads takes (sets of `split` groups of 32
+    /// threads, `rw` rows a set).
+    fn rows(split: u32, wg: u32, rw: u32) -> usize {
+        (wg / (32 * split) * rw) as usize
     }
 }
 
@@ -680,6 +889,7 @@ pub fn qmatmul_rope_store(
     w: &QMatrix,
     norm: Option<(&Tensor, f32)>,
     to: &RopeStore<'_>,
+    x8: Option<&X8>,
 ) -> Result<Tensor> {
     let sh = x.shape();
     let t = x.numel() / w.cols.max(1);
@@ -738,18 +948,29 @@ pub fn qmatmul_rope_store(
         &w.raw,
     ];
     match path {
-        Path::Decode { split, rows } => {
-            let grid = Grid::Linear(w.rows.div_ceil(rows) as u64);
+        Path::Decode { split } => {
+            let grid = Grid::Linear(w.rows.div_ceil(Path::rows(split, 256, 4)) as u64);
+            let split = ("MV1_SPLIT", split as f64);
             if decode_rounds_x(t, w.ty, w.rows, w.cols) {
-                let xq = quantize_x8(rec, x, w.cols, norm)?;
-                let c1 = [c[0], c[2], c[3], ("MV1_SPLIT", split), ("XQ8", 1.0)];
+                let own;
+                let xq = match x8 {
+                    Some(x8) => {
+                        x8.check("qmatmul_rope_store", w, norm.map(|n| n.0))?;
+                        x8
+                    }
+                    None => {
+                        own = quantize_x8(rec, x, w.cols, norm)?;
+                        &own
+                    }
+                };
+                let c1 = [c[0], c[1], c[2], c[3], split, ("XQ8", 1.0)];
                 let mut bind = bind;
                 for i in [2, 3, 4, 5] {
-                    bind[i] = &xq;
+                    bind[i] = &xq.q;
                 }
                 rec.dispatch(&QMATVEC1_ROPE, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
             } else {
-                let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split)];
+                let c1 = [c[0], c[1], c[2], c[3], split];
                 rec.dispatch(&QMATVEC1_ROPE, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
             }
         }

@@ -4,7 +4,8 @@
 //   Q5_1 (32: d, m, qh, 16 B)    Q8_0 (32: d, 32 i8)
 //   Q4_K (256: d, dmin, 12 B 6-bit scales/mins, 128 B nibbles)
 //   Q5_K (256: d, dmin, 12 B scales, 32 B fifth bits, 128 B nibbles)
-//   Q6_K (256: 128 B low nibbles, 64 B 2-bit highs, 16 i8 scales, d)
+//   Q6_K (256: 128 B low nibbles, 64 B 2-bit highs, 16 i8 scales, d; padded to 224 B on
+//         upload (ops::quant::upload_blocks), so that blocks are 16-byte aligned)
 //   F16, BF16, F32: one value each.
 // The raw bytes arrive as u32 words (little-endian); blocks need not be word-aligned.
 //
@@ -42,6 +43,7 @@ struct Params {
 }
 
 override TYPE: u32 = 2u;   // ggml type id
+const Q6K_BYTES: u32 = 224u;   // a Q6_K block on the GPU (210 bytes and 14 of padding)
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> src: array<u32>;
@@ -145,7 +147,7 @@ fn value(i: u32) -> f32 {
             return half(b) * sm.x * f32(q) - half(b + 2u) * sm.y;
         }
         case 14u: {
-            let b = (i / 256u) * 210u;
+            let b = (i / 256u) * Q6K_BYTES;
             let j = i % 256u;
             let n = j / 128u;
             let run = (j % 128u) / 32u;
@@ -229,7 +231,7 @@ fn value4(i: u32) -> vec4<f32> {
             return dm.x * sm.x * q - dm.y * sm.y;
         }
         case 14u: {
-            let b = (i / 256u) * 210u;
+            let b = (i / 256u) * Q6K_BYTES;
             let j = i % 256u;
             let n = j / 128u;
             let run = (j % 128u) / 32u;
@@ -299,16 +301,23 @@ struct Q6Run {
 
 fn q6k_run(i: u32) -> Q6Run {
     var r: Q6Run;
-    let b = (i / 256u) * 210u;
+    let b = (i / 256u) * (Q6K_BYTES / 16u);   // in 16-byte words
     let j = i % 256u;
     let n = j / 128u;
     let run = (j % 128u) / 32u;
-    let d = half(b + 208u);
-    r.s = vec2<f32>(d * signed8(b + 192u + 8u * n + 2u * run), d * signed8(b + 193u + 8u * n + 2u * run));
-    for (var w = 0u; w < 8u; w++) {
-        let ql = word_at(b + 64u * n + 32u * (run & 1u) + 4u * w);
-        let qh = word_at(b + 128u + 32u * n + 4u * w) >> (2u * run);
-        r.q[w] = (select(ql, ql >> 4u, run >= 2u) & 0x0F0F0F0Fu) | ((qh & 0x03030303u) << 4u);
+    // Scales 8 n + 2 run and the next (bytes 192..208), d (bytes 208, 209).
+    let sw = srcv4[b + 12u][2u * n + run / 2u] >> (16u * (run & 1u));
+    let d = unpack2x16float(srcv4[b + 13u].x).x;
+    r.s = d * vec2<f32>(f32(bitcast<i32>(sw << 24u) >> 24u), f32(bitcast<i32>(sw << 16u) >> 24u));
+    // Low nibbles (runs 0, 1) or high (2, 3) of bytes 64 n + 32 (run % 2).., and the 2-bit
+    // highs of bytes 128 + 32 n.. at bit 2 run.
+    let nib = select(0u, 4u, run >= 2u);
+    for (var v = 0u; v < 2u; v++) {
+        let ql = srcv4[b + 4u * n + 2u * (run & 1u) + v] >> vec4<u32>(nib);
+        let qh = srcv4[b + 8u + 2u * n + v] >> vec4<u32>(2u * run);
+        for (var w = 0u; w < 4u; w++) {
+            r.q[4u * v + w] = (ql[w] & 0x0F0F0F0Fu) | ((qh[w] & 0x03030303u) << 4u);
+        }
     }
     return r;
 }
@@ -368,28 +377,42 @@ fn run32(i: u32) -> array<vec4<f32>, 8> {
     return o;
 }
 
-// XQ8 (qmatvec1, qmatvec1_rope; the types with a case in run32_q8): x arrives rounded to
-// 8-bit integers by quantize_x8 (groups of 16 consecutive columns, scale max|h| / 127 of
-// h = x times the norm weight with NORM; the row's RMSNorm factor goes into the scales),
-// and a row's run is a sum of integer dot products (dot4I8Packed) of those with W's
-// quants, scaled per group: a quarter of the float work of run32, and 8 bits of x read a
-// value instead of 64 (x and the norm weight). The product is W's with x so rounded,
-// exactly up to f32 rounding of the scaled sums (reference::quant::round_x8 is the CPU
-// side). x's buffer (bindings 3 and 7) then holds k / 4 words of quants (4 a word, lowest
-// column first), then for each group its scale (f32) and the sum of its quants (i32).
+// XQ8 (qmatvec1_x8, qmatvec1_rope; the types with a case in run32_q8): x arrives rounded
+// to 8-bit integers (groups of 16 consecutive columns, scale max|h| / 127 of h = x, or x
+// times the norm weight), and a row's run is a sum of integer dot products (dot4I8Packed)
+// of those with W's quants, scaled per group: a quarter of the float work of run32, and 8
+// bits of x read a value instead of 64 (x and the norm weight). The product is W's with x
+// so rounded, exactly up to f32 rounding of the scaled sums (reference::quant::round_x8 is
+// the CPU side). x's buffer (bindings 3 and 7) holds a row as
+//   k / 4 words   the quants, 4 a word, lowest column first
+//   k / 8 words   each group's scale (f32) and the sum of its quants (i32)
+//   k / 16 words  with a norm: each group's sum of x^2 (f32)
+// With NORM the RMSNorm factor rsqrt(mean(x^2) + eps) is not in the scales: the products
+// add the groups' squares (the threads sharing a row of W cover all of k, so their sum is
+// x's) and multiply their sums by it at the end, as the f32 path does. Who rounds x:
+// quantize_x8, attend_merge_x8 (kvcache.wgsl), or the product before, whose workgroups
+// each make 16 consecutive outputs, one group (qmatvec1_x8 with X8_OUT).
 override XQ8: bool = false;
 
+// Words of a row of x rounded (with the norm's squares).
+fn x8_row_words(k: u32) -> u32 {
+    return k / 4u + k / 8u + k / 16u;
+}
+
 // A run of x (the 32 columns run_col(c, 0..8) maps; halves e < 4 and e >= 4 are groups of
-// 16 consecutive columns): 4 quants a word, each half's scale and the sum of its quants.
+// 16 consecutive columns): 4 quants a word, each half's scale, the sum of its quants and
+// (NORM) of its x^2.
 struct Xq8 {
     q: array<u32, 8>,
     d: vec2<f32>,
     s: vec2<i32>,
+    ss: f32,
 }
 
 fn xq8_at(c: u32) -> Xq8 {
     var o: Xq8;
     let sc = p.k / 4u;   // scales and sums
+    o.ss = 0.0;
     for (var h = 0u; h < 2u; h++) {
         let col = run_col(c, 4u * h);   // a multiple of 16
         let w = bitcast<vec4<u32>>(xv4[col / 16u]);
@@ -399,6 +422,9 @@ fn xq8_at(c: u32) -> Xq8 {
         o.q[4u * h + 3u] = w.w;
         o.d[h] = x[sc + col / 8u];
         o.s[h] = bitcast<i32>(x[sc + col / 8u + 1u]);
+        if (NORM) {
+            o.ss += x[sc + p.k / 8u + col / 16u];
+        }
     }
     return o;
 }
@@ -412,74 +438,59 @@ fn non_finite(v: vec4<f32>) -> bool {
     return any((bitcast<vec4<u32>>(v) & vec4<u32>(0x7F800000u)) == vec4<u32>(0x7F800000u));
 }
 
-// quantize_x8: x (m, k) (k a multiple of 16) to XQ8's layout in xq_out (k / 4 + k / 8
-// words a row), a thread a group: with NORM, h = x * nw is rounded and each scale
-// multiplied by the row's rsqrt(mean(x^2) + eps).
-var<workgroup> q8_ss: array<f32, 256>;
+// Group g of a row rounded into xq_out from o (the row's first word): its 16 values of x
+// in v, h = v * nw (nw = 1 without a norm). With `squares` the group's sum of x^2 too.
+fn round_group(o: u32, k: u32, g: u32, v: array<vec4<f32>, 4>, nw: array<vec4<f32>, 4>, squares: bool) {
+    var a = vec4<f32>(0.0);
+    var bad = false;
+    var sq = vec4<f32>(0.0);
+    var h: array<vec4<f32>, 4>;
+    for (var e = 0u; e < 4u; e++) {
+        h[e] = v[e] * nw[e];
+        a = max(a, abs(h[e]));
+        bad = bad || non_finite(h[e]);
+        sq += v[e] * v[e];
+    }
+    let amax = max(max(a.x, a.y), max(a.z, a.w));
+    let inv = select(0.0, 127.0 / amax, amax > 0.0);
+    var sum = vec4<i32>(0);
+    for (var e = 0u; e < 4u; e++) {
+        let q = vec4<i32>(round(h[e] * inv));
+        xq_out[o + 4u * g + e] = pack4xI8(q);
+        sum += q;
+    }
+    xq_out[o + k / 4u + 2u * g] = select(bitcast<u32>(amax / 127.0), NAN_BITS, bad);
+    xq_out[o + k / 4u + 2u * g + 1u] = bitcast<u32>((sum.x + sum.y) + (sum.z + sum.w));
+    if (squares) {
+        xq_out[o + k / 4u + k / 8u + g] = bitcast<u32>((sq.x + sq.y) + (sq.z + sq.w));
+    }
+}
+
+// quantize_x8: x (m, k) (k a multiple of 16) rounded to XQ8's layout in xq_out
+// (x8_row_words(k) words a row), a thread a group, slices of 256 groups a workgroup (p.n
+// slices a row); with NORM, h = x * nw, and the groups' squares.
 @group(0) @binding(14) var<storage, read_write> xq_out: array<u32>;
 
 @compute @workgroup_size(256)
 fn quantize_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
-    // Without NORM a row's groups are split into slices of 256 (p.n slices a row), one
-    // workgroup each; with NORM one workgroup takes the whole row (p.n = 1).
     let g0 = wid.x + wid.y * nwg.x;
     let r = g0 / p.n;
-    if (r >= p.m) {
+    let g = (g0 % p.n) * 256u + lid;
+    if (r >= p.m || g >= p.k / 16u) {
         return;
     }
-    let groups = p.k / 16u;
-    let first = (g0 % p.n) * 256u;
-    let end = select(min(groups, first + 256u), groups, NORM);
-    let x0 = r * p.k / 4u;              // row r in vec4s of x
-    let o = r * (p.k / 4u + p.k / 8u);  // row r in xq_out
-    var factor = 1.0;
-    if (NORM) {
-        var ss = 0.0;
-        for (var i = lid; i < p.k / 4u; i += 256u) {
-            let v = xv4[x0 + i];
-            ss += dot(v, v);
+    let x0 = r * p.k / 4u;   // row r in vec4s of x
+    var v: array<vec4<f32>, 4>;
+    var nw: array<vec4<f32>, 4>;
+    for (var e = 0u; e < 4u; e++) {
+        v[e] = xv4[x0 + 4u * g + e];
+        nw[e] = vec4<f32>(1.0);
+        if (NORM) {
+            nw[e] = nwv4[4u * g + e];
         }
-        q8_ss[lid] = ss;
-        workgroupBarrier();
-        // The first 16 threads add 16 partials each (strided), then every thread those 16.
-        if (lid < 16u) {
-            var t = 0.0;
-            for (var i = 0u; i < 16u; i++) {
-                t += q8_ss[lid + 16u * i];
-            }
-            q8_ss[lid] = t;
-        }
-        workgroupBarrier();
-        var t = 0.0;
-        for (var i = 0u; i < 16u; i++) {
-            t += q8_ss[i];
-        }
-        factor = rstd(t);
     }
-    for (var g = first + lid; g < end; g += 256u) {
-        var h: array<vec4<f32>, 4>;
-        var a = vec4<f32>(0.0);
-        var bad = false;
-        for (var e = 0u; e < 4u; e++) {
-            h[e] = xv4[x0 + 4u * g + e];
-            if (NORM) {
-                h[e] *= nwv4[4u * g + e];
-            }
-            a = max(a, abs(h[e]));
-            bad = bad || non_finite(h[e]);
-        }
-        let amax = max(max(a.x, a.y), max(a.z, a.w));
-        let inv = select(0.0, 127.0 / amax, amax > 0.0);
-        var sum = vec4<i32>(0);
-        for (var e = 0u; e < 4u; e++) {
-            let q = vec4<i32>(round(h[e] * inv));
-            xq_out[o + 4u * g + e] = pack4xI8(q);
-            sum += q;
-        }
-        xq_out[o + p.k / 4u + 2u * g] = select(bitcast<u32>(amax / 127.0 * factor), NAN_BITS, bad);
-        xq_out[o + p.k / 4u + 2u * g + 1u] = bitcast<u32>((sum.x + sum.y) + (sum.z + sum.w));
-    }
+    round_group(r * x8_row_words(p.k), p.k, g, v, nw, NORM);
 }
 
 // dot(W's run i / 32, x's run as xq): run32's values and columns, as integer dot products
@@ -959,133 +970,260 @@ fn qmatvec_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 // outnumber weight reads (with XQ8: a run of x's 8-bit quants). 8 groups of 32 threads;
 // MV1_SPLIT consecutive groups share MV1_RW rows of W and split k between them (1: 32
 // rows a workgroup, for tall W; 4: 8 rows a workgroup, for long rows of few W rows).
-const MV1_RW: u32 = 4u;
+// qmatvec1_x8 with X8_OUT takes MV1_WG threads a workgroup (128 to 512; the others 256),
+// or 8 rows a set (MV1_RW, XQ8 only, 256 threads), so that a workgroup makes 16 outputs.
+override MV1_RW: u32 = 4u;
 override MV1_SPLIT: u32 = 1u;
-var<workgroup> mv1_part: array<vec4<f32>, 256>;   // [thread][row of W in the set]
-var<workgroup> mv1_ss: array<f32, 256>;
+override MV1_WG: u32 = 256u;
+const MV1_MAX_WG: u32 = 512u;
+// [thread][rows 0..4 of its set]; rows 4..8 at [thread + 256] with MV1_RW 8.
+var<workgroup> mv1_part: array<vec4<f32>, MV1_MAX_WG>;
+var<workgroup> mv1_ss: array<f32, MV1_MAX_WG>;
 
 // Where thread lid of workgroup g works in qmatvec1: (first of its MV1_RW (virtual) output
 // columns, its index among the threads sharing them).
 fn mv1_at(g: u32, lid: u32) -> vec2<u32> {
     let width = 32u * MV1_SPLIT;   // threads sharing rows of W
-    return vec2<u32>((g * (256u / width) + lid / width) * MV1_RW, lid % width);
+    return vec2<u32>((g * (MV1_WG / width) + lid / width) * MV1_RW, lid % width);
 }
 
-// qmatvec1's sums: the first of the threads sharing columns v0.. ends with column v0 + q's
-// sum in mv1_part[lid][q] and the sum of x^2 in mv1_ss[lid].
-fn mv1_sums(g: u32, lid: u32) {
-    let width = 32u * MV1_SPLIT;
-    let at = mv1_at(g, lid);
-    let v0 = at.x;
-    let local = at.y;
+// A thread's sums for its set's rows (hi: rows 4..8 with MV1_RW 8) and of x^2.
+struct Mv1Acc {
+    rows: vec4<f32>,
+    hi: vec4<f32>,
+    ss: f32,
+}
+
+// The XQ8 path's sums of the thread `local` of `width` sharing rows v0.. of W. Rows past W
+// read its last row (their sums are not stored): no branch between the rows.
+fn mv1_sums_x8(v0: u32, local: u32, width: u32) -> Mv1Acc {
+    var a: Mv1Acc;
     let wr = w_rows();
-    var acc = vec4<f32>(0.0);
-    var ss = 0.0;
-    if (XQ8 && v0 < wr) {
-        // Two passes over k at a time, so that both passes' loads of the 4 rows are in
-        // flight together (8B o + down 1.05 -> 0.99 ms a token on the H200). Rows past W
-        // read its last row (their sums are not stored): no branch between the rows.
-        let step = 32u * width;
-        var c = local * 32u;
-        for (; c + step < p.k; c += 2u * step) {
+    if (v0 >= wr) {
+        return a;
+    }
+    let step = 32u * width;
+    if (MV1_RW == 8u) {
+        // A pass over k at a time: the 8 rows' loads are in flight together.
+        for (var c = local * 32u; c < p.k; c += step) {
             let xa = xq8_at(c);
-            let xb = xq8_at(c + step);
-            for (var q = 0u; q < MV1_RW; q++) {
-                let row = w_row(min(v0 + q, wr - 1u)) * p.k;
-                let a = run32_q8(row + c, xa);
-                let b = run32_q8(row + c + step, xb);
-                acc[q] += a;
-                acc[q] += b;
+            a.ss += xa.ss;
+            for (var q = 0u; q < 4u; q++) {
+                a.rows[q] += run32_q8(w_row(min(v0 + q, wr - 1u)) * p.k + c, xa);
+            }
+            for (var q = 0u; q < 4u; q++) {
+                a.hi[q] += run32_q8(w_row(min(v0 + 4u + q, wr - 1u)) * p.k + c, xa);
             }
         }
-        if (c < p.k) {
-            let xa = xq8_at(c);
-            for (var q = 0u; q < MV1_RW; q++) {
-                acc[q] += run32_q8(w_row(min(v0 + q, wr - 1u)) * p.k + c, xa);
+        return a;
+    }
+    // Two passes over k at a time, so that both passes' loads of the 4 rows are in flight
+    // together (8B o + down 1.05 -> 0.99 ms a token on the H200).
+    var c = local * 32u;
+    for (; c + step < p.k; c += 2u * step) {
+        let xa = xq8_at(c);
+        let xb = xq8_at(c + step);
+        a.ss += xa.ss;
+        a.ss += xb.ss;
+        for (var q = 0u; q < 4u; q++) {
+            let row = w_row(min(v0 + q, wr - 1u)) * p.k;
+            let u = run32_q8(row + c, xa);
+            let v = run32_q8(row + c + step, xb);
+            a.rows[q] += u;
+            a.rows[q] += v;
+        }
+    }
+    if (c < p.k) {
+        let xa = xq8_at(c);
+        a.ss += xa.ss;
+        for (var q = 0u; q < 4u; q++) {
+            a.rows[q] += run32_q8(w_row(min(v0 + q, wr - 1u)) * p.k + c, xa);
+        }
+    }
+    return a;
+}
+
+// The f32 path's sums (x times the norm weight, and x^2 with NORM).
+fn mv1_sums_f32(v0: u32, local: u32, width: u32) -> Mv1Acc {
+    var a: Mv1Acc;
+    let wr = w_rows();
+    if (v0 >= wr) {
+        return a;
+    }
+    for (var c = local * 32u; c < p.k; c += 32u * width) {
+        var xs: array<vec4<f32>, 8>;
+        for (var e = 0u; e < 8u; e++) {
+            let xv = x4(0u, run_col(c, e));
+            xs[e] = xv;
+            if (NORM) {
+                a.ss += dot(xv, xv);
+                xs[e] = xv * nw4(run_col(c, e));
             }
         }
-    } else if (v0 < wr) {
-        for (var c = local * 32u; c < p.k; c += 32u * width) {
-            var xs: array<vec4<f32>, 8>;
-            for (var e = 0u; e < 8u; e++) {
-                let xv = x4(0u, run_col(c, e));
-                xs[e] = xv;
-                if (NORM) {
-                    ss += dot(xv, xv);
-                    xs[e] = xv * nw4(run_col(c, e));
+        for (var q = 0u; q < MV1_RW; q++) {
+            if (v0 + q < wr) {
+                let w = run32(w_row(v0 + q) * p.k + c);
+                var sum = 0.0;
+                for (var e = 0u; e < 8u; e++) {
+                    sum += dot(xs[e], w[e]);
                 }
-            }
-            for (var q = 0u; q < MV1_RW; q++) {
-                if (v0 + q < wr) {
-                    let w = run32(w_row(v0 + q) * p.k + c);
-                    var sum = 0.0;
-                    for (var e = 0u; e < 8u; e++) {
-                        sum += dot(xs[e], w[e]);
-                    }
-                    acc[q] += sum;
-                }
+                a.rows[q] += sum;
             }
         }
     }
-    mv1_part[lid] = acc;
-    mv1_ss[lid] = ss;
+    return a;
+}
+
+// The sets' sums: the first of the threads sharing columns v0.. ends with column v0 + q's
+// sum in mv1_get(lid, q) and the sum of x^2 in mv1_ss[lid]. Two barriers whatever the
+// width: the first width / 8 threads of a set each add 8 partials (theirs, then every
+// width / 8-th after), into their own slot; then the first thread adds those, into its
+// slot (which only it reads afterwards).
+fn mv1_reduce(lid: u32, local: u32, width: u32, a: Mv1Acc) {
+    let hi = MV1_RW == 8u;
+    mv1_part[lid] = a.rows;
+    if (hi) {
+        mv1_part[lid + 256u] = a.hi;
+    }
+    mv1_ss[lid] = a.ss;
     workgroupBarrier();
-    // Two barriers whatever the width: the first width / 8 threads of a set each add 8
-    // partials (theirs, then every width / 8-th after), into their own slot; then the
-    // first thread adds those, into its slot (which only it reads afterwards).
     let n1 = width / 8u;
     let first = lid - local;
     if (local < n1) {
         var t = vec4<f32>(0.0);
+        var th = vec4<f32>(0.0);
         var u = 0.0;
         for (var i = 0u; i < 8u; i++) {
             let j = lid + i * n1;
             t += mv1_part[j];
+            if (hi) {
+                th += mv1_part[j + 256u];
+            }
             u += mv1_ss[j];
         }
         mv1_part[lid] = t;
+        if (hi) {
+            mv1_part[lid + 256u] = th;
+        }
         mv1_ss[lid] = u;
     }
     workgroupBarrier();
     if (local == 0u) {
         var t = vec4<f32>(0.0);
+        var th = vec4<f32>(0.0);
         var u = 0.0;
         for (var i = 0u; i < n1; i++) {
             t += mv1_part[first + i];
+            if (hi) {
+                th += mv1_part[first + i + 256u];
+            }
             u += mv1_ss[first + i];
         }
         mv1_part[lid] = t;
+        if (hi) {
+            mv1_part[lid + 256u] = th;
+        }
         mv1_ss[lid] = u;
     }
 }
 
-// RMSNorm's factor (1 without NORM) for the first thread of a set, after mv1_sums: the
+// Sum q of the first thread of a set, after mv1_reduce.
+fn mv1_get(lid: u32, q: u32) -> f32 {
+    return mv1_part[lid + 256u * (q / 4u)][q % 4u];
+}
+
+// RMSNorm's factor (1 without NORM) for the first thread of a set, after mv1_reduce: the
 // threads sharing these rows cover all of k, so their sum of squares is x's.
 fn mv1_scale(lid: u32) -> f32 {
     return select(1.0, rstd(mv1_ss[lid]), NORM);
+}
+
+// X8_OUT (qmatvec1_x8): the outputs (after the residual or SwiGLU) also go into xq_out
+// (binding 14) rounded for the next XQ8 product, times the next norm's weight (binding 5)
+// with X8_OUT_NORM, which also stores the groups' squares. The host picks MV1_WG so that
+// a workgroup makes 16 consecutive outputs (16 rows of W, 32 with SWIGLU): workgroup g
+// rounds group g.
+override X8_OUT: bool = false;
+override X8_OUT_NORM: bool = false;
+var<workgroup> x8_vals: array<f32, 16>;
+
+// Stores the first thread of each set's outputs (the columns at.x..) into dst, and with
+// X8_OUT into x8_vals.
+fn mv1_store(g: u32, lid: u32, at: vec2<u32>) {
+    let wr = w_rows();
+    if (at.y != 0u) {
+        return;
+    }
+    let scale = mv1_scale(lid);
+    for (var q = 0u; q < MV1_RW; q++) {
+        let v = at.x + q;
+        if (v < wr) {
+            if (SWIGLU) {
+                // v0 is a multiple of 4: gate (even v) and up (v + 1) are both here.
+                if ((v & 1u) == 0u) {
+                    let y = silu(mv1_get(lid, q) * scale) * (mv1_get(lid, q + 1u) * scale);
+                    dst[v / 2u] = y;
+                    if (X8_OUT) {
+                        x8_vals[v / 2u - 16u * g] = y;
+                    }
+                }
+            } else {
+                let y = finish(0u, v, mv1_get(lid, q) * scale);
+                dst[v] = y;
+                if (X8_OUT) {
+                    x8_vals[v - 16u * g] = y;
+                }
+            }
+        }
+    }
+}
+
+// The sums of qmatvec1 and qmatvec1_rope, either path; returns mv1_at(g, lid).
+fn mv1_sums(g: u32, lid: u32) -> vec2<u32> {
+    let width = 32u * MV1_SPLIT;
+    let at = mv1_at(g, lid);
+    var a: Mv1Acc;
+    if (XQ8) {
+        a = mv1_sums_x8(at.x, at.y, width);
+    } else {
+        a = mv1_sums_f32(at.x, at.y, width);
+    }
+    mv1_reduce(lid, at.y, width, a);
+    return at;
 }
 
 @compute @workgroup_size(256)
 fn qmatvec1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
     let g = wid.x + wid.y * nwg.x;
-    mv1_sums(g, lid);
+    let at = mv1_sums(g, lid);
+    mv1_store(g, lid, at);
+}
+
+// qmatvec1 on x rounded (XQ8), with X8_OUT: only the bindings the XQ8 path reads, so that
+// xq_out fits WebGPU's default of 8 storage buffers a stage.
+@compute @workgroup_size(MV1_WG)
+fn qmatvec1_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let g = wid.x + wid.y * nwg.x;
+    let width = 32u * MV1_SPLIT;
     let at = mv1_at(g, lid);
-    let wr = w_rows();
-    if (at.y == 0u) {
-        let scale = mv1_scale(lid);
-        for (var q = 0u; q < MV1_RW; q++) {
-            let v = at.x + q;
-            if (v < wr) {
-                if (SWIGLU) {
-                    // v0 is a multiple of 4: gate (even v) and up (v + 1) are both here.
-                    if ((v & 1u) == 0u) {
-                        dst[v / 2u] = silu(mv1_part[lid][q] * scale) * (mv1_part[lid][q + 1u] * scale);
-                    }
-                } else {
-                    dst[v] = finish(0u, v, mv1_part[lid][q] * scale);
+    mv1_reduce(lid, at.y, width, mv1_sums_x8(at.x, at.y, width));
+    mv1_store(g, lid, at);
+    if (X8_OUT) {
+        workgroupBarrier();
+        if (lid == 0u && 16u * g < p.n) {
+            var v: array<vec4<f32>, 4>;
+            var nwv: array<vec4<f32>, 4>;
+            for (var e = 0u; e < 4u; e++) {
+                let c = 16u * g + 4u * e;
+                v[e] = vec4<f32>(x8_vals[4u * e], x8_vals[4u * e + 1u], x8_vals[4u * e + 2u], x8_vals[4u * e + 3u]);
+                nwv[e] = vec4<f32>(1.0);
+                if (X8_OUT_NORM) {
+                    nwv[e] = vec4<f32>(nw[c], nw[c + 1u], nw[c + 2u], nw[c + 3u]);
                 }
             }
+            round_group(0u, p.n, g, v, nwv, X8_OUT_NORM);
         }
     }
 }
@@ -1095,13 +1233,12 @@ fn qmatvec1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
 fn qmatvec1_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_index) lid: u32) {
     let g = wid.x + wid.y * nwg.x;
-    mv1_sums(g, lid);
-    let at = mv1_at(g, lid);
+    let at = mv1_sums(g, lid);
     if (at.y == 0u) {
         let scale = mv1_scale(lid);
         for (var q = 0u; q < MV1_RW; q += 2u) {
             if (at.x + q < w_rows()) {
-                rope_out(0u, at.x + q, mv1_part[lid][q] * scale, mv1_part[lid][q + 1u] * scale);
+                rope_out(0u, at.x + q, mv1_get(lid, q) * scale, mv1_get(lid, q + 1u) * scale);
             }
         }
     }

@@ -87,6 +87,7 @@ const FAMILIES: &[Family] = &[
     (&["get_rows", "qmatmul"], quant::product_checks),
     (&["qmatmul fused"], quant::fused_checks),
     (&["qmatmul decode"], quant::decode_checks),
+    (&["qmatmul_chain"], quant::chain_checks),
     (&["kv_attend"], kvcache::checks),
     (&["rope_store"], kvcache::rope_store_checks),
     (&["qmatmul_rope_store"], kvcache::rope_product_checks),

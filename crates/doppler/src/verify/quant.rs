@@ -4,12 +4,13 @@
 use half::{bf16, f16};
 
 use super::{push, s, twice, CheckResult};
-use crate::check::{compare, Rng, Tolerance};
+use crate::check::{compare, Rng, Stats, Tolerance};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
 use crate::ops::quant::{
-    decode_rounds_x, dequantize, get_rows, qmatmul, qmatmul_fused, Fuse, QMatrix, MATVEC1_MIN_ROWS,
-    MATVEC_MAX_ROWS, SPLITK_MIN_COLS, SUPPORTED, XQ8_MIN_COLS,
+    decode_rounds_x, dequantize, get_rows, qmatmul, qmatmul_chain, qmatmul_fused, quantize_x8,
+    upload_blocks, Fuse, Next, QMatrix, MATVEC1_MIN_ROWS, MATVEC_MAX_ROWS, SPLITK_MIN_COLS,
+    SUPPORTED, XQ8_MIN_COLS,
 };
 use crate::reference::quant as cpu;
 
@@ -65,7 +66,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let mut rng = Rng::new(1900 + i as u64);
         let raw = random_blocks(name, n, &mut rng);
         let r = twice("dequantize", || {
-            let t = Tensor::from_raw_bytes(gpu, &raw, "raw")?;
+            let t = upload_blocks(gpu, &raw, ty, "raw")?;
             let y = gpu.run(|rec| dequantize(rec, &t, ty, &[n]))?;
             Ok(vec![y.read_f32(gpu)?])
         });
@@ -396,4 +397,158 @@ pub(super) fn decode_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             res,
         );
     }
+}
+
+/// Decode products that round their outputs for the next product (`qmatmul_chain`: the
+/// shapes of a layer's o with the residual, gate/up with the norm and SwiGLU, down with
+/// the residual, then a normed product as the next layer's q/k/v or the output head): each
+/// rounded row the same bits as `quantize_x8` makes of the product's output, and each
+/// output within a dot product's rounding of the same product rounding its own x (the
+/// chained ones take 16 rows of W a workgroup: another split of the work, where the
+/// compiler may fuse other multiply-adds). Every link must chain, and a row rounded after
+/// one norm's weight given to a product with another is an error.
+pub(super) fn chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    let (e, f, h) = (2048usize, 5120usize, 4096usize);
+    let eps = 1e-5f32;
+    let shapes = [
+        ("Q4_K", e, h),
+        ("Q4_K", 2 * f, e),
+        ("Q5_K", e, f),
+        ("Q6_K", MATVEC1_MIN_ROWS + 3, e),
+    ];
+    let mut rng = Rng::new(4100);
+    let raws: Vec<Vec<u8>> = shapes
+        .iter()
+        .map(|&(name, rows, cols)| random_blocks(name, rows * cols, &mut rng))
+        .collect();
+    let xv = rng.vec(h);
+    let resv = rng.vec(e);
+    let mut weight = || -> Vec<f32> { rng.vec(e).iter().map(|v| 1.0 + 0.5 * v).collect() };
+    let (nbv, ndv) = (weight(), weight());
+    let op = "qmatmul_chain";
+    let mismatch = std::cell::Cell::new(None);
+    let rounded = std::cell::RefCell::new(Vec::new());
+    let r = twice(op, || {
+        let w = shapes
+            .iter()
+            .zip(&raws)
+            .map(|(&(name, rows, cols), raw)| {
+                let ty = GgmlType::from_name(name).expect("known type");
+                QMatrix::new(gpu, name, raw, ty, rows, cols)
+            })
+            .collect::<crate::Result<Vec<_>>>()?;
+        let xt = Tensor::from_f32(gpu, &[1, h], &xv, "x")?;
+        let rt = Tensor::from_f32(gpu, &[1, e], &resv, "res")?;
+        let nb = Tensor::from_f32(gpu, &[e], &nbv, "nb")?;
+        let nd = Tensor::from_f32(gpu, &[e], &ndv, "nd")?;
+        let (ys, x8s) = gpu.run(|rec| {
+            let next = |i: usize, norm| Some(Next { w: &w[i], norm });
+            // Link by link: the chained product, and the same on the same input rounding
+            // its own x.
+            let fa = Fuse {
+                residual: Some(&rt),
+                ..Default::default()
+            };
+            let (ya, a8) = qmatmul_chain(rec, &xt, &w[0], fa, next(1, Some(&nb)))?;
+            let ya_own = qmatmul_fused(rec, &xt, &w[0], fa)?;
+            let fb = Fuse {
+                norm: Some((&nb, eps)),
+                swiglu: true,
+                ..Default::default()
+            };
+            let fb8 = Fuse {
+                x8: a8.as_ref(),
+                ..fb
+            };
+            let (g, g8) = qmatmul_chain(rec, &ya, &w[1], fb8, next(2, None))?;
+            let g_own = qmatmul_fused(rec, &ya, &w[1], fb)?;
+            let fc = Fuse {
+                residual: Some(&ya),
+                ..Default::default()
+            };
+            let fc8 = Fuse {
+                x8: g8.as_ref(),
+                ..fc
+            };
+            let (yc, c8) = qmatmul_chain(rec, &g, &w[2], fc8, next(3, Some(&nd)))?;
+            let yc_own = qmatmul_fused(rec, &g, &w[2], fc)?;
+            let fd = Fuse {
+                norm: Some((&nd, eps)),
+                ..Default::default()
+            };
+            let fd8 = Fuse {
+                x8: c8.as_ref(),
+                ..fd
+            };
+            let yd = qmatmul_fused(rec, &yc, &w[3], fd8)?;
+            let yd_own = qmatmul_fused(rec, &yc, &w[3], fd)?;
+            // Each rounded row next to quantize_x8's of the same output.
+            let mut x8s = Vec::new();
+            for (x8, y, norm) in [(a8, &ya, Some(&nb)), (g8, &g, None), (c8, &yc, Some(&nd))] {
+                let Some(x8) = x8 else {
+                    return Err(crate::Error::Invalid {
+                        op: "qmatmul_chain",
+                        detail: "a product did not round its output for the next".into(),
+                    });
+                };
+                let own = quantize_x8(rec, y, x8.cols, norm.map(|n| (n, eps)))?;
+                x8s.push((x8, own));
+            }
+            // Rounded after nd's weight, given with nb's.
+            let fuse = Fuse {
+                norm: Some((&nb, eps)),
+                x8: Some(&x8s[2].0),
+                ..Default::default()
+            };
+            mismatch.set(Some(qmatmul_fused(rec, &yc, &w[3], fuse).is_err()));
+            Ok(([ya, g, yc, yd, ya_own, g_own, yc_own, yd_own], x8s))
+        })?;
+        let mut same = Vec::new();
+        for (x8, own) in x8s {
+            // Without a norm the rows have no squares.
+            let words = x8.cols / 4 + x8.cols / 8 + x8.norm.as_ref().map_or(0, |_| x8.cols / 16);
+            let a = x8.q.read_u32(gpu)?;
+            let b = own.q.read_u32(gpu)?;
+            same.push(a[..words] == b[..words]);
+        }
+        *rounded.borrow_mut() = same;
+        ys.iter().map(|y| y.read_f32(gpu)).collect()
+    });
+    let res = r.and_then(|got| {
+        if rounded.borrow().iter().any(|same| !same) {
+            return Err(
+                "a product's rounded output differs from quantize_x8's of the same row".into(),
+            );
+        }
+        let (chained, own) = got.split_at(4);
+        let mut worst = Stats::default();
+        for ((a, b), cols) in chained.iter().zip(own).zip([h, e, f, e]) {
+            let want: Vec<f64> = b.iter().map(|&v| v as f64).collect();
+            let st = compare(op, a, &want, None, Tolerance::dot(cols)).map_err(s)?;
+            worst.max_abs = worst.max_abs.max(st.max_abs);
+            worst.max_rel = worst.max_rel.max(st.max_rel);
+        }
+        Ok(worst)
+    });
+    push(
+        out,
+        op,
+        format!(
+            "o ({e}, {h}) Q4_K, gate/up ({}, {e}) Q4_K, down ({e}, {f}) Q5_K, head ({}, {e}) Q6_K",
+            2 * f,
+            MATVEC1_MIN_ROWS + 3
+        ),
+        res,
+    );
+    let res = match mismatch.get() {
+        Some(true) => Ok(Stats::default()),
+        Some(false) => Err("a row rounded after one norm's weight was taken with another".into()),
+        None => Err("the chained run did not get that far".into()),
+    };
+    push(
+        out,
+        "qmatmul_chain mismatch",
+        "x rounded after another norm's weight".into(),
+        res,
+    );
 }
