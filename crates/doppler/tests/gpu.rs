@@ -587,6 +587,12 @@ fn decode_products_on_8_bit_x_keep_a_nan_or_infinity_non_finite() {
 }
 
 #[test]
+fn decode_products_round_their_outputs_for_the_next_product() {
+    // The chain (bit-exact rounding, outputs) and a mismatched norm weight refused.
+    assert_checks("qmatmul_chain", 2);
+}
+
+#[test]
 fn cached_attention_matches_full_attention() {
     assert_checks("kv_attend", doppler::verify::KV_CASES.len());
 }

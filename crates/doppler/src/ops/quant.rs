@@ -31,34 +31,18 @@ static GET_ROWS: Kernel = Kernel::new(&QUANT, "get_rows", &[(1, Read), (2, ReadW
 // Products bind the norm weight (5) and the residual (6) always (x stands in when unused),
 // x and the norm weight again as vec4s (7, 8), and the matrix-vector ones W as 16-byte
 // words (13).
-static QMATVEC: Kernel = Kernel::new(
-    &QUANT,
-    "qmatvec",
-    &[
-        (1, Read),
-        (2, ReadWrite),
-        (3, Read),
-        (5, Read),
-        (6, Read),
-        (7, Read),
-        (8, Read),
-        (13, Read),
-    ],
-);
-static QMATVEC1: Kernel = Kernel::new(
-    &QUANT,
-    "qmatvec1",
-    &[
-        (1, Read),
-        (2, ReadWrite),
-        (3, Read),
-        (5, Read),
-        (6, Read),
-        (7, Read),
-        (8, Read),
-        (13, Read),
-    ],
-);
+const MATVEC_BINDINGS: &[(u32, crate::gpu::Binding)] = &[
+    (1, Read),
+    (2, ReadWrite),
+    (3, Read),
+    (5, Read),
+    (6, Read),
+    (7, Read),
+    (8, Read),
+    (13, Read),
+];
+static QMATVEC: Kernel = Kernel::new(&QUANT, "qmatvec", MATVEC_BINDINGS);
+static QMATVEC1: Kernel = Kernel::new(&QUANT, "qmatvec1", MATVEC_BINDINGS);
 // The products with RoPE and the cache store (no residual): bias (9), RoPE table (10),
 // key and value caches (11, 12); dst (2) gets q.
 const ROPE_BINDINGS: &[(u32, crate::gpu::Binding)] = &[
@@ -393,9 +377,9 @@ pub struct Fuse<'a> {
 /// groups of 16 columns), after multiplying by a norm's weight (`norm`: the groups' sums
 /// of squares are kept for the norm's factor, which the product applies) or not.
 pub struct X8 {
-    pub q: Tensor,
-    pub cols: usize,
-    pub norm: Option<Tensor>,
+    pub(crate) q: Tensor,
+    pub(crate) cols: usize,
+    pub(crate) norm: Option<Tensor>,
 }
 
 impl X8 {

@@ -17,12 +17,13 @@
 //                8 rows of W x MV_X rows of x a workgroup (8; 1 for one row), 32 threads a
 //                row of W striding over k, then a fixed tree (a row's sum does not depend on m)
 //   qmatvec1     the same for one row of x and k a multiple of 32 (decode): 4 rows of W a
-//                group of 32 threads sharing their loads of x; 32 rows a workgroup, or 4
-//                with the workgroup's 8 groups splitting k (long rows, few rows)
-//   qmatvec_rope, qmatvec1_rope  the two above with q/k/v's bias, RoPE and KV-cache store
-//                as the epilogue (ROPE below)
-//   quantize_x8  a row of x (times a norm) rounded to 8 bits in groups of 16, for qmatvec1
-//                with XQ8 (integer dot products with the quants; see XQ8 below)
+//                set of 32 threads sharing their loads of x (or of 64 or 128 splitting k:
+//                long rows); 32, 16 or 8 rows a workgroup
+//   qmatvec1_x8  qmatvec1 on x rounded to 8 bits (XQ8 below), optionally rounding its own
+//                outputs for the next product (X8_OUT)
+//   qmatvec_rope, qmatvec1_rope  qmatvec and qmatvec1 with q/k/v's bias, RoPE and KV-cache
+//                store as the epilogue (ROPE below)
+//   quantize_x8  rows of x (times a norm weight) rounded to 8 bits in groups of 16 (XQ8)
 //   qmatmul      the same product for many rows of x: 64 x 64 output tiles, k in slabs of
 //                16 staged (W dequantized on the way) in workgroup memory, 4 x 4 a thread;
 //                with SPLITK, slices of k into partial tiles that splitk_sum adds in order
@@ -1060,7 +1061,7 @@ fn mv1_sums_f32(v0: u32, local: u32, width: u32) -> Mv1Acc {
                 xs[e] = xv * nw4(run_col(c, e));
             }
         }
-        for (var q = 0u; q < MV1_RW; q++) {
+        for (var q = 0u; q < 4u; q++) {   // MV1_RW is 4 here
             if (v0 + q < wr) {
                 let w = run32(w_row(v0 + q) * p.k + c);
                 var sum = 0.0;
