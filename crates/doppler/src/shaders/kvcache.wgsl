@@ -341,7 +341,8 @@ fn attend_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 // attend_merge for one query whose output goes to an XQ8 product (quant.wgsl): written
 // rounded as quant.wgsl's quantize_x8 rounds a row (groups of 16 columns, 4 threads a
 // group here; D a multiple of 16), to binding 13: (Hq D) / 4 words of quants, then a
-// scale and a quant sum a group. The same bits as attend_merge then quantize_x8.
+// scale and a quant sum a group (no sums of squares: the o product takes no norm). The
+// same bits as attend_merge then quantize_x8.
 @group(0) @binding(13) var<storage, read_write> xq_o: array<u32>;
 var<workgroup> mg_max: array<f32, 64>;
 var<workgroup> mg_sum: array<i32, 64>;
