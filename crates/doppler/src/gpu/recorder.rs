@@ -442,8 +442,9 @@ impl<'g> Recorder<'g> {
 
 /// One command buffer of `cmds` (whose bind groups are `groups`, None for non-dispatches).
 /// A run of dispatches shares one pass (wgpu inserts the barriers between them), except
-/// with `Timing::EachDispatch`: then each gets a pass with its own timestamps. With `Timing::Whole` the first pass writes the first timestamp and the
-/// last pass the second. The queries are resolved at the end.
+/// with `Timing::EachDispatch`: then each gets a pass with its own timestamps. With
+/// `Timing::Whole` the first pass writes the first timestamp and the last pass the second.
+/// The queries are resolved at the end.
 fn encode_commands(
     gpu: &Gpu,
     label: &str,

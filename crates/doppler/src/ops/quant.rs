@@ -60,19 +60,8 @@ const ROPE_BINDINGS: &[(u32, crate::gpu::Binding)] = &[
 ];
 static QMATVEC_ROPE: Kernel = Kernel::new(&QUANT, "qmatvec_rope", ROPE_BINDINGS);
 static QMATVEC1_ROPE: Kernel = Kernel::new(&QUANT, "qmatvec1_rope", ROPE_BINDINGS);
-static QMATMUL: Kernel = Kernel::new(
-    &QUANT,
-    "qmatmul",
-    &[
-        (1, Read),
-        (2, ReadWrite),
-        (3, Read),
-        (5, Read),
-        (6, Read),
-        (7, Read),
-        (8, Read),
-    ],
-);
+// The tiled product: the matrix-vector ones' bindings but W as 16-byte words.
+static QMATMUL: Kernel = Kernel::new(&QUANT, "qmatmul", MATVEC_BINDINGS.split_at(7).0);
 
 // The decode product on x rounded (XQ8) that can also round its output (X8_OUT): x's words
 // (3, 7), the next norm's weight (5), the residual (6), the rounded output (14).
@@ -151,11 +140,11 @@ const Q6K_GPU_BYTES: usize = 224;
 
 /// A block of `ty` in GPU memory: (elements, bytes).
 fn gpu_block(ty: GgmlType) -> (usize, usize) {
-    match ty.block() {
-        _ if ty.name() == "Q6_K" => (256, Q6K_GPU_BYTES),
-        Some((per, bytes)) => (per as usize, bytes as usize),
-        None => (1, 1),
+    if ty.name() == "Q6_K" {
+        return (256, Q6K_GPU_BYTES);
     }
+    ty.block()
+        .map_or((1, 1), |(per, bytes)| (per as usize, bytes as usize))
 }
 
 /// Blocks of type `ty` (a GGUF tensor's bytes, whole blocks) into the u32 tensor the
@@ -570,7 +559,7 @@ fn qmatvec1_x8(
     });
     let (wg, rw) = if next.is_some() { (wg, rw) } else { (256, 4) };
     let y8 = match next {
-        Some(nx) => X8 {
+        Some(nx) => Some(X8 {
             q: Tensor::empty(
                 rec.gpu(),
                 &[1, x8_words(outs)],
@@ -579,13 +568,17 @@ fn qmatvec1_x8(
             )?,
             cols: outs,
             norm: nx.norm.cloned(),
-        },
-        // Unused (bound for the layout).
-        None => X8 {
-            q: Tensor::empty(rec.gpu(), &[1], DType::U32, "qmatvec1_x8.unused")?,
-            cols: 0,
-            norm: None,
-        },
+        }),
+        None => None,
+    };
+    // Without X8_OUT binding 14 is not written, but the layout needs a writable buffer.
+    let unused;
+    let out8 = match &y8 {
+        Some(y8) => &y8.q,
+        None => {
+            unused = Tensor::empty(rec.gpu(), &[1], DType::U32, "qmatvec1_x8.unused")?;
+            &unused
+        }
     };
     let c = [
         ("TYPE", w.ty.0 as f64),
@@ -603,15 +596,16 @@ fn qmatvec1_x8(
     ];
     let res = fuse.residual.unwrap_or(&xq.q);
     let nw = next.and_then(|nx| nx.norm).unwrap_or(&xq.q);
-    let bind = [&w.raw, y, &xq.q, nw, res, &xq.q, &w.raw, &y8.q];
+    let bind = [&w.raw, y, &xq.q, nw, res, &xq.q, &w.raw, out8];
     let grid = Grid::Linear(w.rows.div_ceil(Path::rows(split, wg, rw)) as u64);
     rec.dispatch(&QMATVEC1_X8, &c, bytemuck::bytes_of(p), &bind, grid)?;
-    Ok(next.map(|_| y8))
+    Ok(y8)
 }
 
 /// y (.., rows of W) = x (.., cols) @ W^T with W read in its encoding. One row of x runs
-/// the decode kernel (cols a multiple of 32, at least [`MATVEC1_MIN_ROWS`] rows), up to [`MATVEC_MAX_ROWS`] rows the
-/// matrix-vector kernel, more the tiled one.
+/// the decode kernel (cols a multiple of 32, at least [`MATVEC1_MIN_ROWS`] rows or
+/// [`SPLITK_MIN_COLS`] columns), up to [`MATVEC_MAX_ROWS`] rows the matrix-vector kernel,
+/// more the tiled one.
 pub fn qmatmul(rec: &mut Recorder<'_>, x: &Tensor, w: &QMatrix) -> Result<Tensor> {
     qmatmul_fused(rec, x, w, Fuse::default())
 }
