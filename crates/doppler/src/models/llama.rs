@@ -417,8 +417,9 @@ impl Llama {
         let eps = c.norm_eps as f32;
         let d = c.head_dim;
         let mut x = get_rows(rec, &self.embd, ids_t)?; // (T, E)
-                                                       // x rounded to 8 bits for the next product by the product that made it, where both
-                                                       // round x (one token on large layers: see `ops::quant::qmatmul_chain`).
+
+        // x rounded to 8 bits for the next product by the product that made it, where both
+        // round x (one token on large layers: see `ops::quant::qmatmul_chain`).
         let mut x8 = None;
         for (li, l) in self.layers.iter().enumerate() {
             let to = RopeStore {
