@@ -1,12 +1,14 @@
 //! Causal self-attention, flash style, with grouped-query heads: forward saves the
 //! logsumexp per query row, backward recomputes the probabilities tile by tile. Shader:
-//! `attention.wgsl` (derivatives in its header). Nothing of size Tq x Tk reaches global
-//! memory.
+//! `attention.wgsl` (derivatives in its header), or `attention_coop.wgsl` on cooperative
+//! matrices (f16 operands, f32 sums) when the GPU was opened with
+//! [`crate::gpu::GpuOptions::f16_matmul`] and has them. Nothing of size Tq x Tk reaches
+//! global memory.
 
 use super::expect_f32;
 use crate::error::{Error, Result};
 use crate::gpu::{Binding::*, DType, Grid, Kernel, Recorder, Tensor};
-use crate::shaders::ATTENTION;
+use crate::shaders::{ATTENTION, ATTENTION_COOP};
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
@@ -106,6 +108,36 @@ static BWD_DKV_T: Kernel = Kernel::new(
     ],
 );
 
+// The same three on cooperative matrices (f16 operands, f32 sums); their staging function
+// can read dO too.
+const COOP: wgpu::Features =
+    wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX.union(wgpu::Features::SHADER_F16);
+static FWD_C: Kernel = Kernel {
+    shader: &ATTENTION_COOP,
+    entry: "attn_fwd_coop",
+    storage: FWD_T.storage,
+    features: COOP,
+};
+static BWD_DQ_C: Kernel = Kernel {
+    shader: &ATTENTION_COOP,
+    entry: "attn_bwd_dq_coop",
+    storage: BWD_DQ_T.storage,
+    features: COOP,
+};
+static BWD_DKV_C: Kernel = Kernel {
+    shader: &ATTENTION_COOP,
+    entry: "attn_bwd_dkv_coop",
+    storage: BWD_DKV_T.storage,
+    features: COOP,
+};
+
+/// Rows per workgroup of the cooperative-matrix kernels, the workgroup memory they need
+/// (bytes: three 64 x 72 f16 tiles, 4 x 16 x 68 f32 scratch, 128 floats), the largest
+/// head dim.
+const COOP_ROWS: u64 = 64;
+const COOP_SHARED: u32 = 3 * 64 * 72 * 2 + 4 * 16 * 68 * 4 + 128 * 4;
+pub const COOP_MAX_HEAD_DIM: usize = 64;
+
 /// Rows per workgroup of the tiled kernels, and the workgroup memory they need (bytes).
 const TILED_ROWS: u64 = 32;
 const TILED_SHARED: u32 = 31 * 1024;
@@ -122,6 +154,10 @@ pub enum AttnPath {
     Rows,
     /// Score tiles shared by 256 threads (head dim <= 64, 31 KB of workgroup memory).
     Tiled,
+    /// Cooperative matrices with f16 operands (head dim <= 64, 45 KB of workgroup memory,
+    /// the adapter's cooperative matrices, f16 and subgroups of 32). `Auto` takes it when
+    /// the GPU was opened for f16 products ([`crate::gpu::Gpu::coop_matmul`]).
+    Coop,
 }
 
 /// Rows per workgroup (one thread each), as `BR` in the shader.
@@ -153,18 +189,44 @@ pub fn tiled_fits(limits: &wgpu::Limits, d: usize) -> bool {
     d <= TILED_MAX_HEAD_DIM && limits.max_compute_workgroup_storage_size >= TILED_SHARED
 }
 
-/// Whether the tiled kernels run for head dim `d`.
-fn tiled(rec: &Recorder<'_>, d: usize, path: AttnPath) -> Result<bool> {
-    let fits = tiled_fits(&rec.gpu().limits, d);
+/// Whether the cooperative-matrix kernels can run for head dim `d` on this GPU.
+pub fn coop_fits(gpu: &crate::gpu::Gpu, d: usize) -> bool {
+    d <= COOP_MAX_HEAD_DIM
+        && gpu.coop_matmul_possible()
+        && gpu.limits.max_compute_workgroup_storage_size >= COOP_SHARED
+}
+
+/// The kernel set that runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Set {
+    Rows,
+    Tiled,
+    Coop,
+}
+
+/// Which kernels run for head dim `d`.
+fn kernel_set(rec: &Recorder<'_>, d: usize, path: AttnPath) -> Result<Set> {
+    let gpu = rec.gpu();
+    let tiled = tiled_fits(&gpu.limits, d);
+    let coop = coop_fits(gpu, d);
     match path {
-        AttnPath::Auto => Ok(fits),
-        AttnPath::Rows => Ok(false),
-        AttnPath::Tiled if fits => Ok(true),
+        AttnPath::Auto if coop && gpu.coop_matmul => Ok(Set::Coop),
+        AttnPath::Auto if tiled => Ok(Set::Tiled),
+        AttnPath::Auto | AttnPath::Rows => Ok(Set::Rows),
+        AttnPath::Tiled if tiled => Ok(Set::Tiled),
+        AttnPath::Coop if coop => Ok(Set::Coop),
         AttnPath::Tiled => Err(Error::Invalid {
             op: "attention",
             detail: format!(
                 "tiled kernels need head dim <= {TILED_MAX_HEAD_DIM} (got {d}) and {TILED_SHARED} bytes of workgroup memory (device: {})",
-                rec.gpu().limits.max_compute_workgroup_storage_size
+                gpu.limits.max_compute_workgroup_storage_size
+            ),
+        }),
+        AttnPath::Coop => Err(Error::Invalid {
+            op: "attention",
+            detail: format!(
+                "cooperative-matrix kernels need head dim <= {COOP_MAX_HEAD_DIM} (got {d}), {COOP_SHARED} bytes of workgroup memory (device: {}), and cooperative matrices, f16 and subgroups of 32 (adapter {})",
+                gpu.limits.max_compute_workgroup_storage_size, gpu.info.name
             ),
         }),
     }
@@ -275,25 +337,21 @@ pub fn attention(
         DType::F32,
         "attention.lse",
     )?;
-    if tiled(rec, d, opts.path)? {
-        let groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(TILED_ROWS);
-        rec.dispatch(
-            &FWD_T,
-            &c[..1],
-            bytemuck::bytes_of(&p),
-            &[q, k, v, &o, &lse, q],
-            Grid::Linear(groups),
-        )?;
-    } else {
-        let groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(BR);
-        rec.dispatch(
-            &FWD,
-            &c,
-            bytemuck::bytes_of(&p),
-            &[q, k, v, &o, &lse],
-            Grid::Linear(groups),
-        )?;
-    }
+    let (kernel, rows, c) = match kernel_set(rec, d, opts.path)? {
+        Set::Coop => (&FWD_C, COOP_ROWS, &c[..1]),
+        Set::Tiled => (&FWD_T, TILED_ROWS, &c[..1]),
+        Set::Rows => (&FWD, BR, &c[..]),
+    };
+    let groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(rows);
+    // FWD_T and FWD_C also bind dO's slot (7): q goes there, unread.
+    let bound = [q, k, v, &o, &lse, q];
+    rec.dispatch(
+        kernel,
+        c,
+        bytemuck::bytes_of(&p),
+        &bound[..kernel.storage.len()],
+        Grid::Linear(groups),
+    )?;
     Ok(AttnOut { o, lse })
 }
 
@@ -334,10 +392,10 @@ pub fn attention_backward(
     let dq = Tensor::empty(gpu, q.shape(), DType::F32, "attention.dq")?;
     let dk = Tensor::empty(gpu, k.shape(), DType::F32, "attention.dk")?;
     let dv = Tensor::empty(gpu, v.shape(), DType::F32, "attention.dv")?;
-    let (dq_k, dkv_k, rows, c) = if tiled(rec, d, opts.path)? {
-        (&BWD_DQ_T, &BWD_DKV_T, TILED_ROWS, &c[..1])
-    } else {
-        (&BWD_DQ, &BWD_DKV, BR, &c[..])
+    let (dq_k, dkv_k, rows, c) = match kernel_set(rec, d, opts.path)? {
+        Set::Coop => (&BWD_DQ_C, &BWD_DKV_C, COOP_ROWS, &c[..1]),
+        Set::Tiled => (&BWD_DQ_T, &BWD_DKV_T, TILED_ROWS, &c[..1]),
+        Set::Rows => (&BWD_DQ, &BWD_DKV, BR, &c[..]),
     };
     let q_groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(rows);
     rec.dispatch(

@@ -1,6 +1,7 @@
 //! Every WGSL file, embedded in the binary. One file per op family, named like its
-//! `ops/<name>.rs` (`matmul_coop.wgsl`: `ops/matmul.rs`'s kernel for adapters with
-//! cooperative matrices, a file of its own because it enables that extension).
+//! `ops/<name>.rs` (`matmul_coop.wgsl`, `attention_coop.wgsl`: the kernels of
+//! `ops/matmul.rs` and `ops/attention.rs` for adapters with cooperative matrices, files of
+//! their own because they enable that extension).
 
 use crate::gpu::Shader;
 
@@ -29,6 +30,7 @@ shader!(ROPE, "rope");
 shader!(OPTIM, "optim");
 shader!(DROPOUT, "dropout");
 shader!(ATTENTION, "attention");
+shader!(ATTENTION_COOP, "attention_coop");
 shader!(BIAS, "bias");
 shader!(UPSAMPLE, "upsample");
 shader!(QUANT, "quant");
@@ -52,6 +54,7 @@ pub static ALL: &[&Shader] = &[
     &OPTIM,
     &DROPOUT,
     &ATTENTION,
+    &ATTENTION_COOP,
     &BIAS,
     &UPSAMPLE,
     &QUANT,

@@ -3,13 +3,16 @@
 use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::gpu::{Gpu, Tensor};
-use crate::ops::attention::{attention, attention_backward, tiled_fits, AttnOpts, AttnPath};
+use crate::ops::attention::{
+    attention, attention_backward, coop_fits, tiled_fits, AttnOpts, AttnPath,
+};
 use crate::reference::{attention as cpu, widen};
 
 /// (B, Tq, Tk, Hq, Hkv, D, causal): odd lengths over several row blocks with grouped heads;
 /// fewer queries than keys (the causal offset a KV cache gives); full attention; the
 /// largest head dim; four query heads on one key/value head over several tiles; more than
-/// 65535 workgroups. Each runs on both kernel sets where the tiled one applies.
+/// 65535 workgroups. Each runs on every kernel set that applies (tiled: head dim <= 64;
+/// cooperative matrices: head dim <= 64 on an adapter that has them, not lavapipe).
 pub const ATTN_CASES: [(usize, usize, usize, usize, usize, usize, bool); 6] = [
     (2, 77, 77, 4, 2, 16, true),
     (1, 5, 70, 2, 1, 64, true),
@@ -25,8 +28,8 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     }
 }
 
-/// One case on the row kernels and, where it applies (head dim <= 64, enough workgroup
-/// memory), on the tiled kernels; the reference is computed once for both.
+/// One case on the row kernels and, where they apply, on the tiled and the
+/// cooperative-matrix kernels; the reference is computed once for all.
 fn check(
     gpu: &Gpu,
     out: &mut Vec<CheckResult>,
@@ -70,10 +73,24 @@ fn check(
             w.iter().map(|x| (1.0 + smax) * (x.abs() + big)).collect()
         })
         .collect();
-    for path in [AttnPath::Rows, AttnPath::Tiled] {
-        if path == AttnPath::Tiled && !tiled_fits(&gpu.limits, d) {
+    for path in [AttnPath::Rows, AttnPath::Tiled, AttnPath::Coop] {
+        let fits = match path {
+            AttnPath::Tiled => tiled_fits(&gpu.limits, d),
+            AttnPath::Coop => coop_fits(gpu, d),
+            _ => true,
+        };
+        if !fits {
             continue;
         }
+        // f16 operands (q, k, v, dO, the probabilities and dS each rounded once, 2^-11):
+        // four roundings on a path from the inputs to an output, against the same scale.
+        let tol = match path {
+            AttnPath::Coop => Tolerance {
+                abs: 1e-30,
+                rel: 4.0 * 4.9e-4,
+            },
+            _ => tol,
+        };
         let opts = AttnOpts {
             causal,
             scale: None,
@@ -99,10 +116,10 @@ fn check(
         let shape = format!(
             "B{b} Tq{tq} Tk{tk} Hq{hq} Hkv{hkv} D{d}{}{}",
             if causal { " causal" } else { "" },
-            if path == AttnPath::Tiled {
-                " tiled"
-            } else {
-                ""
+            match path {
+                AttnPath::Tiled => " tiled",
+                AttnPath::Coop => " cooperative (f16 operands)",
+                _ => "",
             }
         );
         for (i, name) in names.iter().enumerate() {
