@@ -54,3 +54,36 @@ fn uniform_blocks_match_rust_params() {
         );
     }
 }
+
+/// Every entry point goes through naga's SPIR-V writer (what wgpu runs on Vulkan) with its
+/// overrides at their defaults: lavapipe never builds the cooperative-matrix shaders, so
+/// this is where a writer error in them shows up before a GPU that has them.
+#[test]
+fn every_entry_point_writes_spirv() {
+    for s in ALL {
+        let module = parse(s.name, s.source);
+        let info = naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .unwrap();
+        for ep in &module.entry_points {
+            let stage = ep.stage;
+            let (m, i) = naga::back::pipeline_constants::process_overrides(
+                &module,
+                &info,
+                Some((stage, &ep.name)),
+                &Default::default(),
+            )
+            .unwrap_or_else(|e| panic!("{}.{}: overrides: {e}", s.name, ep.name));
+            let opts = naga::back::spv::Options::default();
+            let pipeline = naga::back::spv::PipelineOptions {
+                shader_stage: stage,
+                entry_point: ep.name.clone(),
+            };
+            naga::back::spv::write_vec(&m, &i, &opts, Some(&pipeline))
+                .unwrap_or_else(|e| panic!("{}.{}: SPIR-V: {e}", s.name, ep.name));
+        }
+    }
+}

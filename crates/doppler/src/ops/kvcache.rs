@@ -233,7 +233,8 @@ pub fn kv_attend_parts(
 /// values 0..pos+T (the new ones stored already). Scale 1/sqrt(D). Up to
 /// [`SPLIT_MAX_QUERIES`] queries split the keys into ranges (two dispatches, many more
 /// workgroups); more queries run the tiled attention of
-/// `ops::attention` where it fits (head dim <= 64), otherwise one workgroup per (t, h).
+/// `ops::attention` where it fits (head dim <= 64; its cooperative-matrix kernels when
+/// the GPU was opened for f16 products), otherwise one workgroup per (t, h).
 pub fn kv_attend(
     rec: &mut Recorder<'_>,
     q: &Tensor,
@@ -247,11 +248,15 @@ pub fn kv_attend(
     if parts.is_none() && t > SPLIT_MAX_QUERIES && attention::tiled_fits(&rec.gpu().limits, d) {
         // A prompt: the training kernels' tiled attention (a block of queries shares each
         // tile of keys) over the filled part of the caches; its causal mask lets query i
-        // see keys up to pos + i.
+        // see keys up to pos + i. On cooperative matrices (f16 operands) when the GPU was
+        // opened for f16 products (`DOPPLER_MATMUL=f16`), as llama.cpp's f16 caches do.
         let opts = AttnOpts {
             causal: true,
             scale: None,
-            path: AttnPath::Tiled,
+            path: match rec.gpu().coop_matmul && attention::coop_fits(rec.gpu(), d) {
+                true => AttnPath::Coop,
+                false => AttnPath::Tiled,
+            },
         };
         let kc = k.prefix(&[1, pos + t, hkv, d])?;
         let vc = v.prefix(&[1, pos + t, hkv, d])?;

@@ -140,11 +140,13 @@ pub(super) fn argmax_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 
 /// (batch, m, n, k, trans_a, trans_b, batched_a, batched_b, beta): 1x1x1, odd sizes in
 /// every transpose combination, multiples of 4 (vec4 loads), several 128-tiles with
-/// ragged edges, a broadcast operand, and accumulation into C.
+/// ragged edges, a broadcast operand, and accumulation into C. Cases 9-11 take the split-K
+/// path (A^T B, few output tiles, long K), the last one with beta and without vec4 loads;
+/// 12 and 13 have whole 128-tiles beside ragged ones. Odd-numbered cases without beta run
+/// with alpha 1 (the cooperative kernel stores whole tiles straight to C then), the
+/// others with 0.75.
 #[allow(clippy::type_complexity)]
-/// The last three take the split-K path (A^T B, few output tiles, long K), the last one
-/// with beta and without vec4 loads.
-pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f32); 12] = [
+pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f32); 14] = [
     (1, 1, 1, 1, false, false, true, true, 0.0),
     (3, 37, 45, 29, false, false, true, true, 0.0),
     (2, 130, 129, 67, true, false, true, true, 0.0),
@@ -157,6 +159,8 @@ pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f3
     (1, 36, 44, 2048, true, false, false, false, 0.0),
     (1, 200, 132, 4100, true, false, false, false, 0.0),
     (1, 33, 17, 2048, true, false, false, false, 1.0),
+    (1, 200, 260, 48, false, true, true, true, 0.0),
+    (2, 256, 260, 40, true, true, true, true, 0.0),
 ];
 
 pub(super) fn matmul_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
@@ -190,7 +194,10 @@ fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tunin
         let a = rng.vec(ab * m * k);
         let b = rng.vec(bb_ * k * n);
         let c0 = rng.vec(batch * m * n);
-        let alpha = 0.75;
+        let alpha = match beta == 0.0 && i % 2 == 1 {
+            true => 1.0,
+            false => 0.75,
+        };
         let a_shape: Vec<usize> = if ta { vec![k, m] } else { vec![m, k] };
         let b_shape: Vec<usize> = if tb { vec![n, k] } else { vec![k, n] };
         let with_batch = |batched: bool, s: &[usize]| {
