@@ -43,9 +43,14 @@ override D4: u32 = 16u;   // head dim / 4 (<= 16)
 
 const NEG: f32 = -1e30;
 const BLK: u32 = 64u;     // rows of a workgroup, and of a step
+// Workgroup arrays hold vec4s (one 8- or 16-byte access for 4 values); positions below
+// count scalars, divided by 4 at each access, and cooperative loads and stores take
+// strides in vec4s (SH4, SS4: a vector element's components are consecutive).
 const SH: u32 = 72u;      // stride of a staged f16 row
 const SS: u32 = 68u;      // stride of a scratch f32 row
 const SCR: u32 = 1088u;   // scratch floats of a subgroup (16 rows of SS)
+const SH4: u32 = 18u;
+const SS4: u32 = 17u;
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<vec4<f32>>;
@@ -60,10 +65,10 @@ const SCR: u32 = 1088u;   // scratch floats of a subgroup (16 rows of SS)
 @group(0) @binding(12) var<storage, read_write> dk: array<vec4<f32>>;
 @group(0) @binding(13) var<storage, read_write> dv: array<vec4<f32>>;
 
-var<workgroup> s0: array<f16, 4608>;    // 64 staged rows of SH
-var<workgroup> s1: array<f16, 4608>;    // 64 staged rows of SH
-var<workgroup> s2: array<f16, 4608>;    // subgroup g: rows 16 g .. + 16 (P, or dS)
-var<workgroup> scr: array<f32, 4352>;   // subgroup g: SCR floats from g * SCR
+var<workgroup> s0: array<vec4<f16>, 1152>;   // 64 staged rows of SH
+var<workgroup> s1: array<vec4<f16>, 1152>;   // 64 staged rows of SH
+var<workgroup> s2: array<vec4<f16>, 1152>;   // subgroup g: rows 16 g .. + 16 (P, or dS)
+var<workgroup> scr: array<vec4<f32>, 1088>;  // subgroup g: SCR floats from g * SCR
 var<workgroup> xch: array<f32, 128>;    // lanes' row statistics, or staged lse and delta
 
 fn group_id(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
@@ -131,18 +136,11 @@ fn stage(which: u32, dst: u32, bi: u32, r0: u32, nt: u32, hh: u32, nh: u32, mul:
                 default: { x = d_o[at]; }
             }
         }
-        let h = vec4<f16>(x * mul);
-        let at = (t / 16u) * SH + ch * 4u;
+        let at = ((t / 16u) * SH) / 4u + ch;
         if (dst == 0u) {
-            s0[at] = h.x;
-            s0[at + 1u] = h.y;
-            s0[at + 2u] = h.z;
-            s0[at + 3u] = h.w;
+            s0[at] = vec4<f16>(x * mul);
         } else {
-            s1[at] = h.x;
-            s1[at + 1u] = h.y;
-            s1[at + 2u] = h.z;
-            s1[at + 3u] = h.w;
+            s1[at] = vec4<f16>(x * mul);
         }
     }
 }
@@ -151,11 +149,11 @@ fn stage(which: u32, dst: u32, bi: u32, r0: u32, nt: u32, hh: u32, nh: u32, mul:
 // functions each here: cooperative operations need uniform control flow, and naga takes
 // a branch on an argument for non-uniform.)
 fn frag_a0(r: u32, c: u32) -> coop_mat16x16<f16, A> {
-    return coopLoadT<coop_mat16x16<f16, A>>(&s0[r * SH + c * 16u], SH);
+    return coopLoadT<coop_mat16x16<f16, A>>(&s0[(r * SH + c * 16u) / 4u], SH4);
 }
 
 fn frag_a1(r: u32, c: u32) -> coop_mat16x16<f16, A> {
-    return coopLoadT<coop_mat16x16<f16, A>>(&s1[r * SH + c * 16u], SH);
+    return coopLoadT<coop_mat16x16<f16, A>>(&s1[(r * SH + c * 16u) / 4u], SH4);
 }
 
 // (16 x 64 rows a0..a3) times the 64 rows staged in s0 / s1, transposed: the 16 x 64
@@ -165,11 +163,11 @@ fn scores0(a0: coop_mat16x16<f16, A>, a1: coop_mat16x16<f16, A>, a2: coop_mat16x
     for (var c = 0u; c < 4u; c++) {
         let at = c * 16u * SH;
         var acc = coop_mat16x16<f32, C>();
-        acc = coopMultiplyAdd(a0, coopLoad<coop_mat16x16<f16, B>>(&s0[at], SH), acc);
-        acc = coopMultiplyAdd(a1, coopLoad<coop_mat16x16<f16, B>>(&s0[at + 16u], SH), acc);
-        acc = coopMultiplyAdd(a2, coopLoad<coop_mat16x16<f16, B>>(&s0[at + 32u], SH), acc);
-        acc = coopMultiplyAdd(a3, coopLoad<coop_mat16x16<f16, B>>(&s0[at + 48u], SH), acc);
-        coopStoreT(acc, &scr[g * SCR + c * 16u], SS);
+        acc = coopMultiplyAdd(a0, coopLoad<coop_mat16x16<f16, B>>(&s0[at / 4u], SH4), acc);
+        acc = coopMultiplyAdd(a1, coopLoad<coop_mat16x16<f16, B>>(&s0[(at + 16u) / 4u], SH4), acc);
+        acc = coopMultiplyAdd(a2, coopLoad<coop_mat16x16<f16, B>>(&s0[(at + 32u) / 4u], SH4), acc);
+        acc = coopMultiplyAdd(a3, coopLoad<coop_mat16x16<f16, B>>(&s0[(at + 48u) / 4u], SH4), acc);
+        coopStoreT(acc, &scr[(g * SCR + c * 16u) / 4u], SS4);
     }
 }
 
@@ -178,41 +176,37 @@ fn scores1(a0: coop_mat16x16<f16, A>, a1: coop_mat16x16<f16, A>, a2: coop_mat16x
     for (var c = 0u; c < 4u; c++) {
         let at = c * 16u * SH;
         var acc = coop_mat16x16<f32, C>();
-        acc = coopMultiplyAdd(a0, coopLoad<coop_mat16x16<f16, B>>(&s1[at], SH), acc);
-        acc = coopMultiplyAdd(a1, coopLoad<coop_mat16x16<f16, B>>(&s1[at + 16u], SH), acc);
-        acc = coopMultiplyAdd(a2, coopLoad<coop_mat16x16<f16, B>>(&s1[at + 32u], SH), acc);
-        acc = coopMultiplyAdd(a3, coopLoad<coop_mat16x16<f16, B>>(&s1[at + 48u], SH), acc);
-        coopStoreT(acc, &scr[g * SCR + c * 16u], SS);
+        acc = coopMultiplyAdd(a0, coopLoad<coop_mat16x16<f16, B>>(&s1[at / 4u], SH4), acc);
+        acc = coopMultiplyAdd(a1, coopLoad<coop_mat16x16<f16, B>>(&s1[(at + 16u) / 4u], SH4), acc);
+        acc = coopMultiplyAdd(a2, coopLoad<coop_mat16x16<f16, B>>(&s1[(at + 32u) / 4u], SH4), acc);
+        acc = coopMultiplyAdd(a3, coopLoad<coop_mat16x16<f16, B>>(&s1[(at + 48u) / 4u], SH4), acc);
+        coopStoreT(acc, &scr[(g * SCR + c * 16u) / 4u], SS4);
     }
 }
 
-// Four scratch values from index at.
+// Four scratch values from position at (a multiple of 4).
 fn rd(at: u32) -> vec4<f32> {
-    return vec4<f32>(scr[at], scr[at + 1u], scr[at + 2u], scr[at + 3u]);
+    return scr[at / 4u];
 }
 
-// Four values as f16 into s2 from index at.
+// Four values as f16 into s2 from position at (a multiple of 4).
 fn put2(at: u32, x: vec4<f32>) {
-    let h = vec4<f16>(x);
-    s2[at] = h.x;
-    s2[at + 1u] = h.y;
-    s2[at + 2u] = h.z;
-    s2[at + 3u] = h.w;
+    s2[at / 4u] = vec4<f16>(x);
 }
 
 // Fragment c of subgroup g's 16 x 64 block of s2.
 fn frag_p(g: u32, c: u32) -> coop_mat16x16<f16, A> {
-    return coopLoadT<coop_mat16x16<f16, A>>(&s2[g * 16u * SH + c * 16u], SH);
+    return coopLoadT<coop_mat16x16<f16, A>>(&s2[(g * 16u * SH + c * 16u) / 4u], SH4);
 }
 
 // Fragment (rows 16 r .., columns 16 c ..) of the rows staged in s0 / s1, as the right
 // operand.
 fn frag_b0(r: u32, c: u32) -> coop_mat16x16<f16, B> {
-    return coopLoadT<coop_mat16x16<f16, B>>(&s0[r * 16u * SH + c * 16u], SH);
+    return coopLoadT<coop_mat16x16<f16, B>>(&s0[(r * 16u * SH + c * 16u) / 4u], SH4);
 }
 
 fn frag_b1(r: u32, c: u32) -> coop_mat16x16<f16, B> {
-    return coopLoadT<coop_mat16x16<f16, B>>(&s1[r * 16u * SH + c * 16u], SH);
+    return coopLoadT<coop_mat16x16<f16, B>>(&s1[(r * 16u * SH + c * 16u) / 4u], SH4);
 }
 
 @compute @workgroup_size(128)
@@ -297,7 +291,7 @@ fn attn_fwd_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
             acc = coopMultiplyAdd(p1, frag_b1(1u, n), acc);
             acc = coopMultiplyAdd(p2, frag_b1(2u, n), acc);
             acc = coopMultiplyAdd(p3, frag_b1(3u, n), acc);
-            coopStoreT(acc, &scr[g * SCR + n * 16u], SS);
+            coopStoreT(acc, &scr[(g * SCR + n * 16u) / 4u], SS4);
         }
         workgroupBarrier();
         o0 = o0 * corr + rd(b);
@@ -401,10 +395,10 @@ fn attn_bwd_dq_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
         }
     }
     workgroupBarrier();
-    coopStoreT(g0, &scr[g * SCR], SS);
-    coopStoreT(g1, &scr[g * SCR + 16u], SS);
-    coopStoreT(g2, &scr[g * SCR + 32u], SS);
-    coopStoreT(g3, &scr[g * SCR + 48u], SS);
+    coopStoreT(g0, &scr[g * SCR / 4u], SS4);
+    coopStoreT(g1, &scr[(g * SCR + 16u) / 4u], SS4);
+    coopStoreT(g2, &scr[(g * SCR + 32u) / 4u], SS4);
+    coopStoreT(g3, &scr[(g * SCR + 48u) / 4u], SS4);
     workgroupBarrier();
     if (w.ok && i < p.tq) {
         let at = row_at(w.bi, i, p.tq, w.h, p.hq) + c0 / 4u;
@@ -522,10 +516,10 @@ fn attn_bwd_dkv_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
         }
     }
     workgroupBarrier();
-    coopStoreT(gk0, &scr[g * SCR], SS);
-    coopStoreT(gk1, &scr[g * SCR + 16u], SS);
-    coopStoreT(gk2, &scr[g * SCR + 32u], SS);
-    coopStoreT(gk3, &scr[g * SCR + 48u], SS);
+    coopStoreT(gk0, &scr[g * SCR / 4u], SS4);
+    coopStoreT(gk1, &scr[(g * SCR + 16u) / 4u], SS4);
+    coopStoreT(gk2, &scr[(g * SCR + 32u) / 4u], SS4);
+    coopStoreT(gk3, &scr[(g * SCR + 48u) / 4u], SS4);
     workgroupBarrier();
     let live = w.ok && j < p.tk;
     let at = row_at(w.bi, j, p.tk, w.h, p.hkv) + c0 / 4u;
@@ -537,10 +531,10 @@ fn attn_bwd_dkv_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
         }
     }
     workgroupBarrier();
-    coopStoreT(gv0, &scr[g * SCR], SS);
-    coopStoreT(gv1, &scr[g * SCR + 16u], SS);
-    coopStoreT(gv2, &scr[g * SCR + 32u], SS);
-    coopStoreT(gv3, &scr[g * SCR + 48u], SS);
+    coopStoreT(gv0, &scr[g * SCR / 4u], SS4);
+    coopStoreT(gv1, &scr[(g * SCR + 16u) / 4u], SS4);
+    coopStoreT(gv2, &scr[(g * SCR + 32u) / 4u], SS4);
+    coopStoreT(gv3, &scr[(g * SCR + 48u) / 4u], SS4);
     workgroupBarrier();
     if (live) {
         for (var e = 0u; e < 8u; e++) {

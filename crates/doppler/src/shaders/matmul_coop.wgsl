@@ -39,16 +39,19 @@ override TRANS_B: bool = false;
 
 const T: u32 = 128u;    // tile of C
 const BK: u32 = 32u;    // k a step
-const SK: u32 = 40u;    // stride of a staged row along k (BK + 8 halves): A, or B^T
-const SM: u32 = 136u;   // stride of a staged row along m or n (T + 8 halves): A^T, or B
+// Staged operands are arrays of vec4<f16> (one 8-byte store for 4 values); fragments load
+// from them with strides and offsets in vec4s (cooperative loads take vector elements as
+// their consecutive components).
+const SK: u32 = 10u;    // stride of a staged row along k (BK + 8 halves, in vec4s): A, or B^T
+const SM: u32 = 34u;    // stride of a staged row along m or n (T + 8 halves): A^T, or B
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(2) var<storage, read> a4: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> b4: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read_write> c: array<f32>;
 
-var<workgroup> sa: array<f16, 5120>;    // [m][k] (T rows of SK), or [k][m] (TRANS_A)
-var<workgroup> sb: array<f16, 5120>;    // [k][n] (BK rows of SM), or [n][k] (TRANS_B)
+var<workgroup> sa: array<vec4<f16>, 1280>;   // [m][k] (T rows of SK), or [k][m] (TRANS_A)
+var<workgroup> sb: array<vec4<f16>, 1280>;   // [k][n] (BK rows of SM), or [n][k] (TRANS_B)
 var<workgroup> scratch: array<f32, 1024>;   // 16 x 16 a subgroup
 
 // Load slot q (0..1024) of the op(A) step at k0: 4 values (zero outside).
@@ -70,14 +73,11 @@ fn fetch_a(q: u32, m0: u32, k0: u32, off: u32) -> vec4<f32> {
 }
 
 fn stash_a(q: u32, v: vec4<f32>) {
-    let h = vec4<f16>(v);
-    var at = (q / 8u) * SK + (q % 8u) * 4u;
+    var at = (q / 8u) * SK + q % 8u;
     if (TRANS_A) {
-        at = (q / 32u) * SM + (q % 32u) * 4u;
+        at = (q / 32u) * SM + q % 32u;
     }
-    for (var e = 0u; e < 4u; e++) {
-        sa[at + e] = h[e];
-    }
+    sa[at] = vec4<f16>(v);
 }
 
 fn fetch_b(q: u32, n0: u32, k0: u32, off: u32) -> vec4<f32> {
@@ -98,14 +98,11 @@ fn fetch_b(q: u32, n0: u32, k0: u32, off: u32) -> vec4<f32> {
 }
 
 fn stash_b(q: u32, v: vec4<f32>) {
-    let h = vec4<f16>(v);
-    var at = (q / 32u) * SM + (q % 32u) * 4u;
+    var at = (q / 32u) * SM + q % 32u;
     if (TRANS_B) {
-        at = (q / 8u) * SK + (q % 8u) * 4u;
+        at = (q / 8u) * SK + q % 8u;
     }
-    for (var e = 0u; e < 4u; e++) {
-        sb[at + e] = h[e];
-    }
+    sb[at] = vec4<f16>(v);
 }
 
 // Accumulator (rows r0.., columns c0.. of C) through the subgroup's scratch: lane l
@@ -177,16 +174,16 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
                 pb[i] = fetch_b(tid + 128u * i, n0, k1, b_off);
             }
         }
-        for (var kb = 0u; kb < BK; kb += 16u) {
+        for (var kb = 0u; kb < BK / 4u; kb += 4u) {   // 16 k a pass, in vec4s
             var a0: coop_mat16x16<f16, A>;
             var a1: coop_mat16x16<f16, A>;
             var a2: coop_mat16x16<f16, A>;
             var a3: coop_mat16x16<f16, A>;
             if (TRANS_A) {
-                a0 = coopLoad<coop_mat16x16<f16, A>>(&sa[kb * SM + wr], SM);
-                a1 = coopLoad<coop_mat16x16<f16, A>>(&sa[kb * SM + wr + 16u], SM);
-                a2 = coopLoad<coop_mat16x16<f16, A>>(&sa[kb * SM + wr + 32u], SM);
-                a3 = coopLoad<coop_mat16x16<f16, A>>(&sa[kb * SM + wr + 48u], SM);
+                a0 = coopLoad<coop_mat16x16<f16, A>>(&sa[kb * 4u * SM + wr / 4u], SM);
+                a1 = coopLoad<coop_mat16x16<f16, A>>(&sa[kb * 4u * SM + (wr + 16u) / 4u], SM);
+                a2 = coopLoad<coop_mat16x16<f16, A>>(&sa[kb * 4u * SM + (wr + 32u) / 4u], SM);
+                a3 = coopLoad<coop_mat16x16<f16, A>>(&sa[kb * 4u * SM + (wr + 48u) / 4u], SM);
             } else {
                 a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[wr * SK + kb], SK);
                 a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 16u) * SK + kb], SK);
@@ -203,10 +200,10 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
                 b2 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 32u) * SK + kb], SK);
                 b3 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 48u) * SK + kb], SK);
             } else {
-                b0 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SM + wc], SM);
-                b1 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SM + wc + 16u], SM);
-                b2 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SM + wc + 32u], SM);
-                b3 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SM + wc + 48u], SM);
+                b0 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * 4u * SM + wc / 4u], SM);
+                b1 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * 4u * SM + (wc + 16u) / 4u], SM);
+                b2 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * 4u * SM + (wc + 32u) / 4u], SM);
+                b3 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * 4u * SM + (wc + 48u) / 4u], SM);
             }
             c00 = coopMultiplyAdd(a0, b0, c00);
             c01 = coopMultiplyAdd(a0, b1, c01);

@@ -26,6 +26,81 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (n, case) in ATTN_CASES.iter().enumerate() {
         check(gpu, out, n, *case);
     }
+    if coop_fits(gpu, 64) {
+        coop_rescale_check(gpu, out);
+    }
+}
+
+/// The online softmax's rescale of O, where it matters: every row sees 200 keys with
+/// scores near 0, then key 200 scores ~10, so O (a sum over 200 keys of v ~ 1) is scaled
+/// by ~e^-10 in the step that holds key 200 (v = -1) while the 200 earlier keys still weigh
+/// ~1% of the result: a wrong or skipped rescale shows. (Random scores of a few units
+/// barely move the max after the first step.) Inputs are exact in f16 (multiples of 1/64
+/// near 1), so the cooperative kernel's scores are exact and only P's rounding to f16
+/// (2^-11) separates the result from the reference.
+fn coop_rescale_check(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    let (t, d, jump) = (300usize, 64usize, 200usize);
+    let mut rng = Rng::new(1590);
+    let mut small = |den: f32| ((rng.next_u64() % 9) as f32 - 4.0) / den;
+    let q: Vec<f32> = (0..t * d).map(|_| 1.0 + small(64.0)).collect();
+    let k: Vec<f32> = (0..t * d)
+        .map(|x| if x / d == jump { 1.25 } else { small(64.0) })
+        .collect();
+    let v: Vec<f32> = (0..t * d)
+        .map(|x| {
+            if x / d == jump {
+                -1.0
+            } else {
+                1.0 + small(256.0)
+            }
+        })
+        .collect();
+    let dm = cpu::Dims {
+        b: 1,
+        tq: t,
+        tk: t,
+        hq: 1,
+        hkv: 1,
+        d,
+        causal: true,
+        scale: 0.125,
+    };
+    let (o, lse) = cpu::attention(&widen(&q), &widen(&k), &widen(&v), dm);
+    let opts = AttnOpts {
+        causal: true,
+        scale: None,
+        path: AttnPath::Coop,
+    };
+    let r = twice("attention", || {
+        let shape = [1, t, 1, d];
+        let tq_ = Tensor::from_f32(gpu, &shape, &q, "q")?;
+        let tk_ = Tensor::from_f32(gpu, &shape, &k, "k")?;
+        let tv_ = Tensor::from_f32(gpu, &shape, &v, "v")?;
+        let f = gpu.run(|rec| attention(rec, &tq_, &tk_, &tv_, opts))?;
+        Ok(vec![f.o.read_f32(gpu)?, f.lse.read_f32(gpu)?])
+    });
+    let shape = format!("B1 T{t} D{d} causal, key {jump} scores ~10, cooperative");
+    // P rounded to f16 (2^-11 of each weight) in a convex combination of |v| <= 1.02.
+    let tols = [
+        Tolerance {
+            abs: 1e-3,
+            rel: 0.0,
+        },
+        Tolerance {
+            abs: 1e-5,
+            rel: 1e-6,
+        },
+    ];
+    for (i, (name, want)) in [("attention", &o), ("attention lse", &lse)]
+        .into_iter()
+        .enumerate()
+    {
+        let res = match &r {
+            Ok(got) => compare(name, &got[i], want, None, tols[i]).map_err(s),
+            Err(e) => Err(e.clone()),
+        };
+        push(out, name, shape.clone(), res);
+    }
 }
 
 /// One case on the row kernels and, where they apply, on the tiled and the
