@@ -263,6 +263,17 @@ def main():
         ms = timed(lambda: torch.matmul(m1, m2), a.repeat, a.batch)
         rows.append({"name": "torch.matmul f32 (TF32 off)", "shape": f"{s}x{s}x{s}", "ms": ms,
                      "value": 2 * s**3 / ms / 1e9, "unit": "TFLOP/s"})
+        # The tensor-core figures Doppler's f16-operand product is compared with.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        ms = timed(lambda: torch.matmul(m1, m2), a.repeat, a.batch)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        rows.append({"name": "torch.matmul TF32", "shape": f"{s}x{s}x{s}", "ms": ms,
+                     "value": 2 * s**3 / ms / 1e9, "unit": "TFLOP/s"})
+        h1, h2 = m1.half(), m2.half()
+        ms = timed(lambda: torch.matmul(h1, h2), a.repeat, a.batch)
+        rows.append({"name": "torch.matmul f16 (cuBLAS)", "shape": f"{s}x{s}x{s}",
+                     "ms": ms, "value": 2 * s**3 / ms / 1e9, "unit": "TFLOP/s"})
+        del m1, m2, h1, h2
     if a.kernels:
         rows += kernels(a)
     if a.train:
