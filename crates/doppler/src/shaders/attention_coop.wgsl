@@ -24,6 +24,7 @@
 // Scale folded into q (forward, dq) or k (dkv) as they are staged, and applied to dq and
 // dk at the end. Sums run in a fixed order: the same inputs give the same bits.
 // Grid: linear over (B * heads) * ceil(rows / 64) workgroups (2-D past 65535).
+// group_id, Block, block_of and row_at repeat attention.wgsl's (WGSL has no includes).
 
 enable f16;
 enable wgpu_cooperative_matrix;
@@ -43,6 +44,7 @@ override D4: u32 = 16u;   // head dim / 4 (<= 16)
 
 const NEG: f32 = -1e30;
 const BLK: u32 = 64u;     // rows of a workgroup, and of a step
+
 // Workgroup arrays hold vec4s (one 8- or 16-byte access for 4 values); positions below
 // count scalars, divided by 4 at each access, and cooperative loads and stores take
 // strides in vec4s (SH4, SS4: a vector element's components are consecutive).
@@ -182,6 +184,15 @@ fn scores1(a0: coop_mat16x16<f16, A>, a1: coop_mat16x16<f16, A>, a2: coop_mat16x
         acc = coopMultiplyAdd(a3, coopLoad<coop_mat16x16<f16, B>>(&s1[(at + 48u) / 4u], SH4), acc);
         coopStoreT(acc, &scr[(g * SCR + c * 16u) / 4u], SS4);
     }
+}
+
+// Four 16 x 16 fragments side by side (16 x 64) into subgroup g's scratch.
+fn to_scratch(g: u32, m0: coop_mat16x16<f32, C>, m1: coop_mat16x16<f32, C>,
+              m2: coop_mat16x16<f32, C>, m3: coop_mat16x16<f32, C>) {
+    coopStoreT(m0, &scr[g * SCR / 4u], SS4);
+    coopStoreT(m1, &scr[(g * SCR + 16u) / 4u], SS4);
+    coopStoreT(m2, &scr[(g * SCR + 32u) / 4u], SS4);
+    coopStoreT(m3, &scr[(g * SCR + 48u) / 4u], SS4);
 }
 
 // Four scratch values from position at (a multiple of 4).
@@ -395,10 +406,7 @@ fn attn_bwd_dq_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
         }
     }
     workgroupBarrier();
-    coopStoreT(g0, &scr[g * SCR / 4u], SS4);
-    coopStoreT(g1, &scr[(g * SCR + 16u) / 4u], SS4);
-    coopStoreT(g2, &scr[(g * SCR + 32u) / 4u], SS4);
-    coopStoreT(g3, &scr[(g * SCR + 48u) / 4u], SS4);
+    to_scratch(g, g0, g1, g2, g3);
     workgroupBarrier();
     if (w.ok && i < p.tq) {
         let at = row_at(w.bi, i, p.tq, w.h, p.hq) + c0 / 4u;
@@ -516,10 +524,7 @@ fn attn_bwd_dkv_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
         }
     }
     workgroupBarrier();
-    coopStoreT(gk0, &scr[g * SCR / 4u], SS4);
-    coopStoreT(gk1, &scr[(g * SCR + 16u) / 4u], SS4);
-    coopStoreT(gk2, &scr[(g * SCR + 32u) / 4u], SS4);
-    coopStoreT(gk3, &scr[(g * SCR + 48u) / 4u], SS4);
+    to_scratch(g, gk0, gk1, gk2, gk3);
     workgroupBarrier();
     let live = w.ok && j < p.tk;
     let at = row_at(w.bi, j, p.tk, w.h, p.hkv) + c0 / 4u;
@@ -531,10 +536,7 @@ fn attn_bwd_dkv_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
         }
     }
     workgroupBarrier();
-    coopStoreT(gv0, &scr[g * SCR / 4u], SS4);
-    coopStoreT(gv1, &scr[(g * SCR + 16u) / 4u], SS4);
-    coopStoreT(gv2, &scr[(g * SCR + 32u) / 4u], SS4);
-    coopStoreT(gv3, &scr[(g * SCR + 48u) / 4u], SS4);
+    to_scratch(g, gv0, gv1, gv2, gv3);
     workgroupBarrier();
     if (live) {
         for (var e = 0u; e < 8u; e++) {
