@@ -16,6 +16,8 @@ pub struct Params {
 }
 
 static ADD: Kernel = Kernel::new(&BIAS, "bias_add", &[(1, Read), (2, Read), (3, ReadWrite)]);
+// The same on vec4 views (N a multiple of 4).
+static ADD4: Kernel = Kernel::new(&BIAS, "bias_add4", &[(4, Read), (5, Read), (6, ReadWrite)]);
 static GRAD: Kernel = Kernel::new(&BIAS, "bias_grad", &[(1, Read), (3, ReadWrite)]);
 
 /// Rows one bias_grad workgroup sums (`ROWS` in the shader) and columns it covers.
@@ -51,12 +53,16 @@ pub fn bias_add(rec: &mut Recorder<'_>, x: &Tensor, b: &Tensor) -> Result<Tensor
         chunks: 0,
         _pad: 0,
     };
+    let (kernel, threads) = match n % 4 {
+        0 => (&ADD4, x.numel() / 4),
+        _ => (&ADD, x.numel()),
+    };
     rec.dispatch(
-        &ADD,
+        kernel,
         &[],
         bytemuck::bytes_of(&p),
         &[x, b, &y],
-        Grid::cover(x.numel() as u64, 256),
+        Grid::cover(threads as u64, 256),
     )?;
     Ok(y)
 }

@@ -23,20 +23,33 @@ pub enum GeluMode {
 
 static FWD: Kernel = Kernel::new(&GELU, "gelu_fwd", &[(1, Read), (3, ReadWrite)]);
 static BWD: Kernel = Kernel::new(&GELU, "gelu_bwd", &[(1, Read), (2, Read), (3, ReadWrite)]);
+// The same on vec4 views (n a multiple of 4).
+static FWD4: Kernel = Kernel::new(&GELU, "gelu_fwd4", &[(4, Read), (6, ReadWrite)]);
+static BWD4: Kernel = Kernel::new(&GELU, "gelu_bwd4", &[(4, Read), (5, Read), (6, ReadWrite)]);
 
-fn run(rec: &mut Recorder<'_>, k: &Kernel, mode: GeluMode, tensors: &[&Tensor]) -> Result<()> {
+/// One dispatch of `k` (or `k4` when n is a multiple of 4) over the first tensor's elements.
+fn run(
+    rec: &mut Recorder<'_>,
+    [k, k4]: [&Kernel; 2],
+    mode: GeluMode,
+    tensors: &[&Tensor],
+) -> Result<()> {
     let n = tensors[0].numel() as u64;
     let params = Params {
         n: n as u32,
         _pad: [0; 3],
     };
     let tanh = [("TANH", (mode == GeluMode::Tanh) as u32 as f64)];
+    let (k, threads) = match n % 4 {
+        0 => (k4, n / 4),
+        _ => (k, n),
+    };
     rec.dispatch(
         k,
         &tanh,
         bytemuck::bytes_of(&params),
         tensors,
-        Grid::cover(n, 256),
+        Grid::cover(threads, 256),
     )
 }
 
@@ -44,7 +57,7 @@ fn run(rec: &mut Recorder<'_>, k: &Kernel, mode: GeluMode, tensors: &[&Tensor]) 
 pub fn gelu(rec: &mut Recorder<'_>, x: &Tensor, mode: GeluMode) -> Result<Tensor> {
     expect_f32("gelu", x)?;
     let y = Tensor::empty(rec.gpu(), x.shape(), x.dtype(), "gelu.out")?;
-    run(rec, &FWD, mode, &[x, &y])?;
+    run(rec, [&FWD, &FWD4], mode, &[x, &y])?;
     Ok(y)
 }
 
@@ -64,6 +77,6 @@ pub fn gelu_backward(
         });
     }
     let dx = Tensor::empty(rec.gpu(), x.shape(), x.dtype(), "gelu.dx")?;
-    run(rec, &BWD, mode, &[x, dy, &dx])?;
+    run(rec, [&BWD, &BWD4], mode, &[x, dy, &dx])?;
     Ok(dx)
 }

@@ -1,10 +1,11 @@
 // Bias add over the last axis and its backward, a column sum in a fixed order.
 //   bias_add:  x (R, N), b (N) -> y (R, N),  y = x + b       (dx = dy: no kernel)
+//   bias_add4: the same on vec4 views when N is a multiple of 4
 //   bias_grad: dy (R, N) -> partial (chunks, N), chunks = ceil(R / ROWS)
 //              db = sum over rows of dy; the host repeats the pass until chunks == 1.
 // A bias_grad workgroup covers 64 columns x ROWS rows: lane r of 4 adds rows r, r+4, ...
 // of its chunk in order, then the 4 lanes add as a tree. Same bits on every run.
-// Grids: bias_add linear over ceil(R*N / 256) workgroups; bias_grad
+// Grids: bias_add linear over ceil(R*N / 256) workgroups (bias_add4: R*N/4); bias_grad
 // (ceil(N / 64), chunks) flattened to linear (2-D past 65535).
 
 struct Params {
@@ -23,6 +24,9 @@ const ROWS: u32 = 256u;   // rows per chunk: 64 per lane, under any driver's loo
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read> b: array<f32>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
+@group(0) @binding(4) var<storage, read> x4: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read> b4: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read_write> y4: array<vec4<f32>>;
 
 var<workgroup> partial: array<f32, WG>;
 
@@ -32,6 +36,16 @@ fn bias_add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     let i = (wid.x + wid.y * nwg.x) * WG + lid;
     if (i < p.rows * p.n) {
         y[i] = x[i] + b[i % p.n];
+    }
+}
+
+@compute @workgroup_size(WG)
+fn bias_add4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * WG + lid;
+    let n4 = p.n / 4u;
+    if (i < p.rows * n4) {
+        y4[i] = x4[i] + b4[i % n4];
     }
 }
 

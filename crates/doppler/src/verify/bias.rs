@@ -7,8 +7,16 @@ use crate::ops::bias::{bias_add, bias_add_backward};
 use crate::reference::{bias as cpu, widen};
 
 /// Odd sizes with batch dims; rows over several chunks (two passes); 70000 rows of one
-/// column (three passes); more than 65535 x 256 elements.
-pub const BIAS_SHAPES: [&[usize]; 4] = [&[3, 7, 45], &[1000, 3], &[70_000, 1], &[262_150, 65]];
+/// column (three passes); more than 65535 x 256 elements; columns a multiple of 4 (the
+/// vec4 kernel).
+pub const BIAS_SHAPES: [&[usize]; 6] = [
+    &[3, 7, 45],
+    &[1000, 3],
+    &[70_000, 1],
+    &[262_150, 65],
+    &[5, 12],
+    &[3, 100, 768],
+];
 
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, shape) in BIAS_SHAPES.iter().enumerate() {

@@ -6,8 +6,15 @@ use crate::gpu::{Gpu, Tensor};
 use crate::ops::gelu::{gelu, gelu_backward, GeluMode};
 use crate::reference::{self as cpu, widen};
 
-/// Shapes: one element, an odd batch, and one needing a 2-D grid (> 65535 groups of 256).
-pub const GELU_SHAPES: [&[usize]; 3] = [&[1], &[3, 7, 47], &[65_537 * 256 + 3]];
+/// Shapes: one element, an odd batch, one needing a 2-D grid (> 65535 groups of 256), and
+/// two multiples of 4 (the vec4 kernels).
+pub const GELU_SHAPES: [&[usize]; 5] = [
+    &[1],
+    &[3, 7, 47],
+    &[65_537 * 256 + 3],
+    &[2, 3, 8],
+    &[4, 1000, 36],
+];
 
 /// erfc's fit (1.2e-7 relative) and exp's rounding, over |x| <= 6.
 const TOL: Tolerance = Tolerance {
