@@ -37,6 +37,18 @@ static ADAMW: Kernel = Kernel::new(
         (5, Read),
     ],
 );
+// The same on vec4 views (sizes a multiple of 4).
+static ADAMW4: Kernel = Kernel::new(
+    &OPTIM,
+    "adamw_step4",
+    &[
+        (8, ReadWrite),
+        (9, Read),
+        (10, ReadWrite),
+        (11, ReadWrite),
+        (5, Read),
+    ],
+);
 static SGD: Kernel = Kernel::new(
     &OPTIM,
     "sgd_step",
@@ -239,12 +251,16 @@ impl AdamW {
                 bc2_sqrt: bc2.sqrt() as f32,
                 ..Default::default()
             };
+            let (kernel, threads) = match p.numel() % 4 {
+                0 => (&ADAMW4, p.numel() / 4),
+                _ => (&ADAMW, p.numel()),
+            };
             rec.dispatch(
-                &ADAMW,
+                kernel,
                 &[],
                 bytemuck::bytes_of(&prm),
                 &[p, g, m, v, scale],
-                Grid::cover(p.numel() as u64, 256),
+                Grid::cover(threads as u64, 256),
             )?;
         }
         Ok(())

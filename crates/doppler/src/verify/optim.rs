@@ -13,10 +13,18 @@ const TOL: Tolerance = Tolerance {
     rel: 64.0 * f32::EPSILON as f64,
 };
 
-/// AdamW with clipping and a loss scale over two odd-sized parameters for 3 steps; SGD with
+/// AdamW with clipping and a loss scale over two odd-sized parameters and one of 100 (the
+/// vec4 kernel) for 3 steps; SGD with
 /// momentum, dampening, Nesterov and weight decay; AdamW on 65537 x 256 + 3 elements.
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    adamw(gpu, out, &[&[37], &[3, 333]], STEPS, Some(0.5), 4.0);
+    adamw(
+        gpu,
+        out,
+        &[&[37], &[3, 333], &[4, 25]],
+        STEPS,
+        Some(0.5),
+        4.0,
+    );
     adamw(gpu, out, &[&[65_537 * 256 + 3]], 1, None, 1.0);
     sgd(gpu, out);
 }
