@@ -14,8 +14,8 @@ const TOL: Tolerance = Tolerance {
 };
 
 /// AdamW with clipping and a loss scale over two odd-sized parameters and one of 100 (the
-/// vec4 kernel) for 3 steps; SGD with
-/// momentum, dampening, Nesterov and weight decay; AdamW on 65537 x 256 + 3 elements.
+/// vec4 kernel) for 3 steps; SGD with momentum, dampening, Nesterov and weight decay; AdamW
+/// on 65537 x 256 + 3 elements.
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     adamw(
         gpu,
