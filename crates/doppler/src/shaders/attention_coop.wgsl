@@ -122,29 +122,52 @@ fn key_end(i0: u32) -> u32 {
     return min(p.tk, i0 + BLK + p.tk - p.tq);
 }
 
-// Stages 64 rows (from r0) of head hh of q (which 0), k (1), v (2) or dO (3), times mul,
-// as f16 into s0 (dst 0) or s1 (dst 1); zeros past nt and past the head dim.
-fn stage(which: u32, dst: u32, bi: u32, r0: u32, nt: u32, hh: u32, nh: u32, mul: f32, tid: u32) {
-    for (var t = tid; t < BLK * 16u; t += 128u) {
-        let r = r0 + t / 16u;
-        let ch = t % 16u;
-        var x = vec4<f32>(0.0);
-        if (r < nt && ch < D4) {
-            let at = row_at(bi, r, nt, hh, nh) + ch;
-            switch (which) {
-                case 0u: { x = q[at]; }
-                case 1u: { x = k[at]; }
-                case 2u: { x = v[at]; }
-                default: { x = d_o[at]; }
-            }
-        }
-        let at = ((t / 16u) * SH) / 4u + ch;
-        if (dst == 0u) {
-            s0[at] = vec4<f16>(x * mul);
-        } else {
-            s1[at] = vec4<f16>(x * mul);
+// Slot e (0..8) of thread tid in a stage of 64 rows (from r0) of head hh of q (which 0),
+// k (1), v (2) or dO (3): vec4 t % 16 of row t / 16, t = tid + 128 e; zeros past nt,
+// past the head dim and past the batch. The loops fetch the next step's slots into registers before they
+// compute on this one, so that the loads' latency hides behind the products.
+fn fetch(which: u32, bi: u32, r0: u32, nt: u32, hh: u32, nh: u32, tid: u32, e: u32) -> vec4<f32> {
+    let t = tid + 128u * e;
+    let r = r0 + t / 16u;
+    let ch = t % 16u;
+    var x = vec4<f32>(0.0);
+    if (bi < p.b && r < nt && ch < D4) {   // (bi past the batch: a grid's spare workgroup)
+        let at = row_at(bi, r, nt, hh, nh) + ch;
+        switch (which) {
+            case 0u: { x = q[at]; }
+            case 1u: { x = k[at]; }
+            case 2u: { x = v[at]; }
+            default: { x = d_o[at]; }
         }
     }
+    return x;
+}
+
+// A fetched slot (times mul) as f16 into s0 (dst 0) or s1 (dst 1).
+fn put(dst: u32, tid: u32, e: u32, x: vec4<f32>, mul: f32) {
+    let t = tid + 128u * e;
+    let at = ((t / 16u) * SH) / 4u + t % 16u;
+    if (dst == 0u) {
+        s0[at] = vec4<f16>(x * mul);
+    } else {
+        s1[at] = vec4<f16>(x * mul);
+    }
+}
+
+// Stages 64 rows at once (the workgroup's own rows, before the loop).
+fn stage(which: u32, dst: u32, bi: u32, r0: u32, nt: u32, hh: u32, nh: u32, mul: f32, tid: u32) {
+    for (var e = 0u; e < 8u; e++) {
+        put(dst, tid, e, fetch(which, bi, r0, nt, hh, nh, tid, e), mul);
+    }
+}
+
+// (lse, delta) of query i0 + tid of head h (tid < 64; zeros past Tq, and for tid >= 64).
+fn stats(bi: u32, h: u32, i0: u32, tid: u32) -> vec2<f32> {
+    if (tid < BLK && i0 + tid < p.tq) {
+        let at = (bi * p.hq + h) * p.tq + i0 + tid;
+        return vec2<f32>(lse_in[at], delta_in[at]);
+    }
+    return vec2<f32>(0.0);
 }
 
 // Fragment c (columns 16 c .. + 16) of the 16 x 64 rows from row r of s0 / s1. (Two
@@ -248,10 +271,26 @@ fn attn_fwd_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     var o6 = vec4<f32>(0.0);
     var o7 = vec4<f32>(0.0);
     let end = select(0u, key_end(w.r0), w.ok);
+    var fk: array<vec4<f32>, 8>;   // the next step's K and V
+    var fv: array<vec4<f32>, 8>;
+    if (end > 0u) {
+        for (var e = 0u; e < 8u; e++) {
+            fk[e] = fetch(1u, w.bi, 0u, p.tk, w.kv, p.hkv, tid, e);
+            fv[e] = fetch(2u, w.bi, 0u, p.tk, w.kv, p.hkv, tid, e);
+        }
+    }
     for (var j0 = 0u; j0 < end; j0 += BLK) {
         workgroupBarrier();   // everyone is done with s0, s1
-        stage(1u, 0u, w.bi, j0, p.tk, w.kv, p.hkv, 1.0, tid);   // K
-        stage(2u, 1u, w.bi, j0, p.tk, w.kv, p.hkv, 1.0, tid);   // V
+        for (var e = 0u; e < 8u; e++) {
+            put(0u, tid, e, fk[e], 1.0);
+            put(1u, tid, e, fv[e], 1.0);
+        }
+        if (j0 + BLK < end) {
+            for (var e = 0u; e < 8u; e++) {
+                fk[e] = fetch(1u, w.bi, j0 + BLK, p.tk, w.kv, p.hkv, tid, e);
+                fv[e] = fetch(2u, w.bi, j0 + BLK, p.tk, w.kv, p.hkv, tid, e);
+            }
+        }
         workgroupBarrier();
         scores0(q0, q1, q2, q3, g);
         workgroupBarrier();
@@ -367,10 +406,26 @@ fn attn_bwd_dq_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     var g2 = coop_mat16x16<f32, C>();
     var g3 = coop_mat16x16<f32, C>();
     let end = select(0u, key_end(w.r0), w.ok);
+    var fk: array<vec4<f32>, 8>;   // the next step's K and V
+    var fv: array<vec4<f32>, 8>;
+    if (end > 0u) {
+        for (var e = 0u; e < 8u; e++) {
+            fk[e] = fetch(1u, w.bi, 0u, p.tk, w.kv, p.hkv, tid, e);
+            fv[e] = fetch(2u, w.bi, 0u, p.tk, w.kv, p.hkv, tid, e);
+        }
+    }
     for (var j0 = 0u; j0 < end; j0 += BLK) {
         workgroupBarrier();   // everyone is done with s0, s1
-        stage(1u, 0u, w.bi, j0, p.tk, w.kv, p.hkv, 1.0, tid);   // K
-        stage(2u, 1u, w.bi, j0, p.tk, w.kv, p.hkv, 1.0, tid);   // V
+        for (var e = 0u; e < 8u; e++) {
+            put(0u, tid, e, fk[e], 1.0);
+            put(1u, tid, e, fv[e], 1.0);
+        }
+        if (j0 + BLK < end) {
+            for (var e = 0u; e < 8u; e++) {
+                fk[e] = fetch(1u, w.bi, j0 + BLK, p.tk, w.kv, p.hkv, tid, e);
+                fv[e] = fetch(2u, w.bi, j0 + BLK, p.tk, w.kv, p.hkv, tid, e);
+            }
+        }
         workgroupBarrier();
         scores0(q0, q1, q2, q3, g);   // S
         workgroupBarrier();
@@ -454,73 +509,87 @@ fn attn_bwd_dkv_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
         first = w.r0 + p.tq - p.tk;
     }
     let group = p.hq / p.hkv;
-    let hend = select(0u, group, w.ok);
-    for (var gi = 0u; gi < hend; gi++) {
-        let h = w.h * group + gi;
-        for (var i0 = first; i0 < p.tq; i0 += BLK) {
-            workgroupBarrier();   // everyone is done with s0, s1, s2 and xch
-            stage(0u, 0u, w.bi, i0, p.tq, h, p.hq, 1.0, tid);   // Q
-            stage(3u, 1u, w.bi, i0, p.tq, h, p.hq, 1.0, tid);   // dO
-            if (tid < BLK) {
-                var a = 0.0;
-                var d = 0.0;
-                if (i0 + tid < p.tq) {
-                    let at = (w.bi * p.hq + h) * p.tq + i0 + tid;
-                    a = lse_in[at];
-                    d = delta_in[at];
-                }
-                xch[tid] = a;
-                xch[BLK + tid] = d;
+    // Steps: the group's query heads in order, each from `first`, 64 queries a step.
+    let per_head = (p.tq - first + BLK - 1u) / BLK;
+    let steps = select(0u, group * per_head, w.ok);
+    var fq: array<vec4<f32>, 8>;   // the next step's Q and dO, and (tid < 64) lse, delta
+    var fo: array<vec4<f32>, 8>;
+    var fs = vec2<f32>(0.0);
+    if (steps > 0u) {
+        for (var e = 0u; e < 8u; e++) {
+            fq[e] = fetch(0u, w.bi, first, p.tq, w.h * group, p.hq, tid, e);
+            fo[e] = fetch(3u, w.bi, first, p.tq, w.h * group, p.hq, tid, e);
+        }
+        fs = stats(w.bi, w.h * group, first, tid);
+    }
+    for (var st = 0u; st < steps; st++) {
+        let i0 = first + (st % per_head) * BLK;
+        workgroupBarrier();   // everyone is done with s0, s1, s2 and xch
+        for (var e = 0u; e < 8u; e++) {
+            put(0u, tid, e, fq[e], 1.0);
+            put(1u, tid, e, fo[e], 1.0);
+        }
+        if (tid < BLK) {
+            xch[tid] = fs.x;
+            xch[BLK + tid] = fs.y;
+        }
+        if (st + 1u < steps) {
+            let hn = w.h * group + (st + 1u) / per_head;
+            let in0 = first + ((st + 1u) % per_head) * BLK;
+            for (var e = 0u; e < 8u; e++) {
+                fq[e] = fetch(0u, w.bi, in0, p.tq, hn, p.hq, tid, e);
+                fo[e] = fetch(3u, w.bi, in0, p.tq, hn, p.hq, tid, e);
             }
-            workgroupBarrier();
-            scores0(k0, k1, k2, k3, g);   // S^T: the lane's key against 32 queries
-            workgroupBarrier();
-            let i = i0 + c0;
-            let zero = vec4<f32>(0.0);
-            let p0 = select(zero, exp(rd(b) - rd_x(c0)), seen_queries(i, j));
-            let p1 = select(zero, exp(rd(b + 4u) - rd_x(c0 + 4u)), seen_queries(i + 4u, j));
-            let p2 = select(zero, exp(rd(b + 8u) - rd_x(c0 + 8u)), seen_queries(i + 8u, j));
-            let p3 = select(zero, exp(rd(b + 12u) - rd_x(c0 + 12u)), seen_queries(i + 12u, j));
-            let p4 = select(zero, exp(rd(b + 16u) - rd_x(c0 + 16u)), seen_queries(i + 16u, j));
-            let p5 = select(zero, exp(rd(b + 20u) - rd_x(c0 + 20u)), seen_queries(i + 20u, j));
-            let p6 = select(zero, exp(rd(b + 24u) - rd_x(c0 + 24u)), seen_queries(i + 24u, j));
-            let p7 = select(zero, exp(rd(b + 28u) - rd_x(c0 + 28u)), seen_queries(i + 28u, j));
-            put2(pb, p0);
-            put2(pb + 4u, p1);
-            put2(pb + 8u, p2);
-            put2(pb + 12u, p3);
-            put2(pb + 16u, p4);
-            put2(pb + 20u, p5);
-            put2(pb + 24u, p6);
-            put2(pb + 28u, p7);
-            workgroupBarrier();
-            scores1(v0, v1, v2, v3, g);   // dP^T
-            // dV += P^T dO: 16 x 64 probabilities times the 64 x 64 dO rows.
-            for (var c = 0u; c < 4u; c++) {
-                let a = frag_p(g, c);
-                gv0 = coopMultiplyAdd(a, frag_b1(c, 0u), gv0);
-                gv1 = coopMultiplyAdd(a, frag_b1(c, 1u), gv1);
-                gv2 = coopMultiplyAdd(a, frag_b1(c, 2u), gv2);
-                gv3 = coopMultiplyAdd(a, frag_b1(c, 3u), gv3);
-            }
-            workgroupBarrier();
-            put2(pb, p0 * (rd(b) - rd_x(BLK + c0)));
-            put2(pb + 4u, p1 * (rd(b + 4u) - rd_x(BLK + c0 + 4u)));
-            put2(pb + 8u, p2 * (rd(b + 8u) - rd_x(BLK + c0 + 8u)));
-            put2(pb + 12u, p3 * (rd(b + 12u) - rd_x(BLK + c0 + 12u)));
-            put2(pb + 16u, p4 * (rd(b + 16u) - rd_x(BLK + c0 + 16u)));
-            put2(pb + 20u, p5 * (rd(b + 20u) - rd_x(BLK + c0 + 20u)));
-            put2(pb + 24u, p6 * (rd(b + 24u) - rd_x(BLK + c0 + 24u)));
-            put2(pb + 28u, p7 * (rd(b + 28u) - rd_x(BLK + c0 + 28u)));
-            workgroupBarrier();
-            // dK += dS^T Q: 16 x 64 dS^T times the 64 x 64 query rows.
-            for (var c = 0u; c < 4u; c++) {
-                let a = frag_p(g, c);
-                gk0 = coopMultiplyAdd(a, frag_b0(c, 0u), gk0);
-                gk1 = coopMultiplyAdd(a, frag_b0(c, 1u), gk1);
-                gk2 = coopMultiplyAdd(a, frag_b0(c, 2u), gk2);
-                gk3 = coopMultiplyAdd(a, frag_b0(c, 3u), gk3);
-            }
+            fs = stats(w.bi, hn, in0, tid);
+        }
+        workgroupBarrier();
+        scores0(k0, k1, k2, k3, g);   // S^T: the lane's key against 32 queries
+        workgroupBarrier();
+        let i = i0 + c0;
+        let zero = vec4<f32>(0.0);
+        let p0 = select(zero, exp(rd(b) - rd_x(c0)), seen_queries(i, j));
+        let p1 = select(zero, exp(rd(b + 4u) - rd_x(c0 + 4u)), seen_queries(i + 4u, j));
+        let p2 = select(zero, exp(rd(b + 8u) - rd_x(c0 + 8u)), seen_queries(i + 8u, j));
+        let p3 = select(zero, exp(rd(b + 12u) - rd_x(c0 + 12u)), seen_queries(i + 12u, j));
+        let p4 = select(zero, exp(rd(b + 16u) - rd_x(c0 + 16u)), seen_queries(i + 16u, j));
+        let p5 = select(zero, exp(rd(b + 20u) - rd_x(c0 + 20u)), seen_queries(i + 20u, j));
+        let p6 = select(zero, exp(rd(b + 24u) - rd_x(c0 + 24u)), seen_queries(i + 24u, j));
+        let p7 = select(zero, exp(rd(b + 28u) - rd_x(c0 + 28u)), seen_queries(i + 28u, j));
+        put2(pb, p0);
+        put2(pb + 4u, p1);
+        put2(pb + 8u, p2);
+        put2(pb + 12u, p3);
+        put2(pb + 16u, p4);
+        put2(pb + 20u, p5);
+        put2(pb + 24u, p6);
+        put2(pb + 28u, p7);
+        workgroupBarrier();
+        scores1(v0, v1, v2, v3, g);   // dP^T
+        // dV += P^T dO: 16 x 64 probabilities times the 64 x 64 dO rows.
+        for (var c = 0u; c < 4u; c++) {
+            let a = frag_p(g, c);
+            gv0 = coopMultiplyAdd(a, frag_b1(c, 0u), gv0);
+            gv1 = coopMultiplyAdd(a, frag_b1(c, 1u), gv1);
+            gv2 = coopMultiplyAdd(a, frag_b1(c, 2u), gv2);
+            gv3 = coopMultiplyAdd(a, frag_b1(c, 3u), gv3);
+        }
+        workgroupBarrier();
+        put2(pb, p0 * (rd(b) - rd_x(BLK + c0)));
+        put2(pb + 4u, p1 * (rd(b + 4u) - rd_x(BLK + c0 + 4u)));
+        put2(pb + 8u, p2 * (rd(b + 8u) - rd_x(BLK + c0 + 8u)));
+        put2(pb + 12u, p3 * (rd(b + 12u) - rd_x(BLK + c0 + 12u)));
+        put2(pb + 16u, p4 * (rd(b + 16u) - rd_x(BLK + c0 + 16u)));
+        put2(pb + 20u, p5 * (rd(b + 20u) - rd_x(BLK + c0 + 20u)));
+        put2(pb + 24u, p6 * (rd(b + 24u) - rd_x(BLK + c0 + 24u)));
+        put2(pb + 28u, p7 * (rd(b + 28u) - rd_x(BLK + c0 + 28u)));
+        workgroupBarrier();
+        // dK += dS^T Q: 16 x 64 dS^T times the 64 x 64 query rows.
+        for (var c = 0u; c < 4u; c++) {
+            let a = frag_p(g, c);
+            gk0 = coopMultiplyAdd(a, frag_b0(c, 0u), gk0);
+            gk1 = coopMultiplyAdd(a, frag_b0(c, 1u), gk1);
+            gk2 = coopMultiplyAdd(a, frag_b0(c, 2u), gk2);
+            gk3 = coopMultiplyAdd(a, frag_b0(c, 3u), gk3);
         }
     }
     workgroupBarrier();
