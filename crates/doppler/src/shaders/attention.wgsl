@@ -358,6 +358,8 @@ fn attn_bwd_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 //                        through workgroup memory.
 //   attn_bwd_dkv_tiled:  32 key rows, 32-query tiles (2 x 2 scores a thread) over the
 //                        group's heads in order.
+// Each step's staged rows (K and V; Q, dO and their statistics in dkv) are fetched into
+// registers a step ahead (fetch_rows), so that their loads overlap the step before.
 // Sums run in a fixed order per thread: same bits on every run.
 
 const NT: u32 = 256u;
@@ -402,6 +404,50 @@ fn stage_rows(which: u32, dst: u32, bi: u32, r0: u32, rows: u32, nt: u32, hh: u3
     }
 }
 
+// The two slots (t = tid, tid + 256) of a 32-row stage_rows of `which`, fetched into
+// registers a step ahead so that the loads' latency hides behind the step before (zeros
+// past nt, past D and past the batch); put_rows writes them where stage_rows would.
+fn fetch_rows(which: u32, bi: u32, r0: u32, nt: u32, hh: u32, nh: u32, tid: u32) -> array<vec4<f32>, 2> {
+    var x = array<vec4<f32>, 2>(vec4<f32>(0.0), vec4<f32>(0.0));
+    for (var e = 0u; e < 2u; e++) {
+        let t = tid + NT * e;
+        let r = r0 + t / CH;
+        let ch = t % CH;
+        if (bi < p.b && r < nt && ch < D4) {
+            let at = row_at(bi, r, nt, hh, nh) + ch;
+            switch (which) {
+                case 0u: { x[e] = q[at]; }
+                case 1u: { x[e] = k[at]; }
+                case 2u: { x[e] = v[at]; }
+                default: { x[e] = d_o[at]; }
+            }
+        }
+    }
+    return x;
+}
+
+fn put_rows(dst: u32, x: array<vec4<f32>, 2>, tid: u32) {
+    for (var e = 0u; e < 2u; e++) {
+        let t = tid + NT * e;
+        let slot = (t / CH) * CHP + t % CH;
+        switch (dst) {
+            case 0u: { sa[slot] = x[e]; }
+            case 1u: { sb[slot] = x[e]; }
+            case 2u: { sc[slot] = x[e]; }
+            default: { sd[slot] = x[e]; }
+        }
+    }
+}
+
+// (lse, delta) of query i0 + tid of head h, for tid < 32 (zeros past Tq, and otherwise).
+fn row_stats(bi: u32, h: u32, i0: u32, tid: u32) -> vec2<f32> {
+    if (tid < 32u && bi < p.b && i0 + tid < p.tq) {
+        let at = (bi * p.hq + h) * p.tq + i0 + tid;
+        return vec2<f32>(lse_in[at], delta_in[at]);
+    }
+    return vec2<f32>(0.0);
+}
+
 // Keys a 32-row query block starting at i0 can see: [0, end).
 fn key_end32(i0: u32) -> u32 {
     if (p.causal == 0u) {
@@ -429,8 +475,15 @@ fn attn_fwd_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     var o0 = vec4<f32>(0.0);
     var o1 = vec4<f32>(0.0);
     let end = select(0u, key_end32(i0), ok);
+    var nk = fetch_rows(1u, bi, 0u, p.tk, hk, p.hkv, tid);   // the next step's K and V
+    var nv = fetch_rows(2u, bi, 0u, p.tk, hk, p.hkv, tid);
     for (var j0 = 0u; j0 < end; j0 += 32u) {
-        stage_rows(1u, 1u, bi, j0, 32u, p.tk, hk, p.hkv, 1.0, tid);   // K -> sb
+        put_rows(1u, nk, tid);   // K -> sb
+        let vj = nv;
+        if (j0 + 32u < end) {
+            nk = fetch_rows(1u, bi, j0 + 32u, p.tk, hk, p.hkv, tid);
+            nv = fetch_rows(2u, bi, j0 + 32u, p.tk, hk, p.hkv, tid);
+        }
         workgroupBarrier();
         var sco: array<vec2<f32>, 2>;   // [row][column tx, tx + 16]
         for (var rr = 0u; rr < 2u; rr++) {
@@ -466,7 +519,7 @@ fn attn_fwd_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
             }
             l[rr] = l[rr] * corr[rr] + (pr.x + pr.y);
         }
-        stage_rows(2u, 1u, bi, j0, 32u, p.tk, hk, p.hkv, 1.0, tid);   // V -> sb (K is done)
+        put_rows(1u, vj, tid);   // V -> sb (K is done)
         workgroupBarrier();
         o0 *= corr.x;
         o1 *= corr.y;
@@ -525,9 +578,15 @@ fn attn_bwd_dq_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     var g0 = vec4<f32>(0.0);
     var g1 = vec4<f32>(0.0);
     let end = select(0u, key_end32(i0), ok);
+    var nk = fetch_rows(1u, bi, 0u, p.tk, hk, p.hkv, tid);   // the next step's K and V
+    var nv = fetch_rows(2u, bi, 0u, p.tk, hk, p.hkv, tid);
     for (var j0 = 0u; j0 < end; j0 += 32u) {
-        stage_rows(1u, 2u, bi, j0, 32u, p.tk, hk, p.hkv, 1.0, tid);   // K -> sc
-        stage_rows(2u, 3u, bi, j0, 32u, p.tk, hk, p.hkv, 1.0, tid);   // V -> sd
+        put_rows(2u, nk, tid);   // K -> sc
+        put_rows(3u, nv, tid);   // V -> sd
+        if (j0 + 32u < end) {
+            nk = fetch_rows(1u, bi, j0 + 32u, p.tk, hk, p.hkv, tid);
+            nv = fetch_rows(2u, bi, j0 + 32u, p.tk, hk, p.hkv, tid);
+        }
         workgroupBarrier();
         // Rows 2ty, 2ty + 1 against keys tx, tx + 16: each staged vec4 read feeds two dots.
         var s = mat2x2<f32>();
@@ -597,68 +656,72 @@ fn attn_bwd_dkv_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
         first = (j0 + p.tq - p.tk) / 16u * 16u;
     }
     let group = p.hq / p.hkv;
-    let hend = select(0u, group, ok);
-    for (var gi = 0u; gi < hend; gi++) {
-        let h = hk * group + gi;
-        for (var i0 = first; i0 < p.tq; i0 += 32u) {
-            stage_rows(0u, 2u, bi, i0, 32u, p.tq, h, p.hq, 1.0, tid);   // Q -> sc
-            stage_rows(3u, 3u, bi, i0, 32u, p.tq, h, p.hq, 1.0, tid);   // dO -> sd
-            if (tid < 32u) {
-                var a = 0.0;
-                var b = 0.0;
-                if (i0 + tid < p.tq) {
-                    let at = (bi * p.hq + h) * p.tq + i0 + tid;
-                    a = lse_in[at];
-                    b = delta_in[at];
-                }
-                rs[tid] = a;
-                rs[32u + tid] = b;
-            }
-            workgroupBarrier();
-            // Keys 2ty, 2ty + 1 against queries tx, tx + 16.
-            var s = mat2x2<f32>();
-            var dp = mat2x2<f32>();
-            for (var ch = 0u; ch < D4; ch++) {
-                let k0 = sb[(2u * ty) * CHP + ch];
-                let k1 = sb[(2u * ty + 1u) * CHP + ch];
-                let v0 = sa[(2u * ty) * CHP + ch];
-                let v1 = sa[(2u * ty + 1u) * CHP + ch];
-                let q0 = sc[tx * CHP + ch];
-                let q1 = sc[(tx + 16u) * CHP + ch];
-                let o0 = sd[tx * CHP + ch];
-                let o1 = sd[(tx + 16u) * CHP + ch];
-                s[0] += vec2<f32>(dot(k0, q0), dot(k0, q1));
-                s[1] += vec2<f32>(dot(k1, q0), dot(k1, q1));
-                dp[0] += vec2<f32>(dot(v0, o0), dot(v0, o1));
-                dp[1] += vec2<f32>(dot(v1, o0), dot(v1, o1));
-            }
-            for (var kk = 0u; kk < 2u; kk++) {
-                let jr = 2u * ty + kk;
-                let j = j0 + jr;
-                for (var cc = 0u; cc < 2u; cc++) {
-                    let ir = tx + 16u * cc;
-                    let i = i0 + ir;
-                    var pij = 0.0;
-                    var ds = 0.0;
-                    if (j < p.tk && i < p.tq && visible(i, j)) {
-                        pij = exp(s[kk][cc] - rs[ir]);
-                        ds = pij * (dp[kk][cc] - rs[32u + ir]);
-                    }
-                    sp[jr * 32u + ir] = pij;
-                    sds[jr * 32u + ir] = ds;
-                }
-            }
-            workgroupBarrier();
-            for (var c = 0u; c < 32u; c++) {
-                let dov = sd[c * CHP + tx];
-                let qv = sc[c * CHP + tx];
-                gv0 += sp[(2u * ty) * 32u + c] * dov;
-                gv1 += sp[(2u * ty + 1u) * 32u + c] * dov;
-                gk0 += sds[(2u * ty) * 32u + c] * qv;
-                gk1 += sds[(2u * ty + 1u) * 32u + c] * qv;
-            }
-            workgroupBarrier();
+    // Steps: the group's query heads in order, each from `first`, 32 queries a step; each
+    // step's Q, dO, lse and delta are fetched a step ahead.
+    let per_head = (p.tq - first + 31u) / 32u;
+    let steps = select(0u, group * per_head, ok);
+    var nq = fetch_rows(0u, bi, first, p.tq, hk * group, p.hq, tid);
+    var no = fetch_rows(3u, bi, first, p.tq, hk * group, p.hq, tid);
+    var ns = row_stats(bi, hk * group, first, tid);
+    for (var st = 0u; st < steps; st++) {
+        let i0 = first + (st % per_head) * 32u;
+        put_rows(2u, nq, tid);   // Q -> sc
+        put_rows(3u, no, tid);   // dO -> sd
+        if (tid < 32u) {
+            rs[tid] = ns.x;
+            rs[32u + tid] = ns.y;
         }
+        if (st + 1u < steps) {
+            let hn = hk * group + (st + 1u) / per_head;
+            let in0 = first + ((st + 1u) % per_head) * 32u;
+            nq = fetch_rows(0u, bi, in0, p.tq, hn, p.hq, tid);
+            no = fetch_rows(3u, bi, in0, p.tq, hn, p.hq, tid);
+            ns = row_stats(bi, hn, in0, tid);
+        }
+        workgroupBarrier();
+        // Keys 2ty, 2ty + 1 against queries tx, tx + 16.
+        var s = mat2x2<f32>();
+        var dp = mat2x2<f32>();
+        for (var ch = 0u; ch < D4; ch++) {
+            let k0 = sb[(2u * ty) * CHP + ch];
+            let k1 = sb[(2u * ty + 1u) * CHP + ch];
+            let v0 = sa[(2u * ty) * CHP + ch];
+            let v1 = sa[(2u * ty + 1u) * CHP + ch];
+            let q0 = sc[tx * CHP + ch];
+            let q1 = sc[(tx + 16u) * CHP + ch];
+            let o0 = sd[tx * CHP + ch];
+            let o1 = sd[(tx + 16u) * CHP + ch];
+            s[0] += vec2<f32>(dot(k0, q0), dot(k0, q1));
+            s[1] += vec2<f32>(dot(k1, q0), dot(k1, q1));
+            dp[0] += vec2<f32>(dot(v0, o0), dot(v0, o1));
+            dp[1] += vec2<f32>(dot(v1, o0), dot(v1, o1));
+        }
+        for (var kk = 0u; kk < 2u; kk++) {
+            let jr = 2u * ty + kk;
+            let j = j0 + jr;
+            for (var cc = 0u; cc < 2u; cc++) {
+                let ir = tx + 16u * cc;
+                let i = i0 + ir;
+                var pij = 0.0;
+                var ds = 0.0;
+                if (j < p.tk && i < p.tq && visible(i, j)) {
+                    pij = exp(s[kk][cc] - rs[ir]);
+                    ds = pij * (dp[kk][cc] - rs[32u + ir]);
+                }
+                sp[jr * 32u + ir] = pij;
+                sds[jr * 32u + ir] = ds;
+            }
+        }
+        workgroupBarrier();
+        for (var c = 0u; c < 32u; c++) {
+            let dov = sd[c * CHP + tx];
+            let qv = sc[c * CHP + tx];
+            gv0 += sp[(2u * ty) * 32u + c] * dov;
+            gv1 += sp[(2u * ty + 1u) * 32u + c] * dov;
+            gk0 += sds[(2u * ty) * 32u + c] * qv;
+            gk1 += sds[(2u * ty + 1u) * 32u + c] * qv;
+        }
+        workgroupBarrier();
     }
     if (ok && tx < D4) {
         for (var kk = 0u; kk < 2u; kk++) {
