@@ -377,14 +377,14 @@ var<workgroup> rs: array<f32, 96>;          // per-row statistics
 var<workgroup> pm: array<f32, 512>;         // [row][thread]: partial maxima / sums (forward)
 
 // Stages `rows` rows (from r0) of head hh of a (B, T, H, D) tensor, times `mul`, into
-// workgroup array `dst` (0: sa, 1: sb, 2: sc, 3: sd), zero past nt or D. `which` picks the
-// source: 0 q, 1 k, 2 v, 3 dO.
+// workgroup array `dst` (0: sa, 1: sb, 2: sc, 3: sd), zero past nt, D or the batch.
+// `which` picks the source: 0 q, 1 k, 2 v, 3 dO.
 fn stage_rows(which: u32, dst: u32, bi: u32, r0: u32, rows: u32, nt: u32, hh: u32, nh: u32, mul: f32, tid: u32) {
     for (var t = tid; t < rows * CH; t += NT) {
         let r = r0 + t / CH;
         let ch = t % CH;
         var x = vec4<f32>(0.0);
-        if (r < nt && ch < D4) {
+        if (bi < p.b && r < nt && ch < D4) {   // (bi past the batch: a grid's spare workgroup)
             let at = row_at(bi, r, nt, hh, nh) + ch;
             switch (which) {
                 case 0u: { x = q[at]; }
