@@ -248,15 +248,13 @@ pub fn kv_attend(
     if parts.is_none() && t > SPLIT_MAX_QUERIES && attention::tiled_fits(&rec.gpu().limits, d) {
         // A prompt: the training kernels' tiled attention (a block of queries shares each
         // tile of keys) over the filled part of the caches; its causal mask lets query i
-        // see keys up to pos + i. On cooperative matrices (f16 operands) when the GPU was
-        // opened for f16 products (`DOPPLER_MATMUL=f16`), as llama.cpp's f16 caches do.
+        // see keys up to pos + i. `Auto` takes the cooperative kernels (f16 operands) when
+        // the GPU was opened for f16 products (`DOPPLER_MATMUL=f16`), as llama.cpp's f16
+        // caches do, else the tiled ones (which fit: checked above).
         let opts = AttnOpts {
             causal: true,
             scale: None,
-            path: match rec.gpu().coop_matmul && attention::coop_fits(rec.gpu(), d) {
-                true => AttnPath::Coop,
-                false => AttnPath::Tiled,
-            },
+            path: AttnPath::Auto,
         };
         let kc = k.prefix(&[1, pos + t, hkv, d])?;
         let vc = v.prefix(&[1, pos + t, hkv, d])?;
