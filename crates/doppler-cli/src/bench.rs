@@ -40,6 +40,11 @@ pub struct BenchArgs {
     /// Matmul sizes M=N=K (default 4096 on a GPU, 256 on a CPU adapter); repeatable.
     #[arg(long)]
     size: Vec<usize>,
+    /// Matmul shapes MxNxK, optionally with ":ta" (A stored K x M) and/or ":tb" (B stored
+    /// N x K), e.g. 8192x768x768:tb; repeatable, instead of --size. "gpt2" stands for the
+    /// products of a GPT-2-124M training step (B8 T1024).
+    #[arg(long)]
+    shape: Vec<String>,
     /// Matmul slab depths to try (8, 16); repeatable.
     #[arg(long, default_values_t = [16u32])]
     bk: Vec<u32>,
@@ -403,6 +408,10 @@ fn train(
         for k in tr.by_kernel().iter().take(20) {
             eprintln!("  {:>9.3} ms {:>5}x  {}", k.total_ns / 1e6, k.count, k.name);
         }
+        eprintln!("per kernel and grid (workgroups x, y, z), the slowest 30:");
+        for k in tr.by_kernel_and_grid().iter().take(30) {
+            eprintln!("  {:>9.3} ms {:>5}x  {}", k.total_ns / 1e6, k.count, k.name);
+        }
     }
     trace.extend(tr);
     Ok(())
@@ -462,16 +471,33 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
         });
     }
     if matches!(args.which, Which::All | Which::Matmul) {
-        let sizes = if args.size.is_empty() {
-            vec![if is_cpu(gpu) { 256 } else { 4096 }]
-        } else {
-            args.size.clone()
-        };
-        for s in sizes {
+        let mut shapes = Vec::new();
+        for spec in &args.shape {
+            shapes.extend(parse_shapes(spec)?);
+        }
+        if shapes.is_empty() {
+            let sizes = if args.size.is_empty() {
+                vec![if is_cpu(gpu) { 256 } else { 4096 }]
+            } else {
+                args.size.clone()
+            };
+            shapes.extend(sizes.into_iter().map(|s| MatmulCase {
+                m: s,
+                n: s,
+                k: s,
+                opts: Default::default(),
+            }));
+        }
+        for case in shapes {
+            let MatmulCase { m, n, k, opts } = case;
             let mut rng = Rng::new(2);
-            let a = Tensor::from_f32(gpu, &[s, s], &rng.vec(s * s), "bench.a")?;
-            let b = Tensor::from_f32(gpu, &[s, s], &rng.vec(s * s), "bench.b")?;
-            let c = Tensor::empty(gpu, &[s, s], a.dtype(), "bench.c")?;
+            let (ashape, bshape) = (
+                if opts.trans_a { [k, m] } else { [m, k] },
+                if opts.trans_b { [n, k] } else { [k, n] },
+            );
+            let a = Tensor::from_f32(gpu, &ashape, &rng.vec(m * k), "bench.a")?;
+            let b = Tensor::from_f32(gpu, &bshape, &rng.vec(k * n), "bench.b")?;
+            let c = Tensor::empty(gpu, &[m, n], a.dtype(), "bench.c")?;
             // The f32 kernel at each slab depth, then the cooperative-matrix one (f16
             // operands) where the adapter has it.
             let mut tunings: Vec<matmul::Tuning> = (args.bk.iter())
@@ -488,16 +514,20 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
             }
             for tuning in tunings {
                 let (wall, g) = time(gpu, args, &mut trace, |rec| {
-                    matmul::matmul_into_tuned(rec, &a, &b, &c, Default::default(), 0.0, tuning)
+                    matmul::matmul_into_tuned(rec, &a, &b, &c, None, opts, 0.0, tuning)
                 })?;
-                let flops = 2.0 * (s as f64).powi(3);
+                let flops = 2.0 * (m * n * k) as f64;
                 let t = g.unwrap_or(wall);
                 rows.push(Row {
                     name: match tuning.coop {
                         Some(true) => "matmul, f16 operands (cooperative matrices)".into(),
                         _ => format!("matmul f32 (bk {})", tuning.bk),
                     },
-                    shape: format!("{s}x{s}x{s}"),
+                    shape: format!(
+                        "{m}x{n}x{k}{}{}",
+                        if opts.trans_a { ":ta" } else { "" },
+                        if opts.trans_b { ":tb" } else { "" }
+                    ),
                     wall_ms: wall,
                     gpu_ms: g,
                     value: flops / t / 1e9,
@@ -510,6 +540,66 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
         kernels(gpu, args, &mut trace, &mut rows)?;
     }
     report(gpu, args, &rows, &trace)
+}
+
+/// One product to time: C (M x N) = op(A) @ op(B) with inner size K.
+struct MatmulCase {
+    m: usize,
+    n: usize,
+    k: usize,
+    opts: matmul::MatmulOpts,
+}
+
+/// `--shape`: "MxNxK[:ta][:tb]", or "gpt2": the forward (x W^T), input-gradient (g W) and
+/// weight-gradient (g^T x) products of a GPT-2-124M step at 8 x 1024 tokens, one of each
+/// (q/k/v/o, fc, proj, head).
+fn parse_shapes(spec: &str) -> doppler::Result<Vec<MatmulCase>> {
+    let case = |m, n, k, trans_a, trans_b| MatmulCase {
+        m,
+        n,
+        k,
+        opts: matmul::MatmulOpts {
+            trans_a,
+            trans_b,
+            alpha: 1.0,
+        },
+    };
+    if spec == "gpt2" {
+        let (rows, c, f, v) = (8192, 768, 3072, 50304);
+        let mut out = Vec::new();
+        for (din, dout) in [(c, c), (c, f), (f, c), (c, v)] {
+            out.push(case(rows, dout, din, false, true)); // forward
+            out.push(case(rows, din, dout, false, false)); // dx
+            out.push(case(dout, din, rows, true, false)); // dW
+        }
+        return Ok(out);
+    }
+    let bad = || doppler::Error::Invalid {
+        op: "bench matmul",
+        detail: format!("--shape {spec:?}: expected MxNxK with optional :ta and :tb, or gpt2"),
+    };
+    let mut parts = spec.split(':');
+    let dims: Vec<usize> = parts
+        .next()
+        .unwrap_or("")
+        .split('x')
+        .map(|d| d.parse().map_err(|_| bad()))
+        .collect::<doppler::Result<_>>()?;
+    let [m, n, k] = dims[..] else {
+        return Err(bad());
+    };
+    if m == 0 || n == 0 || k == 0 {
+        return Err(bad());
+    }
+    let (mut ta, mut tb) = (false, false);
+    for flag in parts {
+        match flag {
+            "ta" => ta = true,
+            "tb" => tb = true,
+            _ => return Err(bad()),
+        }
+    }
+    Ok(vec![case(m, n, k, ta, tb)])
 }
 
 /// Chains of `LAUNCH_CHAIN` scale dispatches over 256 floats, submitted at once: each

@@ -14,7 +14,7 @@ use crate::gpu::{DType, Recorder, Tensor};
 use crate::ops::attention::{self, AttnOpts, AttnOut};
 use crate::ops::cross_entropy::{self as ce, CrossEntropyOpts, CrossEntropyOut, Upstream};
 use crate::ops::gelu::{self, GeluMode};
-use crate::ops::matmul::{matmul, matmul_into, MatmulOpts};
+use crate::ops::matmul::{matmul, matmul_bias, matmul_into, MatmulOpts};
 use crate::ops::norm::{self, NormOut};
 use crate::ops::rope::{self, Pairing, RopeTable};
 use crate::ops::{bias, dropout, elementwise, embedding, silu};
@@ -263,18 +263,14 @@ impl Tape {
     ) -> Result<Var> {
         let [tx, tw] = self.vals([x, w])?;
         let (x2, out) = flat_rows("linear", &tx, &tw)?;
-        let mut y = matmul(
-            rec,
-            &x2,
-            &tw,
-            MatmulOpts {
-                trans_b: true,
-                ..Default::default()
-            },
-        )?;
-        if let Some(b) = b {
-            y = bias::bias_add(rec, &y, self.value(b)?)?;
-        }
+        let opts = MatmulOpts {
+            trans_b: true,
+            ..Default::default()
+        };
+        let y = match b {
+            Some(b) => matmul_bias(rec, &x2, &tw, self.value(b)?, opts)?,
+            None => matmul(rec, &x2, &tw, opts)?,
+        };
         let y = y.reshape(&out)?;
         let inputs: Vec<Var> = [x, w].into_iter().chain(b).collect();
         Ok(self.push(y, Op::Linear { x, w, b }, &inputs))
@@ -439,17 +435,24 @@ impl Tape {
         }
         let n = self.values.len();
         let mut grads: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
+        // Whether grads[v]'s buffer belongs to v alone (a rule's fresh output, or a sum), so
+        // that a later rule may add into it in place; false where it is shared with another
+        // value's gradient (d(a + b) hands the same g to both).
+        let mut owned = vec![false; n];
         grads[loss.0] = Some(Tensor::from_f32(rec.gpu(), &[1], &[seed], "backward.seed")?);
         for i in (0..=loss.0).rev() {
             let op = std::mem::replace(&mut self.ops[i], Op::Leaf { param: None });
             let g = grads[i].take();
+            let g_owned = owned[i];
             let value = self.values[i].take();
             let Some(g) = g else { continue };
             if !self.needs_grad[i] {
                 continue;
             }
-            // (input, its gradient contribution), summed into `grads` after the rule.
+            // (input, its gradient contribution), summed into `grads` after the rule; the
+            // contributions in `shared` are also some other input's.
             let mut contrib: Vec<(Var, Tensor)> = Vec::new();
+            let mut shared: Vec<Var> = Vec::new();
             match op {
                 Op::Leaf { param: Some(p) } => {
                     // Parameters: g accumulates across backward passes. A first gradient is
@@ -469,11 +472,15 @@ impl Tape {
                 Op::Reshape { x } => {
                     let shape = self.value(x)?.shape().to_vec();
                     contrib.push((x, g.reshape(&shape)?));
+                    if !g_owned {
+                        shared.push(x);
+                    }
                 }
                 // d(a + b) = (g, g)
                 Op::Add { a, b } => {
                     contrib.push((a, g.clone()));
                     contrib.push((b, g));
+                    shared.extend([a, b]);
                 }
                 // d(alpha x) = alpha g
                 Op::Scale { x, alpha } => contrib.push((x, elementwise::scale(rec, &g, alpha)?)),
@@ -483,8 +490,20 @@ impl Tape {
                     let (x2, _) = flat_rows("linear", &tx, &tw)?;
                     let g2 = g.reshape(&[x2.shape()[0], tw.shape()[0]])?;
                     if self.needs_grad[x.0] {
-                        let dx = matmul(rec, &g2, &tw, MatmulOpts::default())?;
-                        contrib.push((x, dx.reshape(tx.shape())?));
+                        match grads[x.0].take() {
+                            // x's gradient so far is its own: add g w into it (beta = 1),
+                            // e.g. the q, k and v projections of one normed input.
+                            Some(acc) if owned[x.0] => {
+                                let acc2 = acc.reshape(x2.shape())?;
+                                matmul_into(rec, &g2, &tw, &acc2, MatmulOpts::default(), 1.0)?;
+                                grads[x.0] = Some(acc);
+                            }
+                            prev => {
+                                grads[x.0] = prev;
+                                let dx = matmul(rec, &g2, &tw, MatmulOpts::default())?;
+                                contrib.push((x, dx.reshape(tx.shape())?));
+                            }
+                        }
                     }
                     let at = MatmulOpts {
                         trans_a: true,
@@ -608,8 +627,14 @@ impl Tape {
                     continue;
                 }
                 grads[v.0] = Some(match grads[v.0].take() {
-                    None => dv,
-                    Some(prev) => elementwise::add(rec, &prev, &dv)?,
+                    None => {
+                        owned[v.0] = !shared.contains(&v);
+                        dv
+                    }
+                    Some(prev) => {
+                        owned[v.0] = true;
+                        elementwise::add(rec, &prev, &dv)?
+                    }
                 });
             }
             drop(value);

@@ -256,7 +256,7 @@ impl PipelineCache {
         }
         let desc = wgpu::ShaderModuleDescriptor {
             label: Some(shader.name),
-            source: wgpu::ShaderSource::Wgsl(shader.source.into()),
+            source: wgpu::ShaderSource::Wgsl(shader_source(shader)?),
         };
         let (module, err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
             let checks = match gpu.shader_checks {
@@ -284,6 +284,25 @@ impl PipelineCache {
             .insert(shader.name, module.clone());
         Ok(module)
     }
+}
+
+/// The shader's WGSL: the embedded text, or for kernel tuning without a rebuild,
+/// `$DOPPLER_SHADER_DIR/<name>.wgsl` where that variable is set and the file exists.
+fn shader_source(shader: &Shader) -> Result<std::borrow::Cow<'static, str>> {
+    #[cfg(not(target_arch = "wasm32"))]
+    if let Some(dir) = std::env::var_os("DOPPLER_SHADER_DIR") {
+        let path = std::path::Path::new(&dir).join(format!("{}.wgsl", shader.name));
+        if path.exists() {
+            tracing::warn!("shader {} from {}", shader.name, path.display());
+            return std::fs::read_to_string(&path)
+                .map(Into::into)
+                .map_err(|source| Error::Io {
+                    path: path.display().to_string(),
+                    source,
+                });
+        }
+    }
+    Ok(shader.source.into())
 }
 
 fn feature_name(f: wgpu::Features) -> &'static str {

@@ -421,12 +421,12 @@ impl<'g> Recorder<'g> {
         gpu.poll();
         gpu.check_errors()?;
         let names = if self.timing == Timing::Whole {
-            vec![Arc::from(self.label.as_str())]
+            vec![(Arc::from(self.label.as_str()), [0; 3])]
         } else {
             self.cmds
                 .iter()
                 .filter_map(|c| match c {
-                    Cmd::Dispatch { pipe, .. } => Some(pipe.name.clone()),
+                    Cmd::Dispatch { pipe, grid, .. } => Some((pipe.name.clone(), *grid)),
                     _ => None,
                 })
                 .collect()
@@ -607,9 +607,9 @@ impl Queries {
 /// A submitted recorder. Holds what is needed to read its timestamps back.
 pub struct Submission {
     queries: Option<Queries>,
-    /// What the trace's events are: each dispatch's kernel, or the recorder's label
-    /// (`Timing::Whole`).
-    names: Vec<Arc<str>>,
+    /// What the trace's events are: each dispatch's kernel and grid, or the recorder's
+    /// label (`Timing::Whole`, grid zeros).
+    names: Vec<(Arc<str>, [u32; 3])>,
     dispatches: usize,
     checks: Vec<IndexCheck>,
 }
@@ -669,10 +669,11 @@ impl Submission {
             .names
             .iter()
             .enumerate()
-            .map(|(i, name)| {
+            .map(|(i, (name, grid))| {
                 let (b, e) = (ticks[2 * i], ticks[2 * i + 1]);
                 TraceEvent {
                     name: name.to_string(),
+                    grid: *grid,
                     start_ns: b.wrapping_sub(t0) as f64 * period,
                     dur_ns: e.saturating_sub(b) as f64 * period,
                 }

@@ -5,6 +5,8 @@
 pub struct TraceEvent {
     /// Pipeline name: "shader.entry[constants]".
     pub name: String,
+    /// Workgroups dispatched (x, y, z); zeros for a whole-submission event.
+    pub grid: [u32; 3],
     /// Nanoseconds since the first timestamp of the trace.
     pub start_ns: f64,
     pub dur_ns: f64,
@@ -45,7 +47,7 @@ impl Trace {
             .map(|e| {
                 serde_json::json!({
                     "name": e.name, "cat": "gpu", "ph": "X", "pid": 0, "tid": 0,
-                    "ts": e.start_ns / 1e3, "dur": e.dur_ns / 1e3,
+                    "ts": e.start_ns / 1e3, "dur": e.dur_ns / 1e3, "args": { "grid": e.grid },
                 })
             })
             .collect();
@@ -63,14 +65,27 @@ impl Trace {
 
     /// Per-kernel count, total and median, slowest total first.
     pub fn by_kernel(&self) -> Vec<KernelTime> {
-        let mut map: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
-        for e in &self.events {
-            map.entry(&e.name).or_default().push(e.dur_ns);
+        Self::totals(self.events.iter().map(|e| (e.name.clone(), e.dur_ns)))
+    }
+
+    /// As [`Trace::by_kernel`], one row per kernel and grid ("name (x, y, z)"): which
+    /// shapes of a kernel take the time.
+    pub fn by_kernel_and_grid(&self) -> Vec<KernelTime> {
+        Self::totals(self.events.iter().map(|e| {
+            let [x, y, z] = e.grid;
+            (format!("{} ({x}, {y}, {z})", e.name), e.dur_ns)
+        }))
+    }
+
+    fn totals(events: impl Iterator<Item = (String, f64)>) -> Vec<KernelTime> {
+        let mut map: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
+        for (name, dur) in events {
+            map.entry(name).or_default().push(dur);
         }
         let mut out: Vec<KernelTime> = map
             .into_iter()
             .map(|(name, mut d)| KernelTime {
-                name: name.to_string(),
+                name,
                 count: d.len(),
                 total_ns: d.iter().sum(),
                 median_ns: median(&mut d),

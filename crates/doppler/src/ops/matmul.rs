@@ -2,6 +2,9 @@
 //! `matmul_coop.wgsl` on cooperative matrices (f16 operands, f32 sums) when the GPU was
 //! opened with [`crate::gpu::GpuOptions::f16_matmul`] and has them.
 //!
+//! An optional bias row is added in the same pass ([`matmul_bias`], a linear layer's
+//! x W^T + b).
+//!
 //! Derivatives of C = A @ B (no transposes), for upstream dC:
 //!   dA = dC @ B^T   (matmul with trans_b)
 //!   dB = A^T @ dC   (matmul with trans_a)
@@ -23,25 +26,40 @@ pub struct Params {
     pub stride_c: u32,
     pub alpha: f32,
     pub beta: f32,
+    /// 1: add the bias binding's row to every row of C.
+    pub bias: u32,
+    pub _pad: [u32; 3],
 }
 
-// a and b are each bound twice: as scalars and as vec4s.
+// a and b are each bound twice: as scalars and as vec4s; then c and the bias row (a
+// stand-in, not read, without one).
 static MATMUL_KERNEL: Kernel = Kernel::new(
     &MATMUL,
     "matmul",
-    &[(1, Read), (2, Read), (3, Read), (4, Read), (5, ReadWrite)],
+    &[
+        (1, Read),
+        (2, Read),
+        (3, Read),
+        (4, Read),
+        (5, ReadWrite),
+        (7, Read),
+    ],
 );
 
 // The same product on cooperative matrices (operands rounded to f16, f32 sums; VEC only):
-// binds the vec4 views of a and b and c.
+// binds the vec4 views of a and b, c and the bias row.
 static MATMUL_COOP_KERNEL: Kernel = Kernel {
     shader: &MATMUL_COOP,
     entry: "matmul_coop",
-    storage: &[(2, Read), (4, Read), (5, ReadWrite)],
+    storage: &[(2, Read), (4, Read), (5, ReadWrite), (7, Read)],
     features: wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX.union(wgpu::Features::SHADER_F16),
 };
 
-static SPLITK_SUM: Kernel = Kernel::new(&MATMUL, "splitk_sum", &[(5, ReadWrite), (6, Read)]);
+static SPLITK_SUM: Kernel = Kernel::new(
+    &MATMUL,
+    "splitk_sum",
+    &[(5, ReadWrite), (6, Read), (7, Read)],
+);
 
 /// Output tile of one workgroup.
 const TILE: u64 = 128;
@@ -146,6 +164,21 @@ pub fn matmul(rec: &mut Recorder<'_>, a: &Tensor, b: &Tensor, opts: MatmulOpts) 
     Ok(c)
 }
 
+/// C = alpha * op(A) @ op(B) + bias, a new tensor of shape (batch..., M, N); bias (N) is
+/// added to every row (not scaled by alpha).
+pub fn matmul_bias(
+    rec: &mut Recorder<'_>,
+    a: &Tensor,
+    b: &Tensor,
+    bias: &Tensor,
+    opts: MatmulOpts,
+) -> Result<Tensor> {
+    let s = MatmulShape::infer(a.shape(), b.shape(), &opts)?;
+    let c = Tensor::empty(rec.gpu(), &s.out_shape(), a.dtype(), "matmul.out")?;
+    matmul_into_tuned(rec, a, b, &c, Some(bias), opts, 0.0, Tuning::default())?;
+    Ok(c)
+}
+
 /// Kernel shape choices that do not change the result's meaning (benchmarks sweep them).
 #[derive(Clone, Copy, Debug)]
 pub struct Tuning {
@@ -171,15 +204,18 @@ pub fn matmul_into(
     opts: MatmulOpts,
     beta: f32,
 ) -> Result<()> {
-    matmul_into_tuned(rec, a, b, c, opts, beta, Tuning::default())
+    matmul_into_tuned(rec, a, b, c, None, opts, beta, Tuning::default())
 }
 
-/// [`matmul_into`] with an explicit kernel [`Tuning`].
+/// [`matmul_into`] with an optional bias row (N) and an explicit kernel [`Tuning`]:
+/// C = alpha * op(A) @ op(B) + bias + beta * C. Every product goes through here.
+#[allow(clippy::too_many_arguments)]
 pub fn matmul_into_tuned(
     rec: &mut Recorder<'_>,
     a: &Tensor,
     b: &Tensor,
     c: &Tensor,
+    bias: Option<&Tensor>,
     opts: MatmulOpts,
     beta: f32,
     tuning: Tuning,
@@ -201,6 +237,22 @@ pub fn matmul_into_tuned(
         });
     }
     let (m, n, k) = (s.m, s.n, s.k);
+    if let Some(t) = bias {
+        expect_f32("matmul", t)?;
+        if t.shape() != [n] {
+            return Err(Error::Shape {
+                op: "matmul",
+                detail: format!(
+                    "bias {:?} for a product with {n} columns (a {:?}, b {:?}): expected [{n}]",
+                    t.shape(),
+                    a.shape(),
+                    b.shape()
+                ),
+            });
+        }
+    }
+    // Without a bias the binding gets a stand-in (a, already bound read-only).
+    let bias_t = bias.unwrap_or(a);
     // vec4 loads need the contiguous dimension of each operand to be a multiple of 4.
     let a_inner = if opts.trans_a { m } else { k };
     let b_inner = if opts.trans_b { k } else { n };
@@ -214,6 +266,8 @@ pub fn matmul_into_tuned(
         stride_c: (m * n) as u32,
         alpha: opts.alpha,
         beta,
+        bias: bias.is_some() as u32,
+        _pad: [0; 3],
     };
     let constants = [
         ("TRANS_A", opts.trans_a as u32 as f64),
@@ -249,6 +303,7 @@ pub fn matmul_into_tuned(
                 stride_a: (kc * m) as u32,
                 stride_b: (kc * n) as u32,
                 beta: 0.0,
+                bias: 0,
                 ..params
             };
             let grid = Grid::Xyz([
@@ -256,7 +311,7 @@ pub fn matmul_into_tuned(
                 (m as u64).div_ceil(TILE) as u32,
                 sp as u32,
             ]);
-            product(rec, coop, &constants, &p, [a, b, &parts], grid)?;
+            product(rec, coop, &constants, 0, &p, [a, b, &parts, bias_t], grid)?;
             let p = Params {
                 k: sp as u32,
                 beta,
@@ -266,7 +321,7 @@ pub fn matmul_into_tuned(
                 &SPLITK_SUM,
                 &[],
                 bytemuck::bytes_of(&p),
-                &[c, &parts],
+                &[c, &parts, bias_t],
                 Grid::cover((m * n) as u64, 256),
             );
         }
@@ -276,26 +331,44 @@ pub fn matmul_into_tuned(
         (m as u64).div_ceil(TILE) as u32,
         s.batch() as u32,
     ]);
-    product(rec, coop, &constants, &params, [a, b, c], grid)
+    // The cooperative kernel starts its sums from C (beta 1) or the bias row where every
+    // tile is whole and alpha is 1 (INIT 1, 2), and then stores straight to C.
+    let whole = m as u64 % TILE == 0 && n as u64 % TILE == 0 && opts.alpha == 1.0;
+    let init = match (whole, beta, bias.is_some()) {
+        (true, 1.0, false) => 1,
+        (true, 0.0, true) => 2,
+        _ => 0,
+    };
+    product(
+        rec,
+        coop,
+        &constants,
+        init,
+        &params,
+        [a, b, c, bias_t],
+        grid,
+    )
 }
 
-/// One dispatch of the product kernel (`coop`: the cooperative-matrix one) into `abc[2]`.
+/// One dispatch of the product kernel (`coop`: the cooperative-matrix one, starting its
+/// sums as `init` says) into `abc[2]` (`abc[3]`: the bias row or its stand-in).
 fn product(
     rec: &mut Recorder<'_>,
     coop: bool,
     constants: &[(&'static str, f64)],
+    init: u32,
     p: &Params,
-    abc: [&Tensor; 3],
+    abc: [&Tensor; 4],
     grid: Grid,
 ) -> Result<()> {
-    let [a, b, c] = abc;
+    let [a, b, c, bias] = abc;
     if coop {
-        let trans = [constants[0], constants[1]];
+        let trans = [constants[0], constants[1], ("INIT", init as f64)];
         rec.dispatch(
             &MATMUL_COOP_KERNEL,
             &trans,
             bytemuck::bytes_of(p),
-            &[a, b, c],
+            &[a, b, c, bias],
             grid,
         )
     } else {
@@ -303,7 +376,7 @@ fn product(
             &MATMUL_KERNEL,
             constants,
             bytemuck::bytes_of(p),
-            &[a, a, b, b, c],
+            &[a, a, b, b, c, bias],
             grid,
         )
     }

@@ -101,12 +101,15 @@ pub struct MatmulDims {
     pub batched_b: bool,
 }
 
-/// C = alpha * op(A) @ op(B) + beta * C0 (C0 may be empty when beta = 0), and the matching
-/// sum of |alpha * a * b| + |beta * c0| per element (the scale of the rounding error).
+/// C = alpha * op(A) @ op(B) + bias + beta * C0 (C0 may be empty when beta = 0; bias (N)
+/// added to every row), and the matching sum of |alpha * a * b| + |bias| + |beta * c0| per
+/// element (the scale of the rounding error).
+#[allow(clippy::too_many_arguments)]
 pub fn matmul(
     a: &[f32],
     b: &[f32],
     c0: &[f32],
+    bias: Option<&[f32]>,
     d: MatmulDims,
     alpha: f32,
     beta: f32,
@@ -140,8 +143,9 @@ pub fn matmul(
                 } else {
                     0.0
                 };
-                c[idx] = alpha as f64 * s + old;
-                scale[idx] = (alpha as f64 * s_abs).abs() + old.abs();
+                let bj = bias.map_or(0.0, |b| b[j] as f64);
+                c[idx] = alpha as f64 * s + bj + old;
+                scale[idx] = (alpha as f64 * s_abs).abs() + bj.abs() + old.abs();
             }
         }
     }
@@ -165,7 +169,7 @@ mod tests {
             batched_a: true,
             batched_b: true,
         };
-        let (c, _) = matmul(&[1., 2., 3., 4.], &[5., 6., 7., 8.], &[], d, 1.0, 0.0);
+        let (c, _) = matmul(&[1., 2., 3., 4.], &[5., 6., 7., 8.], &[], None, d, 1.0, 0.0);
         assert_eq!(c, vec![19., 22., 43., 50.]);
         // Same product from transposed storage of both operands.
         let dt = MatmulDims {
@@ -173,18 +177,38 @@ mod tests {
             trans_b: true,
             ..d
         };
-        let (ct, _) = matmul(&[1., 3., 2., 4.], &[5., 7., 6., 8.], &[], dt, 1.0, 0.0);
+        let (ct, _) = matmul(
+            &[1., 3., 2., 4.],
+            &[5., 7., 6., 8.],
+            &[],
+            None,
+            dt,
+            1.0,
+            0.0,
+        );
         assert_eq!(ct, c);
         // alpha and beta.
         let (c2, _) = matmul(
             &[1., 2., 3., 4.],
             &[5., 6., 7., 8.],
             &[1., 1., 1., 1.],
+            None,
             d,
             2.0,
             3.0,
         );
         assert_eq!(c2, vec![41., 47., 89., 103.]);
+        // A bias row, not scaled by alpha.
+        let (c3, _) = matmul(
+            &[1., 2., 3., 4.],
+            &[5., 6., 7., 8.],
+            &[],
+            Some(&[10., 20.]),
+            d,
+            2.0,
+            0.0,
+        );
+        assert_eq!(c3, vec![48., 64., 96., 120.]);
     }
 
     #[test]

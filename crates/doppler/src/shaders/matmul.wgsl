@@ -1,5 +1,5 @@
-// Batched f32 matrix product, either operand transposed:
-//   C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b]
+// Batched f32 matrix product, either operand transposed, with an optional bias row:
+//   C[b] = alpha * op(A[b]) @ op(B[b]) + bias + beta * C[b]   (bias (N), added to every row)
 //   op(A) (M, K): A is (B, M, K), or (B, K, M) when TRANS_A
 //   op(B) (K, N): B is (B, K, N), or (B, N, K) when TRANS_B
 //   C (B, M, N) contiguous. A batch stride of 0 broadcasts that operand.
@@ -32,6 +32,10 @@ struct Params {
     stride_c: u32,
     alpha: f32,
     beta: f32,       // 0: C is overwritten, never read
+    bias: u32,       // 1: add bias[n] to column n (0: the binding is a stand-in, not read)
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
 }
 
 override TRANS_A: bool = false;
@@ -50,6 +54,7 @@ const NT: u32 = 256u;          // threads per workgroup
 @group(0) @binding(4) var<storage, read> b4: array<vec4<f32>>;   // same buffer as b
 @group(0) @binding(5) var<storage, read_write> c: array<f32>;
 @group(0) @binding(6) var<storage, read> parts: array<f32>;      // split-K partials (S, M, N)
+@group(0) @binding(7) var<storage, read> bias: array<f32>;       // (N)
 
 var<workgroup> As: array<vec4<f32>, BK * BM / 4u>;   // As[k * BM/4 + m/4][m % 4]
 var<workgroup> Bs: array<vec4<f32>, BK * BN / 4u>;   // Bs[k * BN/4 + n/4][n % 4]
@@ -115,7 +120,7 @@ fn stash_b(q: u32, v: vec4<f32>) {
     }
 }
 
-// Row m of C, columns nb..nb+3 and nb+64..nb+67: C = alpha * acc + beta * C.
+// Row m of C, columns nb..nb+3 and nb+64..nb+67: C = alpha * acc + bias + beta * C.
 fn store_row(c_off: u32, m: u32, nb: u32, v0: vec4<f32>, v1: vec4<f32>) {
     if (m >= p.m) { return; }
     let row = c_off + m * p.n;
@@ -123,6 +128,7 @@ fn store_row(c_off: u32, m: u32, nb: u32, v0: vec4<f32>, v1: vec4<f32>) {
         let n = nb + select(j, 60u + j, j >= 4u);   // nb+0..3, nb+64..67
         if (n < p.n) {
             var r = p.alpha * select(v0[j % 4u], v1[j % 4u], j >= 4u);
+            if (p.bias != 0u) { r += bias[n]; }
             if (p.beta != 0.0) { r += p.beta * c[row + n]; }
             c[row + n] = r;
         }
@@ -206,7 +212,8 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     store_row(c_off, r1 + 3u, nb, c70, c71);
 }
 
-// c = parts[0] + parts[1] + ... + parts[p.k - 1] (+ beta c); p.k is the split count here.
+// c = parts[0] + parts[1] + ... + parts[p.k - 1] (+ bias, + beta c); p.k is the split
+// count here.
 @compute @workgroup_size(256)
 fn splitk_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
@@ -218,6 +225,9 @@ fn splitk_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     var s = 0.0;
     for (var j = 0u; j < p.k; j++) {
         s += parts[j * total + i];
+    }
+    if (p.bias != 0u) {
+        s += bias[i % p.n];
     }
     if (p.beta != 0.0) {
         s += p.beta * c[i];

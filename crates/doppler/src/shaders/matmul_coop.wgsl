@@ -1,7 +1,7 @@
 // matmul.wgsl's product on cooperative matrices (tensor cores), for adapters with
 // EXPERIMENTAL_COOPERATIVE_MATRIX, SHADER_F16 and subgroups of 32: the operands are
 // rounded to f16 as they are staged, products accumulate in f32.
-//   C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b]     (same Params and bindings)
+//   C[b] = alpha * op(A[b]) @ op(B[b]) + bias + beta * C[b]     (same Params and bindings)
 // The host runs it only in VEC mode (the contiguous dimension of each operand and the
 // batch strides multiples of 4).
 //
@@ -14,9 +14,11 @@
 // wait in registers meanwhile. Subgroup w owns rows 64 (w / 2) .. + 64 and columns
 // 64 (w % 2) .. + 64 of the tile: 4 x 4 accumulators of 16 x 16, each step 2 x (4 A
 // fragments, 4 B fragments, 16 multiply-adds). (Measured on the H200 at 4096^3: 165
-// TFLOP/s; 8 subgroups of 32 x 64 each: 126.) At the end the accumulators go straight to
-// C where the tile lies inside it (alpha 1, beta 0), otherwise each through a 16 x 16
-// scratch of its subgroup (alpha, beta, bounds).
+// TFLOP/s; 8 subgroups of 32 x 64 each: 126.) Where every tile lies inside C and alpha
+// is 1, the accumulators may start from the bias row or from C itself (beta 1: C += the
+// product; override INIT) and go straight to C at the end, as does a whole tile with
+// alpha 1, beta 0 and no bias; otherwise each goes through a 16 x 16 scratch of its
+// subgroup (alpha, bias, beta, bounds).
 // Sums run in a fixed order: the same inputs give the same bits on one device.
 // Grid: (ceil(N / 128), ceil(M / 128), batch).
 
@@ -32,10 +34,15 @@ struct Params {
     stride_c: u32,
     alpha: f32,
     beta: f32,
+    bias: u32,
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
 }
 
 override TRANS_A: bool = false;
 override TRANS_B: bool = false;
+override INIT: u32 = 0u;
 
 const T: u32 = 128u;    // tile of C
 const BK: u32 = 32u;    // k a step
@@ -49,6 +56,7 @@ const SM: u32 = 34u;    // stride of a staged row along m or n (T + 8 halves): A
 @group(0) @binding(2) var<storage, read> a4: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> b4: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read_write> c: array<f32>;
+@group(0) @binding(7) var<storage, read> bias: array<f32>;
 
 var<workgroup> sa: array<vec4<f16>, 1280>;   // [m][k] (T rows of SK), or [k][m] (TRANS_A)
 var<workgroup> sb: array<vec4<f16>, 1280>;   // [k][n] (BK rows of SM), or [n][k] (TRANS_B)
@@ -117,6 +125,9 @@ fn put(acc: coop_mat16x16<f32, C>, w: u32, lane: u32, r0: u32, c0: u32, c_off: u
         if (r < p.m && col < p.n) {
             let at = c_off + r * p.n + col;
             var v = p.alpha * scratch[w * 256u + i];
+            if (p.bias != 0u) {
+                v += bias[col];
+            }
             if (p.beta != 0.0) {
                 v += p.beta * c[at];
             }
@@ -138,22 +149,104 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     let wr = (w / 2u) * 64u;   // the subgroup's rows and columns within the tile
     let wc = (w % 2u) * 64u;
 
-    var c00 = coop_mat16x16<f32, C>();
-    var c01 = coop_mat16x16<f32, C>();
-    var c02 = coop_mat16x16<f32, C>();
-    var c03 = coop_mat16x16<f32, C>();
-    var c10 = coop_mat16x16<f32, C>();
-    var c11 = coop_mat16x16<f32, C>();
-    var c12 = coop_mat16x16<f32, C>();
-    var c13 = coop_mat16x16<f32, C>();
-    var c20 = coop_mat16x16<f32, C>();
-    var c21 = coop_mat16x16<f32, C>();
-    var c22 = coop_mat16x16<f32, C>();
-    var c23 = coop_mat16x16<f32, C>();
-    var c30 = coop_mat16x16<f32, C>();
-    var c31 = coop_mat16x16<f32, C>();
-    var c32 = coop_mat16x16<f32, C>();
-    var c33 = coop_mat16x16<f32, C>();
+    var c00: coop_mat16x16<f32, C>;
+    var c01: coop_mat16x16<f32, C>;
+    var c02: coop_mat16x16<f32, C>;
+    var c03: coop_mat16x16<f32, C>;
+    var c10: coop_mat16x16<f32, C>;
+    var c11: coop_mat16x16<f32, C>;
+    var c12: coop_mat16x16<f32, C>;
+    var c13: coop_mat16x16<f32, C>;
+    var c20: coop_mat16x16<f32, C>;
+    var c21: coop_mat16x16<f32, C>;
+    var c22: coop_mat16x16<f32, C>;
+    var c23: coop_mat16x16<f32, C>;
+    var c30: coop_mat16x16<f32, C>;
+    var c31: coop_mat16x16<f32, C>;
+    var c32: coop_mat16x16<f32, C>;
+    var c33: coop_mat16x16<f32, C>;
+    let r0 = m0 + wr;
+    let c0 = n0 + wc;
+    // (Strides and addresses as named values: naga 30's SPIR-V writer panics on
+    // expressions written inside coopLoadT's and coopStoreT's arguments.)
+    let n = p.n;
+    let at = c_off + r0 * n + c0;   // C's element (r0, c0), then rows 16 apart
+    let r16 = 16u * n;
+    // INIT (the host sets it only where every tile is whole and alpha is 1): the sums start
+    // from C (1: beta 1) or from the bias row (2: a load with row stride 0), else from zero.
+    if (INIT == 1u) {
+        let a00 = at + 0u * r16 + 0u;
+        let a01 = at + 0u * r16 + 16u;
+        let a02 = at + 0u * r16 + 32u;
+        let a03 = at + 0u * r16 + 48u;
+        let a10 = at + 1u * r16 + 0u;
+        let a11 = at + 1u * r16 + 16u;
+        let a12 = at + 1u * r16 + 32u;
+        let a13 = at + 1u * r16 + 48u;
+        let a20 = at + 2u * r16 + 0u;
+        let a21 = at + 2u * r16 + 16u;
+        let a22 = at + 2u * r16 + 32u;
+        let a23 = at + 2u * r16 + 48u;
+        let a30 = at + 3u * r16 + 0u;
+        let a31 = at + 3u * r16 + 16u;
+        let a32 = at + 3u * r16 + 32u;
+        let a33 = at + 3u * r16 + 48u;
+        c00 = coopLoadT<coop_mat16x16<f32, C>>(&c[a00], n);
+        c01 = coopLoadT<coop_mat16x16<f32, C>>(&c[a01], n);
+        c02 = coopLoadT<coop_mat16x16<f32, C>>(&c[a02], n);
+        c03 = coopLoadT<coop_mat16x16<f32, C>>(&c[a03], n);
+        c10 = coopLoadT<coop_mat16x16<f32, C>>(&c[a10], n);
+        c11 = coopLoadT<coop_mat16x16<f32, C>>(&c[a11], n);
+        c12 = coopLoadT<coop_mat16x16<f32, C>>(&c[a12], n);
+        c13 = coopLoadT<coop_mat16x16<f32, C>>(&c[a13], n);
+        c20 = coopLoadT<coop_mat16x16<f32, C>>(&c[a20], n);
+        c21 = coopLoadT<coop_mat16x16<f32, C>>(&c[a21], n);
+        c22 = coopLoadT<coop_mat16x16<f32, C>>(&c[a22], n);
+        c23 = coopLoadT<coop_mat16x16<f32, C>>(&c[a23], n);
+        c30 = coopLoadT<coop_mat16x16<f32, C>>(&c[a30], n);
+        c31 = coopLoadT<coop_mat16x16<f32, C>>(&c[a31], n);
+        c32 = coopLoadT<coop_mat16x16<f32, C>>(&c[a32], n);
+        c33 = coopLoadT<coop_mat16x16<f32, C>>(&c[a33], n);
+    } else if (INIT == 2u) {
+        let zero = 0u;
+        let b0 = c0;
+        let b1 = c0 + 16u;
+        let b2 = c0 + 32u;
+        let b3 = c0 + 48u;
+        c00 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b0], zero);
+        c01 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b1], zero);
+        c02 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b2], zero);
+        c03 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b3], zero);
+        c10 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b0], zero);
+        c11 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b1], zero);
+        c12 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b2], zero);
+        c13 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b3], zero);
+        c20 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b0], zero);
+        c21 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b1], zero);
+        c22 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b2], zero);
+        c23 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b3], zero);
+        c30 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b0], zero);
+        c31 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b1], zero);
+        c32 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b2], zero);
+        c33 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b3], zero);
+    } else {
+        c00 = coop_mat16x16<f32, C>();
+        c01 = coop_mat16x16<f32, C>();
+        c02 = coop_mat16x16<f32, C>();
+        c03 = coop_mat16x16<f32, C>();
+        c10 = coop_mat16x16<f32, C>();
+        c11 = coop_mat16x16<f32, C>();
+        c12 = coop_mat16x16<f32, C>();
+        c13 = coop_mat16x16<f32, C>();
+        c20 = coop_mat16x16<f32, C>();
+        c21 = coop_mat16x16<f32, C>();
+        c22 = coop_mat16x16<f32, C>();
+        c23 = coop_mat16x16<f32, C>();
+        c30 = coop_mat16x16<f32, C>();
+        c31 = coop_mat16x16<f32, C>();
+        c32 = coop_mat16x16<f32, C>();
+        c33 = coop_mat16x16<f32, C>();
+    }
 
     var pa: array<vec4<f32>, 8>;
     var pb: array<vec4<f32>, 8>;
@@ -224,24 +317,19 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
         }
         workgroupBarrier();
     }
-    let r0 = m0 + wr;
-    let c0 = n0 + wc;
-    // A tile inside C with alpha 1 and beta 0 (most products) goes straight to C; rows of
-    // C a multiple of 4 floats keep the stores 16-byte aligned.
-    if (m0 + T <= p.m && n0 + T <= p.n && p.n % 4u == 0u && p.alpha == 1.0 && p.beta == 0.0) {
-        // (Strides and addresses as named values: naga 30's SPIR-V writer panics on
-        // expressions written inside coopStoreT's arguments there.)
-        let n = p.n;
-        let at = c_off + r0 * n + c0;
-        let r16 = 16u * n;
-        let a00 = at + 0u;
-        let a01 = at + 16u;
-        let a02 = at + 32u;
-        let a03 = at + 48u;
-        let a10 = at + r16 + 0u;
-        let a11 = at + r16 + 16u;
-        let a12 = at + r16 + 32u;
-        let a13 = at + r16 + 48u;
+    // Straight to C: every tile under INIT 1 and 2; otherwise a whole tile with alpha 1,
+    // beta 0 and no bias (most products). Rows of C a multiple of 4 floats keep the stores
+    // 16-byte aligned.
+    let whole = m0 + T <= p.m && n0 + T <= p.n && p.n % 4u == 0u;
+    if (INIT != 0u || (whole && p.alpha == 1.0 && p.beta == 0.0 && p.bias == 0u)) {
+        let a00 = at + 0u * r16 + 0u;
+        let a01 = at + 0u * r16 + 16u;
+        let a02 = at + 0u * r16 + 32u;
+        let a03 = at + 0u * r16 + 48u;
+        let a10 = at + 1u * r16 + 0u;
+        let a11 = at + 1u * r16 + 16u;
+        let a12 = at + 1u * r16 + 32u;
+        let a13 = at + 1u * r16 + 48u;
         let a20 = at + 2u * r16 + 0u;
         let a21 = at + 2u * r16 + 16u;
         let a22 = at + 2u * r16 + 32u;

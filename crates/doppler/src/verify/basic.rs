@@ -142,11 +142,13 @@ pub(super) fn argmax_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// every transpose combination, multiples of 4 (vec4 loads), several 128-tiles with
 /// ragged edges, a broadcast operand, and accumulation into C. Cases 9-11 take the split-K
 /// path (A^T B, few output tiles, long K), the last one with beta and without vec4 loads;
-/// 12 and 13 have whole 128-tiles beside ragged ones. Odd-numbered cases without beta run
+/// 12 and 13 have whole 128-tiles beside ragged ones, 14 whole tiles only with beta (the
+/// cooperative kernel starts its sums from C there). Odd-numbered cases without beta run
 /// with alpha 1 (the cooperative kernel stores whole tiles straight to C then), the
-/// others with 0.75.
+/// others with 0.75. Cases without beta whose number is not a multiple of 3 add a bias
+/// row (the cooperative kernel starts whole tiles' sums from it).
 #[allow(clippy::type_complexity)]
-pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f32); 14] = [
+pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f32); 15] = [
     (1, 1, 1, 1, false, false, true, true, 0.0),
     (3, 37, 45, 29, false, false, true, true, 0.0),
     (2, 130, 129, 67, true, false, true, true, 0.0),
@@ -161,6 +163,7 @@ pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f3
     (1, 33, 17, 2048, true, false, false, false, 1.0),
     (1, 200, 260, 48, false, true, true, true, 0.0),
     (2, 256, 260, 40, true, true, true, true, 0.0),
+    (2, 256, 128, 96, false, false, true, true, 1.0),
 ];
 
 pub(super) fn matmul_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
@@ -194,6 +197,7 @@ fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tunin
         let a = rng.vec(ab * m * k);
         let b = rng.vec(bb_ * k * n);
         let c0 = rng.vec(batch * m * n);
+        let bias = (beta == 0.0 && i % 3 != 0).then(|| rng.vec(n));
         let alpha = match beta == 0.0 && i % 2 == 1 {
             true => 1.0,
             false => 0.75,
@@ -209,12 +213,13 @@ fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tunin
         };
         let (a_shape, b_shape) = (with_batch(ba, &a_shape), with_batch(bb, &b_shape));
         let shape = format!(
-            "{:?}{} @ {:?}{}{}",
+            "{:?}{} @ {:?}{}{}{}",
             a_shape,
             if ta { "^T" } else { "" },
             b_shape,
             if tb { "^T" } else { "" },
-            if beta != 0.0 { " + C" } else { "" }
+            if beta != 0.0 { " + C" } else { "" },
+            if bias.is_some() { " + bias" } else { "" }
         );
         let run = || -> crate::Result<Vec<f32>> {
             let ta_ = Tensor::from_f32(gpu, &a_shape, &a, "a")?;
@@ -225,7 +230,13 @@ fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tunin
                 trans_b: tb,
                 alpha,
             };
-            gpu.run(|rec| matmul::matmul_into_tuned(rec, &ta_, &tb_, &c, opts, beta, tuning))?;
+            let tbias = match &bias {
+                Some(v) => Some(Tensor::from_f32(gpu, &[n], v, "bias")?),
+                None => None,
+            };
+            gpu.run(|rec| {
+                matmul::matmul_into_tuned(rec, &ta_, &tb_, &c, tbias.as_ref(), opts, beta, tuning)
+            })?;
             c.read_f32(gpu)
         };
         let dims = cpu::MatmulDims {
@@ -240,7 +251,7 @@ fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tunin
         };
         let r = (|| {
             let got = run().map_err(s)?;
-            let (want, mag) = cpu::matmul(&a, &b, &c0, dims, alpha, beta);
+            let (want, mag) = cpu::matmul(&a, &b, &c0, bias.as_deref(), dims, alpha, beta);
             // f16 operands: each product within 2 x 2^-11 of its magnitude, then f32 sums.
             let tol = match coop {
                 true => Tolerance {
