@@ -547,7 +547,9 @@ impl Tape {
                 // Formulas in norm.wgsl.
                 Op::LayerNorm { x, w, b, out } => {
                     let [tx, tw] = self.vals([x, w])?;
-                    let gr = norm::layer_norm_backward(rec, &tx, &tw, &out, &g)?;
+                    // x's gradient so far (a residual's) is added in the same pass.
+                    let prev = grads[x.0].take();
+                    let gr = norm::layer_norm_backward(rec, &tx, &tw, &out, &g, prev.as_ref())?;
                     contrib.push((x, gr.dx));
                     contrib.push((w, gr.dw));
                     if let Some(db) = gr.db {
@@ -561,7 +563,9 @@ impl Tape {
                     one_plus,
                 } => {
                     let [tx, tw] = self.vals([x, w])?;
-                    let gr = norm::rms_norm_backward(rec, &tx, &tw, &out, &g, one_plus)?;
+                    let prev = grads[x.0].take();
+                    let gr =
+                        norm::rms_norm_backward(rec, &tx, &tw, &out, &g, one_plus, prev.as_ref())?;
                     contrib.push((x, gr.dx));
                     contrib.push((w, gr.dw));
                 }

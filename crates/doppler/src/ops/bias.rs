@@ -21,7 +21,7 @@ static ADD4: Kernel = Kernel::new(&BIAS, "bias_add4", &[(4, Read), (5, Read), (6
 static GRAD: Kernel = Kernel::new(&BIAS, "bias_grad", &[(1, Read), (3, ReadWrite)]);
 
 /// Rows one bias_grad workgroup sums (`ROWS` in the shader) and columns it covers.
-const ROWS: usize = 256;
+const ROWS: usize = 128;
 const COLS: usize = 64;
 
 fn rows_n(op: &'static str, x: &Tensor, n: usize) -> Result<usize> {

@@ -38,6 +38,7 @@ static BWD_DX: Kernel = Kernel::new(
         (8, ReadWrite),
         (12, Read),
         (13, Read),
+        (14, Read),
     ],
 );
 static BWD_WP: Kernel = Kernel::new(
@@ -52,7 +53,7 @@ static BWD_W: Kernel = Kernel::new(
 );
 
 /// Rows per weight-gradient block (`ROWS_PER_BLOCK` in the shader).
-const ROWS_PER_BLOCK: usize = 256;
+const ROWS_PER_BLOCK: usize = 64;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NormKind {
@@ -162,6 +163,7 @@ fn backward(
     w: &Tensor,
     fwd: &NormOut,
     dy: &Tensor,
+    add_to: Option<&Tensor>,
 ) -> Result<NormGrads> {
     let op = if kind == NormKind::Layer {
         "layer_norm_backward"
@@ -181,19 +183,34 @@ fn backward(
             ),
         });
     }
+    if let Some(t) = add_to {
+        expect_f32(op, t)?;
+        if t.shape() != x.shape() {
+            return Err(Error::Shape {
+                op,
+                detail: format!(
+                    "gradient to add {:?}, x {:?}: expected the same shape",
+                    t.shape(),
+                    x.shape()
+                ),
+            });
+        }
+    }
     let gpu = rec.gpu();
     let p = params(rows, d, 0.0);
     let c = kind.constants();
+    let c_dx = [c[0], c[1], ("ADD", add_to.is_some() as u32 as f64)];
     let pb = bytemuck::bytes_of(&p);
     let dx = Tensor::empty(gpu, x.shape(), DType::F32, "norm.dx")?;
     let partial = Tensor::empty(gpu, &[p.blocks as usize, d, 2], DType::F32, "norm.partial")?;
     let dw = Tensor::empty(gpu, &[d], DType::F32, "norm.dw")?;
     let db = Tensor::empty(gpu, &[d], DType::F32, "norm.db")?;
+    // Without a gradient to add, dy stands in for the unread binding.
     rec.dispatch(
         &BWD_DX,
-        &c,
+        &c_dx,
         pb,
-        &[x, w, dy, &dx, &fwd.mean, &fwd.rstd],
+        &[x, w, dy, &dx, &fwd.mean, &fwd.rstd, add_to.unwrap_or(dy)],
         Grid::Linear(rows as u64),
     )?;
     rec.dispatch(
@@ -228,14 +245,17 @@ pub fn layer_norm(
     forward(rec, NormKind::Layer, x, w, Some(b), eps)
 }
 
+/// dx, dw, db of [`layer_norm`] for upstream dy; `add_to` (x's shape): another gradient of
+/// x added to dx in the same pass (a residual branch's), as `elementwise::add` would.
 pub fn layer_norm_backward(
     rec: &mut Recorder<'_>,
     x: &Tensor,
     w: &Tensor,
     fwd: &NormOut,
     dy: &Tensor,
+    add_to: Option<&Tensor>,
 ) -> Result<NormGrads> {
-    backward(rec, NormKind::Layer, x, w, fwd, dy)
+    backward(rec, NormKind::Layer, x, w, fwd, dy, add_to)
 }
 
 /// y = x / sqrt(mean(x^2) + eps) * w (or * (1 + w)) over the last axis.
@@ -249,6 +269,7 @@ pub fn rms_norm(
     forward(rec, NormKind::Rms { one_plus }, x, w, None, eps)
 }
 
+/// dx, dw of [`rms_norm`] for upstream dy; `add_to` as in [`layer_norm_backward`].
 pub fn rms_norm_backward(
     rec: &mut Recorder<'_>,
     x: &Tensor,
@@ -256,6 +277,7 @@ pub fn rms_norm_backward(
     fwd: &NormOut,
     dy: &Tensor,
     one_plus: bool,
+    add_to: Option<&Tensor>,
 ) -> Result<NormGrads> {
-    backward(rec, NormKind::Rms { one_plus }, x, w, fwd, dy)
+    backward(rec, NormKind::Rms { one_plus }, x, w, fwd, dy, add_to)
 }

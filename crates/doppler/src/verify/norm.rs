@@ -35,13 +35,16 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let w: Vec<f32> = rng.vec(d).iter().map(|v| 1.0 + 0.5 * v).collect();
         let b = rng.vec(d);
         let dy = rng.vec(len);
+        // Odd cases add another gradient of x to dx in the same pass (a residual's).
+        let add = (i % 2 == 1).then(|| rng.vec(len));
         let (name, one_plus) = match kind {
             NormKind::Layer => ("layer_norm", false),
             NormKind::Rms { one_plus } => ("rms_norm", one_plus),
         };
         let what = format!(
-            "{shape:?}{}{}",
+            "{shape:?}{}{}{}",
             if one_plus { " (1 + w)" } else { "" },
+            if add.is_some() { " + add" } else { "" },
             if offset != 0.0 {
                 format!(" x+{offset}")
             } else {
@@ -53,14 +56,18 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let tw = Tensor::from_f32(gpu, &[d], &w, "w")?;
             let tb = Tensor::from_f32(gpu, &[d], &b, "b")?;
             let tdy = Tensor::from_f32(gpu, shape, &dy, "dy")?;
+            let tadd = match &add {
+                Some(v) => Some(Tensor::from_f32(gpu, shape, v, "add")?),
+                None => None,
+            };
             let mut rec = gpu.recorder(name);
             let (f, g) = if kind == L {
                 let f = layer_norm(&mut rec, &tx, &tw, &tb, EPS)?;
-                let g = layer_norm_backward(&mut rec, &tx, &tw, &f, &tdy)?;
+                let g = layer_norm_backward(&mut rec, &tx, &tw, &f, &tdy, tadd.as_ref())?;
                 (f, g)
             } else {
                 let f = rms_norm(&mut rec, &tx, &tw, EPS, one_plus)?;
-                let g = rms_norm_backward(&mut rec, &tx, &tw, &f, &tdy, one_plus)?;
+                let g = rms_norm_backward(&mut rec, &tx, &tw, &f, &tdy, one_plus, tadd.as_ref())?;
                 (f, g)
             };
             rec.submit()?;
@@ -82,7 +89,11 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 let (xd, wd, bd, dyd) = (widen(&x), widen(&w), widen(&b), widen(&dy));
                 let bias = (kind == L).then_some(&bd[..]);
                 let (y, mean, rstd) = cpu::norm(&xd, &wd, bias, d, EPS as f64, kind);
-                let (dx, dw, db) = cpu::norm_backward(&xd, &wd, &dyd, d, EPS as f64, kind);
+                let (mut dx, dw, db) = cpu::norm_backward(&xd, &wd, &dyd, d, EPS as f64, kind);
+                let addd = add.as_deref().map(widen);
+                if let Some(a) = &addd {
+                    dx.iter_mut().zip(a).for_each(|(v, a)| *v += a);
+                }
                 let tol = Tolerance::sum(d.max(rows));
                 // Rounding of x - mean grows with |mean| * rstd.
                 let cond = |r: usize| 1.0 + mean[r].abs() * rstd[r];
@@ -107,6 +118,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                             * ((dyd[k] * wv(k % d)).abs()
                                 + ga[k / d]
                                 + (xhat(k).abs() + cond(k / d)) * gb[k / d])
+                            + addd.as_ref().map_or(0.0, |a| a[k].abs())
                     })
                     .collect();
                 let mut dw_scale = vec![0.0; d];
