@@ -19,8 +19,10 @@ static ADD: Kernel = Kernel::new(&BIAS, "bias_add", &[(1, Read), (2, Read), (3, 
 // The same on vec4 views (N a multiple of 4).
 static ADD4: Kernel = Kernel::new(&BIAS, "bias_add4", &[(4, Read), (5, Read), (6, ReadWrite)]);
 static GRAD: Kernel = Kernel::new(&BIAS, "bias_grad", &[(1, Read), (3, ReadWrite)]);
+static GRAD4: Kernel = Kernel::new(&BIAS, "bias_grad4", &[(4, Read), (6, ReadWrite)]);
 
-/// Rows one bias_grad workgroup sums (`ROWS` in the shader) and columns it covers.
+/// Rows one bias_grad workgroup sums (`ROWS` in the shader) and columns it covers (vec4
+/// kernel: 4 x COLS).
 const ROWS: usize = 128;
 const COLS: usize = 64;
 
@@ -81,9 +83,13 @@ pub fn bias_add_backward(rec: &mut Recorder<'_>, dy: &Tensor) -> Result<Tensor> 
             chunks: chunks as u32,
             _pad: 0,
         };
-        let groups = (chunks * n.div_ceil(COLS)) as u64;
+        let (kernel, cols) = match n % 4 {
+            0 => (&GRAD4, 4 * COLS),
+            _ => (&GRAD, COLS),
+        };
+        let groups = (chunks * n.div_ceil(cols)) as u64;
         rec.dispatch(
-            &GRAD,
+            kernel,
             &[],
             bytemuck::bytes_of(&p),
             &[&cur, &out],

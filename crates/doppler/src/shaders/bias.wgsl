@@ -5,6 +5,9 @@
 //              db = sum over rows of dy; the host repeats the pass until chunks == 1.
 // A bias_grad workgroup covers 64 columns x ROWS rows: lane r of 4 adds rows r, r+4, ...
 // of its chunk in order, then the 4 lanes add as a tree. Same bits on every run.
+//   bias_grad4: the same on vec4 views when N is a multiple of 4, 256 columns a workgroup
+//              (64 vec4s x 4 lanes); a lane loads 4 rows before adding them (one memory
+//              latency for 4 rows, not 4: the scalar loop waits for each load in turn).
 // Grids: bias_add linear over ceil(R*N / 256) workgroups (bias_add4: R*N/4); bias_grad
 // (ceil(N / 64), chunks) flattened to linear (2-D past 65535).
 
@@ -29,6 +32,7 @@ const ROWS: u32 = 128u;   // rows per chunk: 32 per lane (256: too few workgroup
 @group(0) @binding(6) var<storage, read_write> y4: array<vec4<f32>>;
 
 var<workgroup> partial: array<f32, WG>;
+var<workgroup> partial4: array<vec4<f32>, WG>;
 
 @compute @workgroup_size(WG)
 fn bias_add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -75,5 +79,45 @@ fn bias_grad(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     workgroupBarrier();
     if (valid && lane == 0u) {
         y[chunk * p.n + col] = partial[lid] + partial[lid + COLS];
+    }
+}
+
+// x4 is dy (rows, n / 4); y4 is the partial sums (chunks, n / 4).
+@compute @workgroup_size(WG)
+fn bias_grad4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let g = wid.x + wid.y * nwg.x;
+    let n4 = p.n / 4u;
+    let col_blocks = (n4 + COLS - 1u) / COLS;
+    let chunk = g / col_blocks;
+    let col = (g % col_blocks) * COLS + lid % COLS;   // in vec4s
+    let lane = lid / COLS;
+    let valid = chunk < p.chunks && col < n4;
+    var s = vec4<f32>(0.0);
+    if (valid) {
+        let end = min((chunk + 1u) * ROWS, p.rows);
+        var r = chunk * ROWS + lane;
+        for (; r + 3u * LANES < end; r += 4u * LANES) {
+            let v0 = x4[r * n4 + col];
+            let v1 = x4[(r + LANES) * n4 + col];
+            let v2 = x4[(r + 2u * LANES) * n4 + col];
+            let v3 = x4[(r + 3u * LANES) * n4 + col];
+            s += v0;
+            s += v1;
+            s += v2;
+            s += v3;
+        }
+        for (; r < end; r += LANES) {
+            s += x4[r * n4 + col];
+        }
+    }
+    partial4[lid] = s;
+    workgroupBarrier();
+    if (lid < 2u * COLS) {
+        partial4[lid] += partial4[lid + 2u * COLS];
+    }
+    workgroupBarrier();
+    if (valid && lane == 0u) {
+        y4[chunk * n4 + col] = partial4[lid] + partial4[lid + COLS];
     }
 }

@@ -8,14 +8,16 @@ use crate::reference::{bias as cpu, widen};
 
 /// Odd sizes with batch dims; rows over several chunks (two passes); 70000 rows of one
 /// column (three passes); more than 65535 x 256 elements; columns a multiple of 4 (the
-/// vec4 kernel).
-pub const BIAS_SHAPES: [&[usize]; 6] = [
+/// vec4 kernels: three gradient passes, and rows ending inside the 4-row unrolled loop).
+pub const BIAS_SHAPES: [&[usize]; 8] = [
     &[3, 7, 45],
     &[1000, 3],
     &[70_000, 1],
     &[262_150, 65],
     &[5, 12],
     &[3, 100, 768],
+    &[70_001, 8],
+    &[2, 130, 260],
 ];
 
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
