@@ -174,6 +174,8 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     let r16 = 16u * n;
     // INIT (the host sets it only where every tile is whole and alpha is 1): the sums start
     // from C (1: beta 1) or from the bias row (2: a load with row stride 0), else from zero.
+    // The 16 fragment addresses are written out here and again at the store: computed once
+    // above the k loop they would hold 16 registers through it.
     if (INIT == 1u) {
         let a00 = at + 0u * r16 + 0u;
         let a01 = at + 0u * r16 + 16u;
