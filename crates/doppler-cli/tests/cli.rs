@@ -91,6 +91,42 @@ fn bench_json_reports_medians() {
     }
 }
 
+#[test]
+fn bench_matmul_shapes_and_their_errors() {
+    let (ok, out, err) = doppler(&[
+        "bench",
+        "matmul",
+        "--json",
+        "--shape",
+        "20x12x8:ta",
+        "--shape",
+        "9x16x4:tb",
+        "--repeat",
+        "1",
+        "--batch",
+        "1",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let shapes: Vec<&str> = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["shape"].as_str().unwrap())
+        .collect();
+    assert!(
+        shapes.contains(&"20x12x8:ta") && shapes.contains(&"9x16x4:tb"),
+        "{out}"
+    );
+    for bad in ["12x8", "4x4x0", "4x4x4:tc", "axbxc"] {
+        let (ok, _, err) = doppler(&["bench", "matmul", "--shape", bad]);
+        assert!(
+            !ok && err.contains(&format!("--shape {bad:?}")),
+            "{bad}: {err}"
+        );
+    }
+}
+
 /// A tiny run in a fresh directory: corpus, config (char tokenizer, 1 layer, 8 steps).
 fn tiny_run(dir: &std::path::Path, arch: &str) -> std::path::PathBuf {
     tiny_run_with(dir, arch, "")

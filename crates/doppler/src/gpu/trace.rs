@@ -109,3 +109,36 @@ pub fn median(v: &mut [f64]) -> f64 {
         (v[n / 2 - 1] + v[n / 2]) / 2.0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn totals_by_kernel_and_by_grid() {
+        let ev = |name: &str, grid: [u32; 3], dur_ns: f64| TraceEvent {
+            name: name.into(),
+            grid,
+            start_ns: 0.0,
+            dur_ns,
+        };
+        let t = Trace {
+            events: vec![
+                ev("mm", [6, 64, 1], 3.0),
+                ev("mm", [24, 64, 1], 5.0),
+                ev("mm", [6, 64, 1], 1.0),
+                ev("add", [10, 1, 1], 2.0),
+            ],
+        };
+        let k = t.by_kernel();
+        assert_eq!(
+            (k[0].name.as_str(), k[0].count, k[0].total_ns),
+            ("mm", 3, 9.0)
+        );
+        assert_eq!((k[1].name.as_str(), k[1].total_ns), ("add", 2.0));
+        let g = t.by_kernel_and_grid();
+        let names: Vec<&str> = g.iter().map(|k| k.name.as_str()).collect();
+        assert_eq!(names, ["mm (24, 64, 1)", "mm (6, 64, 1)", "add (10, 1, 1)"]);
+        assert_eq!((g[1].count, g[1].total_ns, g[1].median_ns), (2, 4.0, 2.0));
+    }
+}
