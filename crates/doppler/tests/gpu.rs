@@ -553,6 +553,65 @@ fn gradient_accumulation_matches_one_big_batch() {
     }
 }
 
+/// The tape adds a linear's input gradient into the gradient already there only when that
+/// buffer is the value's own: here d(a + b) hands one buffer to both inputs right before
+/// each linear's backward, so an in-place add would change the linear's own upstream
+/// gradient. Checked against central differences of the f32 forward.
+#[test]
+fn tape_accumulates_in_place_only_into_its_own_gradients() {
+    use doppler::autograd::{ParamStore, Tape};
+    let gpu = gpu();
+    let (rows, c, v) = (6, 8, 5);
+    let mut rng = Rng::new(77);
+    let h0 = rng.vec(rows * c);
+    let w1: Vec<f32> = rng.vec(c * c).iter().map(|x| 0.5 * x).collect();
+    let w2 = rng.vec(v * c);
+    let targets: Vec<u32> = (0..rows).map(|i| (i * 3 % v) as u32).collect();
+    let tt = Tensor::from_u32(gpu, &[rows], &targets, "targets").unwrap();
+    // loss = CE(s2 w2^T), s2 = s + s w1^T, s = h + h w1^T: h and s each feed an add and a
+    // linear.
+    let run = |h: &[f32]| -> (f32, Vec<f32>) {
+        let mut store = ParamStore::default();
+        let ih = store.push("h", Tensor::from_f32(gpu, &[rows, c], h, "h").unwrap());
+        let iw1 = store.push("w1", Tensor::from_f32(gpu, &[c, c], &w1, "w1").unwrap());
+        let iw2 = store.push("w2", Tensor::from_f32(gpu, &[v, c], &w2, "w2").unwrap());
+        let mut rec = gpu.recorder("tape");
+        let mut tape = Tape::new();
+        let (h, w1, w2) = (
+            tape.param(&store, ih),
+            tape.param(&store, iw1),
+            tape.param(&store, iw2),
+        );
+        let h2 = tape.linear(&mut rec, h, w1, None).unwrap();
+        let s = tape.add(&mut rec, h, h2).unwrap();
+        let s3 = tape.linear(&mut rec, s, w1, None).unwrap();
+        let s2 = tape.add(&mut rec, s, s3).unwrap();
+        let logits = tape.linear(&mut rec, s2, w2, None).unwrap();
+        let loss = tape
+            .cross_entropy(&mut rec, logits, &tt, Default::default())
+            .unwrap();
+        let lt = tape.value(loss).unwrap().clone();
+        tape.backward(&mut rec, loss, 1.0, &mut store).unwrap();
+        rec.submit().unwrap();
+        let g = store.grads[ih].as_ref().unwrap().read_f32(gpu).unwrap();
+        (lt.read_f32(gpu).unwrap()[0], g)
+    };
+    let (_, grad) = run(&h0);
+    let eps = 1e-2;
+    for i in 0..rows * c {
+        let mut hp = h0.clone();
+        hp[i] += eps;
+        let mut hm = h0.clone();
+        hm[i] -= eps;
+        let fd = (run(&hp).0 - run(&hm).0) / (2.0 * eps);
+        assert!(
+            (grad[i] - fd).abs() <= 2e-3 + 1e-2 * fd.abs(),
+            "dh[{i}]: tape {}, central difference {fd}",
+            grad[i]
+        );
+    }
+}
+
 #[test]
 fn dequantization_matches_the_cpu_dequantizer() {
     assert_checks("dequantize", doppler::ops::quant::SUPPORTED.len() + 2);
