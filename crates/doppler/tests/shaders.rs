@@ -55,12 +55,31 @@ fn uniform_blocks_match_rust_params() {
     }
 }
 
+/// Override values besides the defaults that select code of their own in shaders lavapipe
+/// never builds (the cooperative product's starts from C and from the bias row).
+const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
+    ("matmul_coop", &[("INIT", 1.0)]),
+    ("matmul_coop", &[("INIT", 2.0), ("TRANS_B", 1.0)]),
+    ("matmul_coop", &[("INIT", 1.0), ("TRANS_A", 1.0)]),
+];
+
 /// Every entry point goes through naga's SPIR-V writer (what wgpu runs on Vulkan) with its
-/// overrides at their defaults: lavapipe never builds the cooperative-matrix shaders, so
-/// this is where a writer error in them shows up before a GPU that has them.
+/// overrides at their defaults, and the variants above: lavapipe never builds the
+/// cooperative-matrix shaders, so this is where a writer error in them shows up before a
+/// GPU that has them.
 #[test]
 fn every_entry_point_writes_spirv() {
-    for s in ALL {
+    let defaults: &[(&str, f64)] = &[];
+    let runs = ALL
+        .iter()
+        .map(|s| (*s, defaults))
+        .chain(SPIRV_VARIANTS.iter().map(|(name, consts)| {
+            let s = ALL.iter().find(|s| s.name == *name).expect("a shader name");
+            (*s, *consts)
+        }));
+    for (s, consts) in runs {
+        let constants: naga::back::PipelineConstants =
+            consts.iter().map(|(k, v)| (k.to_string(), *v)).collect();
         let module = parse(s.name, s.source);
         let info = naga::valid::Validator::new(
             naga::valid::ValidationFlags::all(),
@@ -74,16 +93,16 @@ fn every_entry_point_writes_spirv() {
                 &module,
                 &info,
                 Some((stage, &ep.name)),
-                &Default::default(),
+                &constants,
             )
-            .unwrap_or_else(|e| panic!("{}.{}: overrides: {e}", s.name, ep.name));
+            .unwrap_or_else(|e| panic!("{}.{} {consts:?}: overrides: {e}", s.name, ep.name));
             let opts = naga::back::spv::Options::default();
             let pipeline = naga::back::spv::PipelineOptions {
                 shader_stage: stage,
                 entry_point: ep.name.clone(),
             };
             naga::back::spv::write_vec(&m, &i, &opts, Some(&pipeline))
-                .unwrap_or_else(|e| panic!("{}.{}: SPIR-V: {e}", s.name, ep.name));
+                .unwrap_or_else(|e| panic!("{}.{} {consts:?}: SPIR-V: {e}", s.name, ep.name));
         }
     }
 }

@@ -165,18 +165,17 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     var c31: coop_mat16x16<f32, C>;
     var c32: coop_mat16x16<f32, C>;
     var c33: coop_mat16x16<f32, C>;
-    let r0 = m0 + wr;
-    let c0 = n0 + wc;
-    // (Strides and addresses as named values: naga 30's SPIR-V writer panics on
-    // expressions written inside coopLoadT's and coopStoreT's arguments.)
-    let n = p.n;
-    let at = c_off + r0 * n + c0;   // C's element (r0, c0), then rows 16 apart
-    let r16 = 16u * n;
     // INIT (the host sets it only where every tile is whole and alpha is 1): the sums start
     // from C (1: beta 1) or from the bias row (2: a load with row stride 0), else from zero.
-    // The 16 fragment addresses are written out here and again at the store: computed once
-    // above the k loop they would hold 16 registers through it.
+    // The addresses are worked out here and again at the store, so that none is held in a
+    // register through the k loop (a form that kept them from here measured 1-5% slower
+    // products without INIT on the H200 than the session's earlier calls). Strides and
+    // addresses are named values: naga 30's SPIR-V writer panics on expressions written
+    // inside coopLoadT's and coopStoreT's arguments.
     if (INIT == 1u) {
+        let n = p.n;
+        let at = c_off + (m0 + wr) * n + n0 + wc;   // C's element at the subgroup's corner
+        let r16 = 16u * n;
         let a00 = at + 0u * r16 + 0u;
         let a01 = at + 0u * r16 + 16u;
         let a02 = at + 0u * r16 + 32u;
@@ -211,10 +210,10 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
         c33 = coopLoadT<coop_mat16x16<f32, C>>(&c[a33], n);
     } else if (INIT == 2u) {
         let zero = 0u;
-        let b0 = c0;
-        let b1 = c0 + 16u;
-        let b2 = c0 + 32u;
-        let b3 = c0 + 48u;
+        let b0 = n0 + wc;
+        let b1 = b0 + 16u;
+        let b2 = b0 + 32u;
+        let b3 = b0 + 48u;
         c00 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b0], zero);
         c01 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b1], zero);
         c02 = coopLoadT<coop_mat16x16<f32, C>>(&bias[b2], zero);
@@ -319,11 +318,16 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
         }
         workgroupBarrier();
     }
+    let r0 = m0 + wr;
+    let c0 = n0 + wc;
     // Straight to C: every tile under INIT 1 and 2; otherwise a whole tile with alpha 1,
     // beta 0 and no bias (most products). Rows of C a multiple of 4 floats keep the stores
     // 16-byte aligned.
     let whole = m0 + T <= p.m && n0 + T <= p.n && p.n % 4u == 0u;
     if (INIT != 0u || (whole && p.alpha == 1.0 && p.beta == 0.0 && p.bias == 0u)) {
+        let n = p.n;
+        let at = c_off + r0 * n + c0;   // C's element (r0, c0), then rows 16 apart
+        let r16 = 16u * n;
         let a00 = at + 0u * r16 + 0u;
         let a01 = at + 0u * r16 + 16u;
         let a02 = at + 0u * r16 + 32u;
