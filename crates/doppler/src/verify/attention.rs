@@ -35,9 +35,9 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// with scores near 0, then key 200 scoring ~10, so O (a sum over 200 keys of v ~ 1) is
 /// scaled by ~e^-10 in the step that holds key 200 (v = -1) while the 200 earlier keys
 /// still weigh ~1% of the result: a wrong or skipped rescale shows. (Random scores of a
-/// few units barely move the max after the first step.) Inputs are exact in f16 (multiples of 1/64
-/// near 1), so the cooperative kernel's scores are exact and only P's rounding to f16
-/// (2^-11) separates the result from the reference.
+/// few units barely move the max after the first step.) Inputs are exact in f16
+/// (multiples of 1/64 near 1), so the cooperative kernel's scores are exact and only P's
+/// rounding to f16 (2^-11) separates the result from the reference.
 fn coop_rescale_check(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let (t, d, jump) = (300usize, 64usize, 200usize);
     let mut rng = Rng::new(1590);
