@@ -3,7 +3,7 @@
 //! Shader: `optim.wgsl` (PyTorch's update formulas in its header).
 
 use crate::error::{Error, Result};
-use crate::gpu::{Binding::*, DType, Gpu, Grid, Kernel, Recorder, Tensor};
+use crate::gpu::{Binding, Binding::*, DType, Gpu, Grid, Kernel, Recorder, Tensor};
 use crate::shaders::OPTIM;
 
 #[repr(C)]
@@ -24,6 +24,12 @@ pub struct Params {
     pub max_norm: f32,
     pub loss_scale: f32,
     pub _pad: [u32; 2],
+    /// Multi-tensor kernels: per slot, the cumulative end of its workgroups, its element
+    /// count, and AdamW's 1 - lr * wd.
+    /// (`SLOTS` of the 8 entries used.)
+    pub ends: [u32; 8],
+    pub ns: [u32; 8],
+    pub decays: [f32; 8],
 }
 
 static ADAMW: Kernel = Kernel::new(
@@ -55,6 +61,46 @@ static SGD: Kernel = Kernel::new(
     &[(1, ReadWrite), (2, Read), (3, ReadWrite), (5, Read)],
 );
 static SUMSQ: Kernel = Kernel::new(&OPTIM, "sumsq_partial", &[(2, Read), (6, ReadWrite)]);
+
+/// Tensors a multi-tensor dispatch takes (`SLOTS` in optim.wgsl): 4 x 7 + 1 = 29 storage
+/// buffers, within the 32 lavapipe allows.
+pub const SLOTS: usize = 7;
+
+/// `adamw_multi`'s bindings: p of each slot, then g, m, v of each slot, then the scale.
+const ADAMW_MULTI_BINDINGS: [(u32, Binding); 4 * SLOTS + 1] = {
+    let mut b = [(5, Read); 4 * SLOTS + 1];
+    let mut i = 0;
+    while i < SLOTS {
+        b[i] = (16 + i as u32, ReadWrite);
+        b[SLOTS + i] = (24 + i as u32, Read);
+        b[2 * SLOTS + i] = (32 + i as u32, ReadWrite);
+        b[3 * SLOTS + i] = (40 + i as u32, ReadWrite);
+        i += 1;
+    }
+    b
+};
+static ADAMW_MULTI: Kernel = Kernel::new(&OPTIM, "adamw_multi", &ADAMW_MULTI_BINDINGS);
+
+/// `sumsq_multi`'s bindings: g of each slot, then the partials.
+const SUMSQ_MULTI_BINDINGS: [(u32, Binding); SLOTS + 1] = {
+    let mut b = [(6, ReadWrite); SLOTS + 1];
+    let mut i = 0;
+    while i < SLOTS {
+        b[i] = (24 + i as u32, Read);
+        i += 1;
+    }
+    b
+};
+static SUMSQ_MULTI: Kernel = Kernel::new(&OPTIM, "sumsq_multi", &SUMSQ_MULTI_BINDINGS);
+
+/// Whether the adapter binds enough storage buffers a stage for the multi-tensor kernels
+/// (29; WebGPU's default limit is 8, lavapipe's 32).
+pub fn multi_tensor_supported(gpu: &Gpu) -> bool {
+    gpu.limits.max_storage_buffers_per_shader_stage >= ADAMW_MULTI_BINDINGS.len() as u32
+}
+
+/// Workgroups of `adamw_multi` a slot of `n` elements takes (one element a thread).
+const MULTI_WG: usize = 256;
 static CLIP: Kernel = Kernel::new(&OPTIM, "clip_factor", &[(6, ReadWrite), (7, ReadWrite)]);
 
 /// Elements one `sumsq_partial` workgroup covers (WG x ITEMS in the shader).
@@ -108,28 +154,70 @@ pub fn grad_scale(
     max_norm: Option<f32>,
     loss_scale: f32,
 ) -> Result<Tensor> {
+    let multi = multi_tensor_supported(rec.gpu());
+    grad_scale_with(rec, grads, max_norm, loss_scale, multi)
+}
+
+/// [`grad_scale`] with the sums of squares taken `SLOTS` gradients a dispatch (`multi`) or
+/// one a dispatch; the partial sums and their order are the same either way.
+pub fn grad_scale_with(
+    rec: &mut Recorder<'_>,
+    grads: &[&Tensor],
+    max_norm: Option<f32>,
+    loss_scale: f32,
+    multi: bool,
+) -> Result<Tensor> {
     let gpu = rec.gpu();
+    for g in grads {
+        super::ops::expect_f32("grad_scale", g)?;
+    }
     let chunks: Vec<usize> = grads.iter().map(|g| g.numel().div_ceil(CHUNK)).collect();
     let total: usize = chunks.iter().sum();
     let partials = Tensor::empty(gpu, &[total.max(1)], DType::F32, "optim.partials")?;
     let out = Tensor::empty(gpu, &[2], DType::F32, "optim.grad_scale")?;
     rec.clear(&partials);
     let mut offset = 0;
-    for (g, &c) in grads.iter().zip(&chunks) {
-        super::ops::expect_f32("grad_scale", g)?;
-        let p = Params {
-            n: g.numel() as u32,
-            offset: offset as u32,
-            ..Default::default()
-        };
-        rec.dispatch(
-            &SUMSQ,
-            &[],
-            bytemuck::bytes_of(&p),
-            &[g, &partials],
-            Grid::Linear(c as u64),
-        )?;
-        offset += c;
+    if multi {
+        for (gs, cs) in grads.chunks(SLOTS).zip(chunks.chunks(SLOTS)) {
+            let mut p = Params {
+                offset: offset as u32,
+                ..Default::default()
+            };
+            let mut end = 0;
+            for s in 0..SLOTS {
+                end += cs.get(s).copied().unwrap_or(0);
+                p.ends[s] = end as u32;
+                p.ns[s] = gs.get(s).map_or(0, |g| g.numel() as u32);
+            }
+            // Unused slots bind the first gradient again (no workgroup reads them).
+            let mut bound: Vec<&Tensor> =
+                (0..SLOTS).map(|s| *gs.get(s).unwrap_or(&gs[0])).collect();
+            bound.push(&partials);
+            rec.dispatch(
+                &SUMSQ_MULTI,
+                &[],
+                bytemuck::bytes_of(&p),
+                &bound,
+                Grid::Linear(end as u64),
+            )?;
+            offset += end;
+        }
+    } else {
+        for (g, &c) in grads.iter().zip(&chunks) {
+            let p = Params {
+                n: g.numel() as u32,
+                offset: offset as u32,
+                ..Default::default()
+            };
+            rec.dispatch(
+                &SUMSQ,
+                &[],
+                bytemuck::bytes_of(&p),
+                &[g, &partials],
+                Grid::Linear(c as u64),
+            )?;
+            offset += c;
+        }
     }
     let p = Params {
         offset: total as u32,
@@ -162,6 +250,9 @@ pub struct AdamW {
     pub weight_decay: f64,
     /// Which parameters weight decay applies to (all when empty).
     pub decay_mask: Vec<bool>,
+    /// Update `SLOTS` parameters a dispatch (where the adapter allows it, see
+    /// [`multi_tensor_supported`]); otherwise one a dispatch. Same arithmetic either way.
+    pub multi_tensor: bool,
     step: u32,
     state: Vec<(Tensor, Tensor)>,
 }
@@ -184,6 +275,7 @@ impl AdamW {
             eps: 1e-8,
             weight_decay: 0.01,
             decay_mask: Vec::new(),
+            multi_tensor: multi_tensor_supported(gpu),
             step: 0,
             state,
         })
@@ -233,23 +325,55 @@ impl AdamW {
         let t = self.step as i32;
         let (lr, wd, (b1, b2)) = (self.lr, self.weight_decay, self.betas);
         let (bc1, bc2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+        let decay = |i: usize| {
+            let on = self.decay_mask.get(i).copied().unwrap_or(true);
+            (1.0 - lr * if on { wd } else { 0.0 }) as f32
+        };
+        let common = Params {
+            b1: b1 as f32,
+            b2: b2 as f32,
+            omb1: (1.0 - b1) as f32,
+            omb2: (1.0 - b2) as f32,
+            eps: self.eps as f32,
+            step_size: (lr / bc1) as f32,
+            bc2_sqrt: bc2.sqrt() as f32,
+            ..Default::default()
+        };
+        if self.multi_tensor {
+            let idx: Vec<usize> = (0..params.len()).collect();
+            for group in idx.chunks(SLOTS) {
+                let mut prm = common;
+                let mut end = 0;
+                for s in 0..SLOTS {
+                    let n = group.get(s).map_or(0, |&i| params[i].numel());
+                    end += n.div_ceil(MULTI_WG);
+                    prm.ends[s] = end as u32;
+                    prm.ns[s] = n as u32;
+                    prm.decays[s] = group.get(s).map_or(1.0, |&i| decay(i));
+                }
+                // Unused slots bind the group's first tensors again (no workgroup reads them).
+                let at = |s: usize| *group.get(s).unwrap_or(&group[0]);
+                let mut bound: Vec<&Tensor> = Vec::with_capacity(ADAMW_MULTI_BINDINGS.len());
+                bound.extend((0..SLOTS).map(|s| params[at(s)]));
+                bound.extend((0..SLOTS).map(|s| grads[at(s)]));
+                bound.extend((0..SLOTS).map(|s| &self.state[at(s)].0));
+                bound.extend((0..SLOTS).map(|s| &self.state[at(s)].1));
+                bound.push(scale);
+                rec.dispatch(
+                    &ADAMW_MULTI,
+                    &[],
+                    bytemuck::bytes_of(&prm),
+                    &bound,
+                    Grid::Linear(end as u64),
+                )?;
+            }
+            return Ok(());
+        }
         for (i, ((p, g), (m, v))) in params.iter().zip(grads).zip(&self.state).enumerate() {
-            let wd = if self.decay_mask.get(i).copied().unwrap_or(true) {
-                wd
-            } else {
-                0.0
-            };
             let prm = Params {
                 n: p.numel() as u32,
-                b1: b1 as f32,
-                b2: b2 as f32,
-                omb1: (1.0 - b1) as f32,
-                omb2: (1.0 - b2) as f32,
-                eps: self.eps as f32,
-                decay: (1.0 - lr * wd) as f32,
-                step_size: (lr / bc1) as f32,
-                bc2_sqrt: bc2.sqrt() as f32,
-                ..Default::default()
+                decay: decay(i),
+                ..common
             };
             let (kernel, threads) = match p.numel() % 4 {
                 0 => (&ADAMW4, p.numel() / 4),

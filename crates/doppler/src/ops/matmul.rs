@@ -28,7 +28,9 @@ pub struct Params {
     pub beta: f32,
     /// 1: add the bias binding's row to every row of C.
     pub bias: u32,
-    pub _pad: [u32; 3],
+    /// Split-K (A^T B only): the last batch slice's k where it is shorter than `k`; 0: none.
+    pub k_last: u32,
+    pub _pad: [u32; 2],
 }
 
 // a and b are each bound twice: as scalars and as vec4s; then c and the bias row (a
@@ -65,8 +67,26 @@ static SPLITK_SUM: Kernel = Kernel::new(
 const TILE: u64 = 128;
 /// Split K when a product has fewer output tiles than this (a GPU has ~100 cores)...
 const SPLIT_BELOW_TILES: u64 = 128;
-/// ...and each chunk keeps at least this many k.
+/// ...and each chunk keeps at least this many k...
 const MIN_SPLIT_K: usize = 512;
+/// ...a multiple of this (whole k steps of both kernels; the last chunk takes the rest).
+const SPLIT_ALIGN: usize = 32;
+
+/// Split-K for a product of `tiles` output tiles and depth k: (chunks, k a chunk, k of the
+/// last chunk). As many chunks (up to 8) as keep the workgroups within two per core
+/// (2 x SPLIT_BELOW_TILES) and each chunk at least MIN_SPLIT_K deep; the chunks are
+/// multiples of SPLIT_ALIGN and the last one holds the rest (shorter or equal).
+fn split_k(tiles: u64, k: usize) -> Option<(usize, usize, usize)> {
+    if tiles >= SPLIT_BELOW_TILES {
+        return None;
+    }
+    (2..=8usize).rev().find_map(|sp| {
+        let kc = k.div_ceil(sp).next_multiple_of(SPLIT_ALIGN);
+        let last = k.checked_sub((sp - 1) * kc)?;
+        (kc >= MIN_SPLIT_K && last > 0 && tiles * sp as u64 <= 2 * SPLIT_BELOW_TILES)
+            .then_some((sp, kc, last))
+    })
+}
 
 #[derive(Clone, Copy, Debug)]
 pub struct MatmulOpts {
@@ -267,7 +287,8 @@ pub fn matmul_into_tuned(
         alpha: opts.alpha,
         beta,
         bias: bias.is_some() as u32,
-        _pad: [0; 3],
+        k_last: 0,
+        _pad: [0; 2],
     };
     let constants = [
         ("TRANS_A", opts.trans_a as u32 as f64),
@@ -291,12 +312,8 @@ pub fn matmul_into_tuned(
     let coop = vec && tuning.coop.unwrap_or(gpu.coop_matmul);
     let tiles = (n as u64).div_ceil(TILE) * (m as u64).div_ceil(TILE);
     // Split-K needs K to be the outer (row) axis of both operands: A^T B, unbatched.
-    if opts.trans_a && !opts.trans_b && s.batch() == 1 && tiles < SPLIT_BELOW_TILES {
-        let splits = [8usize, 4, 2].into_iter().find(|&sp| {
-            k % sp == 0 && k / sp >= MIN_SPLIT_K && tiles * sp as u64 <= 2 * SPLIT_BELOW_TILES
-        });
-        if let Some(sp) = splits {
-            let kc = k / sp;
+    if opts.trans_a && !opts.trans_b && s.batch() == 1 {
+        if let Some((sp, kc, last)) = split_k(tiles, k) {
             let parts = Tensor::empty(rec.gpu(), &[sp, m, n], c.dtype(), "matmul.splitk")?;
             let p = Params {
                 k: kc as u32,
@@ -304,6 +321,7 @@ pub fn matmul_into_tuned(
                 stride_b: (kc * n) as u32,
                 beta: 0.0,
                 bias: 0,
+                k_last: if last < kc { last as u32 } else { 0 },
                 ..params
             };
             let grid = Grid::Xyz([
@@ -379,5 +397,29 @@ fn product(
             &[a, a, b, b, c, bias],
             grid,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_k;
+
+    #[test]
+    fn split_k_fills_two_workgroups_a_core_with_a_shorter_last_chunk() {
+        // GPT-2's q/k/v/o weight gradients: 36 tiles, K = 8192 -> 7 chunks (252 workgroups).
+        assert_eq!(split_k(36, 8192), Some((7, 1184, 1088)));
+        // verify's cases: equal chunks, and a shorter last one.
+        assert_eq!(split_k(1, 2048), Some((4, 512, 512)));
+        assert_eq!(split_k(4, 4100), Some((8, 544, 292)));
+        assert_eq!(split_k(1, 2050), Some((4, 544, 418)));
+        // Too shallow to split, or enough tiles already.
+        assert_eq!(split_k(1, 1000), Some((2, 512, 488)));
+        assert_eq!(split_k(1, 900), None);
+        assert_eq!(split_k(128, 1 << 20), None);
+        for (tiles, k) in [(1u64, 1024usize), (36, 8192), (100, 5000), (3, 100_003)] {
+            let (sp, kc, last) = split_k(tiles, k).unwrap();
+            assert!((sp - 1) * kc + last == k && last > 0 && last <= kc && kc % 32 == 0);
+            assert!(tiles * sp as u64 <= 256 && kc >= 512);
+        }
     }
 }

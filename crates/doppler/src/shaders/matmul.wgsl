@@ -19,8 +19,8 @@
 // Grid: (ceil(N/128), ceil(M/128), batch).
 //
 // Split-K (host side, for A^T B with few output tiles and a long K, e.g. weight gradients
-// dW = dY^T X): K is cut into S equal chunks run as a batch of S products into partials
-// (S, M, N), then splitk_sum adds the S partials in order s = 0, 1, ... (+ beta C). Fixed
+// dW = dY^T X): K is cut into S chunks (the last one shorter where S does not divide K:
+// k_last) run as a batch of S products into partials (S, M, N), then splitk_sum adds the S partials in order s = 0, 1, ... (+ beta C). Fixed
 // order: same bits on every run. Grid of splitk_sum: cover M*N threads, 256 per workgroup.
 
 struct Params {
@@ -33,7 +33,7 @@ struct Params {
     alpha: f32,
     beta: f32,       // 0: C is overwritten, never read
     bias: u32,       // 1: add bias[n] to column n (0: the binding is a stand-in, not read)
-    pad0: u32,
+    k_last: u32,     // split-K (A^T B): the last batch slice's k where shorter; 0: p.k for all
     pad1: u32,
     pad2: u32,
 }
@@ -78,9 +78,9 @@ fn load_b(base: u32, r: u32, col: u32, rows: u32, cols: u32) -> vec4<f32> {
 }
 
 // Load slot q (0 .. BM*BK/4) of the op(A) slab at k0: 4 values, and where they go.
-fn fetch_a(q: u32, m0: u32, k0: u32, off: u32) -> vec4<f32> {
+fn fetch_a(q: u32, m0: u32, k0: u32, off: u32, kz: u32) -> vec4<f32> {
     if (TRANS_A) {   // A stored (K, M): 4 consecutive m of one k
-        return load_a(off, k0 + q / (BM / 4u), m0 + (q % (BM / 4u)) * 4u, p.k, p.m);
+        return load_a(off, k0 + q / (BM / 4u), m0 + (q % (BM / 4u)) * 4u, kz, p.m);
     }
     // A stored (M, K): 4 consecutive k of one m
     return load_a(off, m0 + q / (BK / 4u), k0 + (q % (BK / 4u)) * 4u, p.m, p.k);
@@ -99,12 +99,12 @@ fn stash_a(q: u32, v: vec4<f32>) {
     }
 }
 
-fn fetch_b(q: u32, n0: u32, k0: u32, off: u32) -> vec4<f32> {
+fn fetch_b(q: u32, n0: u32, k0: u32, off: u32, kz: u32) -> vec4<f32> {
     if (TRANS_B) {   // B stored (N, K): 4 consecutive k of one n
         return load_b(off, n0 + q / (BK / 4u), k0 + (q % (BK / 4u)) * 4u, p.n, p.k);
     }
     // B stored (K, N): 4 consecutive n of one k
-    return load_b(off, k0 + q / (BN / 4u), n0 + (q % (BN / 4u)) * 4u, p.k, p.n);
+    return load_b(off, k0 + q / (BN / 4u), n0 + (q % (BN / 4u)) * 4u, kz, p.n);
 }
 
 fn stash_b(q: u32, v: vec4<f32>) {
@@ -136,7 +136,10 @@ fn store_row(c_off: u32, m: u32, nb: u32, v0: vec4<f32>, v1: vec4<f32>) {
 }
 
 @compute @workgroup_size(256)
-fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+          @builtin(local_invocation_index) tid: u32) {
+    // This slice's k: split-K's last chunk may be shorter (A^T B: k only bounds the rows).
+    let kz = select(p.k, p.k_last, p.k_last != 0u && wid.z + 1u == nwg.z);
     let tx = tid % 16u;
     let ty = tid / 16u;
     let m0 = wid.y * BM;
@@ -156,16 +159,16 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     var c60 = vec4<f32>(0.0); var c61 = vec4<f32>(0.0);
     var c70 = vec4<f32>(0.0); var c71 = vec4<f32>(0.0);
 
-    var pa0 = fetch_a(tid, m0, 0u, a_off);
-    var pb0 = fetch_b(tid, n0, 0u, b_off);
+    var pa0 = fetch_a(tid, m0, 0u, a_off, kz);
+    var pb0 = fetch_b(tid, n0, 0u, b_off, kz);
     var pa1 = vec4<f32>(0.0);
     var pb1 = vec4<f32>(0.0);
     if (two) {
-        pa1 = fetch_a(tid + NT, m0, 0u, a_off);
-        pb1 = fetch_b(tid + NT, n0, 0u, b_off);
+        pa1 = fetch_a(tid + NT, m0, 0u, a_off, kz);
+        pb1 = fetch_b(tid + NT, n0, 0u, b_off, kz);
     }
 
-    for (var k0 = 0u; k0 < p.k; k0 += BK) {
+    for (var k0 = 0u; k0 < kz; k0 += BK) {
         stash_a(tid, pa0);
         stash_b(tid, pb0);
         if (two) {
@@ -174,12 +177,12 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
         }
         workgroupBarrier();
         let k1 = k0 + BK;
-        if (k1 < p.k) {
-            pa0 = fetch_a(tid, m0, k1, a_off);
-            pb0 = fetch_b(tid, n0, k1, b_off);
+        if (k1 < kz) {
+            pa0 = fetch_a(tid, m0, k1, a_off, kz);
+            pb0 = fetch_b(tid, n0, k1, b_off, kz);
             if (two) {
-                pa1 = fetch_a(tid + NT, m0, k1, a_off);
-                pb1 = fetch_b(tid + NT, n0, k1, b_off);
+                pa1 = fetch_a(tid + NT, m0, k1, a_off, kz);
+                pb1 = fetch_b(tid + NT, n0, k1, b_off, kz);
             }
         }
         for (var kk = 0u; kk < BK; kk++) {

@@ -35,7 +35,7 @@ struct Params {
     alpha: f32,
     beta: f32,
     bias: u32,
-    pad0: u32,
+    k_last: u32,   // split-K (A^T B): the last batch slice's k where shorter; 0: p.k for all
     pad1: u32,
     pad2: u32,
 }
@@ -63,17 +63,18 @@ var<workgroup> sb: array<vec4<f16>, 1280>;   // [k][n] (BK rows of SM), or [n][k
 var<workgroup> scratch: array<f32, 1024>;   // 16 x 16 a subgroup
 
 // Load slot q (0..1024) of the op(A) step at k0: 4 values (zero outside).
-fn fetch_a(q: u32, m0: u32, k0: u32, off: u32) -> vec4<f32> {
+// kz: this slice's k (p.k, or split-K's shorter last chunk; only A^T B products have one).
+fn fetch_a(q: u32, m0: u32, k0: u32, off: u32, kz: u32) -> vec4<f32> {
     if (TRANS_A) {   // A stored (K, M): 4 consecutive m of one k
         let kk = k0 + q / 32u;
         let m = m0 + (q % 32u) * 4u;
-        if (kk < p.k && m < p.m) {
+        if (kk < kz && m < p.m) {
             return a4[(off + kk * p.m + m) / 4u];
         }
     } else {         // A stored (M, K): 4 consecutive k of one m
         let m = m0 + q / 8u;
         let kk = k0 + (q % 8u) * 4u;
-        if (m < p.m && kk < p.k) {
+        if (m < p.m && kk < kz) {
             return a4[(off + m * p.k + kk) / 4u];
         }
     }
@@ -88,17 +89,17 @@ fn stash_a(q: u32, v: vec4<f32>) {
     sa[at] = vec4<f16>(v);
 }
 
-fn fetch_b(q: u32, n0: u32, k0: u32, off: u32) -> vec4<f32> {
+fn fetch_b(q: u32, n0: u32, k0: u32, off: u32, kz: u32) -> vec4<f32> {
     if (TRANS_B) {   // B stored (N, K): 4 consecutive k of one n
         let n = n0 + q / 8u;
         let kk = k0 + (q % 8u) * 4u;
-        if (n < p.n && kk < p.k) {
+        if (n < p.n && kk < kz) {
             return b4[(off + n * p.k + kk) / 4u];
         }
     } else {         // B stored (K, N): 4 consecutive n of one k
         let kk = k0 + q / 32u;
         let n = n0 + (q % 32u) * 4u;
-        if (kk < p.k && n < p.n) {
+        if (kk < kz && n < p.n) {
             return b4[(off + kk * p.n + n) / 4u];
         }
     }
@@ -138,7 +139,9 @@ fn put(acc: coop_mat16x16<f32, C>, w: u32, lane: u32, r0: u32, c0: u32, c_off: u
 }
 
 @compute @workgroup_size(128)
-fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) tid: u32) {
+    let kz = select(p.k, p.k_last, p.k_last != 0u && wid.z + 1u == nwg.z);
     let m0 = wid.y * T;
     let n0 = wid.x * T;
     let a_off = wid.z * p.stride_a;
@@ -252,20 +255,20 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     var pa: array<vec4<f32>, 8>;
     var pb: array<vec4<f32>, 8>;
     for (var i = 0u; i < 8u; i++) {
-        pa[i] = fetch_a(tid + 128u * i, m0, 0u, a_off);
-        pb[i] = fetch_b(tid + 128u * i, n0, 0u, b_off);
+        pa[i] = fetch_a(tid + 128u * i, m0, 0u, a_off, kz);
+        pb[i] = fetch_b(tid + 128u * i, n0, 0u, b_off, kz);
     }
-    for (var k0 = 0u; k0 < p.k; k0 += BK) {
+    for (var k0 = 0u; k0 < kz; k0 += BK) {
         for (var i = 0u; i < 8u; i++) {
             stash_a(tid + 128u * i, pa[i]);
             stash_b(tid + 128u * i, pb[i]);
         }
         workgroupBarrier();
         let k1 = k0 + BK;
-        if (k1 < p.k) {
+        if (k1 < kz) {
             for (var i = 0u; i < 8u; i++) {
-                pa[i] = fetch_a(tid + 128u * i, m0, k1, a_off);
-                pb[i] = fetch_b(tid + 128u * i, n0, k1, b_off);
+                pa[i] = fetch_a(tid + 128u * i, m0, k1, a_off, kz);
+                pb[i] = fetch_b(tid + 128u * i, n0, k1, b_off, kz);
             }
         }
         for (var kb = 0u; kb < BK / 4u; kb += 4u) {   // 16 k a pass, in vec4s

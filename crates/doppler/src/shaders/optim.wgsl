@@ -13,6 +13,12 @@
 // Derived constants (1 - b1, 1 - b2, 1 - lr wd, lr / bc1, sqrt(bc2), 1 - d) come from the
 // host, computed in f64 as PyTorch does: 1 - b2 formed in f32 from f32(0.999) would be off
 // by 1e-5 relative.
+// Many tensors a dispatch (adamw_multi, sumsq_multi): SLOTS tensors, each bound at its own
+// bindings (p, g, m, v per slot: 4 x 7 + 1 storage buffers, where the adapter allows it),
+// the workgroups split among them in slot order by the cumulative `ends`. A per-tensor
+// dispatch waits for the one before it (each writes a buffer a kernel before it used), so
+// 196 tensors cost 196 launches and waits; 7 a dispatch cost 28. Same arithmetic per
+// element, same chunks and partials as the per-tensor kernels.
 // Global norm: sumsq_partial, one workgroup per chunk of 4096 elements of one gradient,
 // writes the chunk's sum of squares (fixed-order tree) into partials[offset + chunk];
 // clip_factor, one workgroup, sums all partials in order and writes
@@ -36,6 +42,11 @@ struct Params {
     loss_scale: f32,
     _pad0: u32,
     _pad1: u32,
+    // adamw_multi / sumsq_multi: per slot, the end of its workgroups (cumulative), its
+    // element count, and adamw's 1 - lr * wd (SLOTS of the 8 entries used).
+    ends: array<vec4<u32>, 2>,
+    ns: array<vec4<u32>, 2>,
+    decays: array<vec4<f32>, 2>,
 }
 
 override WG: u32 = 256u;   // power of two
@@ -137,4 +148,124 @@ fn clip_factor(@builtin(local_invocation_index) lid: u32) {
         scale_out[0] = norm;
         scale_out[1] = f / p.loss_scale;
     }
+}
+
+// Tensors of one multi-tensor dispatch: slot s holds param_s, grad_s, m1_s, m2_s.
+const SLOTS: u32 = 7u;   // 4 x 7 + 1 = 29 storage buffers (lavapipe allows 32)
+@group(0) @binding(16) var<storage, read_write> param_0: array<f32>;
+@group(0) @binding(17) var<storage, read_write> param_1: array<f32>;
+@group(0) @binding(18) var<storage, read_write> param_2: array<f32>;
+@group(0) @binding(19) var<storage, read_write> param_3: array<f32>;
+@group(0) @binding(20) var<storage, read_write> param_4: array<f32>;
+@group(0) @binding(21) var<storage, read_write> param_5: array<f32>;
+@group(0) @binding(22) var<storage, read_write> param_6: array<f32>;
+@group(0) @binding(24) var<storage, read> grad_0: array<f32>;
+@group(0) @binding(25) var<storage, read> grad_1: array<f32>;
+@group(0) @binding(26) var<storage, read> grad_2: array<f32>;
+@group(0) @binding(27) var<storage, read> grad_3: array<f32>;
+@group(0) @binding(28) var<storage, read> grad_4: array<f32>;
+@group(0) @binding(29) var<storage, read> grad_5: array<f32>;
+@group(0) @binding(30) var<storage, read> grad_6: array<f32>;
+@group(0) @binding(32) var<storage, read_write> m1_0: array<f32>;
+@group(0) @binding(33) var<storage, read_write> m1_1: array<f32>;
+@group(0) @binding(34) var<storage, read_write> m1_2: array<f32>;
+@group(0) @binding(35) var<storage, read_write> m1_3: array<f32>;
+@group(0) @binding(36) var<storage, read_write> m1_4: array<f32>;
+@group(0) @binding(37) var<storage, read_write> m1_5: array<f32>;
+@group(0) @binding(38) var<storage, read_write> m1_6: array<f32>;
+@group(0) @binding(40) var<storage, read_write> m2_0: array<f32>;
+@group(0) @binding(41) var<storage, read_write> m2_1: array<f32>;
+@group(0) @binding(42) var<storage, read_write> m2_2: array<f32>;
+@group(0) @binding(43) var<storage, read_write> m2_3: array<f32>;
+@group(0) @binding(44) var<storage, read_write> m2_4: array<f32>;
+@group(0) @binding(45) var<storage, read_write> m2_5: array<f32>;
+@group(0) @binding(46) var<storage, read_write> m2_6: array<f32>;
+
+// Which slot workgroup w belongs to (SLOTS when w is past the last), and where its
+// workgroups start.
+fn slot_of(w: u32) -> vec2<u32> {
+    var start = 0u;
+    for (var s = 0u; s < SLOTS; s++) {
+        let end = p.ends[s / 4u][s % 4u];
+        if (w < end) { return vec2<u32>(s, start); }
+        start = end;
+    }
+    return vec2<u32>(SLOTS, start);
+}
+
+// adamw_step's update of one element: (p, m, v) after the step, g already scaled.
+fn adam(pv: f32, g: f32, mv: f32, vv: f32, decay: f32) -> vec3<f32> {
+    let m = p.b1 * mv + p.omb1 * g;
+    let v = p.b2 * vv + p.omb2 * g * g;
+    return vec3<f32>(pv * decay - p.step_size * m / (sqrt(v) / p.bc2_sqrt + p.eps), m, v);
+}
+
+@compute @workgroup_size(WG)
+fn adamw_multi(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let w = wid.x + wid.y * nwg.x;
+    let at = slot_of(w);
+    let s = at.x;
+    if (s >= SLOTS) { return; }
+    let n = p.ns[s / 4u][s % 4u];
+    let d = p.decays[s / 4u][s % 4u];
+    let f = scale[1];
+    let i = (w - at.y) * WG + lid;   // one element a thread
+    if (i < n) {
+        var x: vec4<f32>;   // (p, g, m, v)
+        switch s {
+            case 0u: { x = vec4(param_0[i], grad_0[i], m1_0[i], m2_0[i]); }
+            case 1u: { x = vec4(param_1[i], grad_1[i], m1_1[i], m2_1[i]); }
+            case 2u: { x = vec4(param_2[i], grad_2[i], m1_2[i], m2_2[i]); }
+            case 3u: { x = vec4(param_3[i], grad_3[i], m1_3[i], m2_3[i]); }
+            case 4u: { x = vec4(param_4[i], grad_4[i], m1_4[i], m2_4[i]); }
+            case 5u: { x = vec4(param_5[i], grad_5[i], m1_5[i], m2_5[i]); }
+            default: { x = vec4(param_6[i], grad_6[i], m1_6[i], m2_6[i]); }
+        }
+        let r = adam(x.x, x.y * f, x.z, x.w, d);
+        switch s {
+            case 0u: { param_0[i] = r.x; m1_0[i] = r.y; m2_0[i] = r.z; }
+            case 1u: { param_1[i] = r.x; m1_1[i] = r.y; m2_1[i] = r.z; }
+            case 2u: { param_2[i] = r.x; m1_2[i] = r.y; m2_2[i] = r.z; }
+            case 3u: { param_3[i] = r.x; m1_3[i] = r.y; m2_3[i] = r.z; }
+            case 4u: { param_4[i] = r.x; m1_4[i] = r.y; m2_4[i] = r.z; }
+            case 5u: { param_5[i] = r.x; m1_5[i] = r.y; m2_5[i] = r.z; }
+            default: { param_6[i] = r.x; m1_6[i] = r.y; m2_6[i] = r.z; }
+        }
+    }
+}
+
+// sumsq_partial over SLOTS gradients: workgroup w sums chunk (w - its slot's start) of its
+// slot's gradient into partials[p.offset + w], the slots' chunks numbered in order as
+// consecutive per-tensor dispatches number them.
+@compute @workgroup_size(WG)
+fn sumsq_multi(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_index) lid: u32) {
+    let w = wid.x + wid.y * nwg.x;
+    let at = slot_of(w);
+    let s = at.x;
+    if (s >= SLOTS) { return; }
+    let start = (w - at.y) * WG * ITEMS;
+    let end = min(start + WG * ITEMS, p.ns[s / 4u][s % 4u]);
+    var acc = 0.0;
+    for (var i = start + lid; i < end; i += WG) {
+        var g: f32;
+        switch s {
+            case 0u: { g = grad_0[i]; }
+            case 1u: { g = grad_1[i]; }
+            case 2u: { g = grad_2[i]; }
+            case 3u: { g = grad_3[i]; }
+            case 4u: { g = grad_4[i]; }
+            case 5u: { g = grad_5[i]; }
+            default: { g = grad_6[i]; }
+        }
+        acc += g * g;
+    }
+    red[lid] = acc;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
+        if (lid < stride) { red[lid] += red[lid + stride]; }
+        workgroupBarrier();
+    }
+    if (lid == 0u) { partials[p.offset + w] = red[0]; }
 }

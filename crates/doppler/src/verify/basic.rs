@@ -141,7 +141,8 @@ pub(super) fn argmax_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// (batch, m, n, k, trans_a, trans_b, batched_a, batched_b, beta): 1x1x1, odd sizes in
 /// every transpose combination, multiples of 4 (vec4 loads), several 128-tiles with
 /// ragged edges, a broadcast operand, and accumulation into C. Cases 9-11 take the split-K
-/// path (A^T B, few output tiles, long K), the last one with beta and without vec4 loads;
+/// path (A^T B, few output tiles, long K): 9 in equal chunks, 10 and 11 with a shorter last
+/// chunk, 11 with beta and without vec4 loads;
 /// 12 and 13 have whole 128-tiles beside ragged ones, 14 whole tiles only with beta (the
 /// cooperative kernel starts its sums from C there). Odd-numbered cases without beta run
 /// with alpha 1 (the cooperative kernel stores whole tiles straight to C then), the
@@ -160,7 +161,7 @@ pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f3
     (2, 33, 40, 24, false, true, false, true, 1.0),
     (1, 36, 44, 2048, true, false, false, false, 0.0),
     (1, 200, 132, 4100, true, false, false, false, 0.0),
-    (1, 33, 17, 2048, true, false, false, false, 1.0),
+    (1, 33, 17, 2050, true, false, false, false, 1.0),
     (1, 200, 260, 48, false, true, true, true, 0.0),
     (2, 256, 260, 40, true, true, true, true, 0.0),
     (2, 256, 128, 96, false, false, true, true, 1.0),

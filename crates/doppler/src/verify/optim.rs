@@ -3,7 +3,7 @@
 use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::gpu::{Gpu, Tensor};
-use crate::optim::{grad_scale, unit_scale, AdamW, Sgd};
+use crate::optim::{grad_scale_with, multi_tensor_supported, unit_scale, AdamW, Sgd};
 use crate::reference::{optim as cpu, widen};
 
 const STEPS: usize = 3;
@@ -14,18 +14,32 @@ const TOL: Tolerance = Tolerance {
 };
 
 /// AdamW with clipping and a loss scale over two odd-sized parameters and one of 100 (the
-/// vec4 kernel) for 3 steps; SGD with momentum, dampening, Nesterov and weight decay; AdamW
-/// on 65537 x 256 + 3 elements.
+/// vec4 kernel) for 3 steps, a tensor a dispatch and (where the adapter binds enough
+/// buffers) 7 a dispatch; 11 parameters, every other one without weight decay, in two
+/// multi-tensor dispatches (the second partly filled); SGD with momentum, dampening,
+/// Nesterov and weight decay; AdamW on 65537 x 256 + 3 elements (a 2-D grid).
 pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    adamw(
-        gpu,
-        out,
-        &[&[37], &[3, 333], &[4, 25]],
-        STEPS,
-        Some(0.5),
-        4.0,
-    );
-    adamw(gpu, out, &[&[65_537 * 256 + 3]], 1, None, 1.0);
+    let multi = multi_tensor_supported(gpu);
+    let three: &[&[usize]] = &[&[37], &[3, 333], &[4, 25]];
+    adamw(gpu, out, three, STEPS, Some(0.5), 4.0, false);
+    if multi {
+        adamw(gpu, out, three, STEPS, Some(0.5), 4.0, true);
+        let eleven: &[&[usize]] = &[
+            &[37],
+            &[3, 333],
+            &[4, 25],
+            &[1],
+            &[256],
+            &[257],
+            &[2, 4097],
+            &[5],
+            &[7, 9],
+            &[1000],
+            &[3],
+        ];
+        adamw(gpu, out, eleven, 2, Some(0.5), 4.0, true);
+    }
+    adamw(gpu, out, &[&[65_537 * 256 + 3]], 1, None, 1.0, multi);
     sgd(gpu, out);
 }
 
@@ -36,6 +50,7 @@ fn adamw(
     steps: usize,
     max_norm: Option<f32>,
     loss_scale: f32,
+    multi: bool,
 ) {
     let sizes: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
     let mut rng = Rng::new(1500 + sizes[0] as u64);
@@ -49,6 +64,8 @@ fn adamw(
         })
         .collect();
     let (lr, wd) = (1e-2f64, 0.1f64);
+    // Past 3 parameters, every other one is not decayed.
+    let decayed: Vec<bool> = (0..sizes.len()).map(|k| k < 3 || k % 2 == 0).collect();
     let r = twice("adamw", || {
         let params: Vec<Tensor> = shapes
             .iter()
@@ -58,6 +75,8 @@ fn adamw(
         let pr: Vec<&Tensor> = params.iter().collect();
         let mut opt = AdamW::new(gpu, &pr, lr)?;
         opt.weight_decay = wd;
+        opt.multi_tensor = multi;
+        opt.decay_mask = decayed.clone();
         let mut scales = Vec::new();
         for step in &grads {
             let gs: Vec<Tensor> = shapes
@@ -67,7 +86,7 @@ fn adamw(
                 .collect::<crate::Result<_>>()?;
             let gr: Vec<&Tensor> = gs.iter().collect();
             let mut rec = gpu.recorder("adamw");
-            let sc = grad_scale(&mut rec, &gr, max_norm, loss_scale)?;
+            let sc = grad_scale_with(&mut rec, &gr, max_norm, loss_scale, multi)?;
             opt.step(&mut rec, &pr, &gr, &sc)?;
             rec.submit()?;
             scales.extend(sc.read_f32(gpu)?);
@@ -79,10 +98,15 @@ fn adamw(
         Ok(res)
     });
     let what = format!(
-        "{shapes:?} x{steps} steps{}",
+        "{shapes:?} x{steps} steps{}, {}",
         max_norm.map_or(String::new(), |m| format!(
             ", clip {m}, loss scale {loss_scale}"
-        ))
+        )),
+        if multi {
+            "7 a dispatch"
+        } else {
+            "one a dispatch"
+        }
     );
     let res = r.and_then(|got| {
         let mut p: Vec<Vec<f64>> = init.iter().map(|v| widen(v)).collect();
@@ -113,7 +137,7 @@ fn adamw(
                     lr,
                     (0.9, 0.999),
                     1e-8,
-                    wd,
+                    if decayed[k] { wd } else { 0.0 },
                 );
             }
         }
