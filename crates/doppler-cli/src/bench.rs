@@ -82,6 +82,10 @@ pub struct BenchArgs {
     /// train: timed steps (after 2 warm-up steps).
     #[arg(long, default_value_t = 5)]
     steps: usize,
+    /// train: submit a step's commands this many at a time as they are recorded, so the GPU
+    /// starts while the CPU records the rest (0: one submission a step).
+    #[arg(long, default_value_t = doppler::train::FLUSH_EVERY)]
+    flush_every: usize,
 }
 
 #[derive(serde::Serialize)]
@@ -343,13 +347,23 @@ fn train(
     // f16 matmul operands flush gradients below 6e-8 to zero (the logits' are ~1e-9 at
     // this vocabulary and batch): scale the loss as mixed-precision training does.
     let loss_scale = if gpu.coop_matmul { 65536.0 } else { 1.0 };
-    let mut step = |profile: bool| -> doppler::Result<(f64, doppler::gpu::Trace, f32)> {
+    // A timed step (plain recorder), a step timed as a whole on the GPU (one submission,
+    // encoded as usual), or a profiled one (each dispatch in a pass with timestamps).
+    #[derive(Clone, Copy, PartialEq)]
+    enum Mode {
+        Plain,
+        Whole,
+        Profile,
+    }
+    // (wall ms, CPU ms until the last submit, trace, loss)
+    let mut step = |mode: Mode| -> doppler::Result<(f64, f64, doppler::gpu::Trace, f32)> {
         let t0 = Instant::now();
-        let mut rec = if profile {
-            gpu.profiling_recorder("train")
-        } else {
-            gpu.recorder("train")
+        let mut rec = match mode {
+            Mode::Plain => gpu.recorder("train"),
+            Mode::Whole => gpu.timed_recorder("train"),
+            Mode::Profile => gpu.profiling_recorder("train"),
         };
+        rec.set_flush_every(args.flush_every);
         let mut tape = Tape::new();
         let loss = model.loss(&mut tape, &mut rec, &ids, &targets, 0)?;
         let lt = tape.value(loss)?.clone();
@@ -364,29 +378,32 @@ fn train(
         let scale = doppler::optim::grad_scale(&mut rec, &grefs, Some(1.0), loss_scale)?;
         opt.step(&mut rec, &refs, &grefs, &scale)?;
         let sub = rec.submit()?;
+        let cpu_ms = t0.elapsed().as_secs_f64() * 1e3;
         let tr = sub.wait(gpu)?;
         let l = lt.read_f32(gpu)?[0];
         model.params.zero_grad();
-        Ok((t0.elapsed().as_secs_f64() * 1e3, tr, l))
+        Ok((t0.elapsed().as_secs_f64() * 1e3, cpu_ms, tr, l))
     };
     for _ in 0..2 {
-        step(false)?;
+        step(Mode::Plain)?;
     }
-    let mut ms: Vec<f64> = Vec::new();
+    let (mut ms, mut cpu) = (Vec::new(), Vec::new());
     let mut last_loss = 0.0;
     for _ in 0..args.steps {
-        let (m, _, l) = step(false)?;
+        let (m, c, _, l) = step(Mode::Plain)?;
         ms.push(m);
+        cpu.push(c);
         last_loss = l;
     }
-    let (_, tr, _) = step(true)?;
+    let (_, _, whole, _) = step(Mode::Whole)?;
+    let (_, _, tr, _) = step(Mode::Profile)?;
     let med = median(&mut ms);
     let tokens_per_s = (b * t) as f64 / (med / 1e3);
-    let gpu_ms = if tr.events.is_empty() {
-        None
-    } else {
-        Some(tr.events.iter().map(|e| e.dur_ns).sum::<f64>() / 1e6)
-    };
+    // The step's GPU time as encoded in one submission (first pass's start to last
+    // pass's end); the profiled step's per-dispatch times add up to more or less than it
+    // (no overlap between dispatches, a pass each).
+    let gpu_ms = whole.events.first().map(|e| e.dur_ns / 1e6);
+    let kernels_ms = tr.events.iter().map(|e| e.dur_ns).sum::<f64>() / 1e6;
     rows.push(Row {
         name: match gpu.coop_matmul {
             true => format!(
@@ -402,7 +419,12 @@ fn train(
     });
     if !args.json {
         eprintln!(
-            "per kernel, one profiled step ({} dispatches):",
+            "CPU ms a step until its last submit (median, submitting every {} commands): {:.2}",
+            args.flush_every,
+            median(&mut cpu)
+        );
+        eprintln!(
+            "per kernel, one profiled step ({} dispatches, {kernels_ms:.2} ms in all):",
             tr.events.len()
         );
         for k in tr.by_kernel().iter().take(20) {

@@ -108,6 +108,9 @@ pub struct Recorder<'g> {
     checks: Vec<IndexCheck>,
     /// Readbacks learn their submission's index at submit.
     readbacks: Vec<Arc<Mutex<Option<wgpu::SubmissionIndex>>>>,
+    /// Submit every this many commands as they are recorded (0: never; see
+    /// [`Recorder::set_flush_every`]).
+    flush_every: usize,
 }
 
 /// A tensor's bytes as they were at a point of a submission, to read once the GPU has
@@ -169,7 +172,43 @@ impl<'g> Recorder<'g> {
             timing,
             checks: Vec::new(),
             readbacks: Vec::new(),
+            flush_every: 0,
         }
+    }
+
+    /// Submits what is recorded whenever `n` commands have gathered (0: only at
+    /// [`Recorder::submit`]), so that the GPU starts on a long recording (a training step:
+    /// hundreds of dispatches) while the CPU records the rest. Recorders with timestamps
+    /// (profiling, timed) keep one submission.
+    pub fn set_flush_every(&mut self, n: usize) {
+        self.flush_every = n;
+    }
+
+    /// Submits the commands recorded so far and goes on recording (no-op for recorders with
+    /// timestamps). Index checks stay with the recorder until [`Recorder::submit`]: its
+    /// submission, the last, reports them.
+    pub fn flush(&mut self) -> Result<()> {
+        if self.timing != Timing::Off || self.cmds.is_empty() {
+            return Ok(());
+        }
+        let part = Recorder {
+            gpu: self.gpu,
+            label: self.label.clone(),
+            cmds: std::mem::take(&mut self.cmds),
+            uniforms: std::mem::take(&mut self.uniforms),
+            timing: Timing::Off,
+            checks: Vec::new(),
+            readbacks: std::mem::take(&mut self.readbacks),
+            flush_every: 0,
+        };
+        part.submit().map(drop)
+    }
+
+    fn maybe_flush(&mut self) -> Result<()> {
+        if self.flush_every > 0 && self.cmds.len() >= self.flush_every {
+            self.flush()?;
+        }
+        Ok(())
     }
 
     pub fn gpu(&self) -> &'g Gpu {
@@ -232,7 +271,7 @@ impl<'g> Recorder<'g> {
             tensors: tensors.iter().map(|t| (*t).clone()).collect(),
             grid,
         });
-        Ok(())
+        self.maybe_flush()
     }
 
     /// Copies all of `src` into `dst` (same byte size).
