@@ -377,10 +377,11 @@ fn train(
         let grefs: Vec<&Tensor> = grads.iter().collect();
         let scale = doppler::optim::grad_scale(&mut rec, &grefs, Some(1.0), loss_scale)?;
         opt.step(&mut rec, &refs, &grefs, &scale)?;
+        let read = rec.read_later(&lt)?;
         let sub = rec.submit()?;
         let cpu_ms = t0.elapsed().as_secs_f64() * 1e3;
         let tr = sub.wait(gpu)?;
-        let l = lt.read_f32(gpu)?[0];
+        let l = f32::from_bits(read.read_u32(gpu)?[0]);
         model.params.zero_grad();
         Ok((t0.elapsed().as_secs_f64() * 1e3, cpu_ms, tr, l))
     };

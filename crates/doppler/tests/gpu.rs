@@ -195,6 +195,32 @@ fn pool_returns_buffers_only_after_the_gpu_is_done() {
 }
 
 #[test]
+fn recorder_flushing_as_it_records_gives_the_same_results() {
+    // 40 dependent scales submitted 8 commands at a time, with a readback recorded in the
+    // middle (submitted with an early part) and intermediates dropped as they go.
+    let gpu = gpu();
+    let x = Tensor::from_f32(gpu, &[1000], &[1.0; 1000], "x").unwrap();
+    let mut rec = gpu.recorder("flush");
+    rec.set_flush_every(8);
+    let (mut y, mut want, mut early) = (x.clone(), 1.0f32, None);
+    let mut want_early = 0.0;
+    for i in 0..40 {
+        let f = if i % 2 == 0 { 2.0 } else { 0.75 };
+        y = elementwise::scale(&mut rec, &y, f).unwrap();
+        want *= f;
+        if i == 9 {
+            early = Some(rec.read_later(&y).unwrap());
+            want_early = want;
+        }
+    }
+    assert!(rec.len() < 8, "{} commands left unsubmitted", rec.len());
+    rec.submit().unwrap().wait(gpu).unwrap();
+    let e = early.unwrap().read_u32(gpu).unwrap();
+    assert_eq!(f32::from_bits(e[0]), want_early);
+    assert_eq!(y.read_f32(gpu).unwrap(), vec![want; 1000]);
+}
+
+#[test]
 fn pipelines_are_built_once_per_key() {
     let gpu = Gpu::new_blocking(&GpuOptions::from_env()).unwrap();
     let a = Tensor::from_f32(&gpu, &[8, 8], &[1.0; 64], "a").unwrap();

@@ -109,8 +109,9 @@ pub struct Recorder<'g> {
     /// Readbacks learn their submission's index at submit.
     readbacks: Vec<Arc<Mutex<Option<wgpu::SubmissionIndex>>>>,
     /// Submit every this many commands as they are recorded (0: never; see
-    /// [`Recorder::set_flush_every`]).
+    /// [`Recorder::set_flush_every`]), the first times sooner (`next_flush`).
     flush_every: usize,
+    next_flush: usize,
 }
 
 /// A tensor's bytes as they were at a point of a submission, to read once the GPU has
@@ -159,6 +160,9 @@ impl Readback {
     }
 }
 
+/// Commands in the first submission of a recorder that flushes as it goes.
+const FIRST_FLUSH: usize = 16;
+
 /// Most timestamp queries in one query set (wgpu's `QUERY_SET_MAX_QUERIES`).
 const QUERIES_PER_SET: u32 = 4096;
 
@@ -173,15 +177,19 @@ impl<'g> Recorder<'g> {
             checks: Vec::new(),
             readbacks: Vec::new(),
             flush_every: 0,
+            next_flush: 0,
         }
     }
 
     /// Submits what is recorded whenever `n` commands have gathered (0: only at
     /// [`Recorder::submit`]), so that the GPU starts on a long recording (a training step:
-    /// hundreds of dispatches) while the CPU records the rest. Recorders with timestamps
-    /// (profiling, timed) keep one submission.
+    /// hundreds of dispatches) while the CPU records the rest. The first submissions are
+    /// shorter (16 commands, doubling up to `n`): the GPU starts sooner, and later ones
+    /// cost fewer submissions. Recorders with timestamps (profiling, timed) keep one
+    /// submission.
     pub fn set_flush_every(&mut self, n: usize) {
         self.flush_every = n;
+        self.next_flush = n.min(FIRST_FLUSH);
     }
 
     /// Submits the commands recorded so far and goes on recording (no-op for recorders with
@@ -200,13 +208,15 @@ impl<'g> Recorder<'g> {
             checks: Vec::new(),
             readbacks: std::mem::take(&mut self.readbacks),
             flush_every: 0,
+            next_flush: 0,
         };
         part.submit().map(drop)
     }
 
     fn maybe_flush(&mut self) -> Result<()> {
-        if self.flush_every > 0 && self.cmds.len() >= self.flush_every {
+        if self.flush_every > 0 && self.cmds.len() >= self.next_flush {
             self.flush()?;
+            self.next_flush = (2 * self.next_flush).min(self.flush_every);
         }
         Ok(())
     }
