@@ -84,7 +84,7 @@ pub struct BenchArgs {
     steps: usize,
     /// train: submit a step's commands this many at a time as they are recorded, so the GPU
     /// starts while the CPU records the rest (0: one submission a step).
-    #[arg(long, default_value_t = doppler::train::FLUSH_EVERY)]
+    #[arg(long, default_value_t = doppler::gpu::FLUSH_EVERY)]
     flush_every: usize,
 }
 

@@ -10,7 +10,7 @@ pub mod trace;
 
 pub use pipeline::{Binding, Kernel, PipelineCache, Shader};
 pub use pool::{BufferPool, PoolStats};
-pub use recorder::{Grid, Readback, Recorder, Submission};
+pub use recorder::{Grid, Readback, Recorder, Submission, FLUSH_EVERY};
 pub use tensor::{DType, Tensor};
 pub use trace::{Trace, TraceEvent};
 

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 
 use super::PREFILL_CHUNK;
 use crate::error::{Error, Result};
-use crate::gpu::{DType, Gpu, Readback, Tensor};
+use crate::gpu::{DType, Gpu, Readback, Tensor, FLUSH_EVERY};
 use crate::models::llama::Llama;
 use crate::ops::kvcache::KvCache;
 use crate::ops::reduce::argmax_rows_into;
@@ -58,6 +58,8 @@ impl GreedyDecoder {
         for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
             let ids = &self.ids;
             let read = gpu.run(|rec| {
+                // Submitted as it is recorded: the GPU starts on the first layers.
+                rec.set_flush_every(FLUSH_EVERY);
                 let logits = llama.forward(rec, chunk, cache, false)?;
                 if i + 1 < chunks {
                     return Ok(None);

@@ -13,16 +13,12 @@ use std::time::Instant;
 
 use crate::autograd::Tape;
 use crate::error::{Error, Result};
-use crate::gpu::{Gpu, Recorder, Submission, Tensor, Trace};
+use crate::gpu::{Gpu, Recorder, Submission, Tensor, Trace, FLUSH_EVERY};
 use crate::models::transformer::Transformer;
 use crate::optim::{grad_scale, warmup_cosine, AdamW, LossScaler};
 use checkpoint::{CheckpointFiles, RunState};
 use config::TrainConfig;
 use data::{batch, mix, Dataset, Tokenizer};
-
-/// Commands a training step submits at a time while it records (a GPT-2-124M step records
-/// ~690): the GPU starts on the first ones while the CPU records the rest.
-pub const FLUSH_EVERY: usize = 64;
 
 const METRICS: &str = "metrics.jsonl";
 const CURVE: &str = "loss.svg";
