@@ -58,8 +58,11 @@ impl GreedyDecoder {
         for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
             let ids = &self.ids;
             let read = gpu.run(|rec| {
-                // Submitted as it is recorded: the GPU starts on the first layers.
-                rec.set_flush_every(FLUSH_EVERY);
+                // A prompt is submitted as it is recorded: the GPU starts on the first
+                // layers (a one-token step stays one submission).
+                if chunk.len() > 1 {
+                    rec.set_flush_every(FLUSH_EVERY);
+                }
                 let logits = llama.forward(rec, chunk, cache, false)?;
                 if i + 1 < chunks {
                     return Ok(None);

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::formats::gguf::Value;
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, FLUSH_EVERY};
 use crate::models::llama::{self, Llama};
 use crate::ops::kvcache::KvCache;
 use chat::Template;
@@ -180,8 +180,14 @@ impl<'m> Session<'m> {
         }
         let mut logits = None;
         for chunk in ids.chunks(PREFILL_CHUNK) {
-            logits =
-                Some(gpu.run(|rec| self.model.llama.forward(rec, chunk, &mut self.cache, false))?);
+            logits = Some(gpu.run(|rec| {
+                // A prompt is submitted as it is recorded (the GPU starts on the first
+                // layers); a one-token step stays one submission.
+                if chunk.len() > 1 {
+                    rec.set_flush_every(FLUSH_EVERY);
+                }
+                self.model.llama.forward(rec, chunk, &mut self.cache, false)
+            })?);
             self.tokens.extend_from_slice(chunk);
         }
         let logits = logits.ok_or_else(|| Error::Invalid {
