@@ -23,6 +23,12 @@ struct Cli {
     /// Backend to use: vulkan, metal, dx12 or webgpu.
     #[arg(long, global = true, env = "DOPPLER_BACKEND")]
     backend: Option<String>,
+    /// Matrix products (and training's attention): f32, or f16 operands with f32 sums on
+    /// tensor cores where the adapter has them (cooperative matrices), like PyTorch's TF32:
+    /// faster, ~3 decimal digits an operand; training then needs train.loss_scale =
+    /// "dynamic".
+    #[arg(long, global = true, env = "DOPPLER_MATMUL", value_parser = ["f32", "f16"])]
+    matmul: Option<String>,
     /// More log output (-v info, -vv debug); RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     verbose: u8,
@@ -87,10 +93,12 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> doppler::Result<ExitCode> {
     // Commands that need no GPU run before one is opened.
+    let env = GpuOptions::from_env();
     let opts = GpuOptions {
         adapter: cli.adapter,
         backend: cli.backend,
-        ..GpuOptions::from_env()
+        f16_matmul: cli.matmul.map_or(env.f16_matmul, |m| m == "f16"),
+        ..env
     };
     let gpu = || Gpu::new_blocking(&opts);
     match cli.command {
@@ -138,6 +146,7 @@ fn info(gpu: &Gpu, json: bool) -> doppler::Result<ExitCode> {
             "driver": i.driver, "driver_info": i.driver_info, "vendor": i.vendor, "device": i.device,
             "subgroup_min_size": i.subgroup_min_size, "subgroup_max_size": i.subgroup_max_size,
             "features": features, "cooperative_matrix": coop, "limits": limits,
+            "matmul": if gpu.coop_matmul { "f16" } else { "f32" },
         });
         println!("{}", serde_json::to_string_pretty(&v).unwrap());
         return Ok(ExitCode::SUCCESS);
@@ -158,6 +167,13 @@ fn info(gpu: &Gpu, json: bool) -> doppler::Result<ExitCode> {
     if !coop.is_empty() {
         println!("coop mat  {}", coop.join(", "));
     }
+    println!(
+        "matmul    {}",
+        match gpu.coop_matmul {
+            true => "f16 operands, f32 sums (cooperative matrices)",
+            false => "f32",
+        }
+    );
     println!("limits");
     for (k, v) in limits.as_object().unwrap() {
         println!("  {k:<40} {v}");
