@@ -247,19 +247,51 @@ fn sumsq_multi(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     if (s >= SLOTS) { return; }
     let start = (w - at.y) * WG * ITEMS;
     let end = min(start + WG * ITEMS, p.ns[s / 4u][s % 4u]);
+    // The loop inside each case, of a constant count (unrolled; loads predicated).
     var acc = 0.0;
-    for (var i = start + lid; i < end; i += WG) {
-        var g: f32;
-        switch s {
-            case 0u: { g = grad_0[i]; }
-            case 1u: { g = grad_1[i]; }
-            case 2u: { g = grad_2[i]; }
-            case 3u: { g = grad_3[i]; }
-            case 4u: { g = grad_4[i]; }
-            case 5u: { g = grad_5[i]; }
-            default: { g = grad_6[i]; }
+    switch s {
+        case 0u: {
+            for (var j = 0u; j < ITEMS; j++) {
+                let i = start + lid + j * WG;
+                if (i < end) { acc += grad_0[i] * grad_0[i]; }
+            }
         }
-        acc += g * g;
+        case 1u: {
+            for (var j = 0u; j < ITEMS; j++) {
+                let i = start + lid + j * WG;
+                if (i < end) { acc += grad_1[i] * grad_1[i]; }
+            }
+        }
+        case 2u: {
+            for (var j = 0u; j < ITEMS; j++) {
+                let i = start + lid + j * WG;
+                if (i < end) { acc += grad_2[i] * grad_2[i]; }
+            }
+        }
+        case 3u: {
+            for (var j = 0u; j < ITEMS; j++) {
+                let i = start + lid + j * WG;
+                if (i < end) { acc += grad_3[i] * grad_3[i]; }
+            }
+        }
+        case 4u: {
+            for (var j = 0u; j < ITEMS; j++) {
+                let i = start + lid + j * WG;
+                if (i < end) { acc += grad_4[i] * grad_4[i]; }
+            }
+        }
+        case 5u: {
+            for (var j = 0u; j < ITEMS; j++) {
+                let i = start + lid + j * WG;
+                if (i < end) { acc += grad_5[i] * grad_5[i]; }
+            }
+        }
+        default: {
+            for (var j = 0u; j < ITEMS; j++) {
+                let i = start + lid + j * WG;
+                if (i < end) { acc += grad_6[i] * grad_6[i]; }
+            }
+        }
     }
     red[lid] = acc;
     workgroupBarrier();
