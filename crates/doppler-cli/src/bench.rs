@@ -94,7 +94,8 @@ struct Row {
     shape: String,
     /// Median wall-clock time per op, ms.
     wall_ms: f64,
-    /// Median GPU time per dispatch from timestamp queries, ms (absent without them).
+    /// GPU time from timestamp queries, ms (absent without them): the median per op, or
+    /// for `train` one step's, timed as a whole.
     gpu_ms: Option<f64>,
     /// Throughput from the GPU time where measured, else from the wall time.
     value: f64,
