@@ -99,8 +99,28 @@ pub fn multi_tensor_supported(gpu: &Gpu) -> bool {
     gpu.limits.max_storage_buffers_per_shader_stage >= ADAMW_MULTI_BINDINGS.len() as u32
 }
 
-/// Workgroups of `adamw_multi` a slot of `n` elements takes (one element a thread).
+/// Elements one `adamw_multi` workgroup updates (WG threads, one element each).
 const MULTI_WG: usize = 256;
+
+/// Fills `p`'s slot table for one multi-tensor dispatch over tensors of `ns` elements (up
+/// to SLOTS; the slots past them stay empty) at `per_wg` elements a workgroup, and returns
+/// the dispatch's workgroups.
+fn slot_table(p: &mut Params, ns: &[usize], per_wg: usize) -> usize {
+    let mut end = 0;
+    for s in 0..SLOTS {
+        let n = ns.get(s).copied().unwrap_or(0);
+        end += n.div_ceil(per_wg);
+        p.ends[s] = end as u32;
+        p.ns[s] = n as u32;
+    }
+    end
+}
+
+/// What slot `s` of a multi-tensor dispatch over `group` binds: its tensor, or for a slot
+/// past the group the group's first again (no workgroup reads an empty slot).
+fn slot<T: Copy>(group: &[T], s: usize) -> T {
+    *group.get(s).unwrap_or(&group[0])
+}
 static CLIP: Kernel = Kernel::new(&OPTIM, "clip_factor", &[(6, ReadWrite), (7, ReadWrite)]);
 
 /// Elements one `sumsq_partial` workgroup covers (WG x ITEMS in the shader).
@@ -178,20 +198,14 @@ pub fn grad_scale_with(
     rec.clear(&partials);
     let mut offset = 0;
     if multi {
-        for (gs, cs) in grads.chunks(SLOTS).zip(chunks.chunks(SLOTS)) {
+        for gs in grads.chunks(SLOTS) {
             let mut p = Params {
                 offset: offset as u32,
                 ..Default::default()
             };
-            let mut end = 0;
-            for s in 0..SLOTS {
-                end += cs.get(s).copied().unwrap_or(0);
-                p.ends[s] = end as u32;
-                p.ns[s] = gs.get(s).map_or(0, |g| g.numel() as u32);
-            }
-            // Unused slots bind the first gradient again (no workgroup reads them).
-            let mut bound: Vec<&Tensor> =
-                (0..SLOTS).map(|s| *gs.get(s).unwrap_or(&gs[0])).collect();
+            let ns: Vec<usize> = gs.iter().map(|g| g.numel()).collect();
+            let end = slot_table(&mut p, &ns, CHUNK);
+            let mut bound: Vec<&Tensor> = (0..SLOTS).map(|s| slot(gs, s)).collect();
             bound.push(&partials);
             rec.dispatch(
                 &SUMSQ_MULTI,
@@ -343,16 +357,12 @@ impl AdamW {
             let idx: Vec<usize> = (0..params.len()).collect();
             for group in idx.chunks(SLOTS) {
                 let mut prm = common;
-                let mut end = 0;
-                for s in 0..SLOTS {
-                    let n = group.get(s).map_or(0, |&i| params[i].numel());
-                    end += n.div_ceil(MULTI_WG);
-                    prm.ends[s] = end as u32;
-                    prm.ns[s] = n as u32;
-                    prm.decays[s] = group.get(s).map_or(1.0, |&i| decay(i));
+                let ns: Vec<usize> = group.iter().map(|&i| params[i].numel()).collect();
+                let end = slot_table(&mut prm, &ns, MULTI_WG);
+                for (s, &i) in group.iter().enumerate() {
+                    prm.decays[s] = decay(i);
                 }
-                // Unused slots bind the group's first tensors again (no workgroup reads them).
-                let at = |s: usize| *group.get(s).unwrap_or(&group[0]);
+                let at = |s: usize| slot(group, s);
                 let mut bound: Vec<&Tensor> = Vec::with_capacity(ADAMW_MULTI_BINDINGS.len());
                 bound.extend((0..SLOTS).map(|s| params[at(s)]));
                 bound.extend((0..SLOTS).map(|s| grads[at(s)]));

@@ -233,7 +233,8 @@ impl<'g> Trainer<'g> {
             let loss = self
                 .model
                 .loss(&mut tape, &mut rec, &ids, &targets, mix(&[key, 1]))?;
-            losses.push(tape.value(loss)?.clone());
+            // Read back with the step's own submissions, not one more each.
+            losses.push(rec.read_later(tape.value(loss)?)?);
             tape.backward(&mut rec, loss, seed_grad, &mut self.model.params)?;
             if m + 1 < accum {
                 // Let the next micro-batch reuse this one's activation buffers.
@@ -277,7 +278,7 @@ impl<'g> Trainer<'g> {
         self.model.params.zero_grad();
         let mut loss = 0.0f64;
         for l in &losses {
-            loss += l.read_f32(gpu)?[0] as f64;
+            loss += f32::from_bits(l.read_u32(gpu)?[0]) as f64;
         }
         let loss = (loss / accum as f64) as f32;
         self.step += 1;
