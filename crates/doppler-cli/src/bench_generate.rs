@@ -10,9 +10,10 @@ use std::time::Instant;
 
 use doppler::check::Rng;
 use doppler::formats::gguf::GgmlType;
-use doppler::gpu::Gpu;
+use doppler::gpu::{DType, Gpu, Tensor};
 use doppler::infer::greedy::GreedyDecoder;
 use doppler::models::llama::{Llama, LlamaConfig, Source, Stored};
+use doppler::ops::reduce;
 use doppler::ops::rope::Pairing;
 
 /// What `bench generate` runs (from `doppler bench`'s arguments).
@@ -142,6 +143,8 @@ impl Source for Synthetic {
 
 /// Prefills timed for the median.
 const PREFILL_RUNS: usize = 5;
+/// Timed runs of the decode floor's chain (after one to warm up).
+const FLOOR_RUNS: usize = 10;
 
 /// One timed prefill and greedy decode (`run`'s `round`).
 struct Round {
@@ -297,6 +300,49 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         .iter()
         .map(|k| serde_json::json!({ "kernel": k.name, "ms": k.total_ns / 1e6, "dispatches": k.count }))
         .collect();
+    // The floor of a decode step: its reads (`Llama::decode_reads`) as a chain of dependent
+    // dispatches that only stream them (`sum_words`), timed as the step is. What the
+    // weights' bytes and the dependent dispatches between them cost before any arithmetic.
+    let reads = llama.decode_reads(&cache);
+    let links: Vec<Tensor> = (0..2)
+        .map(|_| Tensor::empty(gpu, &[reduce::WORDS_GROUPS], DType::U32, "bench.floor"))
+        .collect::<doppler::Result<_>>()?;
+    let floor_chain = |rec: &mut doppler::gpu::Recorder<'_>| -> doppler::Result<()> {
+        for (i, (_, step)) in reads.iter().enumerate() {
+            let (dep, out) = (&links[i % 2], &links[(i + 1) % 2]);
+            reduce::sum_words_into(rec, step[0], step.get(1).copied(), dep, out)?;
+        }
+        Ok(())
+    };
+    let mut floor_ms = Vec::new();
+    for r in 0..=FLOOR_RUNS {
+        let mut rec = gpu.timed_recorder("decode floor");
+        floor_chain(&mut rec)?;
+        let trace = rec.submit()?.wait(gpu)?;
+        if r > 0 {
+            floor_ms.extend(trace.events.iter().map(|e| e.dur_ns / 1e6));
+        }
+    }
+    // Each step's dispatch in its own pass (as `decode_kernels`), summed by the step's name.
+    let mut floor_steps: Vec<(&str, f64, usize)> = Vec::new();
+    for _ in 0..4 {
+        let mut rec = gpu.profiling_recorder("decode floor");
+        floor_chain(&mut rec)?;
+        let trace = rec.submit()?.wait(gpu)?;
+        for ((name, _), e) in reads.iter().zip(&trace.events) {
+            match floor_steps.iter_mut().find(|f| f.0 == *name) {
+                Some(f) => (f.1, f.2) = (f.1 + e.dur_ns / 4e6, f.2 + 1),
+                None => floor_steps.push((name, e.dur_ns / 4e6, 1)),
+            }
+        }
+    }
+    let floor_kernels: Vec<serde_json::Value> = floor_steps
+        .iter()
+        .map(|(name, ms, n)| serde_json::json!({ "step": name, "ms_per_token": ms, "dispatches_per_token": *n as f64 / 4.0 }))
+        .collect();
+    let floor_bytes: u64 = reads.iter().flat_map(|r| &r.1).map(|r| r.1).sum();
+    // None where the adapter has no timestamps.
+    let floor_p50 = (!floor_ms.is_empty()).then(|| pct(&floor_ms, 0.5));
     let n = per_token.len().max(1) as f64;
     let decode_s: f64 = per_token.iter().sum::<f64>() / 1e3;
     let p50 = pct(&per_token, 0.5);
@@ -324,7 +370,12 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         "gpu_ms_per_token_p50": pct(&gpu_ms, 0.5),
         "bind_groups_built_per_token": built as f64 / n,
         "weight_gb_s_at_p50": llama.decode_bytes as f64 / (p50 / 1e3) / 1e9,
+        "floor_ms_per_token": floor_p50,
+        "floor_dispatches": reads.len(),
+        "floor_read_mib": floor_bytes as f64 / (1u64 << 20) as f64,
+        "floor_gb_s": floor_p50.map(|ms| floor_bytes as f64 / (ms / 1e3) / 1e9),
         "decode_kernels": kernels,
+        "floor_kernels": floor_kernels,
         "prefill_kernels": prefill_kernels,
     });
     if args.json {

@@ -42,6 +42,11 @@ fn sum_rows_matches_reference_and_is_deterministic() {
 }
 
 #[test]
+fn sum_words_matches_each_groups_reference() {
+    assert_checks("sum_words", verify::WORDS_CASES.len());
+}
+
+#[test]
 fn argmax_rows_matches_the_greedy_sampler() {
     assert_checks("argmax_rows", verify::ARGMAX_SHAPES.len());
 }

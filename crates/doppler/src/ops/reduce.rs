@@ -19,6 +19,12 @@ pub struct Params {
 
 static SUM_ROWS: Kernel = Kernel::new(&REDUCE, "sum_rows", &[(1, Read), (2, ReadWrite)]);
 
+static SUM_WORDS: Kernel = Kernel::new(
+    &REDUCE,
+    "sum_words",
+    &[(4, Read), (5, Read), (6, Read), (7, ReadWrite)],
+);
+
 static ARGMAX_ROWS: Kernel = Kernel::new(&REDUCE, "argmax_rows", &[(1, Read), (3, ReadWrite)]);
 
 /// Elements one workgroup sums per pass: WG (256) threads x ITEMS (16), as in the shader.
@@ -122,4 +128,70 @@ pub fn argmax_rows_into(rec: &mut Recorder<'_>, x: &Tensor, out: &Tensor) -> Res
         &[x, out],
         Grid::Linear(rows as u64),
     )
+}
+
+/// Most workgroups [`sum_words_into`] runs: its output holds this many words.
+pub const WORDS_GROUPS: usize = 2048;
+
+/// The wrapping sum of the first `a_bytes` of `a` and the first `b_bytes` of `b` (u32
+/// words; both counts multiples of 16), one partial a workgroup, plus `dep`'s first word in
+/// each: `out[g] = dep[0] + (words group g read)`. Returns the number of groups G; summed
+/// over them, `out` is `G * dep[0]` + every word (mod 2^32). A streaming reader that does
+/// nothing else: `bench generate` chains it over a decode step's weights (each dispatch's
+/// `dep` the `out` of the one before) for the floor of what the step's reads can take.
+/// `dep` and `out` are u32 tensors, `out` of at least [`WORDS_GROUPS`] elements.
+pub fn sum_words_into(
+    rec: &mut Recorder<'_>,
+    a: (&Tensor, u64),
+    b: Option<(&Tensor, u64)>,
+    dep: &Tensor,
+    out: &Tensor,
+) -> Result<usize> {
+    let bad = |detail: String| {
+        Err(Error::Shape {
+            op: "sum_words",
+            detail,
+        })
+    };
+    for (t, bytes) in std::iter::once(a).chain(b) {
+        if bytes % 16 != 0
+            || bytes > t.byte_size()
+            || t.byte_size() < 16
+            || bytes / 16 > u32::MAX as u64
+        {
+            return bad(format!(
+                "{bytes} bytes of a {}-byte buffer {:?}: whole 16-byte words of it, \
+                 at least one in the buffer, under 2^32 of them",
+                t.byte_size(),
+                t.shape()
+            ));
+        }
+    }
+    if dep.dtype() != DType::U32 || out.dtype() != DType::U32 || out.numel() < WORDS_GROUPS {
+        return bad(format!(
+            "dep {:?} {:?} and out {:?} {:?}: u32, out of at least {WORDS_GROUPS}",
+            dep.dtype(),
+            dep.shape(),
+            out.dtype(),
+            out.shape()
+        ));
+    }
+    let (na, nb) = (a.1 / 16, b.map_or(0, |b| b.1 / 16));
+    let groups = (na + nb).div_ceil(256 * 4).clamp(1, WORDS_GROUPS as u64) as usize;
+    let params = Params {
+        rows: na as u32,
+        n: nb as u32,
+        chunks: groups as u32,
+        _pad: 0,
+    };
+    // Without b, a stands in for its binding (no word of it is read).
+    let bt = b.map_or(a.0, |b| b.0);
+    rec.dispatch(
+        &SUM_WORDS,
+        &[],
+        bytemuck::bytes_of(&params),
+        &[a.0, bt, dep, out],
+        Grid::Linear(groups as u64),
+    )?;
+    Ok(groups)
 }

@@ -99,3 +99,57 @@ fn argmax_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         idx[row] = select(best_i[0], 0u, best_i[0] == NONE);
     }
 }
+
+// sum_words: the wrapping sum of the u32 words of two buffers, read as fast as the memory
+// allows: a streaming reader with the least work a byte, for `bench generate`'s floor (a
+// decode step's reads as a chain of dispatches that do nothing else).
+//   wa [p.rows vec4 words], wb [p.n vec4 words], dep [1+] -> wout [p.chunks]
+//   wout[g] = dep[0] + (sum of the words group g reads)      (mod 2^32)
+// Group g, thread t reads vec4 words g*WG + t, then every p.chunks * WG further, four loads
+// in flight before it adds them. Summed over g: p.chunks * dep[0] + all the words of both.
+// dep is the word of the dispatch before (a chain waits on it). Grid: p.chunks workgroups.
+@group(0) @binding(4) var<storage, read> wa: array<vec4<u32>>;
+@group(0) @binding(5) var<storage, read> wb: array<vec4<u32>>;
+@group(0) @binding(6) var<storage, read> dep: array<u32>;
+@group(0) @binding(7) var<storage, read_write> wout: array<u32>;
+
+var<workgroup> wpart: array<u32, WG>;
+
+@compute @workgroup_size(WG)
+fn sum_words(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let stride = p.chunks * WG;
+    var s = vec4<u32>(0u);
+    var i = wid.x * WG + lid;
+    for (; i + 3u * stride < p.rows; i += 4u * stride) {
+        let v0 = wa[i];
+        let v1 = wa[i + stride];
+        let v2 = wa[i + 2u * stride];
+        let v3 = wa[i + 3u * stride];
+        s += (v0 + v1) + (v2 + v3);
+    }
+    for (; i < p.rows; i += stride) {
+        s += wa[i];
+    }
+    i = wid.x * WG + lid;
+    for (; i + 3u * stride < p.n; i += 4u * stride) {
+        let v0 = wb[i];
+        let v1 = wb[i + stride];
+        let v2 = wb[i + 2u * stride];
+        let v3 = wb[i + 3u * stride];
+        s += (v0 + v1) + (v2 + v3);
+    }
+    for (; i < p.n; i += stride) {
+        s += wb[i];
+    }
+    wpart[lid] = (s.x + s.y) + (s.z + s.w);
+    workgroupBarrier();
+    for (var h = WG / 2u; h > 0u; h >>= 1u) {
+        if (lid < h) {
+            wpart[lid] += wpart[lid + h];
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        wout[wid.x] = wpart[0] + dep[0];
+    }
+}

@@ -2,7 +2,7 @@
 
 use super::{push, s, CheckResult, Outcome};
 use crate::check::{compare, same_bits, Rng, Tolerance};
-use crate::gpu::{Gpu, Tensor};
+use crate::gpu::{DType, Gpu, Tensor};
 use crate::ops::{elementwise, matmul, reduce};
 use crate::reference as cpu;
 
@@ -90,6 +90,63 @@ pub(super) fn sum_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             Ok(stats)
         })();
         push(out, "sum_rows", shape, r);
+    }
+}
+
+/// (words of a, words of b; u32 words, b absent where 0) of the streaming reader: one
+/// group, a second buffer read after the first, and past `WORDS_GROUPS` groups of 1024
+/// vec4 words (each thread goes round its loop, four loads and the tail).
+pub const WORDS_CASES: [(usize, usize); 3] = [
+    (4, 0),
+    (4 * 1000 + 12, 4 * 37),
+    (4 * (2100 * 1024 + 9), 4 * 3),
+];
+
+/// sum_words: each group's wrapping sum (plus the word of `dep`) exactly, from the CPU's
+/// own walk of which vec4 word each group reads.
+pub(super) fn words_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    for (i, &(na, nb)) in WORDS_CASES.iter().enumerate() {
+        let mut state = 0x9E37_79B9u32.wrapping_mul(i as u32 + 1);
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state
+        };
+        let a: Vec<u32> = (0..na).map(|_| next()).collect();
+        let b: Vec<u32> = (0..nb).map(|_| next()).collect();
+        let dep0 = next();
+        let r = (|| -> Outcome {
+            let ta = Tensor::from_u32(gpu, &[na], &a, "a").map_err(s)?;
+            let tb = match nb {
+                0 => None,
+                _ => Some(Tensor::from_u32(gpu, &[nb], &b, "b").map_err(s)?),
+            };
+            let dep = Tensor::from_u32(gpu, &[1], &[dep0], "dep").map_err(s)?;
+            let wout = Tensor::empty(gpu, &[reduce::WORDS_GROUPS], DType::U32, "out").map_err(s)?;
+            let bb = tb.as_ref().map(|t| (t, nb as u64 * 4));
+            let groups = gpu
+                .run(|rec| reduce::sum_words_into(rec, (&ta, na as u64 * 4), bb, &dep, &wout))
+                .map_err(s)?;
+            let got = wout.read_u32(gpu).map_err(s)?;
+            let mut want = vec![dep0; groups];
+            for v in [&a, &b] {
+                for (w, word) in v.chunks(4).enumerate() {
+                    let g = (w % (groups * 256)) / 256;
+                    for &x in word {
+                        want[g] = want[g].wrapping_add(x);
+                    }
+                }
+            }
+            if let Some(g) = (0..groups).find(|&g| got[g] != want[g]) {
+                return Err(format!(
+                    "group {g} of {groups}: {:#x}, want {:#x}",
+                    got[g], want[g]
+                ));
+            }
+            Ok(Default::default())
+        })();
+        push(out, "sum_words", format!("a {na} words, b {nb}"), r);
     }
 }
 

@@ -22,7 +22,7 @@ mod silu;
 mod softmax;
 mod upsample;
 
-pub use basic::{ARGMAX_SHAPES, ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES};
+pub use basic::{ARGMAX_SHAPES, ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES, WORDS_CASES};
 pub use kvcache::KV_CASES;
 
 use crate::check::Stats;
@@ -68,6 +68,7 @@ const FAMILIES: &[Family] = &[
     (&["add", "mul", "scale"], basic::elementwise_checks),
     (&["sum_rows"], basic::sum_checks),
     (&["argmax_rows"], basic::argmax_checks),
+    (&["sum_words"], basic::words_checks),
     (&["matmul"], basic::matmul_checks),
     (&[basic::RECORDER_CHAIN], basic::recorder_checks),
     (&["gelu"], gelu::checks),
