@@ -131,7 +131,7 @@ pub fn argmax_rows_into(rec: &mut Recorder<'_>, x: &Tensor, out: &Tensor) -> Res
 }
 
 /// Most workgroups [`sum_words_into`] runs: its output holds this many words.
-pub const WORDS_GROUPS: usize = 2048;
+pub const WORDS_GROUPS: usize = 4096;
 
 /// The wrapping sum of the first `a_bytes` of `a` and the first `b_bytes` of `b` (u32
 /// words; both counts multiples of 16), one partial a workgroup, plus `dep`'s first word in

@@ -99,7 +99,7 @@ pub(super) fn sum_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 pub const WORDS_CASES: [(usize, usize); 3] = [
     (4, 0),
     (4 * 1000 + 12, 4 * 37),
-    (4 * (2100 * 1024 + 9), 4 * 3),
+    (4 * (4100 * 1024 + 9), 4 * 3),
 ];
 
 /// sum_words: each group's wrapping sum (plus the word of `dep`) exactly, from the CPU's
