@@ -341,7 +341,6 @@ impl Llama {
         })
     }
 
-    /// An empty cache for up to `capacity` tokens (at most the model's context).
     /// What a one-token decode step at `cache`'s length reads, as the shortest chain of
     /// steps that each need the one before: per layer the q/k/v product, the attention
     /// (keys and values so far), the o product, gate/up, down; then the output head. Each
@@ -366,6 +365,7 @@ impl Llama {
         steps
     }
 
+    /// An empty cache for up to `capacity` tokens (at most the model's context).
     pub fn cache(&self, gpu: &Gpu, capacity: usize) -> Result<KvCache> {
         KvCache::new(
             gpu,

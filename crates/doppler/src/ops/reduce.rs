@@ -133,8 +133,8 @@ pub fn argmax_rows_into(rec: &mut Recorder<'_>, x: &Tensor, out: &Tensor) -> Res
 /// Most workgroups [`sum_words_into`] runs: its output holds this many words.
 pub const WORDS_GROUPS: usize = 4096;
 
-/// The wrapping sum of the first `a_bytes` of `a` and the first `b_bytes` of `b` (u32
-/// words; both counts multiples of 16), one partial a workgroup, plus `dep`'s first word in
+/// The wrapping sum of the first `a.1` bytes of buffer `a.0` and the first `b.1` of `b.0`
+/// (u32 words; both counts multiples of 16), one partial a workgroup, plus `dep`'s first word in
 /// each: `out[g] = dep[0] + (words group g read)`. Returns the number of groups G; summed
 /// over them, `out` is `G * dep[0]` + every word (mod 2^32). A streaming reader that does
 /// nothing else: `bench generate` chains it over a decode step's weights (each dispatch's
@@ -167,9 +167,13 @@ pub fn sum_words_into(
             ));
         }
     }
-    if dep.dtype() != DType::U32 || out.dtype() != DType::U32 || out.numel() < WORDS_GROUPS {
+    if dep.dtype() != DType::U32
+        || dep.numel() == 0
+        || out.dtype() != DType::U32
+        || out.numel() < WORDS_GROUPS
+    {
         return bad(format!(
-            "dep {:?} {:?} and out {:?} {:?}: u32, out of at least {WORDS_GROUPS}",
+            "dep {:?} {:?} and out {:?} {:?}: u32, dep not empty, out of at least {WORDS_GROUPS}",
             dep.dtype(),
             dep.shape(),
             out.dtype(),
