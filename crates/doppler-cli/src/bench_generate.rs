@@ -145,6 +145,8 @@ impl Source for Synthetic {
 const PREFILL_RUNS: usize = 5;
 /// Timed runs of the decode floor's chain (after one to warm up).
 const FLOOR_RUNS: usize = 10;
+/// Decode steps (and runs of the floor's chain) profiled dispatch by dispatch.
+const PROFILED_STEPS: usize = 4;
 
 /// One timed prefill and greedy decode (`run`'s `round`).
 struct Round {
@@ -274,13 +276,14 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
     // GPU time per kernel over a few more decode steps, each dispatch in its own pass with
     // timestamps (slower than the timed loop: the figures are for proportions).
     let mut trace = doppler::gpu::Trace::default();
-    for _ in 0..4.min(cache.capacity - cache.len) {
+    let profiled = PROFILED_STEPS.min(cache.capacity - cache.len);
+    for _ in 0..profiled {
         let mut rec = gpu.profiling_recorder("decode");
         let l = llama.forward(&mut rec, &[next], &mut cache, false)?;
         trace.extend(rec.submit()?.wait(gpu)?);
         next = argmax(&l.read_f32(gpu)?);
     }
-    let steps = 4.0;
+    let steps = profiled.max(1) as f64;
     let kernels: Vec<serde_json::Value> = trace
         .by_kernel()
         .iter()
@@ -323,22 +326,24 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
             floor_ms.extend(trace.events.iter().map(|e| e.dur_ns / 1e6));
         }
     }
-    // Each step's dispatch in its own pass (as `decode_kernels`), summed by the step's name.
+    // Each step's dispatch in its own pass (as `decode_kernels`), summed by the step's name:
+    // (name, ns, dispatches) over PROFILED_STEPS runs of the chain.
     let mut floor_steps: Vec<(&str, f64, usize)> = Vec::new();
-    for _ in 0..4 {
+    for _ in 0..PROFILED_STEPS {
         let mut rec = gpu.profiling_recorder("decode floor");
         floor_chain(&mut rec)?;
         let trace = rec.submit()?.wait(gpu)?;
         for ((name, _), e) in reads.iter().zip(&trace.events) {
             match floor_steps.iter_mut().find(|f| f.0 == *name) {
-                Some(f) => (f.1, f.2) = (f.1 + e.dur_ns / 4e6, f.2 + 1),
-                None => floor_steps.push((name, e.dur_ns / 4e6, 1)),
+                Some(f) => (f.1, f.2) = (f.1 + e.dur_ns, f.2 + 1),
+                None => floor_steps.push((name, e.dur_ns, 1)),
             }
         }
     }
+    let runs = PROFILED_STEPS as f64;
     let floor_kernels: Vec<serde_json::Value> = floor_steps
         .iter()
-        .map(|(name, ms, n)| serde_json::json!({ "step": name, "ms_per_token": ms, "dispatches_per_token": *n as f64 / 4.0 }))
+        .map(|(name, ns, n)| serde_json::json!({ "step": name, "ms_per_token": ns / 1e6 / runs, "dispatches_per_token": *n as f64 / runs }))
         .collect();
     let floor_bytes: u64 = reads.iter().flat_map(|r| &r.1).map(|r| r.1).sum();
     // None where the adapter has no timestamps.

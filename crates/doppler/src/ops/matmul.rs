@@ -99,6 +99,7 @@ fn split_k(tiles: u64, k: usize) -> Option<(usize, usize, usize)> {
         .min_by_key(|&(sp, kc, _)| time(sp, kc))
         .filter(|&(sp, kc, _)| (time(sp, kc) as f64) <= (1.0 - MIN_GAIN) * whole as f64)
 }
+
 #[derive(Clone, Copy, Debug)]
 pub struct MatmulOpts {
     /// A is stored (..., K, M) and used transposed.
