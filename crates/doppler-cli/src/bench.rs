@@ -4,7 +4,7 @@
 
 use clap::{Args, ValueEnum};
 use doppler::check::Rng;
-use doppler::gpu::{trace::median, Gpu, Tensor};
+use doppler::gpu::{trace::median, Gpu, MatmulMode, Tensor};
 use doppler::ops::{elementwise, matmul};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -347,7 +347,10 @@ fn train(
     let targets = Tensor::from_u32(gpu, &[b, t], &tokens(b * t), "targets")?;
     // f16 matmul operands flush gradients below 6e-8 to zero (the logits' are ~1e-9 at
     // this vocabulary and batch): scale the loss as mixed-precision training does.
-    let loss_scale = if gpu.coop_matmul { 65536.0 } else { 1.0 };
+    let loss_scale = match gpu.matmul {
+        MatmulMode::F16 => 65536.0,
+        _ => 1.0,
+    };
     // A timed step (plain recorder), a step timed as a whole on the GPU (one submission,
     // encoded as usual), or a profiled one (each dispatch in a pass with timestamps).
     #[derive(Clone, Copy, PartialEq)]
@@ -407,11 +410,12 @@ fn train(
     let gpu_ms = whole.events.first().map(|e| e.dur_ns / 1e6);
     let kernels_ms = tr.events.iter().map(|e| e.dur_ns).sum::<f64>() / 1e6;
     rows.push(Row {
-        name: match gpu.coop_matmul {
-            true => format!(
+        name: match gpu.matmul {
+            MatmulMode::F16 => format!(
                 "train {preset}, f16 matmul operands, loss scale {loss_scale} (loss {last_loss:.3})"
             ),
-            false => format!("train {preset} (loss {last_loss:.3})"),
+            MatmulMode::F16x3 => format!("train {preset}, f16x3 products (loss {last_loss:.3})"),
+            MatmulMode::F32 => format!("train {preset} (loss {last_loss:.3})"),
         },
         shape: format!("B{b} T{t}, {} params", model.params.numel()),
         wall_ms: med,
@@ -522,19 +526,21 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
             let a = Tensor::from_f32(gpu, &ashape, &rng.vec(m * k), "bench.a")?;
             let b = Tensor::from_f32(gpu, &bshape, &rng.vec(k * n), "bench.b")?;
             let c = Tensor::empty(gpu, &[m, n], a.dtype(), "bench.c")?;
-            // The f32 kernel at each slab depth, then the cooperative-matrix one (f16
-            // operands) where the adapter has it.
+            // The f32 kernel at each slab depth, then the cooperative-matrix one (f16x3,
+            // f16 operands) where the adapter has it.
             let mut tunings: Vec<matmul::Tuning> = (args.bk.iter())
                 .map(|&bk| matmul::Tuning {
                     bk,
-                    coop: Some(false),
+                    mode: Some(MatmulMode::F32),
                 })
                 .collect();
             if gpu.coop_matmul_possible() {
-                tunings.push(matmul::Tuning {
-                    bk: 16,
-                    coop: Some(true),
-                });
+                for mode in [MatmulMode::F16x3, MatmulMode::F16] {
+                    tunings.push(matmul::Tuning {
+                        bk: 16,
+                        mode: Some(mode),
+                    });
+                }
             }
             for tuning in tunings {
                 let (wall, g) = time(gpu, args, &mut trace, |rec| {
@@ -543,8 +549,13 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
                 let flops = 2.0 * (m * n * k) as f64;
                 let t = g.unwrap_or(wall);
                 rows.push(Row {
-                    name: match tuning.coop {
-                        Some(true) => "matmul, f16 operands (cooperative matrices)".into(),
+                    name: match tuning.mode {
+                        Some(MatmulMode::F16) => {
+                            "matmul, f16 operands (cooperative matrices)".into()
+                        }
+                        Some(MatmulMode::F16x3) => {
+                            "matmul, f16x3 (cooperative matrices, split operands)".into()
+                        }
                         _ => format!("matmul f32 (bk {})", tuning.bk),
                     },
                     shape: format!(

@@ -7,7 +7,7 @@ mod inspect;
 mod train;
 
 use clap::{Parser, Subcommand};
-use doppler::gpu::{Gpu, GpuOptions};
+use doppler::gpu::{Gpu, GpuOptions, MatmulMode};
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -23,11 +23,13 @@ struct Cli {
     /// Backend to use: vulkan, metal, dx12 or webgpu.
     #[arg(long, global = true, env = "DOPPLER_BACKEND")]
     backend: Option<String>,
-    /// Matrix products (and training's attention): f32, or f16 operands with f32 sums on
-    /// tensor cores where the adapter has them (cooperative matrices), like PyTorch's TF32:
-    /// faster, ~3 decimal digits an operand; training then needs train.loss_scale =
+    /// Matrix products: f32 arithmetic; f16x3, f32 operands on tensor cores where the
+    /// adapter has them (cooperative matrices), each split into two f16 halves, three
+    /// products, f32 sums: close to f32 (22 of 24 bits an operand), f32's range; or f16,
+    /// operands rounded to f16 with f32 sums (also training's attention), like PyTorch's
+    /// TF32: fastest, ~3 decimal digits an operand; training then needs train.loss_scale =
     /// "dynamic".
-    #[arg(long, global = true, env = "DOPPLER_MATMUL", value_parser = ["f32", "f16"])]
+    #[arg(long, global = true, env = "DOPPLER_MATMUL", value_parser = MatmulMode::NAMES)]
     matmul: Option<String>,
     /// More log output (-v info, -vv debug); RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
@@ -97,7 +99,11 @@ fn run(cli: Cli) -> doppler::Result<ExitCode> {
     let opts = GpuOptions {
         adapter: cli.adapter,
         backend: cli.backend,
-        f16_matmul: cli.matmul.map_or(env.f16_matmul, |m| m == "f16"),
+        matmul: cli
+            .matmul
+            .as_deref()
+            .and_then(MatmulMode::parse)
+            .unwrap_or(env.matmul),
         ..env
     };
     let gpu = || Gpu::new_blocking(&opts);
@@ -146,7 +152,7 @@ fn info(gpu: &Gpu, json: bool) -> doppler::Result<ExitCode> {
             "driver": i.driver, "driver_info": i.driver_info, "vendor": i.vendor, "device": i.device,
             "subgroup_min_size": i.subgroup_min_size, "subgroup_max_size": i.subgroup_max_size,
             "features": features, "cooperative_matrix": coop, "limits": limits,
-            "matmul": if gpu.coop_matmul { "f16" } else { "f32" },
+            "matmul": gpu.matmul.name(),
         });
         println!("{}", serde_json::to_string_pretty(&v).unwrap());
         return Ok(ExitCode::SUCCESS);
@@ -169,9 +175,11 @@ fn info(gpu: &Gpu, json: bool) -> doppler::Result<ExitCode> {
     }
     println!(
         "matmul    {}",
-        match gpu.coop_matmul {
-            true => "f16 operands, f32 sums (cooperative matrices)",
-            false => "f32",
+        match gpu.matmul {
+            MatmulMode::F16 => "f16 operands, f32 sums (cooperative matrices)",
+            MatmulMode::F16x3 =>
+                "f16x3: f32 operands split in two f16 halves, three products, f32 sums (cooperative matrices)",
+            MatmulMode::F32 => "f32",
         }
     );
     println!("limits");

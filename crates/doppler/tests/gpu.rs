@@ -53,7 +53,10 @@ fn argmax_rows_matches_the_greedy_sampler() {
 
 #[test]
 fn matmul_matches_reference_and_is_deterministic() {
-    assert_checks("matmul", 2 * verify::MATMUL_CASES.len());
+    assert_checks(
+        "matmul",
+        verify::ABSMAX_CASES.len() + 2 * verify::MATMUL_CASES.len(),
+    );
 }
 
 #[test]

@@ -56,11 +56,21 @@ fn uniform_blocks_match_rust_params() {
 }
 
 /// Override values besides the defaults that select code of their own in shaders lavapipe
-/// never builds (the cooperative product's starts from C and from the bias row).
+/// never builds (the cooperative product's starts from C and from the bias row, and its
+/// split operands, f16x3).
 const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
     ("matmul_coop", &[("INIT", 1.0)]),
     ("matmul_coop", &[("INIT", 2.0), ("TRANS_B", 1.0)]),
     ("matmul_coop", &[("INIT", 1.0), ("TRANS_A", 1.0)]),
+    ("matmul_coop", &[("SPLIT", 1.0)]),
+    (
+        "matmul_coop",
+        &[("SPLIT", 1.0), ("INIT", 1.0), ("TRANS_A", 1.0)],
+    ),
+    (
+        "matmul_coop",
+        &[("SPLIT", 1.0), ("INIT", 2.0), ("TRANS_B", 1.0)],
+    ),
 ];
 
 /// Every entry point goes through naga's SPIR-V writer (what wgpu runs on Vulkan) with its

@@ -44,10 +44,47 @@ pub struct GpuOptions {
     /// only because our kernels check their own indices). Native only; the browser keeps
     /// its own.
     pub shader_checks: ShaderChecks,
-    /// Run f32 matrix products on cooperative matrices (tensor cores) with the operands
-    /// rounded to f16 and f32 sums, where the adapter has them (`DOPPLER_MATMUL=f16`;
-    /// like PyTorch's TF32 or autocast: faster, about 3 decimal digits per operand).
-    pub f16_matmul: bool,
+    /// How f32 matrix products are computed (`DOPPLER_MATMUL`): see [`MatmulMode`].
+    pub matmul: MatmulMode,
+}
+
+/// How f32 matrix products are computed. The tensor-core modes need cooperative matrices,
+/// f16 and subgroups of 32; without them products stay [`MatmulMode::F32`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MatmulMode {
+    /// f32 arithmetic (`matmul.wgsl`).
+    #[default]
+    F32,
+    /// f32 operands on cooperative matrices (tensor cores), each scaled by a power of two
+    /// per tensor and split into two f16 halves (hi + lo), three products (hi hi, hi lo,
+    /// lo hi) into f32 sums: 22 of f32's 24 significant bits per operand, f32's range (as
+    /// cuBLAS emulates f32 on bf16 tensor cores).
+    F16x3,
+    /// Operands rounded to f16 on cooperative matrices, f32 sums (like PyTorch's TF32 or
+    /// autocast: about 3 decimal digits per operand, f16's range: train with loss scaling).
+    F16,
+}
+
+impl MatmulMode {
+    pub const NAMES: [&'static str; 3] = ["f32", "f16x3", "f16"];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MatmulMode::F32 => "f32",
+            MatmulMode::F16x3 => "f16x3",
+            MatmulMode::F16 => "f16",
+        }
+    }
+
+    /// From `f32`, `f16x3` or `f16`.
+    pub fn parse(s: &str) -> Option<MatmulMode> {
+        match s {
+            "f32" => Some(MatmulMode::F32),
+            "f16x3" => Some(MatmulMode::F16x3),
+            "f16" => Some(MatmulMode::F16),
+            _ => None,
+        }
+    }
 }
 
 impl GpuOptions {
@@ -68,13 +105,14 @@ impl GpuOptions {
                     ShaderChecks::All
                 }
             },
-            f16_matmul: match get("DOPPLER_MATMUL").as_deref() {
-                Some("f16") => true,
-                None | Some("f32") => false,
-                Some(other) => {
-                    tracing::warn!("DOPPLER_MATMUL={other:?} is not f16 or f32: products stay f32");
-                    false
-                }
+            matmul: match get("DOPPLER_MATMUL").as_deref() {
+                None => MatmulMode::F32,
+                Some(v) => MatmulMode::parse(v).unwrap_or_else(|| {
+                    tracing::warn!(
+                        "DOPPLER_MATMUL={v:?} is not f32, f16x3 or f16: products stay f32"
+                    );
+                    MatmulMode::F32
+                }),
             },
         }
     }
@@ -136,9 +174,9 @@ pub struct Gpu {
     pub pipelines: PipelineCache,
     /// See [`GpuOptions::shader_checks`].
     pub shader_checks: ShaderChecks,
-    /// [`GpuOptions::f16_matmul`] asked for and possible here: cooperative matrices, f16
-    /// and subgroups of exactly 32 (the kernel's layout).
-    pub coop_matmul: bool,
+    /// [`GpuOptions::matmul`] where possible here (the tensor-core modes need cooperative
+    /// matrices, f16 and subgroups of exactly 32: the kernel's layout), else f32.
+    pub matmul: MatmulMode,
     /// Bind groups and the shared parameter buffer (see `binds.rs`); held while a
     /// recorder writes its parameters and submits.
     pub(crate) binds: Mutex<binds::Binds>,
@@ -188,10 +226,14 @@ impl Gpu {
             sink.lock().unwrap().push(e.to_string());
         }));
         tracing::info!(adapter = %info.name, backend = ?info.backend, "opened GPU");
-        let coop_matmul = opts.f16_matmul && coop_possible(features, &info);
-        if opts.f16_matmul && !coop_matmul {
-            tracing::warn!(adapter = %info.name, "f16 matrix products asked for, but the adapter lacks cooperative matrices, f16 or subgroups of 32: products stay f32");
-        }
+        let matmul = match opts.matmul {
+            MatmulMode::F32 => MatmulMode::F32,
+            m if coop_possible(features, &info) => m,
+            m => {
+                tracing::warn!(adapter = %info.name, "{} matrix products asked for, but the adapter lacks cooperative matrices, f16 or subgroups of 32: products stay f32", m.name());
+                MatmulMode::F32
+            }
+        };
         Ok(Gpu {
             pool: BufferPool::new(),
             pipelines: PipelineCache::new(),
@@ -205,14 +247,14 @@ impl Gpu {
                 true => ShaderChecks::All,
                 false => opts.shader_checks,
             },
-            coop_matmul,
+            matmul,
             binds: Mutex::new(binds::Binds::default()),
             errors,
         })
     }
 
-    /// Whether this adapter can run the cooperative-matrix product (see
-    /// [`GpuOptions::f16_matmul`]), asked for or not.
+    /// Whether this adapter can run the cooperative-matrix products (see [`MatmulMode`]),
+    /// asked for or not.
     pub fn coop_matmul_possible(&self) -> bool {
         coop_possible(self.features, &self.info)
     }

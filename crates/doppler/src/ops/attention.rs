@@ -2,7 +2,7 @@
 //! logsumexp per query row, backward recomputes the probabilities tile by tile. Shader:
 //! `attention.wgsl` (derivatives in its header), or `attention_coop.wgsl` on cooperative
 //! matrices (f16 operands, f32 sums) when the GPU was opened with
-//! [`crate::gpu::GpuOptions::f16_matmul`] and has them. Nothing of size Tq x Tk reaches
+//! [`crate::gpu::MatmulMode::F16`] and has them. Nothing of size Tq x Tk reaches
 //! global memory.
 
 use super::expect_f32;
@@ -156,7 +156,7 @@ pub enum AttnPath {
     Tiled,
     /// Cooperative matrices with f16 operands (head dim <= 64, 45 KB of workgroup memory,
     /// the adapter's cooperative matrices, f16 and subgroups of 32). `Auto` takes it when
-    /// the GPU was opened for f16 products ([`crate::gpu::Gpu::coop_matmul`]).
+    /// the GPU was opened for f16 products ([`crate::gpu::MatmulMode::F16`]).
     Coop,
 }
 
@@ -210,7 +210,7 @@ fn kernel_set(rec: &Recorder<'_>, d: usize, path: AttnPath) -> Result<Set> {
     let tiled = tiled_fits(&gpu.limits, d);
     let coop = coop_fits(gpu, d);
     match path {
-        AttnPath::Auto if coop && gpu.coop_matmul => Ok(Set::Coop),
+        AttnPath::Auto if coop && (gpu.matmul == crate::gpu::MatmulMode::F16) => Ok(Set::Coop),
         AttnPath::Auto if tiled => Ok(Set::Tiled),
         AttnPath::Auto | AttnPath::Rows => Ok(Set::Rows),
         AttnPath::Tiled if tiled => Ok(Set::Tiled),

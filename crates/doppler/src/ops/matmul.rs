@@ -1,6 +1,7 @@
 //! Batched f32 matrix product with either operand transposed. Shader: `matmul.wgsl`, or
-//! `matmul_coop.wgsl` on cooperative matrices (f16 operands, f32 sums) when the GPU was
-//! opened with [`crate::gpu::GpuOptions::f16_matmul`] and has them.
+//! `matmul_coop.wgsl` on cooperative matrices (tensor cores) in the GPU's
+//! [`MatmulMode`]: f16 operands, or f16x3 (each operand scaled by a power of two and split
+//! into two f16 halves, three products; `matmul.wgsl`'s `absmax` finds the scales).
 //!
 //! An optional bias row is added in the same pass ([`matmul_bias`], a linear layer's
 //! x W^T + b).
@@ -12,7 +13,7 @@
 
 use super::expect_f32;
 use crate::error::{Error, Result};
-use crate::gpu::{Binding::*, Grid, Kernel, Recorder, Tensor};
+use crate::gpu::{Binding::*, DType, Grid, Kernel, MatmulMode, Recorder, Tensor};
 use crate::shaders::{MATMUL, MATMUL_COOP};
 
 #[repr(C)]
@@ -48,14 +49,20 @@ static MATMUL_KERNEL: Kernel = Kernel::new(
     ],
 );
 
-// The same product on cooperative matrices (operands rounded to f16, f32 sums; VEC only):
-// binds the vec4 views of a and b, c and the bias row.
+// The same product on cooperative matrices (operands rounded to f16, or split in two
+// (SPLIT), f32 sums; VEC only): binds the vec4 views of a and b, c, the operands' absmax
+// partials (SPLIT; a stand-in otherwise) and the bias row.
 static MATMUL_COOP_KERNEL: Kernel = Kernel {
     shader: &MATMUL_COOP,
     entry: "matmul_coop",
-    storage: &[(2, Read), (4, Read), (5, ReadWrite), (7, Read)],
+    storage: &[(2, Read), (4, Read), (5, ReadWrite), (6, Read), (7, Read)],
     features: wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX.union(wgpu::Features::SHADER_F16),
 };
+
+// The largest magnitude of each operand, ABSMAX_PARTS partials each (for SPLIT).
+static ABSMAX: Kernel = Kernel::new(&MATMUL, "absmax", &[(2, Read), (4, Read), (8, ReadWrite)]);
+/// Partials per operand of `absmax` (its grid's x; `matmul_coop.wgsl`'s PARTS).
+pub const ABSMAX_PARTS: u32 = 256;
 
 static SPLITK_SUM: Kernel = Kernel::new(
     &MATMUL,
@@ -216,14 +223,14 @@ pub fn matmul_bias(
 pub struct Tuning {
     /// k depth of each slab staged in workgroup memory: 8 or 16 (the f32 kernel).
     pub bk: u32,
-    /// The cooperative-matrix kernel (f16 operands) or not; None: as the GPU was opened
-    /// ([`crate::gpu::GpuOptions::f16_matmul`]).
-    pub coop: Option<bool>,
+    /// How the products are computed; None: the GPU's [`MatmulMode`] (products whose
+    /// operand rows are not multiples of 4 are f32 in every mode).
+    pub mode: Option<MatmulMode>,
 }
 
 impl Default for Tuning {
     fn default() -> Self {
-        Tuning { bk: 16, coop: None }
+        Tuning { bk: 16, mode: None }
     }
 }
 
@@ -310,18 +317,30 @@ pub fn matmul_into_tuned(
     ];
     // Cooperative matrices where asked for and possible: the same 128 x 128 tiles.
     let gpu = rec.gpu();
-    if tuning.coop == Some(true) && !(vec && gpu.coop_matmul_possible()) {
+    let asked = tuning.mode.unwrap_or(gpu.matmul);
+    if tuning.mode.is_some_and(|m| m != MatmulMode::F32) && !(vec && gpu.coop_matmul_possible()) {
         return Err(Error::Invalid {
             op: "matmul",
             detail: format!(
-                "the cooperative-matrix product needs cooperative matrices, f16 and subgroups of 32 (adapter {}) and operands whose rows are multiples of 4 (a {:?}, b {:?})",
+                "the {} product needs cooperative matrices, f16 and subgroups of 32 (adapter {}) and operands whose rows are multiples of 4 (a {:?}, b {:?})",
+                asked.name(),
                 gpu.info.name,
                 a.shape(),
                 b.shape()
             ),
         });
     }
-    let coop = vec && tuning.coop.unwrap_or(gpu.coop_matmul);
+    let mode = if vec { asked } else { MatmulMode::F32 };
+    // f16x3 scales each operand by its largest magnitude: found once for the product
+    // (split-K's chunks included).
+    let maxes = match mode {
+        MatmulMode::F16x3 => Some(absmax_parts(rec, a, b)?),
+        _ => None,
+    };
+    let coop = Coop {
+        mode,
+        maxes: maxes.as_ref().unwrap_or(a),
+    };
     let tiles = (n as u64).div_ceil(TILE) * (m as u64).div_ceil(TILE);
     // Split-K needs K to be the outer (row) axis of both operands: A^T B, unbatched.
     if opts.trans_a && !opts.trans_b && s.batch() == 1 {
@@ -341,7 +360,7 @@ pub fn matmul_into_tuned(
                 (m as u64).div_ceil(TILE) as u32,
                 sp as u32,
             ]);
-            product(rec, coop, &constants, 0, &p, [a, b, &parts, bias_t], grid)?;
+            product(rec, &coop, &constants, 0, &p, [a, b, &parts, bias_t], grid)?;
             let p = Params {
                 k: sp as u32,
                 beta,
@@ -362,8 +381,12 @@ pub fn matmul_into_tuned(
         s.batch() as u32,
     ]);
     // The cooperative kernel starts its sums from C (beta 1) or the bias row where every
-    // tile is whole and alpha is 1 (INIT 1, 2), and then stores straight to C.
-    let whole = m as u64 % TILE == 0 && n as u64 % TILE == 0 && opts.alpha == 1.0;
+    // tile is whole and alpha is 1 (INIT 1, 2), and then stores straight to C; not f16x3,
+    // whose sums are scaled back on the way out.
+    let whole = m as u64 % TILE == 0
+        && n as u64 % TILE == 0
+        && opts.alpha == 1.0
+        && mode != MatmulMode::F16x3;
     let init = match (whole, beta, bias.is_some()) {
         (true, 1.0, false) => 1,
         (true, 0.0, true) => 2,
@@ -371,7 +394,7 @@ pub fn matmul_into_tuned(
     };
     product(
         rec,
-        coop,
+        &coop,
         &constants,
         init,
         &params,
@@ -380,11 +403,64 @@ pub fn matmul_into_tuned(
     )
 }
 
-/// One dispatch of the product kernel (`coop`: the cooperative-matrix one, starting its
-/// sums as `init` says) into `abc[2]` (`abc[3]`: the bias row or its stand-in).
+/// The largest magnitudes of `a` and `b` (f32 tensors of whole vec4s), as f32 bits in a
+/// U32 tensor (2 x ABSMAX_PARTS): workgroup x's share (vec4s i with (i % 65536) / 256 == x)
+/// of a, then of b. What the f16x3 product scales its operands by.
+pub fn absmax_parts(rec: &mut Recorder<'_>, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    expect_f32("matmul absmax", a)?;
+    expect_f32("matmul absmax", b)?;
+    if a.numel() % 4 != 0 || b.numel() % 4 != 0 {
+        return Err(Error::Shape {
+            op: "matmul absmax",
+            detail: format!(
+                "a {:?}, b {:?}: element counts must be multiples of 4",
+                a.shape(),
+                b.shape()
+            ),
+        });
+    }
+    let t = Tensor::empty(
+        rec.gpu(),
+        &[2 * ABSMAX_PARTS as usize],
+        DType::U32,
+        "matmul.absmax",
+    )?;
+    let p = Params {
+        m: (a.numel() / 4) as u32,
+        n: (b.numel() / 4) as u32,
+        k: 0,
+        stride_a: 0,
+        stride_b: 0,
+        stride_c: 0,
+        alpha: 1.0,
+        beta: 0.0,
+        bias: 0,
+        k_last: 0,
+        _pad: [0; 2],
+    };
+    rec.dispatch(
+        &ABSMAX,
+        &[],
+        bytemuck::bytes_of(&p),
+        &[a, b, &t],
+        Grid::Xyz([ABSMAX_PARTS, 2, 1]),
+    )?;
+    Ok(t)
+}
+
+/// How a product's dispatch runs: its mode and, for f16x3, the operands' absmax
+/// partials (a stand-in otherwise).
+struct Coop<'t> {
+    mode: MatmulMode,
+    maxes: &'t Tensor,
+}
+
+/// One dispatch of the product kernel (the cooperative-matrix one in the tensor-core
+/// modes, starting its sums as `init` says) into `abc[2]` (`abc[3]`: the bias row or its
+/// stand-in).
 fn product(
     rec: &mut Recorder<'_>,
-    coop: bool,
+    coop: &Coop<'_>,
     constants: &[(&'static str, f64)],
     init: u32,
     p: &Params,
@@ -392,13 +468,18 @@ fn product(
     grid: Grid,
 ) -> Result<()> {
     let [a, b, c, bias] = abc;
-    if coop {
-        let trans = [constants[0], constants[1], ("INIT", init as f64)];
+    if coop.mode != MatmulMode::F32 {
+        let consts = [
+            constants[0],
+            constants[1],
+            ("INIT", init as f64),
+            ("SPLIT", (coop.mode == MatmulMode::F16x3) as u32 as f64),
+        ];
         rec.dispatch(
             &MATMUL_COOP_KERNEL,
-            &trans,
+            &consts,
             bytemuck::bytes_of(p),
-            &[a, b, c, bias],
+            &[a, b, c, coop.maxes, bias],
             grid,
         )
     } else {

@@ -237,3 +237,46 @@ fn splitk_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     }
     c[i] = s;
 }
+
+// matmul_coop.wgsl's SPLIT products (f16x3) scale each operand by its largest magnitude:
+// out[y * 256 + x] = the largest |value| (as f32 bits: for values >= 0 their order is the
+// u32 order, infinity and NaN above every finite one) among workgroup x's share of operand
+// y (0: A, read as p.m vec4s; 1: B, p.n vec4s). Grid: (256, 2).
+@group(0) @binding(8) var<storage, read_write> maxes_out: array<u32>;
+var<workgroup> wmax: atomic<u32>;
+
+@compute @workgroup_size(256)
+fn absmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    if (lid == 0u) {
+        atomicStore(&wmax, 0u);
+    }
+    workgroupBarrier();
+    // Four loads in flight a thread: vec4s i, i + S, i + 2S, i + 3S (S = 65,536).
+    var m = 0u;
+    let stride = 256u * 256u;
+    let n = select(p.n, p.m, wid.y == 0u);
+    for (var i = wid.x * 256u + lid; i < n; i += 4u * stride) {
+        var v: array<vec4<f32>, 4>;
+        for (var j = 0u; j < 4u; j++) {
+            let at = i + j * stride;
+            if (at < n) {
+                if (wid.y == 0u) {
+                    v[j] = a4[at];
+                } else {
+                    v[j] = b4[at];
+                }
+            } else {
+                v[j] = vec4<f32>(0.0);
+            }
+        }
+        for (var j = 0u; j < 4u; j++) {
+            let u = bitcast<vec4<u32>>(abs(v[j]));
+            m = max(m, max(max(u.x, u.y), max(u.z, u.w)));
+        }
+    }
+    atomicMax(&wmax, m);
+    workgroupBarrier();
+    if (lid == 0u) {
+        maxes_out[wid.y * 256u + wid.x] = atomicLoad(&wmax);
+    }
+}

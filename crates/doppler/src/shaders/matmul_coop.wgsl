@@ -21,6 +21,18 @@
 // subgroup (alpha, bias, beta, bounds).
 // Sums run in a fixed order: the same inputs give the same bits on one device.
 // Grid: (ceil(N / 128), ceil(M / 128), batch).
+//
+// SPLIT (f16x3: f32 products on the same tensor cores): each operand is scaled by a power
+// of two, 2^s, that brings its largest magnitude to [2^14, 2^15) (s from matmul.wgsl's
+// `absmax` partials, binding 6: 256 for A, then 256 for B; s kept in [-125, 125]), and
+// each scaled value v splits into hi (v rounded to f16's 11 significant bits) and
+// lo = f16(v - hi), two f16 arrays per operand in workgroup memory. The product is
+// hi_a hi_b + hi_a lo_b + lo_a hi_b (lo_a lo_b, below 2^-22 of the first, is left out),
+// summed in the same f32 accumulators, which always leave through the scratch (`put`,
+// the host sets INIT 0) and are scaled back by 2^-(s_a + s_b) there. A value keeps 22 of
+// f32's 24 significant bits where it lies within 2^18 of its tensor's largest; smaller
+// ones keep an absolute precision of 2^-39 of that largest (lo's subnormals). Measured on
+// the H200 against f64: within 4.1e-7 of sum |a b| (f32's own bound there: 1.5e-4 ...).
 
 enable f16;
 enable wgpu_cooperative_matrix;
@@ -43,6 +55,7 @@ struct Params {
 override TRANS_A: bool = false;
 override TRANS_B: bool = false;
 override INIT: u32 = 0u;
+override SPLIT: bool = false;
 
 const T: u32 = 128u;    // tile of C
 const BK: u32 = 32u;    // k a step
@@ -56,11 +69,38 @@ const SM: u32 = 34u;    // stride of a staged row along m or n (T + 8 halves): A
 @group(0) @binding(2) var<storage, read> a4: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> b4: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read_write> c: array<f32>;
+@group(0) @binding(6) var<storage, read> maxes: array<u32>;   // SPLIT: absmax partials (512)
 @group(0) @binding(7) var<storage, read> bias: array<f32>;
 
-var<workgroup> sa: array<vec4<f16>, 1280>;   // [m][k] (T rows of SK), or [k][m] (TRANS_A)
-var<workgroup> sb: array<vec4<f16>, 1280>;   // [k][n] (BK rows of SM), or [n][k] (TRANS_B)
+// SPLIT: the lo halves follow the hi ones (from LO), laid out alike. Otherwise the arrays
+// are what they were before f16x3: a product on other workgroup variables beside them
+// (lo arrays of their own, even of 256 bytes, or an 8-byte array of atomics) ran at 110
+// TFLOP/s instead of 192 on the H200 (4096^3), and the atomics gave wrong sums.
+override S_LEN: u32 = select(1280u, 2560u, SPLIT);
+const LO: u32 = 1280u;
+var<workgroup> sa: array<vec4<f16>, S_LEN>;   // [m][k] (T rows of SK), or [k][m] (TRANS_A)
+var<workgroup> sb: array<vec4<f16>, S_LEN>;   // [k][n] (BK rows of SM), or [n][k] (TRANS_B)
 var<workgroup> scratch: array<f32, 1024>;   // 16 x 16 a subgroup
+
+var<private> scale_a: f32 = 1.0;   // SPLIT: 2^s_a, 2^s_b
+var<private> scale_b: f32 = 1.0;
+// SPLIT: 2^-(s_a + s_b) as two factors (each a normal f32), which `put` multiplies the
+// sums by (one: 2^-250 or 2^250 is not an f32).
+var<private> unscale1: f32 = 1.0;
+var<private> unscale2: f32 = 1.0;
+
+// x rounded to f16's 11 significant bits, as f32 (exact in f16 where x is within f16's
+// normal range): on the bits, as x - f32(f16(x)) was folded to zero by the H200's
+// compiler (the lo halves came out zero).
+fn split_hi(x: vec4<f32>) -> vec4<f32> {
+    return bitcast<vec4<f32>>((bitcast<vec4<u32>>(x) + vec4<u32>(0x1000u)) & vec4<u32>(0xffffe000u));
+}
+
+// The exponent s that brings a largest magnitude (its f32 bits) to [2^14, 2^15), kept in
+// [-125, 125]: 125 for zero (or subnormal), -114 for infinite or NaN (which stay so).
+fn scale_exp(bits: u32) -> i32 {
+    return clamp(141 - i32((bits >> 23u) & 0xffu), -125, 125);
+}
 
 // Load slot q (0..1024) of the op(A) step at k0: 4 values (zero outside).
 // kz: this slice's k (p.k, or split-K's shorter last chunk; only A^T B products have one).
@@ -86,7 +126,14 @@ fn stash_a(q: u32, v: vec4<f32>) {
     if (TRANS_A) {
         at = (q / 32u) * SM + q % 32u;
     }
-    sa[at] = vec4<f16>(v);
+    if (SPLIT) {
+        let x = v * scale_a;
+        let hi = split_hi(x);
+        sa[at] = vec4<f16>(hi);
+        sa[LO + at] = vec4<f16>(x - hi);
+    } else {
+        sa[at] = vec4<f16>(v);
+    }
 }
 
 fn fetch_b(q: u32, n0: u32, k0: u32, off: u32, kz: u32) -> vec4<f32> {
@@ -111,7 +158,14 @@ fn stash_b(q: u32, v: vec4<f32>) {
     if (TRANS_B) {
         at = (q / 8u) * SK + q % 8u;
     }
-    sb[at] = vec4<f16>(v);
+    if (SPLIT) {
+        let x = v * scale_b;
+        let hi = split_hi(x);
+        sb[at] = vec4<f16>(hi);
+        sb[LO + at] = vec4<f16>(x - hi);
+    } else {
+        sb[at] = vec4<f16>(v);
+    }
 }
 
 // Accumulator (rows r0.., columns c0.. of C) through the subgroup's scratch: lane l
@@ -125,7 +179,7 @@ fn put(acc: coop_mat16x16<f32, C>, w: u32, lane: u32, r0: u32, c0: u32, c_off: u
         let col = c0 + i % 16u;
         if (r < p.m && col < p.n) {
             let at = c_off + r * p.n + col;
-            var v = p.alpha * scratch[w * 256u + i];
+            var v = p.alpha * (scratch[w * 256u + i] * unscale1 * unscale2);
             if (p.bias != 0u) {
                 v += bias[col];
             }
@@ -151,6 +205,34 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let lane = tid % 32u;
     let wr = (w / 2u) * 64u;   // the subgroup's rows and columns within the tile
     let wc = (w % 2u) * 64u;
+    if (SPLIT) {
+        // The largest magnitudes from the 256 + 256 partials (f32 bits, compared as u32),
+        // through the scratch: 128 + 128, then 16 + 16, then each thread reads those.
+        scratch[tid] = bitcast<f32>(max(maxes[tid], maxes[tid + 128u]));
+        scratch[128u + tid] = bitcast<f32>(max(maxes[256u + tid], maxes[384u + tid]));
+        workgroupBarrier();
+        if (tid < 32u) {
+            var m = 0u;
+            for (var i = 0u; i < 8u; i++) {
+                m = max(m, bitcast<u32>(scratch[tid * 8u + i]));
+            }
+            scratch[256u + tid] = bitcast<f32>(m);
+        }
+        workgroupBarrier();
+        var ma = 0u;
+        var mb = 0u;
+        for (var i = 0u; i < 16u; i++) {
+            ma = max(ma, bitcast<u32>(scratch[256u + i]));
+            mb = max(mb, bitcast<u32>(scratch[272u + i]));
+        }
+        let sa_e = scale_exp(ma);
+        let sb_e = scale_exp(mb);
+        scale_a = exp2(f32(sa_e));
+        scale_b = exp2(f32(sb_e));
+        let e = -(sa_e + sb_e);
+        unscale1 = exp2(f32(e / 2));
+        unscale2 = exp2(f32(e - e / 2));
+    }
 
     var c00: coop_mat16x16<f32, C>;
     var c01: coop_mat16x16<f32, C>;
@@ -318,6 +400,70 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
             c31 = coopMultiplyAdd(a3, b1, c31);
             c32 = coopMultiplyAdd(a3, b2, c32);
             c33 = coopMultiplyAdd(a3, b3, c33);
+            if (SPLIT) {   // + hi_a lo_b, then + lo_a hi_b
+                var l0: coop_mat16x16<f16, B>;
+                var l1: coop_mat16x16<f16, B>;
+                var l2: coop_mat16x16<f16, B>;
+                var l3: coop_mat16x16<f16, B>;
+                if (TRANS_B) {
+                    l0 = coopLoad<coop_mat16x16<f16, B>>(&sb[LO + wc * SK + kb], SK);
+                    l1 = coopLoad<coop_mat16x16<f16, B>>(&sb[LO + (wc + 16u) * SK + kb], SK);
+                    l2 = coopLoad<coop_mat16x16<f16, B>>(&sb[LO + (wc + 32u) * SK + kb], SK);
+                    l3 = coopLoad<coop_mat16x16<f16, B>>(&sb[LO + (wc + 48u) * SK + kb], SK);
+                } else {
+                    l0 = coopLoadT<coop_mat16x16<f16, B>>(&sb[LO + kb * 4u * SM + wc / 4u], SM);
+                    l1 = coopLoadT<coop_mat16x16<f16, B>>(&sb[LO + kb * 4u * SM + (wc + 16u) / 4u], SM);
+                    l2 = coopLoadT<coop_mat16x16<f16, B>>(&sb[LO + kb * 4u * SM + (wc + 32u) / 4u], SM);
+                    l3 = coopLoadT<coop_mat16x16<f16, B>>(&sb[LO + kb * 4u * SM + (wc + 48u) / 4u], SM);
+                }
+                c00 = coopMultiplyAdd(a0, l0, c00);
+                c01 = coopMultiplyAdd(a0, l1, c01);
+                c02 = coopMultiplyAdd(a0, l2, c02);
+                c03 = coopMultiplyAdd(a0, l3, c03);
+                c10 = coopMultiplyAdd(a1, l0, c10);
+                c11 = coopMultiplyAdd(a1, l1, c11);
+                c12 = coopMultiplyAdd(a1, l2, c12);
+                c13 = coopMultiplyAdd(a1, l3, c13);
+                c20 = coopMultiplyAdd(a2, l0, c20);
+                c21 = coopMultiplyAdd(a2, l1, c21);
+                c22 = coopMultiplyAdd(a2, l2, c22);
+                c23 = coopMultiplyAdd(a2, l3, c23);
+                c30 = coopMultiplyAdd(a3, l0, c30);
+                c31 = coopMultiplyAdd(a3, l1, c31);
+                c32 = coopMultiplyAdd(a3, l2, c32);
+                c33 = coopMultiplyAdd(a3, l3, c33);
+                var h0: coop_mat16x16<f16, A>;
+                var h1: coop_mat16x16<f16, A>;
+                var h2: coop_mat16x16<f16, A>;
+                var h3: coop_mat16x16<f16, A>;
+                if (TRANS_A) {
+                    h0 = coopLoad<coop_mat16x16<f16, A>>(&sa[LO + kb * 4u * SM + wr / 4u], SM);
+                    h1 = coopLoad<coop_mat16x16<f16, A>>(&sa[LO + kb * 4u * SM + (wr + 16u) / 4u], SM);
+                    h2 = coopLoad<coop_mat16x16<f16, A>>(&sa[LO + kb * 4u * SM + (wr + 32u) / 4u], SM);
+                    h3 = coopLoad<coop_mat16x16<f16, A>>(&sa[LO + kb * 4u * SM + (wr + 48u) / 4u], SM);
+                } else {
+                    h0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[LO + wr * SK + kb], SK);
+                    h1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[LO + (wr + 16u) * SK + kb], SK);
+                    h2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[LO + (wr + 32u) * SK + kb], SK);
+                    h3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[LO + (wr + 48u) * SK + kb], SK);
+                }
+                c00 = coopMultiplyAdd(h0, b0, c00);
+                c01 = coopMultiplyAdd(h0, b1, c01);
+                c02 = coopMultiplyAdd(h0, b2, c02);
+                c03 = coopMultiplyAdd(h0, b3, c03);
+                c10 = coopMultiplyAdd(h1, b0, c10);
+                c11 = coopMultiplyAdd(h1, b1, c11);
+                c12 = coopMultiplyAdd(h1, b2, c12);
+                c13 = coopMultiplyAdd(h1, b3, c13);
+                c20 = coopMultiplyAdd(h2, b0, c20);
+                c21 = coopMultiplyAdd(h2, b1, c21);
+                c22 = coopMultiplyAdd(h2, b2, c22);
+                c23 = coopMultiplyAdd(h2, b3, c23);
+                c30 = coopMultiplyAdd(h3, b0, c30);
+                c31 = coopMultiplyAdd(h3, b1, c31);
+                c32 = coopMultiplyAdd(h3, b2, c32);
+                c33 = coopMultiplyAdd(h3, b3, c33);
+            }
         }
         workgroupBarrier();
     }
@@ -327,7 +473,7 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     // beta 0 and no bias (most products). Rows of C a multiple of 4 floats keep the stores
     // 16-byte aligned.
     let whole = m0 + T <= p.m && n0 + T <= p.n && p.n % 4u == 0u;
-    if (INIT != 0u || (whole && p.alpha == 1.0 && p.beta == 0.0 && p.bias == 0u)) {
+    if (!SPLIT && (INIT != 0u || (whole && p.alpha == 1.0 && p.beta == 0.0 && p.bias == 0u))) {
         let n = p.n;
         let at = c_off + r0 * n + c0;   // C's element (r0, c0), then rows 16 apart
         let r16 = 16u * n;

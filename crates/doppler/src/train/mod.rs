@@ -168,7 +168,7 @@ impl<'g> Trainer<'g> {
             path: "loss_scale".into(),
             detail: d,
         })?;
-        if gpu.coop_matmul && !scaler.dynamic && scaler.scale == 1.0 {
+        if gpu.matmul == crate::gpu::MatmulMode::F16 && !scaler.dynamic && scaler.scale == 1.0 {
             tracing::warn!(
                 "matrix products take f16 operands (DOPPLER_MATMUL=f16) but train.loss_scale is 1: gradients below 6e-8 flush to zero; set train.loss_scale = \"dynamic\""
             );

@@ -2,7 +2,7 @@
 
 use super::{push, s, CheckResult, Outcome};
 use crate::check::{compare, same_bits, Rng, Tolerance};
-use crate::gpu::{DType, Gpu, Tensor};
+use crate::gpu::{DType, Gpu, MatmulMode, Tensor};
 use crate::ops::{elementwise, matmul, reduce};
 use crate::reference as cpu;
 
@@ -225,37 +225,97 @@ pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f3
 ];
 
 pub(super) fn matmul_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    absmax_checks(gpu, out);
     for bk in [8, 16] {
-        let coop = Some(false);
-        matmul_checks_bk(gpu, out, matmul::Tuning { bk, coop });
+        let mode = Some(MatmulMode::F32);
+        matmul_checks_bk(gpu, out, matmul::Tuning { bk, mode }, (1.0, 1.0));
     }
     // The cooperative-matrix kernel where the adapter has one (not lavapipe): every case
-    // whose operand rows are multiples of 4, f16 operands.
+    // whose operand rows are multiples of 4, f16x3 and f16 operands; f16x3 also with
+    // operands far outside f16's range (2^-70 and 2^50 times the others: products near
+    // 2^-20, beyond f16's 2^-24 .. 2^16), judged as f32 is.
     if gpu.coop_matmul_possible() {
-        matmul_checks_bk(
-            gpu,
-            out,
-            matmul::Tuning {
-                bk: 16,
-                coop: Some(true),
-            },
-        );
+        for (mode, scale) in [
+            (MatmulMode::F16x3, (1.0, 1.0)),
+            (MatmulMode::F16x3, (2f32.powi(-70), 2f32.powi(50))),
+            (MatmulMode::F16, (1.0, 1.0)),
+        ] {
+            let mode = Some(mode);
+            matmul_checks_bk(gpu, out, matmul::Tuning { bk: 16, mode }, scale);
+        }
     }
 }
 
-fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tuning) {
-    let coop = tuning.coop == Some(true);
+/// Element counts of a and b for the f16x3 product's absmax partials: under one group,
+/// past the 65,536 vec4s where the groups wrap around.
+pub const ABSMAX_CASES: [(usize, usize); 3] = [(148, 4), (4096, 300_000), (262_148, 1_000)];
+
+/// `matmul::absmax_parts` against the CPU, partial by partial (exact: a maximum of bits),
+/// with a planted largest magnitude (negative) and, in the last case, an infinity.
+fn absmax_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    let parts = matmul::ABSMAX_PARTS as usize;
+    for (i, &(na, nb)) in ABSMAX_CASES.iter().enumerate() {
+        let mut rng = Rng::new(360 + i as u64);
+        let mut a = rng.vec(na);
+        let mut b = rng.vec(nb);
+        a[na * 2 / 3] = -7.5;
+        b[nb / 3] = -1e30;
+        if i == 2 {
+            a[na - 1] = f32::NEG_INFINITY;
+        }
+        let shape = format!("a [{na}], b [{nb}]");
+        let r = (|| {
+            let ta = Tensor::from_f32(gpu, &[na], &a, "a").map_err(s)?;
+            let tb = Tensor::from_f32(gpu, &[nb], &b, "b").map_err(s)?;
+            let t = gpu
+                .run(|rec| matmul::absmax_parts(rec, &ta, &tb))
+                .map_err(s)?;
+            let got = t.read_u32(gpu).map_err(s)?;
+            let mut want = vec![0u32; 2 * parts];
+            for (o, x) in [(0, &a), (parts, &b)] {
+                for (j, v) in x.iter().enumerate() {
+                    let g = o + (j / 4 % 65_536) / 256;
+                    want[g] = want[g].max(v.abs().to_bits());
+                }
+            }
+            match got.iter().zip(&want).position(|(g, w)| g != w) {
+                None => Ok(Default::default()),
+                Some(j) => Err(format!(
+                    "partial {j}: got bits {:#x}, want {:#x}",
+                    got[j], want[j]
+                )),
+            }
+        })();
+        push(out, "matmul absmax", shape, r);
+    }
+}
+
+/// `MATMUL_CASES` with `tuning`, a's and b's values multiplied by `scale`.
+fn matmul_checks_bk(
+    gpu: &Gpu,
+    out: &mut Vec<CheckResult>,
+    tuning: matmul::Tuning,
+    scale: (f32, f32),
+) {
+    let mode = tuning.mode.unwrap_or(MatmulMode::F32);
     for (i, &(batch, m, n, k, ta, tb, ba, bb, beta)) in MATMUL_CASES.iter().enumerate() {
         let (a_inner, b_inner) = (if ta { m } else { k }, if tb { k } else { n });
-        if coop && (a_inner % 4 != 0 || b_inner % 4 != 0) {
+        if mode != MatmulMode::F32 && (a_inner % 4 != 0 || b_inner % 4 != 0) {
             continue;
         }
         let mut rng = Rng::new(300 + i as u64);
         let (ab, bb_) = (if ba { batch } else { 1 }, if bb { batch } else { 1 });
-        let a = rng.vec(ab * m * k);
-        let b = rng.vec(bb_ * k * n);
-        let c0 = rng.vec(batch * m * n);
-        let bias = (beta == 0.0 && i % 3 != 0).then(|| rng.vec(n));
+        let a: Vec<f32> = rng.vec(ab * m * k).iter().map(|v| v * scale.0).collect();
+        let b: Vec<f32> = rng.vec(bb_ * k * n).iter().map(|v| v * scale.1).collect();
+        let c0: Vec<f32> = (rng.vec(batch * m * n).iter())
+            .map(|v| v * scale.0 * scale.1)
+            .collect();
+        let bias = (beta == 0.0 && i % 3 != 0).then(|| {
+            rng.vec(n)
+                .iter()
+                .map(|v| v * scale.0 * scale.1)
+                .collect::<Vec<f32>>()
+        });
         let alpha = match beta == 0.0 && i % 2 == 1 {
             true => 1.0,
             false => 0.75,
@@ -310,21 +370,26 @@ fn matmul_checks_bk(gpu: &Gpu, out: &mut Vec<CheckResult>, tuning: matmul::Tunin
         let r = (|| {
             let got = run().map_err(s)?;
             let (want, mag) = cpu::matmul(&a, &b, &c0, bias.as_deref(), dims, alpha, beta);
-            // f16 operands: each product within 2 x 2^-11 of its magnitude, then f32 sums.
-            let tol = match coop {
-                true => Tolerance {
+            // f16 operands: each product within 2 x 2^-11 of its magnitude, then f32 sums;
+            // f32 and f16x3 (each product within ~2^-21): f32's dot-product bound.
+            let tol = match mode {
+                MatmulMode::F16 => Tolerance {
                     abs: 1e-30,
                     rel: 1.5e-3,
                 },
-                false => Tolerance::dot(k),
+                _ => Tolerance::dot(k),
             };
             let stats = compare("matmul", &got, &want, Some(&mag), tol).map_err(s)?;
             same_bits("matmul", &got, &run().map_err(s)?).map_err(s)?;
             Ok(stats)
         })();
-        let name = match coop {
-            true => "matmul (cooperative, f16 operands)".to_string(),
-            false => format!("matmul (bk {})", tuning.bk),
+        let name = match mode {
+            MatmulMode::F16 => "matmul (cooperative, f16 operands)".to_string(),
+            MatmulMode::F16x3 if scale != (1.0, 1.0) => {
+                "matmul (cooperative, f16x3, operands 2^-70 and 2^50)".to_string()
+            }
+            MatmulMode::F16x3 => "matmul (cooperative, f16x3)".to_string(),
+            MatmulMode::F32 => format!("matmul (bk {})", tuning.bk),
         };
         push(out, &name, shape, r);
     }

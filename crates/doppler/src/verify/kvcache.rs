@@ -88,7 +88,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         // training kernels, judged against max |v| (here ~1) with the dot's tolerance. A
         // GPU opened for f16 products runs prompts on cooperative matrices: four f16
         // roundings (2^-11) on the way, scaled as verify/attention.rs does (1 + max |s|).
-        let tol = match gpu.coop_matmul {
+        let tol = match gpu.matmul == crate::gpu::MatmulMode::F16 {
             true => Tolerance {
                 abs: 2.0 * 4.0 * 4.9e-4 * (1.0 + (d as f64).sqrt()),
                 rel: 0.0,

@@ -22,7 +22,9 @@ mod silu;
 mod softmax;
 mod upsample;
 
-pub use basic::{ARGMAX_SHAPES, ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES, WORDS_CASES};
+pub use basic::{
+    ABSMAX_CASES, ARGMAX_SHAPES, ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES, WORDS_CASES,
+};
 pub use kvcache::KV_CASES;
 
 use crate::check::Stats;

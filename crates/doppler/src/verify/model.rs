@@ -35,7 +35,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     // rule is off by the gradient's own size. Gradients that are exactly zero (the key
     // bias's) are judged against `floor_rel` of the largest gradient anywhere: f16 operands
     // leave them at ~1.6e-5 of it (H200), f32 rounding far below 1e-7.
-    let (loss_rel, grad_rel, floor_rel) = match gpu.coop_matmul {
+    let (loss_rel, grad_rel, floor_rel) = match gpu.matmul == crate::gpu::MatmulMode::F16 {
         true => (1e-4, 1e-2, 1e-2),
         false => (1e-5, 1e-4, 1e-3),
     };
