@@ -76,19 +76,25 @@ fn matmul_precision_is_checked_and_reported() {
         err.contains("invalid value 'f8'") && err.contains("f16"),
         "{err}"
     );
-    // f32 asked for: f32. f16 asked for: f16 where the adapter has cooperative matrices
-    // (not lavapipe), else f32 with a warning.
+    // f32 asked for: f32. f16x3 or f16 asked for: that where the adapter has cooperative
+    // matrices (not lavapipe), else f32 with a warning.
     let (ok, out, err) = doppler(&["--matmul", "f32", "info", "--json"]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["matmul"], "f32");
-    let (ok, out, err) = doppler(&["--matmul", "f16", "info", "--json"]);
-    assert!(ok, "{err}");
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let coop = !v["cooperative_matrix"].as_array().unwrap().is_empty();
-    assert_eq!(v["matmul"], if coop { "f16" } else { "f32" }, "{err}");
-    if !coop {
-        assert!(err.contains("products stay f32"), "{err}");
+    for mode in ["f16x3", "f16"] {
+        let (ok, out, err) = doppler(&["--matmul", mode, "info", "--json"]);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let coop = !v["cooperative_matrix"].as_array().unwrap().is_empty();
+        assert_eq!(v["matmul"], if coop { mode } else { "f32" }, "{err}");
+        if !coop {
+            assert!(
+                err.contains(&format!("{mode} matrix products asked for"))
+                    && err.contains("products stay f32"),
+                "{err}"
+            );
+        }
     }
 }
 
