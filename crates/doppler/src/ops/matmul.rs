@@ -61,7 +61,7 @@ static MATMUL_COOP_KERNEL: Kernel = Kernel {
 
 // The largest magnitude of each operand, ABSMAX_PARTS partials each (for SPLIT).
 static ABSMAX: Kernel = Kernel::new(&MATMUL, "absmax", &[(2, Read), (4, Read), (8, ReadWrite)]);
-/// Partials per operand of `absmax` (its grid's x; `matmul_coop.wgsl`'s PARTS).
+/// Partials per operand of `absmax` (its grid's x; `matmul_coop.wgsl` reads 2 x 256).
 pub const ABSMAX_PARTS: u32 = 256;
 
 static SPLITK_SUM: Kernel = Kernel::new(
@@ -382,7 +382,8 @@ pub fn matmul_into_tuned(
     ]);
     // The cooperative kernel starts its sums from C (beta 1) or the bias row where every
     // tile is whole and alpha is 1 (INIT 1, 2), and then stores straight to C; not f16x3,
-    // whose sums are scaled back on the way out.
+    // whose sums are in its operands' scale (C or the bias row scaled into it could
+    // overflow).
     let whole = m as u64 % TILE == 0
         && n as u64 % TILE == 0
         && opts.alpha == 1.0

@@ -28,8 +28,9 @@
 // each scaled value v splits into hi (v rounded to f16's 11 significant bits) and
 // lo = f16(v - hi), two f16 arrays per operand in workgroup memory. The product is
 // hi_a hi_b + hi_a lo_b + lo_a hi_b (lo_a lo_b, below 2^-22 of the first, is left out),
-// summed in the same f32 accumulators, which always leave through the scratch (`put`,
-// the host sets INIT 0) and are scaled back by 2^-(s_a + s_b) there. A value keeps 22 of
+// summed in the same f32 accumulators, scaled back by 2^-(s_a + s_b) on the way out (in
+// place where a whole tile goes straight to C, else in `put`; the host sets INIT 0: C or
+// the bias row scaled up by 2^(s_a + s_b) could overflow). A value keeps 22 of
 // f32's 24 significant bits where it lies within 2^18 of its tensor's largest; smaller
 // ones keep an absolute precision of 2^-39 of that largest (lo's subnormals). On the H200
 // against f64 (verify's cases): within 4.1e-7 of sum |a b|, where the f32 kernel is within
@@ -85,8 +86,8 @@ var<workgroup> scratch: array<f32, 1024>;   // 16 x 16 a subgroup
 
 var<private> scale_a: f32 = 1.0;   // SPLIT: 2^s_a, 2^s_b
 var<private> scale_b: f32 = 1.0;
-// SPLIT: 2^-(s_a + s_b) as two factors (each a normal f32), which `put` multiplies the
-// sums by (one: 2^-250 or 2^250 is not an f32).
+// SPLIT: 2^-(s_a + s_b) as two factors (each a normal f32), which the sums are multiplied
+// by on the way out (one: 2^-250 or 2^250 is not an f32).
 var<private> unscale1: f32 = 1.0;
 var<private> unscale2: f32 = 1.0;
 
@@ -233,6 +234,7 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         let e = -(sa_e + sb_e);
         unscale1 = exp2(f32(e / 2));
         unscale2 = exp2(f32(e - e / 2));
+        workgroupBarrier();   // all read before `put` may write the scratch (K = 0: no step)
     }
 
     var c00: coop_mat16x16<f32, C>;
@@ -474,7 +476,25 @@ fn matmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     // beta 0 and no bias (most products). Rows of C a multiple of 4 floats keep the stores
     // 16-byte aligned.
     let whole = m0 + T <= p.m && n0 + T <= p.n && p.n % 4u == 0u;
-    if (!SPLIT && (INIT != 0u || (whole && p.alpha == 1.0 && p.beta == 0.0 && p.bias == 0u))) {
+    if (INIT != 0u || (whole && p.alpha == 1.0 && p.beta == 0.0 && p.bias == 0u)) {
+        if (SPLIT) {   // the sums scaled back in place (INIT is 0 here)
+            c00 = (c00 * unscale1) * unscale2;
+            c01 = (c01 * unscale1) * unscale2;
+            c02 = (c02 * unscale1) * unscale2;
+            c03 = (c03 * unscale1) * unscale2;
+            c10 = (c10 * unscale1) * unscale2;
+            c11 = (c11 * unscale1) * unscale2;
+            c12 = (c12 * unscale1) * unscale2;
+            c13 = (c13 * unscale1) * unscale2;
+            c20 = (c20 * unscale1) * unscale2;
+            c21 = (c21 * unscale1) * unscale2;
+            c22 = (c22 * unscale1) * unscale2;
+            c23 = (c23 * unscale1) * unscale2;
+            c30 = (c30 * unscale1) * unscale2;
+            c31 = (c31 * unscale1) * unscale2;
+            c32 = (c32 * unscale1) * unscale2;
+            c33 = (c33 * unscale1) * unscale2;
+        }
         let n = p.n;
         let at = c_off + r0 * n + c0;   // C's element (r0, c0), then rows 16 apart
         let r16 = 16u * n;
