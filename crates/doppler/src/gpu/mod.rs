@@ -66,24 +66,17 @@ pub enum MatmulMode {
 }
 
 impl MatmulMode {
+    pub const ALL: [MatmulMode; 3] = [MatmulMode::F32, MatmulMode::F16x3, MatmulMode::F16];
+    /// The names of [`MatmulMode::ALL`], in order (`--matmul`'s values).
     pub const NAMES: [&'static str; 3] = ["f32", "f16x3", "f16"];
 
     pub fn name(self) -> &'static str {
-        match self {
-            MatmulMode::F32 => "f32",
-            MatmulMode::F16x3 => "f16x3",
-            MatmulMode::F16 => "f16",
-        }
+        Self::NAMES[self as usize]
     }
 
     /// From `f32`, `f16x3` or `f16`.
     pub fn parse(s: &str) -> Option<MatmulMode> {
-        match s {
-            "f32" => Some(MatmulMode::F32),
-            "f16x3" => Some(MatmulMode::F16x3),
-            "f16" => Some(MatmulMode::F16),
-            _ => None,
-        }
+        Self::ALL.into_iter().find(|m| m.name() == s)
     }
 }
 
@@ -505,5 +498,20 @@ impl Future for MapFuture {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MatmulMode;
+
+    #[test]
+    fn matmul_modes_round_trip_their_names() {
+        for (i, m) in MatmulMode::ALL.into_iter().enumerate() {
+            assert_eq!(m as usize, i);
+            assert_eq!(MatmulMode::parse(m.name()), Some(m));
+        }
+        assert_eq!(MatmulMode::parse("f16x3"), Some(MatmulMode::F16x3));
+        assert_eq!(MatmulMode::parse("bf16"), None);
     }
 }
