@@ -17,14 +17,12 @@ pub mod check;
 pub mod error;
 pub mod formats;
 pub mod gpu;
-#[cfg(not(target_arch = "wasm32"))]
 pub mod infer;
 pub mod models;
 pub mod ops;
 pub mod optim;
 pub mod reference;
 pub mod shaders;
-#[cfg(not(target_arch = "wasm32"))]
 pub mod train;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod verify;

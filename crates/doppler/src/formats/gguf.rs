@@ -399,16 +399,19 @@ impl Gguf {
     }
 }
 
-/// A GGUF file mapped into memory, parsed.
-#[cfg(not(target_arch = "wasm32"))]
+/// A model file's bytes: a read-only map of the file natively, or the bytes themselves
+/// (the browser, where a model arrives as a download or a `File`).
+pub type Bytes = Box<dyn std::ops::Deref<Target = [u8]> + Send + Sync>;
+
+/// A GGUF file's bytes, parsed.
 pub struct GgufFile {
     pub gguf: Gguf,
     pub path: String,
-    map: memmap2::Mmap,
+    map: Bytes,
 }
 
-#[cfg(not(target_arch = "wasm32"))]
 impl GgufFile {
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn open(path: &std::path::Path) -> Result<GgufFile> {
         let io = |source| Error::Io {
             path: path.display().to_string(),
@@ -418,11 +421,16 @@ impl GgufFile {
         // SAFETY: the map is read-only; a file changed underneath while mapped is the
         // caller's problem as with any model loader (llama.cpp maps the same way).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        let gguf = Gguf::parse(&map, &path.display().to_string())?;
+        Self::from_bytes(Box::new(map), &path.display().to_string())
+    }
+
+    /// A GGUF file already in memory; `path` names it in errors.
+    pub fn from_bytes(bytes: Bytes, path: &str) -> Result<GgufFile> {
+        let gguf = Gguf::parse(&bytes, path)?;
         Ok(GgufFile {
             gguf,
-            path: path.display().to_string(),
-            map,
+            path: path.to_string(),
+            map: bytes,
         })
     }
 

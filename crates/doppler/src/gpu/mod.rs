@@ -394,6 +394,37 @@ impl Gpu {
         self.check_errors()
     }
 
+    /// Waits until all submitted work has finished, returns the buffers it used to the
+    /// pool and reports device errors: [`Gpu::wait`] that does not block (the browser's
+    /// `onSubmittedWorkDone`).
+    pub async fn settle(&self) -> Result<()> {
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            self.wait()
+        }
+        #[cfg(target_arch = "wasm32")]
+        {
+            let state = Arc::new(Mutex::new(MapState::default()));
+            let s = state.clone();
+            self.queue.on_submitted_work_done(move || {
+                let mut st = s.lock().unwrap();
+                st.result = Some(Ok(()));
+                if let Some(w) = st.waker.take() {
+                    w.wake();
+                }
+            });
+            MapFuture {
+                state,
+                device: self.device.clone(),
+                until: None,
+            }
+            .await
+            .map_err(Error::Device)?;
+            self.pool.collect();
+            self.check_errors()
+        }
+    }
+
     /// Processes finished work without blocking (returns finished buffers to the pool).
     pub fn poll(&self) {
         let _ = self.device.poll(wgpu::PollType::Poll);

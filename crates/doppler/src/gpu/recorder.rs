@@ -152,11 +152,13 @@ impl Readback {
         Ok(out)
     }
 
+    pub async fn u32s(&self, gpu: &Gpu) -> Result<Vec<u32>> {
+        Ok(bytemuck::pod_collect_to_vec(&self.bytes(gpu).await?))
+    }
+
     #[cfg(not(target_arch = "wasm32"))]
     pub fn read_u32(&self, gpu: &Gpu) -> Result<Vec<u32>> {
-        Ok(bytemuck::pod_collect_to_vec(&pollster::block_on(
-            self.bytes(gpu),
-        )?))
+        pollster::block_on(self.u32s(gpu))
     }
 }
 
@@ -736,10 +738,16 @@ impl Submission {
         Ok(Trace { events })
     }
 
-    /// Blocking [`Submission::finish`].
+    /// [`Submission::finish`] after all submitted work: the buffers it used are back in
+    /// the pool and device errors reported.
+    pub async fn settle(self, gpu: &Gpu) -> Result<Trace> {
+        gpu.settle().await?;
+        self.finish(gpu).await
+    }
+
+    /// Blocking [`Submission::settle`].
     #[cfg(not(target_arch = "wasm32"))]
     pub fn wait(self, gpu: &Gpu) -> Result<Trace> {
-        gpu.wait()?;
-        pollster::block_on(self.finish(gpu))
+        pollster::block_on(self.settle(gpu))
     }
 }

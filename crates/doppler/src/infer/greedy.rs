@@ -41,7 +41,7 @@ impl GreedyDecoder {
 
     /// Runs `prompt` after what `cache` holds, in chunks of [`PREFILL_CHUNK`]; the argmax
     /// of the last position's logits becomes the first pending token.
-    pub fn prefill(
+    pub async fn prefill_async(
         &mut self,
         gpu: &Gpu,
         llama: &Llama,
@@ -57,7 +57,8 @@ impl GreedyDecoder {
         let chunks = prompt.len().div_ceil(PREFILL_CHUNK);
         for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
             let ids = &self.ids;
-            let read = gpu.run(|rec| {
+            let read = gpu
+                .run_async(|rec| {
                 // A prompt is submitted as it is recorded: the GPU starts on the first
                 // layers (a one-token step stays one submission).
                 if chunk.len() > 1 {
@@ -69,7 +70,8 @@ impl GreedyDecoder {
                 }
                 argmax_rows_into(rec, &logits, ids)?;
                 rec.read_later(ids).map(Some)
-            })?;
+            })
+                .await?;
             if let Some(r) = read {
                 self.pending.push_back(r);
                 self.primed = true;
@@ -80,23 +82,32 @@ impl GreedyDecoder {
 
     /// Submits one step over the last submitted step's token (read or not): its key and
     /// value enter the cache, and the argmax of its logits becomes a pending token.
-    pub fn step(&mut self, gpu: &Gpu, llama: &Llama, cache: &mut KvCache) -> Result<()> {
+    pub async fn step_async(
+        &mut self,
+        gpu: &Gpu,
+        llama: &Llama,
+        cache: &mut KvCache,
+    ) -> Result<()> {
         if !self.primed {
             return Err(Error::Invalid {
                 op: "generate",
                 detail: "a greedy step needs a prefill first".into(),
             });
         }
-        let t = std::time::Instant::now();
+        let t = web_time::Instant::now();
         let (ids, mut recorded) = (&self.ids, t);
-        let read = gpu.run(|rec| {
+        let mut dispatched = 0;
+        let read = gpu
+            .run_async(|rec| {
             let logits = llama.forward_ids(rec, ids, cache, false)?;
             argmax_rows_into(rec, &logits, ids)?;
             let read = rec.read_later(ids)?;
-            self.dispatched += rec.dispatches();
-            recorded = std::time::Instant::now();
+            dispatched = rec.dispatches();
+            recorded = web_time::Instant::now();
             Ok(read)
-        })?;
+        })
+            .await?;
+        self.dispatched += dispatched;
         self.pending.push_back(read);
         self.record_ms += (recorded - t).as_secs_f64() * 1e3;
         self.submit_ms += recorded.elapsed().as_secs_f64() * 1e3;
@@ -104,11 +115,35 @@ impl GreedyDecoder {
     }
 
     /// The oldest pending token; waits for the step that chose it, not for later ones.
-    pub fn next_token(&mut self, gpu: &Gpu) -> Result<u32> {
+    pub async fn next_token_async(&mut self, gpu: &Gpu) -> Result<u32> {
         let r = self.pending.pop_front().ok_or_else(|| Error::Invalid {
             op: "generate",
             detail: "no pending token".into(),
         })?;
-        Ok(r.read_u32(gpu)?[0])
+        Ok(r.u32s(gpu).await?[0])
+    }
+
+    /// Blocking [`GreedyDecoder::prefill_async`].
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn prefill(
+        &mut self,
+        gpu: &Gpu,
+        llama: &Llama,
+        cache: &mut KvCache,
+        prompt: &[u32],
+    ) -> Result<()> {
+        pollster::block_on(self.prefill_async(gpu, llama, cache, prompt))
+    }
+
+    /// Blocking [`GreedyDecoder::step_async`].
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn step(&mut self, gpu: &Gpu, llama: &Llama, cache: &mut KvCache) -> Result<()> {
+        pollster::block_on(self.step_async(gpu, llama, cache))
+    }
+
+    /// Blocking [`GreedyDecoder::next_token_async`].
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn next_token(&mut self, gpu: &Gpu) -> Result<u32> {
+        pollster::block_on(self.next_token_async(gpu))
     }
 }

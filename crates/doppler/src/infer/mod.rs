@@ -6,8 +6,9 @@ pub mod greedy;
 pub mod sample;
 pub mod tokenizer;
 
+#[cfg(not(target_arch = "wasm32"))]
 use std::path::Path;
-use std::time::Instant;
+use web_time::Instant;
 
 use crate::error::{Error, Result};
 use crate::formats::gguf::Value;
@@ -34,32 +35,102 @@ impl Model {
     /// A `.gguf` file, or a directory with `config.json`, `*.safetensors` and `tokenizer.json`
     /// (its `tokenizer_config.json` may hold the chat template). Up to `max_context`
     /// positions are served.
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn open(gpu: &Gpu, path: &Path, max_context: usize) -> Result<Model> {
         let t0 = Instant::now();
         let (llama, md) = llama::open(gpu, path, max_context)?;
         let shown = path.display().to_string();
         let (tokenizer, jinja) = if path.is_dir() {
             let tk = Tokenizer::from_hf_file(&path.join("tokenizer.json"))?;
-            let jinja = std::fs::read_to_string(path.join("tokenizer_config.json"))
-                .ok()
-                .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
-                .and_then(|v| {
-                    v.get("chat_template")
-                        .and_then(|t| t.as_str())
-                        .map(str::to_string)
-                });
-            (tk, jinja)
+            let config = std::fs::read_to_string(path.join("tokenizer_config.json")).ok();
+            (tk, config.as_deref().and_then(hf_chat_template))
         } else {
-            (
-                Tokenizer::from_gguf(&md, &shown)?,
-                md.get("tokenizer.chat_template")
-                    .and_then(Value::as_str)
-                    .map(str::to_string),
-            )
+            (Tokenizer::from_gguf(&md, &shown)?, gguf_chat_template(&md))
         };
+        let model = Self::assemble(llama, tokenizer, jinja, &shown, t0)?;
+        gpu.wait()?;
+        Ok(model)
+    }
+
+    /// A GGUF file's bytes (a download or a `File` in the browser); `name` names it in
+    /// errors. The bytes are needed only while the weights upload.
+    pub async fn from_gguf_bytes(
+        gpu: &Gpu,
+        bytes: crate::formats::gguf::Bytes,
+        name: &str,
+        max_context: usize,
+    ) -> Result<Model> {
+        let t0 = Instant::now();
+        let file = crate::formats::gguf::GgufFile::from_bytes(bytes, name)?;
+        let llama = llama::from_gguf(gpu, &file, max_context)?;
+        let md = &file.gguf.metadata;
+        let tokenizer = Tokenizer::from_gguf(md, name)?;
+        let model = Self::assemble(llama, tokenizer, gguf_chat_template(md), name, t0)?;
+        drop(file);
+        gpu.settle().await?;
+        Ok(model)
+    }
+
+    /// A Hugging Face directory's files by name: `config.json`, `*.safetensors`,
+    /// `tokenizer.json` and, optionally, `tokenizer_config.json` (others are ignored).
+    pub async fn from_hf_files(
+        gpu: &Gpu,
+        files: Vec<(String, crate::formats::gguf::Bytes)>,
+        max_context: usize,
+    ) -> Result<Model> {
+        let t0 = Instant::now();
+        let shown = "Hugging Face directory";
+        let missing = |what: &str| Error::Format {
+            path: shown.into(),
+            detail: format!("{what} is missing (config.json, *.safetensors and tokenizer.json are needed)"),
+        };
+        let base = |n: &str| n.rsplit('/').next().unwrap_or(n).to_string();
+        let mut weights: Vec<(String, crate::formats::gguf::Bytes)> = Vec::new();
+        let (mut config, mut tokenizer, mut tk_config) = (None, None, None);
+        for (name, bytes) in files {
+            match base(&name).as_str() {
+                "config.json" => config = Some(bytes),
+                "tokenizer.json" => tokenizer = Some(bytes),
+                "tokenizer_config.json" => tk_config = Some(bytes),
+                b if b.ends_with(".safetensors") => weights.push((name, bytes)),
+                _ => {}
+            }
+        }
+        weights.sort_by(|a, b| a.0.cmp(&b.0));
+        let text = |b: &[u8], what: &str| {
+            std::str::from_utf8(b).map(str::to_string).map_err(|_| Error::Format {
+                path: what.into(),
+                detail: "not UTF-8 text".into(),
+            })
+        };
+        let config = text(&config.ok_or_else(|| missing("config.json"))?, "config.json")?;
+        let tokenizer = tokenizer.ok_or_else(|| missing("tokenizer.json"))?;
+        if weights.is_empty() {
+            return Err(missing("a *.safetensors file"));
+        }
+        let tk_config = tk_config
+            .map(|b| text(&b, "tokenizer_config.json"))
+            .transpose()?;
+        let src = llama::SafeTensorsDir::from_bytes(weights, shown)?;
+        let llama = llama::from_safetensors(gpu, &config, "config.json", &src, max_context)?;
+        drop(src);
+        let tk = Tokenizer::from_hf_json(&tokenizer, tk_config.as_deref(), "tokenizer.json")?;
+        let jinja = tk_config.as_deref().and_then(hf_chat_template);
+        let model = Self::assemble(llama, tk, jinja, shown, t0)?;
+        gpu.settle().await?;
+        Ok(model)
+    }
+
+    fn assemble(
+        llama: Llama,
+        tokenizer: Tokenizer,
+        jinja: Option<String>,
+        shown: &str,
+        t0: Instant,
+    ) -> Result<Model> {
         if tokenizer.vocab_size() > llama.cfg.vocab_size {
             return Err(Error::Format {
-                path: shown,
+                path: shown.to_string(),
                 detail: format!(
                     "tokenizer has {} tokens, the model's embedding {}",
                     tokenizer.vocab_size(),
@@ -67,7 +138,6 @@ impl Model {
                 ),
             });
         }
-        gpu.wait()?;
         let template = jinja.as_deref().and_then(Template::detect);
         Ok(Model {
             llama,
@@ -110,6 +180,22 @@ impl Model {
         v.dedup();
         v
     }
+}
+
+/// The chat template in a GGUF file's metadata.
+fn gguf_chat_template(md: &std::collections::BTreeMap<String, Value>) -> Option<String> {
+    md.get("tokenizer.chat_template")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+}
+
+/// The chat template in a `tokenizer_config.json`'s text.
+fn hf_chat_template(tokenizer_config: &str) -> Option<String> {
+    serde_json::from_str::<serde_json::Value>(tokenizer_config)
+        .ok()?
+        .get("chat_template")?
+        .as_str()
+        .map(str::to_string)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -173,28 +259,51 @@ impl<'m> Session<'m> {
         self.tokens.clear();
     }
 
-    /// Runs `ids` through the model after what is cached; logits (V) of the last.
+    /// Blocking [`Session::feed_async`].
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn feed(&mut self, gpu: &Gpu, ids: &[u32]) -> Result<Vec<f32>> {
+        pollster::block_on(self.feed_async(gpu, ids))
+    }
+
+    /// Blocking [`Session::generate_async`].
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn generate(
+        &mut self,
+        gpu: &Gpu,
+        prompt: &[u32],
+        opts: &GenOptions,
+        sampler: &mut Sampler,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Generation> {
+        pollster::block_on(self.generate_async(gpu, prompt, opts, sampler, on_text))
+    }
+
+    /// Runs `ids` through the model after what is cached; logits (V) of the last.
+    pub async fn feed_async(&mut self, gpu: &Gpu, ids: &[u32]) -> Result<Vec<f32>> {
         if !self.cache.fits(ids.len()) {
             return Err(self.full(ids.len()));
         }
         let mut logits = None;
         for chunk in ids.chunks(PREFILL_CHUNK) {
-            logits = Some(gpu.run(|rec| {
-                // A prompt is submitted as it is recorded (the GPU starts on the first
-                // layers); a one-token step stays one submission.
-                if chunk.len() > 1 {
-                    rec.set_flush_every(FLUSH_EVERY);
-                }
-                self.model.llama.forward(rec, chunk, &mut self.cache, false)
-            })?);
+            let (llama, cache) = (&self.model.llama, &mut self.cache);
+            let out = gpu
+                .run_async(|rec| {
+                    // A prompt is submitted as it is recorded (the GPU starts on the first
+                    // layers); a one-token step stays one submission.
+                    if chunk.len() > 1 {
+                        rec.set_flush_every(FLUSH_EVERY);
+                    }
+                    llama.forward(rec, chunk, cache, false)
+                })
+                .await?;
+            logits = Some(out);
             self.tokens.extend_from_slice(chunk);
         }
         let logits = logits.ok_or_else(|| Error::Invalid {
             op: "generate",
             detail: "empty prompt".into(),
         })?;
-        logits.read_f32(gpu)
+        logits.to_vec_f32(gpu).await
     }
 
     /// Feeds `prompt`, then samples up to `opts.max_tokens` tokens, calling `on_text` with
@@ -205,7 +314,7 @@ impl<'m> Session<'m> {
     /// A plain greedy sampler (temperature 0, no repetition penalty) picks on the GPU and
     /// runs each token's step before the host has read it ([`GreedyDecoder`]); a stop
     /// token found that way is taken back out of the cache.
-    pub fn generate(
+    pub async fn generate_async(
         &mut self,
         gpu: &Gpu,
         prompt: &[u32],
@@ -222,11 +331,12 @@ impl<'m> Session<'m> {
                 return Err(self.full(prompt.len()));
             }
             let mut d = GreedyDecoder::new(gpu)?;
-            d.prefill(gpu, &self.model.llama, &mut self.cache, prompt)?;
+            d.prefill_async(gpu, &self.model.llama, &mut self.cache, prompt)
+                .await?;
             self.tokens.extend_from_slice(prompt);
             dec = Some(d);
         } else {
-            logits = self.feed(gpu, prompt)?;
+            logits = self.feed_async(gpu, prompt).await?;
         }
         let mut out = Generation {
             prompt_tokens: prompt.len(),
@@ -246,9 +356,10 @@ impl<'m> Session<'m> {
             let next = match &mut dec {
                 Some(d) => {
                     if runs {
-                        d.step(gpu, &self.model.llama, &mut self.cache)?;
+                        d.step_async(gpu, &self.model.llama, &mut self.cache)
+                            .await?;
                     }
-                    d.next_token(gpu)?
+                    d.next_token_async(gpu).await?
                 }
                 None => sampler.sample(&logits, &self.tokens),
             };
@@ -286,8 +397,8 @@ impl<'m> Session<'m> {
                 }
                 out.text = text[..at].to_string();
                 out.stop = StopReason::String;
-                if !ran {
-                    self.feed_last(gpu, next)?;
+                if !ran && self.cache.fits(1) {
+                    self.feed_async(gpu, &[next]).await?;
                 }
                 return Ok(out);
             }
@@ -307,7 +418,7 @@ impl<'m> Session<'m> {
                 break;
             }
             if !ran {
-                logits = self.feed(gpu, &[next])?;
+                logits = self.feed_async(gpu, &[next]).await?;
             }
         }
         if sent < out.text.len() && out.text.is_char_boundary(sent) {
@@ -326,12 +437,6 @@ impl<'m> Session<'m> {
         }
     }
 
-    fn feed_last(&mut self, gpu: &Gpu, id: u32) -> Result<()> {
-        if self.cache.fits(1) {
-            self.feed(gpu, &[id])?;
-        }
-        Ok(())
-    }
 }
 
 /// Length of the prefix of `text` that is certain: whole characters (no U+FFFD from a

@@ -168,9 +168,24 @@ impl Tokenizer {
     }
 
     /// From a Hugging Face `tokenizer.json` (and its `tokenizer_config.json` for BOS/EOS).
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn from_hf_file(path: &std::path::Path) -> Result<Tokenizer> {
         let shown = path.display().to_string();
-        let tk = tokenizers::Tokenizer::from_file(path).map_err(|e| err(&shown, e.to_string()))?;
+        let json = std::fs::read(path).map_err(|source| Error::Io {
+            path: shown.clone(),
+            source,
+        })?;
+        let config = path
+            .parent()
+            .map(|d| d.join("tokenizer_config.json"))
+            .and_then(|p| std::fs::read_to_string(p).ok());
+        Self::from_hf_json(&json, config.as_deref(), &shown)
+    }
+
+    /// From the bytes of a Hugging Face `tokenizer.json` and the text of its
+    /// `tokenizer_config.json` (BOS/EOS), when there is one; `shown` names it in errors.
+    pub fn from_hf_json(json: &[u8], config: Option<&str>, shown: &str) -> Result<Tokenizer> {
+        let tk = tokenizers::Tokenizer::from_bytes(json).map_err(|e| err(shown, e.to_string()))?;
         let n = tk.get_vocab_size(true);
         let mut pieces = vec![String::new(); n];
         for (p, i) in tk.get_vocab(true) {
@@ -184,11 +199,8 @@ impl Tokenizer {
             .filter(|t| t.special)
             .filter_map(|t| tk.token_to_id(&t.content).map(|i| (t.content.clone(), i)))
             .collect();
-        let cfg: serde_json::Value = path
-            .parent()
-            .map(|d| d.join("tokenizer_config.json"))
-            .and_then(|p| std::fs::read_to_string(p).ok())
-            .and_then(|s| serde_json::from_str(&s).ok())
+        let cfg: serde_json::Value = config
+            .and_then(|s| serde_json::from_str(s).ok())
             .unwrap_or_default();
         let token = |k: &str| {
             let v = cfg.get(k)?;

@@ -740,7 +740,6 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
 }
 
 /// GGUF tensors under their own names.
-#[cfg(not(target_arch = "wasm32"))]
 impl Source for crate::formats::gguf::GgufFile {
     fn path(&self) -> &str {
         &self.path
@@ -755,20 +754,18 @@ impl Source for crate::formats::gguf::GgufFile {
 }
 
 /// SafeTensors files of a Hugging Face checkpoint, read under GGUF's names.
-#[cfg(not(target_arch = "wasm32"))]
 pub struct SafeTensorsDir {
     path: String,
-    maps: Vec<memmap2::Mmap>,
+    maps: Vec<crate::formats::gguf::Bytes>,
     /// Hugging Face name -> (file, dtype, shape, byte range)
     index: BTreeMap<String, (usize, GgmlType, Vec<u64>, std::ops::Range<usize>)>,
 }
 
-#[cfg(not(target_arch = "wasm32"))]
 impl SafeTensorsDir {
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn open(files: &[std::path::PathBuf], path: &str) -> Result<SafeTensorsDir> {
-        let mut maps = Vec::new();
-        let mut index = BTreeMap::new();
-        for (fi, f) in files.iter().enumerate() {
+        let mut maps: Vec<(String, crate::formats::gguf::Bytes)> = Vec::new();
+        for f in files {
             let io = |source| Error::Io {
                 path: f.display().to_string(),
                 source,
@@ -776,8 +773,21 @@ impl SafeTensorsDir {
             let file = std::fs::File::open(f).map_err(io)?;
             // SAFETY: read-only map of a model file, as GgufFile.
             let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+            maps.push((f.display().to_string(), Box::new(map)));
+        }
+        Self::from_bytes(maps, path)
+    }
+
+    /// SafeTensors files already in memory, each with the name its errors give.
+    pub fn from_bytes(
+        files: Vec<(String, crate::formats::gguf::Bytes)>,
+        path: &str,
+    ) -> Result<SafeTensorsDir> {
+        let mut maps = Vec::new();
+        let mut index = BTreeMap::new();
+        for (fi, (shown, map)) in files.into_iter().enumerate() {
             let st = safetensors::SafeTensors::deserialize(&map)
-                .map_err(|e| format_err(&f.display().to_string(), e.to_string()))?;
+                .map_err(|e| format_err(&shown, e.to_string()))?;
             let base = map.as_ptr() as usize;
             for (name, view) in st.tensors() {
                 let ty = match view.dtype() {
@@ -786,7 +796,7 @@ impl SafeTensorsDir {
                     safetensors::Dtype::BF16 => GgmlType(30),
                     other => {
                         return Err(format_err(
-                            &f.display().to_string(),
+                            &shown,
                             format!("{name}: dtype {other:?} not supported (f32, f16, bf16)"),
                         ))
                     }
@@ -836,7 +846,6 @@ impl SafeTensorsDir {
     }
 }
 
-#[cfg(not(target_arch = "wasm32"))]
 impl Source for SafeTensorsDir {
     fn path(&self) -> &str {
         &self.path
@@ -869,9 +878,6 @@ pub fn open(
             path: cfg_path.display().to_string(),
             source,
         })?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| format_err(&cfg_path.display().to_string(), e.to_string()))?;
-        let mut cfg = config_from_hf(&json, &cfg_path.display().to_string())?;
         let mut files: Vec<_> = std::fs::read_dir(path)
             .map_err(|source| Error::Io {
                 path: shown.clone(),
@@ -888,13 +894,37 @@ pub fn open(
             ));
         }
         let src = SafeTensorsDir::open(&files, &shown)?;
-        cfg.tied_embeddings = src.tensor("output.weight")?.is_none();
-        let model = Llama::load(gpu, cfg, &src, max_context)?;
+        let model = from_safetensors(gpu, &text, &cfg_path.display().to_string(), &src, max_context)?;
         return Ok((model, BTreeMap::new()));
     }
     let file = crate::formats::gguf::GgufFile::open(path)?;
-    let mut cfg = config_from_gguf(&file.gguf.metadata, &shown)?;
-    cfg.tied_embeddings = file.gguf.tensor("output.weight").is_none();
-    let model = Llama::load(gpu, cfg, &file, max_context)?;
+    let model = from_gguf(gpu, &file, max_context)?;
     Ok((model, file.gguf.metadata.clone()))
+}
+
+/// Loads a parsed GGUF file's model.
+pub fn from_gguf(
+    gpu: &Gpu,
+    file: &crate::formats::gguf::GgufFile,
+    max_context: usize,
+) -> Result<Llama> {
+    let mut cfg = config_from_gguf(&file.gguf.metadata, &file.path)?;
+    cfg.tied_embeddings = file.gguf.tensor("output.weight").is_none();
+    Llama::load(gpu, cfg, file, max_context)
+}
+
+/// Loads a Hugging Face checkpoint: its `config.json` text (`cfg_path` names it in errors)
+/// and its SafeTensors files.
+pub fn from_safetensors(
+    gpu: &Gpu,
+    config_json: &str,
+    cfg_path: &str,
+    src: &SafeTensorsDir,
+    max_context: usize,
+) -> Result<Llama> {
+    let json: serde_json::Value =
+        serde_json::from_str(config_json).map_err(|e| format_err(cfg_path, e.to_string()))?;
+    let mut cfg = config_from_hf(&json, cfg_path)?;
+    cfg.tied_embeddings = src.tensor("output.weight")?.is_none();
+    Llama::load(gpu, cfg, src, max_context)
 }

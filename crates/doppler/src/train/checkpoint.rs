@@ -81,11 +81,20 @@ fn sync_dir(dir: &Path) {
     }
 }
 
-/// SafeTensors bytes of f32 tensors read back from the GPU, in the given order.
+/// Blocking [`safetensors_bytes_async`].
+#[cfg(not(target_arch = "wasm32"))]
 pub fn safetensors_bytes(gpu: &Gpu, tensors: &[(String, &Tensor)]) -> Result<Vec<u8>> {
+    pollster::block_on(safetensors_bytes_async(gpu, tensors))
+}
+
+/// SafeTensors bytes of f32 tensors read back from the GPU, in the given order.
+pub async fn safetensors_bytes_async(
+    gpu: &Gpu,
+    tensors: &[(String, &Tensor)],
+) -> Result<Vec<u8>> {
     let mut data = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
-        let bytes: Vec<u8> = bytemuck::cast_slice(&t.read_f32(gpu)?).to_vec();
+        let bytes: Vec<u8> = bytemuck::cast_slice(&t.to_vec_f32(gpu).await?).to_vec();
         data.push((name.clone(), t.shape().to_vec(), bytes));
     }
     let views = data

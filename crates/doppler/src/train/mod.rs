@@ -9,7 +9,7 @@ pub mod curve;
 pub mod data;
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use web_time::Instant;
 
 use crate::autograd::Tape;
 use crate::error::{Error, Result};
@@ -85,6 +85,10 @@ pub struct Trainer<'g> {
     history: Vec<(u64, f32, Option<f32>)>,
     /// When set, training steps run with GPU timestamps and their dispatches land here.
     pub trace: Option<Trace>,
+    /// Whether [`Trainer::run_async`] writes checkpoints, metrics and the curve to the
+    /// config's out_dir (not in the browser, which has no files: see
+    /// [`Trainer::model_safetensors`]).
+    pub persist: bool,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
@@ -142,6 +146,7 @@ impl<'g> Trainer<'g> {
                 tokens_seen: ck.state.tokens_seen,
                 history: Vec::new(),
                 trace: None,
+                persist: true,
             };
             t.cfg.train.out_dir = cfg.train.out_dir.clone();
             t.cfg.data.corpus = cfg.data.corpus.clone();
@@ -154,7 +159,15 @@ impl<'g> Trainer<'g> {
                 detail: "already holds checkpoints: pass --resume to continue, or choose another out_dir".into(),
             });
         }
-        let tokenizer = Tokenizer::train(&cfg.data, &text)?;
+        let mut t = Self::fresh(gpu, cfg, &text)?;
+        t.persist = true;
+        Ok(t)
+    }
+
+    /// A fresh run over the corpus `text` (the config's corpus path is not read), writing
+    /// nothing unless [`Trainer::persist`] is set.
+    pub fn fresh(gpu: &'g Gpu, cfg: &TrainConfig, text: &str) -> Result<Trainer<'g>> {
+        let tokenizer = Tokenizer::train(&cfg.data, text)?;
         let mut cfg = cfg.clone();
         cfg.model.vocab_size = tokenizer.vocab_size();
         let model = Transformer::new(gpu, &cfg.model, mix(&[cfg.train.seed, 0x1417]))?;
@@ -185,6 +198,7 @@ impl<'g> Trainer<'g> {
             tokens_seen: 0,
             history: Vec::new(),
             trace: None,
+            persist: false,
         })
     }
 
@@ -212,8 +226,29 @@ impl<'g> Trainer<'g> {
         self.tokenizer.vocab_size()
     }
 
-    /// One optimizer step over `grad_accum` micro-batches.
+    /// Blocking [`Trainer::train_step_async`].
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn train_step(&mut self) -> Result<StepInfo> {
+        pollster::block_on(self.train_step_async())
+    }
+
+    /// Blocking [`Trainer::evaluate_async`].
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn evaluate(&mut self) -> Result<f32> {
+        pollster::block_on(self.evaluate_async())
+    }
+
+    /// Blocking [`Trainer::run_async`].
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn run(&mut self, stop: u64, on_event: &mut dyn FnMut(Event<'_>)) -> Result<Summary> {
+        pollster::block_on(self.run_async(stop, &mut |e| {
+            on_event(e);
+            Ok(())
+        }))
+    }
+
+    /// One optimizer step over `grad_accum` micro-batches.
+    pub async fn train_step_async(&mut self) -> Result<StepInfo> {
         let t0 = Instant::now();
         let (gpu, tc) = (self.gpu, self.cfg.train.clone());
         let (b, t) = (tc.batch_size, self.cfg.model.block_size);
@@ -243,7 +278,8 @@ impl<'g> Trainer<'g> {
                     gpu,
                     &mut self.trace,
                     std::mem::replace(&mut rec, next).submit()?,
-                )?;
+                )
+                .await?;
             }
         }
         let grads: Vec<Tensor> = self
@@ -265,8 +301,8 @@ impl<'g> Trainer<'g> {
         let (mut grad_norm, mut skipped) = (None, false);
         if self.scaler.dynamic {
             // Whether to step depends on the norm: one read before the update.
-            finish(gpu, &mut self.trace, rec.submit()?)?;
-            let norm = scale.read_f32(gpu)?[0];
+            finish(gpu, &mut self.trace, rec.submit()?).await?;
+            let norm = scale.to_vec_f32(gpu).await?[0];
             grad_norm = Some(norm);
             skipped = !self.scaler.update(norm);
             rec = self.recorder();
@@ -274,11 +310,11 @@ impl<'g> Trainer<'g> {
         if !skipped {
             self.opt.step(&mut rec, &params, &grad_refs, &scale)?;
         }
-        finish(gpu, &mut self.trace, rec.submit()?)?;
+        finish(gpu, &mut self.trace, rec.submit()?).await?;
         self.model.params.zero_grad();
         let mut loss = 0.0f64;
         for l in &losses {
-            loss += f32::from_bits(l.read_u32(gpu)?[0]) as f64;
+            loss += f32::from_bits(l.u32s(gpu).await?[0]) as f64;
         }
         let loss = (loss / accum as f64) as f32;
         self.step += 1;
@@ -296,7 +332,7 @@ impl<'g> Trainer<'g> {
     }
 
     /// Mean loss over the fixed validation batches (no gradients recorded).
-    pub fn evaluate(&mut self) -> Result<f32> {
+    pub async fn evaluate_async(&mut self) -> Result<f32> {
         let (b, t) = (self.cfg.train.batch_size, self.cfg.model.block_size);
         let mut total = 0.0f64;
         let n = self.cfg.train.eval_batches;
@@ -311,11 +347,15 @@ impl<'g> Trainer<'g> {
             let targets = Tensor::from_u32(self.gpu, &[b, t], &targets, "targets")?;
             let mut tape = Tape::new();
             tape.set_grad_enabled(false);
-            let loss = self.gpu.run(|rec| {
-                let l = self.model.loss(&mut tape, rec, &ids, &targets, 0)?;
-                Ok(tape.value(l)?.clone())
-            })?;
-            total += loss.read_f32(self.gpu)?[0] as f64;
+            let model = &self.model;
+            let loss = self
+                .gpu
+                .run_async(|rec| {
+                    let l = model.loss(&mut tape, rec, &ids, &targets, 0)?;
+                    Ok(tape.value(l)?.clone())
+                })
+                .await?;
+            total += loss.to_vec_f32(self.gpu).await?[0] as f64;
         }
         let v = (total / n as f64) as f32;
         match self.history.last_mut() {
@@ -325,18 +365,30 @@ impl<'g> Trainer<'g> {
         Ok(v)
     }
 
-    /// Writes a checkpoint of the current step, the metrics and the loss curve.
-    pub fn save(&self) -> Result<PathBuf> {
-        let gpu = self.gpu;
+    /// The model's weights as SafeTensors bytes, under the names checkpoints use.
+    pub async fn model_safetensors(&self) -> Result<Vec<u8>> {
         let p = &self.model.params;
         let named: Vec<(String, &Tensor)> = p.names.iter().cloned().zip(p.values.iter()).collect();
-        let model = checkpoint::safetensors_bytes(gpu, &named)?;
+        checkpoint::safetensors_bytes_async(self.gpu, &named).await
+    }
+
+    /// Blocking [`Trainer::save_async`].
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn save(&self) -> Result<PathBuf> {
+        pollster::block_on(self.save_async())
+    }
+
+    /// Writes a checkpoint of the current step, the metrics and the loss curve.
+    pub async fn save_async(&self) -> Result<PathBuf> {
+        let gpu = self.gpu;
+        let p = &self.model.params;
+        let model = self.model_safetensors().await?;
         let mut opt_named = Vec::new();
         for (n, (m, v)) in p.names.iter().zip(self.opt.state()) {
             opt_named.push((format!("m.{n}"), m));
             opt_named.push((format!("v.{n}"), v));
         }
-        let optim = checkpoint::safetensors_bytes(gpu, &opt_named)?;
+        let optim = checkpoint::safetensors_bytes_async(gpu, &opt_named).await?;
         let state = RunState {
             format: 1,
             config: self.cfg.clone(),
@@ -395,7 +447,12 @@ impl<'g> Trainer<'g> {
 
     /// Trains until step `stop` (at most the configured step count; the schedule always
     /// spans the configured count), evaluating and checkpointing on the way and at `stop`.
-    pub fn run(&mut self, stop: u64, on_event: &mut dyn FnMut(Event<'_>)) -> Result<Summary> {
+    /// Checkpoints are written only when [`Trainer::persist`] is set.
+    pub async fn run_async(
+        &mut self,
+        stop: u64,
+        on_event: &mut dyn FnMut(Event<'_>) -> Result<()>,
+    ) -> Result<Summary> {
         let stop = stop.min(self.cfg.train.steps);
         let t0 = Instant::now();
         let start_step = self.step;
@@ -407,15 +464,15 @@ impl<'g> Trainer<'g> {
             val_tokens: self.data.val.len(),
             start_step,
             steps: tc.steps,
-        });
+        })?;
         let mut first_val_loss = None;
         if start_step == 0 {
-            let v = self.evaluate()?;
+            let v = self.evaluate_async().await?;
             first_val_loss = Some(v);
             on_event(Event::Eval {
                 step: 0,
                 val_loss: v,
-            });
+            })?;
         }
         let mut final_train_loss = f32::NAN;
         let mut final_val_loss = self
@@ -426,7 +483,7 @@ impl<'g> Trainer<'g> {
             .unwrap_or(f32::NAN);
         let mut checkpoint = PathBuf::new();
         while self.step < stop {
-            let info = self.train_step()?;
+            let info = self.train_step_async().await?;
             final_train_loss = info.loss;
             if !info.loss.is_finite() && !self.scaler.dynamic {
                 return Err(Error::Invalid {
@@ -434,26 +491,26 @@ impl<'g> Trainer<'g> {
                     detail: format!("loss became {} at step {}", info.loss, info.step),
                 });
             }
-            on_event(Event::Step(&info));
+            on_event(Event::Step(&info))?;
             if self.step % tc.eval_interval == 0 || self.step == stop {
-                final_val_loss = self.evaluate()?;
+                final_val_loss = self.evaluate_async().await?;
                 on_event(Event::Eval {
                     step: self.step,
                     val_loss: final_val_loss,
-                });
+                })?;
             }
-            if self.step % tc.checkpoint_interval == 0 || self.step == stop {
-                checkpoint = self.save()?;
+            if self.persist && (self.step % tc.checkpoint_interval == 0 || self.step == stop) {
+                checkpoint = self.save_async().await?;
                 on_event(Event::Checkpoint {
                     step: self.step,
                     dir: &checkpoint,
-                });
+                })?;
             }
         }
         let seconds = t0.elapsed().as_secs_f64();
         let tokens = (self.step - start_step) as f64
             * (tc.batch_size * self.cfg.model.block_size * tc.grad_accum) as f64;
-        if checkpoint.as_os_str().is_empty() {
+        if self.persist && checkpoint.as_os_str().is_empty() {
             checkpoint = checkpoint::resolve(&tc.out_dir)?;
         }
         Ok(Summary {
@@ -470,8 +527,8 @@ impl<'g> Trainer<'g> {
 }
 
 /// Waits for a submission (surfacing GPU-side input errors) and keeps its timings.
-fn finish(gpu: &Gpu, trace: &mut Option<Trace>, sub: Submission) -> Result<()> {
-    let t = sub.wait(gpu)?;
+async fn finish(gpu: &Gpu, trace: &mut Option<Trace>, sub: Submission) -> Result<()> {
+    let t = sub.settle(gpu).await?;
     if let Some(trace) = trace {
         trace.extend(t);
     }
@@ -506,9 +563,23 @@ pub fn load_for_generation(gpu: &Gpu, path: &Path) -> Result<(Transformer, Token
     Ok((model, tokenizer))
 }
 
+/// Blocking [`generate_async`].
+#[cfg(not(target_arch = "wasm32"))]
+pub fn generate(
+    gpu: &Gpu,
+    model: &Transformer,
+    tokenizer: &Tokenizer,
+    prompt: &str,
+    max_new: usize,
+    sampler: &mut crate::infer::sample::Sampler,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<String> {
+    pollster::block_on(generate_async(gpu, model, tokenizer, prompt, max_new, sampler, on_text))
+}
+
 /// Continues `prompt` by `max_new` tokens, calling `on_text` with each new piece of text.
 /// Recomputes the whole window each token (the training model has no KV cache).
-pub fn generate(
+pub async fn generate_async(
     gpu: &Gpu,
     model: &Transformer,
     tokenizer: &Tokenizer,
@@ -536,11 +607,13 @@ pub fn generate(
         let x = Tensor::from_u32(gpu, &[1, t], window, "ids")?;
         let mut tape = Tape::new();
         tape.set_grad_enabled(false);
-        let logits = gpu.run(|rec| {
-            let l = model.logits(&mut tape, rec, &x, 0)?;
-            Ok(tape.value(l)?.clone())
-        })?;
-        let all = logits.read_f32(gpu)?;
+        let logits = gpu
+            .run_async(|rec| {
+                let l = model.logits(&mut tape, rec, &x, 0)?;
+                Ok(tape.value(l)?.clone())
+            })
+            .await?;
+        let all = logits.to_vec_f32(gpu).await?;
         let next = sampler.sample(&all[(t - 1) * v..t * v], &ids);
         ids.push(next);
         let text = tokenizer.decode(&ids)?;
