@@ -8,7 +8,7 @@ use clap::Args;
 use doppler::gpu::Gpu;
 use doppler::infer::chat::Message;
 use doppler::infer::sample::{Sampler, SamplerConfig};
-use doppler::infer::{GenOptions, Generation, Model, Session, StopReason};
+use doppler::infer::{Conversation, GenOptions, Generation, Model, Session, StopReason};
 use doppler::train::{generate as generate_checkpoint, load_for_generation};
 use doppler::Error;
 
@@ -242,19 +242,10 @@ pub struct ChatArgs {
 pub fn chat_cmd(gpu: &Gpu, args: &ChatArgs) -> doppler::Result<ExitCode> {
     let mut sampler = args.sampling.sampler()?;
     let model = Model::open(gpu, &args.model, args.ctx_size)?;
-    let template = model.template.clone().ok_or_else(|| Error::Invalid {
-        op: "chat",
-        detail: format!(
-            "{} has no chat template this build recognises (ChatML, Llama 3, Zephyr)",
-            args.model.display()
-        ),
-    })?;
-    let tk = &model.tokenizer;
+    let name = args.model.display().to_string();
+    let mut conv = Conversation::new(&model, &name, args.system.clone())?;
     let mut session = Session::new(gpu, &model, args.ctx_size)?;
-    let stop_tokens = model.stop_tokens();
-    // Text that must run before the next turn: the end of the assistant's last turn.
-    let mut pending = String::new();
-    eprintln!("doppler chat: {} ({} layers, context {} tokens). /reset clears the conversation, /exit or Ctrl-D quits.", args.model.display(), model.llama.cfg.n_layer, session.capacity());
+    eprintln!("doppler chat: {name} ({} layers, context {} tokens). /reset clears the conversation, /exit or Ctrl-D quits.", model.llama.cfg.n_layer, session.capacity());
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
     loop {
@@ -276,49 +267,25 @@ pub fn chat_cmd(gpu: &Gpu, args: &ChatArgs) -> doppler::Result<ExitCode> {
             "" => continue,
             "/exit" | "/quit" => break,
             "/reset" => {
-                session.reset();
-                pending.clear();
+                conv.reset(&mut session);
                 eprintln!("(conversation cleared)");
                 continue;
             }
             _ => {}
         }
-        let mut msgs = Vec::new();
-        let first = session.cache.len == 0;
-        if first {
-            if let Some(s) = &args.system {
-                msgs.push(Message::new("system", s));
-            }
-        }
-        msgs.push(Message::new("user", line));
-        let mut text = pending.clone() + &template.render(&msgs, first);
-        let mut ids = model.prompt_ids(&text, true, first)?;
-        if ids.len() + 16 > session.capacity() - session.cache.len {
-            // The turn does not fit after the conversation: start over with this message.
-            eprintln!("(context full: {} of {} tokens used; the conversation is cleared and this message starts a new one)", session.cache.len, session.capacity());
-            session.reset();
-            if let Some(s) = &args.system {
-                msgs.insert(0, Message::new("system", s));
-            }
-            text = template.render(&msgs, true);
-            ids = model.prompt_ids(&text, true, true)?;
-            if ids.len() + 16 > session.capacity() {
-                eprintln!(
-                    "(this message alone is {} tokens; the context holds {}: not sent)",
-                    ids.len(),
-                    session.capacity()
-                );
-                pending.clear();
+        let used = session.cache.len;
+        let turn = match conv.turn(&mut session, line) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("({e}: not sent)");
                 continue;
             }
-        }
-        let room = session.capacity() - session.cache.len - ids.len();
-        let opts = GenOptions {
-            max_tokens: args.max_tokens.min(room),
-            stop_tokens: stop_tokens.clone(),
-            stop_strings: vec![],
         };
-        let g = session.generate(gpu, &ids, &opts, &mut sampler, &mut |piece| {
+        if turn.restarted {
+            eprintln!("(context full: {used} of {} tokens used; the conversation is cleared and this message starts a new one)", session.capacity());
+        }
+        let opts = conv.options(&session, &turn, args.max_tokens);
+        let g = session.generate(gpu, &turn.ids, &opts, &mut sampler, &mut |piece| {
             print!("{piece}");
             out.flush().map_err(|source| Error::Io {
                 path: "stdout".into(),
@@ -331,12 +298,7 @@ pub fn chat_cmd(gpu: &Gpu, args: &ChatArgs) -> doppler::Result<ExitCode> {
             eprintln!("(context full: the reply was cut; /reset to start a new conversation)");
         }
         tracing::info!("{}", stats_line(&g));
-        // The stop token (or the last sampled one) has not run: close the turn next time.
-        pending = match g.stop_token {
-            Some(id) if stop_tokens.contains(&id) => template.end_of_turn().to_string(),
-            Some(id) => tk.decode(&[id]) + template.end_of_turn(),
-            None => template.end_of_turn().to_string(),
-        };
+        conv.finish(&model, &g);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -120,43 +120,18 @@ fn run(cli: Cli) -> doppler::Result<ExitCode> {
 
 fn info(gpu: &Gpu, json: bool) -> doppler::Result<ExitCode> {
     let i = &gpu.info;
-    let l = &gpu.limits;
-    let features: Vec<String> = gpu
-        .features
-        .iter_names()
-        .map(|(n, _)| n.to_string())
-        .collect();
-    let coop: Vec<String> = gpu
-        .adapter
-        .cooperative_matrix_properties()
-        .iter()
-        .map(|p| {
-            format!(
-                "{}x{}x{} {:?}->{:?}",
-                p.m_size, p.n_size, p.k_size, p.ab_type, p.cr_type
-            )
-        })
-        .collect();
-    let limits = serde_json::json!({
-        "max_buffer_size": l.max_buffer_size,
-        "max_storage_buffer_binding_size": l.max_storage_buffer_binding_size,
-        "max_compute_workgroup_storage_size": l.max_compute_workgroup_storage_size,
-        "max_compute_invocations_per_workgroup": l.max_compute_invocations_per_workgroup,
-        "max_compute_workgroups_per_dimension": l.max_compute_workgroups_per_dimension,
-        "max_storage_buffers_per_shader_stage": l.max_storage_buffers_per_shader_stage,
-        "min_uniform_buffer_offset_alignment": l.min_uniform_buffer_offset_alignment,
-    });
+    let report = gpu.report();
     if json {
-        let v = serde_json::json!({
-            "name": i.name, "backend": format!("{:?}", i.backend), "device_type": format!("{:?}", i.device_type),
-            "driver": i.driver, "driver_info": i.driver_info, "vendor": i.vendor, "device": i.device,
-            "subgroup_min_size": i.subgroup_min_size, "subgroup_max_size": i.subgroup_max_size,
-            "features": features, "cooperative_matrix": coop, "limits": limits,
-            "matmul": gpu.matmul.name(),
-        });
-        println!("{}", serde_json::to_string_pretty(&v).unwrap());
+        println!("{}", serde_json::to_string_pretty(&report).unwrap());
         return Ok(ExitCode::SUCCESS);
     }
+    let strings = |k: &str| -> Vec<String> {
+        report[k]
+            .as_array()
+            .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect())
+            .unwrap_or_default()
+    };
+    let (features, coop) = (strings("features"), strings("cooperative_matrix"));
     println!("adapter   {}", i.name);
     println!("type      {:?}", i.device_type);
     println!("backend   {:?}", i.backend);
@@ -182,8 +157,9 @@ fn info(gpu: &Gpu, json: bool) -> doppler::Result<ExitCode> {
             MatmulMode::F32 => "f32",
         }
     );
+    println!("attention {} (head dim 64)", report["paths"]["attention_d64"].as_str().unwrap_or("?"));
     println!("limits");
-    for (k, v) in limits.as_object().unwrap() {
+    for (k, v) in report["limits"].as_object().unwrap() {
         println!("  {k:<40} {v}");
     }
     Ok(ExitCode::SUCCESS)

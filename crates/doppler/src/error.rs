@@ -10,6 +10,17 @@ pub enum Error {
     )]
     NoAdapter { detail: String },
 
+    #[error(
+        "WebGPU is not available in this browser{detail}. It needs Chrome or Edge 113+ (on \
+         Linux, start Chrome with --enable-unsafe-webgpu or turn on \
+         chrome://flags/#enable-unsafe-webgpu), Safari 26+, or Firefox 141+ on Windows, and a \
+         page served over https or from localhost"
+    )]
+    NoWebGpu { detail: String },
+
+    #[error("{op}: aborted")]
+    Aborted { op: &'static str },
+
     #[error("no adapter matches {wanted:?}; available: {available}")]
     AdapterNotFound { wanted: String, available: String },
 

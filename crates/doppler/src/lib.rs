@@ -24,7 +24,6 @@ pub mod optim;
 pub mod reference;
 pub mod shaders;
 pub mod train;
-#[cfg(not(target_arch = "wasm32"))]
 pub mod verify;
 
 pub use error::{Error, Result};

@@ -246,6 +246,60 @@ impl Gpu {
         })
     }
 
+    /// The adapter, its features and limits, and the kernel paths chosen from them (what
+    /// `doppler info --json` prints and the browser's `init()` returns).
+    pub fn report(&self) -> serde_json::Value {
+        let (i, l) = (&self.info, &self.limits);
+        let features: Vec<String> = self
+            .features
+            .iter_names()
+            .map(|(n, _)| n.to_string())
+            .collect();
+        let coop: Vec<String> = self
+            .adapter
+            .cooperative_matrix_properties()
+            .iter()
+            .map(|p| {
+                format!(
+                    "{}x{}x{} {:?}->{:?}",
+                    p.m_size, p.n_size, p.k_size, p.ab_type, p.cr_type
+                )
+            })
+            .collect();
+        let has = |f| self.features.contains(f);
+        serde_json::json!({
+            "name": i.name, "backend": format!("{:?}", i.backend),
+            "device_type": format!("{:?}", i.device_type),
+            "driver": i.driver, "driver_info": i.driver_info, "vendor": i.vendor, "device": i.device,
+            "subgroup_min_size": i.subgroup_min_size, "subgroup_max_size": i.subgroup_max_size,
+            "features": features, "cooperative_matrix": coop,
+            "limits": {
+                "max_buffer_size": l.max_buffer_size,
+                "max_storage_buffer_binding_size": l.max_storage_buffer_binding_size,
+                "max_compute_workgroup_storage_size": l.max_compute_workgroup_storage_size,
+                "max_compute_invocations_per_workgroup": l.max_compute_invocations_per_workgroup,
+                "max_compute_workgroups_per_dimension": l.max_compute_workgroups_per_dimension,
+                "max_storage_buffers_per_shader_stage": l.max_storage_buffers_per_shader_stage,
+                "min_uniform_buffer_offset_alignment": l.min_uniform_buffer_offset_alignment,
+            },
+            "matmul": self.matmul.name(),
+            // Every kernel has an f32, subgroup-free form; f16, subgroups and cooperative
+            // matrices only add the tensor-core products and attention.
+            "paths": {
+                "matmul": match self.matmul {
+                    MatmulMode::F32 => "f32 tiled",
+                    MatmulMode::F16x3 => "f16x3 cooperative matrices",
+                    MatmulMode::F16 => "f16 cooperative matrices",
+                },
+                "attention_d64": crate::ops::attention::auto_path(self, 64),
+                "shader_f16": has(wgpu::Features::SHADER_F16),
+                "subgroups": has(wgpu::Features::SUBGROUP),
+                "timestamps": has(wgpu::Features::TIMESTAMP_QUERY),
+                "per_kernel_times": has(wgpu::Features::TIMESTAMP_QUERY),
+            },
+        })
+    }
+
     /// Whether this adapter can run the cooperative-matrix products (see [`MatmulMode`]),
     /// asked for or not.
     pub fn coop_matmul_possible(&self) -> bool {
@@ -306,8 +360,8 @@ impl Gpu {
                 ..Default::default()
             })
             .await
-            .map_err(|e| Error::NoAdapter {
-                detail: format!(" ({e}; is WebGPU enabled?)"),
+            .map_err(|e| Error::NoWebGpu {
+                detail: format!(" ({e})"),
             })?;
         if let Some(want) = &opts.adapter {
             let name = adapter.get_info().name;

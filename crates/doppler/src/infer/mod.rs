@@ -227,6 +227,26 @@ pub struct Generation {
     pub token_ms: Vec<f64>,
 }
 
+impl Generation {
+    /// Prompt tokens a second, up to the first token chosen.
+    pub fn prefill_tok_s(&self) -> f64 {
+        per_s(self.prompt_tokens, self.prefill_ms)
+    }
+
+    /// Tokens a second after the first.
+    pub fn decode_tok_s(&self) -> f64 {
+        per_s(self.token_ms.len(), self.token_ms.iter().sum())
+    }
+}
+
+fn per_s(n: usize, ms: f64) -> f64 {
+    if ms > 0.0 {
+        n as f64 / ms * 1e3
+    } else {
+        0.0
+    }
+}
+
 pub struct GenOptions {
     pub max_tokens: usize,
     pub stop_tokens: Vec<u32>,
@@ -437,6 +457,111 @@ impl<'m> Session<'m> {
         }
     }
 
+}
+
+/// A chat over a [`Session`], as `doppler chat` holds it: each user message is rendered
+/// with the model's template after what the cache holds, so only the new turn runs.
+pub struct Conversation {
+    pub template: Template,
+    /// Sent before the first user message (None: the template's own default, if any).
+    pub system: Option<String>,
+    /// Text that must run before the next turn: the end of the assistant's last turn (its
+    /// stop token, or its last sampled token, never ran through the model).
+    pending: String,
+}
+
+/// The prompt of one turn.
+pub struct Turn {
+    pub ids: Vec<u32>,
+    /// The conversation did not fit with this turn: the cache was cleared and the turn
+    /// starts a new one.
+    pub restarted: bool,
+}
+
+/// Tokens kept free for the reply when deciding whether a turn fits.
+const TURN_ROOM: usize = 16;
+
+impl Conversation {
+    pub fn new(model: &Model, name: &str, system: Option<String>) -> Result<Conversation> {
+        let template = model.template.clone().ok_or_else(|| Error::Invalid {
+            op: "chat",
+            detail: format!(
+                "{name} has no chat template this build recognises (ChatML, Llama 3, Zephyr)"
+            ),
+        })?;
+        Ok(Conversation {
+            template,
+            system,
+            pending: String::new(),
+        })
+    }
+
+    /// Forgets the conversation.
+    pub fn reset(&mut self, session: &mut Session<'_>) {
+        session.reset();
+        self.pending.clear();
+    }
+
+    /// The ids of the next turn (`message` from the user), after what `session` holds; when
+    /// they do not fit, the session is cleared and the turn starts over. An error when the
+    /// message alone does not fit the context.
+    pub fn turn(&mut self, session: &mut Session<'_>, message: &str) -> Result<Turn> {
+        let model = session.model;
+        let system = self.system.clone();
+        let messages = |with_system: bool| {
+            let mut m = Vec::new();
+            if let (true, Some(s)) = (with_system, &system) {
+                m.push(chat::Message::new("system", s));
+            }
+            m.push(chat::Message::new("user", message));
+            m
+        };
+        let first = session.cache.len == 0;
+        let text = self.pending.clone() + &self.template.render(&messages(first), first);
+        let ids = model.prompt_ids(&text, true, first)?;
+        if ids.len() + TURN_ROOM <= session.capacity() - session.cache.len {
+            return Ok(Turn {
+                ids,
+                restarted: false,
+            });
+        }
+        self.reset(session);
+        let ids = model.prompt_ids(&self.template.render(&messages(true), true), true, true)?;
+        if ids.len() + TURN_ROOM > session.capacity() {
+            return Err(Error::Invalid {
+                op: "chat",
+                detail: format!(
+                    "this message alone is {} tokens; the context holds {}",
+                    ids.len(),
+                    session.capacity()
+                ),
+            });
+        }
+        Ok(Turn {
+            ids,
+            restarted: true,
+        })
+    }
+
+    /// Generation options for a turn: up to `max_tokens`, as many as the context leaves.
+    pub fn options(&self, session: &Session<'_>, turn: &Turn, max_tokens: usize) -> GenOptions {
+        let room = session.capacity() - session.cache.len - turn.ids.len();
+        GenOptions {
+            max_tokens: max_tokens.min(room),
+            stop_tokens: session.model.stop_tokens(),
+            stop_strings: vec![],
+        }
+    }
+
+    /// Records how the reply ended, to close the turn before the next one.
+    pub fn finish(&mut self, model: &Model, g: &Generation) {
+        let end = self.template.end_of_turn();
+        self.pending = match g.stop_token {
+            Some(id) if model.stop_tokens().contains(&id) => end.to_string(),
+            Some(id) => model.tokenizer.decode(&[id]) + end,
+            None => end.to_string(),
+        };
+    }
 }
 
 /// Length of the prefix of `text` that is certain: whole characters (no U+FFFD from a

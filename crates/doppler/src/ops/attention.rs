@@ -184,9 +184,30 @@ impl Default for AttnOpts {
     }
 }
 
-/// Whether the tiled kernels can run for head dim `d` on a device with these limits.
-pub fn tiled_fits(limits: &wgpu::Limits, d: usize) -> bool {
-    d <= TILED_MAX_HEAD_DIM && limits.max_compute_workgroup_storage_size >= TILED_SHARED
+/// The tiled kernels' workgroup memory as a browser's WebGPU (Dawn, Chromium 156) counts
+/// it: every workgroup variable an entry point can reach, not only those it uses;
+/// `attn_bwd_dkv_tiled` is the largest at 43,392 bytes (forward 40,960, dq 38,912), past
+/// the 32 KiB browsers offer, so there the rows kernels run.
+const TILED_SHARED_BROWSER: u32 = 43_392;
+
+/// Whether the tiled kernels can run for head dim `d` on this GPU.
+pub fn tiled_fits(gpu: &crate::gpu::Gpu, d: usize) -> bool {
+    let need = match gpu.info.backend {
+        wgpu::Backend::BrowserWebGpu => TILED_SHARED_BROWSER,
+        _ => TILED_SHARED,
+    };
+    d <= TILED_MAX_HEAD_DIM && gpu.limits.max_compute_workgroup_storage_size >= need
+}
+
+/// The attention kernels [`AttnPath::Auto`] runs for head dim `d` on this GPU: `coop`,
+/// `tiled` or `rows` (what `doppler info` and the browser's `init()` report).
+pub fn auto_path(gpu: &crate::gpu::Gpu, d: usize) -> &'static str {
+    let coop = coop_fits(gpu, d) && gpu.matmul == crate::gpu::MatmulMode::F16;
+    match (coop, tiled_fits(gpu, d)) {
+        (true, _) => "coop",
+        (false, true) => "tiled",
+        (false, false) => "rows",
+    }
 }
 
 /// Whether the cooperative-matrix kernels can run for head dim `d` on this GPU.
@@ -207,7 +228,7 @@ enum Set {
 /// Which kernels run for head dim `d`.
 fn kernel_set(rec: &Recorder<'_>, d: usize, path: AttnPath) -> Result<Set> {
     let gpu = rec.gpu();
-    let tiled = tiled_fits(&gpu.limits, d);
+    let tiled = tiled_fits(gpu, d);
     let coop = coop_fits(gpu, d);
     match path {
         AttnPath::Auto if coop && (gpu.matmul == crate::gpu::MatmulMode::F16) => Ok(Set::Coop),

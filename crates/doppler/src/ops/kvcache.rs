@@ -245,7 +245,7 @@ pub fn kv_attend(
     let parts = kv_attend_parts(rec, q, k, v, pos)?;
     let p = params(q.shape(), k.shape(), pos, "q")?;
     let (t, hq, hkv, d) = (p.t as usize, p.hq as usize, p.hkv as usize, p.d as usize);
-    if parts.is_none() && t > SPLIT_MAX_QUERIES && attention::tiled_fits(&rec.gpu().limits, d) {
+    if parts.is_none() && t > SPLIT_MAX_QUERIES && attention::tiled_fits(rec.gpu(), d) {
         // A prompt: the training kernels' tiled attention (a block of queries shares each
         // tile of keys) over the filled part of the caches; its causal mask lets query i
         // see keys up to pos + i. `Auto` takes the cooperative kernels (f16 operands) when

@@ -22,12 +22,12 @@ pub const ATTN_CASES: [(usize, usize, usize, usize, usize, usize, bool); 6] = [
     (1, 1, 2, 65_537, 65_537, 4, true),
 ];
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (n, case) in ATTN_CASES.iter().enumerate() {
-        check(gpu, out, n, *case);
+        check(gpu, out, n, *case).await;
     }
     if coop_fits(gpu, 64) {
-        coop_rescale_check(gpu, out);
+        coop_rescale_check(gpu, out).await;
     }
 }
 
@@ -38,7 +38,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// few units barely move the max after the first step.) Inputs are exact in f16
 /// (multiples of 1/64 near 1), so the cooperative kernel's scores are exact and only P's
 /// rounding to f16 (2^-11) separates the result from the reference.
-fn coop_rescale_check(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+async fn coop_rescale_check(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let (t, d, jump) = (300usize, 64usize, 200usize);
     let mut rng = Rng::new(1590);
     let mut small = |den: f32| ((rng.next_u64() % 9) as f32 - 4.0) / den;
@@ -71,14 +71,20 @@ fn coop_rescale_check(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         scale: None,
         path: AttnPath::Coop,
     };
-    let r = twice("attention", || {
+    let r = twice("attention", async || {
         let shape = [1, t, 1, d];
         let tq_ = Tensor::from_f32(gpu, &shape, &q, "q")?;
         let tk_ = Tensor::from_f32(gpu, &shape, &k, "k")?;
         let tv_ = Tensor::from_f32(gpu, &shape, &v, "v")?;
-        let f = gpu.run(|rec| attention(rec, &tq_, &tk_, &tv_, opts))?;
-        Ok(vec![f.o.read_f32(gpu)?, f.lse.read_f32(gpu)?])
-    });
+        let f = gpu
+            .run_async(|rec| attention(rec, &tq_, &tk_, &tv_, opts))
+            .await?;
+        Ok(vec![
+            f.o.to_vec_f32(gpu).await?,
+            f.lse.to_vec_f32(gpu).await?,
+        ])
+    })
+    .await;
     let shape = format!("B1 T{t} D{d} causal, key {jump} scores ~10, cooperative");
     // P rounded to f16 (2^-11 of each weight) in a convex combination of |v| <= 1.02.
     let tols = [
@@ -105,7 +111,7 @@ fn coop_rescale_check(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 
 /// One case on the row kernels and, where they apply, on the tiled and the
 /// cooperative-matrix kernels; the reference is computed once for all.
-fn check(
+async fn check(
     gpu: &Gpu,
     out: &mut Vec<CheckResult>,
     n: usize,
@@ -150,7 +156,7 @@ fn check(
         .collect();
     for path in [AttnPath::Rows, AttnPath::Tiled, AttnPath::Coop] {
         let fits = match path {
-            AttnPath::Tiled => tiled_fits(&gpu.limits, d),
+            AttnPath::Tiled => tiled_fits(gpu, d),
             AttnPath::Coop => coop_fits(gpu, d),
             _ => true,
         };
@@ -171,7 +177,7 @@ fn check(
             scale: None,
             path,
         };
-        let r = twice("attention", || {
+        let r = twice("attention", async || {
             let tq_ = Tensor::from_f32(gpu, &qs, &q, "q")?;
             let tk_ = Tensor::from_f32(gpu, &ks, &k, "k")?;
             let tv_ = Tensor::from_f32(gpu, &ks, &v, "v")?;
@@ -181,13 +187,14 @@ fn check(
             let gr = attention_backward(&mut rec, &tq_, &tk_, &tv_, &f, &tg, opts)?;
             rec.submit()?;
             Ok(vec![
-                f.o.read_f32(gpu)?,
-                f.lse.read_f32(gpu)?,
-                gr.dq.read_f32(gpu)?,
-                gr.dk.read_f32(gpu)?,
-                gr.dv.read_f32(gpu)?,
+                f.o.to_vec_f32(gpu).await?,
+                f.lse.to_vec_f32(gpu).await?,
+                gr.dq.to_vec_f32(gpu).await?,
+                gr.dk.to_vec_f32(gpu).await?,
+                gr.dv.to_vec_f32(gpu).await?,
             ])
-        });
+        })
+        .await;
         let shape = format!(
             "B{b} Tq{tq} Tk{tk} Hq{hq} Hkv{hkv} D{d}{}{}",
             if causal { " causal" } else { "" },

@@ -9,25 +9,23 @@ use crate::reference as cpu;
 /// Sizes: odd, a multiple of 4 (vec4 path), and one needing a 2-D grid (> 65535 groups of 256).
 pub const ELEMENTWISE_SIZES: [usize; 4] = [1, 1003, 4096, 65_539 * 256 + 1];
 
-pub(super) fn elementwise_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn elementwise_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &n) in ELEMENTWISE_SIZES.iter().enumerate() {
         let mut rng = Rng::new(100 + i as u64);
         let (a, b) = (rng.vec(n), rng.vec(n));
         let shape = format!("[{n}]");
-        let run = |f: &dyn Fn(
+        let run = async |f: &dyn Fn(
             &mut crate::gpu::Recorder<'_>,
             &Tensor,
             &Tensor,
         ) -> crate::Result<Tensor>,
-                   want: Vec<f64>,
-                   op: &str|
-         -> Outcome {
+                         want: Vec<f64>,
+                         op: &str|
+               -> Outcome {
             let ta = Tensor::from_f32(gpu, &[n], &a, "a").map_err(s)?;
             let tb = Tensor::from_f32(gpu, &[n], &b, "b").map_err(s)?;
-            let got = gpu
-                .run(|rec| f(rec, &ta, &tb))
-                .and_then(|t| t.read_f32(gpu))
-                .map_err(s)?;
+            let t = gpu.run_async(|rec| f(rec, &ta, &tb)).await.map_err(s)?;
+            let got = t.to_vec_f32(gpu).await.map_err(s)?;
             compare(op, &got, &want, None, Tolerance::ELEMENTWISE).map_err(s)
         };
         push(
@@ -38,7 +36,8 @@ pub(super) fn elementwise_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 &|r, x, y| elementwise::add(r, x, y),
                 cpu::add(&a, &b),
                 "add",
-            ),
+            )
+            .await,
         );
         push(
             out,
@@ -48,7 +47,8 @@ pub(super) fn elementwise_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 &|r, x, y| elementwise::mul(r, x, y),
                 cpu::mul(&a, &b),
                 "mul",
-            ),
+            )
+            .await,
         );
         push(
             out,
@@ -58,7 +58,8 @@ pub(super) fn elementwise_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 &|r, x, _| elementwise::scale(r, x, -1.75),
                 cpu::scale(&a, -1.75),
                 "scale",
-            ),
+            )
+            .await,
         );
     }
 }
@@ -73,22 +74,24 @@ pub const SUM_SHAPES: [(usize, usize); 5] = [
     (70_000, 3),
 ];
 
-pub(super) fn sum_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn sum_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &(rows, n)) in SUM_SHAPES.iter().enumerate() {
         let x = Rng::new(200 + i as u64).vec(rows * n);
         let shape = format!("[{rows}, {n}]");
-        let run = || -> crate::Result<Vec<f32>> {
+        let run = async || -> crate::Result<Vec<f32>> {
             let t = Tensor::from_f32(gpu, &[rows, n], &x, "x")?;
-            gpu.run(|rec| reduce::sum_rows(rec, &t))?.read_f32(gpu)
+            let y = gpu.run_async(|rec| reduce::sum_rows(rec, &t)).await?;
+            y.to_vec_f32(gpu).await
         };
-        let r = (|| {
-            let got = run().map_err(s)?;
+        let r: Outcome = async {
+            let got = run().await.map_err(s)?;
             let (want, mag) = cpu::sum_rows(&x, rows, n);
             let stats =
                 compare("sum_rows", &got, &want, Some(&mag), Tolerance::sum(n)).map_err(s)?;
-            same_bits("sum_rows", &got, &run().map_err(s)?).map_err(s)?;
+            same_bits("sum_rows", &got, &run().await.map_err(s)?).map_err(s)?;
             Ok(stats)
-        })();
+        }
+        .await;
         push(out, "sum_rows", shape, r);
     }
 }
@@ -104,7 +107,7 @@ pub const WORDS_CASES: [(usize, usize); 3] = [
 
 /// sum_words: each group's wrapping sum (plus the word of `dep`) exactly, from the CPU's
 /// own walk of which vec4 word each group reads.
-pub(super) fn words_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn words_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &(na, nb)) in WORDS_CASES.iter().enumerate() {
         let mut state = 0x9E37_79B9u32.wrapping_mul(i as u32 + 1);
         let mut next = || {
@@ -116,7 +119,7 @@ pub(super) fn words_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let a: Vec<u32> = (0..na).map(|_| next()).collect();
         let b: Vec<u32> = (0..nb).map(|_| next()).collect();
         let dep0 = next();
-        let r = (|| -> Outcome {
+        let r: Outcome = async {
             let ta = Tensor::from_u32(gpu, &[na], &a, "a").map_err(s)?;
             let tb = match nb {
                 0 => None,
@@ -126,9 +129,10 @@ pub(super) fn words_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let wout = Tensor::empty(gpu, &[reduce::WORDS_GROUPS], DType::U32, "out").map_err(s)?;
             let bb = tb.as_ref().map(|t| (t, nb as u64 * 4));
             let groups = gpu
-                .run(|rec| reduce::sum_words_into(rec, (&ta, na as u64 * 4), bb, &dep, &wout))
+                .run_async(|rec| reduce::sum_words_into(rec, (&ta, na as u64 * 4), bb, &dep, &wout))
+                .await
                 .map_err(s)?;
-            let got = wout.read_u32(gpu).map_err(s)?;
+            let got = wout.to_vec_u32(gpu).await.map_err(s)?;
             let mut want = vec![dep0; groups];
             for v in [&a, &b] {
                 for (w, word) in v.chunks(4).enumerate() {
@@ -145,7 +149,8 @@ pub(super) fn words_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 ));
             }
             Ok(Default::default())
-        })();
+        }
+        .await;
         push(out, "sum_words", format!("a {na} words, b {nb}"), r);
     }
 }
@@ -155,7 +160,7 @@ pub(super) fn words_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 pub const ARGMAX_SHAPES: [(usize, usize); 4] = [(1, 1), (3, 1000), (2, 49_152), (70_000, 3)];
 
 /// argmax_rows against the CPU sampler's greedy pick, exactly (an index is right or not).
-pub(super) fn argmax_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn argmax_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &(rows, n)) in ARGMAX_SHAPES.iter().enumerate() {
         let mut x = Rng::new(300 + i as u64).vec(rows * n);
         if n == 1000 {
@@ -172,12 +177,13 @@ pub(super) fn argmax_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             x[40_000] = 1e30;
             x[n + 7] = f32::NEG_INFINITY;
         }
-        let r = (|| {
+        let r: Outcome = async {
             let t = Tensor::from_f32(gpu, &[rows, n], &x, "x").map_err(s)?;
-            let got = gpu
-                .run(|rec| reduce::argmax_rows(rec, &t))
-                .and_then(|t| t.read_u32(gpu))
+            let idx = gpu
+                .run_async(|rec| reduce::argmax_rows(rec, &t))
+                .await
                 .map_err(s)?;
+            let got = idx.to_vec_u32(gpu).await.map_err(s)?;
             let mut greedy =
                 crate::infer::sample::Sampler::new(crate::infer::sample::SamplerConfig::greedy());
             for (r, row) in x.chunks(n).enumerate() {
@@ -190,7 +196,8 @@ pub(super) fn argmax_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 }
             }
             Ok(crate::check::Stats::default())
-        })();
+        }
+        .await;
         push(out, "argmax_rows", format!("[{rows}, {n}]"), r);
     }
 }
@@ -224,11 +231,11 @@ pub const MATMUL_CASES: [(usize, usize, usize, usize, bool, bool, bool, bool, f3
     (2, 256, 128, 96, false, false, true, true, 1.0),
 ];
 
-pub(super) fn matmul_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    absmax_checks(gpu, out);
+pub(super) async fn matmul_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    absmax_checks(gpu, out).await;
     for bk in [8, 16] {
         let mode = Some(MatmulMode::F32);
-        matmul_checks_bk(gpu, out, matmul::Tuning { bk, mode }, (1.0, 1.0));
+        matmul_checks_bk(gpu, out, matmul::Tuning { bk, mode }, (1.0, 1.0)).await;
     }
     // The cooperative-matrix kernel where the adapter has one (not lavapipe): every case
     // whose operand rows are multiples of 4, f16x3 and f16 operands; f16x3 also with
@@ -241,7 +248,7 @@ pub(super) fn matmul_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             (MatmulMode::F16, (1.0, 1.0)),
         ] {
             let mode = Some(mode);
-            matmul_checks_bk(gpu, out, matmul::Tuning { bk: 16, mode }, scale);
+            matmul_checks_bk(gpu, out, matmul::Tuning { bk: 16, mode }, scale).await;
         }
     }
 }
@@ -252,7 +259,7 @@ pub const ABSMAX_CASES: [(usize, usize); 3] = [(148, 4), (4096, 300_000), (262_1
 
 /// `matmul::absmax_parts` against the CPU, partial by partial (exact: a maximum of bits),
 /// with a planted largest magnitude (negative) and, in the last case, an infinity.
-fn absmax_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+async fn absmax_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let parts = matmul::ABSMAX_PARTS as usize;
     for (i, &(na, nb)) in ABSMAX_CASES.iter().enumerate() {
         let mut rng = Rng::new(360 + i as u64);
@@ -264,13 +271,14 @@ fn absmax_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             a[na - 1] = f32::NEG_INFINITY;
         }
         let shape = format!("a [{na}], b [{nb}]");
-        let r = (|| {
+        let r: Outcome = async {
             let ta = Tensor::from_f32(gpu, &[na], &a, "a").map_err(s)?;
             let tb = Tensor::from_f32(gpu, &[nb], &b, "b").map_err(s)?;
             let t = gpu
-                .run(|rec| matmul::absmax_parts(rec, &ta, &tb))
+                .run_async(|rec| matmul::absmax_parts(rec, &ta, &tb))
+                .await
                 .map_err(s)?;
-            let got = t.read_u32(gpu).map_err(s)?;
+            let got = t.to_vec_u32(gpu).await.map_err(s)?;
             let mut want = vec![0u32; 2 * parts];
             for (o, x) in [(0, &a), (parts, &b)] {
                 for (j, v) in x.iter().enumerate() {
@@ -285,13 +293,14 @@ fn absmax_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     got[j], want[j]
                 )),
             }
-        })();
+        }
+        .await;
         push(out, "matmul absmax", shape, r);
     }
 }
 
 /// `MATMUL_CASES` with `tuning`, a's and b's values multiplied by `scale`.
-fn matmul_checks_bk(
+async fn matmul_checks_bk(
     gpu: &Gpu,
     out: &mut Vec<CheckResult>,
     tuning: matmul::Tuning,
@@ -339,7 +348,7 @@ fn matmul_checks_bk(
             if beta != 0.0 { " + C" } else { "" },
             if bias.is_some() { " + bias" } else { "" }
         );
-        let run = || -> crate::Result<Vec<f32>> {
+        let run = async || -> crate::Result<Vec<f32>> {
             let ta_ = Tensor::from_f32(gpu, &a_shape, &a, "a")?;
             let tb_ = Tensor::from_f32(gpu, &b_shape, &b, "b")?;
             let c = Tensor::from_f32(gpu, &with_batch(ba || bb, &[m, n]), &c0, "c")?;
@@ -352,10 +361,11 @@ fn matmul_checks_bk(
                 Some(v) => Some(Tensor::from_f32(gpu, &[n], v, "bias")?),
                 None => None,
             };
-            gpu.run(|rec| {
+            gpu.run_async(|rec| {
                 matmul::matmul_into_tuned(rec, &ta_, &tb_, &c, tbias.as_ref(), opts, beta, tuning)
-            })?;
-            c.read_f32(gpu)
+            })
+            .await?;
+            c.to_vec_f32(gpu).await
         };
         let dims = cpu::MatmulDims {
             batch,
@@ -367,8 +377,8 @@ fn matmul_checks_bk(
             batched_a: ba,
             batched_b: bb,
         };
-        let r = (|| {
-            let got = run().map_err(s)?;
+        let r: Outcome = async {
+            let got = run().await.map_err(s)?;
             let (want, mag) = cpu::matmul(&a, &b, &c0, bias.as_deref(), dims, alpha, beta);
             // f16 operands: each product within 2 x 2^-11 of its magnitude, then f32 sums;
             // f32 and f16x3 (each product within ~2^-21): f32's dot-product bound.
@@ -380,9 +390,10 @@ fn matmul_checks_bk(
                 _ => Tolerance::dot(k),
             };
             let stats = compare("matmul", &got, &want, Some(&mag), tol).map_err(s)?;
-            same_bits("matmul", &got, &run().map_err(s)?).map_err(s)?;
+            same_bits("matmul", &got, &run().await.map_err(s)?).map_err(s)?;
             Ok(stats)
-        })();
+        }
+        .await;
         let name = match mode {
             MatmulMode::F16 => "matmul (cooperative, f16 operands)".to_string(),
             MatmulMode::F16x3 if scale != (1.0, 1.0) => {
@@ -399,11 +410,11 @@ pub(super) const RECORDER_CHAIN: &str = "recorder chain (add, scale, mul, sum_ro
 
 /// Several ops in one submission, sum_rows(0.5 * (a + b) * b): checks that the recorder
 /// orders dependent dispatches (the barriers between them).
-pub(super) fn recorder_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn recorder_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let (rows, n) = (7, 1001);
     let mut rng = Rng::new(400);
     let (a, b) = (rng.vec(rows * n), rng.vec(rows * n));
-    let r = (|| {
+    let r: Outcome = async {
         let ta = Tensor::from_f32(gpu, &[rows, n], &a, "a").map_err(s)?;
         let tb = Tensor::from_f32(gpu, &[rows, n], &b, "b").map_err(s)?;
         let mut rec = gpu.recorder("chain");
@@ -418,7 +429,7 @@ pub(super) fn recorder_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 "expected 4 dispatches in one submission, recorded {dispatches}"
             ));
         }
-        let got = rowsum.read_f32(gpu).map_err(s)?;
+        let got = rowsum.to_vec_f32(gpu).await.map_err(s)?;
         let prod_ref: Vec<f32> = a.iter().zip(&b).map(|(&x, &y)| (x + y) * 0.5 * y).collect();
         let (want, mag) = cpu::sum_rows(&prod_ref, rows, n);
         // Each product carries up to 3 roundings before the sum.
@@ -427,6 +438,7 @@ pub(super) fn recorder_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             rel: Tolerance::sum(n).rel + 4.0 * f32::EPSILON as f64,
         };
         compare("recorder chain", &got, &want, Some(&mag), tol).map_err(s)
-    })();
+    }
+    .await;
     push(out, RECORDER_CHAIN, format!("[{rows}, {n}]"), r);
 }

@@ -20,13 +20,13 @@ pub const BIAS_SHAPES: [&[usize]; 8] = [
     &[2, 130, 260],
 ];
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, shape) in BIAS_SHAPES.iter().enumerate() {
         let n = *shape.last().unwrap();
         let len: usize = shape.iter().product();
         let mut rng = Rng::new(1600 + i as u64);
         let (x, b, dy) = (rng.vec(len), rng.vec(n), rng.vec(len));
-        let r = twice("bias_add", || {
+        let r = twice("bias_add", async || {
             let (tx, tb, tdy) = (
                 Tensor::from_f32(gpu, shape, &x, "x")?,
                 Tensor::from_f32(gpu, &[n], &b, "b")?,
@@ -36,8 +36,9 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let y = bias_add(&mut rec, &tx, &tb)?;
             let db = bias_add_backward(&mut rec, &tdy)?;
             rec.submit()?;
-            Ok(vec![y.read_f32(gpu)?, db.read_f32(gpu)?])
-        });
+            Ok(vec![y.to_vec_f32(gpu).await?, db.to_vec_f32(gpu).await?])
+        })
+        .await;
         let dyd = widen(&dy);
         let y = cpu::bias_add(&widen(&x), &widen(&b));
         let db = cpu::bias_add_backward(&dyd, n);

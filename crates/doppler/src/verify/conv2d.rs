@@ -64,7 +64,7 @@ pub const CONV_CASES: [Case; 6] = [
     ),
 ];
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &(xs, ws, o, has_bias)) in CONV_CASES.iter().enumerate() {
         let p = conv_params(xs, ws, &o).expect("valid case");
         let ys = [p.n as usize, p.cout as usize, p.oh as usize, p.ow as usize];
@@ -81,7 +81,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             o.groups,
             if has_bias { " +b" } else { "" }
         );
-        let run = || -> crate::Result<Vec<Vec<f32>>> {
+        let run = async || -> crate::Result<Vec<Vec<f32>>> {
             let tx = Tensor::from_f32(gpu, xs, &x, "x")?;
             let tw = Tensor::from_f32(gpu, ws, &w, "w")?;
             let tb = Tensor::from_f32(gpu, &[ws[0]], &b, "b")?;
@@ -91,21 +91,21 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let gr = conv2d_backward(&mut rec, &tx, &tw, &tdy, o, has_bias)?;
             rec.submit()?;
             let db = match &gr.db {
-                Some(db) => db.read_f32(gpu)?,
+                Some(db) => db.to_vec_f32(gpu).await?,
                 None => vec![],
             };
             Ok(vec![
-                y.read_f32(gpu)?,
-                gr.dx.read_f32(gpu)?,
-                gr.dw.read_f32(gpu)?,
+                y.to_vec_f32(gpu).await?,
+                gr.dx.to_vec_f32(gpu).await?,
+                gr.dw.to_vec_f32(gpu).await?,
                 db,
             ])
         };
         // The largest case is slow on a CPU adapter; the smaller ones check determinism.
         let r = if i + 1 == CONV_CASES.len() {
-            run().map_err(s)
+            run().await.map_err(s)
         } else {
-            twice("conv2d", run)
+            twice("conv2d", run).await
         };
         let (fwd, bwd) = match r {
             Err(e) => (Err(e.clone()), Err(e)),

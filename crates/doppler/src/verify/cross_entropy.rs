@@ -65,7 +65,7 @@ pub const CE_CASES: [CeCase; 6] = [
     },
 ];
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, c) in CE_CASES.iter().enumerate() {
         let v = *c.logits.last().unwrap();
         let t: usize = c.logits.iter().product::<usize>() / v;
@@ -88,7 +88,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             if c.smoothing > 0.0 { " smoothing" } else { "" },
             if c.mean { " mean" } else { " per-token" }
         );
-        let r = twice("cross_entropy", || {
+        let r = twice("cross_entropy", async || {
             let tx = Tensor::from_f32(gpu, c.logits, &x, "logits")?;
             let ty = Tensor::from_u32(gpu, &c.logits[..c.logits.len() - 1], &y, "targets")?;
             let tg = Tensor::from_f32(gpu, &[g.len()], &g, "g")?;
@@ -100,14 +100,15 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 Upstream::PerToken(&tg)
             };
             let dx = cross_entropy_backward(&mut rec, &tx, &ty, &fwd, up, opts)?;
-            rec.submit()?.wait(gpu)?;
+            rec.submit()?.settle(gpu).await?;
             Ok(vec![
-                fwd.loss.read_f32(gpu)?,
-                fwd.lse.read_f32(gpu)?,
-                fwd.stats.read_f32(gpu)?,
-                dx.read_f32(gpu)?,
+                fwd.loss.to_vec_f32(gpu).await?,
+                fwd.lse.to_vec_f32(gpu).await?,
+                fwd.stats.to_vec_f32(gpu).await?,
+                dx.to_vec_f32(gpu).await?,
             ])
-        });
+        })
+        .await;
         let (fwd, bwd) = match r {
             Err(e) => (Err(e.clone()), Err(e)),
             Ok(got) => {
@@ -174,15 +175,18 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         out,
         "cross_entropy bad target",
         "[3, 10], target 10".into(),
-        bad_target(gpu),
+        bad_target(gpu).await,
     );
 }
 
 /// A target >= V must come back as an error naming the position and the id.
-fn bad_target(gpu: &Gpu) -> super::Outcome {
+async fn bad_target(gpu: &Gpu) -> super::Outcome {
     let tx = Tensor::from_f32(gpu, &[3, 10], &[0.0; 30], "logits").map_err(s)?;
     let ty = Tensor::from_u32(gpu, &[3], &[1, 10, 2], "targets").map_err(s)?;
-    match gpu.run(|rec| cross_entropy(rec, &tx, &ty, Default::default())) {
+    match gpu
+        .run_async(|rec| cross_entropy(rec, &tx, &ty, Default::default()))
+        .await
+    {
         Err(crate::Error::IndexOutOfRange {
             position: 1,
             id: 10,

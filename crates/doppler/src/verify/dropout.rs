@@ -14,20 +14,21 @@ pub const DROPOUT_CASES: [(usize, f64, u64); 3] = [
     (65_537 * 256 + 9, 0.25, 42),
 ];
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &(n, p, seed)) in DROPOUT_CASES.iter().enumerate() {
         let mut rng = Rng::new(1700 + i as u64);
         let x = rng.vec(n);
         let dy = rng.vec(n);
-        let r = twice("dropout", || {
+        let r = twice("dropout", async || {
             let tx = Tensor::from_f32(gpu, &[n], &x, "x")?;
             let tdy = Tensor::from_f32(gpu, &[n], &dy, "dy")?;
             let mut rec = gpu.recorder("dropout");
             let y = dropout(&mut rec, &tx, p, seed)?;
             let dx = dropout_backward(&mut rec, &tdy, p, seed)?;
             rec.submit()?;
-            Ok(vec![y.read_f32(gpu)?, dx.read_f32(gpu)?])
+            Ok(vec![y.to_vec_f32(gpu).await?, dx.to_vec_f32(gpu).await?])
         })
+        .await
         .and_then(|got| {
             let prm = params(n, p, seed);
             same_bits("dropout", &cpu::dropout(&x, &prm), &got[0]).map_err(s)?;

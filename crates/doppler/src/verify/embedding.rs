@@ -26,24 +26,24 @@ pub const BWD_CASES: [(&[usize], usize, usize, f64, bool); 5] = [
     (&[300], 65_536, 257, 0.0, false),
 ];
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &(ishape, v, h, f16)) in FWD_CASES.iter().enumerate() {
         let mut rng = Rng::new(700 + i as u64);
         let n: usize = ishape.iter().product();
         let table = rng.vec(v * h);
         let table16: Vec<half::f16> = table.iter().map(|&x| half::f16::from_f32(x)).collect();
         let ids: Vec<u32> = (0..n).map(|_| (rng.next_u64() % v as u64) as u32).collect();
-        let r = twice("embedding", || {
+        let r = twice("embedding", async || {
             let t = if f16 {
                 Tensor::from_f16(gpu, &[v, h], &table16, "table")?
             } else {
                 Tensor::from_f32(gpu, &[v, h], &table, "table")?
             };
             let ti = Tensor::from_u32(gpu, ishape, &ids, "ids")?;
-            Ok(vec![gpu
-                .run(|rec| embedding(rec, &t, &ti))?
-                .read_f32(gpu)?])
+            let y = gpu.run_async(|rec| embedding(rec, &t, &ti)).await?;
+            Ok(vec![y.to_vec_f32(gpu).await?])
         })
+        .await
         .and_then(|got| {
             let src: Vec<f64> = if f16 {
                 table16.iter().map(|x| x.to_f64()).collect()
@@ -86,13 +86,15 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let dout = rng.vec(n * h);
         let init = rng.vec(v * h);
         let dshape = [ishape, &[h][..]].concat();
-        let r = twice("embedding_backward", || {
+        let r = twice("embedding_backward", async || {
             let ti = Tensor::from_u32(gpu, ishape, &ids, "ids")?;
             let td = Tensor::from_f32(gpu, &dshape, &dout, "dout")?;
             let dt = Tensor::from_f32(gpu, &[v, h], &init, "dtable")?;
-            gpu.run(|rec| embedding_backward_into(rec, &ti, &td, &dt, accumulate))?;
-            Ok(vec![dt.read_f32(gpu)?])
+            gpu.run_async(|rec| embedding_backward_into(rec, &ti, &td, &dt, accumulate))
+                .await?;
+            Ok(vec![dt.to_vec_f32(gpu).await?])
         })
+        .await
         .and_then(|got| {
             let mut want = cpu::embedding_backward(&ids, &widen(&dout), v, h);
             let abs: Vec<f64> = dout.iter().map(|x| x.abs() as f64).collect();
@@ -138,17 +140,19 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         out,
         "embedding bad id",
         "V = 10, id 12 at position 2".into(),
-        bad_id(gpu),
+        bad_id(gpu).await,
     );
 }
 
 /// An id >= V must come back as an error naming it, from the forward and the backward.
-fn bad_id(gpu: &Gpu) -> Outcome {
+async fn bad_id(gpu: &Gpu) -> Outcome {
     let t = Tensor::from_f32(gpu, &[10, 4], &[1.0; 40], "table").map_err(s)?;
     let ids = Tensor::from_u32(gpu, &[4], &[0, 9, 12, 3], "ids").map_err(s)?;
     let d = Tensor::from_f32(gpu, &[4, 4], &[1.0; 16], "dout").map_err(s)?;
-    let fwd = gpu.run(|rec| embedding(rec, &t, &ids));
-    let bwd = gpu.run(|rec| embedding_backward_into(rec, &ids, &d, &t, false));
+    let fwd = gpu.run_async(|rec| embedding(rec, &t, &ids)).await;
+    let bwd = gpu
+        .run_async(|rec| embedding_backward_into(rec, &ids, &d, &t, false))
+        .await;
     for (what, r) in [("forward", fwd.map(|_| ())), ("backward", bwd)] {
         match r {
             Err(crate::Error::IndexOutOfRange {

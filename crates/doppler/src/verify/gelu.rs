@@ -22,7 +22,7 @@ const TOL: Tolerance = Tolerance {
     rel: 2e-6,
 };
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, shape) in GELU_SHAPES.iter().enumerate() {
         let n: usize = shape.iter().product();
         let mut rng = Rng::new(500 + i as u64);
@@ -33,15 +33,16 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 GeluMode::Exact => "gelu",
                 GeluMode::Tanh => "gelu tanh",
             };
-            let r = twice(name, || {
+            let r = twice(name, async || {
                 let tx = Tensor::from_f32(gpu, shape, &x, "x")?;
                 let tdy = Tensor::from_f32(gpu, shape, &dy, "dy")?;
                 let mut rec = gpu.recorder(name);
                 let y = gelu(&mut rec, &tx, mode)?;
                 let dx = gelu_backward(&mut rec, &tx, &tdy, mode)?;
                 rec.submit()?;
-                Ok(vec![y.read_f32(gpu)?, dx.read_f32(gpu)?])
-            });
+                Ok(vec![y.to_vec_f32(gpu).await?, dx.to_vec_f32(gpu).await?])
+            })
+            .await;
             let (fwd, bwd) = match r {
                 Ok(v) => {
                     let (xd, dyd) = (widen(&x), widen(&dy));

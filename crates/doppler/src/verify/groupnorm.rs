@@ -20,7 +20,7 @@ pub const GN_CASES: [(&[usize], usize, f32); 6] = [
 
 const EPS: f32 = 1e-5;
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &(shape, groups, offset)) in GN_CASES.iter().enumerate() {
         let (n, c) = (shape[0], shape[1]);
         let sp: usize = shape[2..].iter().product();
@@ -38,7 +38,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 String::new()
             }
         );
-        let r = twice("group_norm", || {
+        let r = twice("group_norm", async || {
             let tx = Tensor::from_f32(gpu, shape, &x, "x")?;
             let tg = Tensor::from_f32(gpu, &[c], &gamma, "gamma")?;
             let tb = Tensor::from_f32(gpu, &[c], &beta, "beta")?;
@@ -48,14 +48,15 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let b = group_norm_backward(&mut rec, &tx, &tg, &f, &tdy, groups)?;
             rec.submit()?;
             Ok(vec![
-                f.y.read_f32(gpu)?,
-                f.mean.read_f32(gpu)?,
-                f.rstd.read_f32(gpu)?,
-                b.dx.read_f32(gpu)?,
-                b.dgamma.read_f32(gpu)?,
-                b.dbeta.read_f32(gpu)?,
+                f.y.to_vec_f32(gpu).await?,
+                f.mean.to_vec_f32(gpu).await?,
+                f.rstd.to_vec_f32(gpu).await?,
+                b.dx.to_vec_f32(gpu).await?,
+                b.dgamma.to_vec_f32(gpu).await?,
+                b.dbeta.to_vec_f32(gpu).await?,
             ])
-        });
+        })
+        .await;
         let (fwd, bwd) = match r {
             Err(e) => (Err(e.clone()), Err(e)),
             Ok(got) => {

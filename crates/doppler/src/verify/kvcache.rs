@@ -27,7 +27,7 @@ pub const KV_CASES: [(usize, usize, usize, usize, usize, usize); 7] = [
     (80, 2, 1, 256, 70, 2),
 ];
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (n, &(cap, hq, hkv, d, pre, steps)) in KV_CASES.iter().enumerate() {
         let total = pre + steps;
         let mut rng = Rng::new(3100 + n as u64);
@@ -48,7 +48,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             scale: 1.0 / (d as f32).sqrt() as f64,
         };
         let (want, _) = cpu::attention(&widen(&q), &widen(&k), &widen(&v), dm);
-        let r = twice("kv_attend", || {
+        let r = twice("kv_attend", async || {
             let kc = Tensor::empty(gpu, &[cap, hkv, d], crate::gpu::DType::F32, "k")?;
             let vc = Tensor::empty(gpu, &[cap, hkv, d], crate::gpu::DType::F32, "v")?;
             let mut got = Vec::new();
@@ -74,16 +74,19 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 let qt = Tensor::from_f32(gpu, &[t, hq, d], &slice(&q, hq), "q")?;
                 let kt = Tensor::from_f32(gpu, &[t, hkv, d], &slice(&k, hkv), "k")?;
                 let vt = Tensor::from_f32(gpu, &[t, hkv, d], &slice(&v, hkv), "v")?;
-                let o = gpu.run(|rec| {
-                    kv_store(rec, &kc, &kt, pos)?;
-                    kv_store(rec, &vc, &vt, pos)?;
-                    kv_attend(rec, &qt, &kc, &vc, pos)
-                })?;
-                got.extend(o.read_f32(gpu)?);
+                let o = gpu
+                    .run_async(|rec| {
+                        kv_store(rec, &kc, &kt, pos)?;
+                        kv_store(rec, &vc, &vt, pos)?;
+                        kv_attend(rec, &qt, &kc, &vc, pos)
+                    })
+                    .await?;
+                got.extend(o.to_vec_f32(gpu).await?);
                 pos += t;
             }
             Ok(vec![got])
-        });
+        })
+        .await;
         // Convex combinations of v with probabilities from D-term dots and exp(): as the
         // training kernels, judged against max |v| (here ~1) with the dot's tolerance. A
         // GPU opened for f16 products runs prompts on cooperative matrices: four f16
@@ -110,7 +113,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 
 /// rope_store against the f64 RoPE reference: biases added, q and k turned, k and v in the
 /// caches at pos..pos+T; both pairings, an odd token count at an offset.
-pub(super) fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::kvcache::rope_store;
     use crate::ops::rope::{Pairing, RopeTable};
     let (t, hq, hkv, d, pos, cap) = (5usize, 4usize, 2usize, 8usize, 3usize, 12usize);
@@ -121,7 +124,7 @@ pub(super) fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     {
         let mut rng = Rng::new(3300 + n as u64);
         let (qkv, bias) = (rng.vec(t * width), rng.vec(width));
-        let r = twice("rope_store", || {
+        let r = twice("rope_store", async || {
             let table = RopeTable::new(gpu, cap, d, 10000.0)?;
             let x = Tensor::from_f32(gpu, &[t, width], &qkv, "qkv")?;
             let b = Tensor::from_f32(gpu, &[width], &bias, "bias")?;
@@ -136,9 +139,14 @@ pub(super) fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 v_cache: &vc,
                 pos,
             };
-            let q = gpu.run(|rec| rope_store(rec, &x, &to))?;
-            Ok(vec![q.read_f32(gpu)?, kc.read_f32(gpu)?, vc.read_f32(gpu)?])
-        });
+            let q = gpu.run_async(|rec| rope_store(rec, &x, &to)).await?;
+            Ok(vec![
+                q.to_vec_f32(gpu).await?,
+                kc.to_vec_f32(gpu).await?,
+                vc.to_vec_f32(gpu).await?,
+            ])
+        })
+        .await;
         // Split (T, width) + bias into q (T, Hq, D), k and v (T, Hkv, D) in f64.
         let part = |from: usize, heads: usize| -> Vec<f64> {
             (0..t)
@@ -201,7 +209,7 @@ pub const ROPE_STORE_CASES: [RopeCase; 5] = [
 /// runs) against the two steps it replaces (`qmatmul_fused` with the norm, then
 /// `rope_store`, itself checked against the f64 reference above): q and both whole caches
 /// (filled with noise first, so a stray write shows), with the norm and a bias.
-pub(super) fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::kvcache::rope_store;
     use crate::ops::quant::qmatmul_rope_store;
     use crate::ops::rope::{Pairing, RopeTable};
@@ -218,7 +226,7 @@ pub(super) fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let raw = super::quant::random_blocks(ty_name, rows * cols, &mut rng);
         let (x, nw, bias) = (rng.vec(t * cols), rng.vec(cols), rng.vec(rows));
         let (k0, v0) = (rng.vec(cap * hkv * d), rng.vec(cap * hkv * d));
-        let r = twice("qmatmul_rope_store", || {
+        let r = twice("qmatmul_rope_store", async || {
             let w = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
             let table = RopeTable::new(gpu, cap, d, 10000.0)?;
             let xt = Tensor::from_f32(gpu, &[t, cols], &x, "x")?;
@@ -237,23 +245,30 @@ pub(super) fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     v_cache: &vc,
                     pos,
                 };
-                let q = gpu.run(|rec| {
-                    let norm = Some((&nwt, 1e-5));
-                    if fused {
-                        qmatmul_rope_store(rec, &xt, &w, norm, &to, None)
-                    } else {
-                        let fuse = Fuse {
-                            norm,
-                            ..Default::default()
-                        };
-                        let qkv = qmatmul_fused(rec, &xt, &w, fuse)?;
-                        rope_store(rec, &qkv, &to)
-                    }
-                })?;
-                got.extend([q.read_f32(gpu)?, kc.read_f32(gpu)?, vc.read_f32(gpu)?]);
+                let q = gpu
+                    .run_async(|rec| {
+                        let norm = Some((&nwt, 1e-5));
+                        if fused {
+                            qmatmul_rope_store(rec, &xt, &w, norm, &to, None)
+                        } else {
+                            let fuse = Fuse {
+                                norm,
+                                ..Default::default()
+                            };
+                            let qkv = qmatmul_fused(rec, &xt, &w, fuse)?;
+                            rope_store(rec, &qkv, &to)
+                        }
+                    })
+                    .await?;
+                got.extend([
+                    q.to_vec_f32(gpu).await?,
+                    kc.to_vec_f32(gpu).await?,
+                    vc.to_vec_f32(gpu).await?,
+                ]);
             }
             Ok(got)
-        });
+        })
+        .await;
         // Two kernels of the same sums (multiply-adds fused differently by the compiler),
         // RMSNorm's factor after them and then the rotation, which can cancel.
         let tol = Tolerance {
@@ -287,7 +302,7 @@ pub(super) fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// rows (32 heads of 128, wider than the merge inside the product takes), Q4_K (merged
 /// straight into the 8-bit row: `attend_merge_x8`, the same bits as merging, then rounding)
 /// and F16 (merged, then multiplied).
-pub(super) fn merged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn merged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let smol = (9usize, 3usize, 64usize);
     let wide = (32usize, 8usize, 128usize);
     for (cap, pos, heads, ty) in [
@@ -296,11 +311,11 @@ pub(super) fn merged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         (200, 150, wide, "Q4_K"),
         (200, 150, wide, "F16"),
     ] {
-        merged_check(gpu, cap, pos, heads, ty, out);
+        merged_check(gpu, cap, pos, heads, ty, out).await;
     }
 }
 
-fn merged_check(
+async fn merged_check(
     gpu: &Gpu,
     cap: usize,
     pos: usize,
@@ -324,30 +339,36 @@ fn merged_check(
     let raw = super::quant::random_blocks(ty_name, rows * cols, &mut rng);
     let ty = GgmlType::from_name(ty_name).expect("known type");
     for with_res in [false, true] {
-        let r = twice(op, || {
+        let r = twice(op, async || {
             let w = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
             let qt = Tensor::from_f32(gpu, &[1, hq, d], &q, "q")?;
             let kc = Tensor::from_f32(gpu, &[cap, hkv, d], &k, "k")?;
             let vc = Tensor::from_f32(gpu, &[cap, hkv, d], &v, "v")?;
             let rt = Tensor::from_f32(gpu, &[1, rows], &res, "res")?;
             let residual = with_res.then_some(&rt);
-            let (fused, plain) = gpu.run(|rec| {
-                let parts = kv_attend_parts(rec, &qt, &kc, &vc, pos)?.expect("150 keys split");
-                let fused = qmatvec_parts(rec, &parts, &w, residual, None)?.0;
-                let a = kv_attend(rec, &qt, &kc, &vc, pos)?.reshape(&[1, cols])?;
-                let plain = qmatmul_fused(
-                    rec,
-                    &a,
-                    &w,
-                    Fuse {
-                        residual,
-                        ..Default::default()
-                    },
-                )?;
-                Ok((fused, plain))
-            })?;
-            Ok(vec![fused.read_f32(gpu)?, plain.read_f32(gpu)?])
-        });
+            let (fused, plain) = gpu
+                .run_async(|rec| {
+                    let parts = kv_attend_parts(rec, &qt, &kc, &vc, pos)?.expect("150 keys split");
+                    let fused = qmatvec_parts(rec, &parts, &w, residual, None)?.0;
+                    let a = kv_attend(rec, &qt, &kc, &vc, pos)?.reshape(&[1, cols])?;
+                    let plain = qmatmul_fused(
+                        rec,
+                        &a,
+                        &w,
+                        Fuse {
+                            residual,
+                            ..Default::default()
+                        },
+                    )?;
+                    Ok((fused, plain))
+                })
+                .await?;
+            Ok(vec![
+                fused.to_vec_f32(gpu).await?,
+                plain.to_vec_f32(gpu).await?,
+            ])
+        })
+        .await;
         let res = r.and_then(|got| {
             let want: Vec<f64> = got[1].iter().map(|&v| v as f64).collect();
             compare(op, &got[0], &want, None, Tolerance::dot(cols)).map_err(s)

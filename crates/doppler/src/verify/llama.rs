@@ -5,15 +5,16 @@
 //! and cached single-token steps. (SmolLM2 itself is checked against transformers by the
 //! test suite: tests/smollm2.rs.)
 
+#[cfg(not(target_arch = "wasm32"))]
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
 
-use super::{push, s, CheckResult};
+use super::{push, s, CheckResult, Outcome};
 use crate::check::{compare, Rng, Tolerance};
 use crate::formats::gguf::{self, GgmlType, Value};
 use crate::gpu::Gpu;
-use crate::models::llama;
+use crate::models::llama::{self, Llama};
 
 /// Shapes of the tiny models: 2 layers, width 32, 4 heads of 8, 2 kv heads, SwiGLU 48, a
 /// byte-level vocabulary of 256 bytes, one merge ("he") and 2 control tokens.
@@ -104,26 +105,22 @@ fn encode(v: &[f32], ty: &str) -> Vec<u8> {
     }
 }
 
-/// Writes `dir/model.gguf` and the Hugging Face directory `dir/hf` of one tiny random model
-/// with matrices in `ty` (F32, F16 or BF16; norms F32 in the GGUF as llama.cpp writes them).
-/// The GGUF carries a byte-level tokenizer and a ChatML template, for command tests.
-pub fn write_tiny(
-    dir: &Path,
-    arch: &str,
-    ty: &str,
-    seed: u64,
-) -> crate::Result<(PathBuf, PathBuf)> {
-    let io = |p: &Path| {
-        let p = p.display().to_string();
-        move |source| crate::Error::Io {
-            path: p.clone(),
-            source,
-        }
-    };
+/// The files of one tiny random model, in memory: what [`write_tiny`] writes.
+pub struct TinyFiles {
+    /// `model.gguf`.
+    pub gguf: Vec<u8>,
+    /// The Hugging Face directory's `model.safetensors`.
+    pub safetensors: Vec<u8>,
+    /// The Hugging Face directory's `config.json`.
+    pub config: String,
+}
+
+/// One tiny random model with matrices in `ty` (F32, F16 or BF16; norms F32 in the GGUF as
+/// llama.cpp writes them), as GGUF and as a Hugging Face directory. The GGUF carries a
+/// byte-level tokenizer and a ChatML template, for command tests.
+pub fn tiny_files(arch: &str, ty: &str, seed: u64) -> crate::Result<TinyFiles> {
     let tensors = tensors(arch, seed);
     // Hugging Face directory.
-    let hf = dir.join("hf");
-    std::fs::create_dir_all(&hf).map_err(io(&hf))?;
     let st_dtype = match ty {
         "F16" => safetensors::Dtype::F16,
         "BF16" => safetensors::Dtype::BF16,
@@ -141,17 +138,16 @@ pub fn write_tiny(
             )
         })
         .collect();
-    let st = safetensors::serialize(views, None).map_err(|e| crate::Error::Invalid {
+    let safetensors = safetensors::serialize(views, None).map_err(|e| crate::Error::Invalid {
         op: "safetensors",
         detail: e.to_string(),
     })?;
-    std::fs::write(hf.join("model.safetensors"), st).map_err(io(&hf))?;
     let config = serde_json::json!({
         "model_type": arch, "hidden_size": E, "num_hidden_layers": LAYERS, "num_attention_heads": H,
         "num_key_value_heads": KV, "intermediate_size": FF, "vocab_size": VOCAB, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": arch != "qwen2",
-    });
-    std::fs::write(hf.join("config.json"), config.to_string()).map_err(io(&hf))?;
+    })
+    .to_string();
     // GGUF.
     let gty = GgmlType::from_name(ty).expect("known type");
     let mut g: Vec<(String, Vec<u64>, GgmlType, Vec<u8>)> = Vec::new();
@@ -209,32 +205,92 @@ pub fn write_tiny(
         .iter()
         .map(|(n, d, t, b)| (n.as_str(), d.as_slice(), *t, b.as_slice()))
         .collect();
+    Ok(TinyFiles {
+        gguf: gguf::write(&md_ref, &t_ref, 32),
+        safetensors,
+        config,
+    })
+}
+
+/// Writes `dir/model.gguf` and the Hugging Face directory `dir/hf` (`model.safetensors`,
+/// `config.json`) of [`tiny_files`]' model.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn write_tiny(
+    dir: &Path,
+    arch: &str,
+    ty: &str,
+    seed: u64,
+) -> crate::Result<(PathBuf, PathBuf)> {
+    let io = |p: &Path| {
+        let p = p.display().to_string();
+        move |source| crate::Error::Io {
+            path: p.clone(),
+            source,
+        }
+    };
+    let files = tiny_files(arch, ty, seed)?;
+    let hf = dir.join("hf");
+    std::fs::create_dir_all(&hf).map_err(io(&hf))?;
+    std::fs::write(hf.join("model.safetensors"), files.safetensors).map_err(io(&hf))?;
+    std::fs::write(hf.join("config.json"), files.config).map_err(io(&hf))?;
     let file = dir.join("model.gguf");
-    std::fs::write(&file, gguf::write(&md_ref, &t_ref, 32)).map_err(io(&file))?;
+    std::fs::write(&file, files.gguf).map_err(io(&file))?;
     Ok((file, hf))
 }
 
+/// Seed of the checked models' weights.
+const SEED: u64 = 4100;
+
+/// Where the checks write their models: a directory of this process's own.
+#[cfg(not(target_arch = "wasm32"))]
+fn scratch() -> PathBuf {
+    std::env::temp_dir().join(format!("doppler-verify-llama-{}", std::process::id()))
+}
+
+/// The tiny model opened both ways, GGUF first: from the files [`write_tiny`] writes, as
+/// `doppler` opens a model.
+#[cfg(not(target_arch = "wasm32"))]
+fn open_both(gpu: &Gpu, arch: &str, ty: &str) -> crate::Result<[Llama; 2]> {
+    let (g, hf) = write_tiny(&scratch().join(format!("{arch}-{ty}")), arch, ty, SEED)?;
+    Ok([llama::open(gpu, &g, 64)?.0, llama::open(gpu, &hf, 64)?.0])
+}
+
+/// The tiny model opened both ways, GGUF first: in the browser, which has no files, from
+/// the same bytes in memory.
+#[cfg(target_arch = "wasm32")]
+fn open_both(gpu: &Gpu, arch: &str, ty: &str) -> crate::Result<[Llama; 2]> {
+    let files = tiny_files(arch, ty, SEED)?;
+    let g = gguf::GgufFile::from_bytes(Box::new(files.gguf), "model.gguf")?;
+    let st = llama::SafeTensorsDir::from_bytes(
+        vec![("hf/model.safetensors".into(), Box::new(files.safetensors))],
+        "hf",
+    )?;
+    Ok([
+        llama::from_gguf(gpu, &g, 64)?,
+        llama::from_safetensors(gpu, &files.config, "hf/config.json", &st, 64)?,
+    ])
+}
+
 /// Logits of a 7-token prefill, then two single-token steps, concatenated.
-fn run(gpu: &Gpu, path: &Path) -> crate::Result<Vec<f32>> {
-    let (m, _) = llama::open(gpu, path, 64)?;
+async fn run(gpu: &Gpu, m: &Llama) -> crate::Result<Vec<f32>> {
     let mut cache = m.cache(gpu, 64)?;
     let mut out = Vec::new();
     for ids in [&[3u32, 250, 17, 99, 0, 257, 42][..], &[7], &[128]] {
-        let l = gpu.run(|rec| m.forward(rec, ids, &mut cache, false))?;
-        out.extend(l.read_f32(gpu)?);
+        let l = gpu
+            .run_async(|rec| m.forward(rec, ids, &mut cache, false))
+            .await?;
+        out.extend(l.to_vec_f32(gpu).await?);
     }
     Ok(out)
 }
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    let base = std::env::temp_dir().join(format!("doppler-verify-llama-{}", std::process::id()));
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for arch in ["llama", "qwen2"] {
         for ty in ["F32", "F16", "BF16"] {
-            let dir = base.join(format!("{arch}-{ty}"));
-            let res = (|| {
-                let (g, hf) = write_tiny(&dir, arch, ty, 4100).map_err(s)?;
-                let a = run(gpu, &g).map_err(s)?;
-                let b = run(gpu, &hf).map_err(s)?;
+            let res: Outcome = async {
+                let [g, hf] = open_both(gpu, arch, ty).map_err(s)?;
+                let a = run(gpu, &g).await.map_err(s)?;
+                let b = run(gpu, &hf).await.map_err(s)?;
                 // Same weights, same math; only the row order of q/k (and the RoPE pairing
                 // that undoes it) differs: agreement to rounding.
                 let want: Vec<f64> = b.iter().map(|&v| v as f64).collect();
@@ -249,7 +305,8 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     },
                 )
                 .map_err(s)
-            })();
+            }
+            .await;
             push(
                 out,
                 &format!("llama gguf vs safetensors {arch}"),
@@ -258,5 +315,6 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             );
         }
     }
-    let _ = std::fs::remove_dir_all(&base);
+    #[cfg(not(target_arch = "wasm32"))]
+    let _ = std::fs::remove_dir_all(scratch());
 }

@@ -27,6 +27,9 @@ pub use basic::{
 };
 pub use kvcache::KV_CASES;
 
+use std::future::Future;
+use std::pin::Pin;
+
 use crate::check::Stats;
 use crate::gpu::Gpu;
 
@@ -63,53 +66,79 @@ pub(crate) fn s<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
 }
 
+/// What a family runs: its async function, boxed so that one table holds them all.
+type Checks =
+    for<'a> fn(&'a Gpu, &'a mut Vec<CheckResult>) -> Pin<Box<dyn Future<Output = ()> + 'a>>;
+
 /// A family of checks: the op names it reports, and the function that runs them.
-type Family = (&'static [&'static str], fn(&Gpu, &mut Vec<CheckResult>));
+type Family = (&'static [&'static str], Checks);
+
+/// A family's `async fn(&Gpu, &mut Vec<CheckResult>)` as [`Checks`].
+macro_rules! family {
+    ($f:path) => {{
+        fn boxed<'a>(
+            gpu: &'a Gpu,
+            out: &'a mut Vec<CheckResult>,
+        ) -> Pin<Box<dyn Future<Output = ()> + 'a>> {
+            Box::pin($f(gpu, out))
+        }
+        boxed as Checks
+    }};
+}
 
 const FAMILIES: &[Family] = &[
-    (&["add", "mul", "scale"], basic::elementwise_checks),
-    (&["sum_rows"], basic::sum_checks),
-    (&["argmax_rows"], basic::argmax_checks),
-    (&["sum_words"], basic::words_checks),
-    (&["matmul"], basic::matmul_checks),
-    (&[basic::RECORDER_CHAIN], basic::recorder_checks),
-    (&["gelu"], gelu::checks),
-    (&["cross_entropy"], cross_entropy::checks),
-    (&["embedding"], embedding::checks),
-    (&["group_norm"], groupnorm::checks),
-    (&["conv2d"], conv2d::checks),
-    (&["layer_norm", "rms_norm"], norm::checks),
-    (&["softmax"], softmax::checks),
-    (&["silu", "swiglu"], silu::checks),
-    (&["rope"], rope::checks),
-    (&["adamw", "sgd"], optim::checks),
-    (&["dropout"], dropout::checks),
-    (&["attention"], attention::checks),
-    (&["transformer gradients"], model::checks),
-    (&["dequantize"], quant::checks),
-    (&["get_rows", "qmatmul"], quant::product_checks),
-    (&["qmatmul fused"], quant::fused_checks),
-    (&["qmatmul decode"], quant::decode_checks),
-    (&["qmatmul_chain"], quant::chain_checks),
-    (&["kv_attend"], kvcache::checks),
-    (&["rope_store"], kvcache::rope_store_checks),
-    (&["qmatmul_rope_store"], kvcache::rope_product_checks),
-    (&["qmatvec_merged", "qmatvec_parts"], kvcache::merged_checks),
-    (&["llama gguf vs safetensors"], llama::checks),
-    (&["bias_add"], bias::checks),
-    (&["pixel_shuffle", "upsample_nearest2d"], upsample::checks),
+    (&["add", "mul", "scale"], family!(basic::elementwise_checks)),
+    (&["sum_rows"], family!(basic::sum_checks)),
+    (&["argmax_rows"], family!(basic::argmax_checks)),
+    (&["sum_words"], family!(basic::words_checks)),
+    (&["matmul"], family!(basic::matmul_checks)),
+    (&[basic::RECORDER_CHAIN], family!(basic::recorder_checks)),
+    (&["gelu"], family!(gelu::checks)),
+    (&["cross_entropy"], family!(cross_entropy::checks)),
+    (&["embedding"], family!(embedding::checks)),
+    (&["group_norm"], family!(groupnorm::checks)),
+    (&["conv2d"], family!(conv2d::checks)),
+    (&["layer_norm", "rms_norm"], family!(norm::checks)),
+    (&["softmax"], family!(softmax::checks)),
+    (&["silu", "swiglu"], family!(silu::checks)),
+    (&["rope"], family!(rope::checks)),
+    (&["adamw", "sgd"], family!(optim::checks)),
+    (&["dropout"], family!(dropout::checks)),
+    (&["attention"], family!(attention::checks)),
+    (&["transformer gradients"], family!(model::checks)),
+    (&["dequantize"], family!(quant::checks)),
+    (&["get_rows", "qmatmul"], family!(quant::product_checks)),
+    (&["qmatmul fused"], family!(quant::fused_checks)),
+    (&["qmatmul decode"], family!(quant::decode_checks)),
+    (&["qmatmul_chain"], family!(quant::chain_checks)),
+    (&["kv_attend"], family!(kvcache::checks)),
+    (&["rope_store"], family!(kvcache::rope_store_checks)),
+    (
+        &["qmatmul_rope_store"],
+        family!(kvcache::rope_product_checks),
+    ),
+    (
+        &["qmatvec_merged", "qmatvec_parts"],
+        family!(kvcache::merged_checks),
+    ),
+    (&["llama gguf vs safetensors"], family!(llama::checks)),
+    (&["bias_add"], family!(bias::checks)),
+    (
+        &["pixel_shuffle", "upsample_nearest2d"],
+        family!(upsample::checks),
+    ),
 ];
 
 /// Every check whose op name contains `filter` (all when None).
-pub fn run(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
+pub async fn run_async(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
     let want = |op: &str| filter.is_none_or(|f| op.contains(f));
-    let mut out = run_families(gpu, filter);
+    let mut out = run_families_async(gpu, filter).await;
     out.retain(|c| want(&c.op));
     out
 }
 
 /// All checks of every family that reports an op name containing `filter`.
-pub fn run_families(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
+pub async fn run_families_async(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
     let mut out = Vec::new();
     let want = |op: &str| filter.is_none_or(|f| op.contains(f));
     for (ops, f) in FAMILIES {
@@ -118,19 +147,31 @@ pub fn run_families(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
             .iter()
             .any(|op| want(op) || filter.is_some_and(|f| f.starts_with(op)))
         {
-            f(gpu, &mut out);
+            f(gpu, &mut out).await;
         }
     }
     out
 }
 
+/// Blocking [`run_async`].
+#[cfg(not(target_arch = "wasm32"))]
+pub fn run(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
+    pollster::block_on(run_async(gpu, filter))
+}
+
+/// Blocking [`run_families_async`].
+#[cfg(not(target_arch = "wasm32"))]
+pub fn run_families(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
+    pollster::block_on(run_families_async(gpu, filter))
+}
+
 /// Runs `f` twice; the results must be the same bits. Returns the first run's outputs.
-pub(crate) fn twice<F>(op: &str, f: F) -> Result<Vec<Vec<f32>>, String>
+pub(crate) async fn twice<F>(op: &str, f: F) -> Result<Vec<Vec<f32>>, String>
 where
-    F: Fn() -> crate::Result<Vec<Vec<f32>>>,
+    F: AsyncFn() -> crate::Result<Vec<Vec<f32>>>,
 {
-    let first = f().map_err(s)?;
-    let second = f().map_err(s)?;
+    let first = f().await.map_err(s)?;
+    let second = f().await.map_err(s)?;
     for (a, b) in first.iter().zip(&second) {
         crate::check::same_bits(op, a, b).map_err(s)?;
     }

@@ -28,7 +28,7 @@ pub fn tiny(arch: Arch) -> ModelConfig {
     }
 }
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     // Relative tolerances of the loss and the gradients: f32 rounding, or with f16 matmul
     // operands (`DOPPLER_MATMUL=f16`) products rounded to 2^-11 (on an H200: loss 1.1e-5;
     // gradients 1.6e-3 of their tensor's largest at the first element past 1e-3). A wrong
@@ -60,7 +60,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let targets: Vec<u32> = (0..b * t).map(|_| (rng.next_u64() % 11) as u32).collect();
         let name = format!("transformer gradients ({arch:?})").to_lowercase();
         let shape = format!("L2 C8 H2 V11 B{b} T{t}");
-        let run = || -> crate::Result<(Vec<f32>, Vec<Vec<f32>>)> {
+        let run = async || -> crate::Result<(Vec<f32>, Vec<Vec<f32>>)> {
             let mut model = Transformer::from_weights(gpu, &cfg, weights.clone())?;
             let ti = Tensor::from_u32(gpu, &[b, t], &ids, "ids")?;
             let tt = Tensor::from_u32(gpu, &[b, t], &targets, "targets")?;
@@ -70,19 +70,14 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let lt = tape.value(loss)?.clone();
             tape.backward(&mut rec, loss, 1.0, &mut model.params)?;
             rec.submit()?;
-            let grads = model
-                .params
-                .grads
-                .iter()
-                .map(|g| {
-                    g.as_ref()
-                        .expect("every parameter gets a gradient")
-                        .read_f32(gpu)
-                })
-                .collect::<crate::Result<_>>()?;
-            Ok((lt.read_f32(gpu)?, grads))
+            let mut grads = Vec::new();
+            for g in &model.params.grads {
+                let g = g.as_ref().expect("every parameter gets a gradient");
+                grads.push(g.to_vec_f32(gpu).await?);
+            }
+            Ok((lt.to_vec_f32(gpu).await?, grads))
         };
-        let got = match run() {
+        let got = match run().await {
             Ok(g) => g,
             Err(e) => {
                 push(out, &name, shape, Err(s(e)));

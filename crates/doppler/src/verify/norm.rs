@@ -25,7 +25,7 @@ pub const NORM_CASES: [(&[usize], NormKind, f32); 8] = [
 
 const EPS: f32 = 1e-5;
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &(shape, kind, offset)) in NORM_CASES.iter().enumerate() {
         let d = *shape.last().unwrap();
         let len: usize = shape.iter().product();
@@ -51,7 +51,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 String::new()
             }
         );
-        let r = twice(name, || {
+        let r = twice(name, async || {
             let tx = Tensor::from_f32(gpu, shape, &x, "x")?;
             let tw = Tensor::from_f32(gpu, &[d], &w, "w")?;
             let tb = Tensor::from_f32(gpu, &[d], &b, "b")?;
@@ -72,17 +72,18 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             };
             rec.submit()?;
             let db = match &g.db {
-                Some(t) => t.read_f32(gpu)?,
+                Some(t) => t.to_vec_f32(gpu).await?,
                 None => vec![],
             };
             Ok(vec![
-                f.y.read_f32(gpu)?,
-                f.rstd.read_f32(gpu)?,
-                g.dx.read_f32(gpu)?,
-                g.dw.read_f32(gpu)?,
+                f.y.to_vec_f32(gpu).await?,
+                f.rstd.to_vec_f32(gpu).await?,
+                g.dx.to_vec_f32(gpu).await?,
+                g.dw.to_vec_f32(gpu).await?,
                 db,
             ])
-        });
+        })
+        .await;
         let (fwd, bwd) = match r {
             Err(e) => (Err(e.clone()), Err(e)),
             Ok(got) => {

@@ -18,12 +18,12 @@ const TOL: Tolerance = Tolerance {
 /// buffers) 7 a dispatch; 11 parameters, every other one without weight decay, in two
 /// multi-tensor dispatches (the second partly filled); SGD with momentum, dampening,
 /// Nesterov and weight decay; AdamW on 65537 x 256 + 3 elements (a 2-D grid).
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let multi = multi_tensor_supported(gpu);
     let three: &[&[usize]] = &[&[37], &[3, 333], &[4, 25]];
-    adamw(gpu, out, three, STEPS, Some(0.5), 4.0, false);
+    adamw(gpu, out, three, STEPS, Some(0.5), 4.0, false).await;
     if multi {
-        adamw(gpu, out, three, STEPS, Some(0.5), 4.0, true);
+        adamw(gpu, out, three, STEPS, Some(0.5), 4.0, true).await;
         let eleven: &[&[usize]] = &[
             &[37],
             &[3, 333],
@@ -37,13 +37,13 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             &[1000],
             &[3],
         ];
-        adamw(gpu, out, eleven, 2, Some(0.5), 4.0, true);
+        adamw(gpu, out, eleven, 2, Some(0.5), 4.0, true).await;
     }
-    adamw(gpu, out, &[&[65_537 * 256 + 3]], 1, None, 1.0, multi);
-    sgd(gpu, out);
+    adamw(gpu, out, &[&[65_537 * 256 + 3]], 1, None, 1.0, multi).await;
+    sgd(gpu, out).await;
 }
 
-fn adamw(
+async fn adamw(
     gpu: &Gpu,
     out: &mut Vec<CheckResult>,
     shapes: &[&[usize]],
@@ -66,7 +66,7 @@ fn adamw(
     let (lr, wd) = (1e-2f64, 0.1f64);
     // Past 3 parameters, every other one is not decayed.
     let decayed: Vec<bool> = (0..sizes.len()).map(|k| k < 3 || k % 2 == 0).collect();
-    let r = twice("adamw", || {
+    let r = twice("adamw", async || {
         let params: Vec<Tensor> = shapes
             .iter()
             .zip(&init)
@@ -89,14 +89,19 @@ fn adamw(
             let sc = grad_scale_with(&mut rec, &gr, max_norm, loss_scale, multi)?;
             opt.step(&mut rec, &pr, &gr, &sc)?;
             rec.submit()?;
-            scales.extend(sc.read_f32(gpu)?);
+            scales.extend(sc.to_vec_f32(gpu).await?);
         }
         let mut res = vec![scales];
         for (p, (m, v)) in params.iter().zip(opt.state()) {
-            res.extend([p.read_f32(gpu)?, m.read_f32(gpu)?, v.read_f32(gpu)?]);
+            res.extend([
+                p.to_vec_f32(gpu).await?,
+                m.to_vec_f32(gpu).await?,
+                v.to_vec_f32(gpu).await?,
+            ]);
         }
         Ok(res)
-    });
+    })
+    .await;
     let what = format!(
         "{shapes:?} x{steps} steps{}, {}",
         max_norm.map_or(String::new(), |m| format!(
@@ -156,14 +161,14 @@ fn adamw(
     push(out, "adamw", what, res);
 }
 
-fn sgd(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+async fn sgd(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let shape = [5, 201];
     let n = 1005;
     let mut rng = Rng::new(1600);
     let init = rng.vec(n);
     let grads: Vec<Vec<f32>> = (0..STEPS).map(|_| rng.vec(n)).collect();
     let (lr, mom, damp, wd) = (0.05f64, 0.9f64, 0.1f64, 0.01f64);
-    let r = twice("sgd", || {
+    let r = twice("sgd", async || {
         let p = Tensor::from_f32(gpu, &shape, &init, "p")?;
         let mut opt = Sgd::new(gpu, &[&p], lr, mom)?;
         opt.dampening = damp;
@@ -172,10 +177,12 @@ fn sgd(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let unit = unit_scale(gpu)?;
         for g in &grads {
             let tg = Tensor::from_f32(gpu, &shape, g, "g")?;
-            gpu.run(|rec| opt.step(rec, &[&p], &[&tg], &unit))?;
+            gpu.run_async(|rec| opt.step(rec, &[&p], &[&tg], &unit))
+                .await?;
         }
-        Ok(vec![p.read_f32(gpu)?])
-    });
+        Ok(vec![p.to_vec_f32(gpu).await?])
+    })
+    .await;
     let res = r.and_then(|got| {
         let mut p = widen(&init);
         let mut buf = vec![0.0; n];

@@ -56,7 +56,7 @@ pub fn random_blocks(name: &str, n: usize, rng: &mut Rng) -> Vec<u8> {
     raw
 }
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     // Every type on a few blocks; Q8_0 and Q4_K past 65535 workgroups of 256.
     let mut cases: Vec<(&str, usize)> = SUPPORTED.iter().map(|&t| (t, 768)).collect();
     cases.push(("Q8_0", 65_540 * 256));
@@ -65,11 +65,12 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let ty = GgmlType::from_name(name).expect("known type");
         let mut rng = Rng::new(1900 + i as u64);
         let raw = random_blocks(name, n, &mut rng);
-        let r = twice("dequantize", || {
+        let r = twice("dequantize", async || {
             let t = upload_blocks(gpu, &raw, ty, "raw")?;
-            let y = gpu.run(|rec| dequantize(rec, &t, ty, &[n]))?;
-            Ok(vec![y.read_f32(gpu)?])
-        });
+            let y = gpu.run_async(|rec| dequantize(rec, &t, ty, &[n])).await?;
+            Ok(vec![y.to_vec_f32(gpu).await?])
+        })
+        .await;
         let res = (|| {
             let got = r.map_err(|e| e.to_string())?;
             let want = cpu::dequantize(ty, &raw, n).map_err(s)?;
@@ -119,7 +120,7 @@ pub fn product_cases() -> Vec<(&'static str, usize)> {
 /// Row gathers and products of every type against the CPU dequantizer and f64 sums:
 /// y = x @ W^T for 1 and 3 rows of x (matrix-vector kernel) and 67 rows in a batch of 2
 /// (tiled), W with 37 rows; ids gathered in an arbitrary order.
-pub(super) fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, (name, cols)) in product_cases().into_iter().enumerate() {
         let ty = GgmlType::from_name(name).expect("known type");
         let rows = 37usize;
@@ -134,12 +135,13 @@ pub(super) fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         };
         // Gather.
         let ids: Vec<u32> = vec![5, 0, 36, 5, 17];
-        let r = twice("get_rows", || {
+        let r = twice("get_rows", async || {
             let q = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
             let ids_t = Tensor::from_u32(gpu, &[ids.len()], &ids, "ids")?;
-            let y = gpu.run(|rec| get_rows(rec, &q, &ids_t))?;
-            Ok(vec![y.read_f32(gpu)?])
-        });
+            let y = gpu.run_async(|rec| get_rows(rec, &q, &ids_t)).await?;
+            Ok(vec![y.to_vec_f32(gpu).await?])
+        })
+        .await;
         let want: Vec<f64> = ids
             .iter()
             .flat_map(|&id| w[id as usize * cols..][..cols].iter().map(|&v| v as f64))
@@ -166,12 +168,13 @@ pub(super) fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let xv = rng.vec(m * cols);
             let mut xs = shape.clone();
             xs.push(cols);
-            let r = twice("qmatmul", || {
+            let r = twice("qmatmul", async || {
                 let q = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
                 let xt = Tensor::from_f32(gpu, &xs, &xv, "x")?;
-                let y = gpu.run(|rec| qmatmul(rec, &xt, &q))?;
-                Ok(vec![y.read_f32(gpu)?])
-            });
+                let y = gpu.run_async(|rec| qmatmul(rec, &xt, &q)).await?;
+                Ok(vec![y.to_vec_f32(gpu).await?])
+            })
+            .await;
             let mut want = vec![0.0f64; m * rows];
             let mut mag = vec![0.0f64; m * rows];
             for a in 0..m {
@@ -207,7 +210,7 @@ pub(super) fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// a residual added after; for one 32-element type, one K-quant, and f32 with an odd width
 /// (scalar path); on 1, 31 and 2 x 67 rows of x (both kernels); and K-quant Ws tall
 /// enough, or with rows long enough, for the one-row decode kernel (both layouts).
-pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let all = vec![vec![1usize], vec![MATVEC_MAX_ROWS - 1], vec![2, 67]];
     // (type, cols, rows of W: half gate, half up, shapes of x). The last has enough rows
     // for the one-row decode kernel (qmatvec1).
@@ -233,35 +236,38 @@ pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             xs.push(cols);
             let mut ys = shape.clone();
             ys.push(rows);
-            let r = twice("qmatmul fused", || {
+            let r = twice("qmatmul fused", async || {
                 let q = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
                 let xt = Tensor::from_f32(gpu, &xs, &xv, "x")?;
                 let nwt = Tensor::from_f32(gpu, &[cols], &nw, "nw")?;
                 let rt = Tensor::from_f32(gpu, &ys, &resv, "res")?;
-                let (a, b) = gpu.run(|rec| {
-                    let a = qmatmul_fused(
-                        rec,
-                        &xt,
-                        &q,
-                        Fuse {
-                            norm: Some((&nwt, eps)),
-                            swiglu: true,
-                            ..Default::default()
-                        },
-                    )?;
-                    let b = qmatmul_fused(
-                        rec,
-                        &xt,
-                        &q,
-                        Fuse {
-                            residual: Some(&rt),
-                            ..Default::default()
-                        },
-                    )?;
-                    Ok((a, b))
-                })?;
-                Ok(vec![a.read_f32(gpu)?, b.read_f32(gpu)?])
-            });
+                let (a, b) = gpu
+                    .run_async(|rec| {
+                        let a = qmatmul_fused(
+                            rec,
+                            &xt,
+                            &q,
+                            Fuse {
+                                norm: Some((&nwt, eps)),
+                                swiglu: true,
+                                ..Default::default()
+                            },
+                        )?;
+                        let b = qmatmul_fused(
+                            rec,
+                            &xt,
+                            &q,
+                            Fuse {
+                                residual: Some(&rt),
+                                ..Default::default()
+                            },
+                        )?;
+                        Ok((a, b))
+                    })
+                    .await?;
+                Ok(vec![a.to_vec_f32(gpu).await?, b.to_vec_f32(gpu).await?])
+            })
+            .await;
             // f64: h = x / rms(x) * nw; gate/up dots; silu(g) * u. And res + x W^T.
             let half = rows / 2;
             let (mut sw, mut sw_mag, mut rs, mut rs_mag) = (
@@ -342,7 +348,7 @@ pub(super) fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// The one-row decode kernel (`qmatvec1`, W tall enough, rows long enough to round x) for
 /// every type against f64 sums over the CPU dequantizer, with x rounded to 8 bits first
 /// where the kernel does (`decode_rounds_x`: integer dot products); W's rows an odd count.
-pub(super) fn decode_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn decode_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let mut cases: Vec<(&str, usize, usize)> = SUPPORTED
         .iter()
         .map(|&t| (t, MATVEC1_MIN_ROWS + 3, XQ8_MIN_COLS))
@@ -359,12 +365,13 @@ pub(super) fn decode_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let mut xv = rng.vec(cols);
         xv[17] = 2.0;
         xv[20] = -2.0;
-        let r = twice("qmatmul decode", || {
+        let r = twice("qmatmul decode", async || {
             let q = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
             let xt = Tensor::from_f32(gpu, &[1, cols], &xv, "x")?;
-            let y = gpu.run(|rec| qmatmul(rec, &xt, &q))?;
-            Ok(vec![y.read_f32(gpu)?])
-        });
+            let y = gpu.run_async(|rec| qmatmul(rec, &xt, &q)).await?;
+            Ok(vec![y.to_vec_f32(gpu).await?])
+        })
+        .await;
         let rounds = decode_rounds_x(1, ty, rows, cols);
         let x = match rounds {
             true => cpu::round_x8(&xv),
@@ -407,7 +414,7 @@ pub(super) fn decode_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// chained ones take 16 rows of W a workgroup: another split of the work, where the
 /// compiler may fuse other multiply-adds). Every link must chain, and a row rounded after
 /// one norm's weight given to a product with another is an error.
-pub(super) fn chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let (e, f, h) = (2048usize, 5120usize, 4096usize);
     let eps = 1e-5f32;
     let shapes = [
@@ -428,7 +435,7 @@ pub(super) fn chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let op = "qmatmul_chain";
     let mismatch = std::cell::Cell::new(None);
     let rounded = std::cell::RefCell::new(Vec::new());
-    let r = twice(op, || {
+    let r = twice(op, async || {
         let w = shapes
             .iter()
             .zip(&raws)
@@ -441,79 +448,86 @@ pub(super) fn chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let rt = Tensor::from_f32(gpu, &[1, e], &resv, "res")?;
         let nb = Tensor::from_f32(gpu, &[e], &nbv, "nb")?;
         let nd = Tensor::from_f32(gpu, &[e], &ndv, "nd")?;
-        let (ys, x8s) = gpu.run(|rec| {
-            let next = |i: usize, norm| Some(Next { w: &w[i], norm });
-            // Link by link: the chained product, and the same on the same input rounding
-            // its own x.
-            let fa = Fuse {
-                residual: Some(&rt),
-                ..Default::default()
-            };
-            let (ya, a8) = qmatmul_chain(rec, &xt, &w[0], fa, next(1, Some(&nb)))?;
-            let ya_own = qmatmul_fused(rec, &xt, &w[0], fa)?;
-            let fb = Fuse {
-                norm: Some((&nb, eps)),
-                swiglu: true,
-                ..Default::default()
-            };
-            let fb8 = Fuse {
-                x8: a8.as_ref(),
-                ..fb
-            };
-            let (g, g8) = qmatmul_chain(rec, &ya, &w[1], fb8, next(2, None))?;
-            let g_own = qmatmul_fused(rec, &ya, &w[1], fb)?;
-            let fc = Fuse {
-                residual: Some(&ya),
-                ..Default::default()
-            };
-            let fc8 = Fuse {
-                x8: g8.as_ref(),
-                ..fc
-            };
-            let (yc, c8) = qmatmul_chain(rec, &g, &w[2], fc8, next(3, Some(&nd)))?;
-            let yc_own = qmatmul_fused(rec, &g, &w[2], fc)?;
-            let fd = Fuse {
-                norm: Some((&nd, eps)),
-                ..Default::default()
-            };
-            let fd8 = Fuse {
-                x8: c8.as_ref(),
-                ..fd
-            };
-            let yd = qmatmul_fused(rec, &yc, &w[3], fd8)?;
-            let yd_own = qmatmul_fused(rec, &yc, &w[3], fd)?;
-            // Each rounded row next to quantize_x8's of the same output.
-            let mut x8s = Vec::new();
-            for (x8, y, norm) in [(a8, &ya, Some(&nb)), (g8, &g, None), (c8, &yc, Some(&nd))] {
-                let Some(x8) = x8 else {
-                    return Err(crate::Error::Invalid {
-                        op: "qmatmul_chain",
-                        detail: "a product did not round its output for the next".into(),
-                    });
+        let (ys, x8s) = gpu
+            .run_async(|rec| {
+                let next = |i: usize, norm| Some(Next { w: &w[i], norm });
+                // Link by link: the chained product, and the same on the same input rounding
+                // its own x.
+                let fa = Fuse {
+                    residual: Some(&rt),
+                    ..Default::default()
                 };
-                let own = quantize_x8(rec, y, x8.cols, norm.map(|n| (n, eps)))?;
-                x8s.push((x8, own));
-            }
-            // Rounded after nd's weight, given with nb's.
-            let fuse = Fuse {
-                norm: Some((&nb, eps)),
-                x8: Some(&x8s[2].0),
-                ..Default::default()
-            };
-            mismatch.set(Some(qmatmul_fused(rec, &yc, &w[3], fuse).is_err()));
-            Ok(([ya, g, yc, yd, ya_own, g_own, yc_own, yd_own], x8s))
-        })?;
+                let (ya, a8) = qmatmul_chain(rec, &xt, &w[0], fa, next(1, Some(&nb)))?;
+                let ya_own = qmatmul_fused(rec, &xt, &w[0], fa)?;
+                let fb = Fuse {
+                    norm: Some((&nb, eps)),
+                    swiglu: true,
+                    ..Default::default()
+                };
+                let fb8 = Fuse {
+                    x8: a8.as_ref(),
+                    ..fb
+                };
+                let (g, g8) = qmatmul_chain(rec, &ya, &w[1], fb8, next(2, None))?;
+                let g_own = qmatmul_fused(rec, &ya, &w[1], fb)?;
+                let fc = Fuse {
+                    residual: Some(&ya),
+                    ..Default::default()
+                };
+                let fc8 = Fuse {
+                    x8: g8.as_ref(),
+                    ..fc
+                };
+                let (yc, c8) = qmatmul_chain(rec, &g, &w[2], fc8, next(3, Some(&nd)))?;
+                let yc_own = qmatmul_fused(rec, &g, &w[2], fc)?;
+                let fd = Fuse {
+                    norm: Some((&nd, eps)),
+                    ..Default::default()
+                };
+                let fd8 = Fuse {
+                    x8: c8.as_ref(),
+                    ..fd
+                };
+                let yd = qmatmul_fused(rec, &yc, &w[3], fd8)?;
+                let yd_own = qmatmul_fused(rec, &yc, &w[3], fd)?;
+                // Each rounded row next to quantize_x8's of the same output.
+                let mut x8s = Vec::new();
+                for (x8, y, norm) in [(a8, &ya, Some(&nb)), (g8, &g, None), (c8, &yc, Some(&nd))] {
+                    let Some(x8) = x8 else {
+                        return Err(crate::Error::Invalid {
+                            op: "qmatmul_chain",
+                            detail: "a product did not round its output for the next".into(),
+                        });
+                    };
+                    let own = quantize_x8(rec, y, x8.cols, norm.map(|n| (n, eps)))?;
+                    x8s.push((x8, own));
+                }
+                // Rounded after nd's weight, given with nb's.
+                let fuse = Fuse {
+                    norm: Some((&nb, eps)),
+                    x8: Some(&x8s[2].0),
+                    ..Default::default()
+                };
+                mismatch.set(Some(qmatmul_fused(rec, &yc, &w[3], fuse).is_err()));
+                Ok(([ya, g, yc, yd, ya_own, g_own, yc_own, yd_own], x8s))
+            })
+            .await?;
         let mut same = Vec::new();
         for (x8, own) in x8s {
             // Without a norm the rows have no squares.
             let words = x8.cols / 4 + x8.cols / 8 + x8.norm.as_ref().map_or(0, |_| x8.cols / 16);
-            let a = x8.q.read_u32(gpu)?;
-            let b = own.q.read_u32(gpu)?;
+            let a = x8.q.to_vec_u32(gpu).await?;
+            let b = own.q.to_vec_u32(gpu).await?;
             same.push(a[..words] == b[..words]);
         }
         *rounded.borrow_mut() = same;
-        ys.iter().map(|y| y.read_f32(gpu)).collect()
-    });
+        let mut got = Vec::new();
+        for y in &ys {
+            got.push(y.to_vec_f32(gpu).await?);
+        }
+        Ok(got)
+    })
+    .await;
     let res = r.and_then(|got| {
         if rounded.borrow().iter().any(|same| !same) {
             return Err(

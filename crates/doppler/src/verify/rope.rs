@@ -17,21 +17,22 @@ pub const ROPE_CASES: [(&[usize], usize, Pairing); 4] = [
 
 const THETA: f64 = 10000.0;
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &(shape, offset, pairing)) in ROPE_CASES.iter().enumerate() {
         let n: usize = shape.iter().product();
         let (t, h, dh) = (shape[1], shape[2], shape[3]);
         let mut rng = Rng::new(1400 + i as u64);
         let x = rng.vec(n);
-        let r = twice("rope", || {
+        let r = twice("rope", async || {
             let table = RopeTable::new(gpu, offset + t, dh, THETA)?;
             let tx = Tensor::from_f32(gpu, shape, &x, "x")?;
             let mut rec = gpu.recorder("rope");
             let y = rope(&mut rec, &tx, &table, offset, pairing)?;
             let back = rope_backward(&mut rec, &tx, &table, offset, pairing)?;
             rec.submit()?;
-            Ok(vec![y.read_f32(gpu)?, back.read_f32(gpu)?])
-        });
+            Ok(vec![y.to_vec_f32(gpu).await?, back.to_vec_f32(gpu).await?])
+        })
+        .await;
         let what = format!("{shape:?} offset {offset} {pairing:?}");
         let xd = widen(&x);
         // cos and sin are rounded to f32 in the table: a few eps of the pair's magnitude.

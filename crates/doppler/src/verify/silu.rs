@@ -15,14 +15,14 @@ const TOL: Tolerance = Tolerance {
     rel: 8.0 * f32::EPSILON as f64,
 };
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, shape) in SILU_SHAPES.iter().enumerate() {
         let n: usize = shape.iter().product();
         let mut rng = Rng::new(1300 + i as u64);
         let a: Vec<f32> = rng.vec(n).iter().map(|v| v * 12.0).collect();
         let b = rng.vec(n);
         let dy = rng.vec(n);
-        let r = twice("silu", || {
+        let r = twice("silu", async || {
             let (ta, tb, tdy) = (
                 Tensor::from_f32(gpu, shape, &a, "a")?,
                 Tensor::from_f32(gpu, shape, &b, "b")?,
@@ -35,13 +35,14 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let (ga, gb) = swiglu_backward(&mut rec, &ta, &tb, &tdy)?;
             rec.submit()?;
             Ok(vec![
-                y.read_f32(gpu)?,
-                da.read_f32(gpu)?,
-                z.read_f32(gpu)?,
-                ga.read_f32(gpu)?,
-                gb.read_f32(gpu)?,
+                y.to_vec_f32(gpu).await?,
+                da.to_vec_f32(gpu).await?,
+                z.to_vec_f32(gpu).await?,
+                ga.to_vec_f32(gpu).await?,
+                gb.to_vec_f32(gpu).await?,
             ])
-        });
+        })
+        .await;
         let (ad, bd, dyd) = (widen(&a), widen(&b), widen(&dy));
         let (ga, gb) = cpu::swiglu_backward(&ad, &bd, &dyd);
         let want = [

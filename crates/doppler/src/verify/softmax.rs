@@ -9,22 +9,23 @@ use crate::reference::{softmax as cpu, widen};
 /// Odd rows with batch dims; a single element; a long row; more than 65535 rows.
 pub const SOFTMAX_SHAPES: [&[usize]; 4] = [&[3, 5, 37], &[1, 1], &[2, 50_001], &[70_000, 3]];
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, shape) in SOFTMAX_SHAPES.iter().enumerate() {
         let d = *shape.last().unwrap();
         let len: usize = shape.iter().product();
         let mut rng = Rng::new(1200 + i as u64);
         let x: Vec<f32> = rng.vec(len).iter().map(|v| v * 10.0).collect();
         let dy = rng.vec(len);
-        let r = twice("softmax", || {
+        let r = twice("softmax", async || {
             let tx = Tensor::from_f32(gpu, shape, &x, "x")?;
             let tdy = Tensor::from_f32(gpu, shape, &dy, "dy")?;
             let mut rec = gpu.recorder("softmax");
             let y = softmax(&mut rec, &tx)?;
             let dx = softmax_backward(&mut rec, &y, &tdy)?;
             rec.submit()?;
-            Ok(vec![y.read_f32(gpu)?, dx.read_f32(gpu)?])
-        });
+            Ok(vec![y.to_vec_f32(gpu).await?, dx.to_vec_f32(gpu).await?])
+        })
+        .await;
         let (fwd, bwd) = match r {
             Err(e) => (Err(e.clone()), Err(e)),
             Ok(got) => {

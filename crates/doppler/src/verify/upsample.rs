@@ -19,7 +19,7 @@ pub const UPSAMPLE_CASES: [([usize; 4], &str, usize, usize); 6] = [
     ([1, 1, 1030, 1030], "upsample_nearest2d", 4, 4),
 ];
 
-pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &(shape, op, sh, sw)) in UPSAMPLE_CASES.iter().enumerate() {
         let [n, c, h, w] = shape;
         let len = n * c * h * w;
@@ -32,7 +32,7 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         } else {
             [n, c, h * sh, w * sw]
         };
-        let r = twice(op, || {
+        let r = twice(op, async || {
             let tx = Tensor::from_f32(gpu, &shape, &x, "x")?;
             let tdy = Tensor::from_f32(gpu, &out_shape, &dy, "dy")?;
             let mut rec = gpu.recorder(op);
@@ -48,8 +48,9 @@ pub(super) fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 )
             };
             rec.submit()?;
-            Ok(vec![y.read_f32(gpu)?, dx.read_f32(gpu)?])
-        });
+            Ok(vec![y.to_vec_f32(gpu).await?, dx.to_vec_f32(gpu).await?])
+        })
+        .await;
         let (xd, dyd) = (widen(&x), widen(&dy));
         let (y, dx, mag) = if shuffle {
             (
