@@ -68,10 +68,28 @@ async fn gpu() -> Result<&'static Gpu, JsValue> {
         .ok_or_else(|| js_err("the GPU failed to open"))
 }
 
+#[wasm_bindgen]
+extern "C" {
+    #[wasm_bindgen(js_namespace = console, js_name = error)]
+    fn console_error(s: &str);
+}
+
+/// A panic is a bug, and leaves the module unusable: say what it was in the console
+/// instead of a bare "unreachable".
+fn panic_hook() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        std::panic::set_hook(Box::new(|info| {
+            console_error(&format!("doppler: internal error (a bug; reload the page): {info}"));
+        }))
+    });
+}
+
 /// Opens the GPU (once per page) and reports the adapter, its features and limits and the
 /// kernel paths chosen from them: the same object as `doppler info --json`.
 #[wasm_bindgen]
 pub fn init() -> Promise {
+    panic_hook();
     future_to_promise(async {
         let g = gpu().await?;
         to_js(&g.report())
