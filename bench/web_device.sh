@@ -23,7 +23,7 @@ log="$out/log.txt"
     echo "== native generate --json (the same measure as the wasm run), run $i"
     ./target/release/doppler generate -m /tmp/wb/model.gguf "The capital of France is" -n 128 --temperature 0 --json
     echo "== wasm (web/pkg) in Node on Dawn, run $i"
-    /tmp/wb/node bench/web_node.mjs /tmp/wb/model.gguf --webgpu /tmp/wb/webgpu --gen 128 --runs 3 --verify matmul
+    /tmp/wb/node bench/web_node.mjs /tmp/wb/model.gguf --webgpu /tmp/wb/webgpu --gen 128 --runs 6 --verify "${VERIFY:-matmul}"
   done
 } > "$log" 2>&1
 cat "$log" | grep -v XDG_RUNTIME | tail -c 6000

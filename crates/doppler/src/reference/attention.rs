@@ -18,7 +18,9 @@ impl Dims {
         ((b * self.tq + i) * self.hq + h) * self.d
     }
     fn k_at(&self, b: usize, j: usize, h: usize) -> usize {
-        ((b * self.tk + j) * self.hkv + h * self.hkv / self.hq) * self.d
+        // In u64: h * Hkv passes 2^32 (a 32-bit usize: wasm32) in the 65,537-head case.
+        let kv = (h as u64 * self.hkv as u64 / self.hq as u64) as usize;
+        ((b * self.tk + j) * self.hkv + kv) * self.d
     }
     fn visible(&self, i: usize, j: usize) -> bool {
         !self.causal || j + self.tq <= i + self.tk
