@@ -6,10 +6,21 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 
 echo "== wasm32: the library builds for the browser"
-RUSTFLAGS="-D warnings" cargo check -p doppler --target wasm32-unknown-unknown --quiet
+# RUSTFLAGS in the environment replaces .cargo/config.toml's wasm rustflags: keep its cfg.
+RUSTFLAGS='-D warnings --cfg getrandom_backend="wasm_js"' cargo check -p doppler --target wasm32-unknown-unknown --quiet
 
 echo "== SmolLM2-135M-Instruct for the model tests (fetched into ~/.cache/doppler if missing)"
 export DOPPLER_SMOLLM2="$(bash scripts/fetch_model.sh)"
 
 echo "== cargo test (naga validation, CPU reference, GPU kernels, CLI, SmolLM2 against transformers)"
 cargo test --workspace
+
+echo "== browser: the wasm package and the demo page in headless Chromium (tests/browser)"
+bash scripts/build_web.sh
+# The native numbers the browser must match come from the CLI that `cargo test` built.
+cargo build --quiet -p doppler-cli
+if ! command -v node >/dev/null; then
+    echo "test: node not found: install Node.js 20 or newer for the browser tests" >&2
+    exit 1
+fi
+(cd tests/browser && DOPPLER_BIN="$PWD/../../target/debug/doppler" node --test --test-concurrency=1)
