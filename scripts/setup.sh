@@ -54,8 +54,8 @@ if [ "$(wasm-bindgen --version 2>/dev/null)" != "wasm-bindgen $wb_version" ]; th
     cargo install --quiet --force wasm-bindgen-cli --version "$wb_version"
 fi
 
-# A browser for tests/browser: Debian's Chromium (WebGPU on SwiftShader without a GPU).
-# CHROMIUM=/path/to/chrome uses another one instead.
+# A browser for tests/browser: Debian's Chromium (WebGPU on SwiftShader without a GPU;
+# Ubuntu's chromium package is a snap wrapper). CHROMIUM=/path/to/chrome uses another one.
 if [ -z "${CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ]; then
     echo "setup: installing Chromium (for the browser tests)"
     apt_install chromium

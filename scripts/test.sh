@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: set-up, then every test. Runs on a machine with or without a GPU
-# (without one, wgpu runs the real WGSL on lavapipe, Mesa's CPU Vulkan driver).
+# (without one, wgpu runs the real WGSL on lavapipe, Mesa's CPU Vulkan driver; the browser
+# tests run WebGPU on SwiftShader, Chromium's CPU implementation, about 13 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -17,7 +17,7 @@ test('demo page: load SmolLM2 by URL, chat, the reply streams into the page', as
     await page.waitForFunction(() => /WebGPU ready/.test(document.getElementById('status').textContent), null, { timeout: MINUTES });
     const summary = await page.textContent('#adapter-summary');
     assert.match(summary, /BrowserWebGpu/);
-    assert.match(summary, /attention \(head dim 64\)\s*rows/);
+    assert.match(summary, /attention \(head dim 64\)\s*(rows|tiled|coop)/);
     assert.ok(await page.locator('#adapter-limits tr').count() > 3);
 
     // Chat tab: a URL that does not exist shows its error in the page.
@@ -29,6 +29,11 @@ test('demo page: load SmolLM2 by URL, chat, the reply streams into the page', as
     await page.waitForSelector('#error:not([hidden])', { timeout: MINUTES });
     assert.match(await page.textContent('#error'), /HTTP 404/);
     assert.equal(await page.isEnabled('#model-load-url'), true, 'the page stays usable');
+    // A file that is not a model, through the file picker.
+    await page.setInputFiles('#model-file', { name: 'notes.gguf', mimeType: 'application/octet-stream', buffer: Buffer.from('plain text, not a model') });
+    await page.waitForFunction(() => /notes\.gguf/.test(document.getElementById('error-where').textContent), null, { timeout: MINUTES });
+    assert.match(await page.textContent('#error-text'), /not a GGUF file/);
+    assert.equal(await page.textContent('#model-info'), 'No model loaded.');
 
     // The real model, by the default URL, with the progress bar.
     await page.fill('#model-url', 'models/SmolLM2-135M-Instruct.Q4_1.gguf');
