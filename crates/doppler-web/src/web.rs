@@ -455,17 +455,13 @@ impl WebChat {
             .state
             .try_borrow_mut()
             .map_err(|_| js_err("chat: a turn is running"))?;
-        st.tokens.clear();
-        if let Some(c) = st.cache.as_mut() {
-            c.len = 0;
-        }
-        let cache = st.cache.take();
-        let model = &self.model.model;
-        if let Some(cache) = cache {
+        // Before the first turn there is nothing to forget.
+        let st = &mut *st;
+        if let Some(cache) = st.cache.take() {
             let mut s = Session {
-                model,
+                model: &self.model.model,
                 cache,
-                tokens: Vec::new(),
+                tokens: std::mem::take(&mut st.tokens),
             };
             st.conv.reset(&mut s);
             st.cache = Some(s.cache);
