@@ -128,7 +128,11 @@ fn info(gpu: &Gpu, json: bool) -> doppler::Result<ExitCode> {
     let strings = |k: &str| -> Vec<String> {
         report[k]
             .as_array()
-            .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(str::to_string))
+                    .collect()
+            })
             .unwrap_or_default()
     };
     let (features, coop) = (strings("features"), strings("cooperative_matrix"));
@@ -157,7 +161,10 @@ fn info(gpu: &Gpu, json: bool) -> doppler::Result<ExitCode> {
             MatmulMode::F32 => "f32",
         }
     );
-    println!("attention {} (head dim 64)", report["paths"]["attention_d64"].as_str().unwrap_or("?"));
+    println!(
+        "attention {} (head dim 64)",
+        report["paths"]["attention_d64"].as_str().unwrap_or("?")
+    );
     println!("limits");
     for (k, v) in report["limits"].as_object().unwrap() {
         println!("  {k:<40} {v}");

@@ -108,8 +108,10 @@ mod tests {
     fn options_take_the_cli_defaults_and_refuse_bad_values() {
         let d = GenerateOptions::parse(None).unwrap();
         assert_eq!((d.max_tokens, d.temperature, d.top_k), (200, 0.8, 40));
-        let o = GenerateOptions::parse(Some(r#"{"maxTokens": 8, "temperature": 0, "stop": ["\n"]}"#))
-            .unwrap();
+        let o = GenerateOptions::parse(Some(
+            r#"{"maxTokens": 8, "temperature": 0, "stop": ["\n"]}"#,
+        ))
+        .unwrap();
         assert_eq!((o.max_tokens, o.temperature, o.stop.len()), (8, 0.0, 1));
         let e = GenerateOptions::parse(Some(r#"{"topP": 0}"#)).unwrap_err();
         assert!(e.to_string().contains("top-p 0 must be in (0, 1]"), "{e}");
@@ -120,7 +122,9 @@ mod tests {
         let e = GenerateOptions::parse(Some(r#"{"stop": [""]}"#)).unwrap_err();
         assert!(e.to_string().contains("stop text is empty"), "{e}");
         assert_eq!(
-            TrainOptions::parse(Some(r#"{"maxSteps": 20}"#)).unwrap().max_steps,
+            TrainOptions::parse(Some(r#"{"maxSteps": 20}"#))
+                .unwrap()
+                .max_steps,
             Some(20)
         );
         assert!(TrainOptions::parse(Some(r#"{"steps": 20}"#)).is_err());

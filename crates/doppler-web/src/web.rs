@@ -80,7 +80,9 @@ fn panic_hook() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         std::panic::set_hook(Box::new(|info| {
-            console_error(&format!("doppler: internal error (a bug; reload the page): {info}"));
+            console_error(&format!(
+                "doppler: internal error (a bug; reload the page): {info}"
+            ));
         }))
     });
 }
@@ -343,7 +345,9 @@ impl WebModel {
             }
             let mut session = Session::new(g, model, model.llama.max_context).map_err(js_err)?;
             let opts = GenOptions {
-                max_tokens: o.max_tokens.min(session.capacity().saturating_sub(ids.len())),
+                max_tokens: o
+                    .max_tokens
+                    .min(session.capacity().saturating_sub(ids.len())),
                 stop_tokens: model.stop_tokens(),
                 stop_strings: o.stop.clone(),
             };
@@ -411,7 +415,10 @@ impl WebChat {
                 .map_err(|_| js_err("chat: a turn is running"))?;
             let cache = match st.cache.take() {
                 Some(c) => c,
-                None => model.llama.cache(g, model.llama.max_context).map_err(js_err)?,
+                None => model
+                    .llama
+                    .cache(g, model.llama.max_context)
+                    .map_err(js_err)?,
             };
             let tokens = std::mem::take(&mut st.tokens);
             let mut session = Session {
@@ -425,7 +432,13 @@ impl WebChat {
                 opts.stop_strings = o.stop.clone();
                 let mut sampler = Sampler::new(o.sampler());
                 let gen = session
-                    .generate_async(g, &turn.ids, &opts, &mut sampler, &mut piece_sink(&on_piece))
+                    .generate_async(
+                        g,
+                        &turn.ids,
+                        &opts,
+                        &mut sampler,
+                        &mut piece_sink(&on_piece),
+                    )
                     .await?;
                 st.conv.finish(model, &gen);
                 Ok::<_, Error>((gen, turn.restarted))
@@ -526,10 +539,12 @@ pub fn train(config_toml: String, corpus: String, options: JsValue, on_event: Fu
                 op: "train",
                 detail: format!("{e:?}"),
             })?;
-            let r = on_event.call1(&JsValue::NULL, &js).map_err(|e| Error::Invalid {
-                op: "train",
-                detail: format!("the onEvent callback threw: {e:?}"),
-            })?;
+            let r = on_event
+                .call1(&JsValue::NULL, &js)
+                .map_err(|e| Error::Invalid {
+                    op: "train",
+                    detail: format!("the onEvent callback threw: {e:?}"),
+                })?;
             if r.as_bool() == Some(false) {
                 return Err(Error::Aborted { op: "train" });
             }
@@ -564,7 +579,9 @@ impl WebRun {
     pub fn safetensors(&self) -> Promise {
         let t = self.trainer.clone();
         future_to_promise(async move {
-            let t = t.try_borrow().map_err(|_| js_err("train: the run is busy"))?;
+            let t = t
+                .try_borrow()
+                .map_err(|_| js_err("train: the run is busy"))?;
             let bytes = t.model_safetensors().await.map_err(js_err)?;
             Ok(Uint8Array::from(bytes.as_slice()).into())
         })
@@ -588,7 +605,9 @@ impl WebRun {
         future_to_promise(async move {
             let o = GenerateOptions::parse(options_json(&options)?.as_deref()).map_err(js_err)?;
             let g = gpu().await?;
-            let t = t.try_borrow().map_err(|_| js_err("train: the run is busy"))?;
+            let t = t
+                .try_borrow()
+                .map_err(|_| js_err("train: the run is busy"))?;
             let mut sampler = Sampler::new(o.sampler());
             let mut aborted = false;
             let mut sink = |piece: &str| {

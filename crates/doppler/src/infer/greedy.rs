@@ -59,18 +59,18 @@ impl GreedyDecoder {
             let ids = &self.ids;
             let read = gpu
                 .run_async(|rec| {
-                // A prompt is submitted as it is recorded: the GPU starts on the first
-                // layers (a one-token step stays one submission).
-                if chunk.len() > 1 {
-                    rec.set_flush_every(FLUSH_EVERY);
-                }
-                let logits = llama.forward(rec, chunk, cache, false)?;
-                if i + 1 < chunks {
-                    return Ok(None);
-                }
-                argmax_rows_into(rec, &logits, ids)?;
-                rec.read_later(ids).map(Some)
-            })
+                    // A prompt is submitted as it is recorded: the GPU starts on the first
+                    // layers (a one-token step stays one submission).
+                    if chunk.len() > 1 {
+                        rec.set_flush_every(FLUSH_EVERY);
+                    }
+                    let logits = llama.forward(rec, chunk, cache, false)?;
+                    if i + 1 < chunks {
+                        return Ok(None);
+                    }
+                    argmax_rows_into(rec, &logits, ids)?;
+                    rec.read_later(ids).map(Some)
+                })
                 .await?;
             if let Some(r) = read {
                 self.pending.push_back(r);
@@ -99,13 +99,13 @@ impl GreedyDecoder {
         let mut dispatched = 0;
         let read = gpu
             .run_async(|rec| {
-            let logits = llama.forward_ids(rec, ids, cache, false)?;
-            argmax_rows_into(rec, &logits, ids)?;
-            let read = rec.read_later(ids)?;
-            dispatched = rec.dispatches();
-            recorded = web_time::Instant::now();
-            Ok(read)
-        })
+                let logits = llama.forward_ids(rec, ids, cache, false)?;
+                argmax_rows_into(rec, &logits, ids)?;
+                let read = rec.read_later(ids)?;
+                dispatched = rec.dispatches();
+                recorded = web_time::Instant::now();
+                Ok(read)
+            })
             .await?;
         self.dispatched += dispatched;
         self.pending.push_back(read);

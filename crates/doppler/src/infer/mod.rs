@@ -82,7 +82,9 @@ impl Model {
         let shown = "Hugging Face directory";
         let missing = |what: &str| Error::Format {
             path: shown.into(),
-            detail: format!("{what} is missing (config.json, *.safetensors and tokenizer.json are needed)"),
+            detail: format!(
+                "{what} is missing (config.json, *.safetensors and tokenizer.json are needed)"
+            ),
         };
         let base = |n: &str| n.rsplit('/').next().unwrap_or(n).to_string();
         let mut weights: Vec<(String, crate::formats::gguf::Bytes)> = Vec::new();
@@ -98,12 +100,17 @@ impl Model {
         }
         weights.sort_by(|a, b| a.0.cmp(&b.0));
         let text = |b: &[u8], what: &str| {
-            std::str::from_utf8(b).map(str::to_string).map_err(|_| Error::Format {
-                path: what.into(),
-                detail: "not UTF-8 text".into(),
-            })
+            std::str::from_utf8(b)
+                .map(str::to_string)
+                .map_err(|_| Error::Format {
+                    path: what.into(),
+                    detail: "not UTF-8 text".into(),
+                })
         };
-        let config = text(&config.ok_or_else(|| missing("config.json"))?, "config.json")?;
+        let config = text(
+            &config.ok_or_else(|| missing("config.json"))?,
+            "config.json",
+        )?;
         let tokenizer = tokenizer.ok_or_else(|| missing("tokenizer.json"))?;
         if weights.is_empty() {
             return Err(missing("a *.safetensors file"));
@@ -456,7 +463,6 @@ impl<'m> Session<'m> {
             ),
         }
     }
-
 }
 
 /// A chat over a [`Session`], as `doppler chat` holds it: each user message is rendered

@@ -894,7 +894,13 @@ pub fn open(
             ));
         }
         let src = SafeTensorsDir::open(&files, &shown)?;
-        let model = from_safetensors(gpu, &text, &cfg_path.display().to_string(), &src, max_context)?;
+        let model = from_safetensors(
+            gpu,
+            &text,
+            &cfg_path.display().to_string(),
+            &src,
+            max_context,
+        )?;
         return Ok((model, BTreeMap::new()));
     }
     let file = crate::formats::gguf::GgufFile::open(path)?;

@@ -7,7 +7,7 @@ use super::kvcache::{rope_store, AttnParts, RopeStore};
 use super::rope::Pairing;
 use crate::error::{Error, Result};
 use crate::formats::gguf::GgmlType;
-use crate::gpu::{Binding::*, DType, Grid, Kernel, Recorder, Tensor};
+use crate::gpu::{Binding::*, DType, Gpu, Grid, Kernel, Recorder, Tensor};
 use crate::shaders::QUANT;
 
 #[repr(C)]
@@ -521,6 +521,50 @@ pub fn qmatvec_parts(
 /// Most threads a decode workgroup takes (`quant.wgsl`'s MV1_MAX_WG).
 const MV1_MAX_WG: u32 = 512;
 
+/// The workgroup (threads, rows of W a set) with which a one-row decode product of `w`
+/// (`split` from [`Path::Decode`]) also rounds its output for `next`, or None where it
+/// cannot: `next` does not take this output or does not round x, or the adapter offers
+/// too few threads a workgroup (browsers: 256), and `next` then rounds x itself.
+///
+/// A workgroup makes 16 outputs (32 rows of W with SwiGLU): 256 threads in sets of 8 rows
+/// where that fits and W has rows enough to keep the GPU busy (the 8B's gate/up: 1.28 ->
+/// 1.24 ms a token with the rounding, against 1.48 with 512 threads), else 512 (or fewer)
+/// threads in sets of 4 (the 8B's o and down: 1.02 -> 1.12 ms; with 8 rows a set, half
+/// the workgroups, 1.67 ms). H200 figures, docs/benchmarks.md.
+pub(crate) fn chain_layout(
+    limits: &wgpu::Limits,
+    w: &QMatrix,
+    swiglu: bool,
+    split: u32,
+    next: Next<'_>,
+) -> Option<(u32, u32)> {
+    let outs = if swiglu { w.rows / 2 } else { w.rows };
+    let t = 16 * (1 + swiglu as u32);
+    let (wg, rw) = match w.rows >= MATVEC1_MIN_ROWS && 64 / split == t {
+        true => (256, 8),
+        false => (8 * t * split, 4),
+    };
+    let fits = wg <= MV1_MAX_WG
+        && wg <= limits.max_compute_invocations_per_workgroup
+        && wg <= limits.max_compute_workgroup_size_x;
+    let takes = next.w.cols == outs
+        && outs % 16 == 0
+        && decode_rounds_x(1, next.w.ty, next.w.rows, next.w.cols);
+    (fits && takes).then_some((wg, rw))
+}
+
+/// Whether [`qmatmul_chain`] of one row of x through `w` rounds its output for `next` on
+/// this adapter (see [`chain_layout`]).
+pub fn chain_rounds(gpu: &Gpu, w: &QMatrix, swiglu: bool, next: Next<'_>) -> bool {
+    match Path::of(1, w) {
+        Path::Decode { split } => {
+            decode_rounds_x(1, w.ty, w.rows, w.cols)
+                && chain_layout(&gpu.limits, w, swiglu, split, next).is_some()
+        }
+        _ => false,
+    }
+}
+
 /// The decode kernel (`qmatvec1_x8`) on x already rounded into y, with `fuse`'s residual
 /// or SwiGLU (and its norm's factor; the weight went into the rounding); `split` from
 /// [`Path::Decode`]. Where `next` rounds x too, the workgroups also round y for it (each
@@ -538,26 +582,9 @@ fn qmatvec1_x8(
     next: Option<Next<'_>>,
 ) -> Result<Option<X8>> {
     let outs = p.n as usize;
-    // A workgroup makes 16 outputs (32 rows of W with SwiGLU): 256 threads in sets of 8
-    // rows where that fits and W has rows enough to keep the GPU busy (the 8B's gate/up:
-    // 1.28 -> 1.24 ms a token with the rounding, against 1.48 with 512 threads), else
-    // 512 (or fewer) threads in sets of 4 (the 8B's o and down: 1.02 -> 1.12 ms; with 8
-    // rows a set, half the workgroups, 1.67 ms). H200 figures, docs/benchmarks.md.
-    let t = 16 * (1 + fuse.swiglu as u32);
-    let (wg, rw) = match w.rows >= MATVEC1_MIN_ROWS && 64 / split == t {
-        true => (256, 8),
-        false => (8 * t * split, 4),
-    };
-    let l = &rec.gpu().limits;
-    let fits = wg <= MV1_MAX_WG
-        && wg <= l.max_compute_invocations_per_workgroup
-        && wg <= l.max_compute_workgroup_size_x;
-    let next = next.filter(|nx| {
-        fits && nx.w.cols == outs
-            && outs % 16 == 0
-            && decode_rounds_x(1, nx.w.ty, nx.w.rows, nx.w.cols)
-    });
-    let (wg, rw) = if next.is_some() { (wg, rw) } else { (256, 4) };
+    let chained = next.and_then(|nx| chain_layout(&rec.gpu().limits, w, fuse.swiglu, split, nx));
+    let next = next.filter(|_| chained.is_some());
+    let (wg, rw) = chained.unwrap_or((256, 4));
     let y8 = match next {
         Some(nx) => Some(X8 {
             q: Tensor::empty(

@@ -88,10 +88,7 @@ pub fn safetensors_bytes(gpu: &Gpu, tensors: &[(String, &Tensor)]) -> Result<Vec
 }
 
 /// SafeTensors bytes of f32 tensors read back from the GPU, in the given order.
-pub async fn safetensors_bytes_async(
-    gpu: &Gpu,
-    tensors: &[(String, &Tensor)],
-) -> Result<Vec<u8>> {
+pub async fn safetensors_bytes_async(gpu: &Gpu, tensors: &[(String, &Tensor)]) -> Result<Vec<u8>> {
     let mut data = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
         let bytes: Vec<u8> = bytemuck::cast_slice(&t.to_vec_f32(gpu).await?).to_vec();

@@ -574,7 +574,9 @@ pub fn generate(
     sampler: &mut crate::infer::sample::Sampler,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<String> {
-    pollster::block_on(generate_async(gpu, model, tokenizer, prompt, max_new, sampler, on_text))
+    pollster::block_on(generate_async(
+        gpu, model, tokenizer, prompt, max_new, sampler, on_text,
+    ))
 }
 
 /// Continues `prompt` by `max_new` tokens, calling `on_text` with each new piece of text.

@@ -8,9 +8,9 @@ use crate::check::{compare, Rng, Stats, Tolerance};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
 use crate::ops::quant::{
-    decode_rounds_x, dequantize, get_rows, qmatmul, qmatmul_chain, qmatmul_fused, quantize_x8,
-    upload_blocks, Fuse, Next, QMatrix, MATVEC1_MIN_ROWS, MATVEC_MAX_ROWS, SPLITK_MIN_COLS,
-    SUPPORTED, XQ8_MIN_COLS,
+    chain_rounds, decode_rounds_x, dequantize, get_rows, qmatmul, qmatmul_chain, qmatmul_fused,
+    quantize_x8, upload_blocks, Fuse, Next, QMatrix, MATVEC1_MIN_ROWS, MATVEC_MAX_ROWS,
+    SPLITK_MIN_COLS, SUPPORTED, XQ8_MIN_COLS,
 };
 use crate::reference::quant as cpu;
 
@@ -412,7 +412,8 @@ pub(super) async fn decode_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// rounded row the same bits as `quantize_x8` makes of the product's output, and each
 /// output within a dot product's rounding of the same product rounding its own x (the
 /// chained ones take 16 rows of W a workgroup: another split of the work, where the
-/// compiler may fuse other multiply-adds). Every link must chain, and a row rounded after
+/// compiler may fuse other multiply-adds). Every link chains that the adapter's threads a
+/// workgroup allow (`chain_rounds`; all of them on native adapters), and a row rounded after
 /// one norm's weight given to a product with another is an error.
 pub(super) async fn chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let (e, f, h) = (2048usize, 5120usize, 4096usize);
@@ -490,22 +491,42 @@ pub(super) async fn chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 };
                 let yd = qmatmul_fused(rec, &yc, &w[3], fd8)?;
                 let yd_own = qmatmul_fused(rec, &yc, &w[3], fd)?;
-                // Each rounded row next to quantize_x8's of the same output.
+                // Each rounded row next to quantize_x8's of the same output. A link chains
+                // where the adapter offers the threads its workgroup needs (browsers offer
+                // 256: the down product's 512 do not fit, and the next product rounds x
+                // itself).
+                let links = [
+                    (a8, &ya, &w[0], false, Some(&nb), &w[1]),
+                    (g8, &g, &w[1], true, None, &w[2]),
+                    (c8, &yc, &w[2], false, Some(&nd), &w[3]),
+                ];
                 let mut x8s = Vec::new();
-                for (x8, y, norm) in [(a8, &ya, Some(&nb)), (g8, &g, None), (c8, &yc, Some(&nd))] {
-                    let Some(x8) = x8 else {
-                        return Err(crate::Error::Invalid {
-                            op: "qmatmul_chain",
-                            detail: "a product did not round its output for the next".into(),
-                        });
-                    };
-                    let own = quantize_x8(rec, y, x8.cols, norm.map(|n| (n, eps)))?;
-                    x8s.push((x8, own));
+                for (x8, y, wl, swiglu, norm, wn) in links {
+                    let own = quantize_x8(rec, y, wn.cols, norm.map(|n| (n, eps)))?;
+                    let expect = chain_rounds(gpu, wl, swiglu, Next { w: wn, norm });
+                    match (x8, expect) {
+                        (Some(x8), true) => x8s.push((x8, own)),
+                        (None, false) => {}
+                        (got, _) => {
+                            return Err(crate::Error::Invalid {
+                                op: "qmatmul_chain",
+                                detail: format!(
+                                    "the product of W ({}, {}) {} rounded its output: {}, \
+                                     expected on this adapter: {expect}",
+                                    wl.rows,
+                                    wl.cols,
+                                    wl.ty.name(),
+                                    got.is_some()
+                                ),
+                            });
+                        }
+                    }
                 }
                 // Rounded after nd's weight, given with nb's.
+                let wrong = quantize_x8(rec, &yc, w[3].cols, Some((&nd, eps)))?;
                 let fuse = Fuse {
                     norm: Some((&nb, eps)),
-                    x8: Some(&x8s[2].0),
+                    x8: Some(&wrong),
                     ..Default::default()
                 };
                 mismatch.set(Some(qmatmul_fused(rec, &yc, &w[3], fuse).is_err()));
@@ -548,9 +569,11 @@ pub(super) async fn chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         out,
         op,
         format!(
-            "o ({e}, {h}) Q4_K, gate/up ({}, {e}) Q4_K, down ({e}, {f}) Q5_K, head ({}, {e}) Q6_K",
+            "o ({e}, {h}) Q4_K, gate/up ({}, {e}) Q4_K, down ({e}, {f}) Q5_K, head ({}, {e}) Q6_K; \
+             {} of 3 links chained",
             2 * f,
-            MATVEC1_MIN_ROWS + 3
+            MATVEC1_MIN_ROWS + 3,
+            rounded.borrow().len()
         ),
         res,
     );
