@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use doppler::check::Rng;
-use doppler::formats::gguf::GgmlType;
+use doppler::formats::gguf::{GgmlType, LocalFuture};
 use doppler::gpu::{DType, Gpu, Tensor};
 use doppler::infer::greedy::GreedyDecoder;
 use doppler::models::llama::{Llama, LlamaConfig, Source, Stored};
@@ -106,7 +106,17 @@ impl Source for Synthetic {
     fn path(&self) -> &str {
         "synthetic"
     }
-    fn tensor(&self, name: &str) -> doppler::Result<Option<Stored<'_>>> {
+    fn has(&self, name: &str) -> bool {
+        self.dims(name).is_some()
+    }
+    fn tensor<'a>(&'a self, name: &'a str) -> LocalFuture<'a, doppler::Result<Option<Stored<'a>>>> {
+        Box::pin(std::future::ready(self.make(name)))
+    }
+}
+
+impl Synthetic {
+    /// The tensor's made-up bytes.
+    fn make(&self, name: &str) -> doppler::Result<Option<Stored<'static>>> {
         let Some((dims, tyname)) = self.dims(name) else {
             return Ok(None);
         };

@@ -48,6 +48,9 @@ function isHfName(name) {
  * with progress and cached in the Origin Private File System under its SHA-256), or a
  * Hugging Face directory's files (a `FileList` or array of `File`s: config.json,
  * *.safetensors, tokenizer.json, tokenizer_config.json).
+ * A GGUF file is read a tensor at a time as its weights go to the GPU: a `File`, an
+ * `ArrayBuffer` or a cached download is never copied whole (a download without the cache
+ * is held once in WebAssembly memory while it uploads).
  * Options: onProgress({phase, file, loaded, total}), maxContext (default 4096), cache
  * (default true).
  */
@@ -56,23 +59,20 @@ export async function loadModel(source, { onProgress, maxContext = 4096, cache =
   const progress = onProgress ?? (() => {});
   let model;
   if (typeof source === 'string' || source instanceof URL) {
-    const sink = await fetchToSink(new URL(source, globalThis.location?.href).href, progress, cache);
-    progress({ phase: 'upload', file: sink.name, loaded: 0, total: sink.length });
-    model = await raw.loadGguf(sink, maxContext);
+    const got = await fetchModel(new URL(source, globalThis.location?.href).href, progress, cache);
+    if (got instanceof Blob) {
+      model = await loadRanges(got, got.name, progress, maxContext);
+    } else {
+      progress({ phase: 'upload', file: got.name, loaded: 0, total: got.length });
+      model = await raw.loadGguf(got, maxContext);
+    }
   } else if (source instanceof Blob) {
-    const sink = await blobToSink(source, source.name ?? 'model.gguf', progress);
-    progress({ phase: 'upload', file: sink.name, loaded: 0, total: sink.length });
-    model = await raw.loadGguf(sink, maxContext);
+    model = await loadRanges(source, source.name ?? 'model.gguf', progress, maxContext);
   } else if (source instanceof ArrayBuffer || ArrayBuffer.isView(source)) {
     const bytes = source instanceof ArrayBuffer
       ? new Uint8Array(source)
       : new Uint8Array(source.buffer, source.byteOffset, source.byteLength);
-    const sink = new raw.ByteSink('model.gguf', bytes.length);
-    for (let at = 0; at < bytes.length; at += CHUNK) {
-      sink.push(bytes.subarray(at, at + CHUNK));
-      progress({ phase: 'read', file: sink.name, loaded: Math.min(at + CHUNK, bytes.length), total: bytes.length });
-    }
-    model = await raw.loadGguf(sink, maxContext);
+    model = await loadRanges(bytes, 'model.gguf', progress, maxContext);
   } else if (source && typeof source[Symbol.iterator] === 'function' || source instanceof FileList) {
     const files = Array.from(source).filter((f) => isHfName(f.webkitRelativePath || f.name));
     if (files.length === 0) {
@@ -88,8 +88,23 @@ export async function loadModel(source, { onProgress, maxContext = 4096, cache =
   return new Model(model);
 }
 
-async function blobToSink(blob, name, progress) {
-  const sink = new raw.ByteSink(name, blob.size);
+// A GGUF file from a Blob or bytes, read in ranges: the header, then one tensor at a time.
+function loadRanges(src, name, progress, maxContext) {
+  const total = src instanceof Blob ? src.size : src.length;
+  let loaded = 0;
+  const read = async (start, end) => {
+    const part = src instanceof Blob
+      ? new Uint8Array(await src.slice(start, end).arrayBuffer())
+      : src.subarray(start, end);
+    loaded = Math.max(loaded, end);
+    progress({ phase: 'upload', file: name, loaded: Math.min(loaded, total), total });
+    return part;
+  };
+  return raw.loadGgufRanges(name, total, read, maxContext);
+}
+
+async function blobToSink(blob, name, progress, keep = true) {
+  const sink = keep ? new raw.ByteSink(name, blob.size) : raw.ByteSink.hashOnly(name);
   for (let at = 0; at < blob.size; at += CHUNK) {
     const chunk = new Uint8Array(await blob.slice(at, at + CHUNK).arrayBuffer());
     sink.push(chunk);
@@ -99,8 +114,8 @@ async function blobToSink(blob, name, progress) {
 }
 
 // The model cache: OPFS folder CACHE_DIR holds <sha256>.bin files and index.json, which
-// maps each URL to {sha256, size}. A hit is read back through a ByteSink, which hashes it
-// again: a file that no longer matches is dropped and the URL fetched anew.
+// maps each URL to {sha256, size}. A hit is hashed again as it is read: a file that no
+// longer matches is dropped and the URL fetched anew.
 async function cacheDir() {
   try {
     const root = await navigator.storage.getDirectory();
@@ -132,18 +147,22 @@ export async function cachedModel(url) {
   return (await readIndex(dir))[new URL(url, globalThis.location?.href).href] ?? null;
 }
 
-async function fetchToSink(url, progress, useCache) {
+// A URL's model: the cached OPFS File (named after the URL) when the cache is on and
+// works, else its bytes in a ByteSink.
+async function fetchModel(url, progress, useCache) {
   const name = decodeURIComponent(new URL(url).pathname.split('/').pop() || 'model.gguf');
   const dir = useCache ? await cacheDir() : null;
+  const named = (file) => new File([file], name);
   if (dir) {
     const index = await readIndex(dir);
     const hit = index[url];
     if (hit) {
       try {
         const file = await (await dir.getFileHandle(`${hit.sha256}.bin`)).getFile();
-        const sink = await blobToSink(file, name, (p) => progress({ ...p, phase: 'cache' }));
-        if (sink.sha256() === hit.sha256 && sink.length === hit.size) return sink;
+        const sink = await blobToSink(file, name, (p) => progress({ ...p, phase: 'cache' }), false);
+        const same = sink.sha256() === hit.sha256 && sink.length === hit.size;
         sink.free();
+        if (same) return named(file);
       } catch { /* missing or unreadable: fetch it again */ }
       delete index[url];
       await writeIndex(dir, index);
@@ -152,7 +171,6 @@ async function fetchToSink(url, progress, useCache) {
   const resp = await fetch(url);
   if (!resp.ok) throw new Error(`${url}: HTTP ${resp.status} ${resp.statusText}`);
   const total = Number(resp.headers.get('content-length')) || 0;
-  const sink = new raw.ByteSink(name, total);
   const tmpName = `partial-${Date.now()}-${Math.random().toString(36).slice(2)}`;
   let out = null;
   if (dir) {
@@ -160,6 +178,8 @@ async function fetchToSink(url, progress, useCache) {
       out = await (await dir.getFileHandle(tmpName, { create: true })).createWritable();
     } catch { out = null; }
   }
+  // Into the cache file (hashed on the way), or, without a cache, into memory.
+  let sink = out ? raw.ByteSink.hashOnly(name) : new raw.ByteSink(name, total);
   try {
     const reader = resp.body.getReader();
     let loaded = 0;
@@ -179,22 +199,25 @@ async function fetchToSink(url, progress, useCache) {
     if (out) { await out.abort().catch(() => {}); await dir.removeEntry(tmpName).catch(() => {}); }
     throw e;
   }
-  if (out) {
-    try {
-      await out.close();
-      const sha = sink.sha256();
-      const tmp = await dir.getFileHandle(tmpName);
-      await dir.removeEntry(`${sha}.bin`).catch(() => {});
-      await tmp.move(`${sha}.bin`);
-      const index = await readIndex(dir);
-      index[url] = { sha256: sha, size: sink.length };
-      await writeIndex(dir, index);
-    } catch (e) {
-      console.warn(`doppler: could not cache ${url}: ${e}`);
-      await dir.removeEntry(tmpName).catch(() => {});
-    }
+  if (!out) return sink;
+  const sha = sink.sha256();
+  const size = sink.length;
+  sink.free();
+  try {
+    await out.close();
+    const tmp = await dir.getFileHandle(tmpName);
+    await dir.removeEntry(`${sha}.bin`).catch(() => {});
+    await tmp.move(`${sha}.bin`);
+    const index = await readIndex(dir);
+    index[url] = { sha256: sha, size };
+    await writeIndex(dir, index);
+    return named(await (await dir.getFileHandle(`${sha}.bin`)).getFile());
+  } catch (e) {
+    // Not cached after all: fetched again, into memory this time.
+    console.warn(`doppler: could not cache ${url}: ${e}`);
+    await dir.removeEntry(tmpName).catch(() => {});
+    return fetchModel(url, progress, false);
   }
-  return sink;
 }
 
 /** Deletes every cached model. */

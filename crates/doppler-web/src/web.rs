@@ -126,6 +126,9 @@ pub struct ByteSink {
     name: String,
     data: Vec<u8>,
     hash: sha2::Sha256,
+    /// Whether the bytes are kept ([`ByteSink::hash_only`] counts and hashes them only).
+    keep: bool,
+    len: u64,
 }
 
 #[wasm_bindgen]
@@ -139,19 +142,37 @@ impl ByteSink {
             name,
             data,
             hash: sha2::Sha256::new(),
+            keep: true,
+            len: 0,
         })
     }
 
+    /// A sink that hashes and counts the bytes without keeping them (a download written
+    /// to the cache, a cached file checked).
+    #[wasm_bindgen(js_name = hashOnly)]
+    pub fn hash_only(name: String) -> ByteSink {
+        ByteSink {
+            name,
+            data: Vec::new(),
+            hash: sha2::Sha256::new(),
+            keep: false,
+            len: 0,
+        }
+    }
+
     pub fn push(&mut self, chunk: &[u8]) -> Result<(), JsValue> {
-        reserve(&mut self.data, chunk.len(), &self.name)?;
-        self.data.extend_from_slice(chunk);
+        if self.keep {
+            reserve(&mut self.data, chunk.len(), &self.name)?;
+            self.data.extend_from_slice(chunk);
+        }
         self.hash.update(chunk);
+        self.len += chunk.len() as u64;
         Ok(())
     }
 
     #[wasm_bindgen(getter)]
     pub fn length(&self) -> f64 {
-        self.data.len() as f64
+        self.len as f64
     }
 
     #[wasm_bindgen(getter)]
@@ -163,6 +184,19 @@ impl ByteSink {
     pub fn sha256(&self) -> String {
         let d = self.hash.clone().finalize();
         d.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+impl ByteSink {
+    /// The bytes (an error for a sink that only hashed them).
+    fn into_bytes(self) -> Result<Vec<u8>, JsValue> {
+        match self.keep {
+            true => Ok(self.data),
+            false => Err(js_err(format!(
+                "{}: this ByteSink only hashed its bytes (hashOnly)",
+                self.name
+            ))),
+        }
     }
 }
 
@@ -236,7 +270,70 @@ pub fn load_gguf(file: ByteSink, max_context: usize) -> Promise {
     future_to_promise(async move {
         let g = gpu().await?;
         let name = file.name.clone();
-        let model = Model::from_gguf_bytes(g, Box::new(file.data), &name, max_context)
+        let bytes = file.into_bytes()?;
+        let model = Model::from_gguf_bytes(g, Box::new(bytes), &name, max_context)
+            .await
+            .map_err(js_err)?;
+        Ok(WebModel::new(model, name).into())
+    })
+}
+
+/// A file the page reads in ranges: `read(start, end)` resolves to a `Uint8Array` of those
+/// bytes (a `File`'s slice, an `ArrayBuffer`'s view).
+struct JsReader {
+    name: String,
+    len: u64,
+    read: Function,
+}
+
+impl doppler::formats::gguf::RangeRead for JsReader {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn read(
+        &self,
+        start: u64,
+        len: usize,
+    ) -> doppler::formats::gguf::LocalFuture<'_, doppler::Result<Vec<u8>>> {
+        let end = start + len as u64;
+        let call = self
+            .read
+            .call2(&JsValue::NULL, &(start as f64).into(), &(end as f64).into());
+        Box::pin(async move {
+            let fail = |e: JsValue| Error::Io {
+                path: self.name.clone(),
+                source: std::io::Error::other(format!(
+                    "reading bytes {start}..{end}: {}",
+                    e.as_string()
+                        .or_else(|| e.dyn_ref::<js_sys::Error>().map(|e| e.message().into()))
+                        .unwrap_or_else(|| format!("{e:?}"))
+                )),
+            };
+            let value =
+                wasm_bindgen_futures::JsFuture::from(Promise::resolve(&call.map_err(fail)?))
+                    .await
+                    .map_err(fail)?;
+            let bytes = value
+                .dyn_into::<Uint8Array>()
+                .map_err(|_| fail("the read did not give a Uint8Array".into()))?;
+            Ok(bytes.to_vec())
+        })
+    }
+}
+
+/// Loads a GGUF file the page reads in ranges (`read(start, end)` resolving to a
+/// `Uint8Array`): the header, then each tensor as it goes to the GPU, so the file is never
+/// whole in memory.
+#[wasm_bindgen(js_name = loadGgufRanges)]
+pub fn load_gguf_ranges(name: String, size: f64, read: Function, max_context: usize) -> Promise {
+    future_to_promise(async move {
+        let g = gpu().await?;
+        let reader = JsReader {
+            name: name.clone(),
+            len: size as u64,
+            read,
+        };
+        let model = Model::from_gguf_reader(g, Box::new(reader), &name, max_context)
             .await
             .map_err(js_err)?;
         Ok(WebModel::new(model, name).into())
@@ -252,8 +349,14 @@ pub fn load_hf(files: FileSet, max_context: usize) -> Promise {
         let list = files
             .files
             .into_iter()
-            .map(|f| (f.name, Box::new(f.data) as doppler::formats::gguf::Bytes))
-            .collect();
+            .map(|f| {
+                let name = f.name.clone();
+                Ok((
+                    name,
+                    Box::new(f.into_bytes()?) as doppler::formats::gguf::Bytes,
+                ))
+            })
+            .collect::<Result<_, JsValue>>()?;
         let model = Model::from_hf_files(g, list, max_context)
             .await
             .map_err(js_err)?;

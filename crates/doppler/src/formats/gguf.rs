@@ -182,6 +182,10 @@ struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
     name: &'a str,
+    /// The whole file's length: `buf` may be its first bytes only ([`Gguf::parse_prefix`]).
+    total: u64,
+    /// Set when a read ran past `buf` but not past the file: more of it is needed.
+    short: bool,
 }
 
 impl<'a> Reader<'a> {
@@ -192,11 +196,16 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Bytes left in the file (not only in `buf`).
     fn remaining(&self) -> usize {
-        self.buf.len() - self.pos
+        usize::try_from(self.total - self.pos as u64).unwrap_or(usize::MAX)
     }
 
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
+        if n <= self.remaining() && n > self.buf.len() - self.pos {
+            self.short = true;
+            return Err(self.err(format!("{what} lies past the bytes read so far")));
+        }
         if n > self.remaining() {
             return Err(self.err(format!(
                 "truncated: {what} needs {n} bytes, {} left",
@@ -285,7 +294,30 @@ impl Gguf {
     /// Parses the header, metadata and tensor infos of a whole file's bytes and checks
     /// every tensor lies inside the data section. `name` labels errors.
     pub fn parse(buf: &[u8], name: &str) -> Result<Gguf> {
-        let mut r = Reader { buf, pos: 0, name };
+        match Self::parse_prefix(buf, buf.len() as u64, name)? {
+            Some(g) => Ok(g),
+            None => unreachable!("the whole file was given"),
+        }
+    }
+
+    /// [`Gguf::parse`] from the first bytes of a file of `total` bytes: None when the
+    /// header runs past them (read more and try again).
+    pub fn parse_prefix(buf: &[u8], total: u64, name: &str) -> Result<Option<Gguf>> {
+        let mut r = Reader {
+            buf,
+            pos: 0,
+            name,
+            total: total.max(buf.len() as u64),
+            short: false,
+        };
+        match Self::parse_with(&mut r) {
+            Err(_) if r.short => Ok(None),
+            other => other.map(Some),
+        }
+    }
+
+    fn parse_with(r: &mut Reader<'_>) -> Result<Gguf> {
+        let name = r.name;
         let magic = r.take(4, "magic")?;
         if magic != MAGIC {
             return Err(r.err(format!("not a GGUF file (magic {magic:02x?})")));
@@ -362,7 +394,7 @@ impl Gguf {
             });
         }
         let data_offset = (r.pos as u64).next_multiple_of(alignment);
-        let data_len = (buf.len() as u64).saturating_sub(data_offset);
+        let data_len = r.total.saturating_sub(data_offset);
         for t in &tensors {
             let end = t.offset.checked_add(t.n_bytes);
             if end.is_none_or(|e| e > data_len) {
@@ -403,12 +435,64 @@ impl Gguf {
 /// (the browser, where a model arrives as a download or a `File`).
 pub type Bytes = Box<dyn std::ops::Deref<Target = [u8]> + Send + Sync>;
 
-/// A GGUF file's bytes, parsed.
+/// A boxed future that need not be `Send` (the browser's are not).
+pub type LocalFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + 'a>>;
+
+/// A file read in ranges on demand (a browser `File`, read slice by slice): a model's
+/// weights go to the GPU a tensor at a time, never the whole file in memory.
+pub trait RangeRead {
+    /// The file's length in bytes.
+    fn len(&self) -> u64;
+    /// `len` bytes from `start` (inside the file).
+    fn read(&self, start: u64, len: usize) -> LocalFuture<'_, Result<Vec<u8>>>;
+}
+
+/// Bytes in memory read in ranges (tests, and the browser's checks of the on-demand path).
+impl RangeRead for Vec<u8> {
+    fn len(&self) -> u64 {
+        self.as_slice().len() as u64
+    }
+    fn read(&self, start: u64, len: usize) -> LocalFuture<'_, Result<Vec<u8>>> {
+        let start = usize::try_from(start)
+            .unwrap_or(usize::MAX)
+            .min(self.as_slice().len());
+        let end = start.saturating_add(len).min(self.as_slice().len());
+        Box::pin(std::future::ready(Ok(self[start..end].to_vec())))
+    }
+}
+
+/// A GGUF file, parsed: its bytes whole (a map of the file, or bytes in memory) or read a
+/// tensor at a time ([`GgufFile::from_reader`]).
 pub struct GgufFile {
     pub gguf: Gguf,
     pub path: String,
-    map: Bytes,
+    data: Data,
 }
+
+enum Data {
+    Whole(Bytes),
+    Ranges(Box<dyn RangeRead>),
+}
+
+/// `len` bytes at `start`, or an error naming the file when fewer came (it changed or
+/// was cut short since it was opened).
+async fn read_exact(r: &dyn RangeRead, start: u64, len: usize, path: &str) -> Result<Vec<u8>> {
+    let got = r.read(start, len).await?;
+    if got.len() != len {
+        return Err(Error::Format {
+            path: path.to_string(),
+            detail: format!(
+                "truncated: bytes {start}..{} read as {} bytes (the file changed since it was opened?)",
+                start + len as u64,
+                got.len()
+            ),
+        });
+    }
+    Ok(got)
+}
+
+/// The first read of a file's header; doubled while the header runs past it.
+const HEADER_READ: usize = 1 << 20;
 
 impl GgufFile {
     #[cfg(not(target_arch = "wasm32"))]
@@ -430,16 +514,51 @@ impl GgufFile {
         Ok(GgufFile {
             gguf,
             path: path.to_string(),
-            map: bytes,
+            data: Data::Whole(bytes),
         })
     }
 
-    pub fn bytes(&self) -> &[u8] {
-        &self.map
+    /// A GGUF file read on demand: its header now (read in growing slices until it
+    /// parses), each tensor's bytes when [`GgufFile::read_tensor`] asks for them.
+    pub async fn from_reader(reader: Box<dyn RangeRead>, path: &str) -> Result<GgufFile> {
+        let total = reader.len();
+        let mut want = HEADER_READ;
+        loop {
+            let n = (want as u64).min(total) as usize;
+            let head = read_exact(&*reader, 0, n, path).await?;
+            if let Some(gguf) = Gguf::parse_prefix(&head, total, path)? {
+                return Ok(GgufFile {
+                    gguf,
+                    path: path.to_string(),
+                    data: Data::Ranges(reader),
+                });
+            }
+            if n as u64 >= total {
+                unreachable!("a whole file's header parses or fails");
+            }
+            want = want.saturating_mul(2);
+        }
     }
 
-    pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
-        self.gguf.tensor_data(&self.map, t)
+    /// The whole file's bytes; None when it is read on demand.
+    pub fn bytes(&self) -> Option<&[u8]> {
+        match &self.data {
+            Data::Whole(b) => Some(b),
+            Data::Ranges(_) => None,
+        }
+    }
+
+    /// A tensor's bytes: borrowed from the whole file, or read from the file now.
+    pub async fn read_tensor(&self, t: &TensorInfo) -> Result<std::borrow::Cow<'_, [u8]>> {
+        match &self.data {
+            Data::Whole(b) => Ok(self.gguf.tensor_data(b, t).into()),
+            Data::Ranges(r) => {
+                let at = self.gguf.data_offset + t.offset;
+                Ok(read_exact(&**r, at, t.n_bytes as usize, &self.path)
+                    .await?
+                    .into())
+            }
+        }
     }
 }
 
@@ -569,6 +688,78 @@ mod tests {
         let q = g.tensor("q").unwrap();
         assert_eq!((q.n_bytes, q.offset % 32), (68, 0));
         assert_eq!(g.tensor_data(&buf, q), &[7u8; 68][..]);
+    }
+
+    /// Reads `cut` bytes short of the file's end (a file shortened after it was opened).
+    struct Shortened {
+        bytes: Vec<u8>,
+        cut: std::rc::Rc<std::cell::Cell<usize>>,
+    }
+
+    impl RangeRead for Shortened {
+        fn len(&self) -> u64 {
+            self.bytes.len() as u64
+        }
+        fn read(&self, start: u64, len: usize) -> LocalFuture<'_, Result<Vec<u8>>> {
+            let end = (start as usize + len).min(self.bytes.len() - self.cut.get());
+            let got = self.bytes[(start as usize).min(end)..end].to_vec();
+            Box::pin(std::future::ready(Ok(got)))
+        }
+    }
+
+    #[test]
+    fn a_file_read_on_demand_parses_as_the_whole() {
+        // A header past the first read (1 MiB): 40,000 pieces of 30 bytes, as a 49K
+        // vocabulary's tokens and merges are.
+        let pieces: Vec<Value> = (0..40_000)
+            .map(|i| Value::String(format!("{i:030}")))
+            .collect();
+        let f32s: Vec<u8> = (0..6).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let buf = write(
+            &[("tokenizer.ggml.tokens", Value::Array(pieces))],
+            &[("w", &[3, 2], GgmlType(0), &f32s)],
+            32,
+        );
+        assert!(buf.len() > HEADER_READ);
+        let whole = Gguf::parse(&buf, "big.gguf").unwrap();
+        // A prefix that stops inside the header asks for more; one inside the data parses.
+        assert!(
+            Gguf::parse_prefix(&buf[..1000], buf.len() as u64, "big.gguf")
+                .unwrap()
+                .is_none()
+        );
+        let at = whole.data_offset as usize;
+        let g = Gguf::parse_prefix(&buf[..at], buf.len() as u64, "big.gguf").unwrap();
+        assert_eq!(g.unwrap().tensors, whole.tensors);
+        // A bad magic is an error at once, whatever was read.
+        let e = Gguf::parse_prefix(b"GGML", 1 << 30, "x").unwrap_err();
+        assert!(e.to_string().contains("not a GGUF file"), "{e}");
+
+        let cut = std::rc::Rc::new(std::cell::Cell::new(0));
+        let reader = Shortened {
+            bytes: buf.clone(),
+            cut: cut.clone(),
+        };
+        let file = pollster::block_on(GgufFile::from_reader(Box::new(reader), "big.gguf")).unwrap();
+        assert_eq!(file.gguf.tensors, whole.tensors);
+        assert!(file.bytes().is_none());
+        let w = file.gguf.tensor("w").unwrap();
+        let data = pollster::block_on(file.read_tensor(w)).unwrap();
+        assert_eq!(&data[..], &f32s[..]);
+
+        // Shortened after it was opened: the tensor's read names the file and the range.
+        cut.set(4);
+        let e = pollster::block_on(file.read_tensor(w))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("big.gguf") && e.contains("truncated"), "{e}");
+        // Truncated before it was opened: the same error as the whole file's.
+        let cut = buf[..buf.len() - 4].to_vec();
+        let e = pollster::block_on(GgufFile::from_reader(Box::new(cut), "big.gguf"))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("truncated") && e.contains("tensor w"), "{e}");
     }
 
     #[test]

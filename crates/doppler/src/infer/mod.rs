@@ -52,8 +52,8 @@ impl Model {
         Ok(model)
     }
 
-    /// A GGUF file's bytes (a download or a `File` in the browser); `name` names it in
-    /// errors. The bytes are needed only while the weights upload.
+    /// A GGUF file's bytes (a download in the browser); `name` names it in errors. The
+    /// bytes are needed only while the weights upload.
     pub async fn from_gguf_bytes(
         gpu: &Gpu,
         bytes: crate::formats::gguf::Bytes,
@@ -62,10 +62,32 @@ impl Model {
     ) -> Result<Model> {
         let t0 = Instant::now();
         let file = crate::formats::gguf::GgufFile::from_bytes(bytes, name)?;
-        let llama = llama::from_gguf(gpu, &file, max_context)?;
+        Self::from_gguf_file(gpu, file, t0, max_context).await
+    }
+
+    /// A GGUF file read on demand (a `File` in the browser): the header first, then each
+    /// tensor as it goes to the GPU, so the whole file is never in memory.
+    pub async fn from_gguf_reader(
+        gpu: &Gpu,
+        reader: Box<dyn crate::formats::gguf::RangeRead>,
+        name: &str,
+        max_context: usize,
+    ) -> Result<Model> {
+        let t0 = Instant::now();
+        let file = crate::formats::gguf::GgufFile::from_reader(reader, name).await?;
+        Self::from_gguf_file(gpu, file, t0, max_context).await
+    }
+
+    async fn from_gguf_file(
+        gpu: &Gpu,
+        file: crate::formats::gguf::GgufFile,
+        t0: Instant,
+        max_context: usize,
+    ) -> Result<Model> {
         let md = &file.gguf.metadata;
-        let tokenizer = Tokenizer::from_gguf(md, name)?;
-        let model = Self::assemble(llama, tokenizer, gguf_chat_template(md), name, t0)?;
+        let tokenizer = Tokenizer::from_gguf(md, &file.path)?;
+        let llama = llama::from_gguf_async(gpu, &file, max_context).await?;
+        let model = Self::assemble(llama, tokenizer, gguf_chat_template(md), &file.path, t0)?;
         drop(file);
         gpu.settle().await?;
         Ok(model)
@@ -119,7 +141,8 @@ impl Model {
             .map(|b| text(&b, "tokenizer_config.json"))
             .transpose()?;
         let src = llama::SafeTensorsDir::from_bytes(weights, shown)?;
-        let llama = llama::from_safetensors(gpu, &config, "config.json", &src, max_context)?;
+        let llama =
+            llama::from_safetensors_async(gpu, &config, "config.json", &src, max_context).await?;
         drop(src);
         let tk = Tokenizer::from_hf_json(&tokenizer, tk_config.as_deref(), "tokenizer.json")?;
         let jinja = tk_config.as_deref().and_then(hf_chat_template);

@@ -21,7 +21,7 @@
 use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
-use crate::formats::gguf::{GgmlType, Value};
+use crate::formats::gguf::{GgmlType, LocalFuture, Value};
 use crate::gpu::{DType, Gpu, Recorder, Tensor};
 use crate::ops::kvcache::{kv_attend, kv_attend_parts, KvCache, RopeStore};
 use crate::ops::quant::{
@@ -143,9 +143,13 @@ pub struct Stored<'a> {
 }
 
 /// Where a model's tensors come from, under GGUF's names (`blk.N.attn_q.weight`, ...).
+/// Reading is async: a browser reads a file a tensor at a time.
 pub trait Source {
     fn path(&self) -> &str;
-    fn tensor(&self, name: &str) -> Result<Option<Stored<'_>>>;
+    /// Whether the tensor is there (nothing read).
+    fn has(&self, name: &str) -> bool;
+    /// The tensor, None when absent.
+    fn tensor<'a>(&'a self, name: &'a str) -> LocalFuture<'a, Result<Option<Stored<'a>>>>;
 }
 
 fn format_err(path: &str, detail: impl Into<String>) -> Error {
@@ -155,13 +159,20 @@ fn format_err(path: &str, detail: impl Into<String>) -> Error {
     }
 }
 
-fn need<'a>(src: &'a dyn Source, name: &str) -> Result<Stored<'a>> {
-    src.tensor(name)?
+async fn need<'a>(src: &'a dyn Source, name: &'a str) -> Result<Stored<'a>> {
+    src.tensor(name)
+        .await?
         .ok_or_else(|| format_err(src.path(), format!("tensor {name} is missing")))
 }
 
-fn matrix(gpu: &Gpu, src: &dyn Source, name: &str, rows: usize, cols: usize) -> Result<QMatrix> {
-    let t = need(src, name)?;
+async fn matrix(
+    gpu: &Gpu,
+    src: &dyn Source,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<QMatrix> {
+    let t = need(src, name).await?;
     if t.dims != [cols as u64, rows as u64] {
         return Err(format_err(
             src.path(),
@@ -176,10 +187,15 @@ fn matrix(gpu: &Gpu, src: &dyn Source, name: &str, rows: usize, cols: usize) -> 
 }
 
 /// Matrices (name, rows) of one type and width stacked row-wise into one.
-fn stacked(gpu: &Gpu, src: &dyn Source, parts: &[(String, usize)], cols: usize) -> Result<QMatrix> {
+async fn stacked(
+    gpu: &Gpu,
+    src: &dyn Source,
+    parts: &[(String, usize)],
+    cols: usize,
+) -> Result<QMatrix> {
     let mut stored = Vec::new();
     for (name, rows) in parts {
-        let t = need(src, name)?;
+        let t = need(src, name).await?;
         if t.dims != [cols as u64, *rows as u64] {
             return Err(format_err(
                 src.path(),
@@ -204,8 +220,8 @@ fn stacked(gpu: &Gpu, src: &dyn Source, parts: &[(String, usize)], cols: usize) 
 }
 
 /// A vector (norm weight, bias) widened to f32 on the host.
-fn vector_f32(src: &dyn Source, name: &str, n: usize) -> Result<Option<Vec<f32>>> {
-    let Some(t) = src.tensor(name)? else {
+async fn vector_f32(src: &dyn Source, name: &str, n: usize) -> Result<Option<Vec<f32>>> {
+    let Some(t) = src.tensor(name).await? else {
         return Ok(None);
     };
     if t.dims != [n as u64] {
@@ -219,8 +235,8 @@ fn vector_f32(src: &dyn Source, name: &str, n: usize) -> Result<Option<Vec<f32>>
         .map_err(|e| format_err(src.path(), format!("{name}: {e}")))
 }
 
-fn vector(gpu: &Gpu, src: &dyn Source, name: &str, n: usize) -> Result<Option<Tensor>> {
-    match vector_f32(src, name, n)? {
+async fn vector(gpu: &Gpu, src: &dyn Source, name: &str, n: usize) -> Result<Option<Tensor>> {
+    match vector_f32(src, name, n).await? {
         Some(v) => Ok(Some(Tensor::from_f32(gpu, &[n], &v, name)?)),
         None => Ok(None),
     }
@@ -228,7 +244,19 @@ fn vector(gpu: &Gpu, src: &dyn Source, name: &str, n: usize) -> Result<Option<Te
 
 impl Llama {
     /// Uploads the weights of `cfg` from `src`; positions up to `max_context`.
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn load(
+        gpu: &Gpu,
+        cfg: LlamaConfig,
+        src: &dyn Source,
+        max_context: usize,
+    ) -> Result<Llama> {
+        pollster::block_on(Self::load_async(gpu, cfg, src, max_context))
+    }
+
+    /// [`Llama::load`], reading each tensor when it goes to the GPU (and dropping its
+    /// bytes after) where `src` reads on demand.
+    pub async fn load_async(
         gpu: &Gpu,
         cfg: LlamaConfig,
         src: &dyn Source,
@@ -236,23 +264,24 @@ impl Llama {
     ) -> Result<Llama> {
         let (e, d) = (cfg.n_embd, cfg.head_dim);
         let (qd, kvd) = (cfg.n_head * d, cfg.n_kv_head * d);
-        let embd = matrix(gpu, src, "token_embd.weight", cfg.vocab_size, e)?;
+        let embd = matrix(gpu, src, "token_embd.weight", cfg.vocab_size, e).await?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
-            let norm = |s: &str| -> Result<Tensor> {
-                vector(gpu, src, &n(s), e)?
+            let norm = async |s: &str| -> Result<Tensor> {
+                vector(gpu, src, &n(s), e)
+                    .await?
                     .ok_or_else(|| format_err(src.path(), format!("tensor {} is missing", n(s))))
             };
             // qwen2 has q, k, v biases (all three or none).
-            let biases: Vec<Option<Vec<f32>>> = [
+            let mut biases: Vec<Option<Vec<f32>>> = Vec::new();
+            for (s, len) in [
                 ("attn_q.bias", qd),
                 ("attn_k.bias", kvd),
                 ("attn_v.bias", kvd),
-            ]
-            .iter()
-            .map(|(s, len)| vector_f32(src, &n(s), *len))
-            .collect::<Result<_>>()?;
+            ] {
+                biases.push(vector_f32(src, &n(s), len).await?);
+            }
             let qkv_bias = match (
                 biases.iter().all(Option::is_some),
                 biases.iter().any(Option::is_some),
@@ -271,41 +300,34 @@ impl Llama {
                     ))
                 }
             };
+            let qkv = [
+                (n("attn_q.weight"), qd),
+                (n("attn_k.weight"), kvd),
+                (n("attn_v.weight"), kvd),
+            ];
+            let gate_up = [
+                (n("ffn_gate.weight"), cfg.ffn_hidden),
+                (n("ffn_up.weight"), cfg.ffn_hidden),
+            ];
             layers.push(Layer {
-                attn_norm: norm("attn_norm.weight")?,
-                qkv: stacked(
-                    gpu,
-                    src,
-                    &[
-                        (n("attn_q.weight"), qd),
-                        (n("attn_k.weight"), kvd),
-                        (n("attn_v.weight"), kvd),
-                    ],
-                    e,
-                )?,
+                attn_norm: norm("attn_norm.weight").await?,
+                qkv: stacked(gpu, src, &qkv, e).await?,
                 qkv_bias,
-                o: matrix(gpu, src, &n("attn_output.weight"), e, qd)?,
-                ffn_norm: norm("ffn_norm.weight")?,
-                gate_up: stacked(
-                    gpu,
-                    src,
-                    &[
-                        (n("ffn_gate.weight"), cfg.ffn_hidden),
-                        (n("ffn_up.weight"), cfg.ffn_hidden),
-                    ],
-                    e,
-                )?,
-                down: matrix(gpu, src, &n("ffn_down.weight"), e, cfg.ffn_hidden)?,
+                o: matrix(gpu, src, &n("attn_output.weight"), e, qd).await?,
+                ffn_norm: norm("ffn_norm.weight").await?,
+                gate_up: stacked(gpu, src, &gate_up, e).await?,
+                down: matrix(gpu, src, &n("ffn_down.weight"), e, cfg.ffn_hidden).await?,
             });
         }
-        let out_norm = vector(gpu, src, "output_norm.weight", e)?
+        let out_norm = vector(gpu, src, "output_norm.weight", e)
+            .await?
             .ok_or_else(|| format_err(src.path(), "tensor output_norm.weight is missing"))?;
-        let output = if src.tensor("output.weight")?.is_some() {
-            matrix(gpu, src, "output.weight", cfg.vocab_size, e)?
+        let output = if src.has("output.weight") {
+            matrix(gpu, src, "output.weight", cfg.vocab_size, e).await?
         } else {
             embd.clone()
         };
-        let factors = match src.tensor("rope_freqs.weight")? {
+        let factors = match src.tensor("rope_freqs.weight").await? {
             Some(t) => Some(
                 crate::reference::quant::dequantize(t.ty, &t.bytes, d / 2)
                     .map_err(|e| format_err(src.path(), format!("rope_freqs.weight: {e}")))?,
@@ -744,12 +766,20 @@ impl Source for crate::formats::gguf::GgufFile {
     fn path(&self) -> &str {
         &self.path
     }
-    fn tensor(&self, name: &str) -> Result<Option<Stored<'_>>> {
-        Ok(self.gguf.tensor(name).map(|t| Stored {
-            bytes: self.tensor_data(t).into(),
-            ty: t.ty,
-            dims: t.dims.clone(),
-        }))
+    fn has(&self, name: &str) -> bool {
+        self.gguf.tensor(name).is_some()
+    }
+    fn tensor<'a>(&'a self, name: &'a str) -> LocalFuture<'a, Result<Option<Stored<'a>>>> {
+        Box::pin(async move {
+            let Some(t) = self.gguf.tensor(name) else {
+                return Ok(None);
+            };
+            Ok(Some(Stored {
+                bytes: self.read_tensor(t).await?,
+                ty: t.ty,
+                dims: t.dims.clone(),
+            }))
+        })
     }
 }
 
@@ -850,15 +880,17 @@ impl Source for SafeTensorsDir {
     fn path(&self) -> &str {
         &self.path
     }
-    fn tensor(&self, name: &str) -> Result<Option<Stored<'_>>> {
-        let Some(hf) = Self::hf_name(name) else {
-            return Ok(None);
-        };
-        Ok(self.index.get(&hf).map(|(f, ty, dims, r)| Stored {
+    fn has(&self, name: &str) -> bool {
+        Self::hf_name(name).is_some_and(|hf| self.index.contains_key(&hf))
+    }
+    fn tensor<'a>(&'a self, name: &'a str) -> LocalFuture<'a, Result<Option<Stored<'a>>>> {
+        let found = Self::hf_name(name).and_then(|hf| self.index.get(&hf));
+        let stored = found.map(|(f, ty, dims, r)| Stored {
             bytes: self.maps[*f][r.clone()].into(),
             ty: *ty,
             dims: dims.clone(),
-        }))
+        });
+        Box::pin(std::future::ready(Ok(stored)))
     }
 }
 
@@ -909,19 +941,48 @@ pub fn open(
 }
 
 /// Loads a parsed GGUF file's model.
+#[cfg(not(target_arch = "wasm32"))]
 pub fn from_gguf(
     gpu: &Gpu,
     file: &crate::formats::gguf::GgufFile,
     max_context: usize,
 ) -> Result<Llama> {
+    pollster::block_on(from_gguf_async(gpu, file, max_context))
+}
+
+/// [`from_gguf`], reading the tensors as they go to the GPU where the file is read on
+/// demand ([`GgufFile::from_reader`](crate::formats::gguf::GgufFile::from_reader)).
+pub async fn from_gguf_async(
+    gpu: &Gpu,
+    file: &crate::formats::gguf::GgufFile,
+    max_context: usize,
+) -> Result<Llama> {
     let mut cfg = config_from_gguf(&file.gguf.metadata, &file.path)?;
-    cfg.tied_embeddings = file.gguf.tensor("output.weight").is_none();
-    Llama::load(gpu, cfg, file, max_context)
+    cfg.tied_embeddings = !file.has("output.weight");
+    Llama::load_async(gpu, cfg, file, max_context).await
 }
 
 /// Loads a Hugging Face checkpoint: its `config.json` text (`cfg_path` names it in errors)
 /// and its SafeTensors files.
+#[cfg(not(target_arch = "wasm32"))]
 pub fn from_safetensors(
+    gpu: &Gpu,
+    config_json: &str,
+    cfg_path: &str,
+    src: &SafeTensorsDir,
+    max_context: usize,
+) -> Result<Llama> {
+    pollster::block_on(from_safetensors_async(
+        gpu,
+        config_json,
+        cfg_path,
+        src,
+        max_context,
+    ))
+}
+
+/// [`from_safetensors`] without blocking (the browser).
+pub async fn from_safetensors_async(
     gpu: &Gpu,
     config_json: &str,
     cfg_path: &str,
@@ -931,6 +992,6 @@ pub fn from_safetensors(
     let json: serde_json::Value =
         serde_json::from_str(config_json).map_err(|e| format_err(cfg_path, e.to_string()))?;
     let mut cfg = config_from_hf(&json, cfg_path)?;
-    cfg.tied_embeddings = src.tensor("output.weight")?.is_none();
-    Llama::load(gpu, cfg, src, max_context)
+    cfg.tied_embeddings = !src.has("output.weight");
+    Llama::load_async(gpu, cfg, src, max_context).await
 }

@@ -250,24 +250,24 @@ fn scratch() -> PathBuf {
 /// The tiny model opened both ways, GGUF first: from the files [`write_tiny`] writes, as
 /// `doppler` opens a model.
 #[cfg(not(target_arch = "wasm32"))]
-fn open_both(gpu: &Gpu, arch: &str, ty: &str) -> crate::Result<[Llama; 2]> {
+async fn open_both(gpu: &Gpu, arch: &str, ty: &str) -> crate::Result<[Llama; 2]> {
     let (g, hf) = write_tiny(&scratch().join(format!("{arch}-{ty}")), arch, ty, SEED)?;
     Ok([llama::open(gpu, &g, 64)?.0, llama::open(gpu, &hf, 64)?.0])
 }
 
 /// The tiny model opened both ways, GGUF first: in the browser, which has no files, from
-/// the same bytes in memory.
+/// the same bytes in memory, the GGUF read on demand as a browser reads a `File`.
 #[cfg(target_arch = "wasm32")]
-fn open_both(gpu: &Gpu, arch: &str, ty: &str) -> crate::Result<[Llama; 2]> {
+async fn open_both(gpu: &Gpu, arch: &str, ty: &str) -> crate::Result<[Llama; 2]> {
     let files = tiny_files(arch, ty, SEED)?;
-    let g = gguf::GgufFile::from_bytes(Box::new(files.gguf), "model.gguf")?;
+    let g = gguf::GgufFile::from_reader(Box::new(files.gguf), "model.gguf").await?;
     let st = llama::SafeTensorsDir::from_bytes(
         vec![("hf/model.safetensors".into(), Box::new(files.safetensors))],
         "hf",
     )?;
     Ok([
-        llama::from_gguf(gpu, &g, 64)?,
-        llama::from_safetensors(gpu, &files.config, "hf/config.json", &st, 64)?,
+        llama::from_gguf_async(gpu, &g, 64).await?,
+        llama::from_safetensors_async(gpu, &files.config, "hf/config.json", &st, 64).await?,
     ])
 }
 
@@ -288,7 +288,7 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for arch in ["llama", "qwen2"] {
         for ty in ["F32", "F16", "BF16"] {
             let res: Outcome = async {
-                let [g, hf] = open_both(gpu, arch, ty).map_err(s)?;
+                let [g, hf] = open_both(gpu, arch, ty).await.map_err(s)?;
                 let a = run(gpu, &g).await.map_err(s)?;
                 let b = run(gpu, &hf).await.map_err(s)?;
                 // Same weights, same math; only the row order of q/k (and the RoPE pairing
