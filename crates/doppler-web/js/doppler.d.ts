@@ -70,7 +70,7 @@ export interface TrainRun {
 }
 
 export function init(): Promise<AdapterReport>;
-export function poolStats(): { live_bytes: number; pooled_bytes: number; hits: number; misses: number; in_flight: number };
+export function poolStats(): { live_bytes: number; pooled_bytes: number; hits: number; misses: number; in_flight: number; wasm_bytes: number };
 export function verify(options?: { filter?: string }): Promise<{ adapter: string; checks: CheckResult[]; failed: number }>;
 export function loadModel(source: string | URL | Blob | ArrayBuffer | ArrayBufferView | FileList | File[], options?: LoadOptions): Promise<Model>;
 export function cachedModel(url: string): Promise<{ sha256: string; size: number } | null>;

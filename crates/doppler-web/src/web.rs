@@ -101,10 +101,14 @@ pub fn init() -> Promise {
 /// The buffer pool's counters (bytes held by live tensors, bytes pooled for reuse).
 #[wasm_bindgen(js_name = poolStats)]
 pub fn pool_stats() -> Result<JsValue, JsValue> {
-    match GPU.with(|g| *g.borrow()) {
-        Some(g) => to_js(&g.pool.stats()),
-        None => Err(js_err("poolStats: call init() first")),
-    }
+    let Some(g) = GPU.with(|g| *g.borrow()) else {
+        return Err(js_err("poolStats: call init() first"));
+    };
+    let mut stats = serde_json::to_value(g.pool.stats()).map_err(js_err)?;
+    // The WebAssembly memory's size: it grows to the most the page ever held at once.
+    let pages = core::arch::wasm32::memory_size(0);
+    stats["wasm_bytes"] = (pages as u64 * 65536).into();
+    to_js(&stats)
 }
 
 /// Runs the kernel checks whose op name contains `filter` (all when absent) on this

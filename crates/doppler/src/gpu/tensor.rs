@@ -134,6 +134,10 @@ impl Tensor {
 
     /// Raw bytes (a quantized tensor's blocks) as u32 words, zero-padded to a multiple of 4.
     pub fn from_raw_bytes(gpu: &Gpu, bytes: &[u8], label: &str) -> Result<Tensor> {
+        if !bytes.is_empty() && bytes.len() % 4 == 0 {
+            // Whole words already: no copy (a model's largest tensors pass through here).
+            return Self::from_bytes(gpu, &[bytes.len() / 4], DType::U32, bytes, label);
+        }
         let mut padded = bytes.to_vec();
         padded.resize(bytes.len().next_multiple_of(4).max(4), 0);
         Self::from_bytes(gpu, &[padded.len() / 4], DType::U32, &padded, label)
