@@ -30,9 +30,12 @@ test('verify: kernel checks pass in the browser', async (t) => {
     const adapter = await api(b.page, (d) => d.init());
     console.log(`adapter: ${adapter.device_type} via ${adapter.backend}, ${JSON.stringify(adapter.paths)}`);
     const slow = Boolean(process.env.DOPPLER_BROWSER_SLOW);
-    for (const [filter, secs] of [...FILTERS, ...SLOW]) {
+    // DOPPLER_BROWSER_ALL=1: every check of `doppler verify`, in one call (about half an
+    // hour on SwiftShader on 2 cores; docs/benchmarks.md has the last run).
+    const all = process.env.DOPPLER_BROWSER_ALL ? [[undefined, 1800]] : [];
+    for (const [filter, secs] of all.length ? all : [...FILTERS, ...SLOW]) {
       const isSlow = SLOW.some(([f]) => f === filter);
-      await t.test(filter, { skip: isSlow && !slow && `about ${secs} s on SwiftShader: DOPPLER_BROWSER_SLOW=1 runs it` }, async () => {
+      await t.test(filter ?? 'every check', { skip: isSlow && !slow && `about ${secs} s on SwiftShader: DOPPLER_BROWSER_SLOW=1 runs it` }, async () => {
         const t0 = Date.now();
         const r = await api(b.page, (d, f) => d.verify({ filter: f }), filter);
         const s = (Date.now() - t0) / 1000;
@@ -43,6 +46,7 @@ test('verify: kernel checks pass in the browser', async (t) => {
         console.log(`verify ${JSON.stringify(filter)}: ${r.checks.length - bad.length}/${r.checks.length} pass in ${s.toFixed(1)} s (${ops})`);
         for (const c of bad) console.log(`  FAIL ${c.op} ${c.shape}: ${c.error}`);
         assert.ok(r.checks.length > 0, `no check matches ${filter}`);
+        if (!filter) console.log(`ops: ${JSON.stringify(Object.entries(r.checks.reduce((m, c) => ({ ...m, [c.op]: (m[c.op] ?? 0) + 1 }), {})))}`);
         assert.equal(r.failed, bad.length);
         assert.deepEqual(bad.map((c) => `${c.op} ${c.shape}: ${c.error}`), []);
       });

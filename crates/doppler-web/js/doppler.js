@@ -48,9 +48,9 @@ function isHfName(name) {
  * with progress and cached in the Origin Private File System under its SHA-256), or a
  * Hugging Face directory's files (a `FileList` or array of `File`s: config.json,
  * *.safetensors, tokenizer.json, tokenizer_config.json).
- * A GGUF file is read a tensor at a time as its weights go to the GPU: a `File`, an
- * `ArrayBuffer` or a cached download is never copied whole (a download without the cache
- * is held once in WebAssembly memory while it uploads).
+ * Weights are read a tensor at a time as they go to the GPU: a `File` (GGUF or
+ * SafeTensors), an `ArrayBuffer` or a cached download is never copied whole (a download
+ * without the cache is held once in WebAssembly memory while it uploads).
  * Options: onProgress({phase, file, loaded, total}), maxContext (default 4096), cache
  * (default true).
  */
@@ -79,8 +79,17 @@ export async function loadModel(source, { onProgress, maxContext = 4096, cache =
       throw new Error('loadModel: none of the files is config.json, tokenizer.json or *.safetensors');
     }
     const set = new raw.FileSet();
-    for (const f of files) set.add(await blobToSink(f, f.webkitRelativePath || f.name, progress));
-    progress({ phase: 'upload', file: 'Hugging Face directory', loaded: 0, total: 0 });
+    const total = files.reduce((n, f) => n + f.size, 0);
+    let loaded = 0;
+    for (const f of files) {
+      const name = f.webkitRelativePath || f.name;
+      set.addRanges(name, f.size, async (start, end) => {
+        const part = new Uint8Array(await f.slice(start, end).arrayBuffer());
+        loaded += part.length;
+        progress({ phase: 'upload', file: name, loaded: Math.min(loaded, total), total });
+        return part;
+      });
+    }
     model = await raw.loadHf(set, maxContext);
   } else {
     throw new Error('loadModel: expected a URL, a File or Blob, an ArrayBuffer, or a list of files');

@@ -6,6 +6,7 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use doppler::error::Error;
+use doppler::formats::FileData;
 use doppler::gpu::{Gpu, GpuOptions};
 use doppler::infer::sample::Sampler;
 use doppler::infer::{Conversation, GenOptions, Generation, Model, Session};
@@ -214,11 +215,12 @@ fn reserve(data: &mut Vec<u8>, more: usize, name: &str) -> Result<(), JsValue> {
     })
 }
 
-/// A Hugging Face directory's files, added one by one.
+/// A Hugging Face directory's files, added one by one: bytes in a [`ByteSink`], or read in
+/// ranges as the model loads.
 #[wasm_bindgen]
 #[derive(Default)]
 pub struct FileSet {
-    files: Vec<ByteSink>,
+    files: Vec<(String, FileData)>,
 }
 
 #[wasm_bindgen]
@@ -228,8 +230,23 @@ impl FileSet {
         FileSet::default()
     }
 
-    pub fn add(&mut self, file: ByteSink) {
-        self.files.push(file);
+    pub fn add(&mut self, file: ByteSink) -> Result<(), JsValue> {
+        let name = file.name.clone();
+        self.files
+            .push((name, FileData::Whole(Box::new(file.into_bytes()?))));
+        Ok(())
+    }
+
+    /// A file of `size` bytes the page reads in ranges: `read(start, end)` resolves to a
+    /// `Uint8Array` of those bytes.
+    #[wasm_bindgen(js_name = addRanges)]
+    pub fn add_ranges(&mut self, name: String, size: f64, read: Function) {
+        let reader = JsReader {
+            name: name.clone(),
+            len: size as u64,
+            read,
+        };
+        self.files.push((name, FileData::Ranges(Box::new(reader))));
     }
 }
 
@@ -290,7 +307,7 @@ struct JsReader {
     read: Function,
 }
 
-impl doppler::formats::gguf::RangeRead for JsReader {
+impl doppler::formats::RangeRead for JsReader {
     fn len(&self) -> u64 {
         self.len
     }
@@ -298,7 +315,7 @@ impl doppler::formats::gguf::RangeRead for JsReader {
         &self,
         start: u64,
         len: usize,
-    ) -> doppler::formats::gguf::LocalFuture<'_, doppler::Result<Vec<u8>>> {
+    ) -> doppler::formats::LocalFuture<'_, doppler::Result<Vec<u8>>> {
         let end = start + len as u64;
         let call = self
             .read
@@ -350,17 +367,7 @@ pub fn load_gguf_ranges(name: String, size: f64, read: Function, max_context: us
 pub fn load_hf(files: FileSet, max_context: usize) -> Promise {
     future_to_promise(async move {
         let g = gpu().await?;
-        let list = files
-            .files
-            .into_iter()
-            .map(|f| {
-                let name = f.name.clone();
-                Ok((
-                    name,
-                    Box::new(f.into_bytes()?) as doppler::formats::gguf::Bytes,
-                ))
-            })
-            .collect::<Result<_, JsValue>>()?;
+        let list = files.files;
         let model = Model::from_hf_files(g, list, max_context)
             .await
             .map_err(js_err)?;

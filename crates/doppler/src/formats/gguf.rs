@@ -10,6 +10,7 @@
 
 use std::collections::BTreeMap;
 
+pub use super::{check_len, Bytes, FileData, LocalFuture, RangeRead};
 use crate::error::{Error, Result};
 
 pub const MAGIC: &[u8; 4] = b"GGUF";
@@ -431,64 +432,12 @@ impl Gguf {
     }
 }
 
-/// A model file's bytes: a read-only map of the file natively, or the bytes themselves
-/// (the browser, where a model arrives as a download or a `File`).
-pub type Bytes = Box<dyn std::ops::Deref<Target = [u8]> + Send + Sync>;
-
-/// A boxed future that need not be `Send` (the browser's are not).
-pub type LocalFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + 'a>>;
-
-/// A file read in ranges on demand (a browser `File`, read slice by slice): a model's
-/// weights go to the GPU a tensor at a time, never the whole file in memory.
-pub trait RangeRead {
-    /// The file's length in bytes.
-    fn len(&self) -> u64;
-    /// `len` bytes from `start` (inside the file).
-    fn read(&self, start: u64, len: usize) -> LocalFuture<'_, Result<Vec<u8>>>;
-}
-
-/// Bytes in memory read in ranges (tests, and the browser's checks of the on-demand path).
-impl RangeRead for Vec<u8> {
-    fn len(&self) -> u64 {
-        self.as_slice().len() as u64
-    }
-    fn read(&self, start: u64, len: usize) -> LocalFuture<'_, Result<Vec<u8>>> {
-        let start = usize::try_from(start)
-            .unwrap_or(usize::MAX)
-            .min(self.as_slice().len());
-        let end = start.saturating_add(len).min(self.as_slice().len());
-        Box::pin(std::future::ready(Ok(self[start..end].to_vec())))
-    }
-}
-
 /// A GGUF file, parsed: its bytes whole (a map of the file, or bytes in memory) or read a
 /// tensor at a time ([`GgufFile::from_reader`]).
 pub struct GgufFile {
     pub gguf: Gguf,
     pub path: String,
-    data: Data,
-}
-
-enum Data {
-    Whole(Bytes),
-    Ranges(Box<dyn RangeRead>),
-}
-
-/// `len` bytes at `start`, or an error naming the file when fewer came (it changed or
-/// was cut short since it was opened).
-async fn read_exact(r: &dyn RangeRead, start: u64, len: usize, path: &str) -> Result<Vec<u8>> {
-    let got = r.read(start, len).await?;
-    if got.len() != len {
-        return Err(Error::Format {
-            path: path.to_string(),
-            detail: format!(
-                "truncated: bytes {start}..{} read as {} bytes (the file changed since it was opened?)",
-                start + len as u64,
-                got.len()
-            ),
-        });
-    }
-    Ok(got)
+    data: FileData,
 }
 
 /// The first read of a file's header; doubled while the header runs past it.
@@ -514,7 +463,7 @@ impl GgufFile {
         Ok(GgufFile {
             gguf,
             path: path.to_string(),
-            data: Data::Whole(bytes),
+            data: FileData::Whole(bytes),
         })
     }
 
@@ -525,12 +474,13 @@ impl GgufFile {
         let mut want = HEADER_READ;
         loop {
             let n = (want as u64).min(total) as usize;
-            let head = read_exact(&*reader, 0, n, path).await?;
+            let head = reader.read(0, n).await?;
+            let head = check_len(head, 0, n, path)?;
             if let Some(gguf) = Gguf::parse_prefix(&head, total, path)? {
                 return Ok(GgufFile {
                     gguf,
                     path: path.to_string(),
-                    data: Data::Ranges(reader),
+                    data: FileData::Ranges(reader),
                 });
             }
             if n as u64 >= total {
@@ -543,22 +493,15 @@ impl GgufFile {
     /// The whole file's bytes; None when it is read on demand.
     pub fn bytes(&self) -> Option<&[u8]> {
         match &self.data {
-            Data::Whole(b) => Some(b),
-            Data::Ranges(_) => None,
+            FileData::Whole(b) => Some(b),
+            FileData::Ranges(_) => None,
         }
     }
 
     /// A tensor's bytes: borrowed from the whole file, or read from the file now.
     pub async fn read_tensor(&self, t: &TensorInfo) -> Result<std::borrow::Cow<'_, [u8]>> {
-        match &self.data {
-            Data::Whole(b) => Ok(self.gguf.tensor_data(b, t).into()),
-            Data::Ranges(r) => {
-                let at = self.gguf.data_offset + t.offset;
-                Ok(read_exact(&**r, at, t.n_bytes as usize, &self.path)
-                    .await?
-                    .into())
-            }
-        }
+        let at = self.gguf.data_offset + t.offset;
+        self.data.read(at, t.n_bytes as usize, &self.path).await
     }
 }
 

@@ -95,9 +95,10 @@ impl Model {
 
     /// A Hugging Face directory's files by name: `config.json`, `*.safetensors`,
     /// `tokenizer.json` and, optionally, `tokenizer_config.json` (others are ignored).
+    /// SafeTensors files read on demand go to the GPU a tensor at a time.
     pub async fn from_hf_files(
         gpu: &Gpu,
-        files: Vec<(String, crate::formats::gguf::Bytes)>,
+        files: Vec<(String, crate::formats::FileData)>,
         max_context: usize,
     ) -> Result<Model> {
         let t0 = Instant::now();
@@ -109,7 +110,7 @@ impl Model {
             ),
         };
         let base = |n: &str| n.rsplit('/').next().unwrap_or(n).to_string();
-        let mut weights: Vec<(String, crate::formats::gguf::Bytes)> = Vec::new();
+        let mut weights: Vec<(String, crate::formats::FileData)> = Vec::new();
         let (mut config, mut tokenizer, mut tk_config) = (None, None, None);
         for (name, bytes) in files {
             match base(&name).as_str() {
@@ -129,18 +130,21 @@ impl Model {
                     detail: "not UTF-8 text".into(),
                 })
         };
-        let config = text(
-            &config.ok_or_else(|| missing("config.json"))?,
-            "config.json",
-        )?;
+        let config = config.ok_or_else(|| missing("config.json"))?;
+        let config = text(&config.read_all("config.json").await?, "config.json")?;
         let tokenizer = tokenizer.ok_or_else(|| missing("tokenizer.json"))?;
+        let tokenizer = tokenizer.read_all("tokenizer.json").await?.into_owned();
         if weights.is_empty() {
             return Err(missing("a *.safetensors file"));
         }
-        let tk_config = tk_config
-            .map(|b| text(&b, "tokenizer_config.json"))
-            .transpose()?;
-        let src = llama::SafeTensorsDir::from_bytes(weights, shown)?;
+        let tk_config = match tk_config {
+            Some(b) => Some(text(
+                &b.read_all("tokenizer_config.json").await?,
+                "tokenizer_config.json",
+            )?),
+            None => None,
+        };
+        let src = llama::SafeTensorsDir::from_files(weights, shown).await?;
         let llama =
             llama::from_safetensors_async(gpu, &config, "config.json", &src, max_context).await?;
         drop(src);

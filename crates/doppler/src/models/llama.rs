@@ -21,7 +21,8 @@
 use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
-use crate::formats::gguf::{GgmlType, LocalFuture, Value};
+use crate::formats::gguf::{GgmlType, Value};
+use crate::formats::{FileData, LocalFuture};
 use crate::gpu::{DType, Gpu, Recorder, Tensor};
 use crate::ops::kvcache::{kv_attend, kv_attend_parts, KvCache, RopeStore};
 use crate::ops::quant::{
@@ -786,15 +787,33 @@ impl Source for crate::formats::gguf::GgufFile {
 /// SafeTensors files of a Hugging Face checkpoint, read under GGUF's names.
 pub struct SafeTensorsDir {
     path: String,
-    maps: Vec<crate::formats::gguf::Bytes>,
-    /// Hugging Face name -> (file, dtype, shape, byte range)
-    index: BTreeMap<String, (usize, GgmlType, Vec<u64>, std::ops::Range<usize>)>,
+    /// Each file's name (for errors) and bytes.
+    files: Vec<(String, FileData)>,
+    /// Hugging Face name -> (file, dtype, shape, byte range in the file)
+    index: BTreeMap<String, (usize, GgmlType, Vec<u64>, std::ops::Range<u64>)>,
+}
+
+/// Largest SafeTensors header taken (the safetensors crate's limit).
+const ST_MAX_HEADER: u64 = 100_000_000;
+
+fn st_type(shown: &str, name: &str, dtype: &str) -> Result<(GgmlType, u64)> {
+    Ok(match dtype {
+        "F32" => (GgmlType(0), 4),
+        "F16" => (GgmlType(1), 2),
+        "BF16" => (GgmlType(30), 2),
+        other => {
+            return Err(format_err(
+                shown,
+                format!("{name}: dtype {other} not supported (f32, f16, bf16)"),
+            ))
+        }
+    })
 }
 
 impl SafeTensorsDir {
     #[cfg(not(target_arch = "wasm32"))]
     pub fn open(files: &[std::path::PathBuf], path: &str) -> Result<SafeTensorsDir> {
-        let mut maps: Vec<(String, crate::formats::gguf::Bytes)> = Vec::new();
+        let mut maps: Vec<(String, crate::formats::Bytes)> = Vec::new();
         for f in files {
             let io = |source| Error::Io {
                 path: f.display().to_string(),
@@ -810,38 +829,94 @@ impl SafeTensorsDir {
 
     /// SafeTensors files already in memory, each with the name its errors give.
     pub fn from_bytes(
-        files: Vec<(String, crate::formats::gguf::Bytes)>,
+        files: Vec<(String, crate::formats::Bytes)>,
         path: &str,
     ) -> Result<SafeTensorsDir> {
-        let mut maps = Vec::new();
-        let mut index = BTreeMap::new();
+        let mut out = SafeTensorsDir {
+            path: path.to_string(),
+            files: Vec::new(),
+            index: BTreeMap::new(),
+        };
         for (fi, (shown, map)) in files.into_iter().enumerate() {
             let st = safetensors::SafeTensors::deserialize(&map)
                 .map_err(|e| format_err(&shown, e.to_string()))?;
             let base = map.as_ptr() as usize;
             for (name, view) in st.tensors() {
-                let ty = match view.dtype() {
-                    safetensors::Dtype::F32 => GgmlType(0),
-                    safetensors::Dtype::F16 => GgmlType(1),
-                    safetensors::Dtype::BF16 => GgmlType(30),
-                    other => {
-                        return Err(format_err(
-                            &shown,
-                            format!("{name}: dtype {other:?} not supported (f32, f16, bf16)"),
-                        ))
-                    }
-                };
-                let start = view.data().as_ptr() as usize - base;
+                let dtype = format!("{:?}", view.dtype());
+                let (ty, _) = st_type(&shown, &name, &dtype)?;
+                let start = (view.data().as_ptr() as usize - base) as u64;
                 let dims = view.shape().iter().rev().map(|&d| d as u64).collect();
-                index.insert(name, (fi, ty, dims, start..start + view.data().len()));
+                let end = start + view.data().len() as u64;
+                out.index.insert(name, (fi, ty, dims, start..end));
             }
-            maps.push(map);
+            out.files.push((shown, FileData::Whole(map)));
         }
-        Ok(SafeTensorsDir {
-            path: path.to_string(),
-            maps,
-            index,
-        })
+        Ok(out)
+    }
+
+    /// SafeTensors files whole or read on demand (a browser's `File`s): of the latter,
+    /// the headers now, each tensor when it goes to the GPU.
+    pub async fn from_files(files: Vec<(String, FileData)>, path: &str) -> Result<SafeTensorsDir> {
+        let mut whole = Vec::new();
+        let mut ranged = Vec::new();
+        for (shown, data) in files {
+            match data {
+                FileData::Whole(b) => whole.push((shown, b)),
+                FileData::Ranges(r) => ranged.push((shown, FileData::Ranges(r))),
+            }
+        }
+        let mut out = Self::from_bytes(whole, path)?;
+        for (shown, data) in ranged {
+            let fi = out.files.len();
+            let head = data.read(0, 8, &shown).await?;
+            let n = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+            if n > ST_MAX_HEADER || n.saturating_add(8) > data.len() {
+                return Err(format_err(
+                    &shown,
+                    format!(
+                        "not a SafeTensors file: a header of {n} bytes in a file of {}",
+                        data.len()
+                    ),
+                ));
+            }
+            let json = data.read(8, n as usize, &shown).await?;
+            let header: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&json)
+                .map_err(|e| format_err(&shown, format!("SafeTensors header: {e}")))?;
+            let data_start = 8 + n;
+            let data_len = data.len() - data_start;
+            for (name, info) in header {
+                if name == "__metadata__" {
+                    continue;
+                }
+                let bad = |what: &str| format_err(&shown, format!("{name}: {what}"));
+                let dtype = info["dtype"].as_str().ok_or_else(|| bad("no dtype"))?;
+                let (ty, size) = st_type(&shown, &name, dtype)?;
+                let shape: Vec<u64> = info["shape"]
+                    .as_array()
+                    .ok_or_else(|| bad("no shape"))?
+                    .iter()
+                    .map(|d| d.as_u64().ok_or_else(|| bad("a dimension is not a count")))
+                    .collect::<Result<_>>()?;
+                let offs = info["data_offsets"]
+                    .as_array()
+                    .filter(|a| a.len() == 2)
+                    .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
+                    .ok_or_else(|| bad("data_offsets is not [begin, end]"))?;
+                let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+                let want = numel.and_then(|n| n.checked_mul(size));
+                if offs.0 > offs.1 || offs.1 > data_len || want != Some(offs.1 - offs.0) {
+                    return Err(bad(&format!(
+                        "data_offsets {offs:?} do not hold a {dtype} {shape:?} tensor in the \
+                         {data_len} bytes of data"
+                    )));
+                }
+                let range = data_start + offs.0..data_start + offs.1;
+                let dims = shape.into_iter().rev().collect();
+                out.index.insert(name, (fi, ty, dims, range));
+            }
+            out.files.push((shown, data));
+        }
+        Ok(out)
     }
 
     /// Hugging Face's name for a GGUF name.
@@ -884,13 +959,20 @@ impl Source for SafeTensorsDir {
         Self::hf_name(name).is_some_and(|hf| self.index.contains_key(&hf))
     }
     fn tensor<'a>(&'a self, name: &'a str) -> LocalFuture<'a, Result<Option<Stored<'a>>>> {
-        let found = Self::hf_name(name).and_then(|hf| self.index.get(&hf));
-        let stored = found.map(|(f, ty, dims, r)| Stored {
-            bytes: self.maps[*f][r.clone()].into(),
-            ty: *ty,
-            dims: dims.clone(),
-        });
-        Box::pin(std::future::ready(Ok(stored)))
+        Box::pin(async move {
+            let found = Self::hf_name(name).and_then(|hf| self.index.get(&hf));
+            let Some((f, ty, dims, r)) = found else {
+                return Ok(None);
+            };
+            let (shown, data) = &self.files[*f];
+            Ok(Some(Stored {
+                bytes: data
+                    .read(r.start, (r.end - r.start) as usize, shown)
+                    .await?,
+                ty: *ty,
+                dims: dims.clone(),
+            }))
+        })
     }
 }
 
@@ -994,4 +1076,69 @@ pub async fn from_safetensors_async(
     let mut cfg = config_from_hf(&json, cfg_path)?;
     cfg.tied_embeddings = !src.has("output.weight");
     Llama::load_async(gpu, cfg, src, max_context).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ranged(bytes: Vec<u8>) -> Result<SafeTensorsDir> {
+        let files = vec![(
+            "m.safetensors".to_string(),
+            FileData::Ranges(Box::new(bytes)),
+        )];
+        pollster::block_on(SafeTensorsDir::from_files(files, "hf"))
+    }
+
+    #[test]
+    fn safetensors_read_on_demand_match_the_whole_file() {
+        let files = crate::verify::llama::tiny_files("qwen2", "BF16", 7).unwrap();
+        let whole = SafeTensorsDir::from_bytes(
+            vec![("m.safetensors".into(), Box::new(files.safetensors.clone()))],
+            "hf",
+        )
+        .unwrap();
+        let parts = ranged(files.safetensors.clone()).unwrap();
+        assert_eq!(whole.index.len(), parts.index.len());
+        assert!(whole.index.len() > 10);
+        for name in whole.index.keys() {
+            assert_eq!(whole.index[name], parts.index[name], "{name}");
+        }
+        for name in [
+            "token_embd.weight",
+            "blk.1.attn_k.bias",
+            "blk.0.ffn_down.weight",
+        ] {
+            assert!(parts.has(name) && !parts.has("blk.9.ffn_down.weight"));
+            let a = pollster::block_on(whole.tensor(name)).unwrap().unwrap();
+            let b = pollster::block_on(parts.tensor(name)).unwrap().unwrap();
+            assert_eq!((&a.bytes[..], a.ty, &a.dims), (&b.bytes[..], b.ty, &b.dims));
+        }
+    }
+
+    #[test]
+    fn bad_safetensors_read_on_demand_are_refused_by_name() {
+        let good = crate::verify::llama::tiny_files("llama", "F32", 7)
+            .unwrap()
+            .safetensors;
+        let msg = |b: Vec<u8>| ranged(b).err().expect("refused").to_string();
+        let mut header = good.clone();
+        header[8] = b'|';
+        let e = msg(header);
+        assert!(
+            e.contains("m.safetensors") && e.contains("SafeTensors header"),
+            "{e}"
+        );
+        let e = msg(good[..good.len() - 1].to_vec());
+        assert!(e.contains("data_offsets"), "{e}");
+        let e = msg(vec![255, 255, 255, 255, 0, 0, 0, 0, 1]);
+        assert!(e.contains("not a SafeTensors file"), "{e}");
+        let e = msg(vec![1, 2, 3]);
+        assert!(e.contains("truncated"), "{e}");
+        let i64s = [0u8; 16];
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::I64, vec![2], &i64s).unwrap();
+        let e = msg(safetensors::serialize([("model.norm.weight", view)], None).unwrap());
+        assert!(e.contains("dtype I64 not supported"), "{e}");
+    }
 }

@@ -256,15 +256,19 @@ async fn open_both(gpu: &Gpu, arch: &str, ty: &str) -> crate::Result<[Llama; 2]>
 }
 
 /// The tiny model opened both ways, GGUF first: in the browser, which has no files, from
-/// the same bytes in memory, the GGUF read on demand as a browser reads a `File`.
+/// the same bytes in memory, both read on demand as a browser reads a `File`.
 #[cfg(target_arch = "wasm32")]
 async fn open_both(gpu: &Gpu, arch: &str, ty: &str) -> crate::Result<[Llama; 2]> {
     let files = tiny_files(arch, ty, SEED)?;
     let g = gguf::GgufFile::from_reader(Box::new(files.gguf), "model.gguf").await?;
-    let st = llama::SafeTensorsDir::from_bytes(
-        vec![("hf/model.safetensors".into(), Box::new(files.safetensors))],
+    let st = llama::SafeTensorsDir::from_files(
+        vec![(
+            "hf/model.safetensors".into(),
+            crate::formats::FileData::Ranges(Box::new(files.safetensors)),
+        )],
         "hf",
-    )?;
+    )
+    .await?;
     Ok([
         llama::from_gguf_async(gpu, &g, 64).await?,
         llama::from_safetensors_async(gpu, &files.config, "hf/config.json", &st, 64).await?,
