@@ -506,7 +506,7 @@ async function startTraining() {
     const t0 = performance.now();
     const run = await doppler.train($('train-config').value, text, {
       maxSteps,
-      signal: trainAbort.signal,
+      stop: trainAbort.signal, // Stop ends the run after its step and keeps it
       onStart: (e) => {
         chart.steps = maxSteps ? Math.min(e.steps, e.startStep + maxSteps) : e.steps;
         $('train-status').textContent =
@@ -530,11 +530,11 @@ async function startTraining() {
     trainRun = run;
     const s = run.summary;
     $('train-summary').textContent =
-      `Done: ${s.steps} steps in ${s.seconds.toFixed(1)} s (${Math.round(s.tokensPerS).toLocaleString()} tokens/s); ` +
+      `${s.stopped ? 'Stopped' : 'Done'}: ${s.steps} steps in ${s.seconds.toFixed(1)} s (${Math.round(s.tokensPerS).toLocaleString()} tokens/s); ` +
       `validation loss ${s.firstValLoss == null ? '–' : s.firstValLoss.toFixed(4)} → ${s.finalValLoss.toFixed(4)}, ` +
       `final train loss ${s.finalTrainLoss.toFixed(4)}.`;
-    $('train-summary').dataset.done = 'true';
-    setStatus(`Training done in ${((performance.now() - t0) / 1000).toFixed(1)} s.`);
+    $('train-summary').dataset.done = s.stopped ? 'stopped' : 'true';
+    setStatus(`Training ${s.stopped ? 'stopped' : 'done'} in ${((performance.now() - t0) / 1000).toFixed(1)} s.`);
     const weights = await run.safetensors();
     weightsUrl = URL.createObjectURL(new Blob([weights], { type: 'application/octet-stream' }));
     setDownload($('train-download'), weightsUrl, 'model.safetensors');
@@ -543,16 +543,9 @@ async function startTraining() {
     setDownload($('train-download-tokenizer'), tokenizerUrl, 'tokenizer.json');
     $('train-sample').disabled = false;
   } catch (e) {
-    const msg = e instanceof Error ? e.message : String(e);
-    if (/aborted/.test(msg)) {
-      $('train-summary').textContent = `Stopped at step ${lastStep}; the run is discarded (set a steps limit to keep a shorter run).`;
-      $('train-summary').dataset.done = 'stopped';
-      setStatus('Training stopped.');
-    } else {
-      $('train-summary').dataset.done = 'error';
-      setStatus('Training failed.');
-      showError('train', e);
-    }
+    $('train-summary').dataset.done = 'error';
+    setStatus(`Training failed${lastStep ? ` at step ${lastStep}` : ''}.`);
+    showError('train', e);
   } finally {
     trainAbort = null;
     $('train-start').disabled = false;

@@ -120,13 +120,15 @@ test('demo page: train a tiny model with the loss curve, sample, download; verif
     assert.ok(sample.startsWith('ROMEO:') && sample.length > 'ROMEO:'.length);
     await page.screenshot({ path: join(OUT, 'train.png'), fullPage: true });
 
-    // Stop: a second run stopped after its first step.
+    // Stop: a second run stopped after a step, kept.
     await page.fill('#train-max-steps', '');
     await page.click('#train-start');
     await page.waitForFunction(() => /^step \d/.test(document.getElementById('train-status').textContent), null, { timeout: 2 * MINUTES });
     await page.click('#train-stop');
     await page.waitForSelector('#train-summary[data-done]', { timeout: 2 * MINUTES });
     assert.equal(await page.getAttribute('#train-summary', 'data-done'), 'stopped', await page.textContent('#train-summary'));
+    assert.match(await page.textContent('#train-summary'), /^Stopped: \d+ steps/);
+    assert.equal(await page.isEnabled('#train-sample'), true, 'a stopped run is kept: it samples');
     assert.equal(await page.isVisible('#error'), false);
     assert.equal(await page.isEnabled('#train-start'), true);
 
@@ -155,6 +157,7 @@ test('demo page without WebGPU says how to enable it', async (t) => {
       assert.match(text, /WebGPU/);
       assert.match(text, /--enable-unsafe-webgpu/, `the message says how to enable WebGPU: ${text}`);
       assert.match(text, /chrome:\/\/flags/);
+      assert.doesNotMatch(text, /backend|wgpu/i, 'no wgpu internals in the message');
       // The tabs still work.
       await page.click('#tab-verify');
       assert.equal(await page.isVisible('#panel-verify'), true);

@@ -113,5 +113,36 @@ test('training tiny.toml: per-step losses equal the native run within 1e-4 relat
     assert.ok(got.sample.length > 0, 'the trained model samples some text');
     assert.equal(got.pieces, got.sample);
     assert.ok(got.tokenizerKeys.length > 0);
+
+    // Stopped after step 3 (the run kept: the same first losses, and it samples), then
+    // abandoned at step 2 (rejected).
+    const early = await api(page, async (d, config) => {
+      const corpus = await (await fetch('/data/corpus/shakespeare.txt')).text();
+      const stop = new AbortController();
+      const steps = [];
+      const run = await d.train(config, corpus, {
+        stop: stop.signal,
+        onStep: (e) => { steps.push([e.step, e.loss]); if (e.step === 3) stop.abort(); },
+      });
+      const weights = (await run.safetensors()).length;
+      const s = run.sample('ROMEO:', { maxTokens: 4, temperature: 0 });
+      const sample = (await s.result).text;
+      run.dispose();
+      const abort = new AbortController();
+      let aborted = null;
+      try {
+        await d.train(config, corpus, { signal: abort.signal, onStep: (e) => { if (e.step === 2) abort.abort(); } });
+      } catch (e) { aborted = String(e.message ?? e); }
+      return { steps, summary: run.summary, weights, sample, aborted, live: d.poolStats().live_bytes };
+    }, CONFIG);
+    console.log(`stopped: ${JSON.stringify(early.summary)}; abandoned: ${early.aborted}`);
+    assert.equal(early.summary.stopped, true);
+    assert.equal(early.summary.steps, 3);
+    assert.deepEqual(early.steps.map((s) => s[0]), [1, 2, 3]);
+    for (const [i, [step, loss]] of early.steps.entries()) close(`stopped run, step ${step} loss`, loss, n.steps[i][1]);
+    assert.ok(Number.isFinite(early.summary.finalValLoss), 'validation taken at the stop');
+    assert.ok(early.weights > 0 && early.sample.length > 0);
+    assert.match(early.aborted ?? '', /train: aborted/);
+    assert.equal(early.live, 0, 'GPU memory held after the runs');
   });
 });

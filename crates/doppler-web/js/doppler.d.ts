@@ -62,7 +62,7 @@ export interface TrainEval { type: 'eval'; step: number; valLoss: number }
 export interface TrainStart { type: 'started'; params: number; vocab: number; trainTokens: number; valTokens: number; startStep: number; steps: number }
 
 export interface TrainRun {
-  summary: { steps: number; firstValLoss: number | null; finalValLoss: number; finalTrainLoss: number; tokensPerS: number; seconds: number; params: number };
+  summary: { steps: number; stopped: boolean; firstValLoss: number | null; finalValLoss: number; finalTrainLoss: number; tokensPerS: number; seconds: number; params: number };
   safetensors(): Promise<Uint8Array>;
   tokenizerJson(): string;
   sample(prompt: string, options?: GenerateOptions): TextStream;
@@ -77,5 +77,9 @@ export function cachedModel(url: string): Promise<{ sha256: string; size: number
 export function clearCache(): Promise<void>;
 export function train(configToml: string, corpus: string, options?: {
   onStart?: (e: TrainStart) => void; onStep?: (e: TrainStep) => void; onEval?: (e: TrainEval) => void;
-  maxSteps?: number; signal?: AbortSignal;
+  maxSteps?: number;
+  /** Ends the run after the current step and keeps it (summary.stopped). */
+  stop?: AbortSignal;
+  /** Abandons the run: the promise rejects with "train: aborted". */
+  signal?: AbortSignal;
 }): Promise<TrainRun>;

@@ -341,17 +341,19 @@ export class Model {
 /**
  * Trains a model from a TOML config (as `doppler train`) on `corpus` (text). Callbacks:
  * onStart, onStep({step, steps, loss, lr, tokensPerS}), onEval({step, valLoss}); maxSteps
- * stops early; `signal` (an AbortSignal) stops the run (the promise rejects with
- * "train: aborted"). Resolves to a run: summary, safetensors(), sample(prompt, options).
+ * stops early; `stop` (an AbortSignal) ends the run after the current step and keeps it
+ * (validation loss taken there, `summary.stopped` true); `signal` (an AbortSignal)
+ * abandons it (the promise rejects with "train: aborted"). Resolves to a run: summary,
+ * safetensors(), sample(prompt, options).
  */
-export async function train(configToml, corpus, { onStart, onStep, onEval, maxSteps, signal } = {}) {
+export async function train(configToml, corpus, { onStart, onStep, onEval, maxSteps, signal, stop } = {}) {
   await init();
   const onEvent = (e) => {
     if (signal?.aborted) return false;
     if (e.type === 'started') onStart?.(e);
     else if (e.type === 'step') onStep?.(e);
     else if (e.type === 'eval') onEval?.(e);
-    return true;
+    return stop?.aborted ? 'stop' : true;
   };
   const run = await raw.train(String(configToml), String(corpus), maxSteps == null ? undefined : { maxSteps }, onEvent);
   return {

@@ -12,7 +12,7 @@ use doppler::infer::sample::Sampler;
 use doppler::infer::{Conversation, GenOptions, Generation, Model, Session};
 use doppler::ops::kvcache::KvCache;
 use doppler::train::config::TrainConfig;
-use doppler::train::{Event, Trainer};
+use doppler::train::{Event, Flow, Trainer};
 use js_sys::{Function, Promise, Uint8Array};
 use sha2::Digest;
 use wasm_bindgen::prelude::*;
@@ -337,7 +337,20 @@ impl doppler::formats::RangeRead for JsReader {
             let bytes = value
                 .dyn_into::<Uint8Array>()
                 .map_err(|_| fail("the read did not give a Uint8Array".into()))?;
-            Ok(bytes.to_vec())
+            // A tensor too large for the page's memory is an error, not an abort.
+            let n = bytes.length() as usize;
+            let mut out = Vec::new();
+            out.try_reserve_exact(n).map_err(|_| {
+                fail(
+                    format!(
+                        "{n} bytes do not fit in the page's WebAssembly memory (4 GiB at most)"
+                    )
+                    .into(),
+                )
+            })?;
+            out.resize(n, 0);
+            bytes.copy_to(&mut out);
+            Ok(out)
         })
     }
 }
@@ -629,7 +642,7 @@ pub fn train(config_toml: String, corpus: String, options: JsValue, on_event: Fu
         }
         let mut trainer = Trainer::fresh(g, &cfg, &corpus).map_err(js_err)?;
         let stop = o.max_steps.unwrap_or(u64::MAX);
-        let mut emit = |e: Event<'_>| -> doppler::Result<()> {
+        let mut emit = |e: Event<'_>| -> doppler::Result<Flow> {
             let v = match e {
                 Event::Started {
                     params,
@@ -647,7 +660,7 @@ pub fn train(config_toml: String, corpus: String, options: JsValue, on_event: Fu
                 Event::Eval { step, val_loss } => {
                     serde_json::json!({ "type": "eval", "step": step, "valLoss": val_loss })
                 }
-                Event::Checkpoint { .. } => return Ok(()),
+                Event::Checkpoint { .. } => return Ok(Flow::Continue),
             };
             let js = to_js(&v).map_err(|e| Error::Invalid {
                 op: "train",
@@ -659,14 +672,19 @@ pub fn train(config_toml: String, corpus: String, options: JsValue, on_event: Fu
                     op: "train",
                     detail: format!("the onEvent callback threw: {e:?}"),
                 })?;
+            // false: abort (the run is dropped); "stop": end after this step, keeping it.
             if r.as_bool() == Some(false) {
                 return Err(Error::Aborted { op: "train" });
             }
-            Ok(())
+            Ok(match r.as_string().as_deref() {
+                Some("stop") => Flow::Stop,
+                _ => Flow::Continue,
+            })
         };
         let summary = trainer.run_async(stop, &mut emit).await.map_err(js_err)?;
         let summary = to_js(&serde_json::json!({
             "steps": summary.steps,
+            "stopped": summary.stopped,
             "firstValLoss": summary.first_val_loss,
             "finalValLoss": summary.final_val_loss,
             "finalTrainLoss": summary.final_train_loss,

@@ -745,3 +745,72 @@ fn attention_merged_into_the_o_product_matches_the_two_step_path() {
 fn rope_store_matches_reference() {
     assert_checks("rope_store", 2);
 }
+
+#[test]
+fn a_training_run_stops_after_the_step_its_handler_asks() {
+    use doppler::train::{config::TrainConfig, Event, Flow, Trainer};
+    let toml = r#"
+[model]
+arch = "llama"
+n_layer = 1
+n_embd = 16
+n_head = 2
+block_size = 8
+[data]
+corpus = "unused"
+tokenizer = "char"
+val_fraction = 0.1
+[train]
+batch_size = 2
+steps = 10
+lr = 1e-3
+min_lr = 1e-4
+warmup = 2
+eval_interval = 5
+eval_batches = 1
+checkpoint_interval = 10
+seed = 1
+out_dir = "unused"
+"#;
+    let cfg = TrainConfig::parse(toml, "inline").expect("config");
+    let text = "to be or not to be, that is the question. ".repeat(20);
+    let mut t = Trainer::fresh(gpu(), &cfg, &text).expect("trainer");
+    let mut seen = Vec::new();
+    let summary = pollster::block_on(t.run_async(10, &mut |e| {
+        Ok(match e {
+            Event::Step(s) => {
+                seen.push(("step", s.step));
+                if s.step == 3 {
+                    Flow::Stop
+                } else {
+                    Flow::Continue
+                }
+            }
+            Event::Eval { step, .. } => {
+                seen.push(("eval", step));
+                Flow::Continue
+            }
+            _ => Flow::Continue,
+        })
+    }))
+    .expect("run");
+    assert!(summary.stopped);
+    assert_eq!(summary.steps, 3);
+    // Evaluated at 0 and at the stop; no step after it.
+    let want = [
+        ("eval", 0),
+        ("step", 1),
+        ("step", 2),
+        ("step", 3),
+        ("eval", 3),
+    ];
+    assert_eq!(seen, want);
+    assert!(summary.final_val_loss.is_finite() && summary.final_train_loss.is_finite());
+    // Asking to stop on the last step is no early stop.
+    let last = |e: Event<'_>| match e {
+        Event::Step(_) => Flow::Stop,
+        _ => Flow::Continue,
+    };
+    let summary = pollster::block_on(t.run_async(4, &mut |e| Ok(last(e)))).expect("run");
+    assert_eq!((summary.steps, summary.stopped), (4, false));
+}

@@ -360,8 +360,14 @@ impl Gpu {
                 ..Default::default()
             })
             .await
-            .map_err(|e| Error::NoWebGpu {
-                detail: format!(" ({e})"),
+            .map_err(|e| {
+                // wgpu's text lists its backends: noise to a visitor.
+                tracing::debug!("request_adapter: {e}");
+                Error::NoWebGpu {
+                    detail: ": it offers no GPU adapter (WebGPU turned off, or the GPU \
+                             blocklisted: chrome://gpu tells)"
+                        .into(),
+                }
             })?;
         if let Some(want) = &opts.adapter {
             let name = adapter.get_info().name;

@@ -38,6 +38,14 @@ pub struct StepInfo {
     pub skipped: bool,
 }
 
+/// What a run's event handler asks for: go on, or end the run after this step (its
+/// evaluation and checkpoint done, the model kept: the browser's Stop button).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    Stop,
+}
+
 pub enum Event<'a> {
     Started {
         params: usize,
@@ -62,6 +70,8 @@ pub enum Event<'a> {
 pub struct Summary {
     pub start_step: u64,
     pub steps: u64,
+    /// Whether an event's [`Flow::Stop`] ended the run before its last step.
+    pub stopped: bool,
     /// Validation loss before the first step of this process (None when resumed).
     pub first_val_loss: Option<f32>,
     pub final_val_loss: f32,
@@ -243,7 +253,7 @@ impl<'g> Trainer<'g> {
     pub fn run(&mut self, stop: u64, on_event: &mut dyn FnMut(Event<'_>)) -> Result<Summary> {
         pollster::block_on(self.run_async(stop, &mut |e| {
             on_event(e);
-            Ok(())
+            Ok(Flow::Continue)
         }))
     }
 
@@ -451,13 +461,21 @@ impl<'g> Trainer<'g> {
     pub async fn run_async(
         &mut self,
         stop: u64,
-        on_event: &mut dyn FnMut(Event<'_>) -> Result<()>,
+        on_event: &mut dyn FnMut(Event<'_>) -> Result<Flow>,
     ) -> Result<Summary> {
-        let stop = stop.min(self.cfg.train.steps);
+        let mut stop = stop.min(self.cfg.train.steps);
         let t0 = Instant::now();
         let start_step = self.step;
         let tc = self.cfg.train.clone();
-        on_event(Event::Started {
+        let mut stopped = false;
+        // A Flow::Stop ends the run after the step it came from (its checkpoint saved).
+        let mut flow = |f: Flow, stop: &mut u64, step: u64| {
+            if f == Flow::Stop && !stopped && step < *stop {
+                stopped = true;
+                *stop = step;
+            }
+        };
+        let f = on_event(Event::Started {
             params: self.model.params.numel(),
             vocab: self.vocab_size(),
             train_tokens: self.data.train.len(),
@@ -465,14 +483,16 @@ impl<'g> Trainer<'g> {
             start_step,
             steps: tc.steps,
         })?;
+        flow(f, &mut stop, start_step);
         let mut first_val_loss = None;
         if start_step == 0 {
             let v = self.evaluate_async().await?;
             first_val_loss = Some(v);
-            on_event(Event::Eval {
+            let f = on_event(Event::Eval {
                 step: 0,
                 val_loss: v,
             })?;
+            flow(f, &mut stop, start_step);
         }
         let mut final_train_loss = f32::NAN;
         let mut final_val_loss = self
@@ -491,20 +511,23 @@ impl<'g> Trainer<'g> {
                     detail: format!("loss became {} at step {}", info.loss, info.step),
                 });
             }
-            on_event(Event::Step(&info))?;
+            let f = on_event(Event::Step(&info))?;
+            flow(f, &mut stop, self.step);
             if self.step % tc.eval_interval == 0 || self.step == stop {
                 final_val_loss = self.evaluate_async().await?;
-                on_event(Event::Eval {
+                let f = on_event(Event::Eval {
                     step: self.step,
                     val_loss: final_val_loss,
                 })?;
+                flow(f, &mut stop, self.step);
             }
             if self.persist && (self.step % tc.checkpoint_interval == 0 || self.step == stop) {
                 checkpoint = self.save_async().await?;
-                on_event(Event::Checkpoint {
+                let f = on_event(Event::Checkpoint {
                     step: self.step,
                     dir: &checkpoint,
                 })?;
+                flow(f, &mut stop, self.step);
             }
         }
         let seconds = t0.elapsed().as_secs_f64();
@@ -516,6 +539,7 @@ impl<'g> Trainer<'g> {
         Ok(Summary {
             start_step,
             steps: self.step,
+            stopped,
             first_val_loss,
             final_val_loss,
             final_train_loss,
