@@ -60,6 +60,10 @@ pub struct BenchArgs {
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
+    /// train: time this training config (its model, batch, corpus and optimizer, as
+    /// `doppler train` runs it; nothing is written) instead of a preset.
+    #[arg(long, conflicts_with_all = ["preset", "train_batch", "seq"])]
+    config: Option<std::path::PathBuf>,
     /// train: model shape, "gpt2-124m" (12 layers, 768 wide, 12 heads, vocab 50304) or
     /// "gpt2-tiny" (2 layers, 64 wide); default gpt2-tiny on a CPU adapter.
     /// generate: synthetic weights of "smollm2-135m" (default; Q8_0 embeddings, Q4_1
@@ -408,7 +412,6 @@ fn train(
     // pass's end); the profiled step's per-dispatch times add up to more or less than it
     // (no overlap between dispatches, a pass each).
     let gpu_ms = whole.events.first().map(|e| e.dur_ns / 1e6);
-    let kernels_ms = tr.events.iter().map(|e| e.dur_ns).sum::<f64>() / 1e6;
     rows.push(Row {
         name: match gpu.matmul {
             MatmulMode::F16 => format!(
@@ -429,17 +432,88 @@ fn train(
             args.flush_every,
             median(&mut cpu)
         );
-        eprintln!(
-            "per kernel, one profiled step ({} dispatches, {kernels_ms:.2} ms in all):",
-            tr.events.len()
-        );
-        for k in tr.by_kernel().iter().take(20) {
-            eprintln!("  {:>9.3} ms {:>5}x  {}", k.total_ns / 1e6, k.count, k.name);
-        }
-        eprintln!("per kernel and grid (workgroups x, y, z), the slowest 30:");
-        for k in tr.by_kernel_and_grid().iter().take(30) {
-            eprintln!("  {:>9.3} ms {:>5}x  {}", k.total_ns / 1e6, k.count, k.name);
-        }
+        print_kernels(&tr);
+    }
+    trace.extend(tr);
+    Ok(())
+}
+
+/// A profiled step's time per kernel (and per kernel and grid), to stderr.
+fn print_kernels(tr: &doppler::gpu::Trace) {
+    let total = tr.events.iter().map(|e| e.dur_ns).sum::<f64>() / 1e6;
+    eprintln!(
+        "per kernel, one profiled step ({} dispatches, {total:.2} ms in all):",
+        tr.events.len()
+    );
+    for k in tr.by_kernel().iter().take(20) {
+        eprintln!("  {:>9.3} ms {:>5}x  {}", k.total_ns / 1e6, k.count, k.name);
+    }
+    eprintln!("per kernel and grid (workgroups x, y, z), the slowest 30:");
+    for k in tr.by_kernel_and_grid().iter().take(30) {
+        eprintln!("  {:>9.3} ms {:>5}x  {}", k.total_ns / 1e6, k.count, k.name);
+    }
+}
+
+/// `bench train --config FILE`: the config's own training steps (the trainer `doppler
+/// train` runs, on its corpus; no checkpoint or metrics written): 2 warm-up steps, the
+/// median of `--steps` timed ones, then one profiled step for the per-kernel table.
+fn train_config(
+    gpu: &Gpu,
+    args: &BenchArgs,
+    path: &std::path::Path,
+    trace: &mut doppler::gpu::Trace,
+    rows: &mut Vec<Row>,
+) -> doppler::Result<()> {
+    use doppler::train::{config::TrainConfig, Trainer};
+    if args.steps == 0 {
+        return Err(doppler::Error::Invalid {
+            op: "bench train",
+            detail: "--steps 0: at least one timed step is needed".into(),
+        });
+    }
+    let cfg = TrainConfig::load(path)?;
+    let corpus = &cfg.data.corpus;
+    let text = std::fs::read_to_string(corpus).map_err(|source| doppler::Error::Io {
+        path: corpus.display().to_string(),
+        source,
+    })?;
+    let mut trainer = Trainer::fresh(gpu, &cfg, &text)?;
+    let tc = &cfg.train;
+    let tokens = (tc.batch_size * cfg.model.block_size * tc.grad_accum) as f64;
+    for _ in 0..2 {
+        trainer.train_step()?;
+    }
+    let mut ms = Vec::new();
+    let mut loss = f32::NAN;
+    for _ in 0..args.steps {
+        let t0 = Instant::now();
+        loss = trainer.train_step()?.loss;
+        ms.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    trainer.trace = Some(doppler::gpu::Trace::default());
+    trainer.train_step()?;
+    let tr = trainer.trace.take().unwrap_or_default();
+    let med = median(&mut ms);
+    rows.push(Row {
+        name: format!(
+            "train {} ({} products, loss {loss:.3})",
+            path.display(),
+            gpu.matmul.name()
+        ),
+        shape: format!(
+            "B{} T{} x{}, {} params",
+            tc.batch_size,
+            cfg.model.block_size,
+            tc.grad_accum,
+            trainer.model.params.numel()
+        ),
+        wall_ms: med,
+        gpu_ms: None,
+        value: tokens / (med / 1e3) / 1e3,
+        unit: "K tok/s",
+    });
+    if !args.json {
+        print_kernels(&tr);
     }
     trace.extend(tr);
     Ok(())
@@ -459,7 +533,10 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
     }
     if args.which == Which::Train {
         let mut trace = doppler::gpu::Trace::default();
-        train(gpu, args, &mut trace, &mut rows)?;
+        match &args.config {
+            Some(path) => train_config(gpu, args, path, &mut trace, &mut rows)?,
+            None => train(gpu, args, &mut trace, &mut rows)?,
+        }
         return report(gpu, args, &rows, &trace);
     }
     let mut trace = doppler::gpu::Trace::default();
@@ -714,10 +791,16 @@ fn report(
         });
         println!("{}", serde_json::to_string_pretty(&v).unwrap());
     } else {
-        println!(
-            "adapter: {} ({:?}), median of {} batches of {}",
-            gpu.info.name, gpu.info.backend, args.repeat, args.batch
-        );
+        match args.which {
+            Which::Train => println!(
+                "adapter: {} ({:?}), median of {} steps after 2 warm-up steps",
+                gpu.info.name, gpu.info.backend, args.steps
+            ),
+            _ => println!(
+                "adapter: {} ({:?}), median of {} batches of {}",
+                gpu.info.name, gpu.info.backend, args.repeat, args.batch
+            ),
+        }
         println!(
             "{:<30} {:<26} {:>10} {:>10} {:>12}",
             "bench", "shape", "wall ms", "gpu ms", "throughput"

@@ -122,6 +122,39 @@ fn bench_json_reports_medians() {
 }
 
 #[test]
+fn bench_train_times_a_config() {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/browser/tiny.toml");
+    let args = [
+        "bench", "train", "--config", config, "--steps", "2", "--json",
+    ];
+    let (ok, out, err) = doppler(&args);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let row = &v["results"][0];
+    assert_eq!(row["unit"], "K tok/s", "{out}");
+    assert!(row["value"].as_f64().unwrap() > 0.0, "{out}");
+    assert!(
+        row["shape"].as_str().unwrap().starts_with("B4 T32 x1"),
+        "{out}"
+    );
+    // The profiled step's kernels, the products and the optimizer among them.
+    let kernels = v["kernels"].as_array().unwrap();
+    let names: Vec<&str> = kernels
+        .iter()
+        .map(|k| k["name"].as_str().unwrap())
+        .collect();
+    assert!(names.iter().any(|n| n.starts_with("matmul.")), "{names:?}");
+    assert!(
+        names.iter().any(|n| n.starts_with("optim.adamw")),
+        "{names:?}"
+    );
+    let (ok, _, err) = doppler(&["bench", "train", "--config", config, "--steps", "0"]);
+    assert!(!ok && err.contains("--steps 0"), "{err}");
+    let (ok, _, err) = doppler(&["bench", "train", "--config", "no-such.toml"]);
+    assert!(!ok && err.contains("no-such.toml"), "{err}");
+}
+
+#[test]
 fn bench_matmul_shapes_and_their_errors() {
     let (ok, out, err) = doppler(&[
         "bench",
