@@ -335,6 +335,7 @@ fn train(
         rope_theta: 10000.0,
         tie_embeddings: None,
         dropout: 0.0,
+        init: Default::default(),
     };
     let mut model = Transformer::new(gpu, &cfg, 1)?;
     let params: Vec<Tensor> = model.params.values.clone();

@@ -26,6 +26,29 @@ pub enum Arch {
     Llama,
 }
 
+/// How the weights start. Both draw matrices from N(0, 0.02) with the residual
+/// projections scaled by 1/sqrt(2 n_layer), biases 0 and norm weights 1; they differ in
+/// gpt2's learned positions:
+/// - `gpt2` (the default): N(0, 0.01), as OpenAI's GPT-2 code drew them;
+/// - `nanogpt`: N(0, 0.02), as nanoGPT does (its curves need it: docs/benchmarks.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InitScheme {
+    #[default]
+    Gpt2,
+    Nanogpt,
+}
+
+impl InitScheme {
+    /// The standard deviation of gpt2's position embedding.
+    pub fn pos_std(self) -> f64 {
+        match self {
+            InitScheme::Gpt2 => 0.01,
+            InitScheme::Nanogpt => 0.02,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
@@ -53,6 +76,9 @@ pub struct ModelConfig {
     pub tie_embeddings: Option<bool>,
     #[serde(default)]
     pub dropout: f64,
+    /// The initial weights' scheme (see [`InitScheme`]).
+    #[serde(default)]
+    pub init: InitScheme,
 }
 
 fn default_eps() -> f32 {
@@ -164,7 +190,7 @@ fn layout(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
         out.push((
             "pos_emb".into(),
             vec![cfg.block_size, c],
-            Init::Normal(0.01),
+            Init::Normal(cfg.init.pos_std()),
         ));
     }
     for l in 0..cfg.n_layer {
@@ -458,5 +484,41 @@ impl Transformer {
             .iter()
             .map(|t| t.shape().len() >= 2)
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpt2(init: &str) -> std::result::Result<ModelConfig, toml::de::Error> {
+        toml::from_str(&format!(
+            "arch = \"gpt2\"\nvocab_size = 10\nn_layer = 2\nn_embd = 8\nn_head = 2\nblock_size = 4\n{init}"
+        ))
+    }
+
+    fn pos_std(cfg: &ModelConfig) -> Option<f64> {
+        layout(cfg)
+            .into_iter()
+            .find_map(|(name, _, init)| match init {
+                Init::Normal(s) if name == "pos_emb" => Some(s),
+                _ => None,
+            })
+    }
+
+    #[test]
+    fn the_init_scheme_sets_the_position_embedding_std() {
+        let default = gpt2("").unwrap();
+        assert_eq!(default.init, InitScheme::Gpt2);
+        assert_eq!(pos_std(&default), Some(0.01));
+        let nano = gpt2("init = \"nanogpt\"").unwrap();
+        assert_eq!(pos_std(&nano), Some(0.02));
+        // Everything else the same.
+        let names = |c: &ModelConfig| -> Vec<(String, Vec<usize>)> {
+            layout(c).into_iter().map(|(n, s, _)| (n, s)).collect()
+        };
+        assert_eq!(names(&default), names(&nano));
+        let e = gpt2("init = \"xavier\"").unwrap_err().to_string();
+        assert!(e.contains("xavier") && e.contains("nanogpt"), "{e}");
     }
 }

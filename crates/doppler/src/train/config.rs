@@ -254,6 +254,25 @@ out_dir = "runs/x"
 "#;
 
     #[test]
+    fn the_shipped_configs_parse() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let path = e.unwrap().path();
+            if path.extension().is_some_and(|x| x == "toml") {
+                let c = TrainConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
+                assert!(c.data.corpus.is_file(), "{}", path.display());
+                n += 1;
+            }
+        }
+        assert!(n >= 2);
+        let nano = TrainConfig::load(&dir.join("shakespeare_char.toml")).unwrap();
+        use crate::models::transformer::InitScheme;
+        assert_eq!(nano.model.init, InitScheme::Nanogpt);
+        assert_eq!(nano.train.betas, (0.9, 0.99));
+    }
+
+    #[test]
     fn parses_and_fills_defaults() {
         let c = TrainConfig::parse(GOOD, "good.toml").unwrap();
         assert_eq!(c.train.grad_accum, 1);

@@ -25,6 +25,7 @@ pub fn tiny(arch: Arch) -> ModelConfig {
         rope_theta: 10000.0,
         tie_embeddings: None,
         dropout: 0.0,
+        init: Default::default(),
     }
 }
 
