@@ -14,8 +14,12 @@ SwiGLU 1536, vocab 49152, tied embeddings) written in plain torch, eager, f16 we
 activations, batch 1, KV cache: prefill of --prompt tokens and greedy decode of --gen tokens,
 each token's argmax taken to the host (as a generation loop does). Eager torch is what
 Hugging Face transformers runs; ours has less Python overhead than theirs.
+Train shapes (--train-shape): gpt2-124m, or shakespeare-char (nanoGPT's train_shakespeare_char:
+6 layers, 384 wide, 6 heads, vocab 65, batch 64 x 256, betas (0.9, 0.99)); --train-compile adds
+bf16 autocast under torch.compile.
 Usage: python3 bench/torch_bench.py [--mib 1024] [--size 4096 ...] [--repeat 20] [--kernels]
-       [--train [--train-fast]] [--generate [--prompt 512] [--gen 128]]
+       [--train [--train-fast] [--train-compile] [--train-shape S] [--only-train]]
+       [--generate [--prompt 512] [--gen 128]]
 """
 import argparse
 import json
@@ -126,21 +130,30 @@ class Gpt(torch.nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def train(a, mode):
-    """Median ms per training step of the GPT-2-124M shape in `mode` (f32, tf32, bf16)."""
+# Training shapes: (layers, width, heads, vocab, batch, block, AdamW betas).
+SHAPES = {
+    "gpt2-124m": (12, 768, 12, 50304, 8, 1024, (0.9, 0.999)),
+    # nanoGPT's train_shakespeare_char (configs/shakespeare_char.toml).
+    "shakespeare-char": (6, 384, 6, 65, 64, 256, (0.9, 0.99)),
+}
+
+
+def train(a, mode, shape="gpt2-124m"):
+    """Median ms per training step of `shape` in `mode` (f32, tf32, bf16, bf16-compile)."""
     import time
     torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
     torch.backends.cudnn.allow_tf32 = mode == "tf32"
     torch.manual_seed(0)
-    model = Gpt().cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1)
-    b, t = 8, 1024
-    ids = torch.randint(0, 50304, (b, t), device="cuda")
-    tg = torch.randint(0, 50304, (b, t), device="cuda")
+    layers, c, h, vocab, b, t, betas = SHAPES[shape]
+    model = Gpt(layers, c, h, vocab, t).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1, betas=betas)
+    ids = torch.randint(0, vocab, (b, t), device="cuda")
+    tg = torch.randint(0, vocab, (b, t), device="cuda")
+    fwd = torch.compile(model) if mode == "bf16-compile" else model
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "bf16"):
-            loss = model(ids, tg)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode.startswith("bf16")):
+            loss = fwd(ids, tg)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -159,7 +172,7 @@ def train(a, mode):
     torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    return {"name": f"torch train gpt2-124m ({mode})", "shape": f"B{b} T{t}", "ms": ms,
+    return {"name": f"torch train {shape} ({mode})", "shape": f"B{b} T{t}", "ms": ms,
             "value": b * t / ms, "unit": "K tok/s"}
 
 
@@ -240,6 +253,9 @@ def main():
     p.add_argument("--train", action="store_true")
     p.add_argument("--train-fast", action="store_true")
     p.add_argument("--train-steps", type=int, default=10)
+    p.add_argument("--train-shape", default="gpt2-124m", choices=sorted(SHAPES))
+    p.add_argument("--train-compile", action="store_true", help="also bf16 with torch.compile")
+    p.add_argument("--only-train", action="store_true", help="the training figures alone")
     p.add_argument("--generate", action="store_true")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--gen", type=int, default=128)
@@ -251,13 +267,16 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     rows = []
+    if a.only_train:
+        a.train, a.size, a.mib = True, [], 0
     n = a.mib << 18
-    x = torch.randn(n, device="cuda")
-    y = torch.empty_like(x)
-    ms = timed(lambda: y.copy_(x), a.repeat, a.batch)
-    rows.append({"name": "torch copy_", "shape": f"{a.mib} MiB", "ms": ms, "value": 2 * n * 4 / ms / 1e6, "unit": "GB/s"})
-    del x, y
-    for s in a.size or [4096]:
+    if n:
+        x = torch.randn(n, device="cuda")
+        y = torch.empty_like(x)
+        ms = timed(lambda: y.copy_(x), a.repeat, a.batch)
+        rows.append({"name": "torch copy_", "shape": f"{a.mib} MiB", "ms": ms, "value": 2 * n * 4 / ms / 1e6, "unit": "GB/s"})
+        del x, y
+    for s in a.size if a.size is not None else [4096]:
         m1 = torch.randn(s, s, device="cuda")
         m2 = torch.randn(s, s, device="cuda")
         ms = timed(lambda: torch.matmul(m1, m2), a.repeat, a.batch)
@@ -277,8 +296,9 @@ def main():
     if a.kernels:
         rows += kernels(a)
     if a.train:
-        for mode in ["f32"] + (["tf32", "bf16"] if a.train_fast else []):
-            rows.append(train(a, mode))
+        modes = ["f32"] + (["tf32", "bf16"] if a.train_fast else []) + (["bf16-compile"] if a.train_compile else [])
+        for mode in modes:
+            rows.append(train(a, mode, a.train_shape))
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": rows}, indent=2))
 
 
