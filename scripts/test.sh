@@ -6,9 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 
-echo "== wasm32: the library builds for the browser"
-# RUSTFLAGS in the environment replaces .cargo/config.toml's wasm rustflags: keep its cfg.
-RUSTFLAGS='-D warnings --cfg getrandom_backend="wasm_js"' cargo check -p doppler --target wasm32-unknown-unknown --quiet
+echo "== wasm32: the library and the browser package build (web/pkg), without warnings"
+RUSTFLAGS='-D warnings' bash scripts/build_web.sh
 
 echo "== SmolLM2-135M-Instruct for the model tests (fetched into ~/.cache/doppler if missing)"
 export DOPPLER_SMOLLM2="$(bash scripts/fetch_model.sh)"
@@ -17,7 +16,6 @@ echo "== cargo test (naga validation, CPU reference, GPU kernels, CLI, SmolLM2 a
 cargo test --workspace
 
 echo "== browser: the wasm package and the demo page in headless Chromium (tests/browser)"
-bash scripts/build_web.sh
 # The native numbers the browser must match come from the CLI that `cargo test` built.
 cargo build --quiet -p doppler-cli
 if ! command -v node >/dev/null; then

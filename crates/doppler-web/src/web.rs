@@ -681,7 +681,16 @@ pub fn train(config_toml: String, corpus: String, options: JsValue, on_event: Fu
                 _ => Flow::Continue,
             })
         };
-        let summary = trainer.run_async(stop, &mut emit).await.map_err(js_err)?;
+        let summary = match trainer.run_async(stop, &mut emit).await {
+            Ok(s) => s,
+            Err(e) => {
+                // The run is dropped: its buffers back to the pool now, as dispose() does.
+                drop(trainer);
+                g.poll();
+                g.pool.trim();
+                return Err(js_err(e));
+            }
+        };
         let summary = to_js(&serde_json::json!({
             "steps": summary.steps,
             "stopped": summary.stopped,
