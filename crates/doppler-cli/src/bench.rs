@@ -466,12 +466,6 @@ fn train_config(
     rows: &mut Vec<Row>,
 ) -> doppler::Result<()> {
     use doppler::train::{config::TrainConfig, Trainer};
-    if args.steps == 0 {
-        return Err(doppler::Error::Invalid {
-            op: "bench train",
-            detail: "--steps 0: at least one timed step is needed".into(),
-        });
-    }
     let cfg = TrainConfig::load(path)?;
     let corpus = &cfg.data.corpus;
     let text = std::fs::read_to_string(corpus).map_err(|source| doppler::Error::Io {
@@ -521,6 +515,18 @@ fn train_config(
 }
 
 pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
+    for (flag, n) in [
+        ("--repeat", args.repeat),
+        ("--batch", args.batch),
+        ("--steps", args.steps),
+    ] {
+        if n == 0 {
+            return Err(doppler::Error::Invalid {
+                op: "bench",
+                detail: format!("{flag} 0: at least one is needed for a median"),
+            });
+        }
+    }
     let mut rows = Vec::new();
     if args.which == Which::Generate {
         let g = crate::bench_generate::GenBenchArgs {

@@ -150,6 +150,13 @@ fn bench_train_times_a_config() {
     );
     let (ok, _, err) = doppler(&["bench", "train", "--config", config, "--steps", "0"]);
     assert!(!ok && err.contains("--steps 0"), "{err}");
+    for flag in ["--repeat", "--batch"] {
+        let (ok, out, err) = doppler(&["bench", "copy", flag, "0", "--mib", "1"]);
+        assert!(
+            !ok && err.contains(&format!("{flag} 0")) && !out.contains("NaN"),
+            "{err}"
+        );
+    }
     let (ok, _, err) = doppler(&["bench", "train", "--config", "no-such.toml"]);
     assert!(!ok && err.contains("no-such.toml"), "{err}");
 }
@@ -222,6 +229,10 @@ fn train_resume_and_generate() {
     let (a, b) = (tmp("a"), tmp("b"));
     let cfg_a = tiny_run(&a, "gpt2");
     let cfg_b = tiny_run(&b, "gpt2");
+    // --resume with nothing to resume is an error, not a fresh start.
+    let (ok, _, err) = doppler(&["train", "--config", cfg_b.to_str().unwrap(), "--resume"]);
+    assert!(!ok && err.contains("no checkpoint to resume"), "{err}");
+    assert!(!b.join("run/latest").exists());
     // Uninterrupted run.
     let (ok, out, err) = doppler(&["train", "--config", cfg_a.to_str().unwrap(), "--json"]);
     assert!(ok, "{out}{err}");

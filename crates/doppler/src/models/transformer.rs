@@ -159,6 +159,15 @@ impl ModelConfig {
         if !(0.0..1.0).contains(&self.dropout) {
             return bad(format!("dropout {} not in [0, 1)", self.dropout));
         }
+        if self.ffn_hidden == Some(0) {
+            return bad("ffn_hidden 0: the MLP needs a positive width".into());
+        }
+        if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
+            return bad(format!("norm_eps {} must be positive", self.norm_eps));
+        }
+        if !(self.rope_theta > 0.0 && self.rope_theta.is_finite()) {
+            return bad(format!("rope_theta {} must be positive", self.rope_theta));
+        }
         Ok(())
     }
 }

@@ -167,9 +167,19 @@ impl TrainConfig {
             ));
         }
         if let Some(c) = t.grad_clip {
-            if !(c > 0.0) {
+            if !(c > 0.0 && c.is_finite()) {
                 return bad(format!("train.grad_clip {c} must be positive"));
             }
+        }
+        let (b1, b2) = t.betas;
+        if !((0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2)) {
+            return bad(format!("train.betas [{b1}, {b2}]: each must be in [0, 1)"));
+        }
+        if !(t.weight_decay >= 0.0 && t.weight_decay.is_finite()) {
+            return bad(format!(
+                "train.weight_decay {} must be 0 or positive",
+                t.weight_decay
+            ));
         }
         self.loss_scaler().map_err(|detail| Error::Config {
             path: name.into(),
@@ -252,6 +262,29 @@ checkpoint_interval = 5
 seed = 1
 out_dir = "runs/x"
 "#;
+
+    #[test]
+    fn out_of_range_values_are_refused_by_name() {
+        let with = |section: &str, line: &str| {
+            let text = GOOD.replace(&format!("[{section}]\n"), &format!("[{section}]\n{line}\n"));
+            TrainConfig::parse(&text, "c.toml")
+                .err()
+                .unwrap_or_else(|| panic!("{line} accepted"))
+                .to_string()
+        };
+        for (section, line, names) in [
+            ("train", "betas = [0.9, 1.0]", "train.betas"),
+            ("train", "betas = [-0.1, 0.99]", "train.betas"),
+            ("train", "weight_decay = -0.1", "train.weight_decay"),
+            ("model", "norm_eps = -1e-5", "norm_eps"),
+            ("model", "norm_eps = nan", "norm_eps"),
+            ("model", "ffn_hidden = 0", "ffn_hidden 0"),
+            ("model", "rope_theta = 0.0", "rope_theta"),
+        ] {
+            let e = with(section, line);
+            assert!(e.contains("c.toml") && e.contains(names), "{line}: {e}");
+        }
+    }
 
     #[test]
     fn the_shipped_configs_parse() {

@@ -169,6 +169,12 @@ impl<'g> Trainer<'g> {
                 detail: "already holds checkpoints: pass --resume to continue, or choose another out_dir".into(),
             });
         }
+        if resume {
+            return Err(Error::Checkpoint {
+                path: out.display().to_string(),
+                detail: "holds no checkpoint to resume (no `latest` file): run without --resume to start".into(),
+            });
+        }
         let mut t = Self::fresh(gpu, cfg, &text)?;
         t.persist = true;
         Ok(t)
