@@ -814,3 +814,49 @@ out_dir = "unused"
     let summary = pollster::block_on(t.run_async(4, &mut |e| Ok(last(e)))).expect("run");
     assert_eq!((summary.steps, summary.stopped), (4, false));
 }
+
+#[test]
+fn a_gguf_whose_layer_count_contradicts_its_tensors_is_refused() {
+    use doppler::formats::gguf::{self, GgufFile, Value};
+    let files = doppler::verify::llama::tiny_files("llama", "F32", 7).expect("tiny model");
+    let g = gguf::Gguf::parse(&files.gguf, "m.gguf").unwrap();
+    // The same tensors, the metadata saying one layer fewer.
+    let mut md: Vec<(&str, Value)> = g
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    let layers = g.metadata["llama.block_count"].as_u64().unwrap();
+    for (k, v) in md.iter_mut() {
+        if *k == "llama.block_count" {
+            *v = Value::U32(layers as u32 - 1);
+        }
+    }
+    let tensors: Vec<(&str, &[u64], gguf::GgmlType, &[u8])> = g
+        .tensors
+        .iter()
+        .map(|t| {
+            (
+                t.name.as_str(),
+                t.dims.as_slice(),
+                t.ty,
+                g.tensor_data(&files.gguf, t),
+            )
+        })
+        .collect();
+    let bytes = gguf::write(&md, &tensors, 32);
+    let file = GgufFile::from_bytes(Box::new(bytes), "m.gguf").unwrap();
+    let e = doppler::models::llama::from_gguf(gpu(), &file, 64)
+        .err()
+        .expect("refused")
+        .to_string();
+    let last = layers - 1;
+    assert!(
+        e.contains("m.gguf")
+            && e.contains(&format!("a {last}-layer llama does not read: blk.{last}.")),
+        "{e}"
+    );
+    // The file as written loads.
+    let file = GgufFile::from_bytes(Box::new(files.gguf), "m.gguf").unwrap();
+    doppler::models::llama::from_gguf(gpu(), &file, 64).expect("the tiny model loads");
+}

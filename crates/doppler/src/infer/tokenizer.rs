@@ -87,11 +87,21 @@ impl Tokenizer {
                 format!("{} token types for {} tokens", types.len(), pieces.len()),
             ));
         }
-        let id = |key: &str| {
-            md.get(key)
-                .and_then(Value::as_u64)
-                .map(|v| v as u32)
-                .filter(|&v| (v as usize) < pieces.len())
+        // A token id the metadata names: absent is None, outside the vocabulary an error
+        // (an EOS that can never be sampled would let generation run on silently).
+        let id = |key: &str| -> Result<Option<u32>> {
+            match md.get(key).map(|v| v.as_u64()) {
+                None => Ok(None),
+                Some(Some(v)) if (v as usize) < pieces.len() => Ok(Some(v as u32)),
+                Some(v) => Err(err(
+                    path,
+                    format!(
+                        "{key} {} is outside the vocabulary of {} tokens",
+                        v.map_or("(not an integer)".to_string(), |v| v.to_string()),
+                        pieces.len()
+                    ),
+                )),
+            }
         };
         let flag = |key: &str, d: bool| match md.get(key) {
             Some(Value::Bool(b)) => *b,
@@ -141,7 +151,7 @@ impl Tokenizer {
                     &pieces,
                     &scores,
                     &types,
-                    id("tokenizer.ggml.unknown_token_id"),
+                    id("tokenizer.ggml.unknown_token_id")?,
                     flag("tokenizer.ggml.add_space_prefix", true),
                 ))
             }
@@ -154,8 +164,8 @@ impl Tokenizer {
         };
         let add_bos = flag("tokenizer.ggml.add_bos_token", model == "llama");
         let (bos, eos) = (
-            id("tokenizer.ggml.bos_token_id"),
-            id("tokenizer.ggml.eos_token_id"),
+            id("tokenizer.ggml.bos_token_id")?,
+            id("tokenizer.ggml.eos_token_id")?,
         );
         Ok(Tokenizer {
             kind,

@@ -88,6 +88,48 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
+    /// Refuses values no model has (`path` names the file in the error): zero layers,
+    /// widths or positions, a non-positive or non-finite epsilon, RoPE base or scale.
+    pub fn check(&self, path: &str) -> Result<()> {
+        let sizes = [
+            ("layers", self.n_layer),
+            ("width", self.n_embd),
+            ("head size", self.head_dim),
+            ("feed-forward width", self.ffn_hidden),
+            ("vocabulary", self.vocab_size),
+            ("context length", self.context_length),
+        ];
+        if let Some((what, _)) = sizes.iter().find(|(_, n)| *n == 0) {
+            return Err(format_err(
+                path,
+                format!("{what} 0: the metadata describes no model"),
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(format_err(
+                path,
+                format!("head size {} is odd: RoPE rotates pairs", self.head_dim),
+            ));
+        }
+        let positive = |v: f64| v > 0.0 && v.is_finite();
+        if !positive(self.norm_eps) {
+            return Err(format_err(
+                path,
+                format!("RMSNorm epsilon {} must be positive", self.norm_eps),
+            ));
+        }
+        if !positive(self.rope_theta) || self.rope_linear.is_some_and(|f| !positive(f)) {
+            return Err(format_err(
+                path,
+                format!(
+                    "RoPE base {} and scale {:?} must be positive",
+                    self.rope_theta, self.rope_linear
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// RoPE frequencies after the model's scaling; `factors` are GGUF's `rope_freqs.weight`
     /// (frequency divisors, Llama 3 in llama.cpp's files).
     fn inv_freq(&self, factors: Option<&[f32]>) -> Vec<f64> {
@@ -151,6 +193,70 @@ pub trait Source {
     fn has(&self, name: &str) -> bool;
     /// The tensor, None when absent.
     fn tensor<'a>(&'a self, name: &'a str) -> LocalFuture<'a, Result<Option<Stored<'a>>>>;
+    /// Every tensor's name, where the source can list them under GGUF's names (a GGUF
+    /// file): the loader refuses a file with tensors it never read.
+    fn names(&self) -> Option<Vec<String>> {
+        None
+    }
+}
+
+/// A source that remembers which tensors the loader asked for.
+struct Tracked<'s> {
+    src: &'s dyn Source,
+    asked: std::cell::RefCell<std::collections::BTreeSet<String>>,
+}
+
+impl Source for Tracked<'_> {
+    fn path(&self) -> &str {
+        self.src.path()
+    }
+    fn has(&self, name: &str) -> bool {
+        self.asked.borrow_mut().insert(name.to_string());
+        self.src.has(name)
+    }
+    fn tensor<'a>(&'a self, name: &'a str) -> LocalFuture<'a, Result<Option<Stored<'a>>>> {
+        self.asked.borrow_mut().insert(name.to_string());
+        self.src.tensor(name)
+    }
+}
+
+impl Tracked<'_> {
+    /// An error naming the tensors the source holds and nobody asked for (a layer count
+    /// that contradicts the tensors, or another architecture's file).
+    fn unread(&self, cfg: &LlamaConfig) -> Result<()> {
+        let Some(all) = self.src.names() else {
+            return Ok(());
+        };
+        let asked = self.asked.borrow();
+        let unread: Vec<&str> = all
+            .iter()
+            .filter(|n| !asked.contains(n.as_str()))
+            .map(String::as_str)
+            .collect();
+        if unread.is_empty() {
+            return Ok(());
+        }
+        let shown = unread
+            .iter()
+            .take(4)
+            .copied()
+            .collect::<Vec<_>>()
+            .join(", ");
+        let more = match unread.len() {
+            n if n > 4 => format!(" and {} more", n - 4),
+            _ => String::new(),
+        };
+        Err(format_err(
+            self.src.path(),
+            format!(
+                "{} tensors that a {}-layer {} does not read: {shown}{more} (the metadata \
+                 contradicts the tensors)",
+                unread.len(),
+                cfg.n_layer,
+                cfg.arch
+            ),
+        ))
+    }
 }
 
 fn format_err(path: &str, detail: impl Into<String>) -> Error {
@@ -263,6 +369,11 @@ impl Llama {
         src: &dyn Source,
         max_context: usize,
     ) -> Result<Llama> {
+        let tracked = Tracked {
+            src,
+            asked: Default::default(),
+        };
+        let src: &dyn Source = &tracked;
         let (e, d) = (cfg.n_embd, cfg.head_dim);
         let (qd, kvd) = (cfg.n_head * d, cfg.n_kv_head * d);
         let embd = matrix(gpu, src, "token_embd.weight", cfg.vocab_size, e).await?;
@@ -335,6 +446,7 @@ impl Llama {
             ),
             None => None,
         };
+        tracked.unread(&cfg)?;
         let max_context = max_context.min(cfg.context_length).max(1);
         let rope = RopeTable::from_inv_freq(gpu, max_context, &cfg.inv_freq(factors.as_deref()))?;
         // A decode step reads every layer, the final norm and the output head (the
@@ -653,7 +765,7 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
             ))
         }
     };
-    Ok(LlamaConfig {
+    let cfg = LlamaConfig {
         arch: arch.to_string(),
         n_layer: m.usize("block_count")?,
         n_embd,
@@ -673,7 +785,9 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
         rope_llama3: None,
         rope_linear,
         tied_embeddings: false, // set by the loader from the tensors present
-    })
+    };
+    cfg.check(path)?;
+    Ok(cfg)
 }
 
 /// The configuration of a Hugging Face `config.json`.
@@ -740,7 +854,7 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
             }
         }
     }
-    Ok(LlamaConfig {
+    let cfg = LlamaConfig {
         arch: arch.to_string(),
         n_layer: int("num_hidden_layers")?,
         n_embd,
@@ -759,7 +873,9 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
             .get("tie_word_embeddings")
             .and_then(|v| v.as_bool())
             .unwrap_or(false),
-    })
+    };
+    cfg.check(path)?;
+    Ok(cfg)
 }
 
 /// GGUF tensors under their own names.
@@ -769,6 +885,9 @@ impl Source for crate::formats::gguf::GgufFile {
     }
     fn has(&self, name: &str) -> bool {
         self.gguf.tensor(name).is_some()
+    }
+    fn names(&self) -> Option<Vec<String>> {
+        Some(self.gguf.tensors.iter().map(|t| t.name.clone()).collect())
     }
     fn tensor<'a>(&'a self, name: &'a str) -> LocalFuture<'a, Result<Option<Stored<'a>>>> {
         Box::pin(async move {
@@ -1114,6 +1233,65 @@ mod tests {
             let b = pollster::block_on(parts.tensor(name)).unwrap().unwrap();
             assert_eq!((&a.bytes[..], a.ty, &a.dims), (&b.bytes[..], b.ty, &b.dims));
         }
+    }
+
+    /// The tiny model's GGUF metadata and config.json, to break one value at a time.
+    fn tiny_meta() -> (BTreeMap<String, Value>, serde_json::Value) {
+        let files = crate::verify::llama::tiny_files("llama", "F32", 7).unwrap();
+        let g = crate::formats::gguf::Gguf::parse(&files.gguf, "m.gguf").unwrap();
+        (g.metadata, serde_json::from_str(&files.config).unwrap())
+    }
+
+    #[test]
+    fn metadata_that_describes_no_model_is_refused() {
+        let (md, json) = tiny_meta();
+        config_from_gguf(&md, "m.gguf").unwrap();
+        config_from_hf(&json, "config.json").unwrap();
+        for (key, v, says) in [
+            ("llama.block_count", Value::U32(0), "layers 0"),
+            (
+                "llama.feed_forward_length",
+                Value::U32(0),
+                "feed-forward width 0",
+            ),
+            ("llama.context_length", Value::U32(0), "context length 0"),
+            (
+                "llama.attention.layer_norm_rms_epsilon",
+                Value::F32(f32::NAN),
+                "epsilon NaN",
+            ),
+            ("llama.rope.freq_base", Value::F32(-1.0), "RoPE base -1"),
+        ] {
+            let mut bad = md.clone();
+            bad.insert(key.into(), v);
+            let e = config_from_gguf(&bad, "m.gguf").unwrap_err().to_string();
+            assert!(e.contains("m.gguf") && e.contains(says), "{key}: {e}");
+        }
+        for (key, says) in [
+            ("num_hidden_layers", "layers 0"),
+            ("intermediate_size", "feed-forward width 0"),
+            ("vocab_size", "vocabulary 0"),
+        ] {
+            let mut bad = json.clone();
+            bad[key] = 0.into();
+            let e = config_from_hf(&bad, "config.json").unwrap_err().to_string();
+            assert!(e.contains("config.json") && e.contains(says), "{key}: {e}");
+        }
+    }
+
+    #[test]
+    fn an_eos_outside_the_vocabulary_is_refused() {
+        let (mut md, _) = tiny_meta();
+        crate::infer::tokenizer::Tokenizer::from_gguf(&md, "m.gguf").unwrap();
+        md.insert("tokenizer.ggml.eos_token_id".into(), Value::U32(100_000));
+        let e = crate::infer::tokenizer::Tokenizer::from_gguf(&md, "m.gguf")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("eos_token_id 100000 is outside the vocabulary"),
+            "{e}"
+        );
     }
 
     #[test]
