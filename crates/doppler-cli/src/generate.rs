@@ -149,17 +149,28 @@ pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode>
         ids.extend(tk.bos.or(tk.eos));
     }
     let mut session = Session::new(gpu, &model, args.ctx_size)?;
+    // Room left in the context after the prompt: none is an error, less than asked for
+    // ends the generation early, said as such.
+    let room = session.capacity().saturating_sub(ids.len());
+    if room == 0 {
+        return Err(Error::Invalid {
+            op: "generate",
+            detail: format!(
+                "the prompt's {} tokens fill the context of {} tokens (-c): no room to generate; raise -c",
+                ids.len(),
+                session.capacity()
+            ),
+        });
+    }
     let opts = GenOptions {
-        max_tokens: args
-            .max_tokens
-            .min(session.capacity().saturating_sub(ids.len())),
+        max_tokens: args.max_tokens.min(room),
         stop_tokens: model.stop_tokens(),
         stop_strings: args.stop.clone(),
     };
     if !args.json && !args.chat {
         print!("{}", args.prompt);
     }
-    let g = session.generate(gpu, &ids, &opts, &mut sampler, &mut |piece| {
+    let mut g = session.generate(gpu, &ids, &opts, &mut sampler, &mut |piece| {
         if !args.json {
             print!("{piece}");
             out.flush().map_err(|source| Error::Io {
@@ -169,6 +180,9 @@ pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode>
         }
         Ok(())
     })?;
+    if g.stop == StopReason::Length && args.max_tokens > room && g.tokens.len() == room {
+        g.stop = StopReason::Context;
+    }
     if args.json {
         let mut v = stats_json(&g, &model);
         v["prompt"] = args.prompt.clone().into();
@@ -177,6 +191,15 @@ pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode>
     } else {
         println!();
         tracing::info!("{}", stats_line(&g));
+        if g.stop == StopReason::Context {
+            eprintln!(
+                "(context full: {} prompt and {} generated tokens fill the {} of -c; {} asked for)",
+                ids.len(),
+                g.tokens.len(),
+                session.capacity(),
+                args.max_tokens
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

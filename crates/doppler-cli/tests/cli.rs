@@ -493,6 +493,20 @@ fn generate_from_safetensors_matches_gguf() {
         "--json",
     ]);
     assert!(ok, "{err}");
+    // A context that fills before -n tokens: said so (text and JSON); none left: an error.
+    let m = gguf.to_str().unwrap();
+    let greedy = ["--temperature", "0"];
+    let args = ["generate", "-m", m, "abc", "-n", "50", "-c", "6"];
+    let (ok, _, err) = doppler(&[&args[..], &greedy].concat());
+    assert!(
+        ok && err.contains("context full") && err.contains("50 asked for"),
+        "{err}"
+    );
+    let (ok, out, err) = doppler(&[&args[..], &greedy, &["--json"]].concat());
+    let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert!(ok && v["stop"] == "context", "{out}{err}");
+    let (ok, _, err) = doppler(&["generate", "-m", m, "abc", "-n", "5", "-c", "1"]);
+    assert!(!ok && err.contains("no room to generate"), "{err}");
 }
 
 #[test]
