@@ -66,8 +66,10 @@ pub struct GenerateArgs {
         required_unless_present = "checkpoint"
     )]
     model: Option<PathBuf>,
-    /// A training run directory (its latest checkpoint) or one checkpoint directory.
-    #[arg(long)]
+    /// A training run directory (its latest checkpoint) or one checkpoint directory. Its
+    /// models have no chat template, stop tokens or KV cache: --chat, --stop, --special
+    /// and -c do not apply (the context is the model's block size).
+    #[arg(long, conflicts_with_all = ["chat", "stop", "special", "ctx_size"])]
     checkpoint: Option<PathBuf>,
     /// Text to continue.
     #[arg(default_value = "")]
@@ -119,7 +121,9 @@ pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode>
         if args.json {
             println!(
                 "{}",
-                serde_json::json!({ "prompt": args.prompt, "text": text, "tokens": args.max_tokens })
+                // A checkpoint's model has no stop token: it generates all -n tokens.
+                serde_json::json!({ "prompt": args.prompt, "text": text,
+                    "generated_tokens": args.max_tokens, "stop": StopReason::Length })
             );
         } else {
             println!();

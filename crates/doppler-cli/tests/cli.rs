@@ -295,6 +295,28 @@ fn train_resume_and_generate() {
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["text"].as_str().unwrap().chars().count(), 10);
+    assert_eq!(
+        (v["generated_tokens"].as_u64(), v["stop"].as_str()),
+        (Some(10), Some("length"))
+    );
+    // Options a checkpoint's model has no use for are refused, not ignored.
+    let run = a.join("run");
+    for extra in [
+        &["--chat"][..],
+        &["--stop", "x"],
+        &["--special"],
+        &["-c", "8"],
+    ] {
+        let args = [
+            &["generate", "--checkpoint", run.to_str().unwrap(), "the "][..],
+            extra,
+        ];
+        let (ok, _, err) = doppler(&args.concat());
+        assert!(
+            !ok && err.contains("cannot be used with"),
+            "{extra:?}: {err}"
+        );
+    }
     // A corrupted checkpoint is refused by its hash.
     let model = a.join("run/step-00000008/model.safetensors");
     let mut bytes = std::fs::read(&model).unwrap();
