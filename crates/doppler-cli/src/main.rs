@@ -83,6 +83,8 @@ fn main() -> ExitCode {
             }),
         )
         .with_writer(std::io::stderr)
+        // Colour only for a terminal: logs piped to a file or CI stay plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match run(cli) {
         Ok(code) => code,

@@ -573,3 +573,22 @@ fn unsupported_architectures_and_truncated_models_are_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn logs_are_plain_text_off_a_terminal_and_a_missing_shader_dir_is_named() {
+    let out = Command::new(env!("CARGO_BIN_EXE_doppler"))
+        .args(["verify", "--filter", "scale"])
+        .env("DOPPLER_SHADER_DIR", "/no/such/shader/dir")
+        .output()
+        .expect("run doppler");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("DOPPLER_SHADER_DIR=/no/such/shader/dir is not a folder"),
+        "{err}"
+    );
+    assert!(
+        !err.contains('\u{1b}'),
+        "colour codes in piped stderr: {err:?}"
+    );
+}

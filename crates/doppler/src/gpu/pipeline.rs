@@ -291,7 +291,18 @@ impl PipelineCache {
 fn shader_source(shader: &Shader) -> Result<std::borrow::Cow<'static, str>> {
     #[cfg(not(target_arch = "wasm32"))]
     if let Some(dir) = std::env::var_os("DOPPLER_SHADER_DIR") {
-        let path = std::path::Path::new(&dir).join(format!("{}.wgsl", shader.name));
+        let dir = std::path::Path::new(&dir);
+        if !dir.is_dir() {
+            // Once a process: the embedded shaders are used.
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    "DOPPLER_SHADER_DIR={} is not a folder: the built-in shaders are used",
+                    dir.display()
+                )
+            });
+        }
+        let path = dir.join(format!("{}.wgsl", shader.name));
         if path.exists() {
             tracing::warn!("shader {} from {}", shader.name, path.display());
             return std::fs::read_to_string(&path)
