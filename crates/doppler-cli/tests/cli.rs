@@ -259,8 +259,12 @@ fn train_resume_and_generate() {
     // Without --resume the run refuses to overwrite.
     let (ok, _, err) = doppler(&["train", "--config", cfg_b.to_str().unwrap()]);
     assert!(!ok && err.contains("--resume"), "{err}");
+    // A save cut short left a half-written folder: the next save clears it.
+    let stale = b.join("run/step-00000004.tmp-99999");
+    std::fs::create_dir_all(&stale).unwrap();
     let (ok, _, err) = doppler(&["train", "--config", cfg_b.to_str().unwrap(), "--resume"]);
     assert!(ok, "{err}");
+    assert!(!stale.exists(), "the stale temporary folder is still there");
     for f in ["model.safetensors", "optim.safetensors"] {
         let x = std::fs::read(a.join("run/step-00000008").join(f)).unwrap();
         let y = std::fs::read(b.join("run/step-00000008").join(f)).unwrap();
@@ -298,6 +302,19 @@ fn train_resume_and_generate() {
     assert_eq!(
         (v["generated_tokens"].as_u64(), v["stop"].as_str()),
         (Some(10), Some("length"))
+    );
+    // A `latest` that is empty or names a missing folder is blamed by name.
+    std::fs::write(b.join("run/latest"), "").unwrap();
+    let (ok, _, err) = doppler(&["generate", "--checkpoint", b.join("run").to_str().unwrap()]);
+    assert!(
+        !ok && err.contains("latest") && err.contains("names \"\""),
+        "{err}"
+    );
+    std::fs::write(b.join("run/latest"), "step-00000099").unwrap();
+    let (ok, _, err) = doppler(&["generate", "--checkpoint", b.join("run").to_str().unwrap()]);
+    assert!(
+        !ok && err.contains("step-00000099, which holds no state.json"),
+        "{err}"
     );
     // Options a checkpoint's model has no use for are refused, not ignored.
     let run = a.join("run");

@@ -172,13 +172,22 @@ pub fn save(run_dir: &Path, mut state: RunState, files: &CheckpointFiles) -> Res
     Ok(final_dir)
 }
 
-/// Removes all but the newest KEEP checkpoints (never the one `latest` names).
+/// Removes all but the newest KEEP checkpoints (never the one `latest` names), and the
+/// half-written folders (`step-N.tmp-PID`) saves cut short left behind.
 fn prune(run_dir: &Path, latest: &str) {
     let Ok(entries) = fs::read_dir(run_dir) else {
         return;
     };
-    let mut dirs: Vec<String> = entries
+    let names: Vec<String> = entries
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .collect();
+    for n in &names {
+        if n.starts_with("step-") && n.contains(".tmp-") {
+            let _ = fs::remove_dir_all(run_dir.join(n));
+        }
+    }
+    let mut dirs: Vec<String> = names
+        .into_iter()
         .filter(|n| n.starts_with("step-") && !n.contains(".tmp"))
         .collect();
     dirs.sort();
@@ -197,13 +206,30 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         return Ok(path.to_path_buf());
     }
     let latest = path.join(LATEST);
-    match fs::read_to_string(&latest) {
-        Ok(name) => Ok(path.join(name.trim())),
-        Err(_) => Err(ckpt_err(
-            path,
-            "no state.json here and no `latest` file naming a checkpoint",
-        )),
+    let name = match fs::read_to_string(&latest) {
+        Ok(name) => name.trim().to_string(),
+        Err(_) => {
+            return Err(ckpt_err(
+                path,
+                "no state.json here and no `latest` file naming a checkpoint",
+            ))
+        }
+    };
+    // `latest` names a folder of this run: step-NNNNNNNN, nothing else.
+    if name.is_empty() || !name.starts_with("step-") || name.contains(['/', '\\']) {
+        return Err(ckpt_err(
+            &latest,
+            format!("names {name:?}, not a checkpoint folder (step-NNNNNNNN)"),
+        ));
     }
+    let dir = path.join(&name);
+    if !dir.join(STATE_FILE).is_file() {
+        return Err(ckpt_err(
+            &latest,
+            format!("names {name}, which holds no state.json"),
+        ));
+    }
+    Ok(dir)
 }
 
 /// A loaded checkpoint, hashes checked.
