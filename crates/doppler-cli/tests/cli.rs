@@ -573,6 +573,25 @@ fn chat_keeps_the_conversation_and_handles_a_full_context() {
 #[test]
 fn unsupported_architectures_and_truncated_models_are_refused() {
     let (gguf, _) = tiny_model("bad-models", "llama");
+    // A folder without config.json, and a pipe (opening it would wait for a writer).
+    let dir = gguf.parent().unwrap();
+    let (ok, _, err) = doppler(&["generate", "-m", dir.to_str().unwrap(), "x"]);
+    assert!(
+        !ok && err.contains("a directory without config.json"),
+        "{err}"
+    );
+    let fifo = dir.join("pipe.gguf");
+    let made = Command::new("mkfifo").arg(&fifo).status();
+    if made.is_ok_and(|s| s.success()) {
+        for verb in [&["inspect"][..], &["generate", "-m"]] {
+            let args = [verb, &[fifo.to_str().unwrap()]].concat();
+            let (ok, _, err) = doppler(&args);
+            assert!(
+                !ok && err.contains("is not a regular file"),
+                "{verb:?}: {err}"
+            );
+        }
+    }
     let bytes = std::fs::read(&gguf).unwrap();
     let cut = gguf.with_file_name("cut.gguf");
     std::fs::write(&cut, &bytes[..bytes.len() - 100]).unwrap();

@@ -450,6 +450,18 @@ impl GgufFile {
             path: path.display().to_string(),
             source,
         };
+        // A pipe or a device cannot be mapped ("No such device" is all mmap says), and
+        // opening a pipe waits for a writer: look before opening.
+        let meta = std::fs::metadata(path).map_err(io)?;
+        if !meta.is_file() {
+            return Err(Error::Format {
+                path: path.display().to_string(),
+                detail: match meta.is_dir() {
+                    true => "is a directory, not a GGUF file (a Hugging Face directory needs config.json)".into(),
+                    false => "is not a regular file (a pipe or a device): models are mapped from files; save it to one first".into(),
+                },
+            });
+        }
         let file = std::fs::File::open(path).map_err(io)?;
         // SAFETY: the map is read-only; a file changed underneath while mapped is the
         // caller's problem as with any model loader (llama.cpp maps the same way).

@@ -1107,6 +1107,13 @@ pub fn open(
     let shown = path.display().to_string();
     if path.is_dir() {
         let cfg_path = path.join("config.json");
+        if !cfg_path.is_file() {
+            return Err(format_err(
+                &shown,
+                "a directory without config.json: a model is a .gguf file or a Hugging Face \
+                 directory (config.json, *.safetensors, tokenizer.json)",
+            ));
+        }
         let text = std::fs::read_to_string(&cfg_path).map_err(|source| Error::Io {
             path: cfg_path.display().to_string(),
             source,
