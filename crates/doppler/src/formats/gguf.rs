@@ -444,29 +444,15 @@ pub struct GgufFile {
 const HEADER_READ: usize = 1 << 20;
 
 impl GgufFile {
+    /// A GGUF file on disk, read a tensor at a time (see [`super::DiskFile`]: a file cut
+    /// short while it loads is an error, not a SIGBUS).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn open(path: &std::path::Path) -> Result<GgufFile> {
-        let io = |source| Error::Io {
-            path: path.display().to_string(),
-            source,
-        };
-        // A pipe or a device cannot be mapped ("No such device" is all mmap says), and
-        // opening a pipe waits for a writer: look before opening.
-        let meta = std::fs::metadata(path).map_err(io)?;
-        if !meta.is_file() {
-            return Err(Error::Format {
-                path: path.display().to_string(),
-                detail: match meta.is_dir() {
-                    true => "is a directory, not a GGUF file (a Hugging Face directory needs config.json)".into(),
-                    false => "is not a regular file (a pipe or a device): models are mapped from files; save it to one first".into(),
-                },
-            });
-        }
-        let file = std::fs::File::open(path).map_err(io)?;
-        // SAFETY: the map is read-only; a file changed underneath while mapped is the
-        // caller's problem as with any model loader (llama.cpp maps the same way).
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        Self::from_bytes(Box::new(map), &path.display().to_string())
+        let file = super::DiskFile::open(path)?;
+        pollster::block_on(Self::from_reader(
+            Box::new(file),
+            &path.display().to_string(),
+        ))
     }
 
     /// A GGUF file already in memory; `path` names it in errors.
@@ -715,6 +701,32 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("truncated") && e.contains("tensor w"), "{e}");
+    }
+
+    #[test]
+    fn a_file_cut_short_while_it_loads_is_an_error_not_a_crash() {
+        let f32s: Vec<u8> = (0..6).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let buf = write(&[], &[("w", &[3, 2], GgmlType(0), &f32s)], 32);
+        let path = std::env::temp_dir().join(format!("doppler-cut-{}.gguf", std::process::id()));
+        std::fs::write(&path, &buf).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        let w = file.gguf.tensor("w").unwrap().clone();
+        assert_eq!(
+            &pollster::block_on(file.read_tensor(&w)).unwrap()[..],
+            &f32s[..]
+        );
+        // Shortened underneath (a map of it would end the process with SIGBUS here).
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(buf.len() as u64 - 8)
+            .unwrap();
+        let e = pollster::block_on(file.read_tensor(&w))
+            .unwrap_err()
+            .to_string();
+        std::fs::remove_file(&path).unwrap();
+        assert!(e.contains("doppler-cut-") && e.contains("truncated"), "{e}");
     }
 
     #[test]

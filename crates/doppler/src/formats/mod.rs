@@ -7,8 +7,7 @@ use std::borrow::Cow;
 
 use crate::error::{Error, Result};
 
-/// A model file's bytes: a read-only map of the file natively, or the bytes themselves
-/// (the browser, where a model arrives as a download).
+/// A model file's bytes in memory (a download in the browser, files made in tests).
 pub type Bytes = Box<dyn std::ops::Deref<Target = [u8]> + Send + Sync>;
 
 /// A boxed future that need not be `Send` (the browser's are not).
@@ -34,6 +33,76 @@ impl RangeRead for Vec<u8> {
             .min(self.as_slice().len());
         let end = start.saturating_add(len).min(self.as_slice().len());
         Box::pin(std::future::ready(Ok(self[start..end].to_vec())))
+    }
+}
+
+/// A file on disk read in ranges (native). A file shortened or rewritten while a model
+/// loads then gives an error naming it, where a memory map of it would end the process
+/// with SIGBUS.
+#[cfg(not(target_arch = "wasm32"))]
+pub struct DiskFile {
+    file: std::sync::Mutex<std::fs::File>,
+    len: u64,
+    path: String,
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+impl DiskFile {
+    /// Opens a regular file; a directory, a pipe or a device is refused before it is
+    /// opened (opening a pipe waits for a writer).
+    pub fn open(path: &std::path::Path) -> Result<DiskFile> {
+        let shown = path.display().to_string();
+        let io = |source| Error::Io {
+            path: shown.clone(),
+            source,
+        };
+        let meta = std::fs::metadata(path).map_err(io)?;
+        if !meta.is_file() {
+            return Err(Error::Format {
+                path: shown.clone(),
+                detail: match meta.is_dir() {
+                    true => "is a directory, not a model file (a Hugging Face directory needs config.json)".into(),
+                    false => "is not a regular file (a pipe or a device): save the model to a file first".into(),
+                },
+            });
+        }
+        let file = std::fs::File::open(path).map_err(io)?;
+        Ok(DiskFile {
+            file: std::sync::Mutex::new(file),
+            len: meta.len(),
+            path: shown,
+        })
+    }
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+impl RangeRead for DiskFile {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn read(&self, start: u64, len: usize) -> LocalFuture<'_, Result<Vec<u8>>> {
+        use std::io::{Read, Seek, SeekFrom};
+        let read = || -> std::io::Result<Vec<u8>> {
+            let mut f = self.file.lock().unwrap_or_else(|e| e.into_inner());
+            f.seek(SeekFrom::Start(start))?;
+            let mut buf = vec![0u8; len];
+            let mut got = 0;
+            // Fewer bytes than asked (the file was cut short) come back as they are:
+            // check_len names the range.
+            while got < len {
+                match f.read(&mut buf[got..])? {
+                    0 => break,
+                    n => got += n,
+                }
+            }
+            buf.truncate(got);
+            Ok(buf)
+        };
+        let out = read().map_err(|source| Error::Io {
+            path: self.path.clone(),
+            source,
+        });
+        Box::pin(std::future::ready(out))
     }
 }
 

@@ -930,20 +930,16 @@ fn st_type(shown: &str, name: &str, dtype: &str) -> Result<(GgmlType, u64)> {
 }
 
 impl SafeTensorsDir {
+    /// SafeTensors files on disk, read a tensor at a time (a file cut short while it loads
+    /// is an error, not a SIGBUS).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn open(files: &[std::path::PathBuf], path: &str) -> Result<SafeTensorsDir> {
-        let mut maps: Vec<(String, crate::formats::Bytes)> = Vec::new();
+        let mut list = Vec::new();
         for f in files {
-            let io = |source| Error::Io {
-                path: f.display().to_string(),
-                source,
-            };
-            let file = std::fs::File::open(f).map_err(io)?;
-            // SAFETY: read-only map of a model file, as GgufFile.
-            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-            maps.push((f.display().to_string(), Box::new(map)));
+            let file = crate::formats::DiskFile::open(f)?;
+            list.push((f.display().to_string(), FileData::Ranges(Box::new(file))));
         }
-        Self::from_bytes(maps, path)
+        pollster::block_on(Self::from_files(list, path))
     }
 
     /// SafeTensors files already in memory, each with the name its errors give.
