@@ -14,6 +14,10 @@ pub use super::{check_len, Bytes, FileData, LocalFuture, RangeRead};
 use crate::error::{Error, Result};
 
 pub const MAGIC: &[u8; 4] = b"GGUF";
+
+/// Most items reserved ahead for a count the header states (a crafted count in a large
+/// file would otherwise ask for gigabytes before the first item is read).
+const MAX_PREALLOC: usize = 1 << 16;
 pub const DEFAULT_ALIGNMENT: u64 = 32;
 /// ggml's limit on tensor dimensions.
 pub const MAX_DIMS: usize = 4;
@@ -277,7 +281,8 @@ impl<'a> Reader<'a> {
                     }
                 };
                 let n = self.count(key, min)?;
-                let mut out = Vec::with_capacity(n);
+                // Counts are bounded by the file's length, not by memory: grow as read.
+                let mut out = Vec::with_capacity(n.min(MAX_PREALLOC));
                 for _ in 0..n {
                     out.push(self.value(ety, key, depth + 1)?);
                 }
@@ -348,7 +353,7 @@ impl Gguf {
                 _ => return Err(r.err(format!("general.alignment {v:?} is not a power of two"))),
             },
         };
-        let mut tensors = Vec::with_capacity(n_tensors);
+        let mut tensors = Vec::with_capacity(n_tensors.min(MAX_PREALLOC));
         for _ in 0..n_tensors {
             let name = r.string("tensor name")?;
             let n_dims = r.u32(&name)? as usize;

@@ -1,5 +1,5 @@
-//! Model file formats, and how a model file's bytes are had: whole (a map of the file, or
-//! bytes in memory) or read in ranges on demand (a browser `File`).
+//! Model file formats, and how a model file's bytes are had: whole (bytes in memory) or
+//! read in ranges on demand (a file on disk, a browser `File`).
 
 pub mod gguf;
 
