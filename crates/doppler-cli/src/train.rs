@@ -25,6 +25,10 @@ pub struct TrainArgs {
     /// slowest kernels printed at the end.
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// Write the batches this process trained on (with each step's loss and learning
+    /// rate) to this SafeTensors file, for a replay in PyTorch: bench/torch_parity.py.
+    #[arg(long, value_name = "FILE")]
+    dump_batches: Option<PathBuf>,
 }
 
 pub fn train(gpu: &Gpu, args: &TrainArgs) -> doppler::Result<ExitCode> {
@@ -35,7 +39,19 @@ pub fn train(gpu: &Gpu, args: &TrainArgs) -> doppler::Result<ExitCode> {
     }
     // --max-steps stops early (with a checkpoint) but keeps the full run's schedule.
     let stop = args.max_steps.map_or(u64::MAX, |n| trainer.step + n);
-    let code = run_until(&mut trainer, stop, args.json)?;
+    let mut steps = Vec::new();
+    let code = run_until(&mut trainer, stop, args.json, &mut steps)?;
+    if let Some(path) = &args.dump_batches {
+        let bytes = trainer.batches_safetensors(&steps)?;
+        doppler::train::checkpoint::write_atomic(path, &bytes)?;
+        if !args.json {
+            eprintln!(
+                "batches of {} steps written to {}",
+                steps.len(),
+                path.display()
+            );
+        }
+    }
     if let (Some(path), Some(trace)) = (&args.trace, &trainer.trace) {
         trace.write_chrome_json(path)?;
         let total: f64 = trace.events.iter().map(|e| e.dur_ns).sum();
@@ -51,9 +67,18 @@ pub fn train(gpu: &Gpu, args: &TrainArgs) -> doppler::Result<ExitCode> {
     Ok(code)
 }
 
-fn run_until(trainer: &mut Trainer<'_>, stop: u64, json: bool) -> doppler::Result<ExitCode> {
+/// Trains to `stop`, showing progress; `steps` receives every step's record.
+fn run_until(
+    trainer: &mut Trainer<'_>,
+    stop: u64,
+    json: bool,
+    steps: &mut Vec<doppler::train::StepInfo>,
+) -> doppler::Result<ExitCode> {
     let bar = ProgressBar::hidden();
     let mut on_event = |e: Event<'_>| {
+        if let Event::Step(s) = &e {
+            steps.push((*s).clone());
+        }
         if json {
             let v = match e {
                 Event::Started {

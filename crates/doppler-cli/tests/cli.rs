@@ -350,6 +350,95 @@ fn train_resume_and_generate() {
     let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
 }
 
+/// `train --dump-batches`: the batches each step trained on, with its loss and learning
+/// rate, as SafeTensors (what bench/torch_parity.py replays in PyTorch).
+#[test]
+fn train_dumps_the_batches_of_its_steps() {
+    let dir = tmp("dump");
+    let cfg = tiny_run_with(&dir, "llama", "grad_accum = 2\n");
+    let dump = dir.join("batches.safetensors");
+    let (ok, out, err) = doppler(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--max-steps",
+        "3",
+        "--json",
+        "--dump-batches",
+        dump.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let events: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let steps: Vec<&serde_json::Value> = events
+        .iter()
+        .filter(|e| e["event"] == "step")
+        .map(|e| &e["step"])
+        .collect();
+    assert_eq!(steps.len(), 3);
+    let bytes = std::fs::read(&dump).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    let tensor = |name: &str, dtype: &str, shape: serde_json::Value| -> &[u8] {
+        let t = &header[name];
+        assert_eq!(t["dtype"], dtype, "{name}: {t}");
+        assert_eq!(t["shape"], shape, "{name}: {t}");
+        let o = &t["data_offsets"];
+        &data[o[0].as_u64().unwrap() as usize..o[1].as_u64().unwrap() as usize]
+    };
+    assert_eq!(header["__metadata__"]["matmul"], "f32");
+    let words = |b: &[u8]| -> Vec<i32> {
+        b.chunks(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    let ids = words(tensor("ids", "I32", serde_json::json!([3, 2, 4, 16])));
+    let targets = words(tensor("targets", "I32", serde_json::json!([3, 2, 4, 16])));
+    // Targets are the ids shifted by one within each window.
+    for (row, (i, t)) in ids.chunks(16).zip(targets.chunks(16)).enumerate() {
+        assert_eq!(i[1..], t[..15], "window {row}");
+    }
+    assert_ne!(
+        ids[..64],
+        ids[64..128],
+        "micro-batches 0 and 1 of step 0 are the same"
+    );
+    let step: Vec<i64> = tensor("step", "I64", serde_json::json!([3]))
+        .chunks(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(step, [0, 1, 2]);
+    let loss: Vec<f32> = tensor("loss", "F32", serde_json::json!([3]))
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let lr: Vec<f64> = tensor("lr", "F64", serde_json::json!([3]))
+        .chunks(8)
+        .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    for (i, s) in steps.iter().enumerate() {
+        assert_eq!(loss[i], s["loss"].as_f64().unwrap() as f32, "step {i}");
+        assert_eq!(lr[i], s["lr"].as_f64().unwrap(), "step {i}");
+    }
+    assert_eq!(tensor("skipped", "U8", serde_json::json!([3])), [0, 0, 0]);
+    // A resumed run dumps the steps it took: the next ones.
+    let (ok, _, err) = doppler(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--resume",
+        "--max-steps",
+        "1",
+        "--dump-batches",
+        dump.to_str().unwrap(),
+    ]);
+    assert!(ok && err.contains("batches of 1 steps written"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn two_identical_runs_give_identical_bits() {
     let (a, b) = (tmp("c"), tmp("d"));

@@ -263,6 +263,19 @@ impl<'g> Trainer<'g> {
         }))
     }
 
+    /// The training batch of micro-batch `micro` at step `step` (0 for the first step):
+    /// (ids, targets), each (batch_size, block_size) row-major. A pure function of the
+    /// config's seed, the step and the micro-batch, whichever process asks.
+    pub fn batch(&self, step: u64, micro: usize) -> (Vec<u32>, Vec<u32>) {
+        let key = mix(&[self.cfg.train.seed, step, micro as u64]);
+        batch(
+            &self.data.train,
+            self.cfg.train.batch_size,
+            self.cfg.model.block_size,
+            key,
+        )
+    }
+
     /// One optimizer step over `grad_accum` micro-batches.
     pub async fn train_step_async(&mut self) -> Result<StepInfo> {
         let t0 = Instant::now();
@@ -276,8 +289,8 @@ impl<'g> Trainer<'g> {
         let mut losses = Vec::with_capacity(accum);
         let mut rec = self.recorder();
         for m in 0..accum {
+            let (ids, targets) = self.batch(self.step, m);
             let key = mix(&[tc.seed, self.step, m as u64]);
-            let (ids, targets) = batch(&self.data.train, b, t, key);
             let ids = Tensor::from_u32(gpu, &[b, t], &ids, "ids")?;
             let targets = Tensor::from_u32(gpu, &[b, t], &targets, "targets")?;
             let mut tape = Tape::new();
@@ -345,6 +358,53 @@ impl<'g> Trainer<'g> {
             grad_norm,
             skipped,
         })
+    }
+
+    /// The batches of the steps in `steps` (what each step trained on), with the loss,
+    /// learning rate and skip flag of each, as SafeTensors bytes for a replay elsewhere
+    /// (`bench/torch_parity.py`): `ids` and `targets` I32 (S, grad_accum, batch_size,
+    /// block_size), `step` I64 (S, the step's index: 0 for the first), `loss` F32 (S),
+    /// `lr` F64 (S), `skipped` U8 (S); metadata `matmul` (the products' mode).
+    pub fn batches_safetensors(&self, steps: &[StepInfo]) -> Result<Vec<u8>> {
+        let tc = &self.cfg.train;
+        let (mut ids, mut targets) = (Vec::<u8>::new(), Vec::<u8>::new());
+        let (mut index, mut loss, mut lr, mut skipped) = (vec![], vec![], vec![], vec![]);
+        for s in steps {
+            let step = s.step - 1;
+            for m in 0..tc.grad_accum {
+                let (i, t) = self.batch(step, m);
+                ids.extend(i.iter().flat_map(|&v| (v as i32).to_le_bytes()));
+                targets.extend(t.iter().flat_map(|&v| (v as i32).to_le_bytes()));
+            }
+            index.extend((step as i64).to_le_bytes());
+            loss.extend(s.loss.to_le_bytes());
+            lr.extend(s.lr.to_le_bytes());
+            skipped.push(s.skipped as u8);
+        }
+        let n = steps.len();
+        let shape = vec![n, tc.grad_accum, tc.batch_size, self.cfg.model.block_size];
+        use safetensors::{tensor::TensorView, Dtype};
+        let views = [
+            ("ids", Dtype::I32, shape.clone(), &ids),
+            ("targets", Dtype::I32, shape, &targets),
+            ("step", Dtype::I64, vec![n], &index),
+            ("loss", Dtype::F32, vec![n], &loss),
+            ("lr", Dtype::F64, vec![n], &lr),
+            ("skipped", Dtype::U8, vec![n], &skipped),
+        ]
+        .into_iter()
+        .map(|(name, dt, shape, bytes)| TensorView::new(dt, shape, bytes).map(|v| (name, v)))
+        .collect::<std::result::Result<Vec<_>, _>>();
+        let meta = std::collections::HashMap::from([(
+            "matmul".to_string(),
+            format!("{:?}", self.gpu.matmul).to_lowercase(),
+        )]);
+        views
+            .and_then(|v| safetensors::serialize(v, Some(meta)))
+            .map_err(|e| Error::Invalid {
+                op: "batches",
+                detail: e.to_string(),
+            })
     }
 
     /// Mean loss over the fixed validation batches (no gradients recorded).
