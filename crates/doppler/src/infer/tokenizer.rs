@@ -195,6 +195,10 @@ impl Tokenizer {
     /// From the bytes of a Hugging Face `tokenizer.json` and the text of its
     /// `tokenizer_config.json` (BOS/EOS), when there is one; `shown` names it in errors.
     pub fn from_hf_json(json: &[u8], config: Option<&str>, shown: &str) -> Result<Tokenizer> {
+        // Malformed JSON first: the tokenizers crate panics on a syntax error inside the
+        // "decoder" object (tokenizers 0.22, decoders/mod.rs: `expect("Helper")`).
+        serde_json::from_slice::<serde_json::Value>(json)
+            .map_err(|e| err(shown, format!("not valid JSON: {e}")))?;
         let tk = tokenizers::Tokenizer::from_bytes(json).map_err(|e| err(shown, e.to_string()))?;
         let n = tk.get_vocab_size(true);
         let mut pieces = vec![String::new(); n];
@@ -516,6 +520,22 @@ impl Ord for OrdF32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by doppler-fuzz: a syntax error inside tokenizer.json's "decoder" made the
+    /// tokenizers crate panic (`expect("Helper")`) instead of returning an error.
+    #[test]
+    fn malformed_tokenizer_json_is_an_error_not_a_panic() {
+        for bad in [
+            &br#"{"model": {"type": "BPE", "vocab": {}, "merges": []}, "decoder": {"type": "ByteLevel" "x": 1}}"#[..],
+            br#"{"model": {"type": "BPE", "vocab": {}, "merges": []}, "decoder": {"type": "\ud800"}}"#,
+        ] {
+            let e = Tokenizer::from_hf_json(bad, None, "t/tokenizer.json")
+                .err()
+                .expect("refused")
+                .to_string();
+            assert!(e.contains("t/tokenizer.json") && e.contains("not valid JSON"), "{e}");
+        }
+    }
 
     /// A tiny SentencePiece vocabulary: merges by score, byte fallback for the rest.
     fn spm() -> (Spm, Vec<String>) {

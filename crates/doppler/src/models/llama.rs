@@ -999,6 +999,9 @@ impl SafeTensorsDir {
                 .map_err(|e| format_err(&shown, format!("SafeTensors header: {e}")))?;
             let data_start = 8 + n;
             let data_len = data.len() - data_start;
+            // The tensors' byte ranges, to check that they tile the data exactly (as the
+            // safetensors crate requires of a whole file: no gaps, no overlap, nothing after).
+            let mut spans: Vec<(u64, u64)> = Vec::new();
             for (name, info) in header {
                 if name == "__metadata__" {
                     continue;
@@ -1025,9 +1028,29 @@ impl SafeTensorsDir {
                          {data_len} bytes of data"
                     )));
                 }
+                spans.push(offs);
                 let range = data_start + offs.0..data_start + offs.1;
                 let dims = shape.into_iter().rev().collect();
                 out.index.insert(name, (fi, ty, dims, range));
+            }
+            spans.sort_unstable();
+            let mut end = 0;
+            for (b, e) in spans {
+                if b != end {
+                    return Err(format_err(
+                        &shown,
+                        format!("tensor data has a gap or an overlap at byte {b} of the data (the previous tensor ends at {end})"),
+                    ));
+                }
+                end = e;
+            }
+            if end != data_len {
+                return Err(format_err(
+                    &shown,
+                    format!(
+                        "the tensors cover {end} of the {data_len} bytes of data after the header"
+                    ),
+                ));
             }
             out.files.push((shown, data));
         }
@@ -1210,6 +1233,26 @@ mod tests {
             FileData::Ranges(Box::new(bytes)),
         )];
         pollster::block_on(SafeTensorsDir::from_files(files, "hf"))
+    }
+
+    /// Found by doppler-fuzz: the ranged reader took files the safetensors crate refuses
+    /// (bytes after the last tensor, gaps between tensors).
+    #[test]
+    fn safetensors_read_on_demand_refuse_data_the_tensors_do_not_cover() {
+        let files = crate::verify::llama::tiny_files("llama", "F32", 7).unwrap();
+        assert!(ranged(files.safetensors.clone()).is_ok());
+        let mut longer = files.safetensors.clone();
+        longer.extend([0u8; 4]);
+        let e = ranged(longer).err().unwrap().to_string();
+        assert!(e.contains("m.safetensors") && e.contains("cover"), "{e}");
+        // One tensor's range moved 4 bytes on: a gap before it, an overlap after.
+        let data = vec![0u8; 16];
+        let header = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[12,16]}}"#;
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend(header.as_bytes());
+        file.extend(&data);
+        let e = ranged(file).err().unwrap().to_string();
+        assert!(e.contains("gap or an overlap at byte 12"), "{e}");
     }
 
     #[test]

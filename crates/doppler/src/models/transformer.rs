@@ -19,6 +19,12 @@ use crate::ops::cross_entropy::CrossEntropyOpts;
 use crate::ops::gelu::GeluMode;
 use crate::ops::rope::{Pairing, RopeTable};
 
+/// Bounds on a training config's sizes (a model past them holds more than 2^36 parameters
+/// or positions no GPU keeps).
+const MAX_LAYERS: usize = 1000;
+const MAX_BLOCK: usize = 1 << 20;
+const MAX_PARAMS: u128 = 1 << 36;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Arch {
@@ -100,8 +106,8 @@ impl ModelConfig {
 
     pub fn hidden(&self) -> usize {
         self.ffn_hidden.unwrap_or(match self.arch {
-            Arch::Gpt2 => 4 * self.n_embd,
-            Arch::Llama => (8 * self.n_embd / 3).next_multiple_of(32),
+            Arch::Gpt2 => self.n_embd.saturating_mul(4),
+            Arch::Llama => (self.n_embd.saturating_mul(8) / 3).saturating_add(31) / 32 * 32,
         })
     }
 
@@ -167,6 +173,27 @@ impl ModelConfig {
         }
         if !(self.rope_theta > 0.0 && self.rope_theta.is_finite()) {
             return bad(format!("rope_theta {} must be positive", self.rope_theta));
+        }
+        // Sizes no GPU holds are refused here, before anything is allocated for them.
+        if self.n_layer > MAX_LAYERS || self.block_size > MAX_BLOCK {
+            return bad(format!(
+                "n_layer {} (at most {MAX_LAYERS}), block_size {} (at most {MAX_BLOCK})",
+                self.n_layer, self.block_size
+            ));
+        }
+        let (c, v, f) = (
+            self.n_embd as u128,
+            self.vocab_size as u128,
+            self.hidden() as u128,
+        );
+        let kvc = (self.kv_heads() * d) as u128;
+        let layer = 2 * c * c + 2 * c * kvc + 3 * c * f + 4 * c + 2 * kvc + f;
+        let params = (v * c) * 2 + self.block_size as u128 * c + self.n_layer as u128 * layer;
+        if params > MAX_PARAMS {
+            return bad(format!(
+                "about {params} parameters (vocab_size {}, n_layer {}, n_embd {}, MLP {}): more than 2^36, past any GPU's memory",
+                self.vocab_size, self.n_layer, self.n_embd, self.hidden()
+            ));
         }
         Ok(())
     }
@@ -513,6 +540,37 @@ mod tests {
                 Init::Normal(s) if name == "pos_emb" => Some(s),
                 _ => None,
             })
+    }
+
+    /// Found by doppler-fuzz: sizes no GPU holds went on to allocate their layout
+    /// (n_layer = 10^9 asked the allocator for gigabytes before any check).
+    #[test]
+    fn sizes_past_any_gpu_are_refused_before_allocating() {
+        let base = [
+            "arch = \"llama\"",
+            "n_layer = 2",
+            "n_embd = 8",
+            "n_head = 2",
+            "block_size = 4",
+            "vocab_size = 10",
+        ];
+        for (extra, want) in [
+            ("n_layer = 1000000000", "n_layer 1000000000"),
+            ("block_size = 1099511627776", "block_size 1099511627776"),
+            ("ffn_hidden = 100000000000", "parameters"),
+            ("vocab_size = 1000000000000", "parameters"),
+        ] {
+            let key = extra.split(" =").next().unwrap();
+            let mut lines: Vec<&str> = base
+                .iter()
+                .copied()
+                .filter(|l| !l.starts_with(key))
+                .collect();
+            lines.push(extra);
+            let cfg: ModelConfig = toml::from_str(&lines.join("\n")).unwrap();
+            let e = cfg.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{extra}: {e}");
+        }
     }
 
     #[test]
