@@ -80,7 +80,7 @@ pub struct GenerateArgs {
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Stop when this text appears (repeatable); the text is not printed.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::NonEmptyStringValueParser::new())]
     stop: Vec<String>,
     /// Context (KV cache) size in tokens, at most the model's.
     #[arg(short = 'c', long, default_value_t = 4096)]

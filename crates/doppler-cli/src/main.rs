@@ -68,6 +68,16 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Mesa's Vulkan drivers ask libwayland for a display as the instance starts; without
+    // XDG_RUNTIME_DIR (a headless machine, CI, a container) libwayland printed "error:
+    // XDG_RUNTIME_DIR is invalid or not set in the environment." twice on every command.
+    // Doppler opens no window: point it at a folder where no display lives. (Set before
+    // any thread starts.)
+    let runtime_dir_ok =
+        std::env::var_os("XDG_RUNTIME_DIR").is_some_and(|v| std::path::Path::new(&v).is_absolute());
+    if !runtime_dir_ok && std::env::var_os("WAYLAND_DISPLAY").is_none() {
+        std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir());
+    }
     let cli = Cli::parse();
     let level = match cli.verbose {
         0 => "warn",
@@ -209,7 +219,10 @@ fn verify(gpu: &Gpu, filter: Option<&str>, json: bool) -> doppler::Result<ExitCo
         );
     }
     if results.is_empty() {
-        eprintln!("error: no check matches the filter");
+        eprintln!(
+            "error: no check matches the filter {:?}",
+            filter.unwrap_or("")
+        );
         return Ok(ExitCode::FAILURE);
     }
     Ok(if failed == 0 {

@@ -717,3 +717,244 @@ fn logs_are_plain_text_off_a_terminal_and_a_missing_shader_dir_is_named() {
         "colour codes in piped stderr: {err:?}"
     );
 }
+
+/// Every verb over malformed inputs: a non-zero exit, one line of error naming the
+/// problem (clap's usage hints aside), never a panic, and nothing from libwayland about
+/// XDG_RUNTIME_DIR on a machine without one.
+#[test]
+fn every_verb_refuses_malformed_input_in_one_line() {
+    let d = tmp("malformed");
+    std::fs::create_dir_all(&d).unwrap();
+    let p = |n: &str| d.join(n).to_str().unwrap().to_string();
+    let (gguf, hf) = tiny_model("malformed-model", "llama");
+    let bytes = std::fs::read(&gguf).unwrap();
+    std::fs::write(p("empty.gguf"), b"").unwrap();
+    let mut rng = doppler::check::Rng::new(9);
+    let noise: Vec<u8> = (0..4096).map(|_| rng.next_u64() as u8).collect();
+    std::fs::write(p("noise.gguf"), &noise).unwrap();
+    std::fs::write(p("cut.gguf"), &bytes[..300]).unwrap();
+    let mut bad_count = bytes.clone();
+    bad_count[8..16].copy_from_slice(&u64::MAX.to_le_bytes()); // tensor count
+    std::fs::write(p("count.gguf"), &bad_count).unwrap();
+    std::fs::create_dir_all(p("nothing")).unwrap();
+    // Hugging Face directories: a header size past the file, a tokenizer.json cut short.
+    let copy_hf = |name: &str| {
+        let dst = d.join(name);
+        std::fs::create_dir_all(&dst).unwrap();
+        for f in std::fs::read_dir(&hf).unwrap() {
+            let f = f.unwrap().path();
+            std::fs::copy(&f, dst.join(f.file_name().unwrap())).unwrap();
+        }
+        dst
+    };
+    let h = copy_hf("hf-header");
+    let mut st = std::fs::read(h.join("model.safetensors")).unwrap();
+    st[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    std::fs::write(h.join("model.safetensors"), st).unwrap();
+    let h = copy_hf("hf-tokenizer");
+    std::fs::write(
+        h.join("tokenizer.json"),
+        "{\"model\": {\"type\": \"BPE\", \"vocab\": {",
+    )
+    .unwrap();
+    // Training configs.
+    std::fs::write(p("empty.toml"), "").unwrap();
+    std::fs::write(p("noise.toml"), &noise).unwrap();
+    let cfg = std::fs::read_to_string(tiny_run(&d.join("t"), "llama")).unwrap();
+    std::fs::write(
+        p("type.toml"),
+        cfg.replace("n_layer = 1", "n_layer = \"one\""),
+    )
+    .unwrap();
+    std::fs::write(
+        p("huge.toml"),
+        cfg.replace("n_layer = 1", "n_layer = 1000000000"),
+    )
+    .unwrap();
+    std::fs::write(p("empty-corpus.txt"), "\n").unwrap();
+    std::fs::write(
+        p("empty-corpus.toml"),
+        cfg.replace("corpus.txt", "empty-corpus.txt")
+            .replace("\"run\"", "\"run-empty\""),
+    )
+    .unwrap();
+    std::fs::create_dir_all(p("ckpt")).unwrap();
+    std::fs::write(p("ckpt/latest"), "step-00000009").unwrap();
+    let missing = p("missing");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["inspect".into(), missing.clone()], "missing"),
+        (vec!["inspect".into(), p("empty.gguf")], "empty.gguf"),
+        (vec!["inspect".into(), p("noise.gguf")], "noise.gguf"),
+        (vec!["inspect".into(), p("cut.gguf")], "cut.gguf"),
+        (vec!["inspect".into(), p("count.gguf")], "count.gguf"),
+        (
+            vec!["generate".into(), "-m".into(), missing.clone(), "hi".into()],
+            "missing",
+        ),
+        (
+            vec!["generate".into(), "-m".into(), p("empty.gguf"), "hi".into()],
+            "empty.gguf",
+        ),
+        (
+            vec!["generate".into(), "-m".into(), p("noise.gguf"), "hi".into()],
+            "noise.gguf",
+        ),
+        (
+            vec!["generate".into(), "-m".into(), p("cut.gguf"), "hi".into()],
+            "cut.gguf",
+        ),
+        (
+            vec!["generate".into(), "-m".into(), p("count.gguf"), "hi".into()],
+            "count.gguf",
+        ),
+        (
+            vec!["generate".into(), "-m".into(), p("nothing"), "hi".into()],
+            "config.json",
+        ),
+        (
+            vec!["generate".into(), "-m".into(), p("hf-header"), "hi".into()],
+            "model.safetensors",
+        ),
+        (
+            vec![
+                "generate".into(),
+                "-m".into(),
+                p("hf-tokenizer"),
+                "hi".into(),
+            ],
+            "tokenizer.json",
+        ),
+        (
+            vec![
+                "generate".into(),
+                "-m".into(),
+                gguf.to_str().unwrap().into(),
+                "--stop".into(),
+                "".into(),
+                "hi".into(),
+            ],
+            "--stop",
+        ),
+        (
+            vec![
+                "generate".into(),
+                "-m".into(),
+                gguf.to_str().unwrap().into(),
+                "-n".into(),
+                "x".into(),
+            ],
+            "--max-tokens",
+        ),
+        (
+            vec![
+                "generate".into(),
+                "--checkpoint".into(),
+                missing.clone(),
+                "hi".into(),
+            ],
+            "missing",
+        ),
+        (
+            vec![
+                "generate".into(),
+                "--checkpoint".into(),
+                p("ckpt"),
+                "hi".into(),
+            ],
+            "step-00000009",
+        ),
+        (
+            vec!["chat".into(), "-m".into(), p("noise.gguf")],
+            "noise.gguf",
+        ),
+        (
+            vec!["chat".into(), "-m".into(), p("hf-header")],
+            "model.safetensors",
+        ),
+        (
+            vec!["train".into(), "--config".into(), missing.clone()],
+            "missing",
+        ),
+        (
+            vec!["train".into(), "--config".into(), p("empty.toml")],
+            "empty.toml",
+        ),
+        (
+            vec!["train".into(), "--config".into(), p("noise.toml")],
+            "noise.toml",
+        ),
+        (
+            vec!["train".into(), "--config".into(), p("type.toml")],
+            "n_layer",
+        ),
+        (
+            vec!["train".into(), "--config".into(), p("huge.toml")],
+            "n_layer",
+        ),
+        (
+            vec!["train".into(), "--config".into(), p("empty-corpus.toml")],
+            "empty-corpus.txt",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "train".into(),
+                "--config".into(),
+                p("noise.toml"),
+            ],
+            "noise.toml",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "generate".into(),
+                "--model".into(),
+                p("noise.gguf"),
+            ],
+            "noise.gguf",
+        ),
+        (
+            vec!["verify".into(), "--filter".into(), "no-such-kernel".into()],
+            "no-such-kernel",
+        ),
+        (
+            vec!["info".into(), "--adapter".into(), "no-such-gpu".into()],
+            "no-such-gpu",
+        ),
+    ];
+    for (args, names) in &cases {
+        let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        let out = Command::new(env!("CARGO_BIN_EXE_doppler"))
+            .args(&args)
+            .env_remove("XDG_RUNTIME_DIR")
+            .env_remove("WAYLAND_DISPLAY")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run doppler");
+        let err = String::from_utf8_lossy(&out.stderr);
+        let shown = format!("doppler {}:\n{err}", args.join(" "));
+        assert!(!out.status.success(), "succeeded: {shown}");
+        assert!(
+            out.status.code().is_some_and(|c| c != 101),
+            "crashed: {shown}"
+        );
+        assert!(!err.contains("panicked"), "panicked: {shown}");
+        assert!(
+            !err.contains("XDG_RUNTIME_DIR"),
+            "libwayland's complaint: {shown}"
+        );
+        let lines: Vec<&str> = err
+            .lines()
+            .filter(|l| {
+                !l.trim().is_empty()
+                    && !l.starts_with("For more information")
+                    && !l.starts_with("Usage:")
+                    && !l.trim_start().starts_with("tip:")
+            })
+            .collect();
+        assert_eq!(lines.len(), 1, "not one line: {shown}");
+        assert!(lines[0].starts_with("error:"), "{shown}");
+        assert!(lines[0].contains(names), "does not name {names:?}: {shown}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}

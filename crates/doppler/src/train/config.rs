@@ -125,7 +125,7 @@ impl TrainConfig {
     pub fn parse(text: &str, name: &str) -> Result<TrainConfig> {
         let cfg: TrainConfig = toml::from_str(text).map_err(|e| Error::Config {
             path: name.into(),
-            detail: e.to_string(),
+            detail: toml_error(text, &e),
         })?;
         cfg.check(name)?;
         Ok(cfg)
@@ -347,5 +347,21 @@ out_dir = "runs/x"
         b.model.n_layer = 3;
         b.train.out_dir = "elsewhere".into();
         assert_eq!(a.differences(&b), vec!["model.n_layer: 2 vs 3".to_string()]);
+    }
+}
+
+/// A TOML error in one line: where (line and column) and what.
+fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    let what = e.message().trim().replace('\n', " ");
+    match e.span() {
+        Some(span) => {
+            let before = text.get(..span.start).unwrap_or(text);
+            let line = before.matches('\n').count() + 1;
+            let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+            let source = text.lines().nth(line - 1).unwrap_or("").trim();
+            let source: String = source.chars().take(60).collect();
+            format!("line {line}, column {column} (`{source}`): {what}")
+        }
+        None => what,
     }
 }

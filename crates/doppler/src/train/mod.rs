@@ -114,6 +114,16 @@ impl<'g> Trainer<'g> {
         let out = &cfg.train.out_dir;
         let has_ckpt = out.join("latest").is_file();
         let text = std::fs::read_to_string(&cfg.data.corpus).map_err(io(&cfg.data.corpus))?;
+        // Errors about the text name the corpus.
+        let corpus_err = |detail: String| Error::Config {
+            path: cfg.data.corpus.display().to_string(),
+            detail,
+        };
+        if text.trim().is_empty() {
+            return Err(corpus_err(
+                "the corpus is empty: training needs text".into(),
+            ));
+        }
         if resume && has_ckpt {
             let ck = checkpoint::load(out)?;
             // The vocabulary size comes from the tokenizer, not the file.
@@ -175,7 +185,13 @@ impl<'g> Trainer<'g> {
                 detail: "holds no checkpoint to resume (no `latest` file): run without --resume to start".into(),
             });
         }
-        let mut t = Self::fresh(gpu, cfg, &text)?;
+        let mut t = Self::fresh(gpu, cfg, &text).map_err(|e| match e {
+            Error::Invalid {
+                op: "dataset",
+                detail,
+            } => corpus_err(format!("too short for this config: {detail}")),
+            e => e,
+        })?;
         t.persist = true;
         Ok(t)
     }
