@@ -335,7 +335,6 @@ struct Report {
     findings: Vec<String>,
 }
 
-#[allow(clippy::too_many_arguments)]
 fn fuzz(
     t: &'static Target,
     seconds: f64,
@@ -345,7 +344,6 @@ fn fuzz(
     crashes: &Path,
 ) -> Result<Report, String> {
     let mut corpus = load_corpus(corpus_dir, t)?;
-    let seeds = corpus.len();
     let mut findings = Vec::new();
     // The seeds themselves first.
     for (i, s) in corpus.clone().iter().enumerate() {
@@ -396,7 +394,6 @@ fn fuzz(
             last_note = Instant::now();
         }
     }
-    let _ = seeds;
     Ok(Report {
         target: t.name,
         runs: n,
