@@ -978,3 +978,43 @@ fn training_steps_match_the_f64_reference_trainer() {
         }
     }
 }
+
+/// A checkpoint's metrics are on disk before the checkpoint is committed (issue 22): here
+/// the save fails after the step folder is in place (`latest` cannot be replaced), as a
+/// process killed between the two would leave it, and metrics.jsonl already holds every
+/// step's row.
+#[test]
+fn metrics_are_written_before_the_checkpoint_commits() {
+    use doppler::train::{config::TrainConfig, Trainer};
+    let gpu = gpu();
+    let out = std::env::temp_dir().join(format!("doppler-metrics-order-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let toml = format!(
+        "[model]\narch = \"llama\"\nn_layer = 1\nn_embd = 8\nn_head = 2\nblock_size = 4\n\
+         [data]\ncorpus = \"-\"\ntokenizer = \"char\"\n\
+         [train]\nbatch_size = 2\nsteps = 4\nlr = 1e-3\neval_interval = 100\neval_batches = 1\n\
+         checkpoint_interval = 100\nseed = 1\nout_dir = {:?}\n",
+        out.display().to_string()
+    );
+    let cfg = TrainConfig::parse(&toml, "t.toml").unwrap();
+    let mut t = Trainer::fresh(gpu, &cfg, &"abcdefgh ".repeat(20)).unwrap();
+    t.persist = true;
+    for _ in 0..2 {
+        t.train_step().unwrap();
+    }
+    std::fs::create_dir_all(out.join(format!("latest.tmp-{}", std::process::id()))).unwrap();
+    assert!(t.save().is_err());
+    assert!(out.join("step-00000002").is_dir());
+    let metrics =
+        std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics.jsonl written");
+    let steps: Vec<u64> = metrics
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(steps, [1, 2]);
+    let _ = std::fs::remove_dir_all(&out);
+}

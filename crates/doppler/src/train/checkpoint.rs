@@ -65,11 +65,18 @@ pub fn sha256(bytes: &[u8]) -> String {
 /// Writes `bytes` to `path` through a synced temporary file and a rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-    let mut f = fs::File::create(&tmp).map_err(io(&tmp))?;
-    f.write_all(bytes).map_err(io(&tmp))?;
-    f.sync_all().map_err(io(&tmp))?;
-    drop(f);
-    fs::rename(&tmp, path).map_err(io(path))?;
+    let written = (|| {
+        let mut f = fs::File::create(&tmp).map_err(io(&tmp))?;
+        f.write_all(bytes).map_err(io(&tmp))?;
+        f.sync_all().map_err(io(&tmp))?;
+        drop(f);
+        fs::rename(&tmp, path).map_err(io(path))
+    })();
+    if written.is_err() {
+        // A full disk: what was written of the temporary file goes with it.
+        let _ = fs::remove_file(&tmp);
+    }
+    written?;
     sync_dir(path.parent().unwrap_or(Path::new(".")));
     Ok(())
 }
@@ -141,27 +148,50 @@ pub struct CheckpointFiles {
 }
 
 /// Writes `step-NNNNNNNN/` under `run_dir` and points `latest` at it.
-pub fn save(run_dir: &Path, mut state: RunState, files: &CheckpointFiles) -> Result<PathBuf> {
+pub fn save(run_dir: &Path, state: RunState, files: &CheckpointFiles) -> Result<PathBuf> {
+    save_with(run_dir, state, files, &write_atomic)
+}
+
+/// [`save`] with the files written by `write` (tests give one that fails, as a full disk
+/// does). Before writing, the run's stale temporary folders and every checkpoint but the
+/// newest go: at most two checkpoints are on the disk while the new one is written. A
+/// write that fails removes what it wrote, so the next save finds the space it had.
+pub fn save_with(
+    run_dir: &Path,
+    mut state: RunState,
+    files: &CheckpointFiles,
+    write: &dyn Fn(&Path, &[u8]) -> Result<()>,
+) -> Result<PathBuf> {
     let name = format!("step-{:08}", state.step);
     let final_dir = run_dir.join(&name);
     let tmp = run_dir.join(format!("{name}.tmp-{}", std::process::id()));
+    if let Ok(current) = resolve(run_dir) {
+        let current = current.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        prune_keeping(run_dir, current, 1);
+    }
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
     }
     fs::create_dir_all(&tmp).map_err(io(&tmp))?;
-    for (file, bytes) in [
-        (MODEL_FILE, &files.model),
-        (OPTIM_FILE, &files.optim),
-        (TOKENIZER_FILE, &files.tokenizer),
-    ] {
-        state.hashes.insert(file.into(), sha256(bytes));
-        write_atomic(&tmp.join(file), bytes)?;
+    let written = (|| {
+        for (file, bytes) in [
+            (MODEL_FILE, &files.model),
+            (OPTIM_FILE, &files.optim),
+            (TOKENIZER_FILE, &files.tokenizer),
+        ] {
+            state.hashes.insert(file.into(), sha256(bytes));
+            write(&tmp.join(file), bytes)?;
+        }
+        let json = serde_json::to_vec_pretty(&state).map_err(|e| Error::Invalid {
+            op: "checkpoint",
+            detail: e.to_string(),
+        })?;
+        write(&tmp.join(STATE_FILE), &json)
+    })();
+    if let Err(e) = written {
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
     }
-    let json = serde_json::to_vec_pretty(&state).map_err(|e| Error::Invalid {
-        op: "checkpoint",
-        detail: e.to_string(),
-    })?;
-    write_atomic(&tmp.join(STATE_FILE), &json)?;
     if final_dir.exists() {
         fs::remove_dir_all(&final_dir).map_err(io(&final_dir))?;
     }
@@ -175,6 +205,10 @@ pub fn save(run_dir: &Path, mut state: RunState, files: &CheckpointFiles) -> Res
 /// Removes all but the newest KEEP checkpoints (never the one `latest` names), and the
 /// half-written folders (`step-N.tmp-PID`) saves cut short left behind.
 fn prune(run_dir: &Path, latest: &str) {
+    prune_keeping(run_dir, latest, KEEP)
+}
+
+fn prune_keeping(run_dir: &Path, latest: &str, keep: usize) {
     let Ok(entries) = fs::read_dir(run_dir) else {
         return;
     };
@@ -192,7 +226,7 @@ fn prune(run_dir: &Path, latest: &str) {
         .collect();
     dirs.sort();
     let n = dirs.len();
-    for d in dirs.into_iter().take(n.saturating_sub(KEEP)) {
+    for d in dirs.into_iter().take(n.saturating_sub(keep)) {
         if d != latest {
             let _ = fs::remove_dir_all(run_dir.join(d));
         }
@@ -299,4 +333,79 @@ pub fn load(path: &Path) -> Result<Loaded> {
         tokenizer,
         optim_bytes,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(step: u64) -> RunState {
+        let text = "[model]\narch = \"llama\"\nn_layer = 1\nn_embd = 8\nn_head = 2\nblock_size = 4\n\
+                    [data]\ncorpus = \"c.txt\"\ntokenizer = \"char\"\n\
+                    [train]\nbatch_size = 1\nsteps = 9\nlr = 1e-3\neval_interval = 4\ncheckpoint_interval = 4\nseed = 1\nout_dir = \"run\"\n";
+        RunState {
+            format: 1,
+            config: TrainConfig::parse(text, "t.toml").unwrap(),
+            step,
+            tokens_seen: 0,
+            loss_scaler: LossScaler::fixed(),
+            adamw_step: step as u32,
+            hashes: Default::default(),
+        }
+    }
+
+    fn listing(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// A full disk during a save (issue 22): the save fails naming the file, what it wrote
+    /// is gone, `latest` still names the previous checkpoint, only that one and the new
+    /// one's folder were on the disk while it wrote, and the next save succeeds.
+    #[test]
+    fn a_save_that_fills_the_disk_leaves_the_run_as_it_was() {
+        let run = std::env::temp_dir().join(format!("doppler-ckpt-full-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&run);
+        fs::create_dir_all(&run).unwrap();
+        let files = CheckpointFiles {
+            model: vec![1; 64],
+            optim: vec![2; 64],
+            tokenizer: b"{}".to_vec(),
+        };
+        for step in [1, 2] {
+            save(&run, state(step), &files).unwrap();
+        }
+        assert_eq!(listing(&run), ["latest", "step-00000001", "step-00000002"]);
+        // A half-written folder of a process killed earlier.
+        fs::create_dir_all(run.join("step-00000003.tmp-99999999")).unwrap();
+        let seen = std::cell::RefCell::new(Vec::new());
+        let full = |path: &Path, bytes: &[u8]| -> Result<()> {
+            if path.ends_with(OPTIM_FILE) {
+                *seen.borrow_mut() = listing(&run);
+                return Err(Error::Io {
+                    path: path.display().to_string(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::StorageFull,
+                        "No space left on device",
+                    ),
+                });
+            }
+            write_atomic(path, bytes)
+        };
+        let e = save_with(&run, state(3), &files, &full)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(OPTIM_FILE) && e.contains("No space left"), "{e}");
+        let tmp = format!("step-00000003.tmp-{}", std::process::id());
+        assert_eq!(*seen.borrow(), ["latest", "step-00000002", tmp.as_str()]);
+        assert_eq!(listing(&run), ["latest", "step-00000002"]);
+        assert_eq!(resolve(&run).unwrap(), run.join("step-00000002"));
+        save(&run, state(3), &files).unwrap();
+        assert_eq!(listing(&run), ["latest", "step-00000002", "step-00000003"]);
+        let _ = fs::remove_dir_all(&run);
+    }
 }

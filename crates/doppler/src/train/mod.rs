@@ -492,7 +492,11 @@ impl<'g> Trainer<'g> {
         };
         let out = &self.cfg.train.out_dir;
         std::fs::create_dir_all(out).map_err(io(out))?;
-        let dir = checkpoint::save(
+        // The metrics first: a process that dies between the two leaves rows past the
+        // newest checkpoint (a resume drops them), never a checkpoint whose interval's
+        // rows were not written (a resume would lose them for good).
+        self.write_metrics()?;
+        checkpoint::save(
             out,
             state,
             &CheckpointFiles {
@@ -500,9 +504,7 @@ impl<'g> Trainer<'g> {
                 optim,
                 tokenizer: self.tokenizer.to_json()?,
             },
-        )?;
-        self.write_metrics()?;
-        Ok(dir)
+        )
     }
 
     fn write_metrics(&self) -> Result<()> {
