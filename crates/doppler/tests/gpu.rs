@@ -1018,3 +1018,133 @@ fn metrics_are_written_before_the_checkpoint_commits() {
     assert_eq!(steps, [1, 2]);
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// A tiny random Qwen3 (q/k head norms, head size 32 on a width of 64, 2 key/value heads,
+/// tied embeddings, RoPE base 10^6 in transformers 5's `rope_parameters`) written by
+/// transformers, with its logits: `python3 scripts/make_family_fixtures.py
+/// crates/doppler/tests/fixtures` (transformers 5.17, torch 2.11, f32 on the CPU). Doppler
+/// loads the Hugging Face directory, and the same weights as a GGUF file under llama.cpp's
+/// names, and must give transformers' logits at every position, in one prompt and token by
+/// token through the cache.
+#[test]
+fn qwen3_matches_transformers() {
+    use doppler::formats::gguf::{self, GgmlType, Value};
+    use doppler::models::llama::{self, SafeTensorsDir};
+    let gpu = gpu();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3-tiny");
+    let fx: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("logits.json")).unwrap()).unwrap();
+    let ids: Vec<u32> = fx["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let want: Vec<f64> = fx["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()))
+        .collect();
+    let v = want.len() / ids.len();
+    let (hf, _) = llama::open(gpu, &dir, 128).unwrap();
+    assert_eq!(
+        (hf.cfg.arch.as_str(), hf.cfg.head_dim, hf.cfg.rope_theta),
+        ("qwen3", 32, 1e6)
+    );
+    // The same tensors as GGUF (qwen3 rotates halves: no row permutation).
+    let st_bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let raw = safetensors::SafeTensors::deserialize(&st_bytes).unwrap();
+    let mut names = vec![
+        "token_embd.weight".to_string(),
+        "output_norm.weight".to_string(),
+    ];
+    for l in 0..2 {
+        for t in [
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_q_norm",
+            "attn_k_norm",
+            "attn_output",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ] {
+            names.push(format!("blk.{l}.{t}.weight"));
+        }
+    }
+    let tensors: Vec<(String, Vec<u64>, Vec<u8>)> = names
+        .iter()
+        .map(|n| {
+            let t = raw.tensor(&SafeTensorsDir::hf_name(n).unwrap()).unwrap();
+            (
+                n.clone(),
+                t.shape().iter().rev().map(|&d| d as u64).collect(),
+                t.data().to_vec(),
+            )
+        })
+        .collect();
+    let a = |k: &str| format!("qwen3.{k}");
+    let md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String("qwen3".into())),
+        (a("block_count"), Value::U32(2)),
+        (a("context_length"), Value::U32(128)),
+        (a("embedding_length"), Value::U32(64)),
+        (a("feed_forward_length"), Value::U32(96)),
+        (a("attention.head_count"), Value::U32(4)),
+        (a("attention.head_count_kv"), Value::U32(2)),
+        (a("attention.key_length"), Value::U32(32)),
+        (a("attention.value_length"), Value::U32(32)),
+        (a("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+        (a("rope.freq_base"), Value::F32(1e6)),
+        (a("vocab_size"), Value::U32(300)),
+    ];
+    let md_ref: Vec<(&str, Value)> = md.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let t_ref: Vec<(&str, &[u64], GgmlType, &[u8])> = tensors
+        .iter()
+        .map(|(n, d, b)| (n.as_str(), d.as_slice(), GgmlType(0), b.as_slice()))
+        .collect();
+    let path = std::env::temp_dir().join(format!("doppler-qwen3-{}.gguf", std::process::id()));
+    std::fs::write(&path, gguf::write(&md_ref, &t_ref, 32)).unwrap();
+    let (gg, _) = llama::open(gpu, &path, 128).unwrap();
+    let _ = std::fs::remove_file(&path);
+    for (name, m) in [("safetensors", &hf), ("gguf", &gg)] {
+        // One prompt, every position's logits.
+        let mut cache = m.cache(gpu, 64).unwrap();
+        let all = gpu
+            .run(|rec| m.forward(rec, &ids, &mut cache, true))
+            .unwrap();
+        let got = all.read_f32(gpu).unwrap();
+        // Ten tokens, then one at a time through the cache (the decode kernels).
+        let mut cache = m.cache(gpu, 64).unwrap();
+        let mut steps = gpu
+            .run(|rec| m.forward(rec, &ids[..10], &mut cache, true))
+            .unwrap()
+            .read_f32(gpu)
+            .unwrap();
+        for &id in &ids[10..] {
+            steps.extend(
+                gpu.run(|rec| m.forward(rec, &[id], &mut cache, false))
+                    .unwrap()
+                    .read_f32(gpu)
+                    .unwrap(),
+            );
+        }
+        for (how, got) in [("prompt", &got), ("token by token", &steps)] {
+            assert_eq!(got.len(), want.len());
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (*g as f64 - w).abs())
+                .fold(0.0f64, f64::max);
+            eprintln!("qwen3 {name} {how}: largest |Doppler - transformers| {worst:.2e} over {} x {v} logits", ids.len());
+            assert!(
+                worst < 1e-4,
+                "qwen3 {name} {how}: logits differ from transformers' by {worst:.2e}"
+            );
+        }
+    }
+}

@@ -1,5 +1,6 @@
-//! Llama-family decoder for inference: `llama` (SmolLM2, Llama 3.x, TinyLlama) and `qwen2`
-//! (biases on q, k, v). Weights stay in their file's encoding on the GPU (GGUF blocks, or
+//! Llama-family decoder for inference: `llama` (SmolLM2, Llama 3.x, TinyLlama), `qwen2`
+//! (biases on q, k, v) and `qwen3` (no biases; each q and k head RMS-normalised before
+//! RoPE, with weights q_norm and k_norm of the head size). Weights stay in their file's encoding on the GPU (GGUF blocks, or
 //! f32 / f16 / bf16 from SafeTensors) and every product reads them directly
 //! (`ops::quant::qmatmul`); keys and values go into a cache (`ops::kvcache`).
 //!
@@ -7,6 +8,7 @@
 //!   x = embd[ids]                                         (T, E)
 //!   per layer: h = rmsnorm(x) * attn_norm
 //!              q, k, v = h Wq^T (+bq), h Wk^T (+bk), h Wv^T (+bv)   (T, Hq|Hkv, D)
+//!              (qwen3: q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm, per head)
 //!              q, k = rope(q, k, pos); cache[pos..pos+T] = k, v
 //!              x += attend(q, cache) Wo^T
 //!              h = rmsnorm(x) * ffn_norm;  x += (silu(h Wg^T) * h Wu^T) Wd^T
@@ -24,14 +26,15 @@ use crate::error::{Error, Result};
 use crate::formats::gguf::{GgmlType, Value};
 use crate::formats::{FileData, LocalFuture};
 use crate::gpu::{DType, Gpu, Recorder, Tensor};
-use crate::ops::kvcache::{kv_attend, kv_attend_parts, KvCache, RopeStore};
+use crate::ops::kvcache::{kv_attend, kv_attend_parts, rope_store, KvCache, RopeStore};
+use crate::ops::norm::rms_norm_heads;
 use crate::ops::quant::{
     get_rows, qmatmul_chain, qmatmul_fused, qmatmul_rope_store, qmatvec_parts, Fuse, Next, QMatrix,
 };
 use crate::ops::rope::{inv_freq, Pairing, RopeTable};
 
 /// Architectures this decoder runs.
-pub const ARCHITECTURES: &[&str] = &["llama", "qwen2"];
+pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3"];
 
 /// Llama 3's frequency-dependent RoPE rescaling (`rope_scaling.rope_type = "llama3"`).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
@@ -153,6 +156,8 @@ struct Layer {
     qkv: QMatrix,
     /// bq, bk, bv stacked (qwen2)
     qkv_bias: Option<Tensor>,
+    /// q_norm, k_norm stacked: (2, D) (qwen3)
+    qk_norm: Option<Tensor>,
     o: QMatrix,
     ffn_norm: Tensor,
     /// Wg, Wu stacked: (2 F, E)
@@ -412,6 +417,20 @@ impl Llama {
                     ))
                 }
             };
+            // qwen3 normalises each q and k head (both weights, or neither elsewhere).
+            let qk_norm = match cfg.arch.as_str() {
+                "qwen3" => {
+                    let mut w = Vec::with_capacity(2 * d);
+                    for s in ["attn_q_norm.weight", "attn_k_norm.weight"] {
+                        let v = vector_f32(src, &n(s), d).await?.ok_or_else(|| {
+                            format_err(src.path(), format!("tensor {} is missing", n(s)))
+                        })?;
+                        w.extend(v);
+                    }
+                    Some(Tensor::from_f32(gpu, &[2, d], &w, &n("qk_norm"))?)
+                }
+                _ => None,
+            };
             let qkv = [
                 (n("attn_q.weight"), qd),
                 (n("attn_k.weight"), kvd),
@@ -425,6 +444,7 @@ impl Llama {
                 attn_norm: norm("attn_norm.weight").await?,
                 qkv: stacked(gpu, src, &qkv, e).await?,
                 qkv_bias,
+                qk_norm,
                 o: matrix(gpu, src, &n("attn_output.weight"), e, qd).await?,
                 ffn_norm: norm("ffn_norm.weight").await?,
                 gate_up: stacked(gpu, src, &gate_up, e).await?,
@@ -593,8 +613,27 @@ impl Llama {
                 v_cache: &cache.v[li],
                 pos,
             };
-            let q =
-                qmatmul_rope_store(rec, &x, &l.qkv, Some((&l.attn_norm, eps)), &to, x8.as_ref())?;
+            let q = match &l.qk_norm {
+                None => qmatmul_rope_store(
+                    rec,
+                    &x,
+                    &l.qkv,
+                    Some((&l.attn_norm, eps)),
+                    &to,
+                    x8.as_ref(),
+                )?,
+                // The heads' norms come between the product and RoPE: three dispatches.
+                Some(w) => {
+                    let fuse = Fuse {
+                        norm: Some((&l.attn_norm, eps)),
+                        x8: x8.as_ref(),
+                        ..Default::default()
+                    };
+                    let qkv = qmatmul_fused(rec, &x, &l.qkv, fuse)?;
+                    rms_norm_heads(rec, &qkv, w, c.n_head, c.n_kv_head, eps, false)?;
+                    rope_store(rec, &qkv, &to)?
+                }
+            };
             let gate_up = Next {
                 w: &l.gate_up,
                 norm: Some(&l.ffn_norm),
@@ -823,8 +862,33 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
         .and_then(|v| v.as_u64())
         .map(|v| v as usize)
         .unwrap_or(n_embd / n_head);
+    // Sliding-window layers (Qwen2/3 with use_sliding_window, layer_types) would attend
+    // to a window where this decoder attends to everything: refused, not approximated.
+    let sliding = json.get("use_sliding_window").and_then(|v| v.as_bool()) == Some(true)
+        || json
+            .get("layer_types")
+            .and_then(|v| v.as_array())
+            .is_some_and(|a| a.iter().any(|t| t.as_str() != Some("full_attention")));
+    if sliding {
+        return Err(format_err(
+            path,
+            "sliding-window attention layers (use_sliding_window, layer_types) are not supported",
+        ));
+    }
+    // RoPE: `rope_theta` and `rope_scaling` (transformers 4), or both in `rope_parameters`
+    // (transformers 5: rope_theta and rope_type with the scaling's fields).
+    let rope_params = json.get("rope_parameters").filter(|v| v.is_object());
+    let rope_theta = json
+        .get("rope_theta")
+        .or_else(|| rope_params.and_then(|r| r.get("rope_theta")))
+        .and_then(|v| v.as_f64())
+        .unwrap_or(10000.0);
     let (mut rope_llama3, mut rope_linear) = (None, None);
-    if let Some(rs) = json.get("rope_scaling").filter(|v| !v.is_null()) {
+    let scaling = json
+        .get("rope_scaling")
+        .filter(|v| !v.is_null())
+        .or(rope_params);
+    if let Some(rs) = scaling {
         let kind = rs
             .get("rope_type")
             .or_else(|| rs.get("type"))
@@ -864,7 +928,7 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
         ffn_hidden: int("intermediate_size")?,
         vocab_size: int("vocab_size")?,
         norm_eps: num("rms_norm_eps", 1e-6),
-        rope_theta: num("rope_theta", 10000.0),
+        rope_theta,
         context_length: int("max_position_embeddings").unwrap_or(4096),
         pairing: Pairing::Half,
         rope_llama3,
@@ -1080,6 +1144,8 @@ impl SafeTensorsDir {
             "attn_k.bias" => "self_attn.k_proj.bias",
             "attn_v.bias" => "self_attn.v_proj.bias",
             "attn_output.weight" => "self_attn.o_proj.weight",
+            "attn_q_norm.weight" => "self_attn.q_norm.weight",
+            "attn_k_norm.weight" => "self_attn.k_norm.weight",
             "ffn_gate.weight" => "mlp.gate_proj.weight",
             "ffn_up.weight" => "mlp.up_proj.weight",
             "ffn_down.weight" => "mlp.down_proj.weight",

@@ -52,6 +52,52 @@ static BWD_W: Kernel = Kernel::new(
     &[(9, ReadWrite), (10, ReadWrite), (11, ReadWrite)],
 );
 
+static HEADS: Kernel = Kernel::new(&NORM, "norm_heads", &[(2, Read), (4, ReadWrite)]);
+
+/// RMSNorm of every query and key head in place (Qwen3's q_norm and k_norm; Gemma 3's with
+/// `one_plus`): `qkv` (T, (Hq + 2 Hkv) D) holds each token's q heads, then k, then v; `w`
+/// (2, D) holds q's weight, then k's. v is left as it is.
+///   q[t, h] = q[t, h] * rsqrt(mean(q[t, h]^2) + eps) * w[0]   (and k with w[1])
+pub fn rms_norm_heads(
+    rec: &mut Recorder<'_>,
+    qkv: &Tensor,
+    w: &Tensor,
+    hq: usize,
+    hkv: usize,
+    eps: f32,
+    one_plus: bool,
+) -> Result<()> {
+    expect_f32("rms_norm_heads", qkv)?;
+    expect_f32("rms_norm_heads", w)?;
+    let sh = qkv.shape();
+    let d = w.numel() / 2;
+    let width = (hq + 2 * hkv) * d;
+    if hq == 0 || hkv == 0 || d == 0 || w.numel() != 2 * d || sh.len() != 2 || sh[1] != width {
+        return Err(Error::Shape {
+            op: "rms_norm_heads",
+            detail: format!(
+                "qkv {sh:?}, weights {:?}, {hq} query and {hkv} key/value heads: expected qkv (T, (Hq + 2 Hkv) D) and weights (2, D)",
+                w.shape()
+            ),
+        });
+    }
+    let rows = sh[0] * (hq + hkv);
+    let p = params(rows, d, eps);
+    let c = [
+        ("WG", 64.0),
+        ("ONE_PLUS", one_plus as u32 as f64),
+        ("HQ", hq as f64),
+        ("HKV", hkv as f64),
+    ];
+    rec.dispatch(
+        &HEADS,
+        &c,
+        bytemuck::bytes_of(&p),
+        &[w, qkv],
+        Grid::Linear(rows as u64),
+    )
+}
+
 /// Rows per weight-gradient block (`ROWS_PER_BLOCK` in the shader).
 const ROWS_PER_BLOCK: usize = 64;
 

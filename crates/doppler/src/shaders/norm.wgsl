@@ -14,6 +14,10 @@
 // norm_bwd_wp  one thread per (column, block of 64 rows): partial dw, db over the block
 //              (blocks of 256: 96 workgroups for GPT-2's 8192 x 768, 45 us on an H200)
 // norm_bwd_w   one thread per column: dw, db = sums of the block partials in order
+// norm_heads   RMSNorm of each query and key head in place (Qwen3, Gemma 3): y holds
+//              stacked projections, (HQ + 2 HKV) heads of D a token (q, k, v); one
+//              workgroup per (token, head) of the first HQ + HKV, q's weight w[0..D) for
+//              the HQ query heads, k's w[D..2D) for the HKV key heads; v is not touched
 // Every sum has a fixed order: the same bits on every run. Rows: linear grid (2-D past 65535).
 
 struct Params {
@@ -27,6 +31,8 @@ override WG: u32 = 256u;   // power of two
 override RMS: bool = false;
 override ONE_PLUS: bool = false;
 override ADD: bool = false;
+override HQ: u32 = 1u;     // norm_heads: query heads a token
+override HKV: u32 = 1u;    // norm_heads: key (and value) heads a token
 const ROWS_PER_BLOCK: u32 = 64u;
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -195,4 +201,26 @@ fn norm_bwd_w(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     for (var blk = 0u; blk < p.blocks; blk++) { acc += partial[blk * p.d + c]; }
     dw[c] = acc.x;
     if (!RMS) { db[c] = acc.y; }
+}
+
+@compute @workgroup_size(WG)
+fn norm_heads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let row = wid.x + wid.y * nwg.x;   // token * (HQ + HKV) + head
+    let valid = row < p.rows;          // no early return: barriers below
+    let tok = row / (HQ + HKV);
+    let h = row % (HQ + HKV);
+    let base = (tok * (HQ + 2u * HKV) + h) * p.d;
+    let wbase = select(0u, p.d, h >= HQ);
+    var ss = 0.0;
+    if (valid) {
+        for (var i = lid; i < p.d; i += WG) { ss += y[base + i] * y[base + i]; }
+    }
+    let t = sum_pair(lid, ss, 0.0);
+    let r = inverseSqrt(t.x / f32(p.d) + p.eps);
+    if (valid) {
+        for (var i = lid; i < p.d; i += WG) {
+            y[base + i] = y[base + i] * r * weight(wbase + i);
+        }
+    }
 }

@@ -1,7 +1,7 @@
 //! The Llama-family loader and decoder on tiny random models written both ways: as GGUF
 //! (llama.cpp's layout: q/k rows permuted for adjacent RoPE pairs under `llama`) and as a
 //! Hugging Face directory (config.json + SafeTensors, rotate-half), in f32, f16 and bf16,
-//! for `llama` and `qwen2` (q/k/v biases). Both must give the same logits over a prefill
+//! for `llama`, `qwen2` (q/k/v biases) and `qwen3` (q/k head norms). Both must give the same logits over a prefill
 //! and cached single-token steps. (SmolLM2 itself is checked against transformers by the
 //! test suite: tests/smollm2.rs.)
 
@@ -62,6 +62,10 @@ fn tensors(arch: &str, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
             add(p("attn_q.bias"), vec![H * D], 0.3, 0.0);
             add(p("attn_k.bias"), vec![KV * D], 0.3, 0.0);
             add(p("attn_v.bias"), vec![KV * D], 0.3, 0.0);
+        }
+        if arch == "qwen3" {
+            add(p("attn_q_norm.weight"), vec![D], 0.3, 1.0);
+            add(p("attn_k_norm.weight"), vec![D], 0.3, 1.0);
         }
         add(p("attn_output.weight"), vec![E, H * D], 0.3, 0.0);
         add(p("ffn_norm.weight"), vec![E], 0.2, 1.0);
@@ -289,7 +293,7 @@ async fn run(gpu: &Gpu, m: &Llama) -> crate::Result<Vec<f32>> {
 }
 
 pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    for arch in ["llama", "qwen2"] {
+    for arch in ["llama", "qwen2", "qwen3"] {
         for ty in ["F32", "F16", "BF16"] {
             let res: Outcome = async {
                 let [g, hf] = open_both(gpu, arch, ty).await.map_err(s)?;

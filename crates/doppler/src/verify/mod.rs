@@ -98,7 +98,10 @@ const FAMILIES: &[Family] = &[
     (&["embedding"], family!(embedding::checks)),
     (&["group_norm"], family!(groupnorm::checks)),
     (&["conv2d"], family!(conv2d::checks)),
-    (&["layer_norm", "rms_norm"], family!(norm::checks)),
+    (
+        &["layer_norm", "rms_norm", "rms_norm_heads"],
+        family!(norm::checks),
+    ),
     (&["softmax"], family!(softmax::checks)),
     (&["silu", "swiglu"], family!(silu::checks)),
     (&["rope"], family!(rope::checks)),

@@ -3,7 +3,9 @@
 use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::gpu::{Gpu, Tensor};
-use crate::ops::norm::{layer_norm, layer_norm_backward, rms_norm, rms_norm_backward, NormKind};
+use crate::ops::norm::{
+    layer_norm, layer_norm_backward, rms_norm, rms_norm_backward, rms_norm_heads, NormKind,
+};
 use crate::reference::{norm as cpu, widen};
 
 const L: NormKind = NormKind::Layer;
@@ -25,7 +27,17 @@ pub const NORM_CASES: [(&[usize], NormKind, f32); 8] = [
 
 const EPS: f32 = 1e-5;
 
+/// rms_norm_heads: (tokens, query heads, key/value heads, head dim, 1 + w): Qwen3-like; an
+/// odd head size, one token; past 65535 rows (the grid goes 2-D).
+const HEAD_CASES: [(usize, usize, usize, usize, bool); 4] = [
+    (5, 4, 2, 32, false),
+    (1, 3, 1, 6, true),
+    (33, 16, 8, 128, false),
+    (10_000, 6, 1, 4, false),
+];
+
 pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    head_checks(gpu, out).await;
     for (i, &(shape, kind, offset)) in NORM_CASES.iter().enumerate() {
         let d = *shape.last().unwrap();
         let len: usize = shape.iter().product();
@@ -157,5 +169,54 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         };
         push(out, name, what.clone(), fwd);
         push(out, &format!("{name} backward"), what, bwd);
+    }
+}
+
+async fn head_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    for (i, &(t, hq, hkv, d, one_plus)) in HEAD_CASES.iter().enumerate() {
+        let width = (hq + 2 * hkv) * d;
+        let mut rng = Rng::new(1190 + i as u64);
+        let x: Vec<f32> = rng.vec(t * width).iter().map(|v| 2.0 * v).collect();
+        let w: Vec<f32> = rng.vec(2 * d).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let r = twice("rms_norm_heads", async || {
+            let tx = Tensor::from_f32(gpu, &[t, width], &x, "qkv")?;
+            let tw = Tensor::from_f32(gpu, &[2, d], &w, "w")?;
+            let mut rec = gpu.recorder("rms_norm_heads");
+            rms_norm_heads(&mut rec, &tx, &tw, hq, hkv, EPS, one_plus)?;
+            rec.submit()?;
+            Ok(vec![tx.to_vec_f32(gpu).await?])
+        })
+        .await;
+        let kind = NormKind::Rms { one_plus };
+        let result = r.and_then(|got| {
+            // q and k heads normed with their weight; v exactly as it was.
+            let mut want = widen(&x);
+            let mut scale: Vec<f64> = want.iter().map(|v| v.abs()).collect();
+            for tok in 0..t {
+                for h in 0..hq + hkv {
+                    let at = tok * width + h * d;
+                    let wh = widen(&w[(h >= hq) as usize * d..][..d]);
+                    let (y, _, rstd) = cpu::norm(&want[at..at + d], &wh, None, d, EPS as f64, kind);
+                    for c in 0..d {
+                        let wc = if one_plus { 1.0 + wh[c] } else { wh[c] };
+                        scale[at + c] = (want[at + c].abs() * rstd[0] + 1.0) * wc.abs();
+                    }
+                    want[at..at + d].copy_from_slice(&y);
+                }
+            }
+            compare(
+                "rms_norm_heads",
+                &got[0],
+                &want,
+                Some(&scale),
+                Tolerance::sum(d),
+            )
+            .map_err(s)
+        });
+        let what = format!(
+            "T{t} Hq{hq} Hkv{hkv} D{d}{}",
+            if one_plus { " (1 + w)" } else { "" }
+        );
+        push(out, "rms_norm_heads", what, result);
     }
 }
