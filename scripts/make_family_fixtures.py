@@ -6,7 +6,7 @@ Each family gets a folder OUT/<family>-tiny holding what `save_pretrained` write
 position, and the versions used. Norm weights are drawn around 1 (transformers initialises
 them to exactly 1, which would hide a norm applied with the wrong weight).
 
-    python3 scripts/make_family_fixtures.py crates/doppler/tests/fixtures
+    python3 scripts/make_family_fixtures.py crates/doppler/tests/fixtures [FAMILY...]
 (run where transformers >= 4.51 and torch are installed; the GPU machine has them)
 """
 import json
@@ -29,12 +29,47 @@ def qwen3():
     return Qwen3ForCausalLM(cfg)
 
 
-FAMILIES = {"qwen3": qwen3}
+def mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    # head_dim set apart from the width (as Mistral Nemo), untied head, no sliding window.
+    cfg = MistralConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=24, max_position_embeddings=128,
+        rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=False, sliding_window=None,
+    )
+    return MistralForCausalLM(cfg)
+
+
+def phi3():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    # Fused qkv and gate_up projections; LongRoPE ("su") with per-frequency factors: 256
+    # positions from an original 64 (attention factor sqrt(1 + ln 4 / ln 64)).
+    half = 8  # head size 16
+    cfg = Phi3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        original_max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=False, sliding_window=None, pad_token_id=0,
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0 + 0.25 * i for i in range(half)],
+            "long_factor": [2.0 + 0.5 * i for i in range(half)],
+        },
+    )
+    return Phi3ForCausalLM(cfg)
+
+
+FAMILIES = {"qwen3": qwen3, "mistral": mistral, "phi3": phi3}
 
 
 def main():
     out = sys.argv[1]
+    only = sys.argv[2:] or list(FAMILIES)
     for name, make in FAMILIES.items():
+        if name not in only:
+            continue
         torch.manual_seed(1234)
         model = make().float().eval()
         with torch.no_grad():
@@ -47,12 +82,22 @@ def main():
         ids = torch.randint(0, model.config.vocab_size, (17,), generator=g).tolist()
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0].float()
+        out_json = {
+            "family": name, "ids": ids,
+            "logits": [[round(v, 7) for v in row] for row in logits.tolist()],
+            "transformers": version("transformers"), "torch": version("torch"),
+        }
+        orig = getattr(model.config, "original_max_position_embeddings", None)
+        if name == "phi3" and orig:
+            # Past the original context transformers turns to the long factors (for the
+            # whole sequence of one forward): 80 tokens, the last 8 positions' logits.
+            long_ids = torch.randint(0, model.config.vocab_size, (orig + 16,), generator=g).tolist()
+            with torch.no_grad():
+                long_logits = model(torch.tensor([long_ids])).logits[0, -8:].float()
+            out_json["long_ids"] = long_ids
+            out_json["long_logits"] = [[round(v, 7) for v in row] for row in long_logits.tolist()]
         with open(os.path.join(d, "logits.json"), "w") as f:
-            json.dump({
-                "family": name, "ids": ids,
-                "logits": [[round(v, 7) for v in row] for row in logits.tolist()],
-                "transformers": version("transformers"), "torch": version("torch"),
-            }, f)
+            json.dump(out_json, f)
         print(name, d, "logits", tuple(logits.shape), "max", logits.abs().max().item())
 
 

@@ -49,6 +49,8 @@ impl Synthetic {
             pairing: Pairing::Interleaved,
             rope_llama3: None,
             rope_linear: None,
+            rope_long: None,
+            sliding_window: None,
             tied_embeddings: true,
         };
         match name {

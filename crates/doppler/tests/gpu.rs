@@ -1019,19 +1019,25 @@ fn metrics_are_written_before_the_checkpoint_commits() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
-/// A tiny random Qwen3 (q/k head norms, head size 32 on a width of 64, 2 key/value heads,
-/// tied embeddings, RoPE base 10^6 in transformers 5's `rope_parameters`) written by
-/// transformers, with its logits: `python3 scripts/make_family_fixtures.py
-/// crates/doppler/tests/fixtures` (transformers 5.17, torch 2.11, f32 on the CPU). Doppler
-/// loads the Hugging Face directory, and the same weights as a GGUF file under llama.cpp's
-/// names, and must give transformers' logits at every position, in one prompt and token by
-/// token through the cache.
-#[test]
-fn qwen3_matches_transformers() {
-    use doppler::formats::gguf::{self, GgmlType, Value};
-    use doppler::models::llama::{self, SafeTensorsDir};
+/// Tiny random models written by transformers with their logits (`python3
+/// scripts/make_family_fixtures.py crates/doppler/tests/fixtures`: transformers 5.17, torch
+/// 2.11, f32 on the CPU): Doppler loads each Hugging Face directory, and where given the
+/// same weights as a GGUF file under llama.cpp's names, and must give transformers' logits
+/// at every position, in one prompt and token by token through the cache.
+fn family_matches_transformers(
+    family: &str,
+    ctx: usize,
+    gguf: Option<(
+        &str,
+        Vec<(&str, doppler::formats::gguf::Value)>,
+        Vec<String>,
+    )>,
+) -> doppler::models::llama::Llama {
+    use doppler::formats::gguf::{self, GgmlType};
+    use doppler::models::llama::{self, Llama, SafeTensorsDir};
     let gpu = gpu();
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3-tiny");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("tests/fixtures/{family}-tiny"));
     let fx: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("logits.json")).unwrap()).unwrap();
     let ids: Vec<u32> = fx["ids"]
@@ -1046,79 +1052,68 @@ fn qwen3_matches_transformers() {
         .iter()
         .flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()))
         .collect();
-    let v = want.len() / ids.len();
-    let (hf, _) = llama::open(gpu, &dir, 128).unwrap();
-    assert_eq!(
-        (hf.cfg.arch.as_str(), hf.cfg.head_dim, hf.cfg.rope_theta),
-        ("qwen3", 32, 1e6)
-    );
-    // The same tensors as GGUF (qwen3 rotates halves: no row permutation).
-    let st_bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
-    let raw = safetensors::SafeTensors::deserialize(&st_bytes).unwrap();
-    let mut names = vec![
-        "token_embd.weight".to_string(),
-        "output_norm.weight".to_string(),
-    ];
-    for l in 0..2 {
-        for t in [
-            "attn_norm",
-            "attn_q",
-            "attn_k",
-            "attn_v",
-            "attn_q_norm",
-            "attn_k_norm",
-            "attn_output",
-            "ffn_norm",
-            "ffn_gate",
-            "ffn_up",
-            "ffn_down",
-        ] {
-            names.push(format!("blk.{l}.{t}.weight"));
+    let (hf, _) = llama::open(gpu, &dir, ctx).unwrap();
+    let mut models: Vec<(&str, Llama)> = Vec::new();
+    if let Some((arch, meta, names)) = gguf {
+        // The same tensors (f32) under GGUF's names, with the metadata given.
+        let st_bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let raw = safetensors::SafeTensors::deserialize(&st_bytes).unwrap();
+        let tensors: Vec<(String, Vec<u64>, Vec<u8>)> = names
+            .iter()
+            .map(|n| {
+                let hf_name = SafeTensorsDir::hf_name(n).unwrap();
+                let t = raw
+                    .tensor(&hf_name)
+                    .or_else(|_| raw.tensor(&hf_name.replace("mlp.up_proj", "mlp.gate_up_proj")))
+                    .unwrap_or_else(|_| panic!("{n}: no {hf_name}"));
+                let dims = t.shape().iter().rev().map(|&d| d as u64).collect();
+                (n.clone(), dims, t.data().to_vec())
+            })
+            .collect();
+        let mut md: Vec<(String, gguf::Value)> = vec![(
+            "general.architecture".into(),
+            gguf::Value::String(arch.into()),
+        )];
+        md.extend(meta.into_iter().map(|(k, v)| (format!("{arch}.{k}"), v)));
+        let md_ref: Vec<(&str, gguf::Value)> =
+            md.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        let mut t_ref: Vec<(&str, &[u64], GgmlType, &[u8])> = tensors
+            .iter()
+            .map(|(n, d, b)| (n.as_str(), d.as_slice(), GgmlType(0), b.as_slice()))
+            .collect();
+        // LongRoPE's factors as llama.cpp stores them: tensors.
+        let cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+        let factors: Vec<(String, Vec<u8>)> = ["short", "long"]
+            .iter()
+            .filter_map(|k| {
+                let a = cfg["rope_parameters"][format!("{k}_factor")].as_array()?;
+                let b = a
+                    .iter()
+                    .flat_map(|v| (v.as_f64().unwrap() as f32).to_le_bytes())
+                    .collect();
+                Some((format!("rope_factors_{k}.weight"), b))
+            })
+            .collect();
+        let dims: Vec<[u64; 1]> = factors.iter().map(|(_, b)| [b.len() as u64 / 4]).collect();
+        for ((n, b), d) in factors.iter().zip(&dims) {
+            t_ref.push((n.as_str(), d.as_slice(), GgmlType(0), b.as_slice()));
         }
+        let path =
+            std::env::temp_dir().join(format!("doppler-{family}-{}.gguf", std::process::id()));
+        std::fs::write(&path, gguf::write(&md_ref, &t_ref, 32)).unwrap();
+        let (gg, _) = llama::open(gpu, &path, ctx).unwrap();
+        let _ = std::fs::remove_file(&path);
+        models.push(("gguf", gg));
     }
-    let tensors: Vec<(String, Vec<u64>, Vec<u8>)> = names
-        .iter()
-        .map(|n| {
-            let t = raw.tensor(&SafeTensorsDir::hf_name(n).unwrap()).unwrap();
-            (
-                n.clone(),
-                t.shape().iter().rev().map(|&d| d as u64).collect(),
-                t.data().to_vec(),
-            )
-        })
-        .collect();
-    let a = |k: &str| format!("qwen3.{k}");
-    let md: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), Value::String("qwen3".into())),
-        (a("block_count"), Value::U32(2)),
-        (a("context_length"), Value::U32(128)),
-        (a("embedding_length"), Value::U32(64)),
-        (a("feed_forward_length"), Value::U32(96)),
-        (a("attention.head_count"), Value::U32(4)),
-        (a("attention.head_count_kv"), Value::U32(2)),
-        (a("attention.key_length"), Value::U32(32)),
-        (a("attention.value_length"), Value::U32(32)),
-        (a("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
-        (a("rope.freq_base"), Value::F32(1e6)),
-        (a("vocab_size"), Value::U32(300)),
-    ];
-    let md_ref: Vec<(&str, Value)> = md.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-    let t_ref: Vec<(&str, &[u64], GgmlType, &[u8])> = tensors
-        .iter()
-        .map(|(n, d, b)| (n.as_str(), d.as_slice(), GgmlType(0), b.as_slice()))
-        .collect();
-    let path = std::env::temp_dir().join(format!("doppler-qwen3-{}.gguf", std::process::id()));
-    std::fs::write(&path, gguf::write(&md_ref, &t_ref, 32)).unwrap();
-    let (gg, _) = llama::open(gpu, &path, 128).unwrap();
-    let _ = std::fs::remove_file(&path);
-    for (name, m) in [("safetensors", &hf), ("gguf", &gg)] {
-        // One prompt, every position's logits.
+    for (name, m) in
+        std::iter::once(("safetensors", &hf)).chain(models.iter().map(|(n, m)| (*n, m)))
+    {
         let mut cache = m.cache(gpu, 64).unwrap();
         let all = gpu
             .run(|rec| m.forward(rec, &ids, &mut cache, true))
             .unwrap();
         let got = all.read_f32(gpu).unwrap();
-        // Ten tokens, then one at a time through the cache (the decode kernels).
         let mut cache = m.cache(gpu, 64).unwrap();
         let mut steps = gpu
             .run(|rec| m.forward(rec, &ids[..10], &mut cache, true))
@@ -1140,11 +1135,111 @@ fn qwen3_matches_transformers() {
                 .zip(&want)
                 .map(|(g, w)| (*g as f64 - w).abs())
                 .fold(0.0f64, f64::max);
-            eprintln!("qwen3 {name} {how}: largest |Doppler - transformers| {worst:.2e} over {} x {v} logits", ids.len());
+            eprintln!("{family} {name} {how}: largest |Doppler - transformers| {worst:.2e}");
             assert!(
                 worst < 1e-4,
-                "qwen3 {name} {how}: logits differ from transformers' by {worst:.2e}"
+                "{family} {name} {how}: logits differ from transformers' by {worst:.2e}"
             );
         }
     }
+    hf
+}
+
+/// GGUF names of a tiny model's layers' tensors (`fused`: Phi-3's attn_qkv and ffn_up).
+fn gguf_names(layers: usize, per_layer: &[&str], extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    for l in 0..layers {
+        v.extend(per_layer.iter().map(|t| format!("blk.{l}.{t}.weight")));
+    }
+    v
+}
+
+/// Qwen3: q/k head norms, head size 32 on a width of 64, 2 key/value heads, tied
+/// embeddings, RoPE base 10^6 (in transformers 5's `rope_parameters`).
+#[test]
+fn qwen3_matches_transformers() {
+    use doppler::formats::gguf::Value;
+    let meta = vec![
+        ("block_count", Value::U32(2)),
+        ("context_length", Value::U32(128)),
+        ("embedding_length", Value::U32(64)),
+        ("feed_forward_length", Value::U32(96)),
+        ("attention.head_count", Value::U32(4)),
+        ("attention.head_count_kv", Value::U32(2)),
+        ("attention.key_length", Value::U32(32)),
+        ("attention.value_length", Value::U32(32)),
+        ("attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+        ("rope.freq_base", Value::F32(1e6)),
+        ("vocab_size", Value::U32(300)),
+    ];
+    let names = gguf_names(
+        2,
+        &[
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_q_norm",
+            "attn_k_norm",
+            "attn_output",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ],
+        &["token_embd.weight", "output_norm.weight"],
+    );
+    let m = family_matches_transformers("qwen3", 128, Some(("qwen3", meta, names)));
+    assert_eq!(
+        (m.cfg.arch.as_str(), m.cfg.head_dim, m.cfg.rope_theta),
+        ("qwen3", 32, 1e6)
+    );
+}
+
+/// Mistral: head size 24 set apart from the width, 1 key/value head, an untied head.
+#[test]
+fn mistral_matches_transformers() {
+    let m = family_matches_transformers("mistral", 128, None);
+    assert_eq!(
+        (m.cfg.arch.as_str(), m.cfg.head_dim, m.cfg.rope_theta),
+        ("mistral", 24, 1e5)
+    );
+}
+
+/// Phi-3: fused q/k/v and gate/up tensors; LongRoPE with per-frequency short and long
+/// factors (256 positions from an original 64: attention factor sqrt(1 + ln 4 / ln 64)).
+#[test]
+fn phi3_matches_transformers() {
+    use doppler::formats::gguf::Value;
+    let meta = vec![
+        ("block_count", Value::U32(2)),
+        ("context_length", Value::U32(256)),
+        ("embedding_length", Value::U32(64)),
+        ("feed_forward_length", Value::U32(96)),
+        ("attention.head_count", Value::U32(4)),
+        ("attention.head_count_kv", Value::U32(2)),
+        ("attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("rope.freq_base", Value::F32(1e4)),
+        ("rope.dimension_count", Value::U32(16)),
+        ("rope.scaling.original_context_length", Value::U32(64)),
+        ("vocab_size", Value::U32(300)),
+    ];
+    let names = gguf_names(
+        2,
+        &[
+            "attn_norm",
+            "attn_qkv",
+            "attn_output",
+            "ffn_norm",
+            "ffn_up",
+            "ffn_down",
+        ],
+        &["token_embd.weight", "output_norm.weight", "output.weight"],
+    );
+    // A context within the original 64 positions: the short factors, as transformers
+    // uses for a sequence that short.
+    let m = family_matches_transformers("phi3", 64, Some(("phi3", meta, names)));
+    let lr = m.cfg.rope_long.as_ref().expect("LongRoPE");
+    assert_eq!(lr.original_context, 64);
+    assert!((lr.attn_factor - (1.0 + 4f64.ln() / 64f64.ln()).sqrt()).abs() < 1e-12);
 }

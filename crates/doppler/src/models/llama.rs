@@ -1,6 +1,9 @@
 //! Llama-family decoder for inference: `llama` (SmolLM2, Llama 3.x, TinyLlama), `qwen2`
-//! (biases on q, k, v) and `qwen3` (no biases; each q and k head RMS-normalised before
-//! RoPE, with weights q_norm and k_norm of the head size). Weights stay in their file's encoding on the GPU (GGUF blocks, or
+//! (biases on q, k, v), `qwen3` (no biases; each q and k head RMS-normalised before RoPE,
+//! with weights q_norm and k_norm of the head size), `mistral` (Llama's layout; a
+//! sliding attention window limits the context to the window) and `phi3` (q, k, v and
+//! gate, up each one tensor in the file; LongRoPE's per-frequency factors and attention
+//! factor). Weights stay in their file's encoding on the GPU (GGUF blocks, or
 //! f32 / f16 / bf16 from SafeTensors) and every product reads them directly
 //! (`ops::quant::qmatmul`); keys and values go into a cache (`ops::kvcache`).
 //!
@@ -33,8 +36,23 @@ use crate::ops::quant::{
 };
 use crate::ops::rope::{inv_freq, Pairing, RopeTable};
 
-/// Architectures this decoder runs.
-pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3"];
+/// Architectures this decoder runs, as GGUF's `general.architecture` names them (llama.cpp
+/// writes Mistral models as `llama`)...
+pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "phi3"];
+/// ...and as a Hugging Face `config.json`'s `model_type` does.
+pub const HF_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "mistral", "phi3"];
+
+/// LongRoPE (Phi-3's "su"/"longrope" scaling): each frequency divided by its factor, the
+/// short ones for contexts up to `original_context`, the long ones past it (chosen once
+/// for the context a model is loaded with, as llama.cpp does), and cos and sin
+/// multiplied by `attn_factor`.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct LongRope {
+    pub short: Vec<f64>,
+    pub long: Vec<f64>,
+    pub original_context: usize,
+    pub attn_factor: f64,
+}
 
 /// Llama 3's frequency-dependent RoPE rescaling (`rope_scaling.rope_type = "llama3"`).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
@@ -87,6 +105,10 @@ pub struct LlamaConfig {
     pub rope_llama3: Option<Llama3Scaling>,
     /// Linear position scaling (angle / factor).
     pub rope_linear: Option<f64>,
+    pub rope_long: Option<LongRope>,
+    /// The attention window of a model trained with one (Mistral, Phi-3): the context is
+    /// limited to it, where attending to everything is attending to the window.
+    pub sliding_window: Option<usize>,
     pub tied_embeddings: bool,
 }
 
@@ -133,10 +155,18 @@ impl LlamaConfig {
         Ok(())
     }
 
-    /// RoPE frequencies after the model's scaling; `factors` are GGUF's `rope_freqs.weight`
-    /// (frequency divisors, Llama 3 in llama.cpp's files).
-    fn inv_freq(&self, factors: Option<&[f32]>) -> Vec<f64> {
+    /// RoPE frequencies after the model's scaling for a context of `context` positions;
+    /// `factors` are GGUF's `rope_freqs.weight` (frequency divisors, Llama 3 in llama.cpp's
+    /// files).
+    fn inv_freq(&self, factors: Option<&[f32]>, context: usize) -> Vec<f64> {
         let mut f = inv_freq(self.head_dim, self.rope_theta);
+        if let Some(lr) = &self.rope_long {
+            let ext = match context > lr.original_context {
+                true => &lr.long,
+                false => &lr.short,
+            };
+            f.iter_mut().zip(ext).for_each(|(v, e)| *v /= e);
+        }
         if let Some(s) = self.rope_llama3 {
             f.iter_mut().for_each(|v| *v = s.apply(*v));
         }
@@ -431,15 +461,23 @@ impl Llama {
                 }
                 _ => None,
             };
-            let qkv = [
-                (n("attn_q.weight"), qd),
-                (n("attn_k.weight"), kvd),
-                (n("attn_v.weight"), kvd),
-            ];
-            let gate_up = [
-                (n("ffn_gate.weight"), cfg.ffn_hidden),
-                (n("ffn_up.weight"), cfg.ffn_hidden),
-            ];
+            // phi3 stores q, k, v as one tensor, and gate, up as one (under ffn_up).
+            let fused = cfg.arch == "phi3";
+            let qkv = match fused {
+                true => vec![(n("attn_qkv.weight"), qd + 2 * kvd)],
+                false => vec![
+                    (n("attn_q.weight"), qd),
+                    (n("attn_k.weight"), kvd),
+                    (n("attn_v.weight"), kvd),
+                ],
+            };
+            let gate_up = match fused {
+                true => vec![(n("ffn_up.weight"), 2 * cfg.ffn_hidden)],
+                false => vec![
+                    (n("ffn_gate.weight"), cfg.ffn_hidden),
+                    (n("ffn_up.weight"), cfg.ffn_hidden),
+                ],
+            };
             layers.push(Layer {
                 attn_norm: norm("attn_norm.weight").await?,
                 qkv: stacked(gpu, src, &qkv, e).await?,
@@ -459,6 +497,22 @@ impl Llama {
         } else {
             embd.clone()
         };
+        // A GGUF's LongRoPE factors are tensors (both must be there, the metadata having
+        // named an original context); a Hugging Face config carries them itself.
+        let mut cfg = cfg;
+        if let Some(lr) = cfg.rope_long.as_mut().filter(|l| l.short.is_empty()) {
+            for (name, into) in [
+                ("rope_factors_short.weight", &mut lr.short),
+                ("rope_factors_long.weight", &mut lr.long),
+            ] {
+                *into = vector_f32(src, name, d / 2)
+                    .await?
+                    .ok_or_else(|| format_err(src.path(), format!("tensor {name} is missing")))?
+                    .into_iter()
+                    .map(f64::from)
+                    .collect();
+            }
+        }
         let factors = match src.tensor("rope_freqs.weight").await? {
             Some(t) => Some(
                 crate::reference::quant::dequantize(t.ty, &t.bytes, d / 2)
@@ -468,7 +522,12 @@ impl Llama {
         };
         tracked.unread(&cfg)?;
         let max_context = max_context.min(cfg.context_length).max(1);
-        let rope = RopeTable::from_inv_freq(gpu, max_context, &cfg.inv_freq(factors.as_deref()))?;
+        let rope = RopeTable::from_inv_freq_scaled(
+            gpu,
+            max_context,
+            &cfg.inv_freq(factors.as_deref(), max_context),
+            cfg.rope_long.as_ref().map_or(1.0, |l| l.attn_factor),
+        )?;
         // A decode step reads every layer, the final norm and the output head (the
         // embedding table when tied); of a separate embedding table, one row.
         // Counted as the file stores them (Q6_K's padding on the GPU not included).
@@ -738,6 +797,16 @@ impl Meta<'_> {
     }
 }
 
+/// LongRoPE's attention factor where a model states none (transformers' rule):
+/// sqrt(1 + ln(s) / ln(original)) for a context s = context / original times the original.
+fn longrope_attn_factor(context: usize, original: usize) -> f64 {
+    let s = context as f64 / original.max(1) as f64;
+    match s <= 1.0 || original <= 1 {
+        true => 1.0,
+        false => (1.0 + s.ln() / (original as f64).ln()).sqrt(),
+    }
+}
+
 /// The configuration a GGUF file's metadata describes (`general.architecture` and its keys).
 pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<LlamaConfig> {
     let arch = md
@@ -804,6 +873,24 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
             ))
         }
     };
+    // Phi-3's LongRoPE: the original context in the metadata, the factors as tensors
+    // (read by the loader); the attention factor stored, or derived as transformers does.
+    let context_length = m.usize("context_length")?;
+    let rope_long = match m
+        .get("rope.scaling.original_context_length")
+        .and_then(Value::as_u64)
+    {
+        Some(orig) if arch == "phi3" => Some(LongRope {
+            short: Vec::new(),
+            long: Vec::new(),
+            original_context: orig as usize,
+            attn_factor: m
+                .get("rope.scaling.attn_factor")
+                .and_then(Value::as_f64)
+                .unwrap_or_else(|| longrope_attn_factor(context_length, orig as usize)),
+        }),
+        _ => None,
+    };
     let cfg = LlamaConfig {
         arch: arch.to_string(),
         n_layer: m.usize("block_count")?,
@@ -815,7 +902,7 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
         vocab_size,
         norm_eps: m.f64_or("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta: m.f64_or("rope.freq_base", 10000.0),
-        context_length: m.usize("context_length")?,
+        context_length,
         pairing: if arch == "llama" {
             Pairing::Interleaved
         } else {
@@ -823,6 +910,8 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
         },
         rope_llama3: None,
         rope_linear,
+        rope_long,
+        sliding_window: None,
         tied_embeddings: false, // set by the loader from the tensors present
     };
     cfg.check(path)?;
@@ -835,12 +924,12 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
         .get("model_type")
         .and_then(|v| v.as_str())
         .ok_or_else(|| format_err(path, "model_type is missing"))?;
-    if !ARCHITECTURES.contains(&arch) {
+    if !HF_ARCHITECTURES.contains(&arch) {
         return Err(format_err(
             path,
             format!(
                 "unsupported architecture {arch} (supported: {})",
-                ARCHITECTURES.join(", ")
+                HF_ARCHITECTURES.join(", ")
             ),
         ));
     }
@@ -883,7 +972,8 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
         .or_else(|| rope_params.and_then(|r| r.get("rope_theta")))
         .and_then(|v| v.as_f64())
         .unwrap_or(10000.0);
-    let (mut rope_llama3, mut rope_linear) = (None, None);
+    let (mut rope_llama3, mut rope_linear, mut rope_long) = (None, None, None);
+    let context_length = int("max_position_embeddings").unwrap_or(4096);
     let scaling = json
         .get("rope_scaling")
         .filter(|v| !v.is_null())
@@ -909,14 +999,68 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
                 })
             }
             "linear" => rope_linear = Some(f("factor")?),
+            "longrope" | "su" => {
+                let factors = |k: &str| -> Result<Vec<f64>> {
+                    rs.get(k)
+                        .and_then(|v| v.as_array())
+                        .filter(|a| a.len() == head_dim / 2)
+                        .and_then(|a| a.iter().map(|v| v.as_f64().filter(|f| *f > 0.0)).collect())
+                        .ok_or_else(|| {
+                            format_err(
+                                path,
+                                format!("rope_scaling.{k}: expected {} positive numbers (head size / 2)", head_dim / 2),
+                            )
+                        })
+                };
+                let orig = json
+                    .get("original_max_position_embeddings")
+                    .or_else(|| rs.get("original_max_position_embeddings"))
+                    .and_then(|v| v.as_u64())
+                    .map_or(context_length, |v| v as usize);
+                let attn_factor = match rs.get("attention_factor").and_then(|v| v.as_f64()) {
+                    Some(a) => a,
+                    None => longrope_attn_factor(context_length, orig),
+                };
+                rope_long = Some(LongRope {
+                    short: factors("short_factor")?,
+                    long: factors("long_factor")?,
+                    original_context: orig,
+                    attn_factor,
+                });
+            }
             "default" => {}
             other => {
                 return Err(format_err(
                     path,
-                    format!("rope_scaling type {other:?} is not supported (llama3, linear)"),
+                    format!(
+                        "rope_scaling type {other:?} is not supported (llama3, linear, longrope)"
+                    ),
                 ))
             }
         }
+    }
+    let partial = json
+        .get("partial_rotary_factor")
+        .or_else(|| rope_params.and_then(|r| r.get("partial_rotary_factor")))
+        .and_then(|v| v.as_f64())
+        .unwrap_or(1.0);
+    if partial != 1.0 {
+        return Err(format_err(
+            path,
+            format!("partial rotary embedding (partial_rotary_factor {partial}) is not supported"),
+        ));
+    }
+    // A model trained with an attention window (Mistral 7B v0.1, Phi-3 mini) attends to
+    // everything while the context fits in the window: the context is limited to it.
+    let sliding_window = json
+        .get("sliding_window")
+        .and_then(|v| v.as_u64())
+        .map(|w| w as usize)
+        .filter(|&w| w > 0 && w < context_length && matches!(arch, "mistral" | "phi3"));
+    if let Some(w) = sliding_window {
+        tracing::warn!(
+            "{path}: the model attends to a window of {w} tokens; its context is limited to {w} tokens"
+        );
     }
     let cfg = LlamaConfig {
         arch: arch.to_string(),
@@ -929,10 +1073,12 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
         vocab_size: int("vocab_size")?,
         norm_eps: num("rms_norm_eps", 1e-6),
         rope_theta,
-        context_length: int("max_position_embeddings").unwrap_or(4096),
+        context_length: sliding_window.unwrap_or(context_length),
         pairing: Pairing::Half,
         rope_llama3,
         rope_linear,
+        rope_long,
+        sliding_window,
         tied_embeddings: json
             .get("tie_word_embeddings")
             .and_then(|v| v.as_bool())
@@ -1121,6 +1267,18 @@ impl SafeTensorsDir {
         Ok(out)
     }
 
+    /// The name in these files of a GGUF tensor name: the first of its Hugging Face
+    /// names present (GGUF's `ffn_up` is Phi-3's fused gate_up_proj).
+    fn find(&self, name: &str) -> Option<String> {
+        let primary = Self::hf_name(name)?;
+        let fused = primary
+            .strip_suffix("mlp.up_proj.weight")
+            .map(|stem| format!("{stem}mlp.gate_up_proj.weight"));
+        std::iter::once(primary)
+            .chain(fused)
+            .find(|n| self.index.contains_key(n))
+    }
+
     /// Hugging Face's name for a GGUF name.
     pub fn hf_name(name: &str) -> Option<String> {
         let fixed = match name {
@@ -1144,6 +1302,7 @@ impl SafeTensorsDir {
             "attn_k.bias" => "self_attn.k_proj.bias",
             "attn_v.bias" => "self_attn.v_proj.bias",
             "attn_output.weight" => "self_attn.o_proj.weight",
+            "attn_qkv.weight" => "self_attn.qkv_proj.weight",
             "attn_q_norm.weight" => "self_attn.q_norm.weight",
             "attn_k_norm.weight" => "self_attn.k_norm.weight",
             "ffn_gate.weight" => "mlp.gate_proj.weight",
@@ -1160,11 +1319,11 @@ impl Source for SafeTensorsDir {
         &self.path
     }
     fn has(&self, name: &str) -> bool {
-        Self::hf_name(name).is_some_and(|hf| self.index.contains_key(&hf))
+        self.find(name).is_some()
     }
     fn tensor<'a>(&'a self, name: &'a str) -> LocalFuture<'a, Result<Option<Stored<'a>>>> {
         Box::pin(async move {
-            let found = Self::hf_name(name).and_then(|hf| self.index.get(&hf));
+            let found = self.find(name).and_then(|hf| self.index.get(&hf));
             let Some((f, ty, dims, r)) = found else {
                 return Ok(None);
             };

@@ -45,11 +45,26 @@ impl RopeTable {
 
     /// angle(pos, k) = pos * inv_freq[k], for frequencies a model rescales (Llama 3).
     pub fn from_inv_freq(gpu: &Gpu, positions: usize, inv_freq: &[f64]) -> Result<RopeTable> {
-        if inv_freq.is_empty() || positions == 0 || inv_freq.iter().any(|f| !f.is_finite()) {
+        RopeTable::from_inv_freq_scaled(gpu, positions, inv_freq, 1.0)
+    }
+
+    /// [`RopeTable::from_inv_freq`] with cos and sin multiplied by `scale` (LongRoPE's
+    /// attention factor: both q and k are turned, so scores grow by scale^2).
+    pub fn from_inv_freq_scaled(
+        gpu: &Gpu,
+        positions: usize,
+        inv_freq: &[f64],
+        scale: f64,
+    ) -> Result<RopeTable> {
+        if inv_freq.is_empty()
+            || positions == 0
+            || inv_freq.iter().any(|f| !f.is_finite())
+            || !(scale.is_finite() && scale > 0.0)
+        {
             return Err(Error::Invalid {
                 op: "rope",
                 detail: format!(
-                    "positions {positions}, {} frequencies (finite, at least one)",
+                    "positions {positions}, {} frequencies (finite, at least one), scale {scale}",
                     inv_freq.len()
                 ),
             });
@@ -58,7 +73,7 @@ impl RopeTable {
         for pos in 0..positions {
             for f in inv_freq {
                 let angle = pos as f64 * f;
-                data.extend([angle.cos() as f32, angle.sin() as f32]);
+                data.extend([(angle.cos() * scale) as f32, (angle.sin() * scale) as f32]);
             }
         }
         let table = Tensor::from_f32(gpu, &[positions, inv_freq.len(), 2], &data, "rope.table")?;
