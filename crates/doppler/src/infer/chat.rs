@@ -26,6 +26,8 @@ pub enum ChatStyle {
     Llama3,
     /// `<|role|>\ncontent</s>\n`
     Zephyr,
+    /// `<|role|>\ncontent<|end|>\n` (Phi-3)
+    Phi3,
 }
 
 #[derive(Clone, Debug)]
@@ -42,6 +44,8 @@ impl Template {
             ChatStyle::ChatMl
         } else if jinja.contains("<|start_header_id|>") {
             ChatStyle::Llama3
+        } else if jinja.contains("<|user|>") && jinja.contains("<|end|>") {
+            ChatStyle::Phi3
         } else if jinja.contains("<|user|>") && jinja.contains("<|assistant|>") {
             ChatStyle::Zephyr
         } else {
@@ -88,7 +92,7 @@ impl Template {
         match self.style {
             ChatStyle::ChatMl => format!("<|im_start|>{role}\n"),
             ChatStyle::Llama3 => format!("<|start_header_id|>{role}<|end_header_id|>\n\n"),
-            ChatStyle::Zephyr => format!("<|{role}|>\n"),
+            ChatStyle::Zephyr | ChatStyle::Phi3 => format!("<|{role}|>\n"),
         }
     }
 
@@ -102,6 +106,7 @@ impl Template {
             ChatStyle::ChatMl => "<|im_end|>\n",
             ChatStyle::Llama3 => "<|eot_id|>",
             ChatStyle::Zephyr => "</s>\n",
+            ChatStyle::Phi3 => "<|end|>\n",
         }
     }
 
@@ -111,6 +116,7 @@ impl Template {
             ChatStyle::ChatMl => "<|im_end|>",
             ChatStyle::Llama3 => "<|eot_id|>",
             ChatStyle::Zephyr => "</s>",
+            ChatStyle::Phi3 => "<|end|>",
         }
     }
 }
@@ -136,6 +142,13 @@ mod tests {
             llama3.render(&msgs[..1], true),
             "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
         );
+        // Phi-3's template (microsoft/Phi-3-mini-4k-instruct's tokenizer_config.json).
+        let phi3 = Template::detect("{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}").unwrap();
+        assert_eq!(
+            phi3.render(&msgs, true),
+            "<|user|>\nHi<|end|>\n<|assistant|>\nHello<|end|>\n<|user|>\nBye<|end|>\n<|assistant|>\n"
+        );
+        assert_eq!(phi3.stop_token(), "<|end|>");
         let zephyr = Template::detect("<|user|> ... <|assistant|>").unwrap();
         assert_eq!(
             zephyr.render(&msgs[..1], false),
