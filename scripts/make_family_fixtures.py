@@ -61,7 +61,19 @@ def phi3():
     return Phi3ForCausalLM(cfg)
 
 
-FAMILIES = {"qwen3": qwen3, "mistral": mistral, "phi3": phi3}
+def bert():
+    from transformers import BertConfig, BertModel
+
+    # Head size 16; erf GELU; two token types.
+    cfg = BertConfig(
+        vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=96, max_position_embeddings=64, type_vocab_size=2,
+        layer_norm_eps=1e-12, hidden_act="gelu",
+    )
+    return BertModel(cfg, add_pooling_layer=False)
+
+
+FAMILIES = {"qwen3": qwen3, "mistral": mistral, "phi3": phi3, "bert": bert}
 
 
 def main():
@@ -81,7 +93,12 @@ def main():
         g = torch.Generator().manual_seed(7)
         ids = torch.randint(0, model.config.vocab_size, (17,), generator=g).tolist()
         with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0].float()
+            if name == "bert":
+                # The encoder's last hidden states, the second half of the text as type 1.
+                types = [0] * 9 + [1] * 8
+                logits = model(torch.tensor([ids]), token_type_ids=torch.tensor([types])).last_hidden_state[0].float()
+            else:
+                logits = model(torch.tensor([ids])).logits[0].float()
         out_json = {
             "family": name, "ids": ids,
             "logits": [[round(v, 7) for v in row] for row in logits.tolist()],

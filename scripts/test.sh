@@ -11,6 +11,8 @@ RUSTFLAGS='-D warnings' bash scripts/build_web.sh
 
 echo "== SmolLM2-135M-Instruct for the model tests (fetched into ~/.cache/doppler if missing)"
 export DOPPLER_SMOLLM2="$(bash scripts/fetch_model.sh)"
+echo "== all-MiniLM-L6-v2 for the encoder tests (fetched into ~/.cache/doppler if missing)"
+export DOPPLER_MINILM="$(bash scripts/fetch_minilm.sh)"
 
 echo "== cargo test (naga validation, CPU reference, GPU kernels, CLI, SmolLM2 against transformers)"
 cargo test --workspace

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_generate;
+mod embed;
 mod generate;
 mod inspect;
 mod train;
@@ -65,6 +66,8 @@ enum Command {
     Chat(generate::ChatArgs),
     /// Print a GGUF model's metadata and tensor table (needs no GPU).
     Inspect(inspect::InspectArgs),
+    /// Sentence vectors from a BERT-family encoder (sentence-transformers directories).
+    Embed(embed::EmbedArgs),
 }
 
 fn main() -> ExitCode {
@@ -127,6 +130,7 @@ fn run(cli: Cli) -> doppler::Result<ExitCode> {
         Command::Train(args) => train::train(&gpu()?, &args),
         Command::Generate(args) => generate::generate_cmd(&gpu()?, &args),
         Command::Chat(args) => generate::chat_cmd(&gpu()?, &args),
+        Command::Embed(args) => embed::embed(&gpu()?, &args),
     }
 }
 

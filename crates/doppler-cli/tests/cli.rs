@@ -914,6 +914,33 @@ fn every_verb_refuses_malformed_input_in_one_line() {
             "noise.gguf",
         ),
         (
+            vec!["embed".into(), "-m".into(), missing.clone(), "hi".into()],
+            "missing",
+        ),
+        (
+            vec!["embed".into(), "-m".into(), p("nothing"), "hi".into()],
+            "config.json",
+        ),
+        (
+            vec![
+                "embed".into(),
+                "-m".into(),
+                hf.to_str().unwrap().into(),
+                "hi".into(),
+            ],
+            "bert",
+        ),
+        (
+            vec![
+                "embed".into(),
+                "-m".into(),
+                p("nothing"),
+                "--file".into(),
+                missing.clone(),
+            ],
+            "missing",
+        ),
+        (
             vec!["verify".into(), "--filter".into(), "no-such-kernel".into()],
             "no-such-kernel",
         ),
