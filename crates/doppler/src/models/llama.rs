@@ -891,6 +891,18 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
         }),
         _ => None,
     };
+    // Phi-3 mini attends to a window (llama.cpp: `phi3.attention.sliding_window`): the
+    // context is limited to it, as from a config.json.
+    let sliding_window = m
+        .get("attention.sliding_window")
+        .and_then(Value::as_u64)
+        .map(|w| w as usize)
+        .filter(|&w| w > 0 && w < context_length && arch == "phi3");
+    if let Some(w) = sliding_window {
+        tracing::warn!(
+            "{path}: the model attends to a window of {w} tokens; its context is limited to {w} tokens"
+        );
+    }
     let cfg = LlamaConfig {
         arch: arch.to_string(),
         n_layer: m.usize("block_count")?,
@@ -902,7 +914,7 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
         vocab_size,
         norm_eps: m.f64_or("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta: m.f64_or("rope.freq_base", 10000.0),
-        context_length,
+        context_length: sliding_window.unwrap_or(context_length),
         pairing: if arch == "llama" {
             Pairing::Interleaved
         } else {
@@ -911,7 +923,7 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
         rope_llama3: None,
         rope_linear,
         rope_long,
-        sliding_window: None,
+        sliding_window,
         tied_embeddings: false, // set by the loader from the tensors present
     };
     cfg.check(path)?;
@@ -1458,6 +1470,38 @@ mod tests {
             FileData::Ranges(Box::new(bytes)),
         )];
         pollster::block_on(SafeTensorsDir::from_files(files, "hf"))
+    }
+
+    /// A sliding attention window limits the context to it (Mistral 7B v0.1's 4096 of
+    /// 32768); transformers 5's rope_parameters are read; sliding-window Qwen layers and
+    /// partial rotary embeddings are refused.
+    #[test]
+    fn hf_configs_of_the_new_families() {
+        let base = serde_json::json!({
+            "model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+            "vocab_size": 300, "max_position_embeddings": 32768, "sliding_window": 4096,
+            "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+        });
+        let c = config_from_hf(&base, "c.json").unwrap();
+        assert_eq!(
+            (c.context_length, c.sliding_window, c.rope_theta),
+            (4096, Some(4096), 1e6)
+        );
+        let mut q = base.clone();
+        q["model_type"] = "qwen2".into();
+        q["use_sliding_window"] = true.into();
+        let e = config_from_hf(&q, "c.json").unwrap_err().to_string();
+        assert!(e.contains("sliding-window"), "{e}");
+        let mut p = base.clone();
+        p["model_type"] = "phi3".into();
+        p["partial_rotary_factor"] = 0.75.into();
+        let e = config_from_hf(&p, "c.json").unwrap_err().to_string();
+        assert!(e.contains("partial_rotary_factor 0.75"), "{e}");
+        let mut g = base.clone();
+        g["model_type"] = "gemma3".into();
+        let e = config_from_hf(&g, "c.json").unwrap_err().to_string();
+        assert!(e.contains("gemma3") && e.contains("phi3"), "{e}");
     }
 
     /// Found by doppler-fuzz: the ranged reader took files the safetensors crate refuses
