@@ -1242,4 +1242,40 @@ fn phi3_matches_transformers() {
     let lr = m.cfg.rope_long.as_ref().expect("LongRoPE");
     assert_eq!(lr.original_context, 64);
     assert!((lr.attn_factor - (1.0 + 4f64.ln() / 64f64.ln()).sqrt()).abs() < 1e-12);
+    // Past the original 64 positions transformers turns to the long factors; so does a
+    // model loaded for a context past them (80 tokens: the last 8 positions' logits).
+    let gpu = gpu();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/phi3-tiny");
+    let fx: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("logits.json")).unwrap()).unwrap();
+    let ids: Vec<u32> = fx["long_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let want: Vec<f64> = fx["long_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()))
+        .collect();
+    let (long, _) = doppler::models::llama::open(gpu, &dir, 128).unwrap();
+    let mut cache = long.cache(gpu, 128).unwrap();
+    let all = gpu
+        .run(|rec| long.forward(rec, &ids, &mut cache, true))
+        .unwrap()
+        .read_f32(gpu)
+        .unwrap();
+    let got = &all[all.len() - want.len()..];
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(g, w)| (*g as f64 - w).abs())
+        .fold(0.0f64, f64::max);
+    eprintln!("phi3 long factors, 80 tokens: largest |Doppler - transformers| {worst:.2e}");
+    assert!(
+        worst < 1e-4,
+        "phi3 with the long factors: logits differ by {worst:.2e}"
+    );
 }
