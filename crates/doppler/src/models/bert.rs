@@ -434,24 +434,50 @@ impl Encoder {
     /// cut to `max_tokens` (keeping the closing special token) when `truncate`, else an
     /// error naming the text's length. Returns (ids, types, cut).
     pub fn tokenize(&self, text: &str, truncate: bool) -> Result<(Vec<u32>, Vec<u32>, bool)> {
-        let err = |e: String| Error::Invalid {
-            op: "tokenizer",
-            detail: e,
-        };
         let enc = self
             .tokenizer
             .encode(text, true)
-            .map_err(|e| err(e.to_string()))?;
+            .map_err(|e| Error::Invalid {
+                op: "tokenizer",
+                detail: e.to_string(),
+            })?;
+        self.cut(&enc, truncate)
+    }
+
+    /// Every text's [`Encoder::tokenize`], on all the host's cores.
+    pub fn tokenize_all(
+        &self,
+        texts: &[&str],
+        truncate: bool,
+    ) -> Result<Vec<(Vec<u32>, Vec<u32>, bool)>> {
+        let encs = self
+            .tokenizer
+            .encode_batch(texts.to_vec(), true)
+            .map_err(|e| Error::Invalid {
+                op: "tokenizer",
+                detail: e.to_string(),
+            })?;
+        encs.iter().map(|e| self.cut(e, truncate)).collect()
+    }
+
+    fn cut(
+        &self,
+        enc: &tokenizers::Encoding,
+        truncate: bool,
+    ) -> Result<(Vec<u32>, Vec<u32>, bool)> {
         let (mut ids, mut types) = (enc.get_ids().to_vec(), enc.get_type_ids().to_vec());
         let n = ids.len();
         if n <= self.max_tokens {
             return Ok((ids, types, false));
         }
         if !truncate {
-            return Err(err(format!(
-                "a text of {n} tokens is longer than the encoder's {} (truncation is off)",
-                self.max_tokens
-            )));
+            return Err(Error::Invalid {
+                op: "tokenizer",
+                detail: format!(
+                    "a text of {n} tokens is longer than the encoder's {} (truncation is off)",
+                    self.max_tokens
+                ),
+            });
         }
         // Keep the first max - 1 tokens and the last (the closing [SEP]).
         let last = (ids[n - 1], types[n - 1]);
@@ -462,8 +488,30 @@ impl Encoder {
         Ok((ids, types, true))
     }
 
+    /// The pooled rows (B, H) of hidden states (B, T, H) for mean and CLS pooling, as one
+    /// batched product with a (B, 1, T) weight row each: 1/T everywhere (the mean; sums in
+    /// a fixed order), or 1 on the first token (CLS: the row itself, exactly). Max pooling
+    /// returns the states as they are (pooled on the host).
+    fn pool_on_gpu(
+        &self,
+        rec: &mut Recorder<'_>,
+        x: &Tensor,
+        b: usize,
+        t: usize,
+    ) -> Result<Tensor> {
+        let w: Vec<f32> = match self.pooling {
+            Pooling::Max => return Ok(x.clone()),
+            Pooling::Mean => vec![1.0 / t as f32; b * t],
+            Pooling::Cls => (0..b * t).map(|i| (i % t == 0) as u32 as f32).collect(),
+        };
+        let w = Tensor::from_f32(rec.gpu(), &[b, 1, t], &w, "bert.pool")?;
+        crate::ops::matmul::matmul(rec, &w, x, MatmulOpts::default())?
+            .reshape(&[b, self.bert.cfg.hidden])
+    }
+
     /// Sentence vectors of `texts`, in order: texts of equal token count run together, up
-    /// to `batch` a dispatch chain.
+    /// to `batch` a dispatch chain; each batch is submitted before the one before it is
+    /// read back, so the GPU works while the host finishes a batch.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn embed(
         &self,
@@ -472,18 +520,17 @@ impl Encoder {
         batch: usize,
         truncate: bool,
     ) -> Result<Vec<Embedding>> {
-        let toks: Vec<(Vec<u32>, Vec<u32>, bool)> = texts
-            .iter()
-            .map(|t| self.tokenize(t, truncate))
-            .collect::<Result<_>>()?;
+        let toks = self.tokenize_all(texts, truncate)?;
         let mut by_len: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         for (i, (ids, _, _)) in toks.iter().enumerate() {
             by_len.entry(ids.len()).or_default().push(i);
         }
-        let mut out: Vec<Option<Embedding>> = vec![None; texts.len()];
-        let h = self.bert.cfg.hidden;
-        for (t, members) in by_len {
-            for group in members.chunks(batch.max(1)) {
+        let groups: Vec<(usize, &[usize])> = by_len
+            .iter()
+            .flat_map(|(&t, m)| m.chunks(batch.max(1)).map(move |g| (t, g)))
+            .collect();
+        let submit =
+            |t: usize, group: &[usize]| -> Result<(crate::gpu::Submission, crate::gpu::Readback)> {
                 let ids: Vec<u32> = group
                     .iter()
                     .flat_map(|&i| toks[i].0.iter().copied())
@@ -492,23 +539,70 @@ impl Encoder {
                     .iter()
                     .flat_map(|&i| toks[i].1.iter().copied())
                     .collect();
-                let states = gpu.run(|rec| self.bert.forward(rec, &ids, &types, group.len()))?;
-                let all = states.read_f32(gpu)?;
-                for (j, &i) in group.iter().enumerate() {
-                    let rows = &all[j * t * h..(j + 1) * t * h];
-                    let vector = self.pool(rows, t);
-                    out[i] = Some(Embedding {
-                        vector,
-                        tokens: t,
-                        truncated: toks[i].2,
-                    });
-                }
+                let mut rec = gpu.recorder("embed");
+                let x = self.bert.forward(&mut rec, &ids, &types, group.len())?;
+                let pooled = self.pool_on_gpu(&mut rec, &x, group.len(), t)?;
+                let back = rec.read_later(&pooled)?;
+                Ok((rec.submit()?, back))
+            };
+        let mut out: Vec<Option<Embedding>> = vec![None; texts.len()];
+        let mut pending = None;
+        for &(t, group) in &groups {
+            let next = (submit(t, group)?, t, group);
+            if let Some(((sub, back), pt, pg)) = pending.replace(next) {
+                self.collect(gpu, sub, back, pt, pg, &toks, &mut out)?;
             }
+        }
+        if let Some(((sub, back), pt, pg)) = pending {
+            self.collect(gpu, sub, back, pt, pg, &toks, &mut out)?;
         }
         Ok(out
             .into_iter()
             .map(|e| e.expect("every text embedded"))
             .collect())
+    }
+
+    /// Reads a submitted batch's pooled rows and finishes its sentences' vectors.
+    #[cfg(not(target_arch = "wasm32"))]
+    #[allow(clippy::too_many_arguments)]
+    fn collect(
+        &self,
+        gpu: &Gpu,
+        sub: crate::gpu::Submission,
+        back: crate::gpu::Readback,
+        t: usize,
+        group: &[usize],
+        toks: &[(Vec<u32>, Vec<u32>, bool)],
+        out: &mut [Option<Embedding>],
+    ) -> Result<()> {
+        let h = self.bert.cfg.hidden;
+        let words = back.read_u32(gpu)?;
+        // Its ids and types were checked on the host (`Bert::forward`): the embedding's
+        // GPU index checks cannot fail, and reading them would wait for the next batch.
+        drop(sub);
+        let all: Vec<f32> = words.into_iter().map(f32::from_bits).collect();
+        for (j, &i) in group.iter().enumerate() {
+            let vector = match self.pooling {
+                Pooling::Max => self.pool(&all[j * t * h..(j + 1) * t * h], t),
+                _ => self.normalized(&all[j * h..(j + 1) * h]),
+            };
+            out[i] = Some(Embedding {
+                vector,
+                tokens: t,
+                truncated: toks[i].2,
+            });
+        }
+        Ok(())
+    }
+
+    /// A pooled row, L2-normalised (in f64) when the model's modules say so.
+    fn normalized(&self, row: &[f32]) -> Vec<f32> {
+        let mut v: Vec<f64> = row.iter().map(|&x| x as f64).collect();
+        if self.normalize {
+            let n = v.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
+            v.iter_mut().for_each(|x| *x /= n);
+        }
+        v.into_iter().map(|x| x as f32).collect()
     }
 
     /// One sentence's vector from its token vectors (T, H): pooled in f64, then normalised.
