@@ -205,5 +205,13 @@ fn minilm_embeddings_match_sentence_transformers() {
         e.contains("302 tokens") || e.contains("tokens is longer"),
         "{e}"
     );
+    // Two pooling modes at once (sentence-transformers would concatenate them): refused.
+    std::fs::write(
+        dir.join("1_Pooling/config.json"),
+        r#"{"pooling_mode_cls_token": true, "pooling_mode_mean_tokens": true}"#,
+    )
+    .unwrap();
+    let e = Encoder::open(gpu, &dir).err().unwrap().to_string();
+    assert!(e.contains("pooling") && e.contains("1_Pooling"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }

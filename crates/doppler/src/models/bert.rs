@@ -397,6 +397,29 @@ impl Encoder {
                     let p = dir.join(sub).join("config.json");
                     let cfg = read_json(&p)?.unwrap_or_default();
                     let on = |k: &str| cfg.get(k).and_then(|v| v.as_bool()) == Some(true);
+                    // sentence-transformers concatenates several modes (a vector of 2H or
+                    // more): refused rather than answered with one of them.
+                    let modes = [
+                        "pooling_mode_cls_token",
+                        "pooling_mode_max_tokens",
+                        "pooling_mode_mean_tokens",
+                        "pooling_mode_mean_sqrt_len_tokens",
+                        "pooling_mode_weightedmean_tokens",
+                        "pooling_mode_lasttoken",
+                    ];
+                    let set: Vec<&str> = modes.iter().copied().filter(|k| on(k)).collect();
+                    if set.len() > 1
+                        || set.iter().any(|k| {
+                            k.contains("sqrt") || k.contains("weighted") || k.contains("last")
+                        })
+                    {
+                        return Err(format_err(
+                            &p,
+                            format!(
+                                "pooling {set:?} is not supported (one of mean, cls, max tokens)"
+                            ),
+                        ));
+                    }
                     pooling = if on("pooling_mode_cls_token") {
                         Pooling::Cls
                     } else if on("pooling_mode_max_tokens") {
