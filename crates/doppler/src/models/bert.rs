@@ -13,6 +13,7 @@
 //! so no batch holds padding and no mask is needed: each sentence's numbers are those it
 //! gets alone.
 
+#[cfg(not(target_arch = "wasm32"))]
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -30,6 +31,7 @@ fn format_err(path: &Path, detail: impl Into<String>) -> Error {
     }
 }
 
+#[cfg(not(target_arch = "wasm32"))]
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     move |source| Error::Io {
         path: path.display().to_string(),
@@ -515,6 +517,7 @@ impl Encoder {
     /// batched product with a (B, 1, T) weight row each: 1/T everywhere (the mean; sums in
     /// a fixed order), or 1 on the first token (CLS: the row itself, exactly). Max pooling
     /// returns the states as they are (pooled on the host).
+    #[cfg(not(target_arch = "wasm32"))]
     fn pool_on_gpu(
         &self,
         rec: &mut Recorder<'_>,
@@ -619,6 +622,7 @@ impl Encoder {
     }
 
     /// A pooled row, L2-normalised (in f64) when the model's modules say so.
+    #[cfg(not(target_arch = "wasm32"))]
     fn normalized(&self, row: &[f32]) -> Vec<f32> {
         let mut v: Vec<f64> = row.iter().map(|&x| x as f64).collect();
         if self.normalize {

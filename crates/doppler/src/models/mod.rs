@@ -1,5 +1,5 @@
-//! Model definitions: the training transformer (recorded on the autograd tape) and the
-//! Llama-family decoder for inference.
+//! Model definitions: the training transformer (recorded on the autograd tape), the
+//! Llama-family decoder for inference and the BERT sentence encoder.
 
 pub mod bert;
 pub mod llama;
