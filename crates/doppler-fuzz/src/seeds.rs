@@ -4,25 +4,9 @@
 
 use std::path::Path;
 
-use doppler::verify::llama::tiny_files;
+use doppler::verify::llama::{byte_chars, tiny_files};
 
 const SEP: &str = "\n--config--\n";
-
-/// GPT-2's byte-to-character table: printable bytes map to themselves, the rest to 256+.
-fn byte_chars() -> Vec<char> {
-    let printable: Vec<u32> = (33..=126).chain(161..=172).chain(174..=255).collect();
-    let mut next = 256;
-    (0..256u32)
-        .map(|b| {
-            if printable.contains(&b) {
-                char::from_u32(b).unwrap()
-            } else {
-                next += 1;
-                char::from_u32(next - 1).unwrap()
-            }
-        })
-        .collect()
-}
 
 fn tokenizer_json() -> String {
     let mut vocab = serde_json::Map::new();

@@ -609,7 +609,7 @@ impl Encoder {
         let all: Vec<f32> = words.into_iter().map(f32::from_bits).collect();
         for (j, &i) in group.iter().enumerate() {
             let vector = match self.pooling {
-                Pooling::Max => self.pool(&all[j * t * h..(j + 1) * t * h], t),
+                Pooling::Max => self.max_pool(&all[j * t * h..(j + 1) * t * h], t),
                 _ => self.normalized(&all[j * h..(j + 1) * h]),
             };
             out[i] = Some(Embedding {
@@ -632,26 +632,14 @@ impl Encoder {
         v.into_iter().map(|x| x as f32).collect()
     }
 
-    /// One sentence's vector from its token vectors (T, H): pooled in f64, then normalised.
-    pub fn pool(&self, rows: &[f32], t: usize) -> Vec<f32> {
+    /// Max pooling of one sentence's token vectors (T, H) (mean and CLS pool on the GPU:
+    /// `pool_on_gpu`), then normalised as the model says.
+    #[cfg(not(target_arch = "wasm32"))]
+    fn max_pool(&self, rows: &[f32], t: usize) -> Vec<f32> {
         let h = self.bert.cfg.hidden;
-        let mut v: Vec<f64> = match self.pooling {
-            Pooling::Cls => rows[..h].iter().map(|&x| x as f64).collect(),
-            Pooling::Mean => (0..h)
-                .map(|c| (0..t).map(|r| rows[r * h + c] as f64).sum::<f64>() / t as f64)
-                .collect(),
-            Pooling::Max => (0..h)
-                .map(|c| {
-                    (0..t)
-                        .map(|r| rows[r * h + c] as f64)
-                        .fold(f64::MIN, f64::max)
-                })
-                .collect(),
-        };
-        if self.normalize {
-            let n = v.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
-            v.iter_mut().for_each(|x| *x /= n);
-        }
-        v.into_iter().map(|x| x as f32).collect()
+        let max: Vec<f32> = (0..h)
+            .map(|c| (0..t).map(|r| rows[r * h + c]).fold(f32::MIN, f32::max))
+            .collect();
+        self.normalized(&max)
     }
 }

@@ -27,7 +27,7 @@ const FF: usize = 48;
 pub const VOCAB: usize = 259;
 
 /// GPT-2's byte -> printable character table (bytes_to_unicode).
-fn byte_chars() -> Vec<char> {
+pub fn byte_chars() -> Vec<char> {
     let printable: Vec<u32> = (33..=126).chain(161..=172).chain(174..=255).collect();
     let mut next = 256;
     (0..256u32)
