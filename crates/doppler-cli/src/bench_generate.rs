@@ -51,6 +51,11 @@ impl Synthetic {
             rope_linear: None,
             rope_long: None,
             sliding_window: None,
+            sliding_layers: Vec::new(),
+            rope_local_theta: None,
+            attn_scale: None,
+            final_softcap: None,
+            norm_shift: 0.0,
             tied_embeddings: true,
         };
         match name {

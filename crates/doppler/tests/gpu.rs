@@ -33,7 +33,7 @@ fn assert_checks(filter: &str, min: usize) {
 
 #[test]
 fn elementwise_matches_reference() {
-    assert_checks("add", 3 * verify::ELEMENTWISE_SIZES.len());
+    assert_checks("add", 4 * verify::ELEMENTWISE_SIZES.len());
 }
 
 #[test]
@@ -721,7 +721,10 @@ fn decode_chain_falls_back_where_the_adapter_offers_256_threads() {
 
 #[test]
 fn cached_attention_matches_full_attention() {
-    assert_checks("kv_attend", doppler::verify::KV_CASES.len());
+    assert_checks(
+        "kv_attend",
+        doppler::verify::KV_CASES.len() + doppler::verify::WINDOW_CASES.len(),
+    );
 }
 
 #[test]
@@ -1061,11 +1064,11 @@ fn family_matches_transformers(
         let tensors: Vec<(String, Vec<u64>, Vec<u8>)> = names
             .iter()
             .map(|n| {
-                let hf_name = SafeTensorsDir::hf_name(n).unwrap();
-                let t = raw
-                    .tensor(&hf_name)
-                    .or_else(|_| raw.tensor(&hf_name.replace("mlp.up_proj", "mlp.gate_up_proj")))
-                    .unwrap_or_else(|_| panic!("{n}: no {hf_name}"));
+                let hf_names = SafeTensorsDir::hf_names(n);
+                let t = hf_names
+                    .iter()
+                    .find_map(|h| raw.tensor(h).ok())
+                    .unwrap_or_else(|| panic!("{n}: none of {hf_names:?}"));
                 let dims = t.shape().iter().rev().map(|&d| d as u64).collect();
                 (n.clone(), dims, t.data().to_vec())
             })

@@ -29,8 +29,9 @@ use crate::error::{Error, Result};
 use crate::formats::gguf::{GgmlType, Value};
 use crate::formats::{FileData, LocalFuture};
 use crate::gpu::{DType, Gpu, Recorder, Tensor};
-use crate::ops::kvcache::{kv_attend, kv_attend_parts, rope_store, KvCache, RopeStore};
-use crate::ops::norm::rms_norm_heads;
+use crate::ops::elementwise::{add, scale, softcap};
+use crate::ops::kvcache::{kv_attend, kv_attend_parts, rope_store, KvCache, RopeStore, RING_STEP};
+use crate::ops::norm::{rms_norm, rms_norm_heads};
 use crate::ops::quant::{
     get_rows, qmatmul_chain, qmatmul_fused, qmatmul_rope_store, qmatvec_parts, Fuse, Next, QMatrix,
 };
@@ -38,9 +39,14 @@ use crate::ops::rope::{inv_freq, Pairing, RopeTable};
 
 /// Architectures this decoder runs, as GGUF's `general.architecture` names them (llama.cpp
 /// writes Mistral models as `llama`)...
-pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "phi3"];
-/// ...and as a Hugging Face `config.json`'s `model_type` does.
-pub const HF_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "mistral", "phi3"];
+pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "phi3", "gemma3"];
+/// ...and as a Hugging Face `config.json`'s `model_type` does (`gemma3_text`: Gemma 3's
+/// text-only checkpoints, 270M and 1B).
+pub const HF_ARCHITECTURES: &[&str] =
+    &["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text"];
+
+/// Gemma 3's layers by default: five attend to a window, the sixth to everything.
+const GEMMA3_PATTERN: usize = 6;
 
 /// LongRoPE (Phi-3's "su"/"longrope" scaling): each frequency divided by its factor, the
 /// short ones for contexts up to `original_context`, the long ones past it (chosen once
@@ -106,9 +112,23 @@ pub struct LlamaConfig {
     /// Linear position scaling (angle / factor).
     pub rope_linear: Option<f64>,
     pub rope_long: Option<LongRope>,
-    /// The attention window of a model trained with one (Mistral, Phi-3): the context is
-    /// limited to it, where attending to everything is attending to the window.
+    /// The attention window of a model trained with one (Mistral, Phi-3, Gemma 3's local
+    /// layers): a token attends to the last `sliding_window` tokens, itself included.
     pub sliding_window: Option<usize>,
+    /// Which layers attend to the window (empty: all of them); the others attend to
+    /// everything (Gemma 3: five local layers, then a global one).
+    pub sliding_layers: Vec<bool>,
+    /// RoPE base of the sliding-window layers where it is their own (Gemma 3's local
+    /// base; the global layers' scaling does not apply to them).
+    pub rope_local_theta: Option<f64>,
+    /// The attention scores' scale where it is not 1/sqrt(head size) (Gemma's
+    /// query_pre_attn_scalar^-1/2).
+    pub attn_scale: Option<f64>,
+    /// Logits capped to cap * tanh(logits / cap) (Gemma's final_logit_softcapping).
+    pub final_softcap: Option<f64>,
+    /// Added to every norm weight as read (Gemma's Hugging Face checkpoints store w for a
+    /// norm that multiplies by 1 + w; llama.cpp's converter stores 1 + w).
+    pub norm_shift: f32,
     pub tied_embeddings: bool,
 }
 
@@ -143,16 +163,55 @@ impl LlamaConfig {
                 format!("RMSNorm epsilon {} must be positive", self.norm_eps),
             ));
         }
-        if !positive(self.rope_theta) || self.rope_linear.is_some_and(|f| !positive(f)) {
+        if !positive(self.rope_theta)
+            || self.rope_linear.is_some_and(|f| !positive(f))
+            || self.rope_local_theta.is_some_and(|f| !positive(f))
+        {
             return Err(format_err(
                 path,
                 format!(
-                    "RoPE base {} and scale {:?} must be positive",
-                    self.rope_theta, self.rope_linear
+                    "RoPE base {} (local {:?}) and scale {:?} must be positive",
+                    self.rope_theta, self.rope_local_theta, self.rope_linear
+                ),
+            ));
+        }
+        if self.attn_scale.is_some_and(|f| !positive(f))
+            || self.final_softcap.is_some_and(|f| !positive(f))
+        {
+            return Err(format_err(
+                path,
+                format!(
+                    "attention scale {:?} and logit soft-cap {:?} must be positive",
+                    self.attn_scale, self.final_softcap
+                ),
+            ));
+        }
+        if self.sliding_window == Some(0)
+            || (!self.sliding_layers.is_empty() && self.sliding_layers.len() != self.n_layer)
+        {
+            return Err(format_err(
+                path,
+                format!(
+                    "sliding window {:?} over {} layer kinds for {} layers",
+                    self.sliding_window,
+                    self.sliding_layers.len(),
+                    self.n_layer
                 ),
             ));
         }
         Ok(())
+    }
+
+    /// Layer `li`'s attention window (None: every earlier token).
+    pub fn window(&self, li: usize) -> Option<usize> {
+        let slides = self.sliding_layers.get(li).copied().unwrap_or(true);
+        self.sliding_window.filter(|_| slides)
+    }
+
+    /// Gemma's layer: embeddings scaled by sqrt(width), norms after attention and after
+    /// the feed-forward too, GeGLU.
+    pub fn gemma(&self) -> bool {
+        self.arch == "gemma3"
     }
 
     /// RoPE frequencies after the model's scaling for a context of `context` positions;
@@ -182,11 +241,15 @@ impl LlamaConfig {
 
 struct Layer {
     attn_norm: Tensor,
+    /// Gemma: the norms of the attention's and the feed-forward's outputs (E).
+    post_attn_norm: Option<Tensor>,
+    post_ffn_norm: Option<Tensor>,
     /// Wq, Wk, Wv stacked: ((Hq + 2 Hkv) D, E)
     qkv: QMatrix,
     /// bq, bk, bv stacked (qwen2)
     qkv_bias: Option<Tensor>,
-    /// q_norm, k_norm stacked: (2, D) (qwen3)
+    /// q_norm, k_norm stacked: (2, D) (qwen3, gemma3; q's times Gemma's query scale
+    /// times sqrt(D), the kernels' scale being 1/sqrt(D))
     qk_norm: Option<Tensor>,
     o: QMatrix,
     ffn_norm: Tensor,
@@ -202,6 +265,8 @@ pub struct Llama {
     out_norm: Tensor,
     output: QMatrix,
     rope: RopeTable,
+    /// The sliding-window layers' table where their RoPE differs (Gemma 3).
+    rope_local: Option<RopeTable>,
     /// Largest context (positions) this instance serves: the RoPE table's length.
     pub max_context: usize,
     /// Bytes of the weights (as the file stores them).
@@ -377,11 +442,19 @@ async fn vector_f32(src: &dyn Source, name: &str, n: usize) -> Result<Option<Vec
         .map_err(|e| format_err(src.path(), format!("{name}: {e}")))
 }
 
-async fn vector(gpu: &Gpu, src: &dyn Source, name: &str, n: usize) -> Result<Option<Tensor>> {
-    match vector_f32(src, name, n).await? {
-        Some(v) => Ok(Some(Tensor::from_f32(gpu, &[n], &v, name)?)),
-        None => Ok(None),
-    }
+/// A norm's weight (n), required, with `shift` added to each element (Gemma's 1 + w)
+/// and then multiplied by `scale`.
+async fn norm_weight(
+    src: &dyn Source,
+    name: &str,
+    n: usize,
+    shift: f32,
+    scale: f32,
+) -> Result<Vec<f32>> {
+    let v = vector_f32(src, name, n)
+        .await?
+        .ok_or_else(|| format_err(src.path(), format!("tensor {name} is missing")))?;
+    Ok(v.into_iter().map(|w| (w + shift) * scale).collect())
 }
 
 impl Llama {
@@ -413,12 +486,12 @@ impl Llama {
         let (qd, kvd) = (cfg.n_head * d, cfg.n_kv_head * d);
         let embd = matrix(gpu, src, "token_embd.weight", cfg.vocab_size, e).await?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
+        let shift = cfg.norm_shift;
         for i in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
             let norm = async |s: &str| -> Result<Tensor> {
-                vector(gpu, src, &n(s), e)
-                    .await?
-                    .ok_or_else(|| format_err(src.path(), format!("tensor {} is missing", n(s))))
+                let w = norm_weight(src, &n(s), e, shift, 1.0).await?;
+                Tensor::from_f32(gpu, &[e], &w, &n(s))
             };
             // qwen2 has q, k, v biases (all three or none).
             let mut biases: Vec<Option<Vec<f32>>> = Vec::new();
@@ -447,19 +520,23 @@ impl Llama {
                     ))
                 }
             };
-            // qwen3 normalises each q and k head (both weights, or neither elsewhere).
+            // qwen3 and gemma3 normalise each q and k head (both weights, or neither
+            // elsewhere). Gemma's query scale goes into q's weight.
             let qk_norm = match cfg.arch.as_str() {
-                "qwen3" => {
-                    let mut w = Vec::with_capacity(2 * d);
-                    for s in ["attn_q_norm.weight", "attn_k_norm.weight"] {
-                        let v = vector_f32(src, &n(s), d).await?.ok_or_else(|| {
-                            format_err(src.path(), format!("tensor {} is missing", n(s)))
-                        })?;
-                        w.extend(v);
-                    }
+                "qwen3" | "gemma3" => {
+                    let q_scale = cfg.attn_scale.map_or(1.0, |a| a * (d as f64).sqrt()) as f32;
+                    let mut w =
+                        norm_weight(src, &n("attn_q_norm.weight"), d, shift, q_scale).await?;
+                    w.extend(norm_weight(src, &n("attn_k_norm.weight"), d, shift, 1.0).await?);
                     Some(Tensor::from_f32(gpu, &[2, d], &w, &n("qk_norm"))?)
                 }
                 _ => None,
+            };
+            let post = async |s: &str| -> Result<Option<Tensor>> {
+                match cfg.gemma() {
+                    true => Ok(Some(norm(s).await?)),
+                    false => Ok(None),
+                }
             };
             // phi3 stores q, k, v as one tensor, and gate, up as one (under ffn_up).
             let fused = cfg.arch == "phi3";
@@ -480,6 +557,8 @@ impl Llama {
             };
             layers.push(Layer {
                 attn_norm: norm("attn_norm.weight").await?,
+                post_attn_norm: post("post_attention_norm.weight").await?,
+                post_ffn_norm: post("post_ffw_norm.weight").await?,
                 qkv: stacked(gpu, src, &qkv, e).await?,
                 qkv_bias,
                 qk_norm,
@@ -489,9 +568,12 @@ impl Llama {
                 down: matrix(gpu, src, &n("ffn_down.weight"), e, cfg.ffn_hidden).await?,
             });
         }
-        let out_norm = vector(gpu, src, "output_norm.weight", e)
-            .await?
-            .ok_or_else(|| format_err(src.path(), "tensor output_norm.weight is missing"))?;
+        let out_norm = Tensor::from_f32(
+            gpu,
+            &[e],
+            &norm_weight(src, "output_norm.weight", e, shift, 1.0).await?,
+            "output_norm.weight",
+        )?;
         let output = if src.has("output.weight") {
             matrix(gpu, src, "output.weight", cfg.vocab_size, e).await?
         } else {
@@ -528,6 +610,16 @@ impl Llama {
             &cfg.inv_freq(factors.as_deref(), max_context),
             cfg.rope_long.as_ref().map_or(1.0, |l| l.attn_factor),
         )?;
+        // Gemma 3's local layers turn by their own base, unscaled.
+        let rope_local = match cfg.rope_local_theta {
+            Some(theta) => Some(RopeTable::from_inv_freq_scaled(
+                gpu,
+                max_context,
+                &inv_freq(cfg.head_dim, theta),
+                1.0,
+            )?),
+            None => None,
+        };
         // A decode step reads every layer, the final norm and the output head (the
         // embedding table when tied); of a separate embedding table, one row.
         // Counted as the file stores them (Q6_K's padding on the GPU not included).
@@ -549,6 +641,7 @@ impl Llama {
             out_norm,
             output,
             rope,
+            rope_local,
             max_context,
             weight_bytes,
             decode_bytes,
@@ -579,14 +672,23 @@ impl Llama {
         steps
     }
 
-    /// An empty cache for up to `capacity` tokens (at most the model's context).
+    /// An empty cache for up to `capacity` tokens (at most the model's context): layers
+    /// with an attention window keep a ring of the last keys ([`KvCache::with_windows`]).
     pub fn cache(&self, gpu: &Gpu, capacity: usize) -> Result<KvCache> {
-        KvCache::new(
+        self.cache_with_step(gpu, capacity, RING_STEP)
+    }
+
+    /// [`Llama::cache`] whose rings take steps of up to `step` tokens (longer prompts run
+    /// in several steps).
+    pub fn cache_with_step(&self, gpu: &Gpu, capacity: usize, step: usize) -> Result<KvCache> {
+        let windows: Vec<_> = (0..self.cfg.n_layer).map(|i| self.cfg.window(i)).collect();
+        KvCache::with_windows(
             gpu,
-            self.cfg.n_layer,
+            &windows,
             capacity.min(self.max_context),
             self.cfg.n_kv_head,
             self.cfg.head_dim,
+            step,
         )
     }
 
@@ -654,23 +756,37 @@ impl Llama {
                 ),
             });
         }
+        let step = cache.max_step();
+        if t > step {
+            return self.forward_in_steps(rec, ids_t, cache, all, step);
+        }
         let gpu = rec.gpu();
         let eps = c.norm_eps as f32;
         let d = c.head_dim;
         let mut x = get_rows(rec, &self.embd, ids_t)?; // (T, E)
+        if c.gemma() {
+            // Gemma scales the embeddings by sqrt(width) (rounded to f32, as transformers).
+            x = scale(rec, &x, (c.n_embd as f32).sqrt())?;
+        }
 
         // x rounded to 8 bits for the next product by the product that made it, where both
         // round x (one token on large layers: see `ops::quant::qmatmul_chain`).
         let mut x8 = None;
         for (li, l) in self.layers.iter().enumerate() {
+            let window = c.window(li);
+            let table = match (&self.rope_local, window) {
+                (Some(local), Some(_)) => local,
+                _ => &self.rope,
+            };
             let to = RopeStore {
                 bias: l.qkv_bias.as_ref(),
-                table: &self.rope,
+                table,
                 pairing: c.pairing,
                 hq: c.n_head,
                 k_cache: &cache.k[li],
                 v_cache: &cache.v[li],
                 pos,
+                window,
             };
             let q = match &l.qk_norm {
                 None => qmatmul_rope_store(
@@ -693,6 +809,27 @@ impl Llama {
                     rope_store(rec, &qkv, &to)?
                 }
             };
+            if let (Some(post_attn), Some(post_ffn)) = (&l.post_attn_norm, &l.post_ffn_norm) {
+                // Gemma: each block's output normalised before it joins the residual;
+                // products one after the other.
+                let a = kv_attend(rec, &q, &cache.k[li], &cache.v[li], pos, window)?
+                    .reshape(&[t, c.n_head * d])?;
+                let o = qmatmul_fused(rec, &a, &l.o, Fuse::default())?;
+                let o = rms_norm(rec, &o, post_attn, eps, false)?.y;
+                x = add(rec, &x, &o)?;
+                let fuse = Fuse {
+                    norm: Some((&l.ffn_norm, eps)),
+                    swiglu: true,
+                    geglu: true,
+                    ..Default::default()
+                };
+                let g = qmatmul_fused(rec, &x, &l.gate_up, fuse)?;
+                let down = qmatmul_fused(rec, &g, &l.down, Fuse::default())?;
+                let down = rms_norm(rec, &down, post_ffn, eps, false)?.y;
+                x = add(rec, &x, &down)?;
+                x8 = None;
+                continue;
+            }
             let gate_up = Next {
                 w: &l.gate_up,
                 norm: Some(&l.ffn_norm),
@@ -700,14 +837,14 @@ impl Llama {
             // One token over many keys: the attention's key ranges are merged inside the
             // o product, or into its 8-bit x (one dispatch fewer a layer).
             let parts = if t == 1 {
-                kv_attend_parts(rec, &q, &cache.k[li], &cache.v[li], pos)?
+                kv_attend_parts(rec, &q, &cache.k[li], &cache.v[li], pos, window)?
             } else {
                 None
             };
             (x, x8) = match parts {
                 Some(parts) => qmatvec_parts(rec, &parts, &l.o, Some(&x), Some(gate_up))?,
                 None => {
-                    let a = kv_attend(rec, &q, &cache.k[li], &cache.v[li], pos)?
+                    let a = kv_attend(rec, &q, &cache.k[li], &cache.v[li], pos, window)?
                         .reshape(&[t, c.n_head * d])?;
                     let fuse = Fuse {
                         residual: Some(&x),
@@ -752,7 +889,7 @@ impl Llama {
             rec.copy_elements(&x, (t - 1) * c.n_embd, &row, 0, c.n_embd)?;
             (row, None)
         };
-        let logits = qmatmul_fused(
+        let mut logits = qmatmul_fused(
             rec,
             &last,
             &self.output,
@@ -762,11 +899,44 @@ impl Llama {
                 ..Default::default()
             },
         )?;
+        if let Some(cap) = c.final_softcap {
+            logits = softcap(rec, &logits, cap as f32)?;
+        }
         if all {
             Ok(logits)
         } else {
             logits.reshape(&[c.vocab_size])
         }
+    }
+
+    /// [`Llama::forward_ids`] of more tokens than one step may add to the cache's rings:
+    /// steps of `step` tokens, their logits (all, or the last token's) as one step's.
+    fn forward_in_steps(
+        &self,
+        rec: &mut Recorder<'_>,
+        ids_t: &Tensor,
+        cache: &mut KvCache,
+        all: bool,
+        step: usize,
+    ) -> Result<Tensor> {
+        let (t, v) = (ids_t.numel(), self.cfg.vocab_size);
+        let gpu = rec.gpu();
+        let out = match all {
+            true => Some(Tensor::empty(gpu, &[t, v], DType::F32, "llama.logits")?),
+            false => None,
+        };
+        let mut last = None;
+        for c0 in (0..t).step_by(step) {
+            let n = step.min(t - c0);
+            let ids = Tensor::empty(gpu, &[n], DType::U32, "llama.ids")?;
+            rec.copy_elements(ids_t, c0, &ids, 0, n)?;
+            let logits = self.forward_ids(rec, &ids, cache, all)?;
+            match &out {
+                Some(o) => rec.copy_elements(&logits, 0, o, c0 * v, n * v)?,
+                None => last = Some(logits),
+            }
+        }
+        Ok(out.or(last).expect("at least one step"))
     }
 }
 
@@ -891,21 +1061,31 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
         }),
         _ => None,
     };
-    // Phi-3 mini attends to a window (llama.cpp: `phi3.attention.sliding_window`): the
-    // context is limited to it, as from a config.json.
+    // Phi-3 mini attends to a window (llama.cpp: `phi3.attention.sliding_window`), as do
+    // Gemma 3's local layers (five of every six unless the file says otherwise, with their
+    // own RoPE base: llama.cpp's rules).
+    let n_layer = m.usize("block_count")?;
     let sliding_window = m
         .get("attention.sliding_window")
         .and_then(Value::as_u64)
         .map(|w| w as usize)
-        .filter(|&w| w > 0 && w < context_length && arch == "phi3");
-    if let Some(w) = sliding_window {
-        tracing::warn!(
-            "{path}: the model attends to a window of {w} tokens; its context is limited to {w} tokens"
-        );
-    }
+        .filter(|&w| w > 0 && w < context_length && matches!(arch, "phi3" | "gemma3"));
+    let gemma = arch == "gemma3";
+    let sliding_layers = match gemma {
+        true => {
+            let every = m
+                .get("attention.sliding_window_pattern")
+                .and_then(Value::as_u64)
+                .map_or(GEMMA3_PATTERN, |v| v as usize);
+            (0..n_layer)
+                .map(|i| every == 0 || (i + 1) % every != 0)
+                .collect()
+        }
+        false => Vec::new(),
+    };
     let cfg = LlamaConfig {
         arch: arch.to_string(),
-        n_layer: m.usize("block_count")?,
+        n_layer,
         n_embd,
         n_head,
         n_kv_head,
@@ -914,7 +1094,7 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
         vocab_size,
         norm_eps: m.f64_or("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta: m.f64_or("rope.freq_base", 10000.0),
-        context_length: sliding_window.unwrap_or(context_length),
+        context_length,
         pairing: if arch == "llama" {
             Pairing::Interleaved
         } else {
@@ -924,6 +1104,13 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
         rope_linear,
         rope_long,
         sliding_window,
+        sliding_layers,
+        rope_local_theta: gemma.then(|| m.f64_or("rope.freq_base_swa", 10000.0)),
+        // llama.cpp: Gemma 3 27B (62 layers) scales by 1/sqrt(width / heads), the others
+        // by 1/sqrt(head size), which the kernels do.
+        attn_scale: (gemma && n_layer == 62).then(|| (n_head as f64 / n_embd as f64).sqrt()),
+        final_softcap: m.get("final_logit_softcapping").and_then(Value::as_f64),
+        norm_shift: 0.0,
         tied_embeddings: false, // set by the loader from the tensors present
     };
     cfg.check(path)?;
@@ -963,27 +1150,55 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
         .and_then(|v| v.as_u64())
         .map(|v| v as usize)
         .unwrap_or(n_embd / n_head);
-    // Sliding-window layers (Qwen2/3 with use_sliding_window, layer_types) would attend
-    // to a window where this decoder attends to everything: refused, not approximated.
+    let gemma = arch == "gemma3_text";
+    // Sliding-window layers: Gemma 3's (layer_types, or every sixth layer global); Qwen2/3
+    // with use_sliding_window would attend to a window in layers this reader does not
+    // know from their config: refused, not approximated.
+    let layer_types = json.get("layer_types").and_then(|v| v.as_array());
     let sliding = json.get("use_sliding_window").and_then(|v| v.as_bool()) == Some(true)
-        || json
-            .get("layer_types")
-            .and_then(|v| v.as_array())
-            .is_some_and(|a| a.iter().any(|t| t.as_str() != Some("full_attention")));
-    if sliding {
+        || layer_types.is_some_and(|a| a.iter().any(|t| t.as_str() != Some("full_attention")));
+    if sliding && !gemma {
         return Err(format_err(
             path,
             "sliding-window attention layers (use_sliding_window, layer_types) are not supported",
         ));
     }
+    if let Some(c) = json.get("attn_logit_softcapping").filter(|v| !v.is_null()) {
+        return Err(format_err(
+            path,
+            format!("attention logit soft-capping ({c}) is not supported"),
+        ));
+    }
+    let act = json
+        .get("hidden_activation")
+        .or_else(|| json.get("hidden_act"))
+        .and_then(|v| v.as_str());
+    let want_act = if gemma { "gelu_pytorch_tanh" } else { "silu" };
+    if act.is_some_and(|a| a != want_act) {
+        return Err(format_err(
+            path,
+            format!("activation {act:?} is not supported for {arch} ({want_act})"),
+        ));
+    }
     // RoPE: `rope_theta` and `rope_scaling` (transformers 4), or both in `rope_parameters`
-    // (transformers 5: rope_theta and rope_type with the scaling's fields).
-    let rope_params = json.get("rope_parameters").filter(|v| v.is_object());
+    // (transformers 5: rope_theta and rope_type with the scaling's fields; Gemma 3's per
+    // layer kind, full_attention and sliding_attention).
+    let mut rope_params = json.get("rope_parameters").filter(|v| v.is_object());
+    let local_params = rope_params.and_then(|r| r.get("sliding_attention"));
+    if let Some(full) = rope_params.and_then(|r| r.get("full_attention")) {
+        rope_params = Some(full);
+    }
     let rope_theta = json
         .get("rope_theta")
         .or_else(|| rope_params.and_then(|r| r.get("rope_theta")))
         .and_then(|v| v.as_f64())
         .unwrap_or(10000.0);
+    let rope_local_theta = gemma.then(|| {
+        json.get("rope_local_base_freq")
+            .or_else(|| local_params.and_then(|r| r.get("rope_theta")))
+            .and_then(|v| v.as_f64())
+            .unwrap_or(10000.0)
+    });
     let (mut rope_llama3, mut rope_linear, mut rope_long) = (None, None, None);
     let context_length = int("max_position_embeddings").unwrap_or(4096);
     let scaling = json
@@ -1062,21 +1277,46 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
             format!("partial rotary embedding (partial_rotary_factor {partial}) is not supported"),
         ));
     }
-    // A model trained with an attention window (Mistral 7B v0.1, Phi-3 mini) attends to
-    // everything while the context fits in the window: the context is limited to it.
+    // A model trained with an attention window (Mistral 7B v0.1, Phi-3 mini, Gemma 3's
+    // local layers).
+    let n_layer = int("num_hidden_layers")?;
     let sliding_window = json
         .get("sliding_window")
         .and_then(|v| v.as_u64())
         .map(|w| w as usize)
-        .filter(|&w| w > 0 && w < context_length && matches!(arch, "mistral" | "phi3"));
-    if let Some(w) = sliding_window {
-        tracing::warn!(
-            "{path}: the model attends to a window of {w} tokens; its context is limited to {w} tokens"
-        );
-    }
+        .filter(|&w| {
+            w > 0 && w < context_length && matches!(arch, "mistral" | "phi3" | "gemma3_text")
+        });
+    let sliding_layers = match (gemma, layer_types) {
+        (true, Some(a)) => {
+            if a.len() != n_layer {
+                return Err(format_err(
+                    path,
+                    format!("layer_types lists {} layers for {n_layer}", a.len()),
+                ));
+            }
+            a.iter()
+                .map(|t| t.as_str() == Some("sliding_attention"))
+                .collect()
+        }
+        (true, None) => {
+            let every = json
+                .get("sliding_window_pattern")
+                .and_then(|v| v.as_u64())
+                .map_or(GEMMA3_PATTERN, |v| v as usize);
+            (0..n_layer)
+                .map(|i| every == 0 || (i + 1) % every != 0)
+                .collect()
+        }
+        (false, _) => Vec::new(),
+    };
+    let attn_scale = match gemma {
+        true => Some(num("query_pre_attn_scalar", head_dim as f64).powf(-0.5)),
+        false => None,
+    };
     let cfg = LlamaConfig {
-        arch: arch.to_string(),
-        n_layer: int("num_hidden_layers")?,
+        arch: if gemma { "gemma3" } else { arch }.to_string(),
+        n_layer,
         n_embd,
         n_head,
         n_kv_head,
@@ -1085,12 +1325,17 @@ pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfi
         vocab_size: int("vocab_size")?,
         norm_eps: num("rms_norm_eps", 1e-6),
         rope_theta,
-        context_length: sliding_window.unwrap_or(context_length),
+        context_length,
         pairing: Pairing::Half,
         rope_llama3,
         rope_linear,
         rope_long,
         sliding_window,
+        sliding_layers,
+        rope_local_theta,
+        attn_scale,
+        final_softcap: json.get("final_logit_softcapping").and_then(|v| v.as_f64()),
+        norm_shift: if gemma { 1.0 } else { 0.0 },
         tied_embeddings: json
             .get("tie_word_embeddings")
             .and_then(|v| v.as_bool())
@@ -1280,19 +1525,18 @@ impl SafeTensorsDir {
     }
 
     /// The name in these files of a GGUF tensor name: the first of its Hugging Face
-    /// names present (GGUF's `ffn_up` is Phi-3's fused gate_up_proj).
+    /// names present ([`SafeTensorsDir::hf_names`]).
     fn find(&self, name: &str) -> Option<String> {
-        let primary = Self::hf_name(name)?;
-        let fused = primary
-            .strip_suffix("mlp.up_proj.weight")
-            .map(|stem| format!("{stem}mlp.gate_up_proj.weight"));
-        std::iter::once(primary)
-            .chain(fused)
+        Self::hf_names(name)
+            .into_iter()
             .find(|n| self.index.contains_key(n))
     }
 
-    /// Hugging Face's name for a GGUF name.
-    pub fn hf_name(name: &str) -> Option<String> {
+    /// Hugging Face's names for a GGUF name, in the order to look for them: Gemma's
+    /// pre_feedforward_layernorm is GGUF's ffn_norm where Llama's is post_attention_layernorm
+    /// (Gemma's post_attention_layernorm is GGUF's post_attention_norm); GGUF's ffn_up is
+    /// Phi-3's fused gate_up_proj.
+    pub fn hf_names(name: &str) -> Vec<String> {
         let fixed = match name {
             "token_embd.weight" => Some("model.embed_tokens.weight"),
             "output_norm.weight" => Some("model.norm.weight"),
@@ -1300,29 +1544,45 @@ impl SafeTensorsDir {
             _ => None,
         };
         if let Some(f) = fixed {
-            return Some(f.to_string());
+            return vec![f.to_string()];
         }
-        let rest = name.strip_prefix("blk.")?;
-        let (i, what) = rest.split_once('.')?;
-        let hf = match what {
-            "attn_norm.weight" => "input_layernorm.weight",
-            "ffn_norm.weight" => "post_attention_layernorm.weight",
-            "attn_q.weight" => "self_attn.q_proj.weight",
-            "attn_k.weight" => "self_attn.k_proj.weight",
-            "attn_v.weight" => "self_attn.v_proj.weight",
-            "attn_q.bias" => "self_attn.q_proj.bias",
-            "attn_k.bias" => "self_attn.k_proj.bias",
-            "attn_v.bias" => "self_attn.v_proj.bias",
-            "attn_output.weight" => "self_attn.o_proj.weight",
-            "attn_qkv.weight" => "self_attn.qkv_proj.weight",
-            "attn_q_norm.weight" => "self_attn.q_norm.weight",
-            "attn_k_norm.weight" => "self_attn.k_norm.weight",
-            "ffn_gate.weight" => "mlp.gate_proj.weight",
-            "ffn_up.weight" => "mlp.up_proj.weight",
-            "ffn_down.weight" => "mlp.down_proj.weight",
-            _ => return None,
+        let Some((i, what)) = name.strip_prefix("blk.").and_then(|r| r.split_once('.')) else {
+            return Vec::new();
         };
-        Some(format!("model.layers.{i}.{hf}"))
+        let hf: &[&str] = match what {
+            "attn_norm.weight" => &["input_layernorm.weight"],
+            "ffn_norm.weight" => &[
+                "pre_feedforward_layernorm.weight",
+                "post_attention_layernorm.weight",
+            ],
+            "post_attention_norm.weight" => &["post_attention_layernorm.weight"],
+            "post_ffw_norm.weight" => &["post_feedforward_layernorm.weight"],
+            "attn_q.weight" => &["self_attn.q_proj.weight"],
+            "attn_k.weight" => &["self_attn.k_proj.weight"],
+            "attn_v.weight" => &["self_attn.v_proj.weight"],
+            "attn_q.bias" => &["self_attn.q_proj.bias"],
+            "attn_k.bias" => &["self_attn.k_proj.bias"],
+            "attn_v.bias" => &["self_attn.v_proj.bias"],
+            "attn_output.weight" => &["self_attn.o_proj.weight"],
+            "attn_qkv.weight" => &["self_attn.qkv_proj.weight"],
+            "attn_q_norm.weight" => &["self_attn.q_norm.weight"],
+            "attn_k_norm.weight" => &["self_attn.k_norm.weight"],
+            "ffn_gate.weight" => &["mlp.gate_proj.weight"],
+            "ffn_up.weight" => &["mlp.up_proj.weight", "mlp.gate_up_proj.weight"],
+            "ffn_down.weight" => &["mlp.down_proj.weight"],
+            _ => &[],
+        };
+        hf.iter().map(|h| format!("model.layers.{i}.{h}")).collect()
+    }
+
+    /// The name a Llama-layout checkpoint gives a GGUF name (Llama's ffn_norm is
+    /// post_attention_layernorm).
+    pub fn hf_name(name: &str) -> Option<String> {
+        let names = Self::hf_names(name);
+        match name.ends_with(".ffn_norm.weight") {
+            true => names.last().cloned(),
+            false => names.first().cloned(),
+        }
     }
 }
 
@@ -1472,9 +1732,10 @@ mod tests {
         pollster::block_on(SafeTensorsDir::from_files(files, "hf"))
     }
 
-    /// A sliding attention window limits the context to it (Mistral 7B v0.1's 4096 of
-    /// 32768); transformers 5's rope_parameters are read; sliding-window Qwen layers and
-    /// partial rotary embeddings are refused.
+    /// A sliding attention window is kept with the whole context (Mistral 7B v0.1's 4096
+    /// of 32768); transformers 5's rope_parameters are read, Gemma 3's per layer kind;
+    /// sliding-window Qwen layers, partial rotary embeddings and Gemma 3's multimodal
+    /// wrapper are refused.
     #[test]
     fn hf_configs_of_the_new_families() {
         let base = serde_json::json!({
@@ -1486,8 +1747,9 @@ mod tests {
         let c = config_from_hf(&base, "c.json").unwrap();
         assert_eq!(
             (c.context_length, c.sliding_window, c.rope_theta),
-            (4096, Some(4096), 1e6)
+            (32768, Some(4096), 1e6)
         );
+        assert_eq!((c.window(0), c.window(1)), (Some(4096), Some(4096)));
         let mut q = base.clone();
         q["model_type"] = "qwen2".into();
         q["use_sliding_window"] = true.into();
@@ -1502,6 +1764,42 @@ mod tests {
         g["model_type"] = "gemma3".into();
         let e = config_from_hf(&g, "c.json").unwrap_err().to_string();
         assert!(e.contains("gemma3") && e.contains("phi3"), "{e}");
+        // Gemma 3 text: layer kinds, each with its RoPE, the query scale, the norms' shift.
+        let gemma = serde_json::json!({
+            "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+            "intermediate_size": 96, "vocab_size": 300, "max_position_embeddings": 128,
+            "sliding_window": 8, "query_pre_attn_scalar": 64,
+            "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": null,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_theta": 1e6, "rope_type": "linear", "factor": 8.0},
+                "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"},
+            },
+        });
+        let c = config_from_hf(&gemma, "c.json").unwrap();
+        assert_eq!(
+            (c.arch.as_str(), c.window(0), c.window(1), c.window(2)),
+            ("gemma3", Some(8), Some(8), None)
+        );
+        assert_eq!(
+            (
+                c.rope_theta,
+                c.rope_local_theta,
+                c.rope_linear,
+                c.attn_scale,
+                c.norm_shift
+            ),
+            (1e6, Some(1e4), Some(8.0), Some(0.125), 1.0)
+        );
+        let mut g = gemma.clone();
+        g["layer_types"] = serde_json::json!(["sliding_attention"]);
+        let e = config_from_hf(&g, "c.json").unwrap_err().to_string();
+        assert!(e.contains("layer_types lists 1 layers for 3"), "{e}");
+        g["layer_types"] = serde_json::Value::Null;
+        g["attn_logit_softcapping"] = 50.0.into();
+        let e = config_from_hf(&g, "c.json").unwrap_err().to_string();
+        assert!(e.contains("soft-capping"), "{e}");
     }
 
     /// Found by doppler-fuzz: the ranged reader took files the safetensors crate refuses

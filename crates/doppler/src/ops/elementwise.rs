@@ -1,4 +1,4 @@
-//! Elementwise f32 ops: add, mul, scale. Shader: `elementwise.wgsl`.
+//! Elementwise f32 ops: add, mul, scale, softcap. Shader: `elementwise.wgsl`.
 //! Forward only for now; the derivatives (d(a+b) = (g, g), d(a*b) = (g*b, g*a),
 //! d(alpha*a) = alpha*g) are composed from these same kernels by the autograd tape.
 
@@ -27,6 +27,7 @@ static SCALE: Kernel = Kernel::new(&ELEMENTWISE, "scale", SCALAR2);
 static ADD4: Kernel = Kernel::new(&ELEMENTWISE, "add4", VEC3);
 static MUL4: Kernel = Kernel::new(&ELEMENTWISE, "mul4", VEC3);
 static SCALE4: Kernel = Kernel::new(&ELEMENTWISE, "scale4", VEC2);
+static SOFTCAP: Kernel = Kernel::new(&ELEMENTWISE, "softcap", SCALAR2);
 
 /// Dispatches `scalar` or, when n % 4 == 0, its vec4 twin over `tensors`.
 fn dispatch(
@@ -94,4 +95,30 @@ pub fn scale(rec: &mut Recorder<'_>, a: &Tensor, alpha: f32) -> Result<Tensor> {
 pub fn scale_into(rec: &mut Recorder<'_>, a: &Tensor, alpha: f32, out: &Tensor) -> Result<()> {
     same_shape("scale", a, out)?;
     dispatch(rec, (&SCALE, &SCALE4), alpha, &[a, out])
+}
+
+/// out = cap * tanh(a / cap) (inference only: Gemma's final logit soft-capping), cap > 0.
+pub fn softcap(rec: &mut Recorder<'_>, a: &Tensor, cap: f32) -> Result<Tensor> {
+    expect_f32("softcap", a)?;
+    if !(cap > 0.0 && cap.is_finite()) {
+        return Err(Error::Invalid {
+            op: "softcap",
+            detail: format!("cap {cap} must be positive"),
+        });
+    }
+    let out = Tensor::empty(rec.gpu(), a.shape(), a.dtype(), "softcap.out")?;
+    let n = a.numel() as u64;
+    let params = Params {
+        n: n as u32,
+        alpha: cap,
+        _pad: [0; 2],
+    };
+    rec.dispatch(
+        &SOFTCAP,
+        &[],
+        bytemuck::bytes_of(&params),
+        &[a, &out],
+        Grid::cover(n, WG),
+    )?;
+    Ok(out)
 }

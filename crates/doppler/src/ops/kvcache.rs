@@ -20,6 +20,11 @@ pub struct Params {
     pub tmax: u32,
     pub scale: f32,
     pub row: u32,
+    /// 0: every earlier key; else the keys of the last `window` positions.
+    pub window: u32,
+    /// The cache's rows: token j is in row j % ring.
+    pub ring: u32,
+    pub _pad: [u32; 2],
 }
 
 static STORE: Kernel = Kernel::new(&KVCACHE, "kv_store", &[(5, Read), (6, ReadWrite)]);
@@ -64,10 +69,20 @@ static ROPE_STORE: Kernel = Kernel::new(
 /// Largest head dimension (one thread per dimension in a workgroup of 256).
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// Keys and values of every layer for up to `capacity` tokens, each (capacity, Hkv, D).
+/// Tokens a step may add to a layer with an attention window beyond the window itself:
+/// such a layer keeps a ring of `window - 1 + RING_STEP` rows (the last keys), and longer
+/// prompts run in steps of at most `RING_STEP` tokens (llama.cpp sizes its sliding-window
+/// caches the same way, from its batch of 512).
+pub const RING_STEP: usize = 512;
+
+/// Keys and values of every layer for up to `capacity` tokens, each (rows, Hkv, D): all
+/// `capacity` rows, or for a layer with an attention window of W (`windows`) a ring of the
+/// last min(capacity, W - 1 + step) tokens.
 pub struct KvCache {
     pub k: Vec<Tensor>,
     pub v: Vec<Tensor>,
+    /// Each layer's attention window (None: every earlier token).
+    pub windows: Vec<Option<usize>>,
     /// Tokens stored so far.
     pub len: usize,
     pub capacity: usize,
@@ -77,21 +92,42 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(gpu: &Gpu, layers: usize, capacity: usize, hkv: usize, d: usize) -> Result<KvCache> {
-        if d == 0 || d > MAX_HEAD_DIM || d % 4 != 0 || hkv == 0 || capacity == 0 {
-            return Err(Error::Invalid { op: "kv_cache", detail: format!("capacity {capacity}, {hkv} kv heads of dim {d} (a multiple of 4 up to {MAX_HEAD_DIM})") });
+        Self::with_windows(gpu, &vec![None; layers], capacity, hkv, d, RING_STEP)
+    }
+
+    /// A cache whose layers attend to the windows given (one per layer), each windowed
+    /// layer holding a ring of `window - 1 + step` rows where that is less than `capacity`.
+    pub fn with_windows(
+        gpu: &Gpu,
+        windows: &[Option<usize>],
+        capacity: usize,
+        hkv: usize,
+        d: usize,
+        step: usize,
+    ) -> Result<KvCache> {
+        if d == 0
+            || d > MAX_HEAD_DIM
+            || d % 4 != 0
+            || hkv == 0
+            || capacity == 0
+            || step == 0
+            || windows.contains(&Some(0))
+        {
+            return Err(Error::Invalid { op: "kv_cache", detail: format!("capacity {capacity}, {hkv} kv heads of dim {d} (a multiple of 4 up to {MAX_HEAD_DIM}), windows {windows:?}, step {step}") });
         }
-        let mut k = Vec::with_capacity(layers);
-        let mut v = Vec::with_capacity(layers);
-        for _ in 0..layers {
+        let mut k = Vec::with_capacity(windows.len());
+        let mut v = Vec::with_capacity(windows.len());
+        for w in windows {
+            let rows = w.map_or(capacity, |w| capacity.min(w - 1 + step));
             k.push(Tensor::empty(
                 gpu,
-                &[capacity, hkv, d],
+                &[rows, hkv, d],
                 DType::F32,
                 "kv_cache.k",
             )?);
             v.push(Tensor::empty(
                 gpu,
-                &[capacity, hkv, d],
+                &[rows, hkv, d],
                 DType::F32,
                 "kv_cache.v",
             )?);
@@ -99,6 +135,7 @@ impl KvCache {
         Ok(KvCache {
             k,
             v,
+            windows: windows.to_vec(),
             len: 0,
             capacity,
             hkv,
@@ -110,12 +147,36 @@ impl KvCache {
     pub fn fits(&self, t: usize) -> bool {
         self.len + t <= self.capacity
     }
+
+    /// The most tokens one step may add: a ring holds a window's keys and one step's.
+    pub fn max_step(&self) -> usize {
+        self.windows
+            .iter()
+            .zip(&self.k)
+            .filter_map(|(w, k)| {
+                let rows = k.shape()[0];
+                w.filter(|_| rows < self.capacity).map(|w| rows + 1 - w)
+            })
+            .min()
+            .unwrap_or(usize::MAX)
+    }
+
+    /// Bytes the caches take on the GPU.
+    pub fn bytes(&self) -> u64 {
+        self.k.iter().chain(&self.v).map(|t| t.byte_size()).sum()
+    }
 }
 
-fn params(q: &[usize], cache: &[usize], pos: usize, what: &str) -> Result<Params> {
+fn params(
+    q: &[usize],
+    cache: &[usize],
+    pos: usize,
+    window: Option<usize>,
+    what: &str,
+) -> Result<Params> {
     let err = |why: String| Error::Shape {
         op: "kv_attend",
-        detail: format!("{what} {q:?}, cache {cache:?}, position {pos}: {why}"),
+        detail: format!("{what} {q:?}, cache {cache:?}, position {pos}, window {window:?}: {why}"),
     };
     if q.len() != 3 || cache.len() != 3 {
         return Err(err(
@@ -129,11 +190,21 @@ fn params(q: &[usize], cache: &[usize], pos: usize, what: &str) -> Result<Params
             "head dims differ, or are not a multiple of 4 up to {MAX_HEAD_DIM}"
         )));
     }
-    if pos + t > tmax {
+    // A windowed layer's cache is a ring once the tokens pass its rows: it must then hold
+    // the window before the first new token and the new tokens.
+    let ring_holds = window.is_some_and(|w| w > 0 && w - 1 + t <= tmax);
+    if pos + t > tmax && !ring_holds {
         return Err(err(format!(
-            "{} tokens exceed the cache's capacity {tmax}",
-            pos + t
+            "{} tokens exceed the cache's {tmax} rows{}",
+            pos + t,
+            match window {
+                Some(w) => format!(" (a ring needs {} for a window of {w})", w + t - 1),
+                None => String::new(),
+            }
         )));
+    }
+    if window == Some(0) {
+        return Err(err("a window of 0 keys".into()));
     }
     if t == 0 || hkv == 0 || h % hkv != 0 {
         return Err(err(
@@ -149,13 +220,23 @@ fn params(q: &[usize], cache: &[usize], pos: usize, what: &str) -> Result<Params
         tmax: tmax as u32,
         scale: 1.0 / (d as f32).sqrt(),
         row: (hkv * d) as u32,
+        window: window.unwrap_or(0) as u32,
+        ring: tmax as u32,
+        _pad: [0; 2],
     })
 }
 
-/// Writes `x` (T, Hkv, D) into `cache` at tokens pos..pos+T.
-pub fn kv_store(rec: &mut Recorder<'_>, cache: &Tensor, x: &Tensor, pos: usize) -> Result<()> {
+/// Writes `x` (T, Hkv, D) into `cache` at tokens pos..pos+T (rows (pos + t) % rows: with a
+/// `window`, the cache may be a ring).
+pub fn kv_store(
+    rec: &mut Recorder<'_>,
+    cache: &Tensor,
+    x: &Tensor,
+    pos: usize,
+    window: Option<usize>,
+) -> Result<()> {
     expect_f32("kv_store", x)?;
-    let p = params(x.shape(), cache.shape(), pos, "x")?;
+    let p = params(x.shape(), cache.shape(), pos, window, "x")?;
     if p.hq != p.hkv {
         return Err(Error::Shape {
             op: "kv_store",
@@ -190,16 +271,19 @@ pub fn kv_attend_parts(
     k: &Tensor,
     v: &Tensor,
     pos: usize,
+    window: Option<usize>,
 ) -> Result<Option<AttnParts>> {
     expect_f32("kv_attend", q)?;
-    let p = params(q.shape(), k.shape(), pos, "q")?;
+    let p = params(q.shape(), k.shape(), pos, window, "q")?;
     if k.shape() != v.shape() {
         return Err(Error::Shape {
             op: "kv_attend",
             detail: format!("k cache {:?} vs v cache {:?}", k.shape(), v.shape()),
         });
     }
-    let (t, keys) = (p.t as usize, pos + p.t as usize);
+    // Keys from the first one the first query sees (kvcache.wgsl's first_key(0)).
+    let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    let (t, keys) = (p.t as usize, pos + p.t as usize - first);
     if t > SPLIT_MAX_QUERIES {
         return Ok(None);
     }
@@ -230,7 +314,9 @@ pub fn kv_attend_parts(
 }
 
 /// Causal attention of q (T, Hq, D), the tokens at pos..pos+T, over the cached keys and
-/// values 0..pos+T (the new ones stored already). Scale 1/sqrt(D). Up to
+/// values 0..pos+T (the new ones stored already), or with a `window` of W over the last W
+/// of them (query i sees keys j, i - W < j <= i; the cache may then be a ring). Scale
+/// 1/sqrt(D). Up to
 /// [`SPLIT_MAX_QUERIES`] queries split the keys into ranges (two dispatches, many more
 /// workgroups); more queries run the tiled attention of
 /// `ops::attention` where it fits (head dim <= 64; its cooperative-matrix kernels when
@@ -241,11 +327,16 @@ pub fn kv_attend(
     k: &Tensor,
     v: &Tensor,
     pos: usize,
+    window: Option<usize>,
 ) -> Result<Tensor> {
-    let parts = kv_attend_parts(rec, q, k, v, pos)?;
-    let p = params(q.shape(), k.shape(), pos, "q")?;
+    let parts = kv_attend_parts(rec, q, k, v, pos, window)?;
+    let p = params(q.shape(), k.shape(), pos, window, "q")?;
     let (t, hq, hkv, d) = (p.t as usize, p.hq as usize, p.hkv as usize, p.d as usize);
-    if parts.is_none() && t > SPLIT_MAX_QUERIES && attention::tiled_fits(rec.gpu(), d) {
+    // The tiled kernels read keys 0..pos+T in order: a ring that has wrapped goes to
+    // `attend`, as does a window that hides keys from some query (no mask for it there).
+    let contiguous = pos + t <= k.shape()[0] && window.is_none_or(|w| pos + t <= w);
+    if parts.is_none() && t > SPLIT_MAX_QUERIES && contiguous && attention::tiled_fits(rec.gpu(), d)
+    {
         // A prompt: the training kernels' tiled attention (a block of queries shares each
         // tile of keys) over the filled part of the caches; its causal mask lets query i
         // see keys up to pos + i. `Auto` takes the cooperative kernels (f16 operands) when
@@ -343,6 +434,9 @@ fn parts_params(parts: &AttnParts, op: &'static str) -> Result<Params> {
         tmax: (ns * SPLIT) as u32,
         scale: 1.0,
         row: (h * d) as u32,
+        window: 0,
+        ring: (ns * SPLIT) as u32,
+        _pad: [0; 2],
     })
 }
 
@@ -360,6 +454,8 @@ pub struct RopeStore<'a> {
     pub k_cache: &'a Tensor,
     pub v_cache: &'a Tensor,
     pub pos: usize,
+    /// The layer's attention window (its cache may then be a ring).
+    pub window: Option<usize>,
 }
 
 impl RopeStore<'_> {
@@ -371,7 +467,7 @@ impl RopeStore<'_> {
             cs.get(2).copied().unwrap_or(0),
         );
         let want = (self.hq + 2 * hkv) * d;
-        let p = params(&[rows, self.hq, d], cs, self.pos, "qkv")?;
+        let p = params(&[rows, self.hq, d], cs, self.pos, self.window, "qkv")?;
         if width != want
             || self.v_cache.shape() != cs
             || self.table.head_dim != d

@@ -356,6 +356,8 @@ pub struct Fuse<'a> {
     pub residual: Option<&'a Tensor>,
     /// W holds [gate; up] (2n rows): the result is silu(x gate^T) * (x up^T), (.., n).
     pub swiglu: bool,
+    /// With `swiglu`: gelu(approximate='tanh') in place of silu (GeGLU).
+    pub geglu: bool,
     /// x already rounded for this product by the one that made it ([`qmatmul_chain`]),
     /// with `norm`'s weight: used instead of rounding x again where the product rounds x
     /// ([`decode_rounds_x`]; x is read otherwise).
@@ -612,6 +614,7 @@ fn qmatvec1_x8(
         ("NORM", xq.norm.is_some() as u32 as f64),
         ("RESIDUAL", fuse.residual.is_some() as u32 as f64),
         ("SWIGLU", fuse.swiglu as u32 as f64),
+        ("GEGLU", fuse.geglu as u32 as f64),
         ("MV1_SPLIT", split as f64),
         ("MV1_WG", wg as f64),
         ("MV1_RW", rw as f64),
@@ -707,6 +710,7 @@ pub fn qmatmul_chain(
         ("NORM", fuse.norm.is_some() as u32 as f64),
         ("RESIDUAL", fuse.residual.is_some() as u32 as f64),
         ("SWIGLU", fuse.swiglu as u32 as f64),
+        ("GEGLU", fuse.geglu as u32 as f64),
     ];
     let nw = fuse.norm.map_or(x, |n| n.0);
     let res = fuse.residual.unwrap_or(x);
@@ -728,12 +732,12 @@ pub fn qmatmul_chain(
                 let y8 = qmatvec1_x8(rec, xq, w, &p, &y, fuse, split, next)?;
                 return Ok((y, y8));
             }
-            let c1 = [c[0], c[1], c[2], c[3], ("MV1_SPLIT", split as f64)];
+            let c1 = [c[0], c[1], c[2], c[3], c[4], ("MV1_SPLIT", split as f64)];
             let grid = Grid::Linear(w.rows.div_ceil(Path::rows(split, 256, 4)) as u64);
             rec.dispatch(&QMATVEC1, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
         }
         Path::MatVec => {
-            let (cm, grid) = matvec_grid(c, m, w.rows);
+            let (cm, grid) = matvec_grid(&c, m, w.rows);
             rec.dispatch(&QMATVEC, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         }
         Path::Tiled => {
@@ -899,7 +903,11 @@ pub fn qmatmul_rope_store(
     let sh = x.shape();
     let t = x.numel() / w.cols.max(1);
     let path = Path::of(t, w);
+    // The fused kernels store at row pos + t: a ring cache that has wrapped (a window's
+    // last keys) takes the two steps, whose `rope_store` wraps.
+    let wraps = to.pos + t > to.k_cache.shape().first().copied().unwrap_or(0);
     let fused = !matches!(path, Path::Tiled)
+        && !wraps
         && rec.gpu().limits.max_storage_buffers_per_shader_stage >= ROPE_STORAGE;
     if !fused || sh.len() != 2 || sh[1] != w.cols {
         let fuse = Fuse {
@@ -980,7 +988,7 @@ pub fn qmatmul_rope_store(
             }
         }
         _ => {
-            let (cm, grid) = matvec_grid(c, t, w.rows);
+            let (cm, grid) = matvec_grid(&c, t, w.rows);
             rec.dispatch(&QMATVEC_ROPE, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         }
     }
@@ -991,12 +999,13 @@ pub fn qmatmul_rope_store(
 /// one row, so that its loops keep one sum in registers, else 8) and grid (8 rows of W by
 /// MV_X rows of x a workgroup) for `m` rows of x and `rows` of W.
 fn matvec_grid(
-    c: [(&'static str, f64); 4],
+    c: &[(&'static str, f64)],
     m: usize,
     rows: usize,
-) -> ([(&'static str, f64); 5], Grid) {
+) -> (Vec<(&'static str, f64)>, Grid) {
     let mv_x = if m == 1 { 1 } else { 8 };
-    let cm = [c[0], c[1], c[2], c[3], ("MV_X", mv_x as f64)];
+    let mut cm = c.to_vec();
+    cm.push(("MV_X", mv_x as f64));
     (
         cm,
         Grid::Linear((rows.div_ceil(8) * m.div_ceil(mv_x)) as u64),

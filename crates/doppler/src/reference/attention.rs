@@ -10,6 +10,8 @@ pub struct Dims {
     pub hkv: usize,
     pub d: usize,
     pub causal: bool,
+    /// With `causal`: query i sees only the last `window` keys up to its own (0: all).
+    pub window: usize,
     pub scale: f64,
 }
 
@@ -23,7 +25,10 @@ impl Dims {
         ((b * self.tk + j) * self.hkv + kv) * self.d
     }
     fn visible(&self, i: usize, j: usize) -> bool {
-        !self.causal || j + self.tq <= i + self.tk
+        // Query i sits at key position i + tk - tq.
+        !self.causal
+            || (j + self.tq <= i + self.tk
+                && (self.window == 0 || i + self.tk < j + self.tq + self.window))
     }
     /// Probabilities of row (b, h, i) over all keys (0 where masked).
     fn probs(&self, q: &[f64], k: &[f64], b: usize, h: usize, i: usize) -> Vec<f64> {
@@ -132,6 +137,7 @@ mod tests {
             hkv: 2,
             d: 2,
             causal: true,
+            window: 0,
             scale: 0.7,
         };
         let nq = dm.b * dm.tq * dm.hq * dm.d;

@@ -85,6 +85,7 @@ pub fn loss(
             hkv,
             d,
             causal: true,
+            window: 0,
             scale: 1.0 / (d as f64).sqrt(),
         };
         let a = attn::attention(&q, &k, &v, dm).0;

@@ -2,6 +2,8 @@
 //   add:   out[i] = a[i] + b[i]
 //   mul:   out[i] = a[i] * b[i]
 //   scale: out[i] = alpha * a[i]
+//   softcap: out[i] = alpha * tanh(a[i] / alpha)   (Gemma's logit soft-capping), tanh(y)
+//          as sign(y) (1 - e) / (1 + e), e = exp(-2|y|): no overflow, exact limits
 // The *4 entry points do the same on vec4 views of the same buffers (n % 4 == 0).
 // Grid: linear, possibly 2-D past 65535 workgroups; one element (or vec4) per thread.
 
@@ -67,4 +69,17 @@ fn scale4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
           @builtin(local_invocation_index) lid: u32) {
     let i = flat_index(wid, nwg, lid);
     if (i < p.n) { out4[i] = p.alpha * a4[i]; }
+}
+
+fn capped(x: f32) -> f32 {
+    let y = x / p.alpha;
+    let e = exp(-2.0 * abs(y));
+    return p.alpha * sign(y) * ((1.0 - e) / (1.0 + e));
+}
+
+@compute @workgroup_size(WG)
+fn softcap(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+           @builtin(local_invocation_index) lid: u32) {
+    let i = flat_index(wid, nwg, lid);
+    if (i < p.n) { out[i] = capped(a[i]); }
 }

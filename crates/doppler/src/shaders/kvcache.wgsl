@@ -24,6 +24,11 @@
 //              pos..pos+T. RoPE as rope.wgsl: (x_i, x_j) -> (x_i c - x_j s, x_i s + x_j c)
 //              for pair k, j = i + 1 (INTERLEAVED) or i + D/2, (c, s) from the table
 //              (positions, D/2) at binding 8. One thread per pair; cover T (Hq + 2Hkv) D/2.
+// Windows and rings: with p.window > 0 the query at position i sees only keys j with
+// i - j < window (sliding-window attention); every kernel keeps token j in the cache's row
+// j % p.ring (p.ring = its rows), so a cache of window - 1 + T rows or more holds all a
+// step of T tokens needs (a ring of the last keys); without a ring, j < rows and the row
+// is j.
 // Every sum runs in a fixed order: the same inputs give the same bits.
 
 struct Params {
@@ -35,6 +40,10 @@ struct Params {
     tmax: u32,
     scale: f32,
     row: u32,     // hkv * d (kv_store)
+    window: u32,  // 0: every earlier key
+    ring: u32,    // the cache's rows
+    _pad0: u32,
+    _pad1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -50,8 +59,19 @@ fn kv_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
             @builtin(local_invocation_index) lid: u32) {
     let i = (wid.x + wid.y * nwg.x) * 256u + lid;
     if (i < p.t * p.row) {
-        cache[p.pos * p.row + i] = src[i];
+        cache[cache_row(p.pos + i / p.row) * p.row + i % p.row] = src[i];
     }
+}
+
+// The cache row of token j.
+fn cache_row(j: u32) -> u32 {
+    return j % p.ring;
+}
+
+// The first key query t (at position pos + t) sees.
+fn first_key(t: u32) -> u32 {
+    let i = p.pos + t;
+    return select(0u, i + 1u - p.window, p.window > 0u && i + 1u > p.window);
 }
 
 const WG: u32 = 256u;
@@ -114,14 +134,14 @@ fn weighted_values(c0: u32, first: u32, step: u32, n: u32, stride: u32, vb: u32)
     var acc = vec4<f32>(0.0);
     var jj = first;
     for (; jj + 3u * step < n; jj += 4u * step) {
-        let a = v4((c0 + jj) * stride + vb);
-        let b = v4((c0 + jj + step) * stride + vb);
-        let c = v4((c0 + jj + 2u * step) * stride + vb);
-        let d = v4((c0 + jj + 3u * step) * stride + vb);
+        let a = v4(cache_row(c0 + jj) * stride + vb);
+        let b = v4(cache_row(c0 + jj + step) * stride + vb);
+        let c = v4(cache_row(c0 + jj + 2u * step) * stride + vb);
+        let d = v4(cache_row(c0 + jj + 3u * step) * stride + vb);
         acc += sc[jj] * a + sc[jj + step] * b + sc[jj + 2u * step] * c + sc[jj + 3u * step] * d;
     }
     for (; jj < n; jj += step) {
-        acc += sc[jj] * v4((c0 + jj) * stride + vb);
+        acc += sc[jj] * v4(cache_row(c0 + jj) * stride + vb);
     }
     return acc;
 }
@@ -153,17 +173,17 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let dim4 = lid % d4;
     let stride = p.hkv * p.d;             // floats between consecutive cached tokens
     let base = kvh * p.d;
-    let nkeys = p.pos + t + 1u;           // causal: keys 0..=pos+t
+    let nkeys = p.pos + t + 1u;           // causal: keys first_key(t)..=pos+t
     load_q(t, h, lid);
     var m = -3.0e38;                       // running max of the scores
     var l = 0.0;                           // running sum of exp(score - m)
     var acc = vec4<f32>(0.0);              // this thread's 4 output dims, its group's keys
-    for (var c0 = 0u; c0 < nkeys; c0 += WG) {
+    for (var c0 = first_key(t); c0 < nkeys; c0 += WG) {
         workgroupBarrier();
         let j = c0 + lid;
         var s = -3.0e38;
         if (j < nkeys) {
-            s = score(j * stride + base);
+            s = score(cache_row(j) * stride + base);
         }
         red[lid] = s;
         reduce(lid, true);
@@ -199,8 +219,9 @@ const SPLIT: u32 = 64u;
 @group(0) @binding(12) var<storage, read_write> part: array<f32>;
 var<workgroup> red64: array<vec4<f32>, 16>;   // a range's 64 scores
 
+// Ranges of 64 keys from first_key(0) (the first key any query sees) to pos + t.
 fn splits() -> u32 {
-    return (p.pos + p.t + SPLIT - 1u) / SPLIT;
+    return (p.pos + p.t - first_key(0u) + SPLIT - 1u) / SPLIT;
 }
 
 // 256 threads a range: for the scores, 4 threads a key, each a quarter of the dims (vec4s
@@ -236,12 +257,14 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let stride4 = p.hkv * d4;             // vec4s between consecutive cached tokens
     let base4 = kvh * d4;
     let nkeys = p.pos + t + 1u;
-    let k0 = sp * SPLIT;
+    let k0 = first_key(0u) + sp * SPLIT;
     let nk = select(0u, min(SPLIT, nkeys - k0), k0 < nkeys);   // keys in this range
+    // Keys at the range's start before this query's window (later queries of a step).
+    let skip = min(nk, select(0u, first_key(t) - k0, first_key(t) > k0));
     let out = g * (p.d + 2u);
     // Quarter qtr of key k0 + lid / 4: vec4s qtr + 4 i of its row.
     let qtr = lid % 4u;
-    let kb4 = (k0 + lid / 4u) * stride4 + base4;
+    let kb4 = cache_row(k0 + lid / 4u) * stride4 + base4;
     let kn = select(0u, (d4 + 3u - qtr) / 4u, lid / 4u < nk);
     var kq: array<vec4<f32>, 8>;
     for (var i = 0u; i < PRE; i++) {
@@ -255,7 +278,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     for (var i = 0u; i < PRE; i++) {
         let jj = grp + groups * i;
         if (on && jj < nk) {
-            vv[i] = vc4[(k0 + jj) * stride4 + base4 + dim4];
+            vv[i] = vc4[cache_row(k0 + jj) * stride4 + base4 + dim4];
         }
     }
     load_q(t, h, lid);
@@ -273,7 +296,8 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     workgroupBarrier();
     // Threads lid < 64: key k0 + lid's score; every thread reads the 64 for the max.
     var s = -3.0e38;
-    if (lid < nk) {
+    let seen = lid < nk && lid >= skip;
+    if (seen) {
         let b = 4u * lid;
         s = ((part_dot[b] + part_dot[b + 1u]) + (part_dot[b + 2u] + part_dot[b + 3u])) * p.scale;
     }
@@ -287,7 +311,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     }
     let m = max(max(m4.x, m4.y), max(m4.z, m4.w));
     if (lid < SPLIT) {
-        sc[lid] = select(0.0, exp(s - m), lid < nk);
+        sc[lid] = select(0.0, exp(s - m), seen);
     }
     workgroupBarrier();
     var acc = vec4<f32>(0.0);
@@ -299,7 +323,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
             }
         }
         for (var jj = grp + groups * PRE; jj < nk; jj += groups) {
-            acc += sc[jj] * vc4[(k0 + jj) * stride4 + base4 + dim4];
+            acc += sc[jj] * vc4[cache_row(k0 + jj) * stride4 + base4 + dim4];
         }
     }
     red4[lid] = acc;
@@ -313,13 +337,14 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     }
     if (lid == 255u) {
         // The sum of the 64 weights, in order (on a thread not summing groups above). An
-        // empty range (past this query's keys) has l = 0 and adds nothing.
+        // empty range (past this query's keys, or before its window) has l = 0 and adds
+        // nothing.
         var l = 0.0;
         for (var i = 0u; i < 64u; i++) {
             l += sc[i];
         }
-        part[out + p.d] = select(-3.0e38, m, nk > 0u);
-        part[out + p.d + 1u] = select(0.0, l, nk > 0u);
+        part[out + p.d] = select(-3.0e38, m, nk > skip);
+        part[out + p.d + 1u] = select(0.0, l, nk > skip);
     }
 }
 
@@ -459,6 +484,7 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         b += bias[off + j];
     }
     let pos = p.pos + t;
+    let r = cache_row(pos);
     if (slot < p.hq + p.hkv) {
         let cs = table[pos * half + k];
         let ra = a * cs.x - b * cs.y;
@@ -468,12 +494,12 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
             q_out[o + i] = ra;
             q_out[o + j] = rb;
         } else {
-            let o = (pos * p.hkv + slot - p.hq) * p.d;
+            let o = (r * p.hkv + slot - p.hq) * p.d;
             k_cache[o + i] = ra;
             k_cache[o + j] = rb;
         }
     } else {
-        let o = (pos * p.hkv + slot - p.hq - p.hkv) * p.d;
+        let o = (r * p.hkv + slot - p.hq - p.hkv) * p.d;
         v_cache[o + i] = a;
         v_cache[o + j] = b;
     }

@@ -582,9 +582,11 @@ fn get_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
 //            the same pass and multiply by rsqrt(mean(x^2) + eps) at the end.
 //   RESIDUAL dst = res (binding 6) + product
 //   SWIGLU   W holds 2n rows [gate; up]: dst[r, j] = silu(x.gate_j) * x.up_j, j < n
+//   GEGLU    with SWIGLU: gelu_tanh(x.gate_j) instead of silu (Gemma's GeGLU)
 override NORM: bool = false;
 override RESIDUAL: bool = false;
 override SWIGLU: bool = false;
+override GEGLU: bool = false;
 
 // ROPE (entry points qmatvec_rope, qmatvec1_rope; what kvcache.wgsl's rope_store does, on
 // the product's output): W stacks q, k and v heads ((heads + 2 hkv) d rows; p.heads query
@@ -649,6 +651,17 @@ fn rope_out(t: u32, v: u32, sa: f32, sb: f32) {
 
 fn silu(v: f32) -> f32 {
     return v / (1.0 + exp(-v));
+}
+
+// The gate's activation: silu, or with GEGLU gelu(approximate='tanh'), 0.5 v (1 + tanh u)
+// = v / (1 + exp(-2u)), u = sqrt(2/pi) (v + 0.044715 v^3) (gelu.wgsl's form: no
+// cancellation; exp's overflow gives 0 for v << 0).
+fn gate_act(v: f32) -> f32 {
+    if (GEGLU) {
+        let u = 0.7978845608028654 * (v + 0.044715 * v * v * v);
+        return v / (1.0 + exp(-2.0 * u));
+    }
+    return silu(v);
 }
 
 // Rows of W the product reads, and W's row for (virtual) output column v: with SWIGLU the
@@ -941,7 +954,7 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
             let scale = mv_scale(r);
             if (SWIGLU) {
                 if ((v & 1u) == 0u) {
-                    dst[(at.x + r) * p.n + v / 2u] = silu(mv_tot[r][lid / 32u] * scale) * (mv_tot[r][lid / 32u + 1u] * scale);
+                    dst[(at.x + r) * p.n + v / 2u] = gate_act(mv_tot[r][lid / 32u] * scale) * (mv_tot[r][lid / 32u + 1u] * scale);
                 }
             } else {
                 dst[(at.x + r) * p.n + v] = finish(at.x + r, v, mv_tot[r][lid / 32u] * scale);
@@ -1162,7 +1175,7 @@ fn mv1_store(g: u32, lid: u32, at: vec2<u32>) {
             if (SWIGLU) {
                 // v0 is a multiple of 4: gate (even v) and up (v + 1) are both here.
                 if ((v & 1u) == 0u) {
-                    let y = silu(mv1_get(lid, q) * scale) * (mv1_get(lid, q + 1u) * scale);
+                    let y = gate_act(mv1_get(lid, q) * scale) * (mv1_get(lid, q + 1u) * scale);
                     dst[v / 2u] = y;
                     if (X8_OUT) {
                         x8_vals[v / 2u - 16u * g] = y;
@@ -1350,7 +1363,7 @@ fn qmatmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
             for (var jj = 0u; jj < 4u; jj += 2u) {
                 let u = (col0 + tx * 4u + jj) / 2u;
                 if (r < p.m && u < p.n) {
-                    dst[r * p.n + u] = silu(v[jj]) * v[jj + 1u];
+                    dst[r * p.n + u] = gate_act(v[jj]) * v[jj + 1u];
                 }
             }
         } else {

@@ -63,6 +63,7 @@ async fn coop_rescale_check(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         hkv: 1,
         d,
         causal: true,
+        window: 0,
         scale: 0.125,
     };
     let (o, lse) = cpu::attention(&widen(&q), &widen(&k), &widen(&v), dm);
@@ -129,6 +130,7 @@ async fn check(
         hkv,
         d,
         causal,
+        window: 0,
         scale: 1.0 / (d as f32).sqrt() as f64,
     };
     let (qd, kd, vd, gd) = (widen(&q), widen(&k), widen(&v), widen(&g));

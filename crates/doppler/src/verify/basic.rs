@@ -61,6 +61,27 @@ pub(super) async fn elementwise_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             )
             .await,
         );
+        // Inputs up to 40 against a cap of 3: tanh's linear part and its saturation.
+        let wide: Vec<f32> = a.iter().map(|v| 40.0 * v).collect();
+        let want: Vec<f64> = wide
+            .iter()
+            .map(|&v| 3.0 * (v as f64 / 3.0).tanh())
+            .collect();
+        let softcap = async || -> Outcome {
+            let ta = Tensor::from_f32(gpu, &[n], &wide, "a").map_err(s)?;
+            let t = gpu
+                .run_async(|rec| elementwise::softcap(rec, &ta, 3.0))
+                .await
+                .map_err(s)?;
+            let got = t.to_vec_f32(gpu).await.map_err(s)?;
+            // exp and a division: a few f32 roundings, relative to the cap.
+            let tol = Tolerance {
+                abs: 3.0 * 4e-7,
+                rel: 4e-7,
+            };
+            compare("softcap", &got, &want, None, tol).map_err(s)
+        };
+        push(out, "softcap", format!("[{n}], cap 3"), softcap().await);
     }
 }
 

@@ -27,88 +27,141 @@ pub const KV_CASES: [(usize, usize, usize, usize, usize, usize); 7] = [
     (80, 2, 1, 256, 70, 2),
 ];
 
+/// Sliding windows over caches (rows, Hq, Hkv, D, window, the tokens of each step): a
+/// window that hides nothing yet (the tiled prompt kernel), one that hides keys from a
+/// prompt (one workgroup a head, each query its own first key) and then from decode steps
+/// whose key ranges start inside the window; rings that wrap (a window of 10 in 20 rows, a
+/// prompt step of 7 across the wrap; 70 of 100 over two key ranges).
+pub const WINDOW_CASES: [(usize, usize, usize, usize, usize, &[usize]); 4] = [
+    (300, 6, 2, 16, 300, &[261, 2, 1, 1]),
+    (64, 4, 2, 32, 8, &[20, 2, 1, 1, 3, 4, 1]),
+    (20, 3, 1, 8, 10, &[12, 7, 2, 7, 1, 1, 1, 4, 1]),
+    (100, 2, 1, 64, 70, &[90, 1, 2, 1, 4, 1, 3, 1, 1]),
+];
+
+/// A prompt of `pre` tokens then `steps` more: after the prefill a step of 2 tokens (when
+/// there are 3 or more), then 1s; from 10 on a step of 7 first.
+fn steps_of(pre: usize, steps: usize) -> Vec<usize> {
+    if steps >= 10 {
+        [pre, 7, 2]
+            .into_iter()
+            .chain(std::iter::repeat_n(1, steps - 9))
+            .collect()
+    } else if steps >= 3 {
+        [pre, 2]
+            .into_iter()
+            .chain(std::iter::repeat_n(1, steps - 2))
+            .collect()
+    } else {
+        std::iter::once(pre)
+            .chain(std::iter::repeat_n(1, steps))
+            .collect()
+    }
+}
+
 pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (n, &(cap, hq, hkv, d, pre, steps)) in KV_CASES.iter().enumerate() {
-        let total = pre + steps;
-        let mut rng = Rng::new(3100 + n as u64);
-        let (q, k, v) = (
-            rng.vec(total * hq * d),
-            rng.vec(total * hkv * d),
-            rng.vec(total * hkv * d),
-        );
-        // Reference: all tokens at once, causal (query i sees keys <= i).
-        let dm = cpu::Dims {
-            b: 1,
-            tq: total,
-            tk: total,
-            hq,
-            hkv,
-            d,
-            causal: true,
-            scale: 1.0 / (d as f32).sqrt() as f64,
-        };
-        let (want, _) = cpu::attention(&widen(&q), &widen(&k), &widen(&v), dm);
-        let r = twice("kv_attend", async || {
-            let kc = Tensor::empty(gpu, &[cap, hkv, d], crate::gpu::DType::F32, "k")?;
-            let vc = Tensor::empty(gpu, &[cap, hkv, d], crate::gpu::DType::F32, "v")?;
-            let mut got = Vec::new();
-            let mut pos = 0;
-            // After the prefill: a step of 2 tokens (when there are 3 or more), then 1s.
-            let chunks: Vec<usize> = if steps >= 10 {
-                [pre, 7, 2]
-                    .into_iter()
-                    .chain(std::iter::repeat_n(1, steps - 9))
-                    .collect()
-            } else if steps >= 3 {
-                [pre, 2]
-                    .into_iter()
-                    .chain(std::iter::repeat_n(1, steps - 2))
-                    .collect()
-            } else {
-                std::iter::once(pre)
-                    .chain(std::iter::repeat_n(1, steps))
-                    .collect()
-            };
-            for t in chunks {
-                let slice = |x: &[f32], h: usize| x[pos * h * d..(pos + t) * h * d].to_vec();
-                let qt = Tensor::from_f32(gpu, &[t, hq, d], &slice(&q, hq), "q")?;
-                let kt = Tensor::from_f32(gpu, &[t, hkv, d], &slice(&k, hkv), "k")?;
-                let vt = Tensor::from_f32(gpu, &[t, hkv, d], &slice(&v, hkv), "v")?;
-                let o = gpu
-                    .run_async(|rec| {
-                        kv_store(rec, &kc, &kt, pos)?;
-                        kv_store(rec, &vc, &vt, pos)?;
-                        kv_attend(rec, &qt, &kc, &vc, pos)
-                    })
-                    .await?;
-                got.extend(o.to_vec_f32(gpu).await?);
-                pos += t;
-            }
-            Ok(vec![got])
-        })
-        .await;
-        // Convex combinations of v with probabilities from D-term dots and exp(): as the
-        // training kernels, judged against max |v| (here ~1) with the dot's tolerance. A
-        // GPU opened for f16 products runs prompts on cooperative matrices: four f16
-        // roundings (2^-11) on the way, scaled as verify/attention.rs does (1 + max |s|).
-        let tol = match gpu.matmul == crate::gpu::MatmulMode::F16 {
-            true => Tolerance {
-                abs: 2.0 * 4.0 * 4.9e-4 * (1.0 + (d as f64).sqrt()),
-                rel: 0.0,
-            },
-            false => Tolerance {
-                abs: 2e-6 * (d as f64).sqrt(),
-                rel: 1e-5,
-            },
-        };
-        let res = r.and_then(|got| compare("kv_attend", &got[0], &want, None, tol).map_err(s));
-        push(
+        let what = format!("cap {cap}, Hq {hq}/Hkv {hkv}, D {d}, {pre} + {steps}");
+        let chunks = steps_of(pre, steps);
+        check_case(
+            gpu,
+            3100 + n as u64,
+            (cap, hq, hkv, d),
+            None,
+            &chunks,
+            what,
             out,
-            "kv_attend",
-            format!("cap {cap}, Hq {hq}/Hkv {hkv}, D {d}, {pre} + {steps}"),
-            res,
-        );
+        )
+        .await;
     }
+    for (n, &(rows, hq, hkv, d, w, chunks)) in WINDOW_CASES.iter().enumerate() {
+        let total: usize = chunks.iter().sum();
+        let what = format!(
+            "{rows} rows, Hq {hq}/Hkv {hkv}, D {d}, window {w}, steps {chunks:?} ({total} tokens)"
+        );
+        check_case(
+            gpu,
+            3150 + n as u64,
+            (rows, hq, hkv, d),
+            Some(w),
+            chunks,
+            what,
+            out,
+        )
+        .await;
+    }
+}
+
+/// Steps of `chunks` tokens stored (kv_store) and attended (kv_attend) over caches of `rows`
+/// rows against the f64 reference over all tokens at once.
+async fn check_case(
+    gpu: &Gpu,
+    seed: u64,
+    (rows, hq, hkv, d): (usize, usize, usize, usize),
+    window: Option<usize>,
+    chunks: &[usize],
+    what: String,
+    out: &mut Vec<CheckResult>,
+) {
+    let total: usize = chunks.iter().sum();
+    let mut rng = Rng::new(seed);
+    let (q, k, v) = (
+        rng.vec(total * hq * d),
+        rng.vec(total * hkv * d),
+        rng.vec(total * hkv * d),
+    );
+    // Reference: all tokens at once, causal (query i sees keys <= i, in the window).
+    let dm = cpu::Dims {
+        b: 1,
+        tq: total,
+        tk: total,
+        hq,
+        hkv,
+        d,
+        causal: true,
+        window: window.unwrap_or(0),
+        scale: 1.0 / (d as f32).sqrt() as f64,
+    };
+    let (want, _) = cpu::attention(&widen(&q), &widen(&k), &widen(&v), dm);
+    let r = twice("kv_attend", async || {
+        let kc = Tensor::empty(gpu, &[rows, hkv, d], crate::gpu::DType::F32, "k")?;
+        let vc = Tensor::empty(gpu, &[rows, hkv, d], crate::gpu::DType::F32, "v")?;
+        let mut got = Vec::new();
+        let mut pos = 0;
+        for &t in chunks {
+            let slice = |x: &[f32], h: usize| x[pos * h * d..(pos + t) * h * d].to_vec();
+            let qt = Tensor::from_f32(gpu, &[t, hq, d], &slice(&q, hq), "q")?;
+            let kt = Tensor::from_f32(gpu, &[t, hkv, d], &slice(&k, hkv), "k")?;
+            let vt = Tensor::from_f32(gpu, &[t, hkv, d], &slice(&v, hkv), "v")?;
+            let o = gpu
+                .run_async(|rec| {
+                    kv_store(rec, &kc, &kt, pos, window)?;
+                    kv_store(rec, &vc, &vt, pos, window)?;
+                    kv_attend(rec, &qt, &kc, &vc, pos, window)
+                })
+                .await?;
+            got.extend(o.to_vec_f32(gpu).await?);
+            pos += t;
+        }
+        Ok(vec![got])
+    })
+    .await;
+    // Convex combinations of v with probabilities from D-term dots and exp(): as the
+    // training kernels, judged against max |v| (here ~1) with the dot's tolerance. A
+    // GPU opened for f16 products runs prompts on cooperative matrices: four f16
+    // roundings (2^-11) on the way, scaled as verify/attention.rs does (1 + max |s|).
+    let tol = match gpu.matmul == crate::gpu::MatmulMode::F16 {
+        true => Tolerance {
+            abs: 2.0 * 4.0 * 4.9e-4 * (1.0 + (d as f64).sqrt()),
+            rel: 0.0,
+        },
+        false => Tolerance {
+            abs: 2e-6 * (d as f64).sqrt(),
+            rel: 1e-5,
+        },
+    };
+    let res = r.and_then(|got| compare("kv_attend", &got[0], &want, None, tol).map_err(s));
+    push(out, "kv_attend", what, res);
 }
 
 /// rope_store against the f64 RoPE reference: biases added, q and k turned, k and v in the
@@ -138,6 +191,7 @@ pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 k_cache: &kc,
                 v_cache: &vc,
                 pos,
+                window: None,
             };
             let q = gpu.run_async(|rec| rope_store(rec, &x, &to)).await?;
             Ok(vec![
@@ -244,6 +298,7 @@ pub(super) async fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     k_cache: &kc,
                     v_cache: &vc,
                     pos,
+                    window: None,
                 };
                 let q = gpu
                     .run_async(|rec| {
@@ -348,9 +403,10 @@ async fn merged_check(
             let residual = with_res.then_some(&rt);
             let (fused, plain) = gpu
                 .run_async(|rec| {
-                    let parts = kv_attend_parts(rec, &qt, &kc, &vc, pos)?.expect("150 keys split");
+                    let parts =
+                        kv_attend_parts(rec, &qt, &kc, &vc, pos, None)?.expect("150 keys split");
                     let fused = qmatvec_parts(rec, &parts, &w, residual, None)?.0;
-                    let a = kv_attend(rec, &qt, &kc, &vc, pos)?.reshape(&[1, cols])?;
+                    let a = kv_attend(rec, &qt, &kc, &vc, pos, None)?.reshape(&[1, cols])?;
                     let plain = qmatmul_fused(
                         rec,
                         &a,

@@ -25,7 +25,7 @@ mod upsample;
 pub use basic::{
     ABSMAX_CASES, ARGMAX_SHAPES, ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES, WORDS_CASES,
 };
-pub use kvcache::KV_CASES;
+pub use kvcache::{KV_CASES, WINDOW_CASES};
 
 use std::future::Future;
 use std::pin::Pin;
@@ -87,7 +87,10 @@ macro_rules! family {
 }
 
 const FAMILIES: &[Family] = &[
-    (&["add", "mul", "scale"], family!(basic::elementwise_checks)),
+    (
+        &["add", "mul", "scale", "softcap"],
+        family!(basic::elementwise_checks),
+    ),
     (&["sum_rows"], family!(basic::sum_checks)),
     (&["argmax_rows"], family!(basic::argmax_checks)),
     (&["sum_words"], family!(basic::words_checks)),
