@@ -61,6 +61,45 @@ def phi3():
     return Phi3ForCausalLM(cfg)
 
 
+def mistralswa():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    # A sliding window of 5 over 17 tokens: most queries see only their last 5 keys.
+    cfg = MistralConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=5,
+    )
+    return MistralForCausalLM(cfg)
+
+
+def gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    # Gemma 3's text model at toy size: five sliding-window layers (window 6) then a global
+    # one, each kind with its RoPE base (the global one linearly scaled), a query scale
+    # (query_pre_attn_scalar 24) that is not 1/sqrt(head size 32), the final soft-cap set
+    # (Gemma 2 has one) so that it is exercised, tied embeddings.
+    common = dict(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+        rms_norm_eps=1e-6, query_pre_attn_scalar=24, sliding_window=6,
+        final_logit_softcapping=5.0, attn_logit_softcapping=None,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+    )
+    try:
+        # transformers 5: RoPE per layer kind.
+        cfg = Gemma3TextConfig(**common, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        })
+    except (TypeError, ValueError, KeyError):
+        cfg = Gemma3TextConfig(**common, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                               rope_scaling={"rope_type": "linear", "factor": 2.0})
+    return Gemma3ForCausalLM(cfg)
+
+
 def bert():
     from transformers import BertConfig, BertModel
 
@@ -73,7 +112,10 @@ def bert():
     return BertModel(cfg, add_pooling_layer=False)
 
 
-FAMILIES = {"qwen3": qwen3, "mistral": mistral, "phi3": phi3, "bert": bert}
+FAMILIES = {
+    "qwen3": qwen3, "mistral": mistral, "phi3": phi3, "bert": bert,
+    "mistralswa": mistralswa, "gemma3": gemma3,
+}
 
 
 def main():
@@ -116,6 +158,7 @@ def main():
         with open(os.path.join(d, "logits.json"), "w") as f:
             json.dump(out_json, f)
         print(name, d, "logits", tuple(logits.shape), "max", logits.abs().max().item())
+        print(open(os.path.join(d, "config.json")).read())
 
 
 if __name__ == "__main__":

@@ -1070,7 +1070,18 @@ fn family_matches_transformers(
                     .find_map(|h| raw.tensor(h).ok())
                     .unwrap_or_else(|| panic!("{n}: none of {hf_names:?}"));
                 let dims = t.shape().iter().rev().map(|&d| d as u64).collect();
-                (n.clone(), dims, t.data().to_vec())
+                // llama.cpp's converter stores Gemma's norm weights as 1 + w.
+                let data = match arch == "gemma3" && n.ends_with("norm.weight") {
+                    true => t
+                        .data()
+                        .chunks_exact(4)
+                        .flat_map(|b| {
+                            (f32::from_le_bytes(b.try_into().unwrap()) + 1.0).to_le_bytes()
+                        })
+                        .collect(),
+                    false => t.data().to_vec(),
+                };
+                (n.clone(), dims, data)
             })
             .collect();
         let mut md: Vec<(String, gguf::Value)> = vec![(
@@ -1131,7 +1142,19 @@ fn family_matches_transformers(
                     .unwrap(),
             );
         }
-        for (how, got) in [("prompt", &got), ("token by token", &steps)] {
+        let mut runs = vec![("prompt", got), ("token by token", steps)];
+        if m.cfg.sliding_window.is_some() {
+            // Rings of window + 2 rows: the prompt in steps of 3 tokens, the keys
+            // wrapping around.
+            let mut cache = m.cache_with_step(gpu, 64, 3).unwrap();
+            let ring = gpu
+                .run(|rec| m.forward(rec, &ids, &mut cache, true))
+                .unwrap()
+                .read_f32(gpu)
+                .unwrap();
+            runs.push(("ring, steps of 3", ring));
+        }
+        for (how, got) in &runs {
             assert_eq!(got.len(), want.len());
             let worst = got
                 .iter()
@@ -1196,6 +1219,73 @@ fn qwen3_matches_transformers() {
     assert_eq!(
         (m.cfg.arch.as_str(), m.cfg.head_dim, m.cfg.rope_theta),
         ("qwen3", 32, 1e6)
+    );
+}
+
+/// Gemma 3: five sliding-window layers (window 6 over 17 tokens) then a global one, local
+/// and (linearly scaled) global RoPE, q/k head norms, post-attention and post-feed-forward
+/// norms, GeGLU, embeddings scaled by sqrt(width), query_pre_attn_scalar 24 with head size
+/// 32, a final logit soft-cap of 5, tied embeddings; and the same weights as GGUF (norms
+/// stored as 1 + w, llama.cpp's default of one global layer in six).
+#[test]
+fn gemma3_matches_transformers() {
+    use doppler::formats::gguf::Value;
+    let meta = vec![
+        ("block_count", Value::U32(6)),
+        ("context_length", Value::U32(128)),
+        ("embedding_length", Value::U32(64)),
+        ("feed_forward_length", Value::U32(96)),
+        ("attention.head_count", Value::U32(4)),
+        ("attention.head_count_kv", Value::U32(2)),
+        ("attention.key_length", Value::U32(32)),
+        ("attention.value_length", Value::U32(32)),
+        ("attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+        ("attention.sliding_window", Value::U32(6)),
+        ("rope.freq_base", Value::F32(1e6)),
+        ("rope.scaling.type", Value::String("linear".into())),
+        ("rope.scaling.factor", Value::F32(2.0)),
+        ("final_logit_softcapping", Value::F32(5.0)),
+        ("vocab_size", Value::U32(300)),
+    ];
+    let names = gguf_names(
+        6,
+        &[
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_q_norm",
+            "attn_k_norm",
+            "attn_output",
+            "post_attention_norm",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+            "post_ffw_norm",
+        ],
+        &["token_embd.weight", "output_norm.weight"],
+    );
+    let m = family_matches_transformers("gemma3", 128, Some(("gemma3", meta, names)));
+    let c = &m.cfg;
+    assert_eq!(
+        (c.arch.as_str(), c.sliding_window, c.window(4), c.window(5)),
+        ("gemma3", Some(6), Some(6), None)
+    );
+}
+
+/// Mistral with a sliding window of 5 over 17 tokens (keys 5 back hidden; a ring of 7
+/// rows in steps of 3).
+#[test]
+fn mistral_sliding_window_matches_transformers() {
+    let m = family_matches_transformers("mistralswa", 128, None);
+    assert_eq!(
+        (
+            m.cfg.arch.as_str(),
+            m.cfg.sliding_window,
+            m.cfg.context_length
+        ),
+        ("mistral", Some(5), 128)
     );
 }
 

@@ -1,6 +1,6 @@
 //! Chat templates. Models carry a Jinja template (`tokenizer.chat_template`); we recognise
 //! the common formats by their markers and render them in Rust: ChatML (SmolLM2, Qwen2),
-//! Llama 3 and Zephyr. A template that sets a default system message (SmolLM2's does)
+//! Llama 3, Zephyr, Phi-3, Gemma and Mistral's [INST]. A template that sets a default system message (SmolLM2's does)
 //! has it taken out and used when the conversation has none.
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -28,6 +28,13 @@ pub enum ChatStyle {
     Zephyr,
     /// `<|role|>\ncontent<|end|>\n` (Phi-3)
     Phi3,
+    /// `<start_of_turn>user\ncontent<end_of_turn>\n<start_of_turn>model\n` (Gemma; a system
+    /// message opens the first user turn, followed by a blank line; contents trimmed)
+    Gemma,
+    /// `[INST] content [/INST]answer</s>` (Mistral 7B v0.1/v0.2), or with `spaced`
+    /// false `[INST] content[/INST] answer</s>` (v0.3); a system message opens the user
+    /// turn after it, followed by a blank line
+    Mistral { spaced: bool },
 }
 
 #[derive(Clone, Debug)]
@@ -48,6 +55,12 @@ impl Template {
             ChatStyle::Phi3
         } else if jinja.contains("<|user|>") && jinja.contains("<|assistant|>") {
             ChatStyle::Zephyr
+        } else if jinja.contains("<start_of_turn>") {
+            ChatStyle::Gemma
+        } else if jinja.contains("[INST]") && jinja.contains("[/INST]") {
+            ChatStyle::Mistral {
+                spaced: jinja.contains("' [/INST]'"),
+            }
         } else {
             return None;
         };
@@ -81,8 +94,23 @@ impl Template {
             }
         }
         all.extend(messages.iter().cloned());
+        // Gemma and Mistral have no system turn: its text opens the next user turn.
+        let fold = matches!(self.style, ChatStyle::Gemma | ChatStyle::Mistral { .. });
+        let mut system: Option<String> = None;
         for m in &all {
-            out.push_str(&self.turn(&m.role, &m.content));
+            let content = match self.style {
+                ChatStyle::Gemma => m.content.trim().to_string(),
+                _ => m.content.clone(),
+            };
+            if fold && m.role == "system" {
+                system = Some(content);
+                continue;
+            }
+            let content = match (m.role.as_str(), system.take()) {
+                ("user", Some(s)) => format!("{s}\n\n{content}"),
+                _ => content,
+            };
+            out.push_str(&self.turn(&m.role, &content));
         }
         out.push_str(&self.header("assistant"));
         out
@@ -93,11 +121,22 @@ impl Template {
             ChatStyle::ChatMl => format!("<|im_start|>{role}\n"),
             ChatStyle::Llama3 => format!("<|start_header_id|>{role}<|end_header_id|>\n\n"),
             ChatStyle::Zephyr | ChatStyle::Phi3 => format!("<|{role}|>\n"),
+            ChatStyle::Gemma => {
+                let role = if role == "assistant" { "model" } else { role };
+                format!("<start_of_turn>{role}\n")
+            }
+            // The answer follows [/INST] (the model writes v0.3's space itself).
+            ChatStyle::Mistral { .. } => String::new(),
         }
     }
 
     fn turn(&self, role: &str, content: &str) -> String {
-        format!("{}{content}{}", self.header(role), self.end_of_turn())
+        match (&self.style, role) {
+            (ChatStyle::Mistral { spaced: true }, "user") => format!("[INST] {content} [/INST]"),
+            (ChatStyle::Mistral { spaced: false }, "user") => format!("[INST] {content}[/INST]"),
+            (ChatStyle::Mistral { spaced: false }, _) => format!(" {content}</s>"),
+            _ => format!("{}{content}{}", self.header(role), self.end_of_turn()),
+        }
     }
 
     /// What closes a turn (the assistant's too, after its text).
@@ -107,6 +146,8 @@ impl Template {
             ChatStyle::Llama3 => "<|eot_id|>",
             ChatStyle::Zephyr => "</s>\n",
             ChatStyle::Phi3 => "<|end|>\n",
+            ChatStyle::Gemma => "<end_of_turn>\n",
+            ChatStyle::Mistral { .. } => "</s>",
         }
     }
 
@@ -115,8 +156,9 @@ impl Template {
         match self.style {
             ChatStyle::ChatMl => "<|im_end|>",
             ChatStyle::Llama3 => "<|eot_id|>",
-            ChatStyle::Zephyr => "</s>",
+            ChatStyle::Zephyr | ChatStyle::Mistral { .. } => "</s>",
             ChatStyle::Phi3 => "<|end|>",
+            ChatStyle::Gemma => "<end_of_turn>",
         }
     }
 }
@@ -155,6 +197,35 @@ mod tests {
             "<|user|>\nHi</s>\n<|assistant|>\n"
         );
         assert!(Template::detect("[INST]").is_none());
+    }
+
+    /// Gemma 3 (google/gemma-3-1b-it's template: the system text opens the first user
+    /// turn, contents trimmed, the assistant is "model") and Mistral's two spacings
+    /// (mistralai/Mistral-7B-Instruct-v0.2 and v0.3).
+    #[test]
+    fn renders_gemma_and_mistral() {
+        let gemma = Template::detect("{{ bos_token }}{%- for message in loop_messages -%}{{ '<start_of_turn>' + role + '\n' }}{{ '<end_of_turn>\n' }}{%- endfor -%}").unwrap();
+        let msgs = [
+            Message::new("system", "Be brief."),
+            Message::new("user", " Hi \n"),
+            Message::new("assistant", "Hello"),
+            Message::new("user", "Bye"),
+        ];
+        assert_eq!(
+            gemma.render(&msgs, true),
+            "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+        );
+        assert_eq!(gemma.stop_token(), "<end_of_turn>");
+        let v2 = Template::detect("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}{% endif %}{% endfor %}").unwrap();
+        assert_eq!(
+            v2.render(&msgs[1..], true),
+            "[INST]  Hi \n [/INST]Hello</s>[INST] Bye [/INST]"
+        );
+        let v3 = Template::detect("{{ '[INST] ' + message['content'] + '[/INST]' }}{{ ' ' + message['content'] + eos_token}}").unwrap();
+        assert_eq!(
+            v3.render(&msgs, true),
+            "[INST] Be brief.\n\n Hi \n[/INST] Hello</s>[INST] Bye[/INST]"
+        );
     }
 
     #[test]

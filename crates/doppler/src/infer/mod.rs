@@ -205,6 +205,8 @@ impl Model {
             "<|end_of_text|>",
             "<|endoftext|>",
             "</s>",
+            "<end_of_turn>",
+            "<|end|>",
         ] {
             if let Some(id) = self.tokenizer.special(s) {
                 v.push(id);
