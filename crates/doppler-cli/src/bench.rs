@@ -78,6 +78,9 @@ pub struct BenchArgs {
     prompt: usize,
     #[arg(long, default_value_t = 128)]
     gen: usize,
+    /// generate: KV cache storage (auto: f16 where the adapter has shader-f16).
+    #[arg(long, value_enum, default_value = "auto")]
+    cache_type: crate::generate::CacheType,
     /// train: sequences per step (default 8) and their length (default 1024).
     #[arg(long)]
     train_batch: Option<usize>,
@@ -535,6 +538,7 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
             prompt: args.prompt,
             gen: args.gen,
             json: args.json,
+            cache_type: args.cache_type,
         };
         return crate::bench_generate::run(gpu, &g);
     }

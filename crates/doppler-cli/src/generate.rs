@@ -12,6 +12,46 @@ use doppler::infer::{Conversation, GenOptions, Generation, Model, Session, StopR
 use doppler::train::{generate as generate_checkpoint, load_for_generation};
 use doppler::Error;
 
+/// How the KV cache stores keys and values (llama.cpp's --cache-type-k/-v).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CacheType {
+    /// f16 where the adapter has shader-f16, else f32.
+    #[default]
+    Auto,
+    F32,
+    F16,
+}
+
+impl CacheType {
+    pub fn dtype(self, gpu: &Gpu) -> doppler::gpu::DType {
+        use doppler::gpu::DType;
+        match self {
+            CacheType::Auto => doppler::ops::kvcache::default_dtype(gpu),
+            CacheType::F32 => DType::F32,
+            CacheType::F16 => DType::F16,
+        }
+    }
+}
+
+/// The cache's size, as said after loading: bytes, type, tokens.
+pub fn cache_line(cache: &doppler::ops::kvcache::KvCache) -> String {
+    let rings = cache
+        .k
+        .iter()
+        .filter(|k| k.shape()[0] < cache.capacity)
+        .count();
+    let ring_note = match rings {
+        0 => String::new(),
+        n => format!(", {n} sliding-window layers keep rings of the last keys"),
+    };
+    format!(
+        "KV cache: {:.1} MiB ({:?}) for {} tokens{ring_note}",
+        cache.bytes() as f64 / (1u64 << 20) as f64,
+        cache.dtype(),
+        cache.capacity
+    )
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct SamplingArgs {
     /// 0 picks the most likely token (greedy).
@@ -85,6 +125,9 @@ pub struct GenerateArgs {
     /// Context (KV cache) size in tokens, at most the model's.
     #[arg(short = 'c', long, default_value_t = 4096)]
     ctx_size: usize,
+    /// KV cache storage: auto (f16 where the adapter has shader-f16, else f32), f32, f16.
+    #[arg(long, value_enum, default_value = "auto")]
+    cache_type: CacheType,
     /// Treat control tokens written in the prompt (e.g. <|im_start|>) as such.
     #[arg(long)]
     special: bool,
@@ -152,7 +195,9 @@ pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode>
     if ids.is_empty() {
         ids.extend(tk.bos.or(tk.eos));
     }
-    let mut session = Session::new(gpu, &model, args.ctx_size)?;
+    let mut session =
+        Session::with_cache_type(gpu, &model, args.ctx_size, args.cache_type.dtype(gpu))?;
+    tracing::info!("{}", cache_line(&session.cache));
     // Room left in the context after the prompt: none is an error, less than asked for
     // ends the generation early, said as such.
     let room = session.capacity().saturating_sub(ids.len());
@@ -189,6 +234,11 @@ pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode>
     }
     if args.json {
         let mut v = stats_json(&g, &model);
+        v["kv_cache"] = serde_json::json!({
+            "bytes": session.cache.bytes(),
+            "type": format!("{:?}", session.cache.dtype()).to_lowercase(),
+            "tokens": session.capacity(),
+        });
         v["prompt"] = args.prompt.clone().into();
         v["text"] = g.text.clone().into();
         println!("{v}");
@@ -262,6 +312,9 @@ pub struct ChatArgs {
     /// Context (KV cache) size in tokens, at most the model's.
     #[arg(short = 'c', long, default_value_t = 4096)]
     ctx_size: usize,
+    /// KV cache storage: auto (f16 where the adapter has shader-f16, else f32), f32, f16.
+    #[arg(long, value_enum, default_value = "auto")]
+    cache_type: CacheType,
 }
 
 /// Interactive chat: each turn is appended to the conversation in the KV cache (only the
@@ -271,7 +324,9 @@ pub fn chat_cmd(gpu: &Gpu, args: &ChatArgs) -> doppler::Result<ExitCode> {
     let model = Model::open(gpu, &args.model, args.ctx_size)?;
     let name = args.model.display().to_string();
     let mut conv = Conversation::new(&model, &name, args.system.clone())?;
-    let mut session = Session::new(gpu, &model, args.ctx_size)?;
+    let mut session =
+        Session::with_cache_type(gpu, &model, args.ctx_size, args.cache_type.dtype(gpu))?;
+    tracing::info!("{}", cache_line(&session.cache));
     eprintln!("doppler chat: {name} ({} layers, context {} tokens). /reset clears the conversation, /exit or Ctrl-D quits.", model.llama.cfg.n_layer, session.capacity());
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();

@@ -723,7 +723,7 @@ fn decode_chain_falls_back_where_the_adapter_offers_256_threads() {
 fn cached_attention_matches_full_attention() {
     assert_checks(
         "kv_attend",
-        doppler::verify::KV_CASES.len() + doppler::verify::WINDOW_CASES.len(),
+        2 * (doppler::verify::KV_CASES.len() + doppler::verify::WINDOW_CASES.len()),
     );
 }
 
@@ -746,7 +746,7 @@ fn attention_merged_into_the_o_product_matches_the_two_step_path() {
 
 #[test]
 fn rope_store_matches_reference() {
-    assert_checks("rope_store", 2);
+    assert_checks("rope_store", 5);
 }
 
 #[test]
@@ -1120,52 +1120,63 @@ fn family_matches_transformers(
         let _ = std::fs::remove_file(&path);
         models.push(("gguf", gg));
     }
-    for (name, m) in
-        std::iter::once(("safetensors", &hf)).chain(models.iter().map(|(n, m)| (*n, m)))
-    {
-        let mut cache = m.cache(gpu, 64).unwrap();
-        let all = gpu
-            .run(|rec| m.forward(rec, &ids, &mut cache, true))
-            .unwrap();
-        let got = all.read_f32(gpu).unwrap();
-        let mut cache = m.cache(gpu, 64).unwrap();
-        let mut steps = gpu
-            .run(|rec| m.forward(rec, &ids[..10], &mut cache, true))
-            .unwrap()
-            .read_f32(gpu)
-            .unwrap();
-        for &id in &ids[10..] {
-            steps.extend(
-                gpu.run(|rec| m.forward(rec, &[id], &mut cache, false))
-                    .unwrap()
-                    .read_f32(gpu)
-                    .unwrap(),
-            );
-        }
-        let mut runs = vec![("prompt", got), ("token by token", steps)];
-        if m.cfg.sliding_window.is_some() {
-            // Rings of window + 2 rows: the prompt in steps of 3 tokens, the keys
-            // wrapping around.
-            let mut cache = m.cache_with_step(gpu, 64, 3).unwrap();
-            let ring = gpu
+    use doppler::gpu::DType;
+    use doppler::ops::kvcache::RING_STEP;
+    // f32 caches within 1e-4 of transformers (f32 throughout); f16 caches (the default
+    // where the adapter has shader-f16) within 5e-3: keys and values rounded to 11 bits
+    // (the kernels themselves match the f16-rounded reference to f32 precision: `doppler
+    // verify --filter kv_attend`), amplified through the layers (Gemma 3's six layers of
+    // norms drawn around 2: 2.9e-3; the two-layer models 0.9-1.7e-4).
+    for (dtype, bound) in [(DType::F32, 1e-4), (DType::F16, 5e-3)] {
+        for (name, m) in
+            std::iter::once(("safetensors", &hf)).chain(models.iter().map(|(n, m)| (*n, m)))
+        {
+            let mut cache = m.cache_with(gpu, 64, RING_STEP, dtype).unwrap();
+            let all = gpu
                 .run(|rec| m.forward(rec, &ids, &mut cache, true))
+                .unwrap();
+            let got = all.read_f32(gpu).unwrap();
+            let mut cache = m.cache_with(gpu, 64, RING_STEP, dtype).unwrap();
+            let mut steps = gpu
+                .run(|rec| m.forward(rec, &ids[..10], &mut cache, true))
                 .unwrap()
                 .read_f32(gpu)
                 .unwrap();
-            runs.push(("ring, steps of 3", ring));
-        }
-        for (how, got) in &runs {
-            assert_eq!(got.len(), want.len());
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(g, w)| (*g as f64 - w).abs())
-                .fold(0.0f64, f64::max);
-            eprintln!("{family} {name} {how}: largest |Doppler - transformers| {worst:.2e}");
-            assert!(
-                worst < 1e-4,
-                "{family} {name} {how}: logits differ from transformers' by {worst:.2e}"
-            );
+            for &id in &ids[10..] {
+                steps.extend(
+                    gpu.run(|rec| m.forward(rec, &[id], &mut cache, false))
+                        .unwrap()
+                        .read_f32(gpu)
+                        .unwrap(),
+                );
+            }
+            let mut runs = vec![("prompt", got), ("token by token", steps)];
+            if m.cfg.sliding_window.is_some() {
+                // Rings of window + 2 rows: the prompt in steps of 3 tokens, the keys
+                // wrapping around.
+                let mut cache = m.cache_with(gpu, 64, 3, dtype).unwrap();
+                let ring = gpu
+                    .run(|rec| m.forward(rec, &ids, &mut cache, true))
+                    .unwrap()
+                    .read_f32(gpu)
+                    .unwrap();
+                runs.push(("ring, steps of 3", ring));
+            }
+            for (how, got) in &runs {
+                assert_eq!(got.len(), want.len());
+                let worst = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(g, w)| (*g as f64 - w).abs())
+                    .fold(0.0f64, f64::max);
+                eprintln!(
+                    "{family} {name} {how}, {dtype:?} cache: largest |Doppler - transformers| {worst:.2e}"
+                );
+                assert!(
+                    worst < bound,
+                    "{family} {name} {how}, {dtype:?} cache: logits differ from transformers' by {worst:.2e}"
+                );
+            }
         }
     }
     hf
@@ -1226,7 +1237,8 @@ fn qwen3_matches_transformers() {
 /// and (linearly scaled) global RoPE, q/k head norms, post-attention and post-feed-forward
 /// norms, GeGLU, embeddings scaled by sqrt(width), query_pre_attn_scalar 24 with head size
 /// 32, a final logit soft-cap of 5, tied embeddings; and the same weights as GGUF (norms
-/// stored as 1 + w, llama.cpp's default of one global layer in six).
+/// stored as 1 + w, llama.cpp's default of one global layer in six, the query scale as
+/// `gemma3.attention.scale`).
 #[test]
 fn gemma3_matches_transformers() {
     use doppler::formats::gguf::Value;
@@ -1245,6 +1257,8 @@ fn gemma3_matches_transformers() {
         ("rope.scaling.type", Value::String("linear".into())),
         ("rope.scaling.factor", Value::F32(2.0)),
         ("final_logit_softcapping", Value::F32(5.0)),
+        // query_pre_attn_scalar 24, not the head size (llama.cpp's rule otherwise).
+        ("attention.scale", Value::F32(24f32.powf(-0.5))),
         ("vocab_size", Value::U32(300)),
     ];
     let names = gguf_names(
@@ -1354,7 +1368,14 @@ fn phi3_matches_transformers() {
         .flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()))
         .collect();
     let (long, _) = doppler::models::llama::open(gpu, &dir, 128).unwrap();
-    let mut cache = long.cache(gpu, 128).unwrap();
+    let mut cache = long
+        .cache_with(
+            gpu,
+            128,
+            doppler::ops::kvcache::RING_STEP,
+            doppler::gpu::DType::F32,
+        )
+        .unwrap();
     let all = gpu
         .run(|rec| long.forward(rec, &ids, &mut cache, true))
         .unwrap()

@@ -297,10 +297,28 @@ pub struct Session<'m> {
 }
 
 impl<'m> Session<'m> {
+    /// A session with the adapter's default cache type (f16 where it has shader-f16).
     pub fn new(gpu: &Gpu, model: &'m Model, capacity: usize) -> Result<Session<'m>> {
         Ok(Session {
             model,
             cache: model.llama.cache(gpu, capacity)?,
+            tokens: Vec::new(),
+        })
+    }
+
+    /// A session whose cache stores `dtype` (f32 or f16).
+    pub fn with_cache_type(
+        gpu: &Gpu,
+        model: &'m Model,
+        capacity: usize,
+        dtype: crate::gpu::DType,
+    ) -> Result<Session<'m>> {
+        let cache = model
+            .llama
+            .cache_with(gpu, capacity, crate::ops::kvcache::RING_STEP, dtype)?;
+        Ok(Session {
+            model,
+            cache,
             tokens: Vec::new(),
         })
     }

@@ -30,7 +30,9 @@ use crate::formats::gguf::{GgmlType, Value};
 use crate::formats::{FileData, LocalFuture};
 use crate::gpu::{DType, Gpu, Recorder, Tensor};
 use crate::ops::elementwise::{add, scale, softcap};
-use crate::ops::kvcache::{kv_attend, kv_attend_parts, rope_store, KvCache, RopeStore, RING_STEP};
+use crate::ops::kvcache::{
+    self, kv_attend, kv_attend_parts, rope_store, KvCache, RopeStore, RING_STEP,
+};
 use crate::ops::norm::{rms_norm, rms_norm_heads};
 use crate::ops::quant::{
     get_rows, qmatmul_chain, qmatmul_fused, qmatmul_rope_store, qmatvec_parts, Fuse, Next, QMatrix,
@@ -672,15 +674,23 @@ impl Llama {
         steps
     }
 
-    /// An empty cache for up to `capacity` tokens (at most the model's context): layers
-    /// with an attention window keep a ring of the last keys ([`KvCache::with_windows`]).
+    /// An empty cache for up to `capacity` tokens (at most the model's context), of the
+    /// adapter's default type ([`kvcache::default_dtype`]: f16 where it has shader-f16):
+    /// layers with an attention window keep a ring of the last keys
+    /// ([`KvCache::with_windows`]).
     pub fn cache(&self, gpu: &Gpu, capacity: usize) -> Result<KvCache> {
-        self.cache_with_step(gpu, capacity, RING_STEP)
+        self.cache_with(gpu, capacity, RING_STEP, kvcache::default_dtype(gpu))
     }
 
-    /// [`Llama::cache`] whose rings take steps of up to `step` tokens (longer prompts run
-    /// in several steps).
-    pub fn cache_with_step(&self, gpu: &Gpu, capacity: usize, step: usize) -> Result<KvCache> {
+    /// [`Llama::cache`] of `dtype` (f32 or f16) whose rings take steps of up to `step`
+    /// tokens (longer prompts run in several steps).
+    pub fn cache_with(
+        &self,
+        gpu: &Gpu,
+        capacity: usize,
+        step: usize,
+        dtype: DType,
+    ) -> Result<KvCache> {
         let windows: Vec<_> = (0..self.cfg.n_layer).map(|i| self.cfg.window(i)).collect();
         KvCache::with_windows(
             gpu,
@@ -689,6 +699,7 @@ impl Llama {
             self.cfg.n_kv_head,
             self.cfg.head_dim,
             step,
+            dtype,
         )
     }
 
@@ -1106,9 +1117,14 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
         sliding_window,
         sliding_layers,
         rope_local_theta: gemma.then(|| m.f64_or("rope.freq_base_swa", 10000.0)),
-        // llama.cpp: Gemma 3 27B (62 layers) scales by 1/sqrt(width / heads), the others
-        // by 1/sqrt(head size), which the kernels do.
-        attn_scale: (gemma && n_layer == 62).then(|| (n_head as f64 / n_embd as f64).sqrt()),
+        // `attention.scale` where the file has it; else llama.cpp's rule: Gemma 3 27B
+        // (62 layers) scales by 1/sqrt(width / heads), the others by 1/sqrt(head size),
+        // which the kernels do.
+        attn_scale: m
+            .get("attention.scale")
+            .and_then(Value::as_f64)
+            .filter(|_| gemma)
+            .or_else(|| (gemma && n_layer == 62).then(|| (n_head as f64 / n_embd as f64).sqrt())),
         final_softcap: m.get("final_logit_softcapping").and_then(Value::as_f64),
         norm_shift: 0.0,
         tied_embeddings: false, // set by the loader from the tensors present

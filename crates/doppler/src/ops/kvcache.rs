@@ -8,6 +8,7 @@ use crate::gpu::{Binding::*, DType, Gpu, Grid, Kernel, Recorder, Tensor};
 use crate::ops::attention::{self, AttnOpts, AttnPath};
 use crate::ops::rope::{Pairing, RopeTable};
 use crate::shaders::KVCACHE;
+use bytemuck::Zeroable;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
@@ -28,6 +29,7 @@ pub struct Params {
 }
 
 static STORE: Kernel = Kernel::new(&KVCACHE, "kv_store", &[(5, Read), (6, ReadWrite)]);
+static WIDEN: Kernel = Kernel::new(&KVCACHE, "kv_widen", &[(4, ReadWrite), (6, ReadWrite)]);
 static ATTEND: Kernel = Kernel::new(
     &KVCACHE,
     "attend",
@@ -36,7 +38,14 @@ static ATTEND: Kernel = Kernel::new(
 static ATTEND_PART: Kernel = Kernel::new(
     &KVCACHE,
     "attend_part",
-    &[(1, Read), (14, Read), (15, Read), (12, ReadWrite)],
+    &[
+        (1, Read),
+        (14, Read),
+        (15, Read),
+        (16, Read),
+        (17, Read),
+        (12, ReadWrite),
+    ],
 );
 static ATTEND_MERGE: Kernel =
     Kernel::new(&KVCACHE, "attend_merge", &[(4, ReadWrite), (12, ReadWrite)]);
@@ -77,7 +86,8 @@ pub const RING_STEP: usize = 512;
 
 /// Keys and values of every layer for up to `capacity` tokens, each (rows, Hkv, D): all
 /// `capacity` rows, or for a layer with an attention window of W (`windows`) a ring of the
-/// last min(capacity, W - 1 + step) tokens.
+/// last min(capacity, W - 1 + step) tokens. Stored as f32 or f16 (`dtype`; every sum over
+/// them is f32).
 pub struct KvCache {
     pub k: Vec<Tensor>,
     pub v: Vec<Tensor>,
@@ -91,8 +101,10 @@ pub struct KvCache {
 }
 
 impl KvCache {
+    /// An f32 cache of `layers` layers attending to every earlier token.
     pub fn new(gpu: &Gpu, layers: usize, capacity: usize, hkv: usize, d: usize) -> Result<KvCache> {
-        Self::with_windows(gpu, &vec![None; layers], capacity, hkv, d, RING_STEP)
+        let windows = vec![None; layers];
+        Self::with_windows(gpu, &windows, capacity, hkv, d, RING_STEP, DType::F32)
     }
 
     /// A cache whose layers attend to the windows given (one per layer), each windowed
@@ -104,6 +116,7 @@ impl KvCache {
         hkv: usize,
         d: usize,
         step: usize,
+        dtype: DType,
     ) -> Result<KvCache> {
         if d == 0
             || d > MAX_HEAD_DIM
@@ -112,25 +125,21 @@ impl KvCache {
             || capacity == 0
             || step == 0
             || windows.contains(&Some(0))
+            || dtype == DType::U32
         {
-            return Err(Error::Invalid { op: "kv_cache", detail: format!("capacity {capacity}, {hkv} kv heads of dim {d} (a multiple of 4 up to {MAX_HEAD_DIM}), windows {windows:?}, step {step}") });
+            return Err(Error::Invalid {
+                op: "kv_cache",
+                detail: format!(
+                    "capacity {capacity}, {hkv} kv heads of dim {d} (a multiple of 4 up to {MAX_HEAD_DIM}), windows {windows:?}, step {step}, {dtype:?} (f32 or f16)"
+                ),
+            });
         }
         let mut k = Vec::with_capacity(windows.len());
         let mut v = Vec::with_capacity(windows.len());
         for w in windows {
             let rows = w.map_or(capacity, |w| capacity.min(w - 1 + step));
-            k.push(Tensor::empty(
-                gpu,
-                &[rows, hkv, d],
-                DType::F32,
-                "kv_cache.k",
-            )?);
-            v.push(Tensor::empty(
-                gpu,
-                &[rows, hkv, d],
-                DType::F32,
-                "kv_cache.v",
-            )?);
+            k.push(Tensor::empty(gpu, &[rows, hkv, d], dtype, "kv_cache.k")?);
+            v.push(Tensor::empty(gpu, &[rows, hkv, d], dtype, "kv_cache.v")?);
         }
         Ok(KvCache {
             k,
@@ -165,6 +174,37 @@ impl KvCache {
     pub fn bytes(&self) -> u64 {
         self.k.iter().chain(&self.v).map(|t| t.byte_size()).sum()
     }
+
+    /// f32 or f16.
+    pub fn dtype(&self) -> DType {
+        self.k.first().map_or(DType::F32, |t| t.dtype())
+    }
+}
+
+/// The cache type a model gets by default: f16 where the adapter has shader-f16 (the
+/// kernels pack and unpack halves in core WGSL, but an adapter without f16 arithmetic is
+/// taken as one whose users expect f32 throughout), f32 otherwise.
+pub fn default_dtype(gpu: &Gpu) -> DType {
+    match gpu.features.contains(wgpu::Features::SHADER_F16) {
+        true => DType::F16,
+        false => DType::F32,
+    }
+}
+
+/// A cache tensor's type (f32 or f16) as the kernels' KV_F16 constant, or an error naming
+/// `op`.
+fn kv_f16(op: &'static str, caches: &[&Tensor]) -> Result<f64> {
+    let dt = caches[0].dtype();
+    if dt == DType::U32 || caches.iter().any(|c| c.dtype() != dt) {
+        return Err(Error::Shape {
+            op,
+            detail: format!(
+                "caches {:?}: expected f32 or f16, all the same",
+                caches.iter().map(|c| c.dtype()).collect::<Vec<_>>()
+            ),
+        });
+    }
+    Ok((dt == DType::F16) as u32 as f64)
 }
 
 fn params(
@@ -243,13 +283,42 @@ pub fn kv_store(
             detail: format!("x {:?} vs cache {:?}", x.shape(), cache.shape()),
         });
     }
+    let f16 = kv_f16("kv_store", &[cache])?;
+    let threads = (p.t * p.row) as u64 / (1 + f16 as u64);
     rec.dispatch(
         &STORE,
-        &[],
+        &[("KV_F16", f16)],
         bytemuck::bytes_of(&p),
         &[x, cache],
-        Grid::cover((p.t * p.row) as u64, 256),
+        Grid::cover(threads, 256),
     )
+}
+
+/// The first `rows` rows of a cache (rows, Hkv, D) as a new f32 tensor (1, rows, Hkv, D).
+fn widen(rec: &mut Recorder<'_>, cache: &Tensor, rows: usize) -> Result<Tensor> {
+    let sh = cache.shape();
+    let row = sh[1] * sh[2];
+    let out = Tensor::empty(
+        rec.gpu(),
+        &[1, rows, sh[1], sh[2]],
+        DType::F32,
+        "kv_widen.o",
+    )?;
+    let p = Params {
+        t: rows as u32,
+        row: row as u32,
+        ring: sh[0] as u32,
+        ..Params::zeroed()
+    };
+    let f16 = kv_f16("kv_widen", &[cache])?;
+    rec.dispatch(
+        &WIDEN,
+        &[("KV_F16", f16)],
+        bytemuck::bytes_of(&p),
+        &[&out, cache],
+        Grid::cover((rows * row) as u64, 256),
+    )?;
+    Ok(out)
 }
 
 /// A token's attention split over key ranges and not merged yet: `part` (Hq, splits, D + 2)
@@ -298,11 +367,12 @@ pub fn kv_attend_parts(
     // vec4s of keys and of values a thread holds: (D / 4) / 4 quarters, and 64 keys over
     // 256 / (D / 4) groups: D / 16 each, at least 1, at most the kernel's 8.
     let pre = (p.d as usize).div_ceil(16).clamp(1, 8);
+    let f16 = kv_f16("kv_attend", &[k, v])?;
     rec.dispatch(
         &ATTEND_PART,
-        &[("PRE", pre as f64)],
+        &[("PRE", pre as f64), ("KV_F16", f16)],
         bytemuck::bytes_of(&p),
-        &[q, k, v, &part],
+        &[q, k, v, k, v, &part],
         Grid::Linear(rows as u64),
     )?;
     Ok(Some(AttnParts {
@@ -347,8 +417,15 @@ pub fn kv_attend(
             scale: None,
             path: AttnPath::Auto,
         };
-        let kc = k.prefix(&[1, pos + t, hkv, d])?;
-        let vc = v.prefix(&[1, pos + t, hkv, d])?;
+        // f16 caches: their rows copied out as f32 (one pass over them; the attention
+        // reads each many times).
+        let (kc, vc) = match k.dtype() {
+            DType::F32 => (
+                k.prefix(&[1, pos + t, hkv, d])?,
+                v.prefix(&[1, pos + t, hkv, d])?,
+            ),
+            _ => (widen(rec, k, pos + t)?, widen(rec, v, pos + t)?),
+        };
         let out = attention::attention(rec, &q.reshape(&[1, t, hq, d])?, &kc, &vc, opts)?;
         return out.o.reshape(q.shape());
     }
@@ -357,7 +434,14 @@ pub fn kv_attend(
     }
     let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend.o")?;
     let grid = Grid::Linear((p.t * p.hq) as u64);
-    rec.dispatch(&ATTEND, &[], bytemuck::bytes_of(&p), &[q, k, v, &o], grid)?;
+    let f16 = kv_f16("kv_attend", &[k, v])?;
+    rec.dispatch(
+        &ATTEND,
+        &[("KV_F16", f16)],
+        bytemuck::bytes_of(&p),
+        &[q, k, v, &o],
+        grid,
+    )?;
     Ok(o)
 }
 
@@ -494,9 +578,8 @@ impl RopeStore<'_> {
                 ),
             });
         }
-        for t in [self.k_cache, self.v_cache, &self.table.table] {
-            expect_f32(op, t)?;
-        }
+        expect_f32(op, &self.table.table)?;
+        kv_f16(op, &[self.k_cache, self.v_cache])?;
         if let Some(b) = self.bias {
             expect_f32(op, b)?;
         }
@@ -520,14 +603,17 @@ pub fn rope_store(rec: &mut Recorder<'_>, qkv: &Tensor, to: &RopeStore<'_>) -> R
     let p = to.params("rope_store", sh[0], sh[1])?;
     let (t, hq, d) = (sh[0], to.hq, p.d as usize);
     let q = Tensor::empty(rec.gpu(), &[t, hq, d], DType::F32, "rope_store.q")?;
+    let f16 = kv_f16("rope_store", &[to.k_cache, to.v_cache])?;
     let c = [
         ("HAS_BIAS", to.bias.is_some() as u32 as f64),
         (
             "INTERLEAVED",
             (to.pairing == Pairing::Interleaved) as u32 as f64,
         ),
+        ("KV_F16", f16),
     ];
-    let pairs = (t * sh[1] / 2) as u64;
+    // One RoPE pair a thread, two for f16 caches (whole words).
+    let pairs = (t * sh[1] / 2) as u64 / (1 + f16 as u64);
     rec.dispatch(
         &ROPE_STORE,
         &c,

@@ -905,9 +905,11 @@ pub fn qmatmul_rope_store(
     let path = Path::of(t, w);
     // The fused kernels store at row pos + t: a ring cache that has wrapped (a window's
     // last keys) takes the two steps, whose `rope_store` wraps.
+    // So do f16 caches (the fused kernels store f32).
     let wraps = to.pos + t > to.k_cache.shape().first().copied().unwrap_or(0);
     let fused = !matches!(path, Path::Tiled)
         && !wraps
+        && to.k_cache.dtype() == DType::F32
         && rec.gpu().limits.max_storage_buffers_per_shader_stage >= ROPE_STORAGE;
     if !fused || sh.len() != 2 || sh[1] != w.cols {
         let fuse = Fuse {

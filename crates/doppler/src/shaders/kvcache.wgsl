@@ -29,6 +29,11 @@
 // j % p.ring (p.ring = its rows), so a cache of window - 1 + T rows or more holds all a
 // step of T tokens needs (a ring of the last keys); without a ring, j < rows and the row
 // is j.
+// Caches hold words (array<u32>): f32 bits, or with KV_F16 two f16 halves a word
+// (pack2x16float / unpack2x16float: core WGSL, no shader-f16 needed); every sum is f32.
+// Writers of f16 caches write whole words: kv_store a pair of elements a thread,
+// rope_store two RoPE pairs a thread. kv_widen copies cached rows out as f32 (for the
+// tiled prompt kernels of attention.wgsl, which read f32).
 // Every sum runs in a fixed order: the same inputs give the same bits.
 
 struct Params {
@@ -48,18 +53,41 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<f32>;
-@group(0) @binding(2) var<storage, read> kc: array<f32>;
-@group(0) @binding(3) var<storage, read> vc: array<f32>;
+@group(0) @binding(2) var<storage, read> kc: array<u32>;
+@group(0) @binding(3) var<storage, read> vc: array<u32>;
 @group(0) @binding(4) var<storage, read_write> o: array<f32>;
 @group(0) @binding(5) var<storage, read> src: array<f32>;
-@group(0) @binding(6) var<storage, read_write> cache: array<f32>;
+@group(0) @binding(6) var<storage, read_write> cache: array<u32>;
 
+override KV_F16: bool = false;
+
+// Cover t * row threads (f32), or t * row / 2 (f16: a pair of elements each).
 @compute @workgroup_size(256)
 fn kv_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
+    let n = (wid.x + wid.y * nwg.x) * 256u + lid;
+    let e = select(n, 2u * n, KV_F16);     // first element
+    if (e < p.t * p.row) {
+        let at = cache_row(p.pos + e / p.row) * p.row + e % p.row;
+        if (KV_F16) {
+            cache[at / 2u] = pack2x16float(vec2<f32>(src[e], src[e + 1u]));
+        } else {
+            cache[at] = bitcast<u32>(src[e]);
+        }
+    }
+}
+
+// Rows 0..p.t of the cache at binding 6 as f32 into o (binding 4): cover p.t * row.
+@compute @workgroup_size(256)
+fn kv_widen(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
     let i = (wid.x + wid.y * nwg.x) * 256u + lid;
     if (i < p.t * p.row) {
-        cache[cache_row(p.pos + i / p.row) * p.row + i % p.row] = src[i];
+        if (KV_F16) {
+            o[i] = unpack2x16float(cache[i / 2u])[i % 2u];
+        } else {
+            o[i] = bitcast<f32>(cache[i]);
+        }
     }
 }
 
@@ -93,11 +121,18 @@ fn reduce(lid: u32, is_max: bool) {
     workgroupBarrier();
 }
 
+// Elements i..i+4 of a cache (i a multiple of 4).
 fn k4(i: u32) -> vec4<f32> {
-    return vec4<f32>(kc[i], kc[i + 1u], kc[i + 2u], kc[i + 3u]);
+    if (KV_F16) {
+        return vec4<f32>(unpack2x16float(kc[i / 2u]), unpack2x16float(kc[i / 2u + 1u]));
+    }
+    return bitcast<vec4<f32>>(vec4<u32>(kc[i], kc[i + 1u], kc[i + 2u], kc[i + 3u]));
 }
 fn v4(i: u32) -> vec4<f32> {
-    return vec4<f32>(vc[i], vc[i + 1u], vc[i + 2u], vc[i + 3u]);
+    if (KV_F16) {
+        return vec4<f32>(unpack2x16float(vc[i / 2u]), unpack2x16float(vc[i / 2u + 1u]));
+    }
+    return bitcast<vec4<f32>>(vec4<u32>(vc[i], vc[i + 1u], vc[i + 2u], vc[i + 3u]));
 }
 
 // q[t, h] into qs, by threads lid < D/4 (the caller synchronises).
@@ -229,10 +264,29 @@ fn splits() -> u32 {
 // 256 / (D / 4) groups of D / 4 threads as in `attend`. A thread's share of the keys and
 // of the values (up to 8 vec4s each: all of them for D <= 128) is loaded before anything
 // waits: the kernel pays one round trip to memory, not one for the keys and then one for
-// the values. The cache arrives as vec4s (bindings 14, 15: kc and vc again).
+// the values. The cache arrives as vec4s (bindings 14, 15: kc and vc again; with KV_F16
+// 16, 17: four halves in two words).
 var<workgroup> part_dot: array<f32, 256>;
-@group(0) @binding(14) var<storage, read> kc4: array<vec4<f32>>;
-@group(0) @binding(15) var<storage, read> vc4: array<vec4<f32>>;
+@group(0) @binding(14) var<storage, read> kc4: array<vec4<u32>>;
+@group(0) @binding(15) var<storage, read> vc4: array<vec4<u32>>;
+@group(0) @binding(16) var<storage, read> kh4: array<vec2<u32>>;
+@group(0) @binding(17) var<storage, read> vh4: array<vec2<u32>>;
+
+// vec4 n of a cache.
+fn key4(n: u32) -> vec4<f32> {
+    if (KV_F16) {
+        let w = kh4[n];
+        return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y));
+    }
+    return bitcast<vec4<f32>>(kc4[n]);
+}
+fn val4(n: u32) -> vec4<f32> {
+    if (KV_F16) {
+        let w = vh4[n];
+        return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y));
+    }
+    return bitcast<vec4<f32>>(vc4[n]);
+}
 // vec4s of keys and of values a thread loads up front: D / 16 up to 8 (set by the host;
 // arrays past it are never touched, so they take no registers).
 override PRE: u32 = 8u;
@@ -269,7 +323,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     var kq: array<vec4<f32>, 8>;
     for (var i = 0u; i < PRE; i++) {
         if (i < kn) {
-            kq[i] = kc4[kb4 + qtr + 4u * i];
+            kq[i] = key4(kb4 + qtr + 4u * i);
         }
     }
     // Group grp's keys grp + groups i, dims 4 dim4...
@@ -278,7 +332,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     for (var i = 0u; i < PRE; i++) {
         let jj = grp + groups * i;
         if (on && jj < nk) {
-            vv[i] = vc4[cache_row(k0 + jj) * stride4 + base4 + dim4];
+            vv[i] = val4(cache_row(k0 + jj) * stride4 + base4 + dim4);
         }
     }
     load_q(t, h, lid);
@@ -290,7 +344,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         }
     }
     for (var i = PRE; i < kn; i++) {
-        dq += qs[qtr + 4u * i] * kc4[kb4 + qtr + 4u * i];
+        dq += qs[qtr + 4u * i] * key4(kb4 + qtr + 4u * i);
     }
     part_dot[lid] = (dq.x + dq.y) + (dq.z + dq.w);
     workgroupBarrier();
@@ -323,7 +377,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
             }
         }
         for (var jj = grp + groups * PRE; jj < nk; jj += groups) {
-            acc += sc[jj] * vc4[cache_row(k0 + jj) * stride4 + base4 + dim4];
+            acc += sc[jj] * val4(cache_row(k0 + jj) * stride4 + base4 + dim4);
         }
     }
     red4[lid] = acc;
@@ -458,22 +512,21 @@ override INTERLEAVED: bool = false;
 @group(0) @binding(7) var<storage, read> bias: array<f32>;
 @group(0) @binding(8) var<storage, read> table: array<vec2<f32>>;
 @group(0) @binding(9) var<storage, read_write> q_out: array<f32>;
-@group(0) @binding(10) var<storage, read_write> k_cache: array<f32>;
-@group(0) @binding(11) var<storage, read_write> v_cache: array<f32>;
+@group(0) @binding(10) var<storage, read_write> k_cache: array<u32>;
+@group(0) @binding(11) var<storage, read_write> v_cache: array<u32>;
 
-@compute @workgroup_size(256)
-fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-              @builtin(local_invocation_index) lid: u32) {
-    let idx = (wid.x + wid.y * nwg.x) * 256u + lid;
+// RoPE pair k of head `slot` (q heads, then k heads, then v heads) of new token t: its
+// dims' places (i, j) in the head and their values after the bias and (q, k) RoPE.
+struct Pair {
+    i: u32,
+    j: u32,
+    a: f32,
+    b: f32,
+}
+
+fn rope_pair(t: u32, slot: u32, k: u32) -> Pair {
     let half = p.d / 2u;
-    let heads = p.hq + 2u * p.hkv;
-    if (idx >= p.t * heads * half) {
-        return;
-    }
-    let k = idx % half;
-    let slot = (idx / half) % heads;     // q heads, then k heads, then v heads
-    let t = idx / (half * heads);
-    let width = heads * p.d;
+    let width = (p.hq + 2u * p.hkv) * p.d;
     let off = slot * p.d;                // within the token's row
     let i = select(k, 2u * k, INTERLEAVED);
     let j = select(k + half, 2u * k + 1u, INTERLEAVED);
@@ -483,24 +536,62 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         a += bias[off + i];
         b += bias[off + j];
     }
-    let pos = p.pos + t;
-    let r = cache_row(pos);
     if (slot < p.hq + p.hkv) {
-        let cs = table[pos * half + k];
-        let ra = a * cs.x - b * cs.y;
-        let rb = a * cs.y + b * cs.x;
-        if (slot < p.hq) {
-            let o = (t * p.hq + slot) * p.d;
-            q_out[o + i] = ra;
-            q_out[o + j] = rb;
+        let cs = table[(p.pos + t) * half + k];
+        return Pair(i, j, a * cs.x - b * cs.y, a * cs.y + b * cs.x);
+    }
+    return Pair(i, j, a, b);
+}
+
+fn put(is_k: bool, w: u32, v: u32) {
+    if (is_k) {
+        k_cache[w] = v;
+    } else {
+        v_cache[w] = v;
+    }
+}
+
+// One RoPE pair a thread (cover T (Hq + 2Hkv) D/2), or with KV_F16 two (k, k + 1; cover
+// T (Hq + 2Hkv) D/4): the cache words of f16 pairs (D a multiple of 4).
+@compute @workgroup_size(256)
+fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let idx = (wid.x + wid.y * nwg.x) * 256u + lid;
+    let per = select(1u, 2u, KV_F16);    // pairs a thread
+    let np = p.d / 2u / per;
+    let heads = p.hq + 2u * p.hkv;
+    if (idx >= p.t * heads * np) {
+        return;
+    }
+    let k = (idx % np) * per;
+    let slot = (idx / np) % heads;
+    let t = idx / (np * heads);
+    let x = rope_pair(t, slot, k);
+    if (slot < p.hq) {
+        let o = (t * p.hq + slot) * p.d;
+        q_out[o + x.i] = x.a;
+        q_out[o + x.j] = x.b;
+        if (KV_F16) {
+            let y = rope_pair(t, slot, k + 1u);
+            q_out[o + y.i] = y.a;
+            q_out[o + y.j] = y.b;
+        }
+        return;
+    }
+    let is_k = slot < p.hq + p.hkv;
+    let h = select(slot - p.hq - p.hkv, slot - p.hq, is_k);
+    let o = (cache_row(p.pos + t) * p.hkv + h) * p.d;
+    if (KV_F16) {
+        let y = rope_pair(t, slot, k + 1u);
+        if (INTERLEAVED) {
+            put(is_k, (o + x.i) / 2u, pack2x16float(vec2<f32>(x.a, x.b)));
+            put(is_k, (o + y.i) / 2u, pack2x16float(vec2<f32>(y.a, y.b)));
         } else {
-            let o = (r * p.hkv + slot - p.hq) * p.d;
-            k_cache[o + i] = ra;
-            k_cache[o + j] = rb;
+            put(is_k, (o + x.i) / 2u, pack2x16float(vec2<f32>(x.a, y.a)));
+            put(is_k, (o + x.j) / 2u, pack2x16float(vec2<f32>(x.b, y.b)));
         }
     } else {
-        let o = (r * p.hkv + slot - p.hq - p.hkv) * p.d;
-        v_cache[o + i] = a;
-        v_cache[o + j] = b;
+        put(is_k, o + x.i, bitcast<u32>(x.a));
+        put(is_k, o + x.j, bitcast<u32>(x.b));
     }
 }

@@ -4,7 +4,7 @@
 use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::formats::gguf::GgmlType;
-use crate::gpu::{Gpu, Tensor};
+use crate::gpu::{DType, Gpu, Tensor};
 use crate::ops::kvcache::{kv_attend, kv_attend_parts, kv_store, RopeStore};
 use crate::ops::quant::{qmatmul_fused, qmatvec_parts, Fuse, QMatrix, MERGE_MAX_WIDTH};
 use crate::reference::{attention as cpu, widen};
@@ -59,46 +59,44 @@ fn steps_of(pre: usize, steps: usize) -> Vec<usize> {
     }
 }
 
+/// Every case with f32 caches, then with f16 ones (against the reference of the same keys
+/// and values rounded to f16, with the f32 tolerance: the sums are f32 either way).
 pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    for (n, &(cap, hq, hkv, d, pre, steps)) in KV_CASES.iter().enumerate() {
-        let what = format!("cap {cap}, Hq {hq}/Hkv {hkv}, D {d}, {pre} + {steps}");
-        let chunks = steps_of(pre, steps);
-        check_case(
-            gpu,
-            3100 + n as u64,
-            (cap, hq, hkv, d),
-            None,
-            &chunks,
-            what,
-            out,
-        )
-        .await;
-    }
-    for (n, &(rows, hq, hkv, d, w, chunks)) in WINDOW_CASES.iter().enumerate() {
-        let total: usize = chunks.iter().sum();
-        let what = format!(
-            "{rows} rows, Hq {hq}/Hkv {hkv}, D {d}, window {w}, steps {chunks:?} ({total} tokens)"
-        );
-        check_case(
-            gpu,
-            3150 + n as u64,
-            (rows, hq, hkv, d),
-            Some(w),
-            chunks,
-            what,
-            out,
-        )
-        .await;
+    for dtype in [DType::F32, DType::F16] {
+        for (n, &(cap, hq, hkv, d, pre, steps)) in KV_CASES.iter().enumerate() {
+            let what = format!("cap {cap}, Hq {hq}/Hkv {hkv}, D {d}, {pre} + {steps}, {dtype:?}");
+            let chunks = steps_of(pre, steps);
+            let case = (cap, hq, hkv, d);
+            check_case(gpu, 3100 + n as u64, case, None, dtype, &chunks, what, out).await;
+        }
+        for (n, &(rows, hq, hkv, d, w, chunks)) in WINDOW_CASES.iter().enumerate() {
+            let total: usize = chunks.iter().sum();
+            let what = format!("{rows} rows, Hq {hq}/Hkv {hkv}, D {d}, window {w}, steps {chunks:?} ({total} tokens), {dtype:?}");
+            let case = (rows, hq, hkv, d);
+            check_case(
+                gpu,
+                3150 + n as u64,
+                case,
+                Some(w),
+                dtype,
+                chunks,
+                what,
+                out,
+            )
+            .await;
+        }
     }
 }
 
 /// Steps of `chunks` tokens stored (kv_store) and attended (kv_attend) over caches of `rows`
-/// rows against the f64 reference over all tokens at once.
+/// rows of `dtype` against the f64 reference over all tokens at once.
+#[allow(clippy::too_many_arguments)]
 async fn check_case(
     gpu: &Gpu,
     seed: u64,
     (rows, hq, hkv, d): (usize, usize, usize, usize),
     window: Option<usize>,
+    dtype: DType,
     chunks: &[usize],
     what: String,
     out: &mut Vec<CheckResult>,
@@ -122,10 +120,19 @@ async fn check_case(
         window: window.unwrap_or(0),
         scale: 1.0 / (d as f32).sqrt() as f64,
     };
-    let (want, _) = cpu::attention(&widen(&q), &widen(&k), &widen(&v), dm);
+    // What an f16 cache holds.
+    let stored = |x: &[f32]| -> Vec<f64> {
+        x.iter()
+            .map(|&v| match dtype {
+                DType::F16 => half::f16::from_f32(v).to_f64(),
+                _ => v as f64,
+            })
+            .collect()
+    };
+    let (want, _) = cpu::attention(&widen(&q), &stored(&k), &stored(&v), dm);
     let r = twice("kv_attend", async || {
-        let kc = Tensor::empty(gpu, &[rows, hkv, d], crate::gpu::DType::F32, "k")?;
-        let vc = Tensor::empty(gpu, &[rows, hkv, d], crate::gpu::DType::F32, "v")?;
+        let kc = Tensor::empty(gpu, &[rows, hkv, d], dtype, "k")?;
+        let vc = Tensor::empty(gpu, &[rows, hkv, d], dtype, "v")?;
         let mut got = Vec::new();
         let mut pos = 0;
         for &t in chunks {
@@ -169,20 +176,34 @@ async fn check_case(
 pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::kvcache::rope_store;
     use crate::ops::rope::{Pairing, RopeTable};
-    let (t, hq, hkv, d, pos, cap) = (5usize, 4usize, 2usize, 8usize, 3usize, 12usize);
+    let (t, hq, hkv, d) = (5usize, 4usize, 2usize, 8usize);
     let width = (hq + 2 * hkv) * d;
-    for (n, pairing) in [Pairing::Interleaved, Pairing::Half]
-        .into_iter()
-        .enumerate()
-    {
+    // (pairing, cache type, rows, position, window): both pairings into f32 and f16
+    // caches, and rings of 8 rows (a window of 4) that the 5 tokens wrap around.
+    let cases = [
+        (Pairing::Interleaved, DType::F32, 12, 3, None),
+        (Pairing::Half, DType::F32, 12, 3, None),
+        (Pairing::Interleaved, DType::F16, 12, 3, None),
+        (Pairing::Half, DType::F16, 8, 6, Some(4)),
+        (Pairing::Interleaved, DType::F32, 8, 6, Some(4)),
+    ];
+    for (n, &(pairing, dtype, rows, pos, window)) in cases.iter().enumerate() {
         let mut rng = Rng::new(3300 + n as u64);
         let (qkv, bias) = (rng.vec(t * width), rng.vec(width));
         let r = twice("rope_store", async || {
-            let table = RopeTable::new(gpu, cap, d, 10000.0)?;
+            let table = RopeTable::new(gpu, pos + t, d, 10000.0)?;
             let x = Tensor::from_f32(gpu, &[t, width], &qkv, "qkv")?;
             let b = Tensor::from_f32(gpu, &[width], &bias, "bias")?;
-            let kc = Tensor::from_f32(gpu, &[cap, hkv, d], &vec![0.0; cap * hkv * d], "k")?;
-            let vc = Tensor::from_f32(gpu, &[cap, hkv, d], &vec![0.0; cap * hkv * d], "v")?;
+            let zeros = |name| match dtype {
+                DType::F16 => Tensor::from_f16(
+                    gpu,
+                    &[rows, hkv, d],
+                    &vec![half::f16::ZERO; rows * hkv * d],
+                    name,
+                ),
+                _ => Tensor::from_f32(gpu, &[rows, hkv, d], &vec![0.0; rows * hkv * d], name),
+            };
+            let (kc, vc) = (zeros("k")?, zeros("v")?);
             let to = RopeStore {
                 bias: Some(&b),
                 table: &table,
@@ -191,14 +212,22 @@ pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 k_cache: &kc,
                 v_cache: &vc,
                 pos,
-                window: None,
+                window,
             };
             let q = gpu.run_async(|rec| rope_store(rec, &x, &to)).await?;
-            Ok(vec![
-                q.to_vec_f32(gpu).await?,
-                kc.to_vec_f32(gpu).await?,
-                vc.to_vec_f32(gpu).await?,
-            ])
+            let mut got = vec![q.to_vec_f32(gpu).await?];
+            for c in [&kc, &vc] {
+                got.push(match dtype {
+                    DType::F16 => c
+                        .to_vec_f16(gpu)
+                        .await?
+                        .iter()
+                        .map(|h| h.to_f32())
+                        .collect(),
+                    _ => c.to_vec_f32(gpu).await?,
+                });
+            }
+            Ok(got)
         })
         .await;
         // Split (T, width) + bias into q (T, Hq, D), k and v (T, Hkv, D) in f64.
@@ -212,24 +241,36 @@ pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let k =
             crate::reference::rope::rope(&part(hq * d, hkv), t, hkv, d, pos, 10000.0, pairing, 1.0);
         let v = part((hq + hkv) * d, hkv);
-        let at_pos = |x: Vec<f64>| {
-            let mut c = vec![0.0; cap * hkv * d];
-            c[pos * hkv * d..(pos + t) * hkv * d].copy_from_slice(&x);
+        // Token pos + i in row (pos + i) % rows.
+        let at_rows = |x: Vec<f64>| {
+            let mut c = vec![0.0; rows * hkv * d];
+            for (i, tok) in x.chunks(hkv * d).enumerate() {
+                let r = (pos + i) % rows;
+                c[r * hkv * d..(r + 1) * hkv * d].copy_from_slice(tok);
+            }
             c
         };
         let tol = Tolerance {
             abs: 1e-6,
             rel: 1e-6,
         };
+        // An f16 cache: one rounding to 11 significant bits.
+        let cache_tol = match dtype {
+            DType::F16 => Tolerance {
+                abs: 1e-6,
+                rel: 4.9e-4,
+            },
+            _ => tol,
+        };
         let res = r.and_then(|got| {
             compare("rope_store q", &got[0], &q, None, tol).map_err(s)?;
-            compare("rope_store k", &got[1], &at_pos(k), None, tol).map_err(s)?;
-            compare("rope_store v", &got[2], &at_pos(v), None, tol).map_err(s)
+            compare("rope_store k", &got[1], &at_rows(k), None, cache_tol).map_err(s)?;
+            compare("rope_store v", &got[2], &at_rows(v), None, cache_tol).map_err(s)
         });
         push(
             out,
             "rope_store",
-            format!("T {t} at {pos}, Hq {hq}/Hkv {hkv}, D {d}, {pairing:?}"),
+            format!("T {t} at {pos}, Hq {hq}/Hkv {hkv}, D {d}, {pairing:?}, {rows} rows {dtype:?}, window {window:?}"),
             res,
         );
     }
