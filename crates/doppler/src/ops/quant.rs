@@ -905,11 +905,15 @@ pub fn qmatmul_rope_store(
     let path = Path::of(t, w);
     // The fused kernels store at row pos + t: a ring cache that has wrapped (a window's
     // last keys) takes the two steps, whose `rope_store` wraps.
-    // So do f16 caches (the fused kernels store f32).
+    // So do f16 caches of pairs half a head apart over several rows (the kernels write
+    // whole words of halves: a pair of adjacent dims, or with those pairs the decode
+    // kernel's four columns a thread).
     let wraps = to.pos + t > to.k_cache.shape().first().copied().unwrap_or(0);
+    let kv_f16 = to.k_cache.dtype() == DType::F16;
+    let half_rows = to.pairing == Pairing::Half && !matches!(path, Path::Decode { .. });
     let fused = !matches!(path, Path::Tiled)
         && !wraps
-        && to.k_cache.dtype() == DType::F32
+        && !(kv_f16 && half_rows)
         && rec.gpu().limits.max_storage_buffers_per_shader_stage >= ROPE_STORAGE;
     if !fused || sh.len() != 2 || sh[1] != w.cols {
         let fuse = Fuse {
@@ -947,6 +951,7 @@ pub fn qmatmul_rope_store(
         ("NORM", norm.is_some() as u32 as f64),
         ("ROPE_HALF", (to.pairing == Pairing::Half) as u32 as f64),
         ("ROPE_BIAS", to.bias.is_some() as u32 as f64),
+        ("ROPE_KV_F16", kv_f16 as u32 as f64),
     ];
     let nw = norm.map_or(x, |n| n.0);
     let bind = [
@@ -978,14 +983,14 @@ pub fn qmatmul_rope_store(
                         &own
                     }
                 };
-                let c1 = [c[0], c[1], c[2], c[3], split, ("XQ8", 1.0)];
+                let c1 = [c[0], c[1], c[2], c[3], c[4], split, ("XQ8", 1.0)];
                 let mut bind = bind;
                 for i in [2, 3, 4, 5] {
                     bind[i] = &xq.q;
                 }
                 rec.dispatch(&QMATVEC1_ROPE, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
             } else {
-                let c1 = [c[0], c[1], c[2], c[3], split];
+                let c1 = [c[0], c[1], c[2], c[3], c[4], split];
                 rec.dispatch(&QMATVEC1_ROPE, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
             }
         }

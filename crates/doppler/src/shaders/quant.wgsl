@@ -595,12 +595,15 @@ override GEGLU: bool = false;
 // 10), q goes to dst (T, heads, d), k and v into the caches (capacity, hkv, d) at that
 // position (bindings 11, 12). A head's pairs are (2e, 2e + 1), or (e, e + d / 2) with
 // ROPE_HALF: then virtual columns (2e, 2e + 1) read W's rows e and e + d / 2.
+// The caches hold words as kvcache.wgsl's: f32 bits, or with ROPE_KV_F16 two f16 halves
+// (adjacent pairs only, ROPE_HALF false: a pair is one word).
 override ROPE_HALF: bool = false;
 override ROPE_BIAS: bool = false;
+override ROPE_KV_F16: bool = false;
 @group(0) @binding(9) var<storage, read> rbias: array<f32>;
 @group(0) @binding(10) var<storage, read> rtable: array<vec2<f32>>;
-@group(0) @binding(11) var<storage, read_write> k_cache: array<f32>;
-@group(0) @binding(12) var<storage, read_write> v_cache: array<f32>;
+@group(0) @binding(11) var<storage, read_write> k_cache: array<u32>;
+@group(0) @binding(12) var<storage, read_write> v_cache: array<u32>;
 
 fn rope_kv_heads() -> u32 {
     return (p.n / p.d - p.heads) / 2u;
@@ -612,35 +615,82 @@ fn rope_turned() -> u32 {
 }
 
 // Stores the pair of (virtual) columns (v, v + 1), v even, of row t of x: sums a and b.
-fn rope_out(t: u32, v: u32, sa: f32, sb: f32) {
-    let i = w_row(v);        // column in the stacked q, k, v row
-    let j = w_row(v + 1u);
+// The pair of (virtual) columns (v, v + 1), v even, of row t from their sums: bias added,
+// q and k turned by RoPE at position p.pos + t; values of the stacked row's columns
+// (w_row(v), w_row(v + 1)).
+fn rope_vals(t: u32, v: u32, sa: f32, sb: f32) -> vec2<f32> {
     var a = sa;
     var b = sb;
     if (ROPE_BIAS) {
-        a += rbias[i];
-        b += rbias[j];
+        a += rbias[w_row(v)];
+        b += rbias[w_row(v + 1u)];
     }
+    if (v < rope_turned()) {
+        let cs = rtable[(p.pos + t) * (p.d / 2u) + (v % p.d) / 2u];
+        return vec2<f32>(a * cs.x - b * cs.y, a * cs.y + b * cs.x);
+    }
+    return vec2<f32>(a, b);
+}
+
+// Stores the pair of (virtual) columns (v, v + 1), v even, of row t: sums a and b.
+fn rope_out(t: u32, v: u32, sa: f32, sb: f32) {
+    let i = w_row(v);        // column in the stacked q, k, v row
+    let j = w_row(v + 1u);
+    let r = rope_vals(t, v, sa, sb);
     let pos = p.pos + t;
     let kv = rope_kv_heads() * p.d;
     let qw = p.heads * p.d;
-    if (v < qw + kv) {
-        let cs = rtable[pos * (p.d / 2u) + (v % p.d) / 2u];
-        let ra = a * cs.x - b * cs.y;
-        let rb = a * cs.y + b * cs.x;
-        if (v < qw) {
-            dst[t * qw + i] = ra;
-            dst[t * qw + j] = rb;
-        } else {
-            let o = pos * kv - qw;
-            k_cache[o + i] = ra;
-            k_cache[o + j] = rb;
-        }
-    } else {
-        let o = pos * kv - qw - kv;
-        v_cache[o + i] = a;
-        v_cache[o + j] = b;
+    if (v < qw) {
+        dst[t * qw + i] = r.x;
+        dst[t * qw + j] = r.y;
+        return;
     }
+    // Offset of the k cache's row (v's columns), or the v cache's.
+    let o = select(pos * kv - qw - kv, pos * kv - qw, v < qw + kv);
+    if (ROPE_KV_F16) {
+        put_kv(v < qw + kv, (o + i) / 2u, pack2x16float(r));
+    } else {
+        put_kv(v < qw + kv, o + i, bitcast<u32>(r.x));
+        put_kv(v < qw + kv, o + j, bitcast<u32>(r.y));
+    }
+}
+
+fn put_kv(is_k: bool, w: u32, val: u32) {
+    if (is_k) {
+        k_cache[w] = val;
+    } else {
+        v_cache[w] = val;
+    }
+}
+
+// ROPE_HALF with ROPE_KV_F16, one row (decode): in q and k heads the pairs (v, v + 1) and
+// (v + 2, v + 3), v a multiple of 4, hold head dims (e, e + d / 2) and (e + 1, e + 1 +
+// d / 2), e even: whole words of the cache, (e, e + 1) and (e + d / 2, e + d / 2 + 1); v
+// heads' columns v..v+4 are dims in order.
+fn rope_out_half16(v: u32, s: vec4<f32>) {
+    let i = w_row(v);        // dim e's column; e + d / 2 at w_row(v + 1)
+    let j = w_row(v + 1u);
+    let r0 = rope_vals(0u, v, s.x, s.y);
+    let r1 = rope_vals(0u, v + 2u, s.z, s.w);
+    let kv = rope_kv_heads() * p.d;
+    let qw = p.heads * p.d;
+    if (v < qw) {
+        dst[i] = r0.x;
+        dst[j] = r0.y;
+        dst[i + 1u] = r1.x;
+        dst[j + 1u] = r1.y;
+        return;
+    }
+    if (v >= qw + kv) {
+        // v heads are not turned: columns v..v+4 in order, two words.
+        let o = p.pos * kv - qw - kv;
+        put_kv(false, (o + i) / 2u, pack2x16float(r0));
+        put_kv(false, (o + i) / 2u + 1u, pack2x16float(r1));
+        return;
+    }
+    let o = p.pos * kv - qw;
+    put_kv(true, (o + i) / 2u, pack2x16float(vec2<f32>(r0.x, r1.x)));
+    put_kv(true, (o + j) / 2u, pack2x16float(vec2<f32>(r0.y, r1.y)));
 }
 
 @group(0) @binding(5) var<storage, read> nw: array<f32>;
@@ -1250,6 +1300,14 @@ fn qmatvec1_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let at = mv1_sums(g, lid);
     if (at.y == 0u) {
         let scale = mv1_scale(lid);
+        if (ROPE_HALF && ROPE_KV_F16) {
+            // MV1_RW 4 (the default): a thread's 4 columns start at a multiple of 4.
+            if (at.x < w_rows()) {
+                let s = vec4<f32>(mv1_get(lid, 0u), mv1_get(lid, 1u), mv1_get(lid, 2u), mv1_get(lid, 3u));
+                rope_out_half16(at.x, s * scale);
+            }
+            return;
+        }
         for (var q = 0u; q < MV1_RW; q += 2u) {
             if (at.x + q < w_rows()) {
                 rope_out(0u, at.x + q, mv1_get(lid, q) * scale, mv1_get(lid, q + 1u) * scale);

@@ -308,8 +308,15 @@ pub(super) async fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::kvcache::rope_store;
     use crate::ops::quant::qmatmul_rope_store;
     use crate::ops::rope::{Pairing, RopeTable};
-    for (n, &(cap, hq, hkv, d, cols, ty_name, t, pos, half)) in ROPE_STORE_CASES.iter().enumerate()
-    {
+    // Every case into f32 caches, then f16 ones (adjacent pairs fused, pairs half a head
+    // apart through rope_store).
+    let cases = [DType::F32, DType::F16].into_iter().flat_map(|dt| {
+        ROPE_STORE_CASES
+            .iter()
+            .enumerate()
+            .map(move |(n, c)| (n, c, dt))
+    });
+    for (n, &(cap, hq, hkv, d, cols, ty_name, t, pos, half), dtype) in cases {
         let rows = (hq + 2 * hkv) * d;
         let pairing = if half {
             Pairing::Half
@@ -328,9 +335,27 @@ pub(super) async fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let nwt = Tensor::from_f32(gpu, &[cols], &nw, "nw")?;
             let b = Tensor::from_f32(gpu, &[rows], &bias, "bias")?;
             let mut got = Vec::new();
+            let cache = |x: &[f32], name| match dtype {
+                DType::F16 => {
+                    let h: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
+                    Tensor::from_f16(gpu, &[cap, hkv, d], &h, name)
+                }
+                _ => Tensor::from_f32(gpu, &[cap, hkv, d], x, name),
+            };
+            let read = async |c: &Tensor| -> crate::Result<Vec<f32>> {
+                match dtype {
+                    DType::F16 => Ok(c
+                        .to_vec_f16(gpu)
+                        .await?
+                        .iter()
+                        .map(|h| h.to_f32())
+                        .collect()),
+                    _ => c.to_vec_f32(gpu).await,
+                }
+            };
             for fused in [true, false] {
-                let kc = Tensor::from_f32(gpu, &[cap, hkv, d], &k0, "k")?;
-                let vc = Tensor::from_f32(gpu, &[cap, hkv, d], &v0, "v")?;
+                let kc = cache(&k0, "k")?;
+                let vc = cache(&v0, "v")?;
                 let to = RopeStore {
                     bias: Some(&b),
                     table: &table,
@@ -356,11 +381,7 @@ pub(super) async fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                         }
                     })
                     .await?;
-                got.extend([
-                    q.to_vec_f32(gpu).await?,
-                    kc.to_vec_f32(gpu).await?,
-                    vc.to_vec_f32(gpu).await?,
-                ]);
+                got.extend([q.to_vec_f32(gpu).await?, read(&kc).await?, read(&vc).await?]);
             }
             Ok(got)
         })
@@ -371,10 +392,20 @@ pub(super) async fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             abs: 1e-5,
             rel: Tolerance::dot(cols).rel,
         };
+        // Into f16 caches: values that close may round to neighbouring halves.
+        let f16_tol = Tolerance {
+            abs: 1e-5,
+            rel: 9.8e-4,
+        };
         let res = r.and_then(|got| {
             let mut worst = crate::check::Stats::default();
             for (i, what) in ["q", "k cache", "v cache"].iter().enumerate() {
                 let want: Vec<f64> = got[i + 3].iter().map(|&v| v as f64).collect();
+                let tol = if i > 0 && dtype == DType::F16 {
+                    f16_tol
+                } else {
+                    tol
+                };
                 let st = compare(what, &got[i], &want, None, tol).map_err(s)?;
                 worst.max_abs = worst.max_abs.max(st.max_abs);
                 worst.max_rel = worst.max_rel.max(st.max_rel);
@@ -384,7 +415,7 @@ pub(super) async fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         push(
             out,
             "qmatmul_rope_store",
-            format!("T {t} at {pos} @ ({rows}, {cols})^T {ty_name}, Hq {hq}/Hkv {hkv}, D {d}, {pairing:?}, norm + bias"),
+            format!("T {t} at {pos} @ ({rows}, {cols})^T {ty_name}, Hq {hq}/Hkv {hkv}, D {d}, {pairing:?}, norm + bias, {dtype:?} cache"),
             res,
         );
     }
