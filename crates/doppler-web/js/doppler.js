@@ -39,15 +39,15 @@ export async function verify({ filter } = {}) {
 
 function isHfName(name) {
   const base = name.split('/').pop();
-  return ['config.json', 'tokenizer.json', 'tokenizer_config.json'].includes(base) ||
-    base.endsWith('.safetensors');
+  return ['config.json', 'tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja',
+    'chat_template.json'].includes(base) || base.endsWith('.safetensors');
 }
 
 /**
  * Loads a model: a .gguf `File`/`Blob`, an `ArrayBuffer` or typed array, a URL (fetched
  * with progress and cached in the Origin Private File System under its SHA-256), or a
  * Hugging Face directory's files (a `FileList` or array of `File`s: config.json,
- * *.safetensors, tokenizer.json, tokenizer_config.json).
+ * *.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja).
  * Weights are read a tensor at a time as they go to the GPU: a `File` (GGUF or
  * SafeTensors), an `ArrayBuffer` or a cached download is never copied whole (a download
  * without the cache is held once in WebAssembly memory while it uploads).

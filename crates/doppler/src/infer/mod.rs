@@ -42,8 +42,13 @@ impl Model {
         let shown = path.display().to_string();
         let (tokenizer, jinja) = if path.is_dir() {
             let tk = Tokenizer::from_hf_file(&path.join("tokenizer.json"))?;
-            let config = std::fs::read_to_string(path.join("tokenizer_config.json")).ok();
-            (tk, config.as_deref().and_then(hf_chat_template))
+            let read = |name: &str| std::fs::read_to_string(path.join(name)).ok();
+            let jinja = hf_template_of(
+                read("chat_template.jinja"),
+                read("chat_template.json"),
+                read("tokenizer_config.json"),
+            );
+            (tk, jinja)
         } else {
             (Tokenizer::from_gguf(&md, &shown)?, gguf_chat_template(&md))
         };
@@ -94,7 +99,8 @@ impl Model {
     }
 
     /// A Hugging Face directory's files by name: `config.json`, `*.safetensors`,
-    /// `tokenizer.json` and, optionally, `tokenizer_config.json` (others are ignored).
+    /// `tokenizer.json` and, optionally, `tokenizer_config.json`, `chat_template.jinja`
+    /// and `chat_template.json` (others are ignored).
     /// SafeTensors files read on demand go to the GPU a tensor at a time.
     pub async fn from_hf_files(
         gpu: &Gpu,
@@ -112,11 +118,14 @@ impl Model {
         let base = |n: &str| n.rsplit('/').next().unwrap_or(n).to_string();
         let mut weights: Vec<(String, crate::formats::FileData)> = Vec::new();
         let (mut config, mut tokenizer, mut tk_config) = (None, None, None);
+        let (mut tmpl_jinja, mut tmpl_json) = (None, None);
         for (name, bytes) in files {
             match base(&name).as_str() {
                 "config.json" => config = Some(bytes),
                 "tokenizer.json" => tokenizer = Some(bytes),
                 "tokenizer_config.json" => tk_config = Some(bytes),
+                "chat_template.jinja" => tmpl_jinja = Some(bytes),
+                "chat_template.json" => tmpl_json = Some(bytes),
                 b if b.ends_with(".safetensors") => weights.push((name, bytes)),
                 _ => {}
             }
@@ -149,7 +158,18 @@ impl Model {
             llama::from_safetensors_async(gpu, &config, "config.json", &src, max_context).await?;
         drop(src);
         let tk = Tokenizer::from_hf_json(&tokenizer, tk_config.as_deref(), "tokenizer.json")?;
-        let jinja = tk_config.as_deref().and_then(hf_chat_template);
+        let mut templates = Vec::new();
+        for (b, what) in [
+            (tmpl_jinja, "chat_template.jinja"),
+            (tmpl_json, "chat_template.json"),
+        ] {
+            templates.push(match b {
+                Some(b) => Some(text(&b.read_all(what).await?, what)?),
+                None => None,
+            });
+        }
+        let json = templates.pop().flatten();
+        let jinja = hf_template_of(templates.pop().flatten(), json, tk_config);
         let model = Self::assemble(llama, tk, jinja, shown, t0)?;
         gpu.settle().await?;
         Ok(model)
@@ -226,6 +246,18 @@ fn gguf_chat_template(md: &std::collections::BTreeMap<String, Value>) -> Option<
 }
 
 /// The chat template in a `tokenizer_config.json`'s text.
+/// A Hugging Face directory's chat template: `chat_template.jinja` (transformers 4.50 on
+/// writes it apart), else `chat_template.json`'s, else `tokenizer_config.json`'s.
+fn hf_template_of(
+    jinja: Option<String>,
+    json: Option<String>,
+    tokenizer_config: Option<String>,
+) -> Option<String> {
+    jinja
+        .or_else(|| json.as_deref().and_then(hf_chat_template))
+        .or_else(|| tokenizer_config.as_deref().and_then(hf_chat_template))
+}
+
 fn hf_chat_template(tokenizer_config: &str) -> Option<String> {
     serde_json::from_str::<serde_json::Value>(tokenizer_config)
         .ok()?

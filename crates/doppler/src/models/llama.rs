@@ -43,9 +43,17 @@ use crate::ops::rope::{inv_freq, Pairing, RopeTable};
 /// writes Mistral models as `llama`)...
 pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "phi3", "gemma3"];
 /// ...and as a Hugging Face `config.json`'s `model_type` does (`gemma3_text`: Gemma 3's
-/// text-only checkpoints, 270M and 1B).
-pub const HF_ARCHITECTURES: &[&str] =
-    &["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text"];
+/// text-only checkpoints, 270M and 1B; `gemma3`: the multimodal ones, whose text model
+/// runs, the vision tower left unread).
+pub const HF_ARCHITECTURES: &[&str] = &[
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "phi3",
+    "gemma3_text",
+    "gemma3",
+];
 
 /// Gemma 3's layers by default: five attend to a window, the sixth to everything.
 const GEMMA3_PATTERN: usize = 6;
@@ -658,14 +666,21 @@ impl Llama {
     /// comes with its name ("qkv", "attention", "o", "gate_up", "down", "output").
     pub fn decode_reads<'a>(&'a self, cache: &'a KvCache) -> Vec<DecodeRead<'a>> {
         let w = |m: &'a QMatrix| (&m.raw, m.file_bytes() / 16 * 16);
-        let kv = |t: &'a Tensor| {
-            let row = t.byte_size() / cache.capacity.max(1) as u64;
-            (t, row * cache.len as u64 / 16 * 16)
+        // The keys a token attends to: all so far, or its window's (a ring's rows).
+        let kv = |t: &'a Tensor, window: Option<usize>| {
+            let rows = t.shape()[0].max(1);
+            let row = t.byte_size() / rows as u64;
+            let seen = cache.len.min(rows).min(window.unwrap_or(usize::MAX));
+            (t, row * seen as u64 / 16 * 16)
         };
         let mut steps = Vec::with_capacity(5 * self.layers.len() + 1);
         for (li, l) in self.layers.iter().enumerate() {
+            let win = self.cfg.window(li);
             steps.push(("qkv", vec![w(&l.qkv)]));
-            steps.push(("attention", vec![kv(&cache.k[li]), kv(&cache.v[li])]));
+            steps.push((
+                "attention",
+                vec![kv(&cache.k[li], win), kv(&cache.v[li], win)],
+            ));
             steps.push(("o", vec![w(&l.o)]));
             steps.push(("gate_up", vec![w(&l.gate_up)]));
             steps.push(("down", vec![w(&l.down)]));
@@ -1133,12 +1148,62 @@ pub fn config_from_gguf(md: &BTreeMap<String, Value>, path: &str) -> Result<Llam
     Ok(cfg)
 }
 
+/// A Gemma 3 text config with transformers' Gemma3TextConfig defaults under its own keys.
+fn gemma3_text_defaults(cfg: &serde_json::Value) -> serde_json::Value {
+    let mut out = serde_json::json!({
+        "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 2304,
+        "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_local_base_freq": 1e4,
+        "sliding_window_pattern": 6, "tie_word_embeddings": true,
+    });
+    if let (Some(o), Some(c)) = (out.as_object_mut(), cfg.as_object()) {
+        for (k, v) in c {
+            // A null is an unset value, except for the soft-caps (null: none).
+            if !v.is_null() || k.ends_with("softcapping") {
+                o.insert(k.clone(), v.clone());
+            }
+        }
+        o.insert("model_type".into(), "gemma3_text".into());
+    }
+    out
+}
+
 /// The configuration of a Hugging Face `config.json`.
 pub fn config_from_hf(json: &serde_json::Value, path: &str) -> Result<LlamaConfig> {
     let arch = json
         .get("model_type")
         .and_then(|v| v.as_str())
         .ok_or_else(|| format_err(path, "model_type is missing"))?;
+    // Gemma 3's multimodal checkpoints (4B and up) hold the text model's config in
+    // `text_config` (its tensors under language_model); Gemma 3 configs may leave out what
+    // transformers' Gemma3TextConfig defaults.
+    let owned;
+    let json = match arch {
+        "gemma3" => {
+            let tc = json
+                .get("text_config")
+                .filter(|v| v.is_object())
+                .ok_or_else(|| {
+                    format_err(
+                        path,
+                        "gemma3: text_config is missing (the text model's config)",
+                    )
+                })?;
+            owned = gemma3_text_defaults(tc);
+            &owned
+        }
+        "gemma3_text" => {
+            owned = gemma3_text_defaults(json);
+            &owned
+        }
+        _ => json,
+    };
+    let arch = json
+        .get("model_type")
+        .and_then(|v| v.as_str())
+        .unwrap_or(arch);
     if !HF_ARCHITECTURES.contains(&arch) {
         return Err(format_err(
             path,
@@ -1543,8 +1608,21 @@ impl SafeTensorsDir {
     /// The name in these files of a GGUF tensor name: the first of its Hugging Face
     /// names present ([`SafeTensorsDir::hf_names`]).
     fn find(&self, name: &str) -> Option<String> {
+        // A multimodal checkpoint keeps its text model under language_model
+        // (transformers 4: language_model.model.*, language_model.lm_head; 5:
+        // model.language_model.*).
         Self::hf_names(name)
             .into_iter()
+            .flat_map(|n| {
+                let nested = match n.strip_prefix("model.") {
+                    Some(rest) => vec![
+                        format!("language_model.model.{rest}"),
+                        format!("model.language_model.{rest}"),
+                    ],
+                    None => vec![format!("language_model.{n}")],
+                };
+                std::iter::once(n).chain(nested)
+            })
             .find(|n| self.index.contains_key(n))
     }
 
@@ -1777,9 +1855,45 @@ mod tests {
         let e = config_from_hf(&p, "c.json").unwrap_err().to_string();
         assert!(e.contains("partial_rotary_factor 0.75"), "{e}");
         let mut g = base.clone();
+        g["model_type"] = "gemma4".into();
+        let e = config_from_hf(&g, "c.json").unwrap_err().to_string();
+        assert!(e.contains("gemma4") && e.contains("phi3"), "{e}");
         g["model_type"] = "gemma3".into();
         let e = config_from_hf(&g, "c.json").unwrap_err().to_string();
-        assert!(e.contains("gemma3") && e.contains("phi3"), "{e}");
+        assert!(e.contains("text_config is missing"), "{e}");
+        // gemma-3-4b-it's config.json (text_config as published: what it leaves out is
+        // Gemma3TextConfig's default).
+        let mm = serde_json::json!({
+            "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+            "text_config": {
+                "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                "sliding_window": 1024,
+            },
+            "vision_config": {"model_type": "siglip_vision_model"},
+        });
+        let c = config_from_hf(&mm, "c.json").unwrap();
+        assert_eq!(
+            (
+                c.arch.as_str(),
+                c.n_layer,
+                c.n_embd,
+                c.n_head,
+                c.n_kv_head,
+                c.head_dim
+            ),
+            ("gemma3", 34, 2560, 8, 4, 256)
+        );
+        assert_eq!(
+            (
+                c.vocab_size,
+                c.sliding_window,
+                c.window(5),
+                c.rope_linear,
+                c.rope_local_theta
+            ),
+            (262208, Some(1024), None, Some(8.0), Some(1e4))
+        );
         // Gemma 3 text: layer kinds, each with its RoPE, the query scale, the norms' shift.
         let gemma = serde_json::json!({
             "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 3,
