@@ -230,8 +230,8 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let v = llama.cfg.vocab_size;
     let prompt: Vec<u32> = (0..args.prompt).map(|i| (i * 7919 % v) as u32).collect();
-    let cache_dtype = args.cache_type.dtype(gpu);
-    let mut cache = llama.cache_with(gpu, ctx, doppler::ops::kvcache::RING_STEP, cache_dtype)?;
+    let kv_type = args.cache_type.kv_type(gpu);
+    let mut cache = llama.cache_with(gpu, ctx, doppler::ops::kvcache::RING_STEP, kv_type)?;
     // One prefill + decode round first: pipelines compile, buffers enter the pool. Decoding
     // is greedy with the argmax on the GPU and the next step submitted before the last
     // token is read (doppler::infer::greedy, as `generate` does at temperature 0).
@@ -378,7 +378,7 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         "weights_mib": llama.weight_bytes as f64 / (1u64 << 20) as f64,
         "decode_read_mib": llama.decode_bytes as f64 / (1u64 << 20) as f64,
         "load_ms": load_ms,
-        "kv_cache_type": format!("{cache_dtype:?}").to_lowercase(),
+        "kv_cache_type": kv_type.name(),
         "kv_cache_mib": cache.bytes() as f64 / (1u64 << 20) as f64,
         "prompt_tokens": args.prompt,
         "generated_tokens": per_token.len(),

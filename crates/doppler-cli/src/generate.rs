@@ -20,15 +20,20 @@ pub enum CacheType {
     Auto,
     F32,
     F16,
+    /// 8-bit integers with a scale per 32 values (1.125 bytes a value; head size a
+    /// multiple of 32).
+    #[value(name = "q8_0")]
+    Q8_0,
 }
 
 impl CacheType {
-    pub fn dtype(self, gpu: &Gpu) -> doppler::gpu::DType {
-        use doppler::gpu::DType;
+    pub fn kv_type(self, gpu: &Gpu) -> doppler::ops::kvcache::KvType {
+        use doppler::ops::kvcache::{default_kv_type, KvType};
         match self {
-            CacheType::Auto => doppler::ops::kvcache::default_dtype(gpu),
-            CacheType::F32 => DType::F32,
-            CacheType::F16 => DType::F16,
+            CacheType::Auto => default_kv_type(gpu),
+            CacheType::F32 => KvType::F32,
+            CacheType::F16 => KvType::F16,
+            CacheType::Q8_0 => KvType::Q8_0,
         }
     }
 }
@@ -45,9 +50,9 @@ pub fn cache_line(cache: &doppler::ops::kvcache::KvCache) -> String {
         n => format!(", {n} sliding-window layers keep rings of the last keys"),
     };
     format!(
-        "KV cache: {:.1} MiB ({:?}) for {} tokens{ring_note}",
+        "KV cache: {:.1} MiB ({}) for {} tokens{ring_note}",
         cache.bytes() as f64 / (1u64 << 20) as f64,
-        cache.dtype(),
+        cache.kv_type().name(),
         cache.capacity
     )
 }
@@ -125,7 +130,8 @@ pub struct GenerateArgs {
     /// Context (KV cache) size in tokens, at most the model's.
     #[arg(short = 'c', long, default_value_t = 4096)]
     ctx_size: usize,
-    /// KV cache storage: auto (f16 where the adapter has shader-f16, else f32), f32, f16.
+    /// KV cache storage: auto (f16 where the adapter has shader-f16, else f32), f32, f16,
+    /// q8_0.
     #[arg(long, value_enum, default_value = "auto")]
     cache_type: CacheType,
     /// Treat control tokens written in the prompt (e.g. <|im_start|>) as such.
@@ -196,7 +202,7 @@ pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode>
         ids.extend(tk.bos.or(tk.eos));
     }
     let mut session =
-        Session::with_cache_type(gpu, &model, args.ctx_size, args.cache_type.dtype(gpu))?;
+        Session::with_cache_type(gpu, &model, args.ctx_size, args.cache_type.kv_type(gpu))?;
     tracing::info!("{}", cache_line(&session.cache));
     // Room left in the context after the prompt: none is an error, less than asked for
     // ends the generation early, said as such.
@@ -236,7 +242,7 @@ pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode>
         let mut v = stats_json(&g, &model);
         v["kv_cache"] = serde_json::json!({
             "bytes": session.cache.bytes(),
-            "type": format!("{:?}", session.cache.dtype()).to_lowercase(),
+            "type": session.cache.kv_type().name(),
             "tokens": session.capacity(),
         });
         v["prompt"] = args.prompt.clone().into();
@@ -312,7 +318,8 @@ pub struct ChatArgs {
     /// Context (KV cache) size in tokens, at most the model's.
     #[arg(short = 'c', long, default_value_t = 4096)]
     ctx_size: usize,
-    /// KV cache storage: auto (f16 where the adapter has shader-f16, else f32), f32, f16.
+    /// KV cache storage: auto (f16 where the adapter has shader-f16, else f32), f32, f16,
+    /// q8_0.
     #[arg(long, value_enum, default_value = "auto")]
     cache_type: CacheType,
 }
@@ -325,7 +332,7 @@ pub fn chat_cmd(gpu: &Gpu, args: &ChatArgs) -> doppler::Result<ExitCode> {
     let name = args.model.display().to_string();
     let mut conv = Conversation::new(&model, &name, args.system.clone())?;
     let mut session =
-        Session::with_cache_type(gpu, &model, args.ctx_size, args.cache_type.dtype(gpu))?;
+        Session::with_cache_type(gpu, &model, args.ctx_size, args.cache_type.kv_type(gpu))?;
     tracing::info!("{}", cache_line(&session.cache));
     eprintln!("doppler chat: {name} ({} layers, context {} tokens). /reset clears the conversation, /exit or Ctrl-D quits.", model.llama.cfg.n_layer, session.capacity());
     let stdin = std::io::stdin();

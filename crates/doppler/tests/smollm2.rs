@@ -101,10 +101,12 @@ fn chat_template_matches_hugging_face() {
 
 /// Logits agree with transformers' f32 run within this with an f32 KV cache (they hold
 /// 10-35; both sides dequantize to the same f32 weights, and differ in summation order
-/// only), and within F16_CACHE_TOL with the f16 cache (the default where the adapter has
-/// shader-f16): keys and values rounded to 11 significant bits.
+/// only), within F16_CACHE_TOL with the f16 cache (the default where the adapter has
+/// shader-f16): keys and values rounded to 11 significant bits, and within Q8_CACHE_TOL
+/// with the q8_0 cache (8-bit integers, a scale per 32 values).
 const LOGIT_TOL: f32 = 2e-3;
 const F16_CACHE_TOL: f32 = 2e-2;
+const Q8_CACHE_TOL: f32 = 0.5;
 
 /// The largest difference of the fixture's top logits from `logits`, after checking it
 /// against `tol`.
@@ -128,9 +130,14 @@ fn check_top(pi: usize, step: usize, logits: &[f32], top: &Value, tol: f32) -> f
 
 #[test]
 fn logits_and_greedy_continuations_match_transformers() {
-    use doppler::gpu::DType;
+    use doppler::ops::kvcache::KvType;
     let (gpu, m) = (gpu(), model());
-    for (dtype, tol) in [(DType::F32, LOGIT_TOL), (DType::F16, F16_CACHE_TOL)] {
+    let types = [
+        (KvType::F32, LOGIT_TOL),
+        (KvType::F16, F16_CACHE_TOL),
+        (KvType::Q8_0, Q8_CACHE_TOL),
+    ];
+    for (dtype, tol) in types {
         let mut worst = 0f32;
         for (pi, p) in fixture()["prompts"].as_array().unwrap().iter().enumerate() {
             // The prompt in one prefill, then greedy steps of one token through the cache:

@@ -338,16 +338,16 @@ impl<'m> Session<'m> {
         })
     }
 
-    /// A session whose cache stores `dtype` (f32 or f16).
+    /// A session whose cache stores `ty` (f32, f16 or q8_0).
     pub fn with_cache_type(
         gpu: &Gpu,
         model: &'m Model,
         capacity: usize,
-        dtype: crate::gpu::DType,
+        ty: crate::ops::kvcache::KvType,
     ) -> Result<Session<'m>> {
         let cache = model
             .llama
-            .cache_with(gpu, capacity, crate::ops::kvcache::RING_STEP, dtype)?;
+            .cache_with(gpu, capacity, crate::ops::kvcache::RING_STEP, ty)?;
         Ok(Session {
             model,
             cache,

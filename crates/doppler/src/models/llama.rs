@@ -31,7 +31,7 @@ use crate::formats::{FileData, LocalFuture};
 use crate::gpu::{DType, Gpu, Recorder, Tensor};
 use crate::ops::elementwise::{add, scale, softcap};
 use crate::ops::kvcache::{
-    self, kv_attend, kv_attend_parts, rope_store, KvCache, RopeStore, RING_STEP,
+    self, kv_attend, kv_attend_parts, rope_store, KvCache, KvType, RopeStore, RING_STEP,
 };
 use crate::ops::norm::{rms_norm, rms_norm_heads};
 use crate::ops::quant::{
@@ -690,21 +690,21 @@ impl Llama {
     }
 
     /// An empty cache for up to `capacity` tokens (at most the model's context), of the
-    /// adapter's default type ([`kvcache::default_dtype`]: f16 where it has shader-f16):
+    /// adapter's default type ([`kvcache::default_kv_type`]: f16 where it has shader-f16):
     /// layers with an attention window keep a ring of the last keys
     /// ([`KvCache::with_windows`]).
     pub fn cache(&self, gpu: &Gpu, capacity: usize) -> Result<KvCache> {
-        self.cache_with(gpu, capacity, RING_STEP, kvcache::default_dtype(gpu))
+        self.cache_with(gpu, capacity, RING_STEP, kvcache::default_kv_type(gpu))
     }
 
-    /// [`Llama::cache`] of `dtype` (f32 or f16) whose rings take steps of up to `step`
-    /// tokens (longer prompts run in several steps).
+    /// [`Llama::cache`] of type `ty` (f32, f16, q8_0) whose rings take steps of up to
+    /// `step` tokens (longer prompts run in several steps).
     pub fn cache_with(
         &self,
         gpu: &Gpu,
         capacity: usize,
         step: usize,
-        dtype: DType,
+        ty: KvType,
     ) -> Result<KvCache> {
         let windows: Vec<_> = (0..self.cfg.n_layer).map(|i| self.cfg.window(i)).collect();
         KvCache::with_windows(
@@ -714,7 +714,7 @@ impl Llama {
             self.cfg.n_kv_head,
             self.cfg.head_dim,
             step,
-            dtype,
+            ty,
         )
     }
 

@@ -40,6 +40,8 @@ static ATTEND_PART: Kernel = Kernel::new(
     "attend_part",
     &[
         (1, Read),
+        (2, Read),
+        (3, Read),
         (14, Read),
         (15, Read),
         (16, Read),
@@ -78,6 +80,79 @@ static ROPE_STORE: Kernel = Kernel::new(
 /// Largest head dimension (one thread per dimension in a workgroup of 256).
 pub const MAX_HEAD_DIM: usize = 256;
 
+/// How a cache stores keys and values (llama.cpp's cache types): f32, f16, or q8_0 (per
+/// head and token, D / 4 words of 8-bit integers and D / 32 f32 scales, one a block of 32:
+/// 1.125 bytes a value; head size a multiple of 32). Every sum over them is f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvType {
+    F32,
+    F16,
+    Q8_0,
+}
+
+impl KvType {
+    /// A cache tensor's type: f32 and f16 tensors as such, q8_0 as u32 words.
+    pub fn of(t: &Tensor) -> KvType {
+        match t.dtype() {
+            DType::F32 => KvType::F32,
+            DType::F16 => KvType::F16,
+            DType::U32 => KvType::Q8_0,
+        }
+    }
+
+    /// The tensor of `rows` tokens of `hkv` heads of `d` values.
+    pub fn tensor(
+        self,
+        gpu: &Gpu,
+        rows: usize,
+        hkv: usize,
+        d: usize,
+        label: &str,
+    ) -> Result<Tensor> {
+        match self {
+            KvType::F32 => Tensor::empty(gpu, &[rows, hkv, d], DType::F32, label),
+            KvType::F16 => Tensor::empty(gpu, &[rows, hkv, d], DType::F16, label),
+            KvType::Q8_0 => Tensor::empty(gpu, &[rows, hkv, d * 9 / 32], DType::U32, label),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
+            KvType::Q8_0 => "q8_0",
+        }
+    }
+}
+
+/// A cache tensor's shape in values: (rows, Hkv, D) (q8_0's words: D * 9 / 32 a head).
+fn logical(t: &Tensor) -> Vec<usize> {
+    let mut s = t.shape().to_vec();
+    if t.dtype() == DType::U32 && s.len() == 3 {
+        s[2] = if s[2] % 9 == 0 { s[2] / 9 * 32 } else { 0 };
+    }
+    s
+}
+
+/// The kernels' KV_F16 and KV_Q8 constants for caches of one type, or an error naming `op`.
+fn kv_consts(op: &'static str, caches: &[&Tensor]) -> Result<[(&'static str, f64); 2]> {
+    let ty = KvType::of(caches[0]);
+    if caches.iter().any(|c| KvType::of(c) != ty) {
+        return Err(Error::Shape {
+            op,
+            detail: format!(
+                "caches {:?}: expected one type (f32, f16 or q8_0)",
+                caches.iter().map(|c| KvType::of(c)).collect::<Vec<_>>()
+            ),
+        });
+    }
+    Ok([
+        ("KV_F16", (ty == KvType::F16) as u32 as f64),
+        ("KV_Q8", (ty == KvType::Q8_0) as u32 as f64),
+    ])
+}
+
 /// Tokens a step may add to a layer with an attention window beyond the window itself:
 /// such a layer keeps a ring of `window - 1 + RING_STEP` rows (the last keys), and longer
 /// prompts run in steps of at most `RING_STEP` tokens (llama.cpp sizes its sliding-window
@@ -104,7 +179,7 @@ impl KvCache {
     /// An f32 cache of `layers` layers attending to every earlier token.
     pub fn new(gpu: &Gpu, layers: usize, capacity: usize, hkv: usize, d: usize) -> Result<KvCache> {
         let windows = vec![None; layers];
-        Self::with_windows(gpu, &windows, capacity, hkv, d, RING_STEP, DType::F32)
+        Self::with_windows(gpu, &windows, capacity, hkv, d, RING_STEP, KvType::F32)
     }
 
     /// A cache whose layers attend to the windows given (one per layer), each windowed
@@ -116,7 +191,7 @@ impl KvCache {
         hkv: usize,
         d: usize,
         step: usize,
-        dtype: DType,
+        ty: KvType,
     ) -> Result<KvCache> {
         if d == 0
             || d > MAX_HEAD_DIM
@@ -125,12 +200,13 @@ impl KvCache {
             || capacity == 0
             || step == 0
             || windows.contains(&Some(0))
-            || dtype == DType::U32
+            || (ty == KvType::Q8_0 && d % 32 != 0)
         {
             return Err(Error::Invalid {
                 op: "kv_cache",
                 detail: format!(
-                    "capacity {capacity}, {hkv} kv heads of dim {d} (a multiple of 4 up to {MAX_HEAD_DIM}), windows {windows:?}, step {step}, {dtype:?} (f32 or f16)"
+                    "capacity {capacity}, {hkv} kv heads of dim {d} (a multiple of 4 up to {MAX_HEAD_DIM}; of 32 for q8_0), windows {windows:?}, step {step}, {}",
+                    ty.name()
                 ),
             });
         }
@@ -138,8 +214,8 @@ impl KvCache {
         let mut v = Vec::with_capacity(windows.len());
         for w in windows {
             let rows = w.map_or(capacity, |w| capacity.min(w - 1 + step));
-            k.push(Tensor::empty(gpu, &[rows, hkv, d], dtype, "kv_cache.k")?);
-            v.push(Tensor::empty(gpu, &[rows, hkv, d], dtype, "kv_cache.v")?);
+            k.push(ty.tensor(gpu, rows, hkv, d, "kv_cache.k")?);
+            v.push(ty.tensor(gpu, rows, hkv, d, "kv_cache.v")?);
         }
         Ok(KvCache {
             k,
@@ -175,36 +251,20 @@ impl KvCache {
         self.k.iter().chain(&self.v).map(|t| t.byte_size()).sum()
     }
 
-    /// f32 or f16.
-    pub fn dtype(&self) -> DType {
-        self.k.first().map_or(DType::F32, |t| t.dtype())
+    /// f32, f16 or q8_0.
+    pub fn kv_type(&self) -> KvType {
+        self.k.first().map_or(KvType::F32, KvType::of)
     }
 }
 
 /// The cache type a model gets by default: f16 where the adapter has shader-f16 (the
 /// kernels pack and unpack halves in core WGSL, but an adapter without f16 arithmetic is
 /// taken as one whose users expect f32 throughout), f32 otherwise.
-pub fn default_dtype(gpu: &Gpu) -> DType {
+pub fn default_kv_type(gpu: &Gpu) -> KvType {
     match gpu.features.contains(wgpu::Features::SHADER_F16) {
-        true => DType::F16,
-        false => DType::F32,
+        true => KvType::F16,
+        false => KvType::F32,
     }
-}
-
-/// A cache tensor's type (f32 or f16) as the kernels' KV_F16 constant, or an error naming
-/// `op`.
-fn kv_f16(op: &'static str, caches: &[&Tensor]) -> Result<f64> {
-    let dt = caches[0].dtype();
-    if dt == DType::U32 || caches.iter().any(|c| c.dtype() != dt) {
-        return Err(Error::Shape {
-            op,
-            detail: format!(
-                "caches {:?}: expected f32 or f16, all the same",
-                caches.iter().map(|c| c.dtype()).collect::<Vec<_>>()
-            ),
-        });
-    }
-    Ok((dt == DType::F16) as u32 as f64)
 }
 
 fn params(
@@ -227,7 +287,7 @@ fn params(
     let (tmax, hkv) = (cache[0], cache[1]);
     if cache[2] != d || d == 0 || d > MAX_HEAD_DIM || d % 4 != 0 {
         return Err(err(format!(
-            "head dims differ, or are not a multiple of 4 up to {MAX_HEAD_DIM}"
+            "head dims differ, or are not a multiple of 4 up to {MAX_HEAD_DIM} (of 32 for q8_0)"
         )));
     }
     // A windowed layer's cache is a ring once the tokens pass its rows: it must then hold
@@ -276,18 +336,24 @@ pub fn kv_store(
     window: Option<usize>,
 ) -> Result<()> {
     expect_f32("kv_store", x)?;
-    let p = params(x.shape(), cache.shape(), pos, window, "x")?;
+    let p = params(x.shape(), &logical(cache), pos, window, "x")?;
     if p.hq != p.hkv {
         return Err(Error::Shape {
             op: "kv_store",
             detail: format!("x {:?} vs cache {:?}", x.shape(), cache.shape()),
         });
     }
-    let f16 = kv_f16("kv_store", &[cache])?;
-    let threads = (p.t * p.row) as u64 / (1 + f16 as u64);
+    let c = kv_consts("kv_store", &[cache])?;
+    // An element a thread, a pair (f16), a block of 32 (q8_0).
+    let per = match KvType::of(cache) {
+        KvType::F32 => 1,
+        KvType::F16 => 2,
+        KvType::Q8_0 => 32,
+    };
+    let threads = (p.t * p.row) as u64 / per;
     rec.dispatch(
         &STORE,
-        &[("KV_F16", f16)],
+        &c,
         bytemuck::bytes_of(&p),
         &[x, cache],
         Grid::cover(threads, 256),
@@ -296,7 +362,7 @@ pub fn kv_store(
 
 /// The first `rows` rows of a cache (rows, Hkv, D) as a new f32 tensor (1, rows, Hkv, D).
 fn widen(rec: &mut Recorder<'_>, cache: &Tensor, rows: usize) -> Result<Tensor> {
-    let sh = cache.shape();
+    let sh = logical(cache);
     let row = sh[1] * sh[2];
     let out = Tensor::empty(
         rec.gpu(),
@@ -306,14 +372,15 @@ fn widen(rec: &mut Recorder<'_>, cache: &Tensor, rows: usize) -> Result<Tensor> 
     )?;
     let p = Params {
         t: rows as u32,
+        d: sh[2] as u32,
         row: row as u32,
         ring: sh[0] as u32,
         ..Params::zeroed()
     };
-    let f16 = kv_f16("kv_widen", &[cache])?;
+    let c = kv_consts("kv_widen", &[cache])?;
     rec.dispatch(
         &WIDEN,
-        &[("KV_F16", f16)],
+        &c,
         bytemuck::bytes_of(&p),
         &[&out, cache],
         Grid::cover((rows * row) as u64, 256),
@@ -343,7 +410,7 @@ pub fn kv_attend_parts(
     window: Option<usize>,
 ) -> Result<Option<AttnParts>> {
     expect_f32("kv_attend", q)?;
-    let p = params(q.shape(), k.shape(), pos, window, "q")?;
+    let p = params(q.shape(), &logical(k), pos, window, "q")?;
     if k.shape() != v.shape() {
         return Err(Error::Shape {
             op: "kv_attend",
@@ -367,12 +434,12 @@ pub fn kv_attend_parts(
     // vec4s of keys and of values a thread holds: (D / 4) / 4 quarters, and 64 keys over
     // 256 / (D / 4) groups: D / 16 each, at least 1, at most the kernel's 8.
     let pre = (p.d as usize).div_ceil(16).clamp(1, 8);
-    let f16 = kv_f16("kv_attend", &[k, v])?;
+    let [c16, c8] = kv_consts("kv_attend", &[k, v])?;
     rec.dispatch(
         &ATTEND_PART,
-        &[("PRE", pre as f64), ("KV_F16", f16)],
+        &[("PRE", pre as f64), c16, c8],
         bytemuck::bytes_of(&p),
-        &[q, k, v, k, v, &part],
+        &[q, k, v, k, v, k, v, &part],
         Grid::Linear(rows as u64),
     )?;
     Ok(Some(AttnParts {
@@ -400,7 +467,7 @@ pub fn kv_attend(
     window: Option<usize>,
 ) -> Result<Tensor> {
     let parts = kv_attend_parts(rec, q, k, v, pos, window)?;
-    let p = params(q.shape(), k.shape(), pos, window, "q")?;
+    let p = params(q.shape(), &logical(k), pos, window, "q")?;
     let (t, hq, hkv, d) = (p.t as usize, p.hq as usize, p.hkv as usize, p.d as usize);
     // The tiled kernels read keys 0..pos+T in order: a ring that has wrapped goes to
     // `attend`, as does a window that hides keys from some query (no mask for it there).
@@ -434,14 +501,8 @@ pub fn kv_attend(
     }
     let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend.o")?;
     let grid = Grid::Linear((p.t * p.hq) as u64);
-    let f16 = kv_f16("kv_attend", &[k, v])?;
-    rec.dispatch(
-        &ATTEND,
-        &[("KV_F16", f16)],
-        bytemuck::bytes_of(&p),
-        &[q, k, v, &o],
-        grid,
-    )?;
+    let c = kv_consts("kv_attend", &[k, v])?;
+    rec.dispatch(&ATTEND, &c, bytemuck::bytes_of(&p), &[q, k, v, &o], grid)?;
     Ok(o)
 }
 
@@ -545,7 +606,7 @@ pub struct RopeStore<'a> {
 impl RopeStore<'_> {
     /// Checks `rows` stacked projections of `width` against the caches, bias and table.
     pub(crate) fn params(&self, op: &'static str, rows: usize, width: usize) -> Result<Params> {
-        let cs = self.k_cache.shape();
+        let cs = &logical(self.k_cache)[..];
         let (hkv, d) = (
             cs.get(1).copied().unwrap_or(0),
             cs.get(2).copied().unwrap_or(0),
@@ -553,7 +614,7 @@ impl RopeStore<'_> {
         let want = (self.hq + 2 * hkv) * d;
         let p = params(&[rows, self.hq, d], cs, self.pos, self.window, "qkv")?;
         if width != want
-            || self.v_cache.shape() != cs
+            || logical(self.v_cache) != cs
             || self.table.head_dim != d
             || self.bias.is_some_and(|b| b.shape() != [want])
         {
@@ -579,7 +640,7 @@ impl RopeStore<'_> {
             });
         }
         expect_f32(op, &self.table.table)?;
-        kv_f16(op, &[self.k_cache, self.v_cache])?;
+        kv_consts(op, &[self.k_cache, self.v_cache])?;
         if let Some(b) = self.bias {
             expect_f32(op, b)?;
         }
@@ -603,17 +664,23 @@ pub fn rope_store(rec: &mut Recorder<'_>, qkv: &Tensor, to: &RopeStore<'_>) -> R
     let p = to.params("rope_store", sh[0], sh[1])?;
     let (t, hq, d) = (sh[0], to.hq, p.d as usize);
     let q = Tensor::empty(rec.gpu(), &[t, hq, d], DType::F32, "rope_store.q")?;
-    let f16 = kv_f16("rope_store", &[to.k_cache, to.v_cache])?;
+    let [c16, c8] = kv_consts("rope_store", &[to.k_cache, to.v_cache])?;
     let c = [
         ("HAS_BIAS", to.bias.is_some() as u32 as f64),
         (
             "INTERLEAVED",
             (to.pairing == Pairing::Interleaved) as u32 as f64,
         ),
-        ("KV_F16", f16),
+        c16,
+        c8,
     ];
-    // One RoPE pair a thread, two for f16 caches (whole words).
-    let pairs = (t * sh[1] / 2) as u64 / (1 + f16 as u64);
+    // One RoPE pair a thread, two for f16 caches (whole words); q8_0: q's pairs, then
+    // a block of 32 of each k and v head a thread.
+    let pairs = match KvType::of(to.k_cache) {
+        KvType::F32 => (t * sh[1] / 2) as u64,
+        KvType::F16 => (t * sh[1] / 4) as u64,
+        KvType::Q8_0 => (t * hq * d / 2 + t * 2 * (sh[1] / d - hq) * d / 32) as u64,
+    };
     rec.dispatch(
         &ROPE_STORE,
         &c,

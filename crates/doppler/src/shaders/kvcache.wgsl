@@ -30,10 +30,13 @@
 // step of T tokens needs (a ring of the last keys); without a ring, j < rows and the row
 // is j.
 // Caches hold words (array<u32>): f32 bits, or with KV_F16 two f16 halves a word
-// (pack2x16float / unpack2x16float: core WGSL, no shader-f16 needed); every sum is f32.
-// Writers of f16 caches write whole words: kv_store a pair of elements a thread,
-// rope_store two RoPE pairs a thread. kv_widen copies cached rows out as f32 (for the
-// tiled prompt kernels of attention.wgsl, which read f32).
+// (pack2x16float / unpack2x16float: core WGSL, no shader-f16 needed), or with KV_Q8
+// llama.cpp's q8_0 numbers: each head's D values of a token as D / 4 words of 8-bit
+// integers, then D / 32 f32 scales (value = q * scale, scale = max |x| / 127 over 32
+// values): D * 9 / 32 words a head and token. Every sum is f32. Writers write whole
+// words: kv_store a pair of elements (f16) or a block of 32 (q8_0) a thread, rope_store
+// two RoPE pairs (f16) or a block of 32 of a k or v head (q8_0) a thread. kv_widen copies
+// cached rows out as f32 (for the tiled prompt kernels of attention.wgsl, which read f32).
 // Every sum runs in a fixed order: the same inputs give the same bits.
 
 struct Params {
@@ -60,12 +63,68 @@ struct Params {
 @group(0) @binding(6) var<storage, read_write> cache: array<u32>;
 
 override KV_F16: bool = false;
+override KV_Q8: bool = false;
 
-// Cover t * row threads (f32), or t * row / 2 (f16: a pair of elements each).
+// q8_0: the words of head-and-token segment `seg` start at seg * D * 9 / 32; within it,
+// dim's quant word and its block's scale word.
+fn q8_word(seg: u32, dim: u32) -> u32 {
+    return seg * (p.d * 9u / 32u) + dim / 4u;
+}
+fn q8_scale_word(seg: u32, dim: u32) -> u32 {
+    return seg * (p.d * 9u / 32u) + p.d / 4u + dim / 32u;
+}
+
+// Flat element i (a multiple of 4) of a q8_0 cache, as f32.
+fn q8_4(c: u32, i: u32) -> vec4<f32> {
+    let seg = i / p.d;
+    let dim = i % p.d;
+    if (c == 0u) {
+        return vec4<f32>(unpack4xI8(kc[q8_word(seg, dim)])) * bitcast<f32>(kc[q8_scale_word(seg, dim)]);
+    }
+    return vec4<f32>(unpack4xI8(vc[q8_word(seg, dim)])) * bitcast<f32>(vc[q8_scale_word(seg, dim)]);
+}
+
+// 32 values as q8_0: 8 words of quants round(x * 127 / max |x|), then the scale
+// max |x| / 127.
+fn q8_pack(x: array<f32, 32>) -> array<u32, 9> {
+    var amax = 0.0;
+    for (var i = 0u; i < 32u; i++) {
+        amax = max(amax, abs(x[i]));
+    }
+    let inv = select(0.0, 127.0 / amax, amax > 0.0);
+    var out: array<u32, 9>;
+    for (var w = 0u; w < 8u; w++) {
+        let v = vec4<f32>(x[4u * w], x[4u * w + 1u], x[4u * w + 2u], x[4u * w + 3u]);
+        out[w] = pack4xI8(vec4<i32>(round(v * inv)));
+    }
+    out[8] = bitcast<u32>(amax / 127.0);
+    return out;
+}
+
+// Cover t * row threads (f32), t * row / 2 (f16: a pair of elements each) or t * row / 32
+// (q8_0: a block each).
 @compute @workgroup_size(256)
 fn kv_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
     let n = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (KV_Q8) {
+        let e = 32u * n;
+        if (e < p.t * p.row) {
+            var x: array<f32, 32>;
+            for (var i = 0u; i < 32u; i++) {
+                x[i] = src[e + i];
+            }
+            let at = cache_row(p.pos + e / p.row) * p.row + e % p.row;
+            let seg = at / p.d;
+            let dim0 = at % p.d;
+            let w = q8_pack(x);
+            for (var i = 0u; i < 8u; i++) {
+                cache[q8_word(seg, dim0) + i] = w[i];
+            }
+            cache[q8_scale_word(seg, dim0)] = w[8];
+        }
+        return;
+    }
     let e = select(n, 2u * n, KV_F16);     // first element
     if (e < p.t * p.row) {
         let at = cache_row(p.pos + e / p.row) * p.row + e % p.row;
@@ -83,7 +142,12 @@ fn kv_widen(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
             @builtin(local_invocation_index) lid: u32) {
     let i = (wid.x + wid.y * nwg.x) * 256u + lid;
     if (i < p.t * p.row) {
-        if (KV_F16) {
+        if (KV_Q8) {
+            let seg = i / p.d;
+            let dim = i % p.d;
+            let w = cache[q8_word(seg, dim)];
+            o[i] = f32(unpack4xI8(w)[dim % 4u]) * bitcast<f32>(cache[q8_scale_word(seg, dim)]);
+        } else if (KV_F16) {
             o[i] = unpack2x16float(cache[i / 2u])[i % 2u];
         } else {
             o[i] = bitcast<f32>(cache[i]);
@@ -123,12 +187,18 @@ fn reduce(lid: u32, is_max: bool) {
 
 // Elements i..i+4 of a cache (i a multiple of 4).
 fn k4(i: u32) -> vec4<f32> {
+    if (KV_Q8) {
+        return q8_4(0u, i);
+    }
     if (KV_F16) {
         return vec4<f32>(unpack2x16float(kc[i / 2u]), unpack2x16float(kc[i / 2u + 1u]));
     }
     return bitcast<vec4<f32>>(vec4<u32>(kc[i], kc[i + 1u], kc[i + 2u], kc[i + 3u]));
 }
 fn v4(i: u32) -> vec4<f32> {
+    if (KV_Q8) {
+        return q8_4(1u, i);
+    }
     if (KV_F16) {
         return vec4<f32>(unpack2x16float(vc[i / 2u]), unpack2x16float(vc[i / 2u + 1u]));
     }
@@ -272,8 +342,11 @@ var<workgroup> part_dot: array<f32, 256>;
 @group(0) @binding(16) var<storage, read> kh4: array<vec2<u32>>;
 @group(0) @binding(17) var<storage, read> vh4: array<vec2<u32>>;
 
-// vec4 n of a cache.
+// vec4 n of a cache (q8_0: through bindings 2, 3).
 fn key4(n: u32) -> vec4<f32> {
+    if (KV_Q8) {
+        return q8_4(0u, 4u * n);
+    }
     if (KV_F16) {
         let w = kh4[n];
         return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y));
@@ -281,6 +354,9 @@ fn key4(n: u32) -> vec4<f32> {
     return bitcast<vec4<f32>>(kc4[n]);
 }
 fn val4(n: u32) -> vec4<f32> {
+    if (KV_Q8) {
+        return q8_4(1u, 4u * n);
+    }
     if (KV_F16) {
         let w = vh4[n];
         return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y));
@@ -557,6 +633,10 @@ fn put(is_k: bool, w: u32, v: u32) {
 fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
     let idx = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (KV_Q8) {
+        rope_store_q8(idx);
+        return;
+    }
     let per = select(1u, 2u, KV_F16);    // pairs a thread
     let np = p.d / 2u / per;
     let heads = p.hq + 2u * p.hkv;
@@ -594,4 +674,47 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         put(is_k, o + x.i, bitcast<u32>(x.a));
         put(is_k, o + x.j, bitcast<u32>(x.b));
     }
+}
+
+// rope_store into q8_0 caches: threads 0..T Hq D/2 write q's pairs; the next T 2Hkv D/32
+// each a block of 32 dims of a k or v head (every dim's pair turned, its own value kept).
+fn rope_store_q8(idx: u32) {
+    let half = p.d / 2u;
+    let nq = p.t * p.hq * half;
+    if (idx < nq) {
+        let k = idx % half;
+        let slot = (idx / half) % p.hq;
+        let t = idx / (half * p.hq);
+        let x = rope_pair(t, slot, k);
+        let o = (t * p.hq + slot) * p.d;
+        q_out[o + x.i] = x.a;
+        q_out[o + x.j] = x.b;
+        return;
+    }
+    let nb = p.d / 32u;
+    let b = idx - nq;
+    if (b >= p.t * 2u * p.hkv * nb) {
+        return;
+    }
+    let blk = b % nb;
+    let kvs = (b / nb) % (2u * p.hkv);   // k heads, then v heads
+    let t = b / (nb * 2u * p.hkv);
+    let slot = p.hq + kvs;
+    var x: array<f32, 32>;
+    for (var i = 0u; i < 32u; i++) {
+        let dim = 32u * blk + i;
+        // dim's pair and which of its two it is.
+        var k = select(dim, dim - half, dim >= half);
+        if (INTERLEAVED) {
+            k = dim / 2u;
+        }
+        let pr = rope_pair(t, slot, k);
+        x[i] = select(pr.b, pr.a, pr.i == dim);
+    }
+    let seg = cache_row(p.pos + t) * p.hkv + kvs % p.hkv;
+    let w = q8_pack(x);
+    for (var i = 0u; i < 8u; i++) {
+        put(kvs < p.hkv, q8_word(seg, 32u * blk) + i, w[i]);
+    }
+    put(kvs < p.hkv, q8_scale_word(seg, 32u * blk), w[8]);
 }

@@ -5,7 +5,7 @@ use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{DType, Gpu, Tensor};
-use crate::ops::kvcache::{kv_attend, kv_attend_parts, kv_store, RopeStore};
+use crate::ops::kvcache::{kv_attend, kv_attend_parts, kv_store, KvType, RopeStore};
 use crate::ops::quant::{qmatmul_fused, qmatvec_parts, Fuse, QMatrix, MERGE_MAX_WIDTH};
 use crate::reference::{attention as cpu, widen};
 
@@ -60,32 +60,71 @@ fn steps_of(pre: usize, steps: usize) -> Vec<usize> {
 }
 
 /// Every case with f32 caches, then with f16 ones (against the reference of the same keys
-/// and values rounded to f16, with the f32 tolerance: the sums are f32 either way).
+/// and values rounded to f16, with the f32 tolerance: the sums are f32 either way), then
+/// with q8_0 ones where the head size is a multiple of 32 (the reference fed the values
+/// quantized as the kernels do).
 pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    for dtype in [DType::F32, DType::F16] {
+    for ty in [KvType::F32, KvType::F16, KvType::Q8_0] {
+        let fits = |d: usize| ty != KvType::Q8_0 || d % 32 == 0;
         for (n, &(cap, hq, hkv, d, pre, steps)) in KV_CASES.iter().enumerate() {
-            let what = format!("cap {cap}, Hq {hq}/Hkv {hkv}, D {d}, {pre} + {steps}, {dtype:?}");
+            if !fits(d) {
+                continue;
+            }
+            let what = format!(
+                "cap {cap}, Hq {hq}/Hkv {hkv}, D {d}, {pre} + {steps}, {}",
+                ty.name()
+            );
             let chunks = steps_of(pre, steps);
             let case = (cap, hq, hkv, d);
-            check_case(gpu, 3100 + n as u64, case, None, dtype, &chunks, what, out).await;
+            check_case(gpu, 3100 + n as u64, case, None, ty, &chunks, what, out).await;
         }
         for (n, &(rows, hq, hkv, d, w, chunks)) in WINDOW_CASES.iter().enumerate() {
+            if !fits(d) {
+                continue;
+            }
             let total: usize = chunks.iter().sum();
-            let what = format!("{rows} rows, Hq {hq}/Hkv {hkv}, D {d}, window {w}, steps {chunks:?} ({total} tokens), {dtype:?}");
+            let what = format!("{rows} rows, Hq {hq}/Hkv {hkv}, D {d}, window {w}, steps {chunks:?} ({total} tokens), {}", ty.name());
             let case = (rows, hq, hkv, d);
-            check_case(
-                gpu,
-                3150 + n as u64,
-                case,
-                Some(w),
-                dtype,
-                chunks,
-                what,
-                out,
-            )
-            .await;
+            check_case(gpu, 3150 + n as u64, case, Some(w), ty, chunks, what, out).await;
         }
     }
+}
+
+/// How many kv_attend checks [`checks`] runs.
+pub fn kv_attend_checks() -> usize {
+    let q8 = KV_CASES.iter().filter(|c| c.3 % 32 == 0).count()
+        + WINDOW_CASES.iter().filter(|c| c.3 % 32 == 0).count();
+    2 * (KV_CASES.len() + WINDOW_CASES.len()) + q8
+}
+
+/// A q8_0 cache's words (segments of D * 9 / 32: D / 4 words of quants, D / 32 scales)
+/// as values.
+fn q8_read(words: &[u32], d: usize) -> Vec<f32> {
+    words
+        .chunks(d * 9 / 32)
+        .flat_map(|seg| {
+            (0..d).map(move |i| {
+                let q = (seg[i / 4] >> (8 * (i % 4))) as u8 as i8;
+                q as f32 * f32::from_bits(seg[d / 4 + i / 32])
+            })
+        })
+        .collect()
+}
+
+/// Values as a q8_0 cache holds them (blocks of 32 in order: a head's values are
+/// contiguous and its size a multiple of 32), with the kernels' f32 arithmetic: scale
+/// max |x| / 127, quants round-half-even(x * (127 / max |x|)).
+pub fn q8_0_values(x: &[f32]) -> Vec<f64> {
+    x.chunks(32)
+        .flat_map(|b| {
+            let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            let scale = amax / 127.0;
+            b.iter()
+                .map(move |&v| ((v * inv).round_ties_even() * scale) as f64)
+                .collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 /// Steps of `chunks` tokens stored (kv_store) and attended (kv_attend) over caches of `rows`
@@ -96,7 +135,7 @@ async fn check_case(
     seed: u64,
     (rows, hq, hkv, d): (usize, usize, usize, usize),
     window: Option<usize>,
-    dtype: DType,
+    ty: KvType,
     chunks: &[usize],
     what: String,
     out: &mut Vec<CheckResult>,
@@ -120,19 +159,18 @@ async fn check_case(
         window: window.unwrap_or(0),
         scale: 1.0 / (d as f32).sqrt() as f64,
     };
-    // What an f16 cache holds.
+    // What the cache holds.
     let stored = |x: &[f32]| -> Vec<f64> {
-        x.iter()
-            .map(|&v| match dtype {
-                DType::F16 => half::f16::from_f32(v).to_f64(),
-                _ => v as f64,
-            })
-            .collect()
+        match ty {
+            KvType::F32 => widen(x),
+            KvType::F16 => x.iter().map(|&v| half::f16::from_f32(v).to_f64()).collect(),
+            KvType::Q8_0 => q8_0_values(x),
+        }
     };
     let (want, _) = cpu::attention(&widen(&q), &stored(&k), &stored(&v), dm);
     let r = twice("kv_attend", async || {
-        let kc = Tensor::empty(gpu, &[rows, hkv, d], dtype, "k")?;
-        let vc = Tensor::empty(gpu, &[rows, hkv, d], dtype, "v")?;
+        let kc = ty.tensor(gpu, rows, hkv, d, "k")?;
+        let vc = ty.tensor(gpu, rows, hkv, d, "v")?;
         let mut got = Vec::new();
         let mut pos = 0;
         for &t in chunks {
@@ -176,32 +214,43 @@ async fn check_case(
 pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::kvcache::rope_store;
     use crate::ops::rope::{Pairing, RopeTable};
-    let (t, hq, hkv, d) = (5usize, 4usize, 2usize, 8usize);
-    let width = (hq + 2 * hkv) * d;
-    // (pairing, cache type, rows, position, window): both pairings into f32 and f16
-    // caches, and rings of 8 rows (a window of 4) that the 5 tokens wrap around.
+    let (t, hq, hkv) = (5usize, 4usize, 2usize);
+    // (pairing, cache type, head size, rows, position, window): both pairings into f32,
+    // f16 and q8_0 caches (heads of 64: two blocks of 32), and rings of 8 rows (a window
+    // of 4) that the 5 tokens wrap around.
     let cases = [
-        (Pairing::Interleaved, DType::F32, 12, 3, None),
-        (Pairing::Half, DType::F32, 12, 3, None),
-        (Pairing::Interleaved, DType::F16, 12, 3, None),
-        (Pairing::Half, DType::F16, 8, 6, Some(4)),
-        (Pairing::Interleaved, DType::F32, 8, 6, Some(4)),
+        (Pairing::Interleaved, KvType::F32, 8, 12, 3, None),
+        (Pairing::Half, KvType::F32, 8, 12, 3, None),
+        (Pairing::Interleaved, KvType::F16, 8, 12, 3, None),
+        (Pairing::Half, KvType::F16, 8, 8, 6, Some(4)),
+        (Pairing::Interleaved, KvType::F32, 8, 8, 6, Some(4)),
+        (Pairing::Half, KvType::Q8_0, 64, 12, 3, None),
+        (Pairing::Interleaved, KvType::Q8_0, 64, 8, 6, Some(4)),
     ];
-    for (n, &(pairing, dtype, rows, pos, window)) in cases.iter().enumerate() {
+    for (n, &(pairing, ty, d, rows, pos, window)) in cases.iter().enumerate() {
+        let width = (hq + 2 * hkv) * d;
         let mut rng = Rng::new(3300 + n as u64);
         let (qkv, bias) = (rng.vec(t * width), rng.vec(width));
         let r = twice("rope_store", async || {
             let table = RopeTable::new(gpu, pos + t, d, 10000.0)?;
             let x = Tensor::from_f32(gpu, &[t, width], &qkv, "qkv")?;
             let b = Tensor::from_f32(gpu, &[width], &bias, "bias")?;
-            let zeros = |name| match dtype {
-                DType::F16 => Tensor::from_f16(
+            let zeros = |name| match ty {
+                KvType::F16 => Tensor::from_f16(
                     gpu,
                     &[rows, hkv, d],
                     &vec![half::f16::ZERO; rows * hkv * d],
                     name,
                 ),
-                _ => Tensor::from_f32(gpu, &[rows, hkv, d], &vec![0.0; rows * hkv * d], name),
+                KvType::F32 => {
+                    Tensor::from_f32(gpu, &[rows, hkv, d], &vec![0.0; rows * hkv * d], name)
+                }
+                KvType::Q8_0 => Tensor::from_u32(
+                    gpu,
+                    &[rows, hkv, d * 9 / 32],
+                    &vec![0; rows * hkv * d * 9 / 32],
+                    name,
+                ),
             };
             let (kc, vc) = (zeros("k")?, zeros("v")?);
             let to = RopeStore {
@@ -217,14 +266,15 @@ pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let q = gpu.run_async(|rec| rope_store(rec, &x, &to)).await?;
             let mut got = vec![q.to_vec_f32(gpu).await?];
             for c in [&kc, &vc] {
-                got.push(match dtype {
-                    DType::F16 => c
+                got.push(match ty {
+                    KvType::F16 => c
                         .to_vec_f16(gpu)
                         .await?
                         .iter()
                         .map(|h| h.to_f32())
                         .collect(),
-                    _ => c.to_vec_f32(gpu).await?,
+                    KvType::F32 => c.to_vec_f32(gpu).await?,
+                    KvType::Q8_0 => q8_read(&c.to_vec_u32(gpu).await?, d),
                 });
             }
             Ok(got)
@@ -254,13 +304,19 @@ pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             abs: 1e-6,
             rel: 1e-6,
         };
-        // An f16 cache: one rounding to 11 significant bits.
-        let cache_tol = match dtype {
-            DType::F16 => Tolerance {
+        // An f16 cache: one rounding to 11 significant bits; q8_0: half a quant step of
+        // the block's scale (max |x| / 127), or a whole one where the f32 value sits at a
+        // rounding boundary (up to max |x| / 127 <= 4 / 127 here: |x| < 4).
+        let cache_tol = match ty {
+            KvType::F16 => Tolerance {
                 abs: 1e-6,
                 rel: 4.9e-4,
             },
-            _ => tol,
+            KvType::Q8_0 => Tolerance {
+                abs: 4.0 / 127.0,
+                rel: 0.0,
+            },
+            KvType::F32 => tol,
         };
         let res = r.and_then(|got| {
             compare("rope_store q", &got[0], &q, None, tol).map_err(s)?;
@@ -270,7 +326,7 @@ pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         push(
             out,
             "rope_store",
-            format!("T {t} at {pos}, Hq {hq}/Hkv {hkv}, D {d}, {pairing:?}, {rows} rows {dtype:?}, window {window:?}"),
+            format!("T {t} at {pos}, Hq {hq}/Hkv {hkv}, D {d}, {pairing:?}, {rows} rows {}, window {window:?}", ty.name()),
             res,
         );
     }

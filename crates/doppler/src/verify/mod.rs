@@ -25,7 +25,7 @@ mod upsample;
 pub use basic::{
     ABSMAX_CASES, ARGMAX_SHAPES, ELEMENTWISE_SIZES, MATMUL_CASES, SUM_SHAPES, WORDS_CASES,
 };
-pub use kvcache::{KV_CASES, WINDOW_CASES};
+pub use kvcache::{kv_attend_checks, KV_CASES, WINDOW_CASES};
 
 use std::future::Future;
 use std::pin::Pin;
