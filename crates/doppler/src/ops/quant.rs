@@ -905,16 +905,13 @@ pub fn qmatmul_rope_store(
     let path = Path::of(t, w);
     // The fused kernels store at row pos + t: a ring cache that has wrapped (a window's
     // last keys) takes the two steps, whose `rope_store` wraps.
-    // So do f16 caches of pairs half a head apart over several rows (the kernels write
-    // whole words of halves: a pair of adjacent dims, or with those pairs the decode
-    // kernel's four columns a thread).
+    // f16 caches: the kernels write whole words of halves (a pair of adjacent dims, or for
+    // pairs half a head apart four columns of a thread or of four groups).
     let wraps = to.pos + t > to.k_cache.shape().first().copied().unwrap_or(0);
     // q8_0 caches always take the two steps (a block of 32 spans threads).
     let kv_f16 = to.k_cache.dtype() == DType::F16;
-    let half_rows = to.pairing == Pairing::Half && !matches!(path, Path::Decode { .. });
     let fused = !matches!(path, Path::Tiled)
         && !wraps
-        && !(kv_f16 && half_rows)
         && to.k_cache.dtype() != DType::U32
         && rec.gpu().limits.max_storage_buffers_per_shader_stage >= ROPE_STORAGE;
     if !fused || sh.len() != 2 || sh[1] != w.cols {

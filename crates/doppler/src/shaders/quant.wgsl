@@ -663,32 +663,33 @@ fn put_kv(is_k: bool, w: u32, val: u32) {
     }
 }
 
-// ROPE_HALF with ROPE_KV_F16, one row (decode): in q and k heads the pairs (v, v + 1) and
-// (v + 2, v + 3), v a multiple of 4, hold head dims (e, e + d / 2) and (e + 1, e + 1 +
-// d / 2), e even: whole words of the cache, (e, e + 1) and (e + d / 2, e + d / 2 + 1); v
-// heads' columns v..v+4 are dims in order.
-fn rope_out_half16(v: u32, s: vec4<f32>) {
+// ROPE_HALF with ROPE_KV_F16, row t: in q and k heads the pairs (v, v + 1) and (v + 2,
+// v + 3), v a multiple of 4, hold head dims (e, e + d / 2) and (e + 1, e + 1 + d / 2), e
+// even: whole words of the cache, (e, e + 1) and (e + d / 2, e + d / 2 + 1); v heads'
+// columns v..v+4 are dims in order. `s`: the four columns' sums.
+fn rope_out_half16(t: u32, v: u32, s: vec4<f32>) {
     let i = w_row(v);        // dim e's column; e + d / 2 at w_row(v + 1)
     let j = w_row(v + 1u);
-    let r0 = rope_vals(0u, v, s.x, s.y);
-    let r1 = rope_vals(0u, v + 2u, s.z, s.w);
+    let r0 = rope_vals(t, v, s.x, s.y);
+    let r1 = rope_vals(t, v + 2u, s.z, s.w);
     let kv = rope_kv_heads() * p.d;
     let qw = p.heads * p.d;
+    let pos = p.pos + t;
     if (v < qw) {
-        dst[i] = r0.x;
-        dst[j] = r0.y;
-        dst[i + 1u] = r1.x;
-        dst[j + 1u] = r1.y;
+        dst[t * qw + i] = r0.x;
+        dst[t * qw + j] = r0.y;
+        dst[t * qw + i + 1u] = r1.x;
+        dst[t * qw + j + 1u] = r1.y;
         return;
     }
     if (v >= qw + kv) {
         // v heads are not turned: columns v..v+4 in order, two words.
-        let o = p.pos * kv - qw - kv;
+        let o = pos * kv - qw - kv;
         put_kv(false, (o + i) / 2u, pack2x16float(r0));
         put_kv(false, (o + i) / 2u + 1u, pack2x16float(r1));
         return;
     }
-    let o = p.pos * kv - qw;
+    let o = pos * kv - qw;
     put_kv(true, (o + i) / 2u, pack2x16float(vec2<f32>(r0.x, r1.x)));
     put_kv(true, (o + j) / 2u, pack2x16float(vec2<f32>(r0.y, r1.y)));
 }
@@ -1021,6 +1022,18 @@ fn qmatvec_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     mv_sums(g, lid);
     let at = mv_at(g, lid);
     let v = at.y;
+    if (ROPE_HALF && ROPE_KV_F16) {
+        // Groups 0 and 4 (columns v..v+4, v a multiple of 4: a workgroup's 8 columns start
+        // at a multiple of 8) write whole words of f16 caches.
+        if (lid % 128u == 0u && v < w_rows()) {
+            let gi = lid / 32u;
+            for (var r = 0u; r < at.z; r++) {
+                let s = vec4<f32>(mv_tot[r][gi], mv_tot[r][gi + 1u], mv_tot[r][gi + 2u], mv_tot[r][gi + 3u]);
+                rope_out_half16(at.x + r, v, s * mv_scale(r));
+            }
+        }
+        return;
+    }
     if (lid % 32u == 0u && v < w_rows() && (v & 1u) == 0u) {
         for (var r = 0u; r < at.z; r++) {
             let scale = mv_scale(r);
@@ -1304,7 +1317,7 @@ fn qmatvec1_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
             // MV1_RW 4 (the default): a thread's 4 columns start at a multiple of 4.
             if (at.x < w_rows()) {
                 let s = vec4<f32>(mv1_get(lid, 0u), mv1_get(lid, 1u), mv1_get(lid, 2u), mv1_get(lid, 3u));
-                rope_out_half16(at.x, s * scale);
+                rope_out_half16(0u, at.x, s * scale);
             }
             return;
         }
