@@ -13,8 +13,10 @@ echo "== SmolLM2-135M-Instruct for the model tests (fetched into ~/.cache/dopple
 export DOPPLER_SMOLLM2="$(bash scripts/fetch_model.sh)"
 echo "== all-MiniLM-L6-v2 for the encoder tests (fetched into ~/.cache/doppler if missing)"
 export DOPPLER_MINILM="$(bash scripts/fetch_minilm.sh)"
+echo "== Gemma 3 270M (Q4_K_M GGUF) for the Gemma test (fetched into ~/.cache/doppler if missing)"
+export DOPPLER_GEMMA3="$(bash scripts/fetch_gemma3.sh)"
 
-echo "== cargo test (naga validation, CPU reference, GPU kernels, CLI, SmolLM2 against transformers)"
+echo "== cargo test (naga validation, CPU reference, GPU kernels, CLI, SmolLM2 and Gemma 3 against transformers)"
 cargo test --workspace
 
 echo "== browser: the wasm package and the demo page in headless Chromium (tests/browser)"

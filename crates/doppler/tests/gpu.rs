@@ -1019,6 +1019,12 @@ fn metrics_are_written_before_the_checkpoint_commits() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// Tables split by rows (embeddings past one storage binding) match the whole table.
+#[test]
+fn row_split_tables_match_the_whole_table() {
+    assert_checks("row_split", 3);
+}
+
 /// Tiny random models written by transformers with their logits (`python3
 /// scripts/make_family_fixtures.py crates/doppler/tests/fixtures`: transformers 5.17, torch
 /// 2.11, f32 on the CPU): Doppler loads each Hugging Face directory, and where given the

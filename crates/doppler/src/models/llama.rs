@@ -35,7 +35,7 @@ use crate::ops::kvcache::{
 };
 use crate::ops::norm::{rms_norm, rms_norm_heads};
 use crate::ops::quant::{
-    get_rows, qmatmul_chain, qmatmul_fused, qmatmul_rope_store, qmatvec_parts, Fuse, Next, QMatrix,
+    qmatmul_chain, qmatmul_fused, qmatmul_rope_store, qmatvec_parts, Fuse, Next, QMatrix, RowSplit,
 };
 use crate::ops::rope::{inv_freq, Pairing, RopeTable};
 
@@ -254,8 +254,9 @@ struct Layer {
     /// Gemma: the norms of the attention's and the feed-forward's outputs (E).
     post_attn_norm: Option<Tensor>,
     post_ffn_norm: Option<Tensor>,
-    /// Wq, Wk, Wv stacked: ((Hq + 2 Hkv) D, E)
-    qkv: QMatrix,
+    /// Wq, Wk, Wv stacked: ((Hq + 2 Hkv) D, E); in parts where their types differ
+    /// (llama.cpp's Q4_K_M files give some layers' v more bits)
+    qkv: RowSplit,
     /// bq, bk, bv stacked (qwen2)
     qkv_bias: Option<Tensor>,
     /// q_norm, k_norm stacked: (2, D) (qwen3, gemma3; q's times Gemma's query scale
@@ -270,10 +271,12 @@ struct Layer {
 
 pub struct Llama {
     pub cfg: LlamaConfig,
-    embd: QMatrix,
+    /// The embedding table and the output head (the table again when tied), split by rows
+    /// where one storage binding cannot hold them.
+    embd: RowSplit,
     layers: Vec<Layer>,
     out_norm: Tensor,
-    output: QMatrix,
+    output: RowSplit,
     rope: RopeTable,
     /// The sliding-window layers' table where their RoPE differs (Gemma 3).
     rope_local: Option<RopeTable>,
@@ -308,6 +311,10 @@ pub trait Source {
     fn names(&self) -> Option<Vec<String>> {
         None
     }
+    /// The tensor's type without reading it, where the source knows it (None: read it).
+    fn type_of(&self, _name: &str) -> Option<GgmlType> {
+        None
+    }
 }
 
 /// A source that remembers which tensors the loader asked for.
@@ -327,6 +334,9 @@ impl Source for Tracked<'_> {
     fn tensor<'a>(&'a self, name: &'a str) -> LocalFuture<'a, Result<Option<Stored<'a>>>> {
         self.asked.borrow_mut().insert(name.to_string());
         self.src.tensor(name)
+    }
+    fn type_of(&self, name: &str) -> Option<GgmlType> {
+        self.src.type_of(name)
     }
 }
 
@@ -401,6 +411,60 @@ async fn matrix(
     }
     QMatrix::new(gpu, name, &t.bytes, t.ty, rows, cols)
         .map_err(|e| format_err(src.path(), e.to_string()))
+}
+
+/// [`matrix`] of a table that may pass one storage binding (the embedding, the head).
+async fn matrix_split(
+    gpu: &Gpu,
+    src: &dyn Source,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<RowSplit> {
+    let t = need(src, name).await?;
+    if t.dims != [cols as u64, rows as u64] {
+        return Err(format_err(
+            src.path(),
+            format!(
+                "{name}: dims {:?}, expected [{cols}, {rows}] (innermost first)",
+                t.dims
+            ),
+        ));
+    }
+    RowSplit::new(gpu, name, &t.bytes, t.ty, rows, cols)
+        .map_err(|e| format_err(src.path(), e.to_string()))
+}
+
+/// Matrices (name, rows) of one width stacked row-wise: one matrix where they share a
+/// type, else a part for each run of one type.
+async fn stacked_parts(
+    gpu: &Gpu,
+    src: &dyn Source,
+    parts: &[(String, usize)],
+    cols: usize,
+) -> Result<RowSplit> {
+    let mut types = Vec::with_capacity(parts.len());
+    for (name, _) in parts {
+        types.push(match src.type_of(name) {
+            Some(t) => t,
+            None => need(src, name).await?.ty,
+        });
+    }
+    let mut out = Vec::new();
+    let (mut i, mut row0) = (0, 0);
+    while i < parts.len() {
+        let run = types[i..].iter().take_while(|t| **t == types[i]).count();
+        let m = stacked(gpu, src, &parts[i..i + run], cols).await?;
+        let rows = m.rows;
+        out.push((row0, m));
+        row0 += rows;
+        i += run;
+    }
+    Ok(RowSplit {
+        parts: out,
+        rows: row0,
+        cols,
+    })
 }
 
 /// Matrices (name, rows) of one type and width stacked row-wise into one.
@@ -494,7 +558,7 @@ impl Llama {
         let src: &dyn Source = &tracked;
         let (e, d) = (cfg.n_embd, cfg.head_dim);
         let (qd, kvd) = (cfg.n_head * d, cfg.n_kv_head * d);
-        let embd = matrix(gpu, src, "token_embd.weight", cfg.vocab_size, e).await?;
+        let embd = matrix_split(gpu, src, "token_embd.weight", cfg.vocab_size, e).await?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         let shift = cfg.norm_shift;
         for i in 0..cfg.n_layer {
@@ -569,7 +633,7 @@ impl Llama {
                 attn_norm: norm("attn_norm.weight").await?,
                 post_attn_norm: post("post_attention_norm.weight").await?,
                 post_ffn_norm: post("post_ffw_norm.weight").await?,
-                qkv: stacked(gpu, src, &qkv, e).await?,
+                qkv: stacked_parts(gpu, src, &qkv, e).await?,
                 qkv_bias,
                 qk_norm,
                 o: matrix(gpu, src, &n("attn_output.weight"), e, qd).await?,
@@ -585,7 +649,7 @@ impl Llama {
             "output_norm.weight",
         )?;
         let output = if src.has("output.weight") {
-            matrix(gpu, src, "output.weight", cfg.vocab_size, e).await?
+            matrix_split(gpu, src, "output.weight", cfg.vocab_size, e).await?
         } else {
             embd.clone()
         };
@@ -635,7 +699,8 @@ impl Llama {
         // Counted as the file stores them (Q6_K's padding on the GPU not included).
         let mut decode_bytes = out_norm.byte_size() + output.file_bytes();
         for l in &layers {
-            for m in [&l.qkv, &l.o, &l.gate_up, &l.down] {
+            decode_bytes += l.qkv.file_bytes();
+            for m in [&l.o, &l.gate_up, &l.down] {
                 decode_bytes += m.file_bytes();
             }
             decode_bytes += l.attn_norm.byte_size() + l.ffn_norm.byte_size();
@@ -676,7 +741,7 @@ impl Llama {
         let mut steps = Vec::with_capacity(5 * self.layers.len() + 1);
         for (li, l) in self.layers.iter().enumerate() {
             let win = self.cfg.window(li);
-            steps.push(("qkv", vec![w(&l.qkv)]));
+            steps.push(("qkv", l.qkv.parts.iter().map(|(_, m)| w(m)).collect()));
             steps.push((
                 "attention",
                 vec![kv(&cache.k[li], win), kv(&cache.v[li], win)],
@@ -685,7 +750,10 @@ impl Llama {
             steps.push(("gate_up", vec![w(&l.gate_up)]));
             steps.push(("down", vec![w(&l.down)]));
         }
-        steps.push(("output", vec![w(&self.output)]));
+        steps.push((
+            "output",
+            self.output.parts.iter().map(|(_, m)| w(m)).collect(),
+        ));
         steps
     }
 
@@ -789,7 +857,7 @@ impl Llama {
         let gpu = rec.gpu();
         let eps = c.norm_eps as f32;
         let d = c.head_dim;
-        let mut x = get_rows(rec, &self.embd, ids_t)?; // (T, E)
+        let mut x = self.embd.get_rows(rec, ids_t)?; // (T, E)
         if c.gemma() {
             // Gemma scales the embeddings by sqrt(width) (rounded to f32, as transformers).
             x = scale(rec, &x, (c.n_embd as f32).sqrt())?;
@@ -814,24 +882,22 @@ impl Llama {
                 pos,
                 window,
             };
-            let q = match &l.qk_norm {
-                None => qmatmul_rope_store(
-                    rec,
-                    &x,
-                    &l.qkv,
-                    Some((&l.attn_norm, eps)),
-                    &to,
-                    x8.as_ref(),
-                )?,
-                // The heads' norms come between the product and RoPE: three dispatches.
-                Some(w) => {
-                    let fuse = Fuse {
-                        norm: Some((&l.attn_norm, eps)),
-                        x8: x8.as_ref(),
-                        ..Default::default()
-                    };
-                    let qkv = qmatmul_fused(rec, &x, &l.qkv, fuse)?;
-                    rms_norm_heads(rec, &qkv, w, c.n_head, c.n_kv_head, eps, false)?;
+            let fuse = Fuse {
+                norm: Some((&l.attn_norm, eps)),
+                x8: x8.as_ref(),
+                ..Default::default()
+            };
+            let q = match (&l.qk_norm, l.qkv.single()) {
+                (None, Some(w)) => {
+                    qmatmul_rope_store(rec, &x, w, Some((&l.attn_norm, eps)), &to, x8.as_ref())?
+                }
+                // The heads' norms come between the product and RoPE (three dispatches); a
+                // q/k/v of parts takes a product a part.
+                (norms, _) => {
+                    let qkv = l.qkv.product(rec, &x, fuse)?;
+                    if let Some(w) = norms {
+                        rms_norm_heads(rec, &qkv, w, c.n_head, c.n_kv_head, eps, false)?;
+                    }
                     rope_store(rec, &qkv, &to)?
                 }
             };
@@ -890,22 +956,23 @@ impl Llama {
                 norm: None,
             };
             let (g, g8) = qmatmul_chain(rec, &x, &l.gate_up, fuse, Some(down))?;
+            // (A head split by rows rounds its x itself, part by part.)
             let next = match self.layers.get(li + 1) {
-                Some(n) => Next {
-                    w: &n.qkv,
+                Some(n) => n.qkv.single().map(|w| Next {
+                    w,
                     norm: Some(&n.attn_norm),
-                },
-                None => Next {
-                    w: &self.output,
+                }),
+                None => self.output.single().map(|w| Next {
+                    w,
                     norm: Some(&self.out_norm),
-                },
+                }),
             };
             let fuse = Fuse {
                 residual: Some(&x),
                 x8: g8.as_ref(),
                 ..Default::default()
             };
-            (x, x8) = qmatmul_chain(rec, &g, &l.down, fuse, Some(next))?;
+            (x, x8) = qmatmul_chain(rec, &g, &l.down, fuse, next)?;
         }
         cache.len += t;
         let (last, x8) = if all || t == 1 {
@@ -915,10 +982,9 @@ impl Llama {
             rec.copy_elements(&x, (t - 1) * c.n_embd, &row, 0, c.n_embd)?;
             (row, None)
         };
-        let mut logits = qmatmul_fused(
+        let mut logits = self.output.product(
             rec,
             &last,
-            &self.output,
             Fuse {
                 norm: Some((&self.out_norm, eps)),
                 x8: x8.as_ref(),
@@ -1437,6 +1503,9 @@ impl Source for crate::formats::gguf::GgufFile {
     fn names(&self) -> Option<Vec<String>> {
         Some(self.gguf.tensors.iter().map(|t| t.name.clone()).collect())
     }
+    fn type_of(&self, name: &str) -> Option<GgmlType> {
+        self.gguf.tensor(name).map(|t| t.ty)
+    }
     fn tensor<'a>(&'a self, name: &'a str) -> LocalFuture<'a, Result<Option<Stored<'a>>>> {
         Box::pin(async move {
             let Some(t) = self.gguf.tensor(name) else {
@@ -1686,6 +1755,11 @@ impl Source for SafeTensorsDir {
     }
     fn has(&self, name: &str) -> bool {
         self.find(name).is_some()
+    }
+    fn type_of(&self, name: &str) -> Option<GgmlType> {
+        self.find(name)
+            .and_then(|hf| self.index.get(&hf))
+            .map(|e| e.1)
     }
     fn tensor<'a>(&'a self, name: &'a str) -> LocalFuture<'a, Result<Option<Stored<'a>>>> {
         Box::pin(async move {

@@ -336,7 +336,8 @@ pub fn get_rows(rec: &mut Recorder<'_>, w: &QMatrix, ids: &Tensor) -> Result<Ten
     }
     let t = ids.shape()[0];
     let y = Tensor::empty(rec.gpu(), &[t, w.cols], DType::F32, "get_rows.y")?;
-    let p = w.params(t);
+    let mut p = w.params(t);
+    p.heads = 1; // the whole table: ids past it read as zeros
     rec.dispatch(
         &GET_ROWS,
         &[("TYPE", w.ty.0 as f64)],
@@ -345,6 +346,131 @@ pub fn get_rows(rec: &mut Recorder<'_>, w: &QMatrix, ids: &Tensor) -> Result<Ten
         Grid::cover((t * w.cols) as u64, 256),
     )?;
     Ok(y)
+}
+
+/// A matrix as consecutive ranges of rows, each in its own buffer: what one storage
+/// binding cannot hold (Gemma 3's embedding of 262,144 rows is 178 MB in Q8_0, past
+/// WebGPU's default binding limit of 128 MiB), else one part. Row gathers and products
+/// run part by part.
+#[derive(Clone)]
+pub struct RowSplit {
+    /// (first row, the part).
+    pub parts: Vec<(usize, QMatrix)>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl RowSplit {
+    /// `bytes` of `rows` rows of type `ty`, in parts no larger than the adapter's storage
+    /// binding allows (3/4 of it: room for a type's padding on the GPU).
+    pub fn new(
+        gpu: &crate::gpu::Gpu,
+        name: &str,
+        bytes: &[u8],
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<RowSplit> {
+        let limit = (gpu.limits.max_storage_buffer_binding_size / 4 * 3) as usize;
+        Self::with_part_bytes(gpu, name, bytes, ty, rows, cols, limit)
+    }
+
+    /// [`RowSplit::new`] with parts of at most `limit` bytes (checks split small tables).
+    pub fn with_part_bytes(
+        gpu: &crate::gpu::Gpu,
+        name: &str,
+        bytes: &[u8],
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        limit: usize,
+    ) -> Result<RowSplit> {
+        let row_bytes = match rows {
+            0 => 0,
+            _ => bytes.len() / rows,
+        };
+        if rows == 0 || row_bytes == 0 || row_bytes * rows != bytes.len() || row_bytes > limit {
+            // One part: QMatrix::new names what is wrong (sizes, or one row too large).
+            let m = QMatrix::new(gpu, name, bytes, ty, rows, cols)?;
+            return Ok(RowSplit {
+                parts: vec![(0, m)],
+                rows,
+                cols,
+            });
+        }
+        let per = (limit / row_bytes).max(1);
+        let mut parts = Vec::with_capacity(rows.div_ceil(per));
+        for r0 in (0..rows).step_by(per) {
+            let n = per.min(rows - r0);
+            let b = &bytes[r0 * row_bytes..(r0 + n) * row_bytes];
+            parts.push((r0, QMatrix::new(gpu, name, b, ty, n, cols)?));
+        }
+        Ok(RowSplit { parts, rows, cols })
+    }
+
+    /// The matrix when it is one part.
+    pub fn single(&self) -> Option<&QMatrix> {
+        match self.parts.as_slice() {
+            [(_, m)] => Some(m),
+            _ => None,
+        }
+    }
+
+    /// Bytes as the file stores them.
+    pub fn file_bytes(&self) -> u64 {
+        self.parts.iter().map(|(_, m)| m.file_bytes()).sum()
+    }
+
+    /// Rows `ids` (u32, (T)) as f32 (T, cols): each part writes the rows it holds.
+    pub fn get_rows(&self, rec: &mut Recorder<'_>, ids: &Tensor) -> Result<Tensor> {
+        if ids.dtype() != DType::U32 || ids.shape().len() != 1 {
+            return Err(Error::Shape {
+                op: "get_rows",
+                detail: format!("ids {:?} {:?}, expected u32 (T)", ids.dtype(), ids.shape()),
+            });
+        }
+        let t = ids.shape()[0];
+        let y = Tensor::empty(rec.gpu(), &[t, self.cols], DType::F32, "get_rows.y")?;
+        for (i, (r0, w)) in self.parts.iter().enumerate() {
+            let mut p = w.params(t);
+            // The part's first row; the last part writes zeros for ids past the table.
+            p.pos = *r0 as u32;
+            p.heads = (i + 1 == self.parts.len()) as u32;
+            rec.dispatch(
+                &GET_ROWS,
+                &[("TYPE", w.ty.0 as f64)],
+                bytemuck::bytes_of(&p),
+                &[&w.raw, &y, ids],
+                Grid::cover((t * w.cols) as u64, 256),
+            )?;
+        }
+        Ok(y)
+    }
+
+    /// x (T, cols) @ W^T (T, rows) with `fuse`'s norm (and x8 when one part): each part's
+    /// product, its columns copied into place.
+    pub fn product(&self, rec: &mut Recorder<'_>, x: &Tensor, fuse: Fuse<'_>) -> Result<Tensor> {
+        if let Some(w) = self.single() {
+            return qmatmul_fused(rec, x, w, fuse);
+        }
+        let t = x.numel() / self.cols.max(1);
+        let mut out_shape = x.shape().to_vec();
+        if let Some(l) = out_shape.last_mut() {
+            *l = self.rows;
+        }
+        let y = Tensor::empty(rec.gpu(), &out_shape, DType::F32, "qmatmul.y")?;
+        let part_fuse = Fuse {
+            norm: fuse.norm,
+            ..Default::default()
+        };
+        for (r0, w) in &self.parts {
+            let yp = qmatmul_fused(rec, x, w, part_fuse)?;
+            for r in 0..t {
+                rec.copy_elements(&yp, r * w.rows, &y, r * self.rows + r0, w.rows)?;
+            }
+        }
+        Ok(y)
+    }
 }
 
 /// What a product does besides the product (see `quant.wgsl`).

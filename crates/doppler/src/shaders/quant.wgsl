@@ -571,9 +571,19 @@ fn get_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         return;
     }
     let r = i / p.k;
+    // A part of a table split by rows (ops::quant::RowSplit) starts at row p.pos and
+    // writes the rows it holds; ids are checked on the host, and one past the table reads
+    // as zeros (written by the last part, p.heads = 1).
     let id = ids[r];
-    // ids are checked on the host; an id past the table reads as zeros.
-    dst[i] = select(0.0, value(id * p.k + i % p.k), id < p.n);
+    if (id < p.pos) {
+        return;
+    }
+    let l = id - p.pos;
+    if (l < p.n) {
+        dst[i] = value(l * p.k + i % p.k);
+    } else if (p.heads == 1u) {
+        dst[i] = 0.0;
+    }
 }
 
 // Fusions of the products (override constants; unused bindings get a placeholder):

@@ -117,6 +117,7 @@ const FAMILIES: &[Family] = &[
     (&["qmatmul fused"], family!(quant::fused_checks)),
     (&["qmatmul decode"], family!(quant::decode_checks)),
     (&["qmatmul_chain"], family!(quant::chain_checks)),
+    (&["row_split"], family!(quant::split_checks)),
     (&["kv_attend"], family!(kvcache::checks)),
     (&["rope_store"], family!(kvcache::rope_store_checks)),
     (

@@ -589,3 +589,80 @@ pub(super) async fn chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         res,
     );
 }
+
+/// Tables split by rows (`RowSplit`: what one storage binding cannot hold, here forced
+/// with parts of 7 rows' bytes): row gathers (ids in every part, the first and last rows,
+/// one past the table reading zeros) bit-exact against the whole table's, and the product
+/// of 3 rows of x with the norm against the whole table's (the parts' sums in the same
+/// order for a row, copied into place).
+pub(super) async fn split_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    use crate::ops::quant::{get_rows, qmatmul_fused, Fuse, RowSplit};
+    for (n, &ty_name) in ["Q8_0", "Q6_K", "F32"].iter().enumerate() {
+        let (rows, cols) = (45usize, 256usize);
+        let ty = GgmlType::from_name(ty_name).expect("known type");
+        let mut rng = Rng::new(3700 + n as u64);
+        let raw = random_blocks(ty_name, rows * cols, &mut rng);
+        let (x, nw) = (rng.vec(3 * cols), rng.vec(cols));
+        let ids: Vec<u32> = vec![0, 44, 7, 13, 45, 21, 6, 14, 30];
+        let r = twice("row_split", async || {
+            let whole = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
+            let row_bytes = raw.len() / rows;
+            let split = RowSplit::with_part_bytes(gpu, "w", &raw, ty, rows, cols, 7 * row_bytes)?;
+            if split.parts.len() != 7 {
+                return Err(crate::Error::Invalid {
+                    op: "row_split",
+                    detail: format!("{} parts, expected 7", split.parts.len()),
+                });
+            }
+            let it = Tensor::from_u32(gpu, &[ids.len()], &ids, "ids")?;
+            let xt = Tensor::from_f32(gpu, &[3, cols], &x, "x")?;
+            let nwt = Tensor::from_f32(gpu, &[cols], &nw, "nw")?;
+            let fuse = Fuse {
+                norm: Some((&nwt, 1e-5)),
+                ..Default::default()
+            };
+            let (a, b, c, d) = gpu
+                .run_async(|rec| {
+                    Ok((
+                        split.get_rows(rec, &it)?,
+                        get_rows(rec, &whole, &it)?,
+                        split.product(rec, &xt, fuse)?,
+                        qmatmul_fused(rec, &xt, &whole, fuse)?,
+                    ))
+                })
+                .await?;
+            let mut v = Vec::new();
+            for t in [&a, &b, &c, &d] {
+                v.push(t.to_vec_f32(gpu).await?);
+            }
+            Ok(v)
+        })
+        .await;
+        let res = r.and_then(|got| {
+            let rows_want: Vec<f64> = got[1].iter().map(|&v| v as f64).collect();
+            compare(
+                "row_split get_rows",
+                &got[0],
+                &rows_want,
+                None,
+                Tolerance { abs: 0.0, rel: 0.0 },
+            )
+            .map_err(s)?;
+            let want: Vec<f64> = got[3].iter().map(|&v| v as f64).collect();
+            compare(
+                "row_split product",
+                &got[2],
+                &want,
+                None,
+                Tolerance::dot(cols),
+            )
+            .map_err(s)
+        });
+        push(
+            out,
+            "row_split",
+            format!("({rows}, {cols}) {ty_name} in 7 parts, 9 ids, 3 rows of x"),
+            res,
+        );
+    }
+}
