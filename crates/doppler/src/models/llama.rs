@@ -1,11 +1,11 @@
 //! Llama-family decoder for inference: `llama` (SmolLM2, Llama 3.x, TinyLlama), `qwen2`
 //! (biases on q, k, v), `qwen3` (no biases; each q and k head RMS-normalised before RoPE,
-//! with weights q_norm and k_norm of the head size), `mistral` (Llama's layout; a
-//! sliding attention window limits the context to the window) and `phi3` (q, k, v and
-//! gate, up each one tensor in the file; LongRoPE's per-frequency factors and attention
-//! factor). Weights stay in their file's encoding on the GPU (GGUF blocks, or
-//! f32 / f16 / bf16 from SafeTensors) and every product reads them directly
-//! (`ops::quant::qmatmul`); keys and values go into a cache (`ops::kvcache`).
+//! with weights q_norm and k_norm of the head size), `mistral` (Llama's layout; a sliding
+//! attention window), `phi3` (q, k, v and gate, up each one tensor in the file; LongRoPE's
+//! per-frequency factors and attention factor) and `gemma3` (see below). Weights stay in
+//! their file's encoding on the GPU (GGUF blocks, or f32 / f16 / bf16 from SafeTensors)
+//! and every product reads them directly (`ops::quant::qmatmul`); keys and values go into a
+//! cache (`ops::kvcache`: f32, f16 or q8_0; a ring of the last keys for a windowed layer).
 //!
 //! One step over T new tokens at positions pos..pos+T (E = n_embd, D = head dim):
 //!   x = embd[ids]                                         (T, E)
@@ -13,7 +13,7 @@
 //!              q, k, v = h Wq^T (+bq), h Wk^T (+bk), h Wv^T (+bv)   (T, Hq|Hkv, D)
 //!              (qwen3: q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm, per head)
 //!              q, k = rope(q, k, pos); cache[pos..pos+T] = k, v
-//!              x += attend(q, cache) Wo^T
+//!              x += attend(q, cache) Wo^T        (a window: the last W keys only)
 //!              h = rmsnorm(x) * ffn_norm;  x += (silu(h Wg^T) * h Wu^T) Wd^T
 //!   logits = rmsnorm(x[last]) * out_norm @ Wout^T         (V) (Wout = embd when tied)
 //! in five dispatches a layer when decoding: Wq, Wk, Wv are stacked into one matrix at load
@@ -22,6 +22,13 @@
 //! adds the biases, turns q and k and stores k and v (`ops::quant::qmatmul_rope_store`;
 //! a prompt of more than 32 tokens runs `ops::kvcache::rope_store` after its product), and
 //! one token's attention key ranges merge inside the o product.
+//!
+//! Gemma 3 differs: x = embd[ids] * sqrt(E); norms multiply by 1 + w (Hugging Face stores
+//! w, GGUF 1 + w); q and k heads normalised (q's weight carries query_pre_attn_scalar's
+//! scale); x += rmsnorm(attend(q, cache) Wo^T) * post_attn_norm; h = rmsnorm(x) * ffn_norm;
+//! x += rmsnorm((gelu_tanh(h Wg^T) * h Wu^T) Wd^T) * post_ffw_norm; five layers in six
+//! attend to a window with their own RoPE base; logits = cap tanh(logits / cap) where the
+//! model has a cap. Its products run one after the other (no chaining).
 
 use std::collections::BTreeMap;
 
