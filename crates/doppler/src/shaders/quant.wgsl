@@ -197,6 +197,13 @@ fn value4(i: u32) -> vec4<f32> {
             let w = i >> 1u;
             return vec4<f32>(unpack2x16float(src[w]), unpack2x16float(src[w + 1u]));
         }
+        case 30u: {
+            // Two bf16 a word, the lower first: the f32 with those 16 high bits.
+            let w = i >> 1u;
+            let a = src[w];
+            let b = src[w + 1u];
+            return bitcast<vec4<f32>>(vec4<u32>(a << 16u, a & 0xFFFF0000u, b << 16u, b & 0xFFFF0000u));
+        }
         case 2u: {
             let b = (i / 32u) * 18u;
             let j = i % 32u;

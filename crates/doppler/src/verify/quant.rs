@@ -112,8 +112,9 @@ pub fn product_cases() -> Vec<(&'static str, usize)> {
         })
         .collect();
     // Rows longer than two passes of the matrix-vector kernel's 32 threads x 32 columns
-    // (lanes with 3 passes and with 2), in the smaller K-quant blocks.
-    v.extend([("F32", 70), ("F16", 70), ("Q6_K", 2816)]);
+    // (lanes with 3 passes and with 2), in the smaller K-quant blocks; 16-bit floats whose
+    // odd rows start half a vec4 in.
+    v.extend([("F32", 70), ("F16", 70), ("BF16", 70), ("Q6_K", 2816)]);
     v
 }
 
