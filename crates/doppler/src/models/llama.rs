@@ -399,13 +399,13 @@ async fn need<'a>(src: &'a dyn Source, name: &'a str) -> Result<Stored<'a>> {
         .ok_or_else(|| format_err(src.path(), format!("tensor {name} is missing")))
 }
 
-async fn matrix(
-    gpu: &Gpu,
-    src: &dyn Source,
-    name: &str,
+/// The stored tensor `name`, checked to be a (rows, cols) matrix.
+async fn need_matrix<'a>(
+    src: &'a dyn Source,
+    name: &'a str,
     rows: usize,
     cols: usize,
-) -> Result<QMatrix> {
+) -> Result<Stored<'a>> {
     let t = need(src, name).await?;
     if t.dims != [cols as u64, rows as u64] {
         return Err(format_err(
@@ -416,6 +416,17 @@ async fn matrix(
             ),
         ));
     }
+    Ok(t)
+}
+
+async fn matrix(
+    gpu: &Gpu,
+    src: &dyn Source,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<QMatrix> {
+    let t = need_matrix(src, name, rows, cols).await?;
     QMatrix::new(gpu, name, &t.bytes, t.ty, rows, cols)
         .map_err(|e| format_err(src.path(), e.to_string()))
 }
@@ -428,16 +439,7 @@ async fn matrix_split(
     rows: usize,
     cols: usize,
 ) -> Result<RowSplit> {
-    let t = need(src, name).await?;
-    if t.dims != [cols as u64, rows as u64] {
-        return Err(format_err(
-            src.path(),
-            format!(
-                "{name}: dims {:?}, expected [{cols}, {rows}] (innermost first)",
-                t.dims
-            ),
-        ));
-    }
+    let t = need_matrix(src, name, rows, cols).await?;
     RowSplit::new(gpu, name, &t.bytes, t.ty, rows, cols)
         .map_err(|e| format_err(src.path(), e.to_string()))
 }

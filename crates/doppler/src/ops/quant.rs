@@ -328,24 +328,44 @@ impl QMatrix {
 /// Rows `ids` (T) of the table W (rows, cols) as f32 (T, cols): an embedding lookup.
 /// Ids must be < rows (checked by the caller, which knows where they came from).
 pub fn get_rows(rec: &mut Recorder<'_>, w: &QMatrix, ids: &Tensor) -> Result<Tensor> {
+    let y = gather_out(rec, ids, w.cols)?;
+    // The whole table: ids past it read as zeros.
+    gather(rec, w, ids, &y, 0, true)?;
+    Ok(y)
+}
+
+/// The (T, cols) output of a row gather of `ids` (u32, (T)), or an error.
+fn gather_out(rec: &mut Recorder<'_>, ids: &Tensor, cols: usize) -> Result<Tensor> {
     if ids.dtype() != DType::U32 || ids.shape().len() != 1 {
         return Err(Error::Shape {
             op: "get_rows",
             detail: format!("ids {:?} {:?}, expected u32 (T)", ids.dtype(), ids.shape()),
         });
     }
+    Tensor::empty(rec.gpu(), &[ids.shape()[0], cols], DType::F32, "get_rows.y")
+}
+
+/// Writes the rows of `ids` that `w` holds (rows row0.. of a table) into `y`; with `last`,
+/// zeros for ids past the table.
+fn gather(
+    rec: &mut Recorder<'_>,
+    w: &QMatrix,
+    ids: &Tensor,
+    y: &Tensor,
+    row0: usize,
+    last: bool,
+) -> Result<()> {
     let t = ids.shape()[0];
-    let y = Tensor::empty(rec.gpu(), &[t, w.cols], DType::F32, "get_rows.y")?;
     let mut p = w.params(t);
-    p.heads = 1; // the whole table: ids past it read as zeros
+    p.pos = row0 as u32;
+    p.heads = last as u32;
     rec.dispatch(
         &GET_ROWS,
         &[("TYPE", w.ty.0 as f64)],
         bytemuck::bytes_of(&p),
-        &[&w.raw, &y, ids],
+        &[&w.raw, y, ids],
         Grid::cover((t * w.cols) as u64, 256),
-    )?;
-    Ok(y)
+    )
 }
 
 /// A matrix as consecutive ranges of rows, each in its own buffer: what one storage
@@ -423,26 +443,10 @@ impl RowSplit {
 
     /// Rows `ids` (u32, (T)) as f32 (T, cols): each part writes the rows it holds.
     pub fn get_rows(&self, rec: &mut Recorder<'_>, ids: &Tensor) -> Result<Tensor> {
-        if ids.dtype() != DType::U32 || ids.shape().len() != 1 {
-            return Err(Error::Shape {
-                op: "get_rows",
-                detail: format!("ids {:?} {:?}, expected u32 (T)", ids.dtype(), ids.shape()),
-            });
-        }
-        let t = ids.shape()[0];
-        let y = Tensor::empty(rec.gpu(), &[t, self.cols], DType::F32, "get_rows.y")?;
+        let y = gather_out(rec, ids, self.cols)?;
         for (i, (r0, w)) in self.parts.iter().enumerate() {
-            let mut p = w.params(t);
-            // The part's first row; the last part writes zeros for ids past the table.
-            p.pos = *r0 as u32;
-            p.heads = (i + 1 == self.parts.len()) as u32;
-            rec.dispatch(
-                &GET_ROWS,
-                &[("TYPE", w.ty.0 as f64)],
-                bytemuck::bytes_of(&p),
-                &[&w.raw, &y, ids],
-                Grid::cover((t * w.cols) as u64, 256),
-            )?;
+            // The last part writes zeros for ids past the table.
+            gather(rec, w, ids, &y, *r0, i + 1 == self.parts.len())?;
         }
         Ok(y)
     }
