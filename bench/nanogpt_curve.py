@@ -3,7 +3,9 @@
 The model is Doppler's gpt2 flavour (LayerNorm and Linear biases, GELU tanh, learned
 positions, tied embeddings), initialised as nanoGPT does (matrices and embeddings
 N(0, 0.02), residual projections 0.02 / sqrt(2 n_layer); --pos-std 0.01 gives Doppler's
-default "gpt2" scheme instead), trained as nanoGPT's train.py trains it: random windows of
+default "gpt2" scheme instead), with nanoGPT's dropout (--dropout, 0.2: on the embeddings'
+sum, the attention probabilities and both residual branches; off in evaluation), trained
+as nanoGPT's train.py trains it: random windows of
 the first 90% of the characters, AdamW (betas 0.9, 0.99, weight decay 0.1 on matrices and
 embeddings), linear warmup then cosine decay, clipping at 1.0; the validation loss is the
 mean over --eval-batches random windows of the last 10% every --eval-interval steps.
@@ -11,7 +13,7 @@ Settings default to configs/shakespeare_char.toml's. Prints one JSON object per 
 and a summary line; `doppler train --config configs/shakespeare_char.toml --json` prints
 the same events for Doppler.
 
-Usage: python3 bench/nanogpt_curve.py [--steps 1000] [--pos-std 0.02] [--tf32] [--seed 1337]
+Usage: python3 bench/nanogpt_curve.py [--steps 1000] [--pos-std 0.02] [--dropout 0.2] [--tf32] [--seed 1337]
 """
 import argparse
 import json
@@ -23,9 +25,10 @@ import torch.nn.functional as F
 
 
 class Block(torch.nn.Module):
-    def __init__(self, c, h):
+    def __init__(self, c, h, dropout):
         super().__init__()
-        self.h = h
+        self.h, self.p = h, dropout
+        self.drop = torch.nn.Dropout(dropout)
         self.ln1, self.ln2 = torch.nn.LayerNorm(c), torch.nn.LayerNorm(c)
         self.qkv = torch.nn.Linear(c, 3 * c)
         self.o = torch.nn.Linear(c, c)
@@ -35,16 +38,18 @@ class Block(torch.nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        x = x + self.o(a)
-        return x + self.proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+        drop = self.p if self.training else 0.0
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        x = x + self.drop(self.o(a.transpose(1, 2).reshape(b, t, c)))
+        return x + self.drop(self.proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh")))
 
 
 class Gpt(torch.nn.Module):
-    def __init__(self, vocab, layers, c, h, block, pos_std):
+    def __init__(self, vocab, layers, c, h, block, pos_std, dropout):
         super().__init__()
         self.tok, self.pos = torch.nn.Embedding(vocab, c), torch.nn.Embedding(block, c)
-        self.blocks = torch.nn.ModuleList(Block(c, h) for _ in range(layers))
+        self.drop = torch.nn.Dropout(dropout)
+        self.blocks = torch.nn.ModuleList(Block(c, h, dropout) for _ in range(layers))
         self.ln = torch.nn.LayerNorm(c)
         for name, p in self.named_parameters():
             if p.dim() >= 2:
@@ -55,7 +60,7 @@ class Gpt(torch.nn.Module):
         torch.nn.init.normal_(self.pos.weight, 0.0, pos_std)
 
     def forward(self, ids, targets):
-        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        x = self.drop(self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device)))
         for blk in self.blocks:
             x = blk(x)
         logits = self.ln(x) @ self.tok.weight.t()
@@ -78,6 +83,8 @@ def main():
     p.add_argument("--eval-interval", type=int, default=250)
     p.add_argument("--eval-batches", type=int, default=200)
     p.add_argument("--pos-std", type=float, default=0.02)
+    p.add_argument("--dropout", type=float, default=0.2,
+                   help="on the embeddings, the attention probabilities and the residual branches (training only)")
     p.add_argument("--tf32", action="store_true")
     p.add_argument("--seed", type=int, default=1337)
     a = p.parse_args()
@@ -98,7 +105,7 @@ def main():
         y = torch.stack([data[i + 1:i + 1 + a.block] for i in ix])
         return x, y
 
-    model = Gpt(len(chars), a.layers, a.width, a.heads, a.block, a.pos_std).to(dev)
+    model = Gpt(len(chars), a.layers, a.width, a.heads, a.block, a.pos_std, a.dropout).to(dev)
     decay = [q for q in model.parameters() if q.dim() >= 2]
     rest = [q for q in model.parameters() if q.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -133,7 +140,7 @@ def main():
             evals.append((step, evaluate()))
             print(json.dumps({"type": "eval", "step": step, "val_loss": evals[-1][1], "train_loss": loss.item()}), flush=True)
     print(json.dumps({"type": "summary", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "pos_std": a.pos_std, "tf32": a.tf32, "params": sum(q.numel() for q in model.parameters()),
+                      "pos_std": a.pos_std, "dropout": a.dropout, "tf32": a.tf32, "params": sum(q.numel() for q in model.parameters()),
                       "vocab": len(chars), "seconds": time.perf_counter() - t0, "evals": evals}))
 
 

@@ -12,11 +12,13 @@ d="$PWD/target/release/doppler"
 work=$(mktemp -d)
 trap 'rm -rf "$work" configs/.parity-*.toml' EXIT
 
-# config NAME SED-EXPRESSIONS...: configs/.parity-NAME.toml from shakespeare_char.toml.
+# config NAME SED-EXPRESSIONS...: configs/.parity-NAME.toml from shakespeare_char.toml,
+# without dropout (PyTorch cannot replay Doppler's masks).
 config() {
     local name=$1; shift
     local f="configs/.parity-$name.toml"
     sed -e "s|^out_dir = .*|out_dir = \"$work/$name\"|" -e 's/^eval_batches = .*/eval_batches = 2/' \
+        -e 's/^dropout = .*/dropout = 0.0/' \
         "$@" configs/shakespeare_char.toml > "$f"
     echo "$f"
 }

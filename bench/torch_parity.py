@@ -140,7 +140,8 @@ def main():
     cfg, state, w, m, v = load_checkpoint(args.src)
     tcfg, mcfg = cfg["train"], cfg["model"]
     _, state_to, w_to, m_to, v_to = load_checkpoint(args.to)
-    if mcfg.get("dropout", 0.0) != 0.0:
+    attn_drop = mcfg.get("attn_dropout")
+    if mcfg.get("dropout", 0.0) != 0.0 or (attn_drop is not None and attn_drop != 0.0):
         sys.exit("torch_parity: the config trains with dropout; replays need dropout = 0")
     with safe_open(args.batches, "pt") as f:
         meta = f.metadata() or {}

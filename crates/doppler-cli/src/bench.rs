@@ -338,6 +338,7 @@ fn train(
         rope_theta: 10000.0,
         tie_embeddings: None,
         dropout: 0.0,
+        attn_dropout: None,
         init: Default::default(),
     };
     let mut model = Transformer::new(gpu, &cfg, 1)?;
@@ -377,7 +378,7 @@ fn train(
         };
         rec.set_flush_every(args.flush_every);
         let mut tape = Tape::new();
-        let loss = model.loss(&mut tape, &mut rec, &ids, &targets, 0)?;
+        let loss = model.loss(&mut tape, &mut rec, &ids, &targets, None)?;
         let lt = tape.value(loss)?.clone();
         tape.backward(&mut rec, loss, loss_scale, &mut model.params)?;
         let grads: Vec<Tensor> = model

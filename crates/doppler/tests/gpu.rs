@@ -559,7 +559,7 @@ fn gradient_accumulation_matches_one_big_batch() {
             let tt = Tensor::from_u32(gpu, &[rows, t], &targets[span], "targets").unwrap();
             let mut rec = gpu.recorder("accum");
             let mut tape = Tape::new();
-            let loss = model.loss(&mut tape, &mut rec, &ti, &tt, 0).unwrap();
+            let loss = model.loss(&mut tape, &mut rec, &ti, &tt, None).unwrap();
             tape.backward(&mut rec, loss, 1.0 / parts as f32, &mut model.params)
                 .unwrap();
             rec.submit().unwrap();
@@ -876,7 +876,13 @@ fn training_steps_match_the_f64_reference_trainer() {
     let gpu = gpu();
     let text =
         "the quick brown fox jumps over the lazy dog; pack my box with five dozen jugs. ".repeat(3);
-    for (arch, extra) in [("gpt2", ""), ("llama", "n_kv_head = 1\n")] {
+    // The third run trains with dropout (embeddings and branches 0.2, attention
+    // probabilities 0.3): the reference applies the masks of the trainer's dropout seeds.
+    for (arch, extra) in [
+        ("gpt2", ""),
+        ("llama", "n_kv_head = 1\n"),
+        ("gpt2", "dropout = 0.2\nattn_dropout = 0.3\n"),
+    ] {
         let toml = format!(
             "[model]\narch = \"{arch}\"\nn_layer = 2\nn_embd = 8\nn_head = 2\n{extra}block_size = 6\nffn_hidden = 12\n\
              [data]\ncorpus = \"-\"\ntokenizer = \"char\"\nval_fraction = 0.2\n\
@@ -902,14 +908,18 @@ fn training_steps_match_the_f64_reference_trainer() {
         let (steps, t) = (4u64, mcfg.block_size);
         let (mut clipped, mut max_lr) = (0, 0.0f64);
         for step in 0..steps {
-            let micro: Vec<(Vec<u32>, Vec<u32>)> =
-                (0..tc.grad_accum).map(|i| trainer.batch(step, i)).collect();
+            let micro: Vec<(Vec<u32>, Vec<u32>, u64)> = (0..tc.grad_accum)
+                .map(|i| {
+                    let (ids, tg) = trainer.batch(step, i);
+                    (ids, tg, trainer.dropout_seed(step, i))
+                })
+                .collect();
             let loss = |w: &[Vec<f64>]| -> f64 {
                 let map: HashMap<String, Vec<f64>> =
                     names.iter().cloned().zip(w.iter().cloned()).collect();
                 micro
                     .iter()
-                    .map(|(ids, tg)| rmodel::loss(&mcfg, &map, ids, tg, t))
+                    .map(|(ids, tg, ds)| rmodel::loss(&mcfg, &map, ids, tg, t, Some(*ds)))
                     .sum::<f64>()
                     / tc.grad_accum as f64
             };

@@ -14,7 +14,7 @@ use crate::autograd::{ParamStore, Tape, Var};
 use crate::check::Rng;
 use crate::error::{Error, Result};
 use crate::gpu::{Gpu, Recorder, Tensor};
-use crate::ops::attention::{AttnOpts, MAX_HEAD_DIM};
+use crate::ops::attention::{AttnDropout, AttnOpts, MAX_HEAD_DIM};
 use crate::ops::cross_entropy::CrossEntropyOpts;
 use crate::ops::gelu::GeluMode;
 use crate::ops::rope::{Pairing, RopeTable};
@@ -80,8 +80,14 @@ pub struct ModelConfig {
     /// Output head shares the token embedding; gpt2: always; llama: default false.
     #[serde(default)]
     pub tie_embeddings: Option<bool>,
+    /// Dropout on the embeddings' sum and on each residual branch (nanoGPT's `dropout`,
+    /// GPT-2's embd_pdrop and resid_pdrop); training steps only, never evaluation.
     #[serde(default)]
     pub dropout: f64,
+    /// Dropout on the attention probabilities (GPT-2's attn_pdrop); `dropout` when absent,
+    /// as nanoGPT's one `dropout` covers both.
+    #[serde(default)]
+    pub attn_dropout: Option<f64>,
     /// The initial weights' scheme (see [`InitScheme`]).
     #[serde(default)]
     pub init: InitScheme,
@@ -109,6 +115,11 @@ impl ModelConfig {
             Arch::Gpt2 => self.n_embd.saturating_mul(4),
             Arch::Llama => (self.n_embd.saturating_mul(8) / 3).saturating_add(31) / 32 * 32,
         })
+    }
+
+    /// The attention probabilities' dropout: `attn_dropout`, else `dropout`.
+    pub fn attn_drop(&self) -> f64 {
+        self.attn_dropout.unwrap_or(self.dropout)
     }
 
     pub fn tied(&self) -> bool {
@@ -165,6 +176,9 @@ impl ModelConfig {
         if !(0.0..1.0).contains(&self.dropout) {
             return bad(format!("dropout {} not in [0, 1)", self.dropout));
         }
+        if !(0.0..1.0).contains(&self.attn_drop()) {
+            return bad(format!("attn_dropout {} not in [0, 1)", self.attn_drop()));
+        }
         if self.ffn_hidden == Some(0) {
             return bad("ffn_hidden 0: the MLP needs a positive width".into());
         }
@@ -197,6 +211,18 @@ impl ModelConfig {
         }
         Ok(())
     }
+}
+
+/// Dropout sites of a step: 0 the embeddings, 2l + 1 and 2l + 2 layer l's attention and MLP
+/// branches, ATTN_SITES + l layer l's attention probabilities.
+pub const ATTN_SITES: u64 = 1 << 32;
+
+/// The mask seed of dropout site `site` in the step whose dropout seed is `step_seed`
+/// (shared with the f64 reference model).
+pub fn site_seed(step_seed: u64, site: u64) -> u64 {
+    step_seed
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(site)
 }
 
 /// The weights (in a [`ParamStore`]) and the constant tables of a model.
@@ -368,14 +394,15 @@ impl Transformer {
         tape.param(&self.params, self.index[name])
     }
 
-    /// Logits (B, T, V) for token ids (B, T) u32. `dropout_seed` varies the dropout masks
-    /// per step (unused when the config's dropout is 0).
+    /// Logits (B, T, V) for token ids (B, T) u32. A training step passes `dropout_seed`
+    /// (it varies the masks per step and micro-batch: [`dropout_seed`] of it and the site);
+    /// evaluation and sampling pass None and run without dropout, as PyTorch's eval mode.
     pub fn logits(
         &self,
         tape: &mut Tape,
         rec: &mut Recorder<'_>,
         ids: &Tensor,
-        dropout_seed: u64,
+        dropout_seed: Option<u64>,
     ) -> Result<Var> {
         let cfg = &self.cfg;
         let [b, t] = *ids.shape() else {
@@ -392,12 +419,11 @@ impl Transformer {
         }
         let (c, h, hkv, d) = (cfg.n_embd, cfg.n_head, cfg.kv_heads(), cfg.head_dim());
         let gpt = cfg.arch == Arch::Gpt2;
-        let drop = cfg.dropout;
-        let seed = |i: u64| {
-            dropout_seed
-                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                .wrapping_add(i)
+        let (drop, attn_drop) = match dropout_seed {
+            Some(_) => (cfg.dropout, cfg.attn_drop()),
+            None => (0.0, 0.0),
         };
+        let seed = |site: u64| dropout_seed.map_or(0, |s| site_seed(s, site));
         let emb = self.p(tape, "tok_emb");
         let mut x = tape.embedding(rec, emb, ids)?; // (B, T, C)
         if gpt {
@@ -409,8 +435,14 @@ impl Transformer {
         }
         x = tape.dropout(rec, x, drop, seed(0))?;
         let eps = cfg.norm_eps;
-        let attn = AttnOpts::default();
         for l in 0..cfg.n_layer {
+            let attn = AttnOpts {
+                dropout: (attn_drop > 0.0).then(|| AttnDropout {
+                    p: attn_drop,
+                    seed: seed(ATTN_SITES + l as u64),
+                }),
+                ..AttnOpts::default()
+            };
             let n = |s: &str| format!("blocks.{l}.{s}");
             // Attention: x += o(attention(q(h), k(h), v(h))), h = norm(x)
             let hn = if gpt {
@@ -496,14 +528,14 @@ impl Transformer {
     }
 
     /// Mean next-token cross-entropy of ids (B, T) against targets (B, T); the value is
-    /// (mean, count).
+    /// (mean, count). `dropout_seed` as [`Transformer::logits`]'s.
     pub fn loss(
         &self,
         tape: &mut Tape,
         rec: &mut Recorder<'_>,
         ids: &Tensor,
         targets: &Tensor,
-        dropout_seed: u64,
+        dropout_seed: Option<u64>,
     ) -> Result<Var> {
         let logits = self.logits(tape, rec, ids, dropout_seed)?;
         let v = self.cfg.vocab_size;

@@ -3,7 +3,8 @@
 //! `attention.wgsl` (derivatives in its header), or `attention_coop.wgsl` on cooperative
 //! matrices (f16 operands, f32 sums) when the GPU was opened with
 //! [`crate::gpu::MatmulMode::F16`] and has them. Nothing of size Tq x Tk reaches
-//! global memory.
+//! global memory: not even dropout's mask on the probabilities (GPT-2's and nanoGPT's
+//! attention dropout), which every kernel regenerates from (seed, row, key).
 
 use super::expect_f32;
 use crate::error::{Error, Result};
@@ -21,6 +22,12 @@ pub struct Params {
     pub causal: u32,
     pub scale: f32,
     pub _pad: u32,
+    /// Dropout on the probabilities: keep p_ij when its 24-bit draw >= threshold (0: no
+    /// dropout), kept ones times drop_scale = 1 / (1 - p).
+    pub seed_lo: u32,
+    pub seed_hi: u32,
+    pub threshold: u32,
+    pub drop_scale: f32,
 }
 
 static FWD: Kernel = Kernel::new(
@@ -172,6 +179,8 @@ pub struct AttnOpts {
     /// Multiplies q.k; 1/sqrt(D) when None.
     pub scale: Option<f32>,
     pub path: AttnPath,
+    /// Dropout on the attention probabilities (training only); none when absent.
+    pub dropout: Option<AttnDropout>,
 }
 
 impl Default for AttnOpts {
@@ -180,8 +189,21 @@ impl Default for AttnOpts {
             causal: true,
             scale: None,
             path: AttnPath::Auto,
+            dropout: None,
         }
     }
+}
+
+/// Inverted dropout on the probabilities, as PyTorch's `scaled_dot_product_attention(...,
+/// dropout_p)`: o_i = sum_j z_ij p_ij v_j with z_ij = 1 / (1 - p) where kept, 0 where
+/// dropped; the softmax (and its logsumexp) is over the undropped scores. The mask is a
+/// hash of (seed, row (b, h, i), key j), the same in the forward and the backward, on
+/// every kernel set and every device ([`crate::reference::dropout::attn_keep`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnDropout {
+    /// Drop probability in [0, 1).
+    pub p: f64,
+    pub seed: u64,
 }
 
 /// The tiled kernels' workgroup memory as a browser's WebGPU (Dawn, Chromium 156) counts
@@ -303,6 +325,16 @@ pub fn attn_params(
         ));
     }
     let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt());
+    let drop = match opts.dropout {
+        Some(dr) if !(0.0..1.0).contains(&dr.p) => {
+            return Err(Error::Invalid {
+                op: "attention",
+                detail: format!("dropout probability {} not in [0, 1)", dr.p),
+            })
+        }
+        Some(dr) if dr.p > 0.0 => crate::ops::dropout::params(0, dr.p, dr.seed),
+        _ => crate::ops::dropout::params(0, 0.0, 0),
+    };
     let p = Params {
         b: b as u32,
         tq: tq as u32,
@@ -312,6 +344,10 @@ pub fn attn_params(
         causal: opts.causal as u32,
         scale,
         _pad: 0,
+        seed_lo: drop.seed_lo,
+        seed_hi: drop.seed_hi,
+        threshold: drop.threshold,
+        drop_scale: drop.scale,
     };
     Ok((p, d))
 }

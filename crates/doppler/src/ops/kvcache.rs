@@ -483,6 +483,7 @@ pub fn kv_attend(
             causal: true,
             scale: None,
             path: AttnPath::Auto,
+            dropout: None,
         };
         // f16 caches: their rows copied out as f32 (one pass over them; the attention
         // reads each many times).

@@ -4,7 +4,8 @@
 use std::collections::HashMap;
 
 use super::{attention as attn, cross_entropy, embedding, gelu, norm, rope, silu};
-use crate::models::transformer::{Arch, ModelConfig};
+use crate::models::transformer::{site_seed, Arch, ModelConfig, ATTN_SITES};
+use crate::ops::attention::AttnDropout;
 use crate::ops::gelu::GeluMode;
 use crate::ops::norm::NormKind;
 use crate::ops::rope::Pairing;
@@ -30,14 +31,41 @@ fn add(a: &[f64], b: &[f64]) -> Vec<f64> {
     a.iter().zip(b).map(|(x, y)| x + y).collect()
 }
 
-/// Mean next-token loss of ids (B, T) against targets (B, T).
+/// Inverted dropout of x with the GPU kernel's mask (a hash of (seed, element index)); x
+/// itself when p is 0.
+fn dropout(x: Vec<f64>, p: f64, seed: u64) -> Vec<f64> {
+    if p == 0.0 {
+        return x;
+    }
+    let prm = crate::ops::dropout::params(x.len(), p, seed);
+    x.iter()
+        .enumerate()
+        .map(|(i, v)| {
+            if super::dropout::keep(&prm, i as u32) {
+                v * prm.scale as f64
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
+/// Mean next-token loss of ids (B, T) against targets (B, T); with `dropout_seed`, a
+/// training step's (the model's masks at every site, from the same seeds), without, an
+/// evaluation's.
 pub fn loss(
     cfg: &ModelConfig,
     w: &HashMap<String, Vec<f64>>,
     ids: &[u32],
     targets: &[u32],
     t: usize,
+    dropout_seed: Option<u64>,
 ) -> f64 {
+    let (drop, attn_drop) = match dropout_seed {
+        Some(_) => (cfg.dropout, cfg.attn_drop()),
+        None => (0.0, 0.0),
+    };
+    let seed = |site: u64| dropout_seed.map_or(0, |s| site_seed(s, site));
     let (c, h, hkv, d, f) = (
         cfg.n_embd,
         cfg.n_head,
@@ -61,6 +89,7 @@ pub fn loss(
         let pos: Vec<u32> = (0..b * t).map(|i| (i % t) as u32).collect();
         x = add(&x, &embedding::embedding(g("pos_emb"), c, &pos));
     }
+    x = dropout(x, drop, seed(0));
     for l in 0..cfg.n_layer {
         let n = |s: &str| format!("blocks.{l}.{s}");
         let hn = if gpt {
@@ -87,6 +116,10 @@ pub fn loss(
             causal: true,
             window: 0,
             scale: 1.0 / (d as f64).sqrt(),
+            dropout: (attn_drop > 0.0).then(|| AttnDropout {
+                p: attn_drop,
+                seed: seed(ATTN_SITES + l as u64),
+            }),
         };
         let a = attn::attention(&q, &k, &v, dm).0;
         let o = linear(
@@ -95,7 +128,7 @@ pub fn loss(
             gpt.then(|| g(&n("attn.o.bias"))),
             c,
         );
-        x = add(&x, &o);
+        x = add(&x, &dropout(o, drop, seed(2 * l as u64 + 1)));
         let m = if gpt {
             let hn = layer(&x, &n("ln2.weight"), Some(&n("ln2.bias")));
             let u = gelu::gelu(
@@ -114,7 +147,7 @@ pub fn loss(
             let up = linear(&hn, g(&n("mlp.up.weight")), None, c);
             linear(&silu::swiglu(&gate, &up), g(&n("mlp.down.weight")), None, f)
         };
-        x = add(&x, &m);
+        x = add(&x, &dropout(m, drop, seed(2 * l as u64 + 2)));
     }
     x = if gpt {
         layer(&x, "norm.weight", Some("norm.bias"))

@@ -14,6 +14,13 @@
 //   dv_j = sum_i p_ij dO_i                 run over the group's query heads in order)
 // Each thread owns one row and sums in index order: no atomics, same bits on every run.
 // Grid: linear over (B * heads) * row blocks workgroups (2-D past 65535).
+//
+// Dropout on the probabilities (threshold > 0): z_ij = drop_scale where the (row, key)
+// draw keeps p_ij, else 0 (z = 1 without dropout); l and lse stay the undropped softmax's.
+//   o_i = sum_j z_ij p_ij v_j          (p_ij = exp(s_ij - lse_i))
+//   delta_i = dO_i . O_i  (= sum_j p_ij z_ij dp_ij, so the formula stands)
+//   ds_ij = p_ij (z_ij dp_ij - delta_i);   dv_j = sum_i z_ij p_ij dO_i
+// The mask is never stored: each kernel regenerates it from (seed, row, key).
 
 struct Params {
     b: u32,
@@ -24,6 +31,10 @@ struct Params {
     causal: u32,
     scale: f32,
     _pad: u32,
+    seed_lo: u32,
+    seed_hi: u32,
+    threshold: u32,   // keep p_ij when its 24-bit draw >= threshold (0: no dropout)
+    drop_scale: f32,  // 1 / (1 - dropout probability)
 }
 
 override D4: u32 = 16u;   // head dim / 4
@@ -81,6 +92,27 @@ fn row_at(bi: u32, t: u32, nt: u32, h: u32, nh: u32) -> u32 {
     return ((bi * nt + t) * nh + h) * D4;
 }
 
+// PCG-style integer hash (O'Neill's PCG output permutation over an LCG step), as
+// dropout.wgsl's.
+fn pcg(v: u32) -> u32 {
+    let state = v * 747796405u + 2891336453u;
+    let word = ((state >> ((state >> 28u) + 4u)) ^ state) * 277803737u;
+    return (word >> 22u) ^ word;
+}
+
+// Dropout's hash of score row (bi, h, i): its draws for key j are drop_z(drop_row(..), j).
+fn drop_row(bi: u32, h: u32, i: u32) -> u32 {
+    return pcg(((bi * p.hq + h) * p.tq + i) ^ pcg(p.seed_lo));
+}
+
+// z_ij: drop_scale where p_ij is kept, 0 where dropped; 1 without dropout.
+fn drop_z(row: u32, j: u32) -> f32 {
+    if (p.threshold == 0u) {
+        return 1.0;
+    }
+    return select(0.0, p.drop_scale, (pcg(row ^ pcg(j ^ p.seed_hi)) >> 8u) >= p.threshold);
+}
+
 // Whether query i may see key j.
 fn visible(i: u32, j: u32) -> bool {
     return j < p.tk && (p.causal == 0u || j <= i + p.tk - p.tq);
@@ -133,6 +165,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     var m = NEG;
     var l = 0.0;
     var s: array<f32, BCMAX>;
+    let row = drop_row(bi, h, i);
     let end = select(0u, key_end(i0), w.ok);
     for (var j0 = 0u; j0 < end; j0 += BC) {
         stage_kv(bi, hk, j0, lid);
@@ -163,8 +196,9 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
                     if (s[c] > NEG) {
                         let pc = exp(s[c] - mb);
                         l += pc;
+                        let pz = pc * drop_z(row, j0 + c);
                         for (var d = 0u; d < D4; d++) {
-                            acc[d] += pc * tb[c * D4 + d];
+                            acc[d] += pz * tb[c * D4 + d];
                         }
                     }
                 }
@@ -228,6 +262,7 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         lse_i = lse_in[r];
         delta_i = delta_in[r];
     }
+    let row = drop_row(bi, h, i);
     let end = select(0u, key_end(i0), w.ok);
     for (var j0 = 0u; j0 < end; j0 += BC) {
         stage_kv(bi, hk, j0, lid);
@@ -242,7 +277,8 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
                         pd += gr[d] * tb[c * D4 + d];
                     }
                     let pij = exp(sd.x + sd.y + sd.z + sd.w - lse_i);
-                    let ds = pij * (pd.x + pd.y + pd.z + pd.w - delta_i);
+                    let z = drop_z(row, j0 + c);
+                    let ds = pij * (z * (pd.x + pd.y + pd.z + pd.w) - delta_i);
                     for (var d = 0u; d < D4; d++) {
                         acc[d] += ds * ta[c * D4 + d];
                     }
@@ -327,9 +363,11 @@ fn attn_bwd_dkv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
                             pd += vr[d] * tb[c * D4 + d];
                         }
                         let pij = exp(sd.x + sd.y + sd.z + sd.w - ra[c]);
-                        let ds = pij * (pd.x + pd.y + pd.z + pd.w - rb[c]);
+                        let z = drop_z(drop_row(bi, h, i), j);
+                        let ds = pij * (z * (pd.x + pd.y + pd.z + pd.w) - rb[c]);
+                        let pz = pij * z;
                         for (var d = 0u; d < D4; d++) {
-                            gv[d] += pij * tb[c * D4 + d];
+                            gv[d] += pz * tb[c * D4 + d];
                             gk[d] += ds * ta[c * D4 + d];
                         }
                     }
@@ -475,6 +513,7 @@ fn attn_fwd_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     var o0 = vec4<f32>(0.0);
     var o1 = vec4<f32>(0.0);
     let end = select(0u, key_end32(i0), ok);
+    let rows = vec2<u32>(drop_row(bi, h, i0 + 2u * ty), drop_row(bi, h, i0 + 2u * ty + 1u));
     var nk = fetch_rows(1u, bi, 0u, p.tk, hk, p.hkv, tid);   // the next step's K and V
     var nv = fetch_rows(2u, bi, 0u, p.tk, hk, p.hkv, tid);
     for (var j0 = 0u; j0 < end; j0 += 32u) {
@@ -515,7 +554,7 @@ fn attn_fwd_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
                 if (sco[rr][cc] > NEG) {
                     pr[cc] = exp(sco[rr][cc] - mx);
                 }
-                sp[r * 32u + tx + 16u * cc] = pr[cc];
+                sp[r * 32u + tx + 16u * cc] = pr[cc] * drop_z(rows[rr], j0 + tx + 16u * cc);
             }
             l[rr] = l[rr] * corr[rr] + (pr.x + pr.y);
         }
@@ -578,6 +617,7 @@ fn attn_bwd_dq_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     var g0 = vec4<f32>(0.0);
     var g1 = vec4<f32>(0.0);
     let end = select(0u, key_end32(i0), ok);
+    let rows = vec2<u32>(drop_row(bi, h, i0 + 2u * ty), drop_row(bi, h, i0 + 2u * ty + 1u));
     var nk = fetch_rows(1u, bi, 0u, p.tk, hk, p.hkv, tid);   // the next step's K and V
     var nv = fetch_rows(2u, bi, 0u, p.tk, hk, p.hkv, tid);
     for (var j0 = 0u; j0 < end; j0 += 32u) {
@@ -612,7 +652,8 @@ fn attn_bwd_dq_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
                 let c = tx + 16u * cc;
                 var ds = 0.0;
                 if (i < p.tq && visible(i, j0 + c)) {
-                    ds = exp(s[rr][cc] - lse_r[rr]) * (dp[rr][cc] - delta_r[rr]);
+                    let z = drop_z(rows[rr], j0 + c);
+                    ds = exp(s[rr][cc] - lse_r[rr]) * (z * dp[rr][cc] - delta_r[rr]);
                 }
                 sp[r * 32u + c] = ds;
             }
@@ -665,6 +706,8 @@ fn attn_bwd_dkv_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     var ns = row_stats(bi, hk * group, first, tid);
     for (var st = 0u; st < steps; st++) {
         let i0 = first + (st % per_head) * 32u;
+        let h = hk * group + st / per_head;
+        let rows = vec2<u32>(drop_row(bi, h, i0 + tx), drop_row(bi, h, i0 + tx + 16u));
         put_rows(2u, nq, tid);   // Q -> sc
         put_rows(3u, no, tid);   // dO -> sd
         if (tid < 32u) {
@@ -705,8 +748,10 @@ fn attn_bwd_dkv_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
                 var pij = 0.0;
                 var ds = 0.0;
                 if (j < p.tk && i < p.tq && visible(i, j)) {
+                    let z = drop_z(rows[cc], j);
                     pij = exp(s[kk][cc] - rs[ir]);
-                    ds = pij * (dp[kk][cc] - rs[32u + ir]);
+                    ds = pij * (z * dp[kk][cc] - rs[32u + ir]);
+                    pij *= z;
                 }
                 sp[jr * 32u + ir] = pij;
                 sds[jr * 32u + ir] = ds;

@@ -23,6 +23,8 @@
 //                      (fragments), over the group's query heads in order
 // Scale folded into q (forward, dq) or k (dkv) as they are staged, and applied to dq and
 // dk at the end. Sums run in a fixed order: the same inputs give the same bits.
+// Dropout on the probabilities as attention.wgsl's (z_ij from the same hash of (seed, row,
+// key)): P z into P V and dV, z dP into dS.
 // Grid: linear over (B * heads) * ceil(rows / 64) workgroups (2-D past 65535).
 // group_id, Block, block_of and row_at repeat attention.wgsl's (WGSL has no includes).
 
@@ -38,6 +40,10 @@ struct Params {
     causal: u32,
     scale: f32,
     _pad: u32,
+    seed_lo: u32,
+    seed_hi: u32,
+    threshold: u32,   // keep p_ij when its 24-bit draw >= threshold (0: no dropout)
+    drop_scale: f32,  // 1 / (1 - dropout probability)
 }
 
 override D4: u32 = 16u;   // head dim / 4 (<= 16)
@@ -103,6 +109,41 @@ fn row_at(bi: u32, t: u32, nt: u32, h: u32, nh: u32) -> u32 {
 // Whether query i exists and may see key j (which exists).
 fn seen(i: u32, j: u32) -> bool {
     return i < p.tq && j < p.tk && (p.causal == 0u || j <= i + p.tk - p.tq);
+}
+
+// Dropout's hash, row hash and z_ij, as attention.wgsl's.
+fn pcg(v: u32) -> u32 {
+    let state = v * 747796405u + 2891336453u;
+    let word = ((state >> ((state >> 28u) + 4u)) ^ state) * 277803737u;
+    return (word >> 22u) ^ word;
+}
+
+fn drop_row(bi: u32, h: u32, i: u32) -> u32 {
+    return pcg(((bi * p.hq + h) * p.tq + i) ^ pcg(p.seed_lo));
+}
+
+fn drop_z(row: u32, j: u32) -> f32 {
+    if (p.threshold == 0u) {
+        return 1.0;
+    }
+    return select(0.0, p.drop_scale, (pcg(row ^ pcg(j ^ p.seed_hi)) >> 8u) >= p.threshold);
+}
+
+// z of query row `row` against keys j .. j + 3, and of queries i .. i + 3 (of head h)
+// against key j.
+fn z_keys(row: u32, j: u32) -> vec4<f32> {
+    if (p.threshold == 0u) {
+        return vec4<f32>(1.0);
+    }
+    return vec4<f32>(drop_z(row, j), drop_z(row, j + 1u), drop_z(row, j + 2u), drop_z(row, j + 3u));
+}
+
+fn z_queries(bi: u32, h: u32, i: u32, j: u32) -> vec4<f32> {
+    if (p.threshold == 0u) {
+        return vec4<f32>(1.0);
+    }
+    return vec4<f32>(drop_z(drop_row(bi, h, i), j), drop_z(drop_row(bi, h, i + 1u), j),
+                     drop_z(drop_row(bi, h, i + 2u), j), drop_z(drop_row(bi, h, i + 3u), j));
 }
 
 // Query i against keys j .. j + 3, and queries i .. i + 3 against key j.
@@ -260,6 +301,7 @@ fn attn_fwd_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let q1 = frag_a0(g * 16u, 1u);
     let q2 = frag_a0(g * 16u, 2u);
     let q3 = frag_a0(g * 16u, 3u);
+    let row = drop_row(w.bi, w.h, i);
     var m = NEG;    // the row's running max (the same in both lanes)
     var l = 0.0;    // the sum of the lane's own columns
     var o0 = vec4<f32>(0.0);
@@ -321,14 +363,14 @@ fn attn_fwd_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
         let e7 = select(zero, exp(x7 - mn), x7 > neg);
         let es = ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7));
         l = l * corr + ((es.x + es.y) + (es.z + es.w));
-        put2(pb, e0);
-        put2(pb + 4u, e1);
-        put2(pb + 8u, e2);
-        put2(pb + 12u, e3);
-        put2(pb + 16u, e4);
-        put2(pb + 20u, e5);
-        put2(pb + 24u, e6);
-        put2(pb + 28u, e7);
+        put2(pb, e0 * z_keys(row, j));
+        put2(pb + 4u, e1 * z_keys(row, j + 4u));
+        put2(pb + 8u, e2 * z_keys(row, j + 8u));
+        put2(pb + 12u, e3 * z_keys(row, j + 12u));
+        put2(pb + 16u, e4 * z_keys(row, j + 16u));
+        put2(pb + 20u, e5 * z_keys(row, j + 20u));
+        put2(pb + 24u, e6 * z_keys(row, j + 24u));
+        put2(pb + 28u, e7 * z_keys(row, j + 28u));
         workgroupBarrier();
         // P V: 16 x 64 probabilities times the 64 x 64 values, into the scratch.
         let p0 = frag_p(g, 0u);
@@ -394,6 +436,7 @@ fn attn_bwd_dq_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     let d1 = frag_a1(g * 16u, 1u);
     let d2 = frag_a1(g * 16u, 2u);
     let d3 = frag_a1(g * 16u, 3u);
+    let row = drop_row(w.bi, w.h, i);
     var lse_i = 0.0;
     var delta_i = 0.0;
     if (w.ok && i < p.tq) {
@@ -442,14 +485,14 @@ fn attn_bwd_dq_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
         workgroupBarrier();
         scores1(d0, d1, d2, d3, g);   // dP
         workgroupBarrier();
-        put2(pb, p0 * (rd(b) - delta_i));
-        put2(pb + 4u, p1 * (rd(b + 4u) - delta_i));
-        put2(pb + 8u, p2 * (rd(b + 8u) - delta_i));
-        put2(pb + 12u, p3 * (rd(b + 12u) - delta_i));
-        put2(pb + 16u, p4 * (rd(b + 16u) - delta_i));
-        put2(pb + 20u, p5 * (rd(b + 20u) - delta_i));
-        put2(pb + 24u, p6 * (rd(b + 24u) - delta_i));
-        put2(pb + 28u, p7 * (rd(b + 28u) - delta_i));
+        put2(pb, p0 * (z_keys(row, j) * rd(b) - delta_i));
+        put2(pb + 4u, p1 * (z_keys(row, j + 4u) * rd(b + 4u) - delta_i));
+        put2(pb + 8u, p2 * (z_keys(row, j + 8u) * rd(b + 8u) - delta_i));
+        put2(pb + 12u, p3 * (z_keys(row, j + 12u) * rd(b + 12u) - delta_i));
+        put2(pb + 16u, p4 * (z_keys(row, j + 16u) * rd(b + 16u) - delta_i));
+        put2(pb + 20u, p5 * (z_keys(row, j + 20u) * rd(b + 20u) - delta_i));
+        put2(pb + 24u, p6 * (z_keys(row, j + 24u) * rd(b + 24u) - delta_i));
+        put2(pb + 28u, p7 * (z_keys(row, j + 28u) * rd(b + 28u) - delta_i));
         workgroupBarrier();
         // dQ += dS K: 16 x 64 dS times the 64 x 64 keys.
         for (var c = 0u; c < 4u; c++) {
@@ -546,6 +589,15 @@ fn attn_bwd_dkv_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
         scores0(k0, k1, k2, k3, g);   // S^T: the lane's key against 32 queries
         workgroupBarrier();
         let i = i0 + c0;
+        let h = w.h * group + st / per_head;
+        let z0 = z_queries(w.bi, h, i, j);
+        let z1 = z_queries(w.bi, h, i + 4u, j);
+        let z2 = z_queries(w.bi, h, i + 8u, j);
+        let z3 = z_queries(w.bi, h, i + 12u, j);
+        let z4 = z_queries(w.bi, h, i + 16u, j);
+        let z5 = z_queries(w.bi, h, i + 20u, j);
+        let z6 = z_queries(w.bi, h, i + 24u, j);
+        let z7 = z_queries(w.bi, h, i + 28u, j);
         let zero = vec4<f32>(0.0);
         let p0 = select(zero, exp(rd(b) - rd_x(c0)), seen_queries(i, j));
         let p1 = select(zero, exp(rd(b + 4u) - rd_x(c0 + 4u)), seen_queries(i + 4u, j));
@@ -555,14 +607,14 @@ fn attn_bwd_dkv_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
         let p5 = select(zero, exp(rd(b + 20u) - rd_x(c0 + 20u)), seen_queries(i + 20u, j));
         let p6 = select(zero, exp(rd(b + 24u) - rd_x(c0 + 24u)), seen_queries(i + 24u, j));
         let p7 = select(zero, exp(rd(b + 28u) - rd_x(c0 + 28u)), seen_queries(i + 28u, j));
-        put2(pb, p0);
-        put2(pb + 4u, p1);
-        put2(pb + 8u, p2);
-        put2(pb + 12u, p3);
-        put2(pb + 16u, p4);
-        put2(pb + 20u, p5);
-        put2(pb + 24u, p6);
-        put2(pb + 28u, p7);
+        put2(pb, p0 * z0);
+        put2(pb + 4u, p1 * z1);
+        put2(pb + 8u, p2 * z2);
+        put2(pb + 12u, p3 * z3);
+        put2(pb + 16u, p4 * z4);
+        put2(pb + 20u, p5 * z5);
+        put2(pb + 24u, p6 * z6);
+        put2(pb + 28u, p7 * z7);
         workgroupBarrier();
         scores1(v0, v1, v2, v3, g);   // dP^T
         // dV += P^T dO: 16 x 64 probabilities times the 64 x 64 dO rows.
@@ -574,14 +626,14 @@ fn attn_bwd_dkv_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
             gv3 = coopMultiplyAdd(a, frag_b1(c, 3u), gv3);
         }
         workgroupBarrier();
-        put2(pb, p0 * (rd(b) - rd_x(BLK + c0)));
-        put2(pb + 4u, p1 * (rd(b + 4u) - rd_x(BLK + c0 + 4u)));
-        put2(pb + 8u, p2 * (rd(b + 8u) - rd_x(BLK + c0 + 8u)));
-        put2(pb + 12u, p3 * (rd(b + 12u) - rd_x(BLK + c0 + 12u)));
-        put2(pb + 16u, p4 * (rd(b + 16u) - rd_x(BLK + c0 + 16u)));
-        put2(pb + 20u, p5 * (rd(b + 20u) - rd_x(BLK + c0 + 20u)));
-        put2(pb + 24u, p6 * (rd(b + 24u) - rd_x(BLK + c0 + 24u)));
-        put2(pb + 28u, p7 * (rd(b + 28u) - rd_x(BLK + c0 + 28u)));
+        put2(pb, p0 * (z0 * rd(b) - rd_x(BLK + c0)));
+        put2(pb + 4u, p1 * (z1 * rd(b + 4u) - rd_x(BLK + c0 + 4u)));
+        put2(pb + 8u, p2 * (z2 * rd(b + 8u) - rd_x(BLK + c0 + 8u)));
+        put2(pb + 12u, p3 * (z3 * rd(b + 12u) - rd_x(BLK + c0 + 12u)));
+        put2(pb + 16u, p4 * (z4 * rd(b + 16u) - rd_x(BLK + c0 + 16u)));
+        put2(pb + 20u, p5 * (z5 * rd(b + 20u) - rd_x(BLK + c0 + 20u)));
+        put2(pb + 24u, p6 * (z6 * rd(b + 24u) - rd_x(BLK + c0 + 24u)));
+        put2(pb + 28u, p7 * (z7 * rd(b + 28u) - rd_x(BLK + c0 + 28u)));
         workgroupBarrier();
         // dK += dS^T Q: 16 x 64 dS^T times the 64 x 64 query rows.
         for (var c = 0u; c < 4u; c++) {

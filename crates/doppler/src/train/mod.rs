@@ -292,6 +292,13 @@ impl<'g> Trainer<'g> {
         )
     }
 
+    /// The dropout seed of micro-batch `micro` at step `step` (the model derives each
+    /// site's masks from it): like the batch, a pure function of the config's seed, the
+    /// step and the micro-batch.
+    pub fn dropout_seed(&self, step: u64, micro: usize) -> u64 {
+        mix(&[mix(&[self.cfg.train.seed, step, micro as u64]), 1])
+    }
+
     /// One optimizer step over `grad_accum` micro-batches.
     pub async fn train_step_async(&mut self) -> Result<StepInfo> {
         let t0 = Instant::now();
@@ -306,13 +313,13 @@ impl<'g> Trainer<'g> {
         let mut rec = self.recorder();
         for m in 0..accum {
             let (ids, targets) = self.batch(self.step, m);
-            let key = mix(&[tc.seed, self.step, m as u64]);
+            let drop_seed = self.dropout_seed(self.step, m);
             let ids = Tensor::from_u32(gpu, &[b, t], &ids, "ids")?;
             let targets = Tensor::from_u32(gpu, &[b, t], &targets, "targets")?;
             let mut tape = Tape::new();
             let loss = self
                 .model
-                .loss(&mut tape, &mut rec, &ids, &targets, mix(&[key, 1]))?;
+                .loss(&mut tape, &mut rec, &ids, &targets, Some(drop_seed))?;
             // Read back with the step's own submissions, not one more each.
             losses.push(rec.read_later(tape.value(loss)?)?);
             tape.backward(&mut rec, loss, seed_grad, &mut self.model.params)?;
@@ -443,7 +450,7 @@ impl<'g> Trainer<'g> {
             let loss = self
                 .gpu
                 .run_async(|rec| {
-                    let l = model.loss(&mut tape, rec, &ids, &targets, 0)?;
+                    let l = model.loss(&mut tape, rec, &ids, &targets, None)?;
                     Ok(tape.value(l)?.clone())
                 })
                 .await?;
@@ -719,7 +726,7 @@ pub async fn generate_async(
         tape.set_grad_enabled(false);
         let logits = gpu
             .run_async(|rec| {
-                let l = model.logits(&mut tape, rec, &x, 0)?;
+                let l = model.logits(&mut tape, rec, &x, None)?;
                 Ok(tape.value(l)?.clone())
             })
             .await?;

@@ -4,7 +4,7 @@ use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::gpu::{Gpu, Tensor};
 use crate::ops::attention::{
-    attention, attention_backward, coop_fits, tiled_fits, AttnOpts, AttnPath,
+    attention, attention_backward, coop_fits, tiled_fits, AttnDropout, AttnOpts, AttnPath,
 };
 use crate::reference::{attention as cpu, widen};
 
@@ -24,7 +24,18 @@ pub const ATTN_CASES: [(usize, usize, usize, usize, usize, usize, bool); 6] = [
 
 pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (n, case) in ATTN_CASES.iter().enumerate() {
-        check(gpu, out, n, *case).await;
+        check(gpu, out, n, *case, None).await;
+    }
+    // Dropout on the probabilities (a quarter dropped): grouped heads over several row
+    // blocks, the causal offset, full attention, four query heads on one key head. The
+    // reference draws the kernels' mask from the same hash, so only rounding separates
+    // them (a mask differing in one (row, key) moves that row's outputs by a whole p v).
+    for n in [0, 1, 2, 4] {
+        let drop = AttnDropout {
+            p: 0.25,
+            seed: 9000 + n as u64,
+        };
+        check(gpu, out, n, ATTN_CASES[n], Some(drop)).await;
     }
     if coop_fits(gpu, 64) {
         coop_rescale_check(gpu, out).await;
@@ -65,12 +76,14 @@ async fn coop_rescale_check(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         causal: true,
         window: 0,
         scale: 0.125,
+        dropout: None,
     };
     let (o, lse) = cpu::attention(&widen(&q), &widen(&k), &widen(&v), dm);
     let opts = AttnOpts {
         causal: true,
         scale: None,
         path: AttnPath::Coop,
+        dropout: None,
     };
     let r = twice("attention", async || {
         let shape = [1, t, 1, d];
@@ -117,6 +130,7 @@ async fn check(
     out: &mut Vec<CheckResult>,
     n: usize,
     (b, tq, tk, hq, hkv, d, causal): (usize, usize, usize, usize, usize, usize, bool),
+    dropout: Option<AttnDropout>,
 ) {
     let (qs, ks) = ([b, tq, hq, d], [b, tk, hkv, d]);
     let (nq, nk) = (b * tq * hq * d, b * tk * hkv * d);
@@ -132,6 +146,7 @@ async fn check(
         causal,
         window: 0,
         scale: 1.0 / (d as f32).sqrt() as f64,
+        dropout,
     };
     let (qd, kd, vd, gd) = (widen(&q), widen(&k), widen(&v), widen(&g));
     let (o, lse) = cpu::attention(&qd, &kd, &vd, dm);
@@ -178,6 +193,7 @@ async fn check(
             causal,
             scale: None,
             path,
+            dropout,
         };
         let r = twice("attention", async || {
             let tq_ = Tensor::from_f32(gpu, &qs, &q, "q")?;
@@ -198,8 +214,12 @@ async fn check(
         })
         .await;
         let shape = format!(
-            "B{b} Tq{tq} Tk{tk} Hq{hq} Hkv{hkv} D{d}{}{}",
+            "B{b} Tq{tq} Tk{tk} Hq{hq} Hkv{hkv} D{d}{}{}{}",
             if causal { " causal" } else { "" },
+            match dropout {
+                Some(dr) => format!(" dropout {}", dr.p),
+                None => String::new(),
+            },
             match path {
                 AttnPath::Tiled => " tiled",
                 AttnPath::Coop => " cooperative (f16 operands)",

@@ -158,6 +158,7 @@ async fn check_case(
         causal: true,
         window: window.unwrap_or(0),
         scale: 1.0 / (d as f32).sqrt() as f64,
+        dropout: None,
     };
     // What the cache holds.
     let stored = |x: &[f32]| -> Vec<f64> {

@@ -25,6 +25,7 @@ pub fn tiny(arch: Arch) -> ModelConfig {
         rope_theta: 10000.0,
         tie_embeddings: None,
         dropout: 0.0,
+        attn_dropout: None,
         init: Default::default(),
     }
 }
@@ -40,8 +41,21 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         true => (1e-4, 1e-2, 1e-2),
         false => (1e-5, 1e-4, 1e-3),
     };
-    for (i, arch) in [Arch::Gpt2, Arch::Llama].into_iter().enumerate() {
-        let cfg = tiny(arch);
+    // Each flavour without dropout, then with dropout on the embeddings, the residual
+    // branches (0.2) and the attention probabilities (0.3), as a training step runs it: the
+    // reference applies the kernels' masks from the same seeds.
+    let runs = [
+        (Arch::Gpt2, None),
+        (Arch::Llama, None),
+        (Arch::Gpt2, Some(31)),
+        (Arch::Llama, Some(32)),
+    ];
+    for (i, (arch, drop_seed)) in runs.into_iter().enumerate() {
+        let mut cfg = tiny(arch);
+        if drop_seed.is_some() {
+            cfg.dropout = 0.2;
+            cfg.attn_dropout = Some(0.3);
+        }
         let (b, t) = (2, 5);
         let mut rng = Rng::new(1800 + i as u64);
         // Weights well away from zero and from the init's scale, so every rule matters.
@@ -59,7 +73,11 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             .collect();
         let ids: Vec<u32> = (0..b * t).map(|_| (rng.next_u64() % 11) as u32).collect();
         let targets: Vec<u32> = (0..b * t).map(|_| (rng.next_u64() % 11) as u32).collect();
-        let name = format!("transformer gradients ({arch:?})").to_lowercase();
+        let name = format!(
+            "transformer gradients ({arch:?}{})",
+            if drop_seed.is_some() { ", dropout" } else { "" }
+        )
+        .to_lowercase();
         let shape = format!("L2 C8 H2 V11 B{b} T{t}");
         let run = async || -> crate::Result<(Vec<f32>, Vec<Vec<f32>>)> {
             let mut model = Transformer::from_weights(gpu, &cfg, weights.clone())?;
@@ -67,7 +85,7 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let tt = Tensor::from_u32(gpu, &[b, t], &targets, "targets")?;
             let mut rec = gpu.recorder("model");
             let mut tape = Tape::new();
-            let loss = model.loss(&mut tape, &mut rec, &ti, &tt, 0)?;
+            let loss = model.loss(&mut tape, &mut rec, &ti, &tt, drop_seed)?;
             let lt = tape.value(loss)?.clone();
             tape.backward(&mut rec, loss, 1.0, &mut model.params)?;
             rec.submit()?;
@@ -89,7 +107,14 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             .iter()
             .map(|(n, _, d)| (n.clone(), d.iter().map(|&v| v as f64).collect()))
             .collect();
-        let want_loss = cpu::loss(&cfg, &w64, &ids, &targets, t);
+        let want_loss = cpu::loss(&cfg, &w64, &ids, &targets, t, drop_seed);
+        // With dropout the masks must move the loss (else the check would not see them).
+        let undropped = cpu::loss(&cfg, &w64, &ids, &targets, t, None);
+        if drop_seed.is_some() && ((want_loss - undropped) / undropped).abs() < 1e-3 {
+            let e = format!("dropout moved the reference loss only from {undropped} to {want_loss}");
+            push(out, &name, shape, Err(e));
+            continue;
+        }
         push(
             out,
             &format!("{name} loss"),
@@ -116,7 +141,7 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 |x| {
                     let mut w = w64.clone();
                     w.insert(wname.clone(), x.to_vec());
-                    cpu::loss(&cfg, &w, &ids, &targets, t)
+                    cpu::loss(&cfg, &w, &ids, &targets, t, drop_seed)
                 },
                 &w64[wname],
             );
