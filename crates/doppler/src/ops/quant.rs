@@ -62,6 +62,12 @@ static QMATVEC_ROPE: Kernel = Kernel::new(&QUANT, "qmatvec_rope", ROPE_BINDINGS)
 static QMATVEC1_ROPE: Kernel = Kernel::new(&QUANT, "qmatvec1_rope", ROPE_BINDINGS);
 // The tiled product: the matrix-vector ones' bindings but W as 16-byte words.
 static QMATMUL: Kernel = Kernel::new(&QUANT, "qmatmul", MATVEC_BINDINGS.split_at(7).0);
+// W untransposed (the backward's dX = dY W): W, dX, dY and the running sum (residual).
+static QMATMUL_T: Kernel = Kernel::new(
+    &QUANT,
+    "qmatmul_t",
+    &[(1, Read), (2, ReadWrite), (3, Read), (6, Read)],
+);
 
 // The decode product on x rounded (XQ8) that can also round its output (X8_OUT): x's words
 // (3, 7), the next norm's weight (5), the residual (6), the rounded output (14).
@@ -474,6 +480,21 @@ impl RowSplit {
             }
         }
         Ok(y)
+    }
+}
+
+impl RowSplit {
+    /// dy (.., rows) @ W (rows, cols): each part's rows of dy times the part, summed in
+    /// part order ([`qmatmul_t`] for a table split by rows).
+    pub fn product_t(&self, rec: &mut Recorder<'_>, dy: &Tensor) -> Result<Tensor> {
+        let mut acc: Option<Tensor> = None;
+        for (r0, w) in &self.parts {
+            acc = Some(qmatmul_t_part(rec, dy, w, *r0, self.rows, acc.as_ref())?);
+        }
+        acc.ok_or_else(|| Error::Invalid {
+            op: "qmatmul_t",
+            detail: "a split table with no parts".into(),
+        })
     }
 }
 
@@ -901,6 +922,52 @@ pub fn qmatmul_chain(
         }
     }
     Ok((y, None))
+}
+
+/// dy (.., rows) @ W (rows, cols) -> (.., cols): the product with W as stored (the
+/// backward of [`qmatmul`]: dX = dY W through a frozen weight, reading its blocks, never
+/// a dequantized copy). Tiled for any number of rows of dy; sums in a fixed order.
+pub fn qmatmul_t(rec: &mut Recorder<'_>, dy: &Tensor, w: &QMatrix) -> Result<Tensor> {
+    qmatmul_t_part(rec, dy, w, 0, w.rows, None)
+}
+
+/// dy's columns c0 .. c0 + w.rows (dy's rows `width` long) times W, plus `acc` when given.
+fn qmatmul_t_part(
+    rec: &mut Recorder<'_>,
+    dy: &Tensor,
+    w: &QMatrix,
+    c0: usize,
+    width: usize,
+    acc: Option<&Tensor>,
+) -> Result<Tensor> {
+    super::expect_f32("qmatmul_t", dy)?;
+    let sh = dy.shape();
+    if sh.is_empty() || sh[sh.len() - 1] != width || c0 + w.rows > width {
+        return Err(Error::Shape {
+            op: "qmatmul_t",
+            detail: format!(
+                "dy {sh:?} @ W ({}, {}) {}: dy's last dimension must be {width}",
+                w.rows,
+                w.cols,
+                w.ty.name()
+            ),
+        });
+    }
+    let m = dy.numel() / width;
+    let mut out = sh.to_vec();
+    *out.last_mut().expect("non-empty") = w.cols;
+    let y = Tensor::empty(rec.gpu(), &out, DType::F32, "qmatmul_t.y")?;
+    let mut p = w.params(m);
+    p.d = width as u32;
+    p.pos = c0 as u32;
+    let c = [
+        ("TYPE", w.ty.0 as f64),
+        ("RESIDUAL", acc.is_some() as u32 as f64),
+    ];
+    let grid = Grid::Xyz([w.cols.div_ceil(64) as u32, m.div_ceil(64) as u32, 1]);
+    let res = acc.unwrap_or(dy);
+    rec.dispatch(&QMATMUL_T, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, dy, res], grid)?;
+    Ok(y)
 }
 
 /// Types whose decode products ([`Path::Decode`]) round x to 8 bits (`quant.wgsl`'s XQ8:

@@ -27,6 +27,7 @@
 //   qmatmul      the same product for many rows of x: 64 x 64 output tiles, k in slabs of
 //                16 staged (W dequantized on the way) in workgroup memory, 4 x 4 a thread;
 //                with SPLITK, slices of k into partial tiles that splitk_sum adds in order
+//   qmatmul_t    dst[r, c] = sum_j x[r, j] * value(j * k + c): W untransposed (backward)
 // Both read 4 consecutive elements at a time (value4) when k is a multiple of 4; qmatvec
 // reads runs of 32 (run32: scales decoded once a run) when k is a multiple of 32.
 // Sums run in a fixed order: the same inputs give the same bits.
@@ -1464,6 +1465,80 @@ fn qmatmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
                         dst[r * p.n + j] = finish(r, j, v[jj]);
                     }
                 }
+            }
+        }
+    }
+}
+
+// dst (m, k) = x (m, n) @ W (n, k): the product with W as stored, not transposed (the
+// backward of qmatmul: dX = dY W, for fine-tuning through a frozen quantized weight),
+// reading the blocks as qmatmul does. 64 x 64 output tiles (rows of x, columns of W), n
+// in slabs of 16: x's 64 x 16 and W's 16 x 64 (dequantized on the way: 4 consecutive
+// columns of one row a thread) staged in workgroup memory, 4 x 4 outputs a thread. x's
+// rows are p.d long (x may be a wider matrix: a split table's columns from p.pos); with
+// RESIDUAL dst = res + the product (a split table's parts summed in order). Sums over n
+// in order: the same bits on every run. Grid: (ceil(k / 64), ceil(m / 64)).
+@compute @workgroup_size(256)
+fn qmatmul_t(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let col0 = wid.x * MM_T;   // first column of W (output column)
+    let row0 = wid.y * MM_T;   // first row of x
+    let tx = lid % 16u;
+    let ty = lid / 16u;
+    var acc0 = vec4<f32>(0.0);
+    var acc1 = vec4<f32>(0.0);
+    var acc2 = vec4<f32>(0.0);
+    var acc3 = vec4<f32>(0.0);
+    let rr = lid / 4u;           // x: row rr of the tile, n from kq
+    let kq = (lid % 4u) * 4u;
+    let wn = lid / 16u;          // W: row wn of the slab, columns from wc
+    let wc = (lid % 16u) * 4u;
+    for (var n0 = 0u; n0 < p.n; n0 += MM_BK) {
+        for (var e = 0u; e < 4u; e++) {
+            let nn = n0 + kq + e;
+            var xv = 0.0;
+            if (nn < p.n && row0 + rr < p.m) {
+                xv = x[(row0 + rr) * p.d + p.pos + nn];
+            }
+            mm_x[kq + e][rr] = xv;
+        }
+        let wr = n0 + wn;
+        let c = col0 + wc;
+        var wv = vec4<f32>(0.0);
+        if (wr < p.n) {
+            if (p.k % 4u == 0u) {
+                if (c < p.k) {
+                    wv = value4(wr * p.k + c);
+                }
+            } else {
+                for (var e = 0u; e < 4u; e++) {
+                    if (c + e < p.k) {
+                        wv[e] = value(wr * p.k + c + e);
+                    }
+                }
+            }
+        }
+        for (var e = 0u; e < 4u; e++) {
+            mm_w[wn][wc + e] = wv[e];
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < MM_BK; kk++) {
+            let a = vec4<f32>(mm_x[kk][ty * 4u], mm_x[kk][ty * 4u + 1u], mm_x[kk][ty * 4u + 2u], mm_x[kk][ty * 4u + 3u]);
+            let b = vec4<f32>(mm_w[kk][tx * 4u], mm_w[kk][tx * 4u + 1u], mm_w[kk][tx * 4u + 2u], mm_w[kk][tx * 4u + 3u]);
+            acc0 += a.x * b;
+            acc1 += a.y * b;
+            acc2 += a.z * b;
+            acc3 += a.w * b;
+        }
+        workgroupBarrier();
+    }
+    let accs = array<vec4<f32>, 4>(acc0, acc1, acc2, acc3);
+    for (var i = 0u; i < 4u; i++) {
+        let r = row0 + ty * 4u + i;
+        for (var jj = 0u; jj < 4u; jj++) {
+            let j = col0 + tx * 4u + jj;
+            if (r < p.m && j < p.k) {
+                let at = r * p.k + j;
+                dst[at] = select(accs[i][jj], res[at] + accs[i][jj], RESIDUAL);
             }
         }
     }

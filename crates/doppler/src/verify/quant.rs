@@ -9,7 +9,7 @@ use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
 use crate::ops::quant::{
     chain_rounds, decode_rounds_x, dequantize, get_rows, qmatmul, qmatmul_chain, qmatmul_fused,
-    quantize_x8, upload_blocks, Fuse, Next, QMatrix, MATVEC1_MIN_ROWS, MATVEC_MAX_ROWS,
+    qmatmul_t, quantize_x8, upload_blocks, Fuse, Next, QMatrix, MATVEC1_MIN_ROWS, MATVEC_MAX_ROWS,
     SPLITK_MIN_COLS, SUPPORTED, XQ8_MIN_COLS,
 };
 use crate::reference::quant as cpu;
@@ -201,6 +201,47 @@ pub(super) async fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 out,
                 &format!("qmatmul {name}"),
                 format!("x {xs:?} @ ({rows}, {cols})^T"),
+                res,
+            );
+        }
+        // W untransposed (the backward's dX = dY W): one row of dy, and 2 x 67.
+        for shape in [vec![1usize], vec![2, 67]] {
+            let m: usize = shape.iter().product();
+            let dy = rng.vec(m * rows);
+            let mut ds = shape.clone();
+            ds.push(rows);
+            let r = twice("qmatmul_t", async || {
+                let q = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
+                let dt = Tensor::from_f32(gpu, &ds, &dy, "dy")?;
+                let y = gpu.run_async(|rec| qmatmul_t(rec, &dt, &q)).await?;
+                Ok(vec![y.to_vec_f32(gpu).await?])
+            })
+            .await;
+            let mut want = vec![0.0f64; m * cols];
+            let mut mag = vec![0.0f64; m * cols];
+            for a in 0..m {
+                for j in 0..rows {
+                    for c in 0..cols {
+                        let t = dy[a * rows + j] as f64 * w[j * cols + c] as f64;
+                        want[a * cols + c] += t;
+                        mag[a * cols + c] += t.abs();
+                    }
+                }
+            }
+            let res = r.and_then(|got| {
+                compare(
+                    &format!("qmatmul_t {name}"),
+                    &got[0],
+                    &want,
+                    Some(&mag),
+                    Tolerance::dot(rows),
+                )
+                .map_err(s)
+            });
+            push(
+                out,
+                &format!("qmatmul_t {name}"),
+                format!("dy {ds:?} @ ({rows}, {cols})"),
                 res,
             );
         }
@@ -598,12 +639,14 @@ pub(super) async fn chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// order for a row, copied into place).
 pub(super) async fn split_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::quant::{get_rows, qmatmul_fused, Fuse, RowSplit};
+    use crate::ops::quant::qmatmul_t;
     for (n, &ty_name) in ["Q8_0", "Q6_K", "F32"].iter().enumerate() {
         let (rows, cols) = (45usize, 256usize);
         let ty = GgmlType::from_name(ty_name).expect("known type");
         let mut rng = Rng::new(3700 + n as u64);
         let raw = random_blocks(ty_name, rows * cols, &mut rng);
         let (x, nw) = (rng.vec(3 * cols), rng.vec(cols));
+        let dy = rng.vec(3 * rows);
         let ids: Vec<u32> = vec![0, 44, 7, 13, 45, 21, 6, 14, 30];
         let r = twice("row_split", async || {
             let whole = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
@@ -622,18 +665,21 @@ pub(super) async fn split_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 norm: Some((&nwt, 1e-5)),
                 ..Default::default()
             };
-            let (a, b, c, d) = gpu
+            let dyt = Tensor::from_f32(gpu, &[3, rows], &dy, "dy")?;
+            let (a, b, c, d, e, f) = gpu
                 .run_async(|rec| {
                     Ok((
                         split.get_rows(rec, &it)?,
                         get_rows(rec, &whole, &it)?,
                         split.product(rec, &xt, fuse)?,
                         qmatmul_fused(rec, &xt, &whole, fuse)?,
+                        split.product_t(rec, &dyt)?,
+                        qmatmul_t(rec, &dyt, &whole)?,
                     ))
                 })
                 .await?;
             let mut v = Vec::new();
-            for t in [&a, &b, &c, &d] {
+            for t in [&a, &b, &c, &d, &e, &f] {
                 v.push(t.to_vec_f32(gpu).await?);
             }
             Ok(v)
@@ -657,12 +703,28 @@ pub(super) async fn split_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 None,
                 Tolerance::dot(cols),
             )
-            .map_err(s)
+            .map_err(s)?;
+            // dy @ W by parts (the sum over rows regrouped by part) and whole, against f64.
+            let w = cpu::dequantize(ty, &raw, rows * cols).map_err(s)?;
+            let mut want = vec![0.0f64; 3 * cols];
+            let mut mag = vec![0.0f64; 3 * cols];
+            for a in 0..3 {
+                for j in 0..rows {
+                    for c in 0..cols {
+                        let t = dy[a * rows + j] as f64 * w[j * cols + c] as f64;
+                        want[a * cols + c] += t;
+                        mag[a * cols + c] += t.abs();
+                    }
+                }
+            }
+            let tol = Tolerance::dot(rows);
+            compare("qmatmul_t", &got[5], &want, Some(&mag), tol).map_err(s)?;
+            compare("row_split product_t", &got[4], &want, Some(&mag), tol).map_err(s)
         });
         push(
             out,
             "row_split",
-            format!("({rows}, {cols}) {ty_name} in 7 parts, 9 ids, 3 rows of x"),
+            format!("({rows}, {cols}) {ty_name} in 7 parts, 9 ids, 3 rows of x and of dy"),
             res,
         );
     }
