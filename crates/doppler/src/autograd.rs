@@ -16,8 +16,9 @@ use crate::ops::cross_entropy::{self as ce, CrossEntropyOpts, CrossEntropyOut, U
 use crate::ops::gelu::{self, GeluMode};
 use crate::ops::matmul::{matmul, matmul_bias, matmul_into, MatmulOpts};
 use crate::ops::norm::{self, NormOut};
+use crate::ops::quant::RowSplit;
 use crate::ops::rope::{self, Pairing, RopeTable};
-use crate::ops::{bias, dropout, elementwise, embedding, silu};
+use crate::ops::{bias, columns, dropout, elementwise, embedding, silu};
 
 /// A value on the tape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -85,6 +86,22 @@ enum Op {
         x: Var,
         w: Var,
         b: Option<Var>,
+    },
+    /// x (..., in) @ w^T for a frozen weight kept in its file's encoding (fine-tuning's
+    /// base model): no gradient for w.
+    QLinear {
+        x: Var,
+        w: RowSplit,
+    },
+    /// x (..., C) + b (C) for a frozen b (a base model's bias).
+    AddBias {
+        x: Var,
+    },
+    /// Columns start .. start + width of x (..., C).
+    Slice {
+        x: Var,
+        start: usize,
+        cols: usize,
     },
     /// table (V, H) gathered at ids (...) u32.
     Embedding {
@@ -274,6 +291,35 @@ impl Tape {
         let y = y.reshape(&out)?;
         let inputs: Vec<Var> = [x, w].into_iter().chain(b).collect();
         Ok(self.push(y, Op::Linear { x, w, b }, &inputs))
+    }
+
+    /// x (..., in) @ w^T with w (out, in) frozen in its file's encoding (read block by
+    /// block in both directions: [`crate::ops::quant::qmatmul_t`] for dx).
+    pub fn qlinear(&mut self, rec: &mut Recorder<'_>, x: Var, w: &RowSplit) -> Result<Var> {
+        let [tx] = self.vals([x])?;
+        let y = w.product(rec, &tx, crate::ops::quant::Fuse::default())?;
+        Ok(self.push(y, Op::QLinear { x, w: w.clone() }, &[x]))
+    }
+
+    /// x (..., C) + b (C), b a constant.
+    pub fn add_bias(&mut self, rec: &mut Recorder<'_>, x: Var, b: &Tensor) -> Result<Var> {
+        let [tx] = self.vals([x])?;
+        let y = bias::bias_add(rec, &tx, b)?;
+        Ok(self.push(y, Op::AddBias { x }, &[x]))
+    }
+
+    /// Columns start .. start + width of x (..., C): (..., width).
+    pub fn slice(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        x: Var,
+        start: usize,
+        width: usize,
+    ) -> Result<Var> {
+        let [tx] = self.vals([x])?;
+        let cols = tx.shape().last().copied().unwrap_or(0);
+        let y = columns::slice(rec, &tx, start, width)?;
+        Ok(self.push(y, Op::Slice { x, start, cols }, &[x]))
     }
 
     /// Rows of `table` (V, H) at `ids` (...): (..., H).
@@ -521,6 +567,28 @@ impl Tape {
                         contrib.push((b, bias::bias_add_backward(rec, &g2)?));
                     }
                 }
+                // y = x w^T, w frozen:  dx = g w (read from w's blocks)
+                Op::QLinear { x, w } => {
+                    let dx = w.product_t(rec, &g)?;
+                    contrib.push((x, dx));
+                }
+                // y = x + b, b constant:  dx = g
+                Op::AddBias { x } => {
+                    contrib.push((x, g));
+                    shared.push(x);
+                }
+                // y = x[.., start..start + w]:  dx = g in those columns, zeros elsewhere;
+                // added in place into x's gradient when that is x's own (q, k and v of
+                // one stacked product land in one buffer).
+                Op::Slice { x, start, cols } => match grads[x.0].take() {
+                    Some(acc) if owned[x.0] => {
+                        grads[x.0] = Some(columns::place(rec, &g, start, cols, Some(&acc))?);
+                    }
+                    prev => {
+                        grads[x.0] = prev;
+                        contrib.push((x, columns::place(rec, &g, start, cols, None)?));
+                    }
+                },
                 // y = table[ids]:  dtable[v] = sum of g over the positions holding id v
                 Op::Embedding { table, ids } => {
                     let tt = self.value(table)?.clone();

@@ -15,6 +15,7 @@
 pub mod autograd;
 pub mod check;
 pub mod error;
+pub mod finetune;
 pub mod formats;
 pub mod gpu;
 pub mod infer;

@@ -31,6 +31,7 @@
 //! model has a cap. Its products run one after the other (no chaining).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::formats::gguf::{GgmlType, Value};
@@ -284,9 +285,9 @@ pub struct Llama {
     layers: Vec<Layer>,
     out_norm: Tensor,
     output: RowSplit,
-    rope: RopeTable,
+    rope: Arc<RopeTable>,
     /// The sliding-window layers' table where their RoPE differs (Gemma 3).
-    rope_local: Option<RopeTable>,
+    rope_local: Option<Arc<RopeTable>>,
     /// Largest context (positions) this instance serves: the RoPE table's length.
     pub max_context: usize,
     /// Bytes of the weights (as the file stores them).
@@ -687,20 +688,20 @@ impl Llama {
         };
         tracked.unread(&cfg)?;
         let max_context = max_context.min(cfg.context_length).max(1);
-        let rope = RopeTable::from_inv_freq_scaled(
+        let rope = Arc::new(RopeTable::from_inv_freq_scaled(
             gpu,
             max_context,
             &cfg.inv_freq(factors.as_deref(), max_context),
             cfg.rope_long.as_ref().map_or(1.0, |l| l.attn_factor),
-        )?;
+        )?);
         // Gemma 3's local layers turn by their own base, unscaled.
         let rope_local = match cfg.rope_local_theta {
-            Some(theta) => Some(RopeTable::from_inv_freq_scaled(
+            Some(theta) => Some(Arc::new(RopeTable::from_inv_freq_scaled(
                 gpu,
                 max_context,
                 &inv_freq(cfg.head_dim, theta),
                 1.0,
-            )?),
+            )?)),
             None => None,
         };
         // A decode step reads every layer, the final norm and the output head (the
@@ -877,7 +878,7 @@ impl Llama {
         let mut x8 = None;
         for (li, l) in self.layers.iter().enumerate() {
             let window = c.window(li);
-            let table = match (&self.rope_local, window) {
+            let table: &RopeTable = match (&self.rope_local, window) {
                 (Some(local), Some(_)) => local,
                 _ => &self.rope,
             };
@@ -1038,6 +1039,142 @@ impl Llama {
             }
         }
         Ok(out.or(last).expect("at least one step"))
+    }
+}
+
+/// What fine-tuning's forward ([`Llama::train_logits`]) runs: the adapters, and a training
+/// step's dropout seed (None: evaluation, no dropout).
+#[derive(Clone, Copy, Default)]
+pub struct TrainOpts<'a> {
+    pub lora: Option<&'a crate::finetune::lora::Lora>,
+    pub dropout_seed: Option<u64>,
+}
+
+impl Llama {
+    /// The model on the autograd tape, for fine-tuning: logits (B T, V) for ids (B, T)
+    /// (u32, below the vocabulary), every sequence from position 0, causal. The same
+    /// architecture as [`Llama::forward`] (the comment at the top of this file), its frozen
+    /// weights read in their file's encoding (`Tape::qlinear`: dX from the same blocks),
+    /// with `opts.lora`'s adapters added to the projections they adapt (q, k and v sliced
+    /// from the stacked product, gate and up likewise). The architectures whose layers the
+    /// tape has every op for: llama (SmolLM2, Llama 3, TinyLlama), mistral within its
+    /// window, qwen2; others are refused by name.
+    pub fn train_logits(
+        &self,
+        tape: &mut crate::autograd::Tape,
+        rec: &mut Recorder<'_>,
+        ids: &Tensor,
+        opts: TrainOpts<'_>,
+    ) -> Result<crate::autograd::Var> {
+        use crate::finetune::lora::Target;
+        use crate::ops::attention::AttnOpts;
+        let c = &self.cfg;
+        let bad = |detail: String| Error::Invalid {
+            op: "llama train",
+            detail,
+        };
+        let [b, t] = *ids.shape() else {
+            return Err(Error::Shape {
+                op: "llama train",
+                detail: format!("ids {:?}, expected (B, T)", ids.shape()),
+            });
+        };
+        if ids.dtype() != DType::U32 || b == 0 || t == 0 {
+            return Err(bad(format!(
+                "ids {:?} {:?}: expected u32 (B, T), B, T > 0",
+                ids.dtype(),
+                ids.shape()
+            )));
+        }
+        if t > self.max_context {
+            return Err(bad(format!(
+                "sequences of {t} tokens exceed the {} positions this instance was loaded for",
+                self.max_context
+            )));
+        }
+        if c.gemma() || c.arch == "qwen3" || c.rope_long.is_some() {
+            return Err(bad(format!(
+                "fine-tuning runs llama, mistral and qwen2 models; this is {}{}",
+                c.arch,
+                if c.rope_long.is_some() {
+                    " with LongRoPE"
+                } else {
+                    ""
+                }
+            )));
+        }
+        if let Some(w) = (0..c.n_layer).filter_map(|l| c.window(l)).find(|&w| w < t) {
+            return Err(bad(format!(
+                "sequences of {t} tokens exceed the attention window of {w}: the training kernels have no window mask"
+            )));
+        }
+        let (e, d, hq, hkv, f) = (c.n_embd, c.head_dim, c.n_head, c.n_kv_head, c.ffn_hidden);
+        let eps = c.norm_eps as f32;
+        let seed = opts.dropout_seed;
+        let lora = |tape: &mut crate::autograd::Tape,
+                    rec: &mut Recorder<'_>,
+                    l: usize,
+                    tg: Target,
+                    x: crate::autograd::Var,
+                    y: crate::autograd::Var|
+         -> Result<crate::autograd::Var> {
+            match opts.lora {
+                Some(lo) => lo.apply(tape, rec, l, tg, x, y, seed),
+                None => Ok(y),
+            }
+        };
+        let flat = ids.reshape(&[b * t])?;
+        let x0 = self.embd.get_rows(rec, &flat)?.reshape(&[b, t, e])?;
+        let mut x = tape.input(x0); // (B, T, E)
+        for (li, l) in self.layers.iter().enumerate() {
+            // Attention: x += o(attend(rope(q), rope(k), v)), q, k, v from rmsnorm(x).
+            let nw = tape.input(l.attn_norm.clone());
+            let h = tape.rms_norm(rec, x, nw, eps, false)?;
+            let mut qkv = tape.qlinear(rec, h, &l.qkv)?; // (B, T, (Hq + 2 Hkv) D)
+            if let Some(bias) = &l.qkv_bias {
+                qkv = tape.add_bias(rec, qkv, bias)?;
+            }
+            let cols = (hq + 2 * hkv) * d;
+            let part = |tape: &mut crate::autograd::Tape,
+                        rec: &mut Recorder<'_>,
+                        start: usize,
+                        heads: usize,
+                        tg: Target|
+             -> Result<crate::autograd::Var> {
+                let y = match start == 0 && heads * d == cols {
+                    true => qkv,
+                    false => tape.slice(rec, qkv, start, heads * d)?,
+                };
+                let y = lora(tape, rec, li, tg, h, y)?;
+                tape.reshape(y, &[b, t, heads, d])
+            };
+            let q = part(tape, rec, 0, hq, Target::Q)?;
+            let k = part(tape, rec, hq * d, hkv, Target::K)?;
+            let v = part(tape, rec, (hq + hkv) * d, hkv, Target::V)?;
+            let q = tape.rope(rec, q, &self.rope, 0, c.pairing)?;
+            let k = tape.rope(rec, k, &self.rope, 0, c.pairing)?;
+            let a = tape.attention(rec, q, k, v, AttnOpts::default())?; // (B, T, Hq, D)
+            let a = tape.reshape(a, &[b, t, hq * d])?;
+            let o = tape.qlinear(rec, a, &RowSplit::whole(&l.o))?;
+            let o = lora(tape, rec, li, Target::O, a, o)?;
+            x = tape.add(rec, x, o)?;
+            // MLP: x += down(silu(gate(h)) * up(h)), h = rmsnorm(x).
+            let nw = tape.input(l.ffn_norm.clone());
+            let h = tape.rms_norm(rec, x, nw, eps, false)?;
+            let gu = tape.qlinear(rec, h, &RowSplit::whole(&l.gate_up))?; // (B, T, 2F)
+            let gate = tape.slice(rec, gu, 0, f)?;
+            let gate = lora(tape, rec, li, Target::Gate, h, gate)?;
+            let up = tape.slice(rec, gu, f, f)?;
+            let up = lora(tape, rec, li, Target::Up, h, up)?;
+            let u = tape.swiglu(rec, gate, up)?;
+            let down = tape.qlinear(rec, u, &RowSplit::whole(&l.down))?;
+            let down = lora(tape, rec, li, Target::Down, u, down)?;
+            x = tape.add(rec, x, down)?;
+        }
+        let nw = tape.input(self.out_norm.clone());
+        let x = tape.rms_norm(rec, x, nw, eps, false)?;
+        let x = tape.reshape(x, &[b * t, e])?;
+        tape.qlinear(rec, x, &self.output) // (B T, V)
     }
 }
 

@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod bias;
+pub mod columns;
 pub mod conv2d;
 pub mod cross_entropy;
 pub mod dropout;
@@ -59,5 +60,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("upsample", std::mem::size_of::<upsample::Params>()),
         ("quant", std::mem::size_of::<quant::Params>()),
         ("kvcache", std::mem::size_of::<kvcache::Params>()),
+        ("columns", std::mem::size_of::<columns::Params>()),
     ]
 }

@@ -434,6 +434,15 @@ impl RowSplit {
         Ok(RowSplit { parts, rows, cols })
     }
 
+    /// A matrix as one part.
+    pub fn whole(m: &QMatrix) -> RowSplit {
+        RowSplit {
+            parts: vec![(0, m.clone())],
+            rows: m.rows,
+            cols: m.cols,
+        }
+    }
+
     /// The matrix when it is one part.
     pub fn single(&self) -> Option<&QMatrix> {
         match self.parts.as_slice() {
@@ -966,7 +975,13 @@ fn qmatmul_t_part(
     ];
     let grid = Grid::Xyz([w.cols.div_ceil(64) as u32, m.div_ceil(64) as u32, 1]);
     let res = acc.unwrap_or(dy);
-    rec.dispatch(&QMATMUL_T, &c, bytemuck::bytes_of(&p), &[&w.raw, &y, dy, res], grid)?;
+    rec.dispatch(
+        &QMATMUL_T,
+        &c,
+        bytemuck::bytes_of(&p),
+        &[&w.raw, &y, dy, res],
+        grid,
+    )?;
     Ok(y)
 }
 

@@ -223,7 +223,10 @@ mod tests {
         assert_close("dropped attention dk vs finite differences", &dk, &fk, 1e-7);
         assert_close("dropped attention dv vs finite differences", &dv, &fv, 1e-7);
         // The undropped result differs: the mask took effect.
-        let plain = Dims { dropout: None, ..dm };
+        let plain = Dims {
+            dropout: None,
+            ..dm
+        };
         assert!(attention(&q, &k, &v, plain).0 != attention(&q, &k, &v, dm).0);
     }
 }

@@ -61,6 +61,31 @@ pub fn loss(
     t: usize,
     dropout_seed: Option<u64>,
 ) -> f64 {
+    loss_with(cfg, w, ids, targets, t, dropout_seed, None)
+}
+
+/// [`loss`] without dropout, the mean over the targets that are not `ignore` (a
+/// fine-tuning loss: prompt tokens masked).
+pub fn loss_ignoring(
+    cfg: &ModelConfig,
+    w: &HashMap<String, Vec<f64>>,
+    ids: &[u32],
+    targets: &[u32],
+    t: usize,
+    ignore: u32,
+) -> f64 {
+    loss_with(cfg, w, ids, targets, t, None, Some(ignore))
+}
+
+fn loss_with(
+    cfg: &ModelConfig,
+    w: &HashMap<String, Vec<f64>>,
+    ids: &[u32],
+    targets: &[u32],
+    t: usize,
+    dropout_seed: Option<u64>,
+    ignore: Option<u32>,
+) -> f64 {
     let (drop, attn_drop) = match dropout_seed {
         Some(_) => (cfg.dropout, cfg.attn_drop()),
         None => (0.0, 0.0),
@@ -160,5 +185,5 @@ pub fn loss(
         g("lm_head.weight")
     };
     let logits = linear(&x, head, None, c);
-    cross_entropy::cross_entropy(&logits, targets, cfg.vocab_size, None, 0.0).2
+    cross_entropy::cross_entropy(&logits, targets, cfg.vocab_size, ignore, 0.0).2
 }

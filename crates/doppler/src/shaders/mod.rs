@@ -35,6 +35,7 @@ shader!(BIAS, "bias");
 shader!(UPSAMPLE, "upsample");
 shader!(QUANT, "quant");
 shader!(KVCACHE, "kvcache");
+shader!(COLUMNS, "columns");
 
 /// All shaders, for validation and listing.
 pub static ALL: &[&Shader] = &[
@@ -58,5 +59,6 @@ pub static ALL: &[&Shader] = &[
     &BIAS,
     &UPSAMPLE,
     &QUANT,
+    &COLUMNS,
     &KVCACHE,
 ];

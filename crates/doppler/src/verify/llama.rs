@@ -43,7 +43,7 @@ pub fn byte_chars() -> Vec<char> {
 }
 
 /// Tensors (GGUF name, shape as Hugging Face writes it, f32 values) of a tiny random model.
-fn tensors(arch: &str, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+pub(super) fn tensors(arch: &str, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut rng = Rng::new(seed);
     let mut t = Vec::new();
     let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {

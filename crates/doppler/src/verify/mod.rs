@@ -13,6 +13,7 @@ mod gelu;
 mod groupnorm;
 mod kvcache;
 pub mod llama;
+pub mod lora;
 pub mod model;
 mod norm;
 mod optim;
@@ -129,6 +130,7 @@ const FAMILIES: &[Family] = &[
         family!(kvcache::merged_checks),
     ),
     (&["llama gguf vs safetensors"], family!(llama::checks)),
+    (&["lora gradients"], family!(lora::checks)),
     (&["bias_add"], family!(bias::checks)),
     (
         &["pixel_shuffle", "upsample_nearest2d"],

@@ -111,7 +111,8 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         // With dropout the masks must move the loss (else the check would not see them).
         let undropped = cpu::loss(&cfg, &w64, &ids, &targets, t, None);
         if drop_seed.is_some() && ((want_loss - undropped) / undropped).abs() < 1e-3 {
-            let e = format!("dropout moved the reference loss only from {undropped} to {want_loss}");
+            let e =
+                format!("dropout moved the reference loss only from {undropped} to {want_loss}");
             push(out, &name, shape, Err(e));
             continue;
         }

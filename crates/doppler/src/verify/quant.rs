@@ -638,8 +638,8 @@ pub(super) async fn chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// of 3 rows of x with the norm against the whole table's (the parts' sums in the same
 /// order for a row, copied into place).
 pub(super) async fn split_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    use crate::ops::quant::{get_rows, qmatmul_fused, Fuse, RowSplit};
     use crate::ops::quant::qmatmul_t;
+    use crate::ops::quant::{get_rows, qmatmul_fused, Fuse, RowSplit};
     for (n, &ty_name) in ["Q8_0", "Q6_K", "F32"].iter().enumerate() {
         let (rows, cols) = (45usize, 256usize);
         let ty = GgmlType::from_name(ty_name).expect("known type");

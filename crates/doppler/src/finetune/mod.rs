@@ -1,0 +1,5 @@
+//! Fine-tuning pretrained Llama-family models with LoRA: the base stays frozen in its
+//! file's encoding on the GPU (its products read the blocks both ways), only the adapters
+//! train. The forward is the model's own definition (`models::llama`), run on the tape.
+
+pub mod lora;
