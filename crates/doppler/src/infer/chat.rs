@@ -139,6 +139,18 @@ impl Template {
         }
     }
 
+    /// The assistant's turn after its header: its text and what closes it (what
+    /// fine-tuning learns; [`Template::render`] of the turns before gives the header).
+    pub fn assistant_turn(&self, content: &str) -> String {
+        let content = match self.style {
+            ChatStyle::Gemma => content.trim(),
+            _ => content,
+        };
+        let turn = self.turn("assistant", content);
+        let header = self.header("assistant");
+        turn.strip_prefix(&header).unwrap_or(&turn).to_string()
+    }
+
     /// What closes a turn (the assistant's too, after its text).
     pub fn end_of_turn(&self) -> &'static str {
         match self.style {
