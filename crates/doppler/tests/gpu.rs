@@ -1425,3 +1425,130 @@ fn phi3_matches_transformers() {
 fn lora_gradients_match_finite_differences() {
     assert_checks("lora gradients", 4);
 }
+
+/// A LoRA adapter saved as PEFT writes it from a Hugging Face base and loaded onto the same
+/// model as GGUF (q/k rows permuted per head there): both give the same logits, saving
+/// from the GGUF base gives back the same tensors, and an adapter that does not fit the
+/// base (another rank in its config, an extra tensor) is refused by name.
+#[test]
+fn lora_adapters_round_trip_between_gguf_and_safetensors_bases() {
+    use doppler::autograd::Tape;
+    use doppler::finetune::{
+        adapter,
+        lora::{Lora, LoraSpec, Target},
+    };
+    use doppler::formats::gguf::GgufFile;
+    use doppler::models::llama::{self, TrainOpts};
+    let gpu = gpu();
+    let files = doppler::verify::llama::tiny_files("llama", "F32", 3).unwrap();
+    let g = GgufFile::from_bytes(Box::new(files.gguf.clone()), "m.gguf").unwrap();
+    let gm = llama::from_gguf(gpu, &g, 64).unwrap();
+    let st = llama::SafeTensorsDir::from_bytes(
+        vec![("m.safetensors".into(), Box::new(files.safetensors.clone()))],
+        "hf",
+    )
+    .unwrap();
+    let hm = llama::from_safetensors(gpu, &files.config, "config.json", &st, 64).unwrap();
+    let spec = LoraSpec {
+        rank: 3,
+        alpha: 6.0,
+        dropout: 0.0,
+        targets: Target::ALL.to_vec(),
+    };
+    let mut rng = doppler::check::Rng::new(77);
+    let lh = Lora::build(gpu, &hm.cfg, spec, |_, _, (r, c), _| {
+        Ok(rng.vec(r * c).iter().map(|v| 0.2 * v).collect())
+    })
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("doppler-lora-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    adapter::save(gpu, &lh, &hm.cfg, "tiny", &dir).unwrap();
+    let lg = adapter::load(gpu, &dir, &gm.cfg).unwrap();
+    let ids: Vec<u32> = vec![3, 250, 17, 99, 0, 257, 42, 8];
+    let logits = |m: &llama::Llama, l: &Lora| -> Vec<f32> {
+        let t = doppler::gpu::Tensor::from_u32(gpu, &[2, 4], &ids, "ids").unwrap();
+        let mut tape = Tape::new();
+        tape.set_grad_enabled(false);
+        let opts = TrainOpts {
+            lora: Some(l),
+            dropout_seed: None,
+        };
+        let y = gpu
+            .run(|rec| {
+                let v = m.train_logits(&mut tape, rec, &t, opts)?;
+                Ok(tape.value(v)?.clone())
+            })
+            .unwrap();
+        y.read_f32(gpu).unwrap()
+    };
+    let (a, b) = (logits(&hm, &lh), logits(&gm, &lg));
+    let plain = {
+        let none = Lora::build(
+            gpu,
+            &hm.cfg,
+            LoraSpec {
+                rank: 1,
+                alpha: 1.0,
+                dropout: 0.0,
+                targets: vec![Target::Q],
+            },
+            |_, _, (r, c), _| Ok(vec![0.0; r * c]),
+        )
+        .unwrap();
+        logits(&hm, &none)
+    };
+    let diff = |x: &[f32], y: &[f32]| {
+        x.iter()
+            .zip(y)
+            .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()))
+    };
+    assert!(
+        diff(&a, &b) < 1e-4,
+        "GGUF and SafeTensors bases with one adapter differ by {}",
+        diff(&a, &b)
+    );
+    assert!(
+        diff(&a, &plain) > 1e-2,
+        "the adapter changed nothing ({})",
+        diff(&a, &plain)
+    );
+    // Saved again from the GGUF base: the same tensors as written from the HF base.
+    let dir2 = dir.with_extension("again");
+    adapter::save(gpu, &lg, &gm.cfg, "tiny", &dir2).unwrap();
+    let (x, y) = (
+        std::fs::read(dir.join(adapter::WEIGHTS_FILE)).unwrap(),
+        std::fs::read(dir2.join(adapter::WEIGHTS_FILE)).unwrap(),
+    );
+    assert_eq!(
+        x, y,
+        "the round trip through the GGUF layout changed the adapter"
+    );
+    // Another rank in the config than in the tensors: refused, shapes named.
+    let cfg = std::fs::read_to_string(dir.join(adapter::CONFIG_FILE)).unwrap();
+    std::fs::write(
+        dir2.join(adapter::CONFIG_FILE),
+        cfg.replace("\"r\": 3", "\"r\": 2"),
+    )
+    .unwrap();
+    let e = adapter::load(gpu, &dir2, &gm.cfg)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("needs [2, 32]") && e.contains("another model"),
+        "{e}"
+    );
+    // Fewer target modules in the config than tensors in the file: refused.
+    std::fs::write(
+        dir2.join(adapter::CONFIG_FILE),
+        cfg.replace("\"q_proj\",", ""),
+    )
+    .unwrap();
+    let e = adapter::load(gpu, &dir2, &gm.cfg)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("no place for") && e.contains("q_proj"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&dir2);
+}

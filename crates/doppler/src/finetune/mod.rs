@@ -2,5 +2,6 @@
 //! file's encoding on the GPU (its products read the blocks both ways), only the adapters
 //! train. The forward is the model's own definition (`models::llama`), run on the tape.
 
+pub mod adapter;
 pub mod data;
 pub mod lora;
