@@ -3,6 +3,7 @@
 mod bench;
 mod bench_generate;
 mod embed;
+mod finetune;
 mod generate;
 mod inspect;
 mod train;
@@ -60,6 +61,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Train a transformer from a TOML config (progress, validation, checkpoints, loss curve).
     Train(train::TrainArgs),
+    /// Fine-tune a pretrained model with LoRA from a TOML config (the base stays frozen in
+    /// its encoding; writes a PEFT adapter, metrics.jsonl and loss.svg).
+    Finetune(finetune::FinetuneArgs),
     /// Generate text from a model file (GGUF, SafeTensors) or a training checkpoint (streams).
     Generate(generate::GenerateArgs),
     /// Chat with a model interactively (keeps the conversation in the KV cache).
@@ -128,6 +132,7 @@ fn run(cli: Cli) -> doppler::Result<ExitCode> {
         Command::Verify { filter, json } => verify(&gpu()?, filter.as_deref(), json),
         Command::Bench(args) => bench::run(&gpu()?, &args),
         Command::Train(args) => train::train(&gpu()?, &args),
+        Command::Finetune(args) => finetune::finetune(&gpu()?, &args),
         Command::Generate(args) => generate::generate_cmd(&gpu()?, &args),
         Command::Chat(args) => generate::chat_cmd(&gpu()?, &args),
         Command::Embed(args) => embed::embed(&gpu()?, &args),

@@ -1552,3 +1552,73 @@ fn lora_adapters_round_trip_between_gguf_and_safetensors_bases() {
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&dir2);
 }
+
+/// A LoRA fine-tune of the tiny GGUF model end to end: chat samples whose answers follow a
+/// fixed pattern; the training loss falls, the held-out loss falls, the adapter is written
+/// as PEFT writes it and loads back, and a second run of the same config gives the same
+/// losses bit for bit.
+#[test]
+fn lora_finetune_learns_and_is_deterministic() {
+    use doppler::finetune::{adapter, config::FinetuneConfig, Finetuner};
+    let gpu = gpu();
+    let dir = std::env::temp_dir().join(format!("doppler-ft-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let files = doppler::verify::llama::tiny_files("llama", "F32", 5).unwrap();
+    std::fs::write(dir.join("m.gguf"), &files.gguf).unwrap();
+    // Questions answered "ok <word>": the answer format is what is learned.
+    let words = [
+        "red", "sun", "cat", "map", "owl", "fig", "jam", "ink", "elm", "yak", "bee", "cod",
+    ];
+    let lines: Vec<String> = words
+        .iter()
+        .map(|w| {
+            serde_json::json!({"messages": [
+                {"role": "user", "content": format!("say {w}")},
+                {"role": "assistant", "content": format!("ok {w}")},
+            ]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(dir.join("d.jsonl"), lines.join("\n")).unwrap();
+    let toml = "base = \"m.gguf\"\ndata = \"d.jsonl\"\neval_fraction = 0.25\nout_dir = \"run\"\n\
+        [lora]\nrank = 4\nalpha = 8\n\
+        [train]\nseq_len = 32\nbatch_size = 3\nsteps = 30\nlr = 1e-2\nwarmup = 3\n\
+        grad_clip = 1.0\neval_interval = 15\nsave_interval = 30\nseed = 9\n";
+    std::fs::write(dir.join("ft.toml"), toml).unwrap();
+    let cfg = FinetuneConfig::load(&dir.join("ft.toml")).unwrap();
+    let run = || {
+        let mut ft = Finetuner::new(gpu, &cfg).unwrap();
+        assert_eq!((ft.train.len(), ft.eval.len()), (9, 3));
+        let mut losses = Vec::new();
+        let mut evals = Vec::new();
+        ft.run(u64::MAX, &mut |e| match e {
+            doppler::finetune::FtEvent::Step(s) => losses.push(s.loss),
+            doppler::finetune::FtEvent::Eval { eval_loss, .. } => evals.push(eval_loss),
+            _ => {}
+        })
+        .unwrap();
+        (losses, evals, ft)
+    };
+    let (losses, evals, ft) = run();
+    eprintln!("losses {losses:?}\nevals {evals:?}");
+    assert_eq!(losses.len(), 30);
+    let head: f32 = losses[..3].iter().sum::<f32>() / 3.0;
+    let tail: f32 = losses[27..].iter().sum::<f32>() / 3.0;
+    assert!(tail < 0.5 * head, "training loss {head} -> {tail}");
+    assert!(
+        evals.last().unwrap() < &(0.7 * evals[0]),
+        "held-out loss {evals:?}"
+    );
+    let saved = dir.join("run/adapter");
+    let back = adapter::load(gpu, &saved, &ft.model.llama.cfg).unwrap();
+    assert_eq!(back.params.names, ft.lora.params.names);
+    assert!(dir.join("run/metrics.jsonl").exists() && dir.join("run/loss.svg").exists());
+    let (again, _, _) = run();
+    assert_eq!(
+        losses.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        again.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        "two runs of one config differ"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

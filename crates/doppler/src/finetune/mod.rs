@@ -1,7 +1,429 @@
 //! Fine-tuning pretrained Llama-family models with LoRA: the base stays frozen in its
 //! file's encoding on the GPU (its products read the blocks both ways), only the adapters
-//! train. The forward is the model's own definition (`models::llama`), run on the tape.
+//! train, with AdamW, warmup then cosine, clipping and gradient accumulation. The forward
+//! is the model's own definition (`Llama::train_logits`). The loss is the mean over the
+//! learned tokens of a micro-batch (assistant turns, completions; see `data`).
+//!
+//! Batches: each sample is a row; the order is a fresh permutation of the training
+//! samples each epoch, drawn from (seed, epoch), so a run is a pure function of its config.
 
 pub mod adapter;
+pub mod config;
 pub mod data;
 pub mod lora;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use crate::autograd::Tape;
+use crate::error::{Error, Result};
+use crate::gpu::{Gpu, Tensor};
+use crate::infer::Model;
+use crate::models::llama::TrainOpts;
+use crate::ops::cross_entropy::CrossEntropyOpts;
+use crate::optim::{grad_scale, warmup_cosine, AdamW};
+use crate::train::data::mix;
+use config::FinetuneConfig;
+use data::{Sample, IGNORE};
+use lora::Lora;
+
+/// One optimizer step's record.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct FtStep {
+    pub step: u64,
+    pub steps: u64,
+    /// Mean over the step's micro-batches of their mean loss on learned tokens.
+    pub loss: f32,
+    pub lr: f64,
+    /// Learned tokens in the step.
+    pub tokens: usize,
+    pub tokens_per_s: f64,
+}
+
+/// What [`Finetuner::run`] reports as it goes.
+pub enum FtEvent<'a> {
+    Started {
+        base_params: u64,
+        adapter_params: usize,
+        train_samples: usize,
+        eval_samples: usize,
+        truncated: usize,
+        steps: u64,
+    },
+    Step(&'a FtStep),
+    Eval {
+        step: u64,
+        eval_loss: f32,
+    },
+    Saved {
+        step: u64,
+        dir: PathBuf,
+    },
+}
+
+pub struct Finetuner<'g> {
+    gpu: &'g Gpu,
+    pub cfg: FinetuneConfig,
+    pub model: Model,
+    pub lora: Lora,
+    opt: AdamW,
+    pub train: Vec<Sample>,
+    pub eval: Vec<Sample>,
+    /// Samples longer than a row (truncated, or the run refused).
+    pub truncated: usize,
+    pub step: u64,
+    history: Vec<(u64, f32, Option<f32>)>,
+}
+
+impl<'g> Finetuner<'g> {
+    /// Opens the base and the data named by the config.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn new(gpu: &'g Gpu, cfg: &FinetuneConfig) -> Result<Finetuner<'g>> {
+        let read = |p: &std::path::Path| {
+            std::fs::read_to_string(p).map_err(|source| Error::Io {
+                path: p.display().to_string(),
+                source,
+            })
+        };
+        let model = Model::open(gpu, &cfg.base, cfg.train.seq_len)?;
+        let train = read(&cfg.data)?;
+        let eval = cfg.eval_data.as_deref().map(read).transpose()?;
+        Finetuner::from_parts(gpu, cfg, model, &train, eval.as_deref())
+    }
+
+    /// A run over data given as JSONL text (`eval`: its own set, else the config's
+    /// fraction of the training samples, the last ones).
+    pub fn from_parts(
+        gpu: &'g Gpu,
+        cfg: &FinetuneConfig,
+        model: Model,
+        train_text: &str,
+        eval_text: Option<&str>,
+    ) -> Result<Finetuner<'g>> {
+        let tmpl = model.template.as_ref();
+        let shown = cfg.data.display().to_string();
+        let mut train = data::parse_jsonl(train_text, &shown, &model.tokenizer, tmpl)?;
+        let eval = match eval_text {
+            Some(t) => {
+                let shown = cfg
+                    .eval_data
+                    .as_ref()
+                    .map_or(String::new(), |p| p.display().to_string());
+                data::parse_jsonl(t, &shown, &model.tokenizer, tmpl)?
+            }
+            None => {
+                let n = (train.len() as f64 * cfg.eval_fraction).round() as usize;
+                if n >= train.len() {
+                    return Err(Error::Invalid {
+                        op: "finetune",
+                        detail: format!(
+                            "{shown}: {} samples leave none to train on after eval_fraction {}",
+                            train.len(),
+                            cfg.eval_fraction
+                        ),
+                    });
+                }
+                train.split_off(train.len() - n)
+            }
+        };
+        let t = &cfg.train;
+        let mut truncated = 0;
+        for s in train.iter().chain(&eval) {
+            let (_, _, cut) = data::row(s, t.seq_len, 0, t.overflow, &shown)?;
+            truncated += cut as usize;
+        }
+        let lora = Lora::new(
+            gpu,
+            &model.llama.cfg,
+            cfg.spec(),
+            mix(&[t.seed, 0x4C6F_5241]),
+        )?;
+        let params: Vec<&Tensor> = lora.params.values.iter().collect();
+        let mut opt = AdamW::new(gpu, &params, t.lr)?;
+        opt.betas = t.betas;
+        opt.weight_decay = t.weight_decay;
+        Ok(Finetuner {
+            gpu,
+            cfg: cfg.clone(),
+            model,
+            lora,
+            opt,
+            train,
+            eval,
+            truncated,
+            step: 0,
+            history: Vec::new(),
+        })
+    }
+
+    /// The samples of micro-batch `micro` at step `step`: positions in a per-epoch
+    /// permutation of the training samples.
+    pub fn batch_samples(&self, step: u64, micro: usize) -> Vec<usize> {
+        let t = &self.cfg.train;
+        let n = self.train.len() as u64;
+        let b = t.batch_size as u64;
+        let first = (step * t.grad_accum as u64 + micro as u64) * b;
+        let mut order: Option<(u64, Vec<usize>)> = None;
+        (first..first + b)
+            .map(|g| {
+                let epoch = g / n;
+                if order.as_ref().is_none_or(|o| o.0 != epoch) {
+                    let mut idx: Vec<usize> = (0..n as usize).collect();
+                    let mut rng = crate::check::Rng::new(mix(&[t.seed, epoch]));
+                    for i in (1..idx.len()).rev() {
+                        idx.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+                    }
+                    order = Some((epoch, idx));
+                }
+                order.as_ref().expect("set").1[(g % n) as usize]
+            })
+            .collect()
+    }
+
+    /// (ids, targets) rows of `samples`, each (len, seq_len), and the learned tokens.
+    fn rows(&self, samples: &[&Sample]) -> Result<(Vec<u32>, Vec<u32>, usize)> {
+        let t = &self.cfg.train;
+        let shown = self.cfg.data.display().to_string();
+        let pad = self.model.tokenizer.eos.unwrap_or(0);
+        let (mut ids, mut targets) = (Vec::new(), Vec::new());
+        for s in samples {
+            let (i, tg, _) = data::row(s, t.seq_len, pad, t.overflow, &shown)?;
+            ids.extend(i);
+            targets.extend(tg);
+        }
+        let learned = targets.iter().filter(|&&x| x != IGNORE).count();
+        Ok((ids, targets, learned))
+    }
+
+    /// One optimizer step over `grad_accum` micro-batches.
+    pub fn train_step(&mut self) -> Result<FtStep> {
+        pollster::block_on(self.train_step_async())
+    }
+
+    pub async fn train_step_async(&mut self) -> Result<FtStep> {
+        let t0 = Instant::now();
+        let (gpu, tc) = (self.gpu, self.cfg.train.clone());
+        let lr = warmup_cosine(self.step, tc.lr, tc.min_lr, tc.warmup, tc.steps);
+        self.opt.lr = lr;
+        let accum = tc.grad_accum;
+        let (mut losses, mut tokens) = (Vec::new(), 0);
+        for m in 0..accum {
+            let picked = self.batch_samples(self.step, m);
+            let samples: Vec<&Sample> = picked.iter().map(|&i| &self.train[i]).collect();
+            let (ids, targets, learned) = self.rows(&samples)?;
+            tokens += learned;
+            let (b, s) = (samples.len(), tc.seq_len);
+            let ti = Tensor::from_u32(gpu, &[b, s], &ids, "ids")?;
+            let tt = Tensor::from_u32(gpu, &[b * s], &targets, "targets")?;
+            let seed = mix(&[tc.seed, self.step, m as u64, 1]);
+            let mut rec = gpu.recorder("finetune.step");
+            let mut tape = Tape::new();
+            let opts = TrainOpts {
+                lora: Some(&self.lora),
+                dropout_seed: Some(seed),
+            };
+            let logits = self
+                .model
+                .llama
+                .train_logits(&mut tape, &mut rec, &ti, opts)?;
+            let ce = CrossEntropyOpts {
+                ignore_index: Some(IGNORE),
+                ..Default::default()
+            };
+            let loss = tape.cross_entropy(&mut rec, logits, &tt, ce)?;
+            losses.push(rec.read_later(tape.value(loss)?)?);
+            // A micro-batch with no learned token (all truncated away) adds nothing.
+            let g = if learned == 0 {
+                0.0
+            } else {
+                1.0 / accum as f32
+            };
+            tape.backward(&mut rec, loss, g, &mut self.lora.params)?;
+            rec.submit()?.settle(gpu).await?;
+        }
+        let mut rec = gpu.recorder("finetune.update");
+        let grads: Vec<Tensor> = self
+            .lora
+            .params
+            .grads
+            .iter()
+            .zip(&self.lora.params.names)
+            .map(|(g, n)| {
+                g.clone().ok_or_else(|| Error::Invalid {
+                    op: "finetune",
+                    detail: format!("adapter {n} got no gradient"),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let grefs: Vec<&Tensor> = grads.iter().collect();
+        let params: Vec<&Tensor> = self.lora.params.values.iter().collect();
+        let scale = grad_scale(&mut rec, &grefs, tc.grad_clip, 1.0)?;
+        self.opt.step(&mut rec, &params, &grefs, &scale)?;
+        rec.submit()?.settle(gpu).await?;
+        self.lora.params.zero_grad();
+        let mut loss = 0.0f64;
+        for l in &losses {
+            loss += f32::from_bits(l.u32s(gpu).await?[0]) as f64;
+        }
+        let loss = (loss / accum as f64) as f32;
+        self.step += 1;
+        self.history.push((self.step, loss, None));
+        Ok(FtStep {
+            step: self.step,
+            steps: tc.steps,
+            loss,
+            lr,
+            tokens,
+            tokens_per_s: (tc.batch_size * tc.seq_len * accum) as f64 / t0.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Mean loss over every learned token of the evaluation samples (no dropout).
+    pub fn evaluate(&mut self) -> Result<f32> {
+        pollster::block_on(self.evaluate_async())
+    }
+
+    pub async fn evaluate_async(&mut self) -> Result<f32> {
+        let gpu = self.gpu;
+        let b = self.cfg.train.batch_size;
+        let s = self.cfg.train.seq_len;
+        let (mut sum, mut count) = (0.0f64, 0.0f64);
+        let all: Vec<&Sample> = self.eval.iter().collect();
+        for chunk in all.chunks(b) {
+            let (ids, targets, learned) = self.rows(chunk)?;
+            if learned == 0 {
+                continue;
+            }
+            let ti = Tensor::from_u32(gpu, &[chunk.len(), s], &ids, "ids")?;
+            let tt = Tensor::from_u32(gpu, &[chunk.len() * s], &targets, "targets")?;
+            let mut tape = Tape::new();
+            tape.set_grad_enabled(false);
+            let (llama, lora) = (&self.model.llama, &self.lora);
+            let stats = gpu
+                .run_async(|rec| {
+                    let opts = TrainOpts {
+                        lora: Some(lora),
+                        dropout_seed: None,
+                    };
+                    let logits = llama.train_logits(&mut tape, rec, &ti, opts)?;
+                    let ce = CrossEntropyOpts {
+                        ignore_index: Some(IGNORE),
+                        ..Default::default()
+                    };
+                    let l = tape.cross_entropy(rec, logits, &tt, ce)?;
+                    Ok(tape.value(l)?.clone())
+                })
+                .await?;
+            let v = stats.to_vec_f32(gpu).await?;
+            sum += v[0] as f64 * v[1] as f64;
+            count += v[1] as f64;
+        }
+        let loss = match count > 0.0 {
+            true => (sum / count) as f32,
+            false => f32::NAN,
+        };
+        match self.history.last_mut() {
+            Some(last) if last.0 == self.step => last.2 = Some(loss),
+            _ => self.history.push((self.step, f32::NAN, Some(loss))),
+        }
+        Ok(loss)
+    }
+
+    /// The adapter as PEFT writes it, to `out_dir/adapter` (replaced atomically), and the
+    /// loss curve beside it.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn save(&self) -> Result<PathBuf> {
+        let dir = self.cfg.out_dir.join("adapter");
+        let base = self.cfg.base.display().to_string();
+        let out = adapter::save(self.gpu, &self.lora, &self.model.llama.cfg, &base, &dir)?;
+        let train: Vec<(u64, f32)> = self
+            .history
+            .iter()
+            .filter(|h| h.1.is_finite())
+            .map(|h| (h.0, h.1))
+            .collect();
+        let val: Vec<(u64, f32)> = self
+            .history
+            .iter()
+            .filter_map(|h| h.2.map(|v| (h.0, v)))
+            .collect();
+        let svg = crate::train::curve::svg(&train, &val, "fine-tuning loss (learned tokens)");
+        crate::train::checkpoint::write_atomic(&self.cfg.out_dir.join("loss.svg"), svg.as_bytes())?;
+        Ok(out)
+    }
+
+    /// Trains to the config's steps (or `stop`), evaluating and saving at their
+    /// intervals and at the end; metrics.jsonl gets a line a step and an evaluation.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn run(
+        &mut self,
+        stop: u64,
+        on_event: &mut dyn FnMut(FtEvent<'_>),
+    ) -> Result<(f32, Option<f32>)> {
+        use std::io::Write;
+        let out = self.cfg.out_dir.clone();
+        std::fs::create_dir_all(&out).map_err(|source| Error::Io {
+            path: out.display().to_string(),
+            source,
+        })?;
+        let mpath = out.join("metrics.jsonl");
+        let mut metrics = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&mpath)
+            .map_err(|source| Error::Io {
+                path: mpath.display().to_string(),
+                source,
+            })?;
+        let mut write = |v: serde_json::Value| -> Result<()> {
+            writeln!(metrics, "{v}").map_err(|source| Error::Io {
+                path: mpath.display().to_string(),
+                source,
+            })
+        };
+        let steps = self.cfg.train.steps.min(stop);
+        on_event(FtEvent::Started {
+            base_params: self.model.llama.weight_bytes,
+            adapter_params: self.lora.params.numel(),
+            train_samples: self.train.len(),
+            eval_samples: self.eval.len(),
+            truncated: self.truncated,
+            steps,
+        });
+        let mut last = (f32::NAN, None);
+        if !self.eval.is_empty() {
+            let v = self.evaluate()?;
+            write(serde_json::json!({"step": self.step, "eval_loss": v}))?;
+            on_event(FtEvent::Eval {
+                step: self.step,
+                eval_loss: v,
+            });
+        }
+        while self.step < steps {
+            let s = self.train_step()?;
+            write(
+                serde_json::json!({"step": s.step, "loss": s.loss, "lr": s.lr, "tokens": s.tokens}),
+            )?;
+            on_event(FtEvent::Step(&s));
+            last.0 = s.loss;
+            let at_end = self.step == steps;
+            if !self.eval.is_empty() && (self.step % self.cfg.train.eval_interval == 0 || at_end) {
+                let v = self.evaluate()?;
+                write(serde_json::json!({"step": self.step, "eval_loss": v}))?;
+                on_event(FtEvent::Eval {
+                    step: self.step,
+                    eval_loss: v,
+                });
+                last.1 = Some(v);
+            }
+            if self.step % self.cfg.train.save_interval == 0 || at_end {
+                let dir = self.save()?;
+                on_event(FtEvent::Saved {
+                    step: self.step,
+                    dir,
+                });
+            }
+        }
+        Ok(last)
+    }
+}
