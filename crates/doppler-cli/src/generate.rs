@@ -114,7 +114,7 @@ pub struct GenerateArgs {
     /// A training run directory (its latest checkpoint) or one checkpoint directory. Its
     /// models have no chat template, stop tokens or KV cache: --chat, --stop, --special
     /// and -c do not apply (the context is the model's block size).
-    #[arg(long, conflicts_with_all = ["chat", "stop", "special", "ctx_size"])]
+    #[arg(long, conflicts_with_all = ["chat", "stop", "special", "ctx_size", "lora"])]
     checkpoint: Option<PathBuf>,
     /// Text to continue.
     #[arg(default_value = "")]
@@ -134,6 +134,15 @@ pub struct GenerateArgs {
     /// q8_0.
     #[arg(long, value_enum, default_value = "auto")]
     cache_type: CacheType,
+    /// A LoRA adapter directory as PEFT writes it (adapter_config.json,
+    /// adapter_model.safetensors; `doppler finetune` writes one), applied to the model's
+    /// products at every step (no merged copy of the weights).
+    #[arg(long, value_name = "DIR")]
+    lora: Option<PathBuf>,
+    /// Multiplies the adapter's scale (alpha / r): 0 is the base model, 1 the adapter as
+    /// trained.
+    #[arg(long, default_value_t = 1.0, requires = "lora")]
+    lora_scale: f32,
     /// Treat control tokens written in the prompt (e.g. <|im_start|>) as such.
     #[arg(long)]
     special: bool,
@@ -183,7 +192,13 @@ pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode>
         .model
         .as_ref()
         .expect("clap requires --model or --checkpoint");
-    let model = Model::open(gpu, path, args.ctx_size)?;
+    let model = open_with_lora(
+        gpu,
+        path,
+        args.ctx_size,
+        args.lora.as_deref(),
+        args.lora_scale,
+    )?;
     let tk = &model.tokenizer;
     let (text, special) = if args.chat {
         let t = model.template.as_ref().ok_or_else(|| Error::Invalid {
@@ -322,13 +337,57 @@ pub struct ChatArgs {
     /// q8_0.
     #[arg(long, value_enum, default_value = "auto")]
     cache_type: CacheType,
+    /// A LoRA adapter directory as PEFT writes it (adapter_config.json,
+    /// adapter_model.safetensors; `doppler finetune` writes one), applied to the model's
+    /// products at every step (no merged copy of the weights).
+    #[arg(long, value_name = "DIR")]
+    lora: Option<PathBuf>,
+    /// Multiplies the adapter's scale (alpha / r): 0 is the base model, 1 the adapter as
+    /// trained.
+    #[arg(long, default_value_t = 1.0, requires = "lora")]
+    lora_scale: f32,
+}
+
+/// Opens the model and applies `lora` (scale multiplier `scale`) when given.
+fn open_with_lora(
+    gpu: &Gpu,
+    path: &std::path::Path,
+    ctx: usize,
+    lora: Option<&std::path::Path>,
+    scale: f32,
+) -> doppler::Result<Model> {
+    let mut model = Model::open(gpu, path, ctx)?;
+    if let Some(dir) = lora {
+        if !scale.is_finite() {
+            return Err(Error::Invalid {
+                op: "generate",
+                detail: format!("--lora-scale {scale} must be finite"),
+            });
+        }
+        let adapter = doppler::finetune::adapter::load(gpu, dir, &model.llama.cfg)?;
+        tracing::info!(
+            "LoRA adapter {}: rank {}, alpha {}, {} projections, scale x{scale}",
+            dir.display(),
+            adapter.spec.rank,
+            adapter.spec.alpha,
+            adapter.spec.targets.len()
+        );
+        model.llama.set_lora(Some((adapter, scale)))?;
+    }
+    Ok(model)
 }
 
 /// Interactive chat: each turn is appended to the conversation in the KV cache (only the
 /// new tokens run). Lines starting with `/` are commands: /reset, /exit.
 pub fn chat_cmd(gpu: &Gpu, args: &ChatArgs) -> doppler::Result<ExitCode> {
     let mut sampler = args.sampling.sampler()?;
-    let model = Model::open(gpu, &args.model, args.ctx_size)?;
+    let model = open_with_lora(
+        gpu,
+        &args.model,
+        args.ctx_size,
+        args.lora.as_deref(),
+        args.lora_scale,
+    )?;
     let name = args.model.display().to_string();
     let mut conv = Conversation::new(&model, &name, args.system.clone())?;
     let mut session =

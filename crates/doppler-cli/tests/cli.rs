@@ -985,3 +985,84 @@ fn every_verb_refuses_malformed_input_in_one_line() {
     }
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `doppler finetune` on the tiny GGUF model, then `generate --lora` with its adapter: the
+/// run reports JSON events and writes a PEFT adapter; the adapted model answers in the
+/// learned format ("ok ..."), scale 0 gives the base model's tokens, and a bad adapter
+/// path or a bad data line are clear errors.
+#[test]
+fn finetune_then_generate_with_the_adapter() {
+    let (gguf, _) = tiny_model("ft-model", "llama");
+    let dir = tmp("ft-run");
+    std::fs::create_dir_all(&dir).unwrap();
+    let words = ["red", "sun", "cat", "map", "owl", "fig", "jam", "ink"];
+    let lines: Vec<String> = words
+        .iter()
+        .map(|w| {
+            serde_json::json!({"messages": [
+                {"role": "user", "content": format!("say {w}")},
+                {"role": "assistant", "content": format!("ok {w}")},
+            ]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(dir.join("d.jsonl"), lines.join("\n")).unwrap();
+    let toml = format!(
+        "base = {:?}\ndata = \"d.jsonl\"\neval_fraction = 0.0\nout_dir = \"run\"\n\
+         [lora]\nrank = 4\nalpha = 8\n\
+         [train]\nseq_len = 32\nbatch_size = 4\nsteps = 60\nlr = 1e-2\nwarmup = 3\nseed = 2\n",
+        gguf.display().to_string()
+    );
+    std::fs::write(dir.join("ft.toml"), toml).unwrap();
+    let cfg = dir.join("ft.toml");
+    let (ok, out, err) = doppler(&["finetune", "--config", cfg.to_str().unwrap(), "--json"]);
+    assert!(ok, "{err}");
+    let last: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(last["event"], "done", "{out}");
+    let adapter = dir.join("run/adapter");
+    assert!(
+        adapter.join("adapter_config.json").exists()
+            && adapter.join("adapter_model.safetensors").exists()
+    );
+    let m = gguf.to_str().unwrap();
+    let a = adapter.to_str().unwrap();
+    let gen = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "-m",
+            m,
+            "--chat",
+            "say cat",
+            "-n",
+            "6",
+            "--temperature",
+            "0",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = doppler(&args);
+        assert!(ok, "{err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let (base, tuned, zero) = (
+        gen(&[]),
+        gen(&["--lora", a]),
+        gen(&["--lora", a, "--lora-scale", "0"]),
+    );
+    // The format is learned (the tiny random model does not learn to copy the word).
+    assert!(
+        tuned["text"].as_str().unwrap().starts_with("ok "),
+        "adapted: {}",
+        tuned["text"]
+    );
+    assert_ne!(base["tokens"], tuned["tokens"]);
+    assert_eq!(base["tokens"], zero["tokens"]);
+    let (ok, _, err) = doppler(&["generate", "-m", m, "--lora", "/nonexistent/adapter", "hi"]);
+    assert!(!ok && err.contains("adapter_config.json"), "{err}");
+    std::fs::write(dir.join("d.jsonl"), "{\"text\": \"fine\"}\n{oops\n").unwrap();
+    let (ok, _, err) = doppler(&["finetune", "--config", cfg.to_str().unwrap()]);
+    assert!(
+        !ok && err.contains("d.jsonl line 2") && err.contains("not JSON"),
+        "{err}"
+    );
+}

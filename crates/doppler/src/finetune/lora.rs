@@ -194,6 +194,45 @@ impl Lora {
         self.slots.get(layer).and_then(|s| s[t.index()])
     }
 
+    /// Inference: adds scale s (x A^T) B^T of layer `layer`'s `t` into columns
+    /// `start ..` of `y` (.., C) in place (`mul` times the adapter's own scale: `--lora-scale`),
+    /// x (.., in); nothing when `t` is not adapted. The base product is left as it is (no
+    /// merged copy of W).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_into(
+        &self,
+        rec: &mut Recorder<'_>,
+        layer: usize,
+        t: Target,
+        x: &Tensor,
+        y: &Tensor,
+        start: usize,
+        mul: f32,
+    ) -> Result<()> {
+        use crate::ops::matmul::{matmul, MatmulOpts};
+        let Some((a, b)) = self.slot(layer, t) else {
+            return Ok(());
+        };
+        let (pa, pb) = (&self.params.values[a], &self.params.values[b]);
+        let rows = x.numel() / pa.shape()[1];
+        let x2 = x.reshape(&[rows, pa.shape()[1]])?;
+        let tb = MatmulOpts {
+            trans_b: true,
+            ..Default::default()
+        };
+        let h = matmul(rec, &x2, pa, tb)?; // (rows, r)
+        let scaled = MatmulOpts {
+            trans_b: true,
+            alpha: self.spec.scaling() as f32 * mul,
+            ..Default::default()
+        };
+        let d = matmul(rec, &h, pb, scaled)?; // (rows, out)
+        let cols = y.shape().last().copied().unwrap_or(0);
+        let y2 = y.reshape(&[rows, cols])?;
+        crate::ops::columns::place(rec, &d, start, cols, Some(&y2))?;
+        Ok(())
+    }
+
     /// y + s (dropout(x) A^T) B^T for layer `layer`'s `t` (y itself when not adapted);
     /// dropout only with `drop_seed` (a training step's).
     #[allow(clippy::too_many_arguments)]

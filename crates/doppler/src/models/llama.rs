@@ -294,6 +294,9 @@ pub struct Llama {
     pub weight_bytes: u64,
     /// Bytes of weights a decode step reads: all but a separate embedding table's.
     pub decode_bytes: u64,
+    /// A LoRA adapter applied at inference (`--lora`), with a multiplier of its scale
+    /// (`--lora-scale`): the products run unfused, each adapted one plus s (x A^T) B^T.
+    pub lora: Option<(crate::finetune::lora::Lora, f32)>,
 }
 
 /// One step of [`Llama::decode_reads`]: its name and what it reads (buffer, bytes).
@@ -730,6 +733,7 @@ impl Llama {
             max_context,
             weight_bytes,
             decode_bytes,
+            lora: None,
         })
     }
 
@@ -864,7 +868,6 @@ impl Llama {
         if t > step {
             return self.forward_in_steps(rec, ids_t, cache, all, step);
         }
-        let gpu = rec.gpu();
         let eps = c.norm_eps as f32;
         let d = c.head_dim;
         let mut x = self.embd.get_rows(rec, ids_t)?; // (T, E)
@@ -873,6 +876,10 @@ impl Llama {
             x = scale(rec, &x, (c.n_embd as f32).sqrt())?;
         }
 
+        if let Some((lora, mul)) = &self.lora {
+            x = self.layers_adapted(rec, x, cache, lora, *mul)?;
+            return self.finish_logits(rec, x, None, cache, t, all);
+        }
         // x rounded to 8 bits for the next product by the product that made it, where both
         // round x (one token on large layers: see `ops::quant::qmatmul_chain`).
         let mut x8 = None;
@@ -984,6 +991,22 @@ impl Llama {
             };
             (x, x8) = qmatmul_chain(rec, &g, &l.down, fuse, next)?;
         }
+        self.finish_logits(rec, x, x8, cache, t, all)
+    }
+
+    /// The step's end: the cache grows by its `t` tokens; logits of every token (`all`)
+    /// or the last, from the final norm and the head.
+    fn finish_logits(
+        &self,
+        rec: &mut Recorder<'_>,
+        x: Tensor,
+        x8: Option<crate::ops::quant::X8>,
+        cache: &mut KvCache,
+        t: usize,
+        all: bool,
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (gpu, eps) = (rec.gpu(), c.norm_eps as f32);
         cache.len += t;
         let (last, x8) = if all || t == 1 {
             (x, x8)
@@ -1039,6 +1062,85 @@ impl Llama {
             }
         }
         Ok(out.or(last).expect("at least one step"))
+    }
+}
+
+impl Llama {
+    /// The layers of one step with a LoRA adapter (`self.lora`): the same architecture as
+    /// the fused path of [`Llama::forward_ids`], its products unfused so that each adapted
+    /// projection gets s (x A^T) B^T added to its output before what follows (RoPE and
+    /// the cache store for q, k, v; SwiGLU for gate, up; the residual for o, down).
+    fn layers_adapted(
+        &self,
+        rec: &mut Recorder<'_>,
+        mut x: Tensor,
+        cache: &mut KvCache,
+        lora: &crate::finetune::lora::Lora,
+        mul: f32,
+    ) -> Result<Tensor> {
+        use crate::finetune::lora::Target;
+        let c = &self.cfg;
+        let (t, pos, eps, d) = (x.shape()[0], cache.len, c.norm_eps as f32, c.head_dim);
+        let (hq, hkv, f) = (c.n_head, c.n_kv_head, c.ffn_hidden);
+        for (li, l) in self.layers.iter().enumerate() {
+            let window = c.window(li);
+            let table: &RopeTable = match (&self.rope_local, window) {
+                (Some(local), Some(_)) => local,
+                _ => &self.rope,
+            };
+            let to = RopeStore {
+                bias: l.qkv_bias.as_ref(),
+                table,
+                pairing: c.pairing,
+                hq,
+                k_cache: &cache.k[li],
+                v_cache: &cache.v[li],
+                pos,
+                window,
+            };
+            let h = rms_norm(rec, &x, &l.attn_norm, eps, false)?.y;
+            let qkv = l.qkv.product(rec, &h, Fuse::default())?;
+            for (tg, start) in [
+                (Target::Q, 0),
+                (Target::K, hq * d),
+                (Target::V, (hq + hkv) * d),
+            ] {
+                lora.add_into(rec, li, tg, &h, &qkv, start, mul)?;
+            }
+            if let Some(w) = &l.qk_norm {
+                rms_norm_heads(rec, &qkv, w, hq, hkv, eps, false)?;
+            }
+            let q = rope_store(rec, &qkv, &to)?;
+            let a = kv_attend(rec, &q, &cache.k[li], &cache.v[li], pos, window)?
+                .reshape(&[t, hq * d])?;
+            let o = qmatmul_fused(rec, &a, &l.o, Fuse::default())?;
+            lora.add_into(rec, li, Target::O, &a, &o, 0, mul)?;
+            x = add(rec, &x, &o)?;
+            let h = rms_norm(rec, &x, &l.ffn_norm, eps, false)?.y;
+            let gu = qmatmul_fused(rec, &h, &l.gate_up, Fuse::default())?; // (T, 2F)
+            lora.add_into(rec, li, Target::Gate, &h, &gu, 0, mul)?;
+            lora.add_into(rec, li, Target::Up, &h, &gu, f, mul)?;
+            let gate = crate::ops::columns::slice(rec, &gu, 0, f)?;
+            let up = crate::ops::columns::slice(rec, &gu, f, f)?;
+            let u = crate::ops::silu::swiglu(rec, &gate, &up)?;
+            let down = qmatmul_fused(rec, &u, &l.down, Fuse::default())?;
+            lora.add_into(rec, li, Target::Down, &u, &down, 0, mul)?;
+            x = add(rec, &x, &down)?;
+        }
+        Ok(x)
+    }
+
+    /// Applies a LoRA adapter at inference (`mul` times its scale), or removes it (None).
+    /// Refuses architectures whose layers the adapted path does not run (Gemma 3).
+    pub fn set_lora(&mut self, lora: Option<(crate::finetune::lora::Lora, f32)>) -> Result<()> {
+        if lora.is_some() && self.cfg.gemma() {
+            return Err(Error::Invalid {
+                op: "llama",
+                detail: "LoRA adapters run on llama, mistral, qwen2, qwen3 and phi3 layers; not gemma3's".into(),
+            });
+        }
+        self.lora = lora;
+        Ok(())
     }
 }
 
