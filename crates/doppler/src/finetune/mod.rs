@@ -7,13 +7,14 @@
 //! Batches: each sample is a row; the order is a fresh permutation of the training
 //! samples each epoch, drawn from (seed, epoch), so a run is a pure function of its config.
 
+#[cfg(not(target_arch = "wasm32"))]
 pub mod adapter;
 pub mod config;
 pub mod data;
 pub mod lora;
 
 use std::path::PathBuf;
-use std::time::Instant;
+use web_time::Instant;
 
 use crate::autograd::Tape;
 use crate::error::{Error, Result};
@@ -196,6 +197,7 @@ impl<'g> Finetuner<'g> {
     }
 
     /// One optimizer step over `grad_accum` micro-batches.
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn train_step(&mut self) -> Result<FtStep> {
         pollster::block_on(self.train_step_async())
     }
@@ -279,6 +281,7 @@ impl<'g> Finetuner<'g> {
     }
 
     /// Mean loss over every learned token of the evaluation samples (no dropout).
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn evaluate(&mut self) -> Result<f32> {
         pollster::block_on(self.evaluate_async())
     }
