@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# On the GPU machine: LoRA fine-tuning speed and memory at SmolLM2-135M's shapes, Doppler
+# against PyTorch + PEFT in the same call. Doppler: `doppler finetune` on a synthetic
+# SmolLM2 GGUF (the real file's header and types, Q4_1 blocks; bench/synthetic_gguf.py,
+# carried xz-compressed as .bench/smollm2-synth.gguf.xz) over data/finetune padded to 512
+# tokens, batch 8, rank 16 on all seven projections; tokens/s from its --json steps, peak
+# GPU memory by nvidia-smi. PyTorch: bench/lora_bench.py (bf16 and f32 bases). Expects
+# target/release/doppler and the Vulkan loader unpacked. Writes $OUT/*.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp}"
+xz -dkf .bench/smollm2-synth.gguf.xz
+cat > configs/.lora_bench.toml <<TOML
+base = "../.bench/smollm2-synth.gguf"
+data = "../data/finetune/train.jsonl"
+eval_fraction = 0.0
+out_dir = "../runs/lora_bench"
+[lora]
+rank = 16
+alpha = 32
+dropout = 0.05
+[train]
+seq_len = 512
+batch_size = 8
+steps = 12
+lr = 1e-4
+save_interval = 1000
+TOML
+mem() { # peak MiB used on the GPU while "$@" runs
+  local peak=0 f; f=$(mktemp)
+  ( while true; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >> "$f"; sleep 0.2; done ) &
+  local pid=$!
+  "$@" || echo "failed: $*"
+  kill $pid; wait $pid 2>/dev/null || true
+  sort -n "$f" | tail -1
+}
+base=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+echo "GPU memory in use before: $base MiB"
+peak=$(mem ./target/release/doppler finetune --config configs/.lora_bench.toml --json > "$out/doppler_lora.jsonl" 2> "$out/doppler_lora.err")
+echo "doppler peak GPU memory (nvidia-smi): $peak MiB"
+python3 - "$out/doppler_lora.jsonl" <<'PY'
+import json, statistics, sys
+s = [json.loads(l)["step"] for l in open(sys.argv[1]) if '"event":"step"' in l]
+t = [x["tokens_per_s"] for x in s[2:]]
+print(json.dumps({"name": "doppler lora r16 (Q4_1 base)", "tokens_per_s_median": statistics.median(t), "steps": len(t),
+                  "losses": [round(x["loss"], 4) for x in s]}))
+PY
+peak=$(mem python3 bench/lora_bench.py > "$out/peft.jsonl" 2> "$out/peft.err")
+echo "pytorch+peft peak GPU memory (nvidia-smi, both dtypes in one process): $peak MiB"
+cat "$out/peft.jsonl"
