@@ -26,17 +26,19 @@ steps = 12
 lr = 1e-4
 save_interval = 1000
 TOML
-mem() { # peak MiB used on the GPU while "$@" runs
-  local peak=0 f; f=$(mktemp)
-  ( while true; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >> "$f"; sleep 0.2; done ) &
+# mem FILE CMD...: runs CMD while nvidia-smi samples the GPU's memory in use every 200 ms
+# into FILE; prints the peak (MiB).
+mem() {
+  local f=$1; shift
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$f" 2>/dev/null &
   local pid=$!
-  "$@" || echo "failed: $*"
-  kill $pid; wait $pid 2>/dev/null || true
+  "$@" || echo "failed: $*" >&2
+  kill $pid 2>/dev/null; wait $pid 2>/dev/null || true
   sort -n "$f" | tail -1
 }
 base=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
 echo "GPU memory in use before: $base MiB"
-peak=$(mem ./target/release/doppler finetune --config configs/.lora_bench.toml --json > "$out/doppler_lora.jsonl" 2> "$out/doppler_lora.err")
+peak=$(mem "$out/doppler_mem.txt" sh -c "./target/release/doppler finetune --config configs/.lora_bench.toml --json > $out/doppler_lora.jsonl 2> $out/doppler_lora.err")
 echo "doppler peak GPU memory (nvidia-smi): $peak MiB"
 python3 - "$out/doppler_lora.jsonl" <<'PY'
 import json, statistics, sys
@@ -45,6 +47,8 @@ t = [x["tokens_per_s"] for x in s[2:]]
 print(json.dumps({"name": "doppler lora r16 (Q4_1 base)", "tokens_per_s_median": statistics.median(t), "steps": len(t),
                   "losses": [round(x["loss"], 4) for x in s]}))
 PY
-peak=$(mem python3 bench/lora_bench.py > "$out/peft.jsonl" 2> "$out/peft.err")
-echo "pytorch+peft peak GPU memory (nvidia-smi, both dtypes in one process): $peak MiB"
+peak=$(mem "$out/peft_mem.txt" sh -c "python3 bench/lora_bench.py --dtypes bf16 > $out/peft.jsonl 2> $out/peft.err")
+echo "pytorch+peft bf16 peak GPU memory (nvidia-smi): $peak MiB"
+peak=$(mem "$out/peft32_mem.txt" sh -c "python3 bench/lora_bench.py --dtypes f32 >> $out/peft.jsonl 2>> $out/peft.err")
+echo "pytorch+peft f32 peak GPU memory (nvidia-smi): $peak MiB"
 cat "$out/peft.jsonl"
