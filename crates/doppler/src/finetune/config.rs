@@ -198,6 +198,23 @@ mod tests {
         [train]\nseq_len = 64\nbatch_size = 2\nsteps = 10\nlr = 2e-4\n";
 
     #[test]
+    fn the_shipped_finetune_configs_parse() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let path = e.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().to_string();
+            if name.starts_with("finetune") && name.ends_with(".toml") {
+                let c = FinetuneConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
+                assert!(c.data.is_file(), "{}", c.data.display());
+                assert!(c.eval_data.as_ref().is_some_and(|p| p.is_file()));
+                n += 1;
+            }
+        }
+        assert!(n >= 1);
+    }
+
+    #[test]
     fn configs_are_checked() {
         let c = FinetuneConfig::parse(OK, "f.toml").unwrap();
         assert_eq!(c.lora.targets, Target::ALL.to_vec());

@@ -292,7 +292,9 @@ out_dir = "runs/x"
         let mut n = 0;
         for e in std::fs::read_dir(&dir).unwrap() {
             let path = e.unwrap().path();
-            if path.extension().is_some_and(|x| x == "toml") {
+            let name = path.file_name().unwrap().to_string_lossy().to_string();
+            // Fine-tuning configs are `doppler finetune`'s (finetune::config checks them).
+            if path.extension().is_some_and(|x| x == "toml") && !name.starts_with("finetune") {
                 let c = TrainConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
                 assert!(c.data.corpus.is_file(), "{}", path.display());
                 n += 1;
