@@ -1065,4 +1065,13 @@ fn finetune_then_generate_with_the_adapter() {
         !ok && err.contains("d.jsonl line 2") && err.contains("not JSON"),
         "{err}"
     );
+    // A completion wholly past seq_len (32) once truncated: refused by line, not trained
+    // on as an empty row.
+    let long = serde_json::json!({"prompt": "p".repeat(40), "completion": "done"}).to_string();
+    std::fs::write(dir.join("d.jsonl"), format!("{}\n{long}\n", lines[0])).unwrap();
+    let (ok, _, err) = doppler(&["finetune", "--config", cfg.to_str().unwrap()]);
+    assert!(
+        !ok && err.contains("d.jsonl line 2") && err.contains("nothing left to learn"),
+        "{err}"
+    );
 }

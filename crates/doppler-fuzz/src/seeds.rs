@@ -83,6 +83,22 @@ pub fn write(dir: &Path) -> Result<(), String> {
           weight_decay = 0.1\nbetas = [0.9, 0.95]\ngrad_clip = 1.0\nloss_scale = \"dynamic\"\n\
           eval_interval = 4\neval_batches = 2\ncheckpoint_interval = 4\nseed = 3\nout_dir = \"run\"\n",
     )?;
+    // Fine-tuning: the shipped config (byte 0), a PEFT adapter config (1), data (2).
+    let ft = std::fs::read(root.join("finetune_smollm2.toml"))
+        .map_err(|e| format!("finetune config: {e}"))?;
+    put("finetune", "config.bin", &[&[0u8][..], &ft].concat())?;
+    let peft = br#"{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "target_modules": ["q_proj", "v_proj"], "bias": "none", "use_dora": false, "rank_pattern": {}, "alpha_pattern": {}}"#;
+    put("finetune", "adapter.bin", &[&[1u8][..], peft].concat())?;
+    let jsonl = concat!(
+        "{\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, {\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}\n",
+        "{\"prompt\": \"2 + 2 =\", \"completion\": \" 4\"}\n",
+        "{\"text\": \"hello there\"}\n",
+    );
+    put(
+        "finetune",
+        "data.bin",
+        &[&[2u8][..], jsonl.as_bytes()].concat(),
+    )?;
     eprintln!("seed corpus written to {}", dir.display());
     Ok(())
 }

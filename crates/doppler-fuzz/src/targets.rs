@@ -82,7 +82,60 @@ pub const TARGETS: &[Target] = &[
             b"\n", b"#", b"'''", b"{}",
         ],
     },
+    Target {
+        name: "finetune",
+        about: "fine-tuning inputs: the config (TOML), a PEFT adapter_config.json, JSONL data (chat through the ChatML template, prompt/completion, text) tokenized into masked rows; the first byte picks which",
+        run: finetune,
+        dict: &[
+            b"{\"messages\": [", b"{\"role\": \"assistant\", \"content\": \"", b"\"user\"",
+            b"\"prompt\": \"", b"\"completion\": \"", b"\"text\": \"", b"\"r\": ", b"\"lora_alpha\": ",
+            b"\"target_modules\": [\"q_proj\"]", b"\"use_dora\": true", b"[lora]", b"[train]", b"rank = ",
+            b"seq_len = ", b"\n", b"}", b"]", b"0", b"-1", b"1e400", b"18446744073709551615", b"<|im_end|>",
+        ],
+    },
 ];
+
+/// The seeds' byte-level tokenizer (ChatML control tokens), built once.
+fn tiny_tokenizer() -> &'static Tokenizer {
+    static TK: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
+    TK.get_or_init(|| {
+        let files = doppler::verify::llama::tiny_files("llama", "F32", 1).expect("tiny model");
+        let g = GgufFile::from_bytes(Box::new(files.gguf), "t.gguf").expect("tiny gguf");
+        Tokenizer::from_gguf(&g.gguf.metadata, "t.gguf").expect("tiny tokenizer")
+    })
+}
+
+fn finetune(data: &[u8]) -> Outcome {
+    use doppler::finetune::{config::FinetuneConfig, data as ftdata};
+    let (&which, rest) = data.split_first().ok_or("empty")?;
+    let text = std::str::from_utf8(rest).map_err(s)?;
+    match which % 3 {
+        0 => {
+            let cfg = FinetuneConfig::parse(text, "fuzz.toml").map_err(s)?;
+            let _ = cfg.spec().scaling();
+        }
+        1 => {
+            let spec =
+                doppler::finetune::adapter::read_config(text, std::path::Path::new("a.json"))
+                    .map_err(s)?;
+            let _ = spec.scaling();
+        }
+        _ => {
+            let tmpl = Template::detect("<|im_start|>");
+            let samples =
+                ftdata::parse_jsonl(text, "d.jsonl", tiny_tokenizer(), tmpl.as_ref()).map_err(s)?;
+            for smp in &samples {
+                for (seq, ov) in [
+                    (2, ftdata::Overflow::Truncate),
+                    (64, ftdata::Overflow::Refuse),
+                ] {
+                    let _ = ftdata::row(smp, seq, 0, ov, "d.jsonl");
+                }
+            }
+        }
+    }
+    Ok(())
+}
 
 /// Tensor names of the seeds' tiny Llama (2 layers), asked of every source.
 fn names() -> Vec<String> {

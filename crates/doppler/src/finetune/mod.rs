@@ -130,8 +130,19 @@ impl<'g> Finetuner<'g> {
         let t = &cfg.train;
         let mut truncated = 0;
         for s in train.iter().chain(&eval) {
-            let (_, _, cut) = data::row(s, t.seq_len, 0, t.overflow, &shown)?;
+            let (_, targets, cut) = data::row(s, t.seq_len, 0, t.overflow, &shown)?;
             truncated += cut as usize;
+            if targets.iter().all(|&x| x == IGNORE) {
+                return Err(Error::Invalid {
+                    op: "finetune data",
+                    detail: format!(
+                        "{shown} line {}: nothing left to learn once truncated to seq_len {} ({} tokens, the learned ones past the cut): raise seq_len",
+                        s.line,
+                        t.seq_len,
+                        s.ids.len()
+                    ),
+                });
+            }
         }
         let lora = Lora::new(
             gpu,
@@ -370,14 +381,11 @@ impl<'g> Finetuner<'g> {
             source,
         })?;
         let mpath = out.join("metrics.jsonl");
-        let mut metrics = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&mpath)
-            .map_err(|source| Error::Io {
-                path: mpath.display().to_string(),
-                source,
-            })?;
+        // A fresh run: metrics of an earlier run in this directory are replaced.
+        let mut metrics = std::fs::File::create(&mpath).map_err(|source| Error::Io {
+            path: mpath.display().to_string(),
+            source,
+        })?;
         let mut write = |v: serde_json::Value| -> Result<()> {
             writeln!(metrics, "{v}").map_err(|source| Error::Io {
                 path: mpath.display().to_string(),
