@@ -36,13 +36,13 @@ pub fn finetune(gpu: &Gpu, args: &FinetuneArgs) -> doppler::Result<ExitCode> {
         if json {
             let v = match e {
                 FtEvent::Started {
-                    base_params,
+                    base_bytes,
                     adapter_params,
                     train_samples,
                     eval_samples,
                     truncated,
                     steps,
-                } => serde_json::json!({"event": "start", "base_bytes": base_params,
+                } => serde_json::json!({"event": "start", "base_bytes": base_bytes,
                     "adapter_params": adapter_params, "train_samples": train_samples,
                     "eval_samples": eval_samples, "truncated": truncated, "steps": steps}),
                 FtEvent::Step(s) => serde_json::json!({"event": "step", "step": s}),
@@ -58,7 +58,7 @@ pub fn finetune(gpu: &Gpu, args: &FinetuneArgs) -> doppler::Result<ExitCode> {
         }
         match e {
             FtEvent::Started {
-                base_params,
+                base_bytes,
                 adapter_params,
                 train_samples,
                 eval_samples,
@@ -67,7 +67,7 @@ pub fn finetune(gpu: &Gpu, args: &FinetuneArgs) -> doppler::Result<ExitCode> {
             } => {
                 eprintln!(
                     "base: {:.1} MB of weights (frozen); adapters: {adapter_params} parameters; data: {train_samples} training / {eval_samples} held-out samples",
-                    base_params as f64 / 1e6
+                    base_bytes as f64 / 1e6
                 );
                 if truncated > 0 {
                     eprintln!(

@@ -189,6 +189,37 @@ impl Lora {
         })
     }
 
+    /// Checks that these adapters were made for a model of `cfg`'s shapes: as many layers,
+    /// every adapted projection's A (r, in) and B (out, r) of its size.
+    pub fn fits(&self, cfg: &LlamaConfig) -> Result<()> {
+        let bad = |detail: String| Error::Invalid { op: "lora", detail };
+        if self.slots.len() != cfg.n_layer {
+            return Err(bad(format!(
+                "adapters for {} layers on a model of {}",
+                self.slots.len(),
+                cfg.n_layer
+            )));
+        }
+        for (l, slot) in self.slots.iter().enumerate() {
+            for t in Target::ALL {
+                let Some((a, b)) = slot[t.index()] else {
+                    continue;
+                };
+                let (i, o) = t.dims(cfg);
+                let (sa, sb) = (self.params.values[a].shape(), self.params.values[b].shape());
+                if sa != [self.spec.rank, i] || sb != [o, self.spec.rank] {
+                    return Err(bad(format!(
+                        "layer {l} {}: A {sa:?} and B {sb:?}, this model needs [{}, {i}] and [{o}, {}]",
+                        t.peft(),
+                        self.spec.rank,
+                        self.spec.rank
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// (A, B) of layer `layer`'s `t`, when adapted.
     pub fn slot(&self, layer: usize, t: Target) -> Option<(usize, usize)> {
         self.slots.get(layer).and_then(|s| s[t.index()])

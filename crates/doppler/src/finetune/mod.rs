@@ -44,7 +44,7 @@ pub struct FtStep {
 /// What [`Finetuner::run`] reports as it goes.
 pub enum FtEvent<'a> {
     Started {
-        base_params: u64,
+        base_bytes: u64,
         adapter_params: usize,
         train_samples: usize,
         eval_samples: usize,
@@ -394,7 +394,7 @@ impl<'g> Finetuner<'g> {
         };
         let steps = self.cfg.train.steps.min(stop);
         on_event(FtEvent::Started {
-            base_params: self.model.llama.weight_bytes,
+            base_bytes: self.model.llama.weight_bytes,
             adapter_params: self.lora.params.numel(),
             train_samples: self.train.len(),
             eval_samples: self.eval.len(),

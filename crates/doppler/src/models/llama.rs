@@ -296,7 +296,7 @@ pub struct Llama {
     pub decode_bytes: u64,
     /// A LoRA adapter applied at inference (`--lora`), with a multiplier of its scale
     /// (`--lora-scale`): the products run unfused, each adapted one plus s (x A^T) B^T.
-    pub lora: Option<(crate::finetune::lora::Lora, f32)>,
+    lora: Option<(crate::finetune::lora::Lora, f32)>,
 }
 
 /// One step of [`Llama::decode_reads`]: its name and what it reads (buffer, bytes).
@@ -1133,6 +1133,15 @@ impl Llama {
     /// Applies a LoRA adapter at inference (`mul` times its scale), or removes it (None).
     /// Refuses architectures whose layers the adapted path does not run (Gemma 3).
     pub fn set_lora(&mut self, lora: Option<(crate::finetune::lora::Lora, f32)>) -> Result<()> {
+        if let Some((l, mul)) = &lora {
+            if !mul.is_finite() {
+                return Err(Error::Invalid {
+                    op: "llama",
+                    detail: format!("LoRA scale multiplier {mul} must be finite"),
+                });
+            }
+            l.fits(&self.cfg)?;
+        }
         if lora.is_some() && self.cfg.gemma() {
             return Err(Error::Invalid {
                 op: "llama",
@@ -1209,6 +1218,9 @@ impl Llama {
             return Err(bad(format!(
                 "sequences of {t} tokens exceed the attention window of {w}: the training kernels have no window mask"
             )));
+        }
+        if let Some(lo) = opts.lora {
+            lo.fits(c)?;
         }
         let (e, d, hq, hkv, f) = (c.n_embd, c.head_dim, c.n_head, c.n_kv_head, c.ffn_hidden);
         let eps = c.norm_eps as f32;
