@@ -1869,4 +1869,21 @@ fn lora_inference_matches_peft() {
         .zip(&base)
         .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
     assert!(d0 < 1e-4, "scale 0 differs from the base by {d0}");
+    // Adapters made for another width, or another depth: refused, shapes named.
+    let spec = doppler::finetune::lora::LoraSpec {
+        rank: 2,
+        alpha: 4.0,
+        dropout: 0.0,
+        targets: vec![doppler::finetune::lora::Target::Q],
+    };
+    let mut narrow = model.cfg.clone();
+    narrow.n_embd = 32;
+    let other = doppler::finetune::lora::Lora::new(gpu, &narrow, spec.clone(), 1).unwrap();
+    let e = model.set_lora(Some((other, 1.0))).unwrap_err().to_string();
+    assert!(e.contains("q_proj") && e.contains("[2, 64]"), "{e}");
+    let mut deep = model.cfg.clone();
+    deep.n_layer = 3;
+    let other = doppler::finetune::lora::Lora::new(gpu, &deep, spec, 1).unwrap();
+    let e = model.set_lora(Some((other, 1.0))).unwrap_err().to_string();
+    assert!(e.contains("3 layers on a model of 2"), "{e}");
 }
