@@ -29,6 +29,11 @@
 //! x += rmsnorm((gelu_tanh(h Wg^T) * h Wu^T) Wd^T) * post_ffw_norm; five layers in six
 //! attend to a window with their own RoPE base; logits = cap tanh(logits / cap) where the
 //! model has a cap. Its products run one after the other (no chaining).
+//!
+//! The same architecture runs two more ways: with a LoRA adapter at inference
+//! (`Llama::set_lora`: products unfused, s (x A^T) B^T added into each adapted one), and on
+//! the autograd tape for fine-tuning (`Llama::train_logits`: the frozen weights read in
+//! their encoding both ways, `ops::quant::qmatmul_t` for dX).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
