@@ -52,6 +52,21 @@ impl ParamStore {
         self.names.iter().position(|n| n == name)
     }
 
+    /// Every parameter's accumulated gradient, in order; an error naming the first one
+    /// that got none (`op` names who asked).
+    pub fn all_grads(&self, op: &'static str) -> Result<Vec<Tensor>> {
+        self.grads
+            .iter()
+            .zip(&self.names)
+            .map(|(g, n)| {
+                g.clone().ok_or_else(|| Error::Invalid {
+                    op,
+                    detail: format!("parameter {n} got no gradient"),
+                })
+            })
+            .collect()
+    }
+
     /// Forgets accumulated gradients (the next backward writes fresh ones).
     pub fn zero_grad(&mut self) {
         self.grads.iter_mut().for_each(|g| *g = None);

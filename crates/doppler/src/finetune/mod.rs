@@ -255,19 +255,7 @@ impl<'g> Finetuner<'g> {
             rec.submit()?.settle(gpu).await?;
         }
         let mut rec = gpu.recorder("finetune.update");
-        let grads: Vec<Tensor> = self
-            .lora
-            .params
-            .grads
-            .iter()
-            .zip(&self.lora.params.names)
-            .map(|(g, n)| {
-                g.clone().ok_or_else(|| Error::Invalid {
-                    op: "finetune",
-                    detail: format!("adapter {n} got no gradient"),
-                })
-            })
-            .collect::<Result<_>>()?;
+        let grads = self.lora.params.all_grads("finetune")?;
         let grefs: Vec<&Tensor> = grads.iter().collect();
         let params: Vec<&Tensor> = self.lora.params.values.iter().collect();
         let scale = grad_scale(&mut rec, &grefs, tc.grad_clip, 1.0)?;

@@ -890,20 +890,7 @@ impl Llama {
         let mut x8 = None;
         for (li, l) in self.layers.iter().enumerate() {
             let window = c.window(li);
-            let table: &RopeTable = match (&self.rope_local, window) {
-                (Some(local), Some(_)) => local,
-                _ => &self.rope,
-            };
-            let to = RopeStore {
-                bias: l.qkv_bias.as_ref(),
-                table,
-                pairing: c.pairing,
-                hq: c.n_head,
-                k_cache: &cache.k[li],
-                v_cache: &cache.v[li],
-                pos,
-                window,
-            };
+            let to = self.rope_store_of(li, cache, pos);
             let fuse = Fuse {
                 norm: Some((&l.attn_norm, eps)),
                 x8: x8.as_ref(),
@@ -1071,6 +1058,27 @@ impl Llama {
 }
 
 impl Llama {
+    /// Where layer `li`'s q/k/v product goes after it: its bias, its RoPE table (a
+    /// windowed layer's own where the model has one), and its caches at `pos`.
+    fn rope_store_of<'a>(&'a self, li: usize, cache: &'a KvCache, pos: usize) -> RopeStore<'a> {
+        let (c, l) = (&self.cfg, &self.layers[li]);
+        let window = c.window(li);
+        let table: &RopeTable = match (&self.rope_local, window) {
+            (Some(local), Some(_)) => local,
+            _ => &self.rope,
+        };
+        RopeStore {
+            bias: l.qkv_bias.as_ref(),
+            table,
+            pairing: c.pairing,
+            hq: c.n_head,
+            k_cache: &cache.k[li],
+            v_cache: &cache.v[li],
+            pos,
+            window,
+        }
+    }
+
     /// The layers of one step with a LoRA adapter (`self.lora`): the same architecture as
     /// the fused path of [`Llama::forward_ids`], its products unfused so that each adapted
     /// projection gets s (x A^T) B^T added to its output before what follows (RoPE and
@@ -1089,20 +1097,7 @@ impl Llama {
         let (hq, hkv, f) = (c.n_head, c.n_kv_head, c.ffn_hidden);
         for (li, l) in self.layers.iter().enumerate() {
             let window = c.window(li);
-            let table: &RopeTable = match (&self.rope_local, window) {
-                (Some(local), Some(_)) => local,
-                _ => &self.rope,
-            };
-            let to = RopeStore {
-                bias: l.qkv_bias.as_ref(),
-                table,
-                pairing: c.pairing,
-                hq,
-                k_cache: &cache.k[li],
-                v_cache: &cache.v[li],
-                pos,
-                window,
-            };
+            let to = self.rope_store_of(li, cache, pos);
             let h = rms_norm(rec, &x, &l.attn_norm, eps, false)?.y;
             let qkv = l.qkv.product(rec, &h, Fuse::default())?;
             for (tg, start) in [

@@ -334,19 +334,7 @@ impl<'g> Trainer<'g> {
                 .await?;
             }
         }
-        let grads: Vec<Tensor> = self
-            .model
-            .params
-            .grads
-            .iter()
-            .zip(&self.model.params.names)
-            .map(|(g, n)| {
-                g.clone().ok_or_else(|| Error::Invalid {
-                    op: "train",
-                    detail: format!("parameter {n} got no gradient"),
-                })
-            })
-            .collect::<Result<_>>()?;
+        let grads = self.model.params.all_grads("train")?;
         let grad_refs: Vec<&Tensor> = grads.iter().collect();
         let params: Vec<&Tensor> = self.model.params.values.iter().collect();
         let scale = grad_scale(&mut rec, &grad_refs, tc.grad_clip, self.scaler.scale)?;
