@@ -16,6 +16,10 @@ pub struct FinetuneArgs {
     /// The base model instead of the config's `base` (a .gguf or a Hugging Face directory).
     #[arg(long)]
     base: Option<PathBuf>,
+    /// Continue the run from the latest checkpoint in the config's out_dir (bit for bit
+    /// as if it had not stopped).
+    #[arg(long)]
+    resume: bool,
     /// Stop after this many steps (the schedule stays the config's).
     #[arg(long)]
     max_steps: Option<u64>,
@@ -29,8 +33,9 @@ pub fn finetune(gpu: &Gpu, args: &FinetuneArgs) -> doppler::Result<ExitCode> {
     if let Some(b) = &args.base {
         cfg.base = b.clone();
     }
-    let mut ft = Finetuner::new(gpu, &cfg)?;
+    let mut ft = Finetuner::new(gpu, &cfg, args.resume)?;
     let bar = ProgressBar::hidden();
+    let ft_step = ft.step;
     let json = args.json;
     let mut on_event = |e: FtEvent<'_>| {
         if json {
@@ -69,6 +74,9 @@ pub fn finetune(gpu: &Gpu, args: &FinetuneArgs) -> doppler::Result<ExitCode> {
                     "base: {:.1} MB of weights (frozen); adapters: {adapter_params} parameters; data: {train_samples} training / {eval_samples} held-out samples",
                     base_bytes as f64 / 1e6
                 );
+                if ft_step > 0 {
+                    eprintln!("resuming at step {ft_step}");
+                }
                 if truncated > 0 {
                     eprintln!(
                         "{truncated} samples longer than seq_len {} were truncated",
@@ -77,6 +85,7 @@ pub fn finetune(gpu: &Gpu, args: &FinetuneArgs) -> doppler::Result<ExitCode> {
                 }
                 bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
                 bar.set_length(steps);
+                bar.set_position(ft_step);
                 bar.set_style(
                     ProgressStyle::with_template(
                         "{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",

@@ -1059,6 +1059,23 @@ fn finetune_then_generate_with_the_adapter() {
     assert_eq!(base["tokens"], zero["tokens"]);
     let (ok, _, err) = doppler(&["generate", "-m", m, "--lora", "/nonexistent/adapter", "hi"]);
     assert!(!ok && err.contains("adapter_config.json"), "{err}");
+    // The run's checkpoints are kept: starting over in their directory is refused;
+    // --resume of the finished run trains no further step.
+    let (ok, _, err) = doppler(&["finetune", "--config", cfg.to_str().unwrap()]);
+    assert!(!ok && err.contains("--resume"), "{err}");
+    let (ok, out, err) = doppler(&[
+        "finetune",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--resume",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        !out.contains("\"step\",") && out.contains("\"done\""),
+        "{out}"
+    );
+    std::fs::remove_dir_all(dir.join("run")).unwrap();
     std::fs::write(dir.join("d.jsonl"), "{\"text\": \"fine\"}\n{oops\n").unwrap();
     let (ok, _, err) = doppler(&["finetune", "--config", cfg.to_str().unwrap()]);
     assert!(

@@ -1555,8 +1555,8 @@ fn lora_adapters_round_trip_between_gguf_and_safetensors_bases() {
 
 /// A LoRA fine-tune of the tiny GGUF model end to end: chat samples whose answers follow a
 /// fixed pattern; the training loss falls, the held-out loss falls, the adapter is written
-/// as PEFT writes it and loads back, and a second run of the same config gives the same
-/// losses bit for bit.
+/// as PEFT writes it and loads back, and a run stopped midway and resumed from its
+/// checkpoint gives the same losses and adapter bit for bit.
 #[test]
 fn lora_finetune_learns_and_is_deterministic() {
     use doppler::finetune::{adapter, config::FinetuneConfig, Finetuner};
@@ -1587,12 +1587,12 @@ fn lora_finetune_learns_and_is_deterministic() {
         grad_clip = 1.0\neval_interval = 15\nsave_interval = 30\nseed = 9\n";
     std::fs::write(dir.join("ft.toml"), toml).unwrap();
     let cfg = FinetuneConfig::load(&dir.join("ft.toml")).unwrap();
-    let run = || {
-        let mut ft = Finetuner::new(gpu, &cfg).unwrap();
+    let run = |cfg: &FinetuneConfig, resume: bool, stop: u64| {
+        let mut ft = Finetuner::new(gpu, cfg, resume).unwrap();
         assert_eq!((ft.train.len(), ft.eval.len()), (9, 3));
         let mut losses = Vec::new();
         let mut evals = Vec::new();
-        ft.run(u64::MAX, &mut |e| match e {
+        ft.run(stop, &mut |e| match e {
             doppler::finetune::FtEvent::Step(s) => losses.push(s.loss),
             doppler::finetune::FtEvent::Eval { eval_loss, .. } => evals.push(eval_loss),
             _ => {}
@@ -1600,7 +1600,7 @@ fn lora_finetune_learns_and_is_deterministic() {
         .unwrap();
         (losses, evals, ft)
     };
-    let (losses, evals, ft) = run();
+    let (losses, evals, ft) = run(&cfg, false, u64::MAX);
     eprintln!("losses {losses:?}\nevals {evals:?}");
     assert_eq!(losses.len(), 30);
     let head: f32 = losses[..3].iter().sum::<f32>() / 3.0;
@@ -1614,12 +1614,34 @@ fn lora_finetune_learns_and_is_deterministic() {
     let back = adapter::load(gpu, &saved, &ft.model.llama.cfg).unwrap();
     assert_eq!(back.params.names, ft.lora.params.names);
     assert!(dir.join("run/metrics.jsonl").exists() && dir.join("run/loss.svg").exists());
-    let (again, _, _) = run();
+    // A directory with checkpoints is not started over.
+    let e = Finetuner::new(gpu, &cfg, false).err().unwrap().to_string();
+    assert!(e.contains("--resume"), "{e}");
+    // The same config in another directory, stopped after step 12 (its checkpoint), then
+    // resumed: the same losses bit for bit, the same adapter file byte for byte.
+    let mut cfg2 = cfg.clone();
+    cfg2.out_dir = dir.join("run2");
+    let (first, _, _) = run(&cfg2, false, 12);
+    let (rest, _, ft2) = run(&cfg2, true, u64::MAX);
+    assert_eq!(ft2.step, 30);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(
-        losses.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-        again.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-        "two runs of one config differ"
+        bits(&losses),
+        bits(&[first, rest].concat()),
+        "a run stopped at 12 and resumed differs from the straight run"
     );
+    let file = |run: &str| {
+        std::fs::read(dir.join(run).join("adapter").join(adapter::WEIGHTS_FILE)).unwrap()
+    };
+    assert!(file("run") == file("run2"), "resumed adapter differs");
+    let lines = std::fs::read_to_string(dir.join("run2/metrics.jsonl")).unwrap();
+    let steps = lines.lines().filter(|l| l.contains("\"loss\"")).count();
+    assert_eq!(steps, 30, "{lines}");
+    // Another config's checkpoint is refused, naming the setting.
+    let mut cfg3 = cfg2.clone();
+    cfg3.train.lr = 5e-3;
+    let e = Finetuner::new(gpu, &cfg3, true).err().unwrap().to_string();
+    assert!(e.contains("train.lr"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -4,7 +4,7 @@
 //!   data = "data/finetune/train.jsonl"  JSONL (see `finetune::data`)
 //!   eval_data = "....jsonl"             optional; else eval_fraction of data (the last)
 //!   eval_fraction = 0.1
-//!   out_dir = "runs/ft"                 the adapter (PEFT), metrics.jsonl, loss.svg
+//!   out_dir = "runs/ft"                 the adapter (PEFT), checkpoints, metrics.jsonl, loss.svg
 //!   [lora]  rank = 16, alpha = 32, dropout = 0.05, targets = ["q_proj", ...] (all seven)
 //!   [train] seq_len, overflow ("truncate" | "refuse"), batch_size, grad_accum, steps, lr,
 //!           min_lr, warmup, weight_decay, betas, grad_clip, eval_interval, save_interval,
@@ -179,6 +179,34 @@ impl FinetuneConfig {
         Ok(())
     }
 
+    /// Settings in which `other` differs from this config, as "section.key: a vs b"; the
+    /// paths (base, data, out_dir) are not compared: a resume checks what they hold.
+    pub fn differences(&self, other: &FinetuneConfig) -> Vec<String> {
+        let a = serde_json::to_value(self).unwrap_or_default();
+        let b = serde_json::to_value(other).unwrap_or_default();
+        let mut out = Vec::new();
+        let mut diff = |name: String, x: &serde_json::Value, y: Option<&serde_json::Value>| {
+            if y != Some(x) {
+                let y = y.cloned().unwrap_or_default();
+                out.push(format!("{name}: {x} vs {y}"));
+            }
+        };
+        diff(
+            "eval_fraction".into(),
+            &a["eval_fraction"],
+            b.get("eval_fraction"),
+        );
+        for section in ["lora", "train"] {
+            let (Some(x), Some(y)) = (a[section].as_object(), b[section].as_object()) else {
+                continue;
+            };
+            for (k, v) in x {
+                diff(format!("{section}.{k}"), v, y.get(k));
+            }
+        }
+        out
+    }
+
     pub fn spec(&self) -> LoraSpec {
         LoraSpec {
             rank: self.lora.rank,
@@ -212,6 +240,21 @@ mod tests {
             }
         }
         assert!(n >= 1);
+    }
+
+    #[test]
+    fn differences_name_the_settings_not_the_paths() {
+        let a = FinetuneConfig::parse(OK, "a").unwrap();
+        let mut b = a.clone();
+        b.out_dir = "elsewhere".into();
+        b.base = "other.gguf".into();
+        assert!(a.differences(&b).is_empty());
+        b.lora.rank = 4;
+        b.train.lr = 1e-3;
+        assert_eq!(
+            a.differences(&b),
+            ["lora.rank: 8 vs 4", "train.lr: 0.0002 vs 0.001"]
+        );
     }
 
     #[test]

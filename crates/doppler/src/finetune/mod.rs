@@ -6,6 +6,11 @@
 //!
 //! Batches: each sample is a row; the order is a fresh permutation of the training
 //! samples each epoch, drawn from (seed, epoch), so a run is a pure function of its config.
+//!
+//! Checkpoints are `train`'s (`out_dir/step-NNNNNNNN/`, atomic, SHA-256 hashed, `latest`):
+//! the adapters and AdamW's moments, the step, and what the run's data and base were; a
+//! run resumed from one continues bit for bit. The PEFT adapter beside them
+//! (`out_dir/adapter`) is what inference and PEFT load.
 
 #[cfg(not(target_arch = "wasm32"))]
 pub mod adapter;
@@ -23,6 +28,9 @@ use crate::infer::Model;
 use crate::models::llama::TrainOpts;
 use crate::ops::cross_entropy::CrossEntropyOpts;
 use crate::optim::{grad_scale, warmup_cosine, AdamW};
+use crate::train::checkpoint;
+#[cfg(not(target_arch = "wasm32"))]
+use crate::train::checkpoint::{CheckpointFiles, RunState};
 use crate::train::data::mix;
 use config::FinetuneConfig;
 use data::{Sample, IGNORE};
@@ -62,6 +70,46 @@ pub enum FtEvent<'a> {
     },
 }
 
+/// What a fine-tune's checkpoint keeps besides its tensors and step: the config, and what
+/// the data and the base were, so that a resume over other data or another base is refused.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct FtRun {
+    pub config: FinetuneConfig,
+    /// SHA-256 of the training JSONL text, then the held-out one's (when it has its own).
+    pub data_sha256: String,
+    /// The base's weight bytes on the GPU and its layer count.
+    pub base_bytes: u64,
+    pub base_layers: usize,
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+const METRICS: &str = "metrics.jsonl";
+
+/// Losses of steps up to `upto` from an earlier run's metrics.jsonl.
+#[cfg(not(target_arch = "wasm32"))]
+fn read_history(path: &std::path::Path, upto: u64) -> Vec<(u64, f32, Option<f32>)> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut out: Vec<(u64, f32, Option<f32>)> = Vec::new();
+    for v in text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    {
+        let Some(step) = v["step"].as_u64().filter(|&s| s <= upto) else {
+            continue;
+        };
+        let loss = v["loss"].as_f64().map(|x| x as f32);
+        let eval = v["eval_loss"].as_f64().map(|x| x as f32);
+        match out.last_mut() {
+            Some(last) if last.0 == step => {
+                last.1 = loss.unwrap_or(last.1);
+                last.2 = eval.or(last.2);
+            }
+            _ => out.push((step, loss.unwrap_or(f32::NAN), eval)),
+        }
+    }
+    out
+}
+
 pub struct Finetuner<'g> {
     gpu: &'g Gpu,
     pub cfg: FinetuneConfig,
@@ -73,23 +121,118 @@ pub struct Finetuner<'g> {
     /// Samples longer than a row (truncated, or the run refused).
     pub truncated: usize,
     pub step: u64,
+    /// Learned tokens seen so far.
+    pub tokens_seen: u64,
+    #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
+    data_sha256: String,
+    /// Continued from a checkpoint: metrics.jsonl is kept up to its step, and the run
+    /// does not evaluate before its first step.
+    #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
+    resumed: bool,
     history: Vec<(u64, f32, Option<f32>)>,
 }
 
 impl<'g> Finetuner<'g> {
-    /// Opens the base and the data named by the config.
+    /// Opens the base and the data named by the config: a fresh run, or (`resume`) the
+    /// latest checkpoint in the config's out_dir, continued.
     #[cfg(not(target_arch = "wasm32"))]
-    pub fn new(gpu: &'g Gpu, cfg: &FinetuneConfig) -> Result<Finetuner<'g>> {
+    pub fn new(gpu: &'g Gpu, cfg: &FinetuneConfig, resume: bool) -> Result<Finetuner<'g>> {
         let read = |p: &std::path::Path| {
             std::fs::read_to_string(p).map_err(|source| Error::Io {
                 path: p.display().to_string(),
                 source,
             })
         };
+        let out = &cfg.out_dir;
+        let has_ckpt = out.join("latest").is_file();
+        let refuse = |detail: &str| Error::Checkpoint {
+            path: out.display().to_string(),
+            detail: detail.into(),
+        };
+        match (resume, has_ckpt) {
+            (false, true) => return Err(refuse(
+                "already holds checkpoints: pass --resume to continue, or choose another out_dir",
+            )),
+            (true, false) => return Err(refuse(
+                "holds no checkpoint to resume (no `latest` file): run without --resume to start",
+            )),
+            _ => {}
+        }
+        // The checkpoint is read (and its hashes checked) before the base is opened.
+        let ck = match resume {
+            true => Some(checkpoint::load::<FtRun>(out)?),
+            false => None,
+        };
         let model = Model::open(gpu, &cfg.base, cfg.train.seq_len)?;
         let train = read(&cfg.data)?;
         let eval = cfg.eval_data.as_deref().map(read).transpose()?;
-        Finetuner::from_parts(gpu, cfg, model, &train, eval.as_deref())
+        let mut ft = Finetuner::from_parts(gpu, cfg, model, &train, eval.as_deref())?;
+        if let Some(ck) = ck {
+            ft.restore(ck)?;
+        }
+        Ok(ft)
+    }
+
+    /// Continues from a loaded checkpoint: the config must match this run's (paths
+    /// aside), the data and the base must be the ones it was written with.
+    #[cfg(not(target_arch = "wasm32"))]
+    fn restore(&mut self, ck: checkpoint::Loaded<FtRun>) -> Result<()> {
+        let bad = |detail: String| Error::Checkpoint {
+            path: ck.dir.display().to_string(),
+            detail,
+        };
+        let was = &ck.state.config;
+        let diff = was.config.differences(&self.cfg);
+        if !diff.is_empty() {
+            return Err(bad(format!(
+                "was written by another config: {}",
+                diff.join("; ")
+            )));
+        }
+        if was.data_sha256 != self.data_sha256 {
+            return Err(bad(format!(
+                "was written for other data: {} (or its held-out set) changed since",
+                self.cfg.data.display()
+            )));
+        }
+        let llama = &self.model.llama;
+        if (was.base_bytes, was.base_layers) != (llama.weight_bytes, llama.cfg.n_layer) {
+            return Err(bad(format!(
+                "was written for another base: {} layers, {} weight bytes; {} has {} layers, {} bytes",
+                was.base_layers,
+                was.base_bytes,
+                self.cfg.base.display(),
+                llama.cfg.n_layer,
+                llama.weight_bytes
+            )));
+        }
+        let p = &mut self.lora.params;
+        if ck.model.len() != p.names.len() {
+            return Err(bad(format!(
+                "holds {} adapter tensors, the run has {}",
+                ck.model.len(),
+                p.names.len()
+            )));
+        }
+        for (name, shape, data) in &ck.model {
+            let i = p.names.iter().position(|n| n == name);
+            let i =
+                i.ok_or_else(|| bad(format!("holds {name}, which this run has no place for")))?;
+            if p.values[i].shape() != shape.as_slice() {
+                return Err(bad(format!(
+                    "{name} is {shape:?}, the run's is {:?}",
+                    p.values[i].shape()
+                )));
+            }
+            p.values[i] = Tensor::from_f32(self.gpu, shape, data, name)?;
+        }
+        let state = ck.optim_state(self.gpu, &p.names)?;
+        self.opt.restore(ck.state.adamw_step, state)?;
+        self.step = ck.state.step;
+        self.tokens_seen = ck.state.tokens_seen;
+        self.resumed = true;
+        self.history = read_history(&self.cfg.out_dir.join(METRICS), self.step);
+        Ok(())
     }
 
     /// A run over data given as JSONL text (`eval`: its own set, else the config's
@@ -102,6 +245,11 @@ impl<'g> Finetuner<'g> {
         eval_text: Option<&str>,
     ) -> Result<Finetuner<'g>> {
         let tmpl = model.template.as_ref();
+        let data_sha256 = checkpoint::sha256(
+            [train_text, "\n\0", eval_text.unwrap_or("")]
+                .concat()
+                .as_bytes(),
+        );
         let shown = cfg.data.display().to_string();
         let mut train = data::parse_jsonl(train_text, &shown, &model.tokenizer, tmpl)?;
         let eval = match eval_text {
@@ -164,6 +312,9 @@ impl<'g> Finetuner<'g> {
             eval,
             truncated,
             step: 0,
+            tokens_seen: 0,
+            data_sha256,
+            resumed: false,
             history: Vec::new(),
         })
     }
@@ -268,6 +419,7 @@ impl<'g> Finetuner<'g> {
         }
         let loss = (loss / accum as f64) as f32;
         self.step += 1;
+        self.tokens_seen += tokens as u64;
         self.history.push((self.step, loss, None));
         Ok(FtStep {
             step: self.step,
@@ -331,13 +483,45 @@ impl<'g> Finetuner<'g> {
         Ok(loss)
     }
 
-    /// The adapter as PEFT writes it, to `out_dir/adapter` (replaced atomically), and the
-    /// loss curve beside it.
+    /// A checkpoint of this step (`out_dir/step-NNNNNNNN`, see `train::checkpoint`), the
+    /// adapter as PEFT writes it to `out_dir/adapter` (replaced atomically), and the loss
+    /// curve beside them. Returns the adapter's directory.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn save(&self) -> Result<PathBuf> {
+        let gpu = self.gpu;
+        let p = &self.lora.params;
+        let named: Vec<(String, &Tensor)> = p.names.iter().cloned().zip(&p.values).collect();
+        let model = checkpoint::safetensors_bytes(gpu, &named)?;
+        let mut opt_named = Vec::new();
+        for (n, (m, v)) in p.names.iter().zip(self.opt.state()) {
+            opt_named.push((format!("m.{n}"), m));
+            opt_named.push((format!("v.{n}"), v));
+        }
+        let optim = checkpoint::safetensors_bytes(gpu, &opt_named)?;
+        let llama = &self.model.llama;
+        let state = RunState {
+            format: 1,
+            config: FtRun {
+                config: self.cfg.clone(),
+                data_sha256: self.data_sha256.clone(),
+                base_bytes: llama.weight_bytes,
+                base_layers: llama.cfg.n_layer,
+            },
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            loss_scaler: crate::optim::LossScaler::fixed(),
+            adamw_step: self.opt.steps(),
+            hashes: Default::default(),
+        };
+        let files = CheckpointFiles {
+            model,
+            optim,
+            tokenizer: None,
+        };
+        checkpoint::save(&self.cfg.out_dir, state, &files)?;
         let dir = self.cfg.out_dir.join("adapter");
         let base = self.cfg.base.display().to_string();
-        let out = adapter::save(self.gpu, &self.lora, &self.model.llama.cfg, &base, &dir)?;
+        let out = adapter::save(gpu, &self.lora, &llama.cfg, &base, &dir)?;
         let train: Vec<(u64, f32)> = self
             .history
             .iter()
@@ -350,8 +534,37 @@ impl<'g> Finetuner<'g> {
             .filter_map(|h| h.2.map(|v| (h.0, v)))
             .collect();
         let svg = crate::train::curve::svg(&train, &val, "fine-tuning loss (learned tokens)");
-        crate::train::checkpoint::write_atomic(&self.cfg.out_dir.join("loss.svg"), svg.as_bytes())?;
+        checkpoint::write_atomic(&self.cfg.out_dir.join("loss.svg"), svg.as_bytes())?;
         Ok(out)
+    }
+
+    /// metrics.jsonl opened for appending: a fresh run's starts empty, a resumed run's
+    /// keeps the lines up to its checkpoint's step (later ones belong to steps redone).
+    #[cfg(not(target_arch = "wasm32"))]
+    fn open_metrics(&self) -> Result<std::fs::File> {
+        let path = self.cfg.out_dir.join(METRICS);
+        let kept: String = match self.resumed {
+            true => std::fs::read_to_string(&path)
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .ok()
+                        .and_then(|v| v["step"].as_u64())
+                        .is_some_and(|s| s <= self.step)
+                })
+                .map(|l| format!("{l}\n"))
+                .collect(),
+            false => String::new(),
+        };
+        checkpoint::write_atomic(&path, kept.as_bytes())?;
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .map_err(|source| Error::Io {
+                path: path.display().to_string(),
+                source,
+            })
     }
 
     /// Trains to the config's steps (or `stop`), evaluating and saving at their
@@ -368,12 +581,8 @@ impl<'g> Finetuner<'g> {
             path: out.display().to_string(),
             source,
         })?;
-        let mpath = out.join("metrics.jsonl");
-        // A fresh run: metrics of an earlier run in this directory are replaced.
-        let mut metrics = std::fs::File::create(&mpath).map_err(|source| Error::Io {
-            path: mpath.display().to_string(),
-            source,
-        })?;
+        let mpath = out.join(METRICS);
+        let mut metrics = self.open_metrics()?;
         let mut write = |v: serde_json::Value| -> Result<()> {
             writeln!(metrics, "{v}").map_err(|source| Error::Io {
                 path: mpath.display().to_string(),
@@ -390,7 +599,7 @@ impl<'g> Finetuner<'g> {
             steps,
         });
         let mut last = (f32::NAN, None);
-        if !self.eval.is_empty() {
+        if !self.eval.is_empty() && !self.resumed {
             let v = self.evaluate()?;
             write(serde_json::json!({"step": self.step, "eval_loss": v}))?;
             on_event(FtEvent::Eval {

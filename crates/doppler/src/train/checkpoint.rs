@@ -25,11 +25,12 @@ const LATEST: &str = "latest";
 /// Checkpoints kept in a run directory (older ones are removed).
 const KEEP: usize = 2;
 
-/// Everything besides tensors that a resumed run needs to continue bit for bit.
+/// Everything besides tensors that a resumed run needs to continue bit for bit. `C` is
+/// the run's config: `train`'s, or what `finetune` keeps ([`crate::finetune::FtRun`]).
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct RunState {
+pub struct RunState<C = TrainConfig> {
     pub format: u32,
-    pub config: TrainConfig,
+    pub config: C,
     /// Optimizer steps taken.
     pub step: u64,
     /// Batches are drawn from (config seed, step, micro-batch): the data position is the
@@ -140,15 +141,19 @@ pub fn read_safetensors(path: &Path, bytes: &[u8]) -> Result<Vec<(String, Vec<us
     Ok(out)
 }
 
-/// Files of one checkpoint, as bytes.
+/// Files of one checkpoint, as bytes (a fine-tune's has no tokenizer: the base has it).
 pub struct CheckpointFiles {
     pub model: Vec<u8>,
     pub optim: Vec<u8>,
-    pub tokenizer: Vec<u8>,
+    pub tokenizer: Option<Vec<u8>>,
 }
 
 /// Writes `step-NNNNNNNN/` under `run_dir` and points `latest` at it.
-pub fn save(run_dir: &Path, state: RunState, files: &CheckpointFiles) -> Result<PathBuf> {
+pub fn save<C: Serialize>(
+    run_dir: &Path,
+    state: RunState<C>,
+    files: &CheckpointFiles,
+) -> Result<PathBuf> {
     save_with(run_dir, state, files, &write_atomic)
 }
 
@@ -156,9 +161,9 @@ pub fn save(run_dir: &Path, state: RunState, files: &CheckpointFiles) -> Result<
 /// does). Before writing, the run's stale temporary folders and every checkpoint but the
 /// newest go: at most two checkpoints are on the disk while the new one is written. A
 /// write that fails removes what it wrote, so the next save finds the space it had.
-pub fn save_with(
+pub fn save_with<C: Serialize>(
     run_dir: &Path,
-    mut state: RunState,
+    mut state: RunState<C>,
     files: &CheckpointFiles,
     write: &dyn Fn(&Path, &[u8]) -> Result<()>,
 ) -> Result<PathBuf> {
@@ -174,11 +179,11 @@ pub fn save_with(
     }
     fs::create_dir_all(&tmp).map_err(io(&tmp))?;
     let written = (|| {
-        for (file, bytes) in [
-            (MODEL_FILE, &files.model),
-            (OPTIM_FILE, &files.optim),
-            (TOKENIZER_FILE, &files.tokenizer),
-        ] {
+        let tokenizer = files.tokenizer.as_ref().map(|t| (TOKENIZER_FILE, t));
+        for (file, bytes) in [(MODEL_FILE, &files.model), (OPTIM_FILE, &files.optim)]
+            .into_iter()
+            .chain(tokenizer)
+        {
             state.hashes.insert(file.into(), sha256(bytes));
             write(&tmp.join(file), bytes)?;
         }
@@ -267,15 +272,22 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
 }
 
 /// A loaded checkpoint, hashes checked.
-pub struct Loaded {
+pub struct Loaded<C = TrainConfig> {
     pub dir: PathBuf,
-    pub state: RunState,
+    pub state: RunState<C>,
     pub model: Vec<(String, Vec<usize>, Vec<f32>)>,
-    pub tokenizer: Vec<u8>,
+    tokenizer: Option<Vec<u8>>,
     optim_bytes: Vec<u8>,
 }
 
-impl Loaded {
+impl<C> Loaded<C> {
+    /// The tokenizer's JSON (a checkpoint of `train`; a fine-tune's has none).
+    pub fn tokenizer(&self) -> Result<&[u8]> {
+        self.tokenizer
+            .as_deref()
+            .ok_or_else(|| ckpt_err(&self.dir, format!("holds no {TOKENIZER_FILE}")))
+    }
+
     /// AdamW's (m, v) per parameter, in `names` order.
     pub fn optim_state(&self, gpu: &Gpu, names: &[String]) -> Result<Vec<(Tensor, Tensor)>> {
         let path = self.dir.join(OPTIM_FILE);
@@ -295,11 +307,11 @@ impl Loaded {
     }
 }
 
-pub fn load(path: &Path) -> Result<Loaded> {
+pub fn load<C: serde::de::DeserializeOwned>(path: &Path) -> Result<Loaded<C>> {
     let dir = resolve(path)?;
     let state_path = dir.join(STATE_FILE);
     let text = fs::read(&state_path).map_err(io(&state_path))?;
-    let state: RunState =
+    let state: RunState<C> =
         serde_json::from_slice(&text).map_err(|e| ckpt_err(&state_path, e.to_string()))?;
     if state.format != 1 {
         return Err(ckpt_err(
@@ -324,7 +336,10 @@ pub fn load(path: &Path) -> Result<Loaded> {
     };
     let model_bytes = read(MODEL_FILE)?;
     let optim_bytes = read(OPTIM_FILE)?;
-    let tokenizer = read(TOKENIZER_FILE)?;
+    let tokenizer = match state.hashes.contains_key(TOKENIZER_FILE) {
+        true => Some(read(TOKENIZER_FILE)?),
+        false => None,
+    };
     let model = read_safetensors(&dir.join(MODEL_FILE), &model_bytes)?;
     Ok(Loaded {
         dir,
@@ -374,7 +389,7 @@ mod tests {
         let files = CheckpointFiles {
             model: vec![1; 64],
             optim: vec![2; 64],
-            tokenizer: b"{}".to_vec(),
+            tokenizer: Some(b"{}".to_vec()),
         };
         for step in [1, 2] {
             save(&run, state(step), &files).unwrap();

@@ -125,7 +125,7 @@ impl<'g> Trainer<'g> {
             ));
         }
         if resume && has_ckpt {
-            let ck = checkpoint::load(out)?;
+            let ck: checkpoint::Loaded = checkpoint::load(out)?;
             // The vocabulary size comes from the tokenizer, not the file.
             let mut asked = cfg.clone();
             asked.model.vocab_size = ck.state.config.model.vocab_size;
@@ -136,7 +136,7 @@ impl<'g> Trainer<'g> {
                     detail: format!("was written by another config: {}", diff.join("; ")),
                 });
             }
-            let tokenizer = Tokenizer::from_json(&ck.tokenizer)?;
+            let tokenizer = Tokenizer::from_json(ck.tokenizer()?)?;
             let mcfg = ck.state.config.model.clone();
             let model = Transformer::from_weights(gpu, &mcfg, ck.model.clone()).map_err(|e| {
                 Error::Checkpoint {
@@ -497,7 +497,7 @@ impl<'g> Trainer<'g> {
             &CheckpointFiles {
                 model,
                 optim,
-                tokenizer: self.tokenizer.to_json()?,
+                tokenizer: Some(self.tokenizer.to_json()?),
             },
         )
     }
@@ -655,8 +655,8 @@ fn read_history(path: &Path, upto: u64) -> Vec<(u64, f32, Option<f32>)> {
 
 /// A model and tokenizer loaded from a checkpoint (a run directory or a step directory).
 pub fn load_for_generation(gpu: &Gpu, path: &Path) -> Result<(Transformer, Tokenizer)> {
-    let ck = checkpoint::load(path)?;
-    let tokenizer = Tokenizer::from_json(&ck.tokenizer)?;
+    let ck: checkpoint::Loaded = checkpoint::load(path)?;
+    let tokenizer = Tokenizer::from_json(ck.tokenizer()?)?;
     let model = Transformer::from_weights(gpu, &ck.state.config.model, ck.model).map_err(|e| {
         Error::Checkpoint {
             path: ck.dir.display().to_string(),
