@@ -3,6 +3,7 @@
 mod bench;
 mod bench_generate;
 mod embed;
+mod export;
 mod finetune;
 mod generate;
 mod inspect;
@@ -64,6 +65,8 @@ enum Command {
     /// Fine-tune a pretrained model with LoRA from a TOML config (the base stays frozen in
     /// its encoding; writes a PEFT adapter, metrics.jsonl and loss.svg).
     Finetune(finetune::FinetuneArgs),
+    /// Write a model as a Hugging Face SafeTensors directory, a LoRA adapter merged in.
+    Export(export::ExportArgs),
     /// Generate text from a model file (GGUF, SafeTensors) or a training checkpoint (streams).
     Generate(generate::GenerateArgs),
     /// Chat with a model interactively (keeps the conversation in the KV cache).
@@ -133,6 +136,7 @@ fn run(cli: Cli) -> doppler::Result<ExitCode> {
         Command::Bench(args) => bench::run(&gpu()?, &args),
         Command::Train(args) => train::train(&gpu()?, &args),
         Command::Finetune(args) => finetune::finetune(&gpu()?, &args),
+        Command::Export(args) => export::export_cmd(&gpu()?, &args),
         Command::Generate(args) => generate::generate_cmd(&gpu()?, &args),
         Command::Chat(args) => generate::chat_cmd(&gpu()?, &args),
         Command::Embed(args) => embed::embed(&gpu()?, &args),

@@ -1059,6 +1059,32 @@ fn finetune_then_generate_with_the_adapter() {
     assert_eq!(base["tokens"], zero["tokens"]);
     let (ok, _, err) = doppler(&["generate", "-m", m, "--lora", "/nonexistent/adapter", "hi"]);
     assert!(!ok && err.contains("adapter_config.json"), "{err}");
+    // Merged into a Hugging Face directory (the GGUF's q/k rows back in HF's order): the
+    // same greedy tokens as the adapter applied unmerged; an existing -o is refused.
+    let merged = dir.join("merged");
+    let o = merged.to_str().unwrap();
+    let (ok, out, err) = doppler(&[
+        "export", "-m", m, "--lora", a, "-o", o, "--dtype", "f32", "--json",
+    ]);
+    assert!(ok, "{err}");
+    let done: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(done["merged"].as_u64().unwrap() > 0, "{out}");
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        assert!(merged.join(f).is_file(), "{f}");
+    }
+    let mut args = vec!["generate", "-m", o, "--chat", "say cat", "-n", "6"];
+    args.extend(["--temperature", "0", "--json"]);
+    let (ok, out, err) = doppler(&args);
+    assert!(ok, "{err}");
+    let from_export: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(from_export["tokens"], tuned["tokens"], "{out}");
+    let (ok, _, err) = doppler(&["export", "-m", m, "--lora", a, "-o", o]);
+    assert!(!ok && err.contains("already exists"), "{err}");
     // The run's checkpoints are kept: starting over in their directory is refused;
     // --resume of the finished run trains no further step.
     let (ok, _, err) = doppler(&["finetune", "--config", cfg.to_str().unwrap()]);

@@ -1909,3 +1909,87 @@ fn lora_inference_matches_peft() {
     let e = model.set_lora(Some((other, 1.0))).unwrap_err().to_string();
     assert!(e.contains("3 layers on a model of 2"), "{e}");
 }
+
+/// `doppler export` of the PEFT fixture (a transformers Llama directory and its adapter),
+/// merged in f32: the exported directory, opened as any model, gives PEFT's logits (the
+/// adapter applied unmerged by PEFT) to 1e-4 of the largest; an existing output
+/// directory is refused and left as it was.
+#[test]
+fn lora_export_merges_as_peft_does() {
+    use doppler::autograd::Tape;
+    use doppler::finetune::export::{export, Dtype, Export};
+    use doppler::models::llama::{self, TrainOpts};
+    let gpu = gpu();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora-tiny");
+    let fx: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("lora.json")).unwrap()).unwrap();
+    let out = std::env::temp_dir().join(format!("doppler-export-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let adapter = dir.join("adapter");
+    let job = Export {
+        base: &dir,
+        lora: Some((&adapter, 1.0)),
+        out: &out,
+        dtype: Dtype::Auto,
+    };
+    let mut calls = 0;
+    let done = export(gpu, &job, &mut |_, _| calls += 1).unwrap();
+    assert_eq!((done.dtype, done.shards), ("float32", 1));
+    assert_eq!(calls, done.tensors);
+    assert_eq!(
+        done.merged,
+        7 * 2,
+        "seven projections in each of two layers"
+    );
+    let ids: Vec<u32> = fx["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+        })
+        .collect();
+    let b = fx["ids"].as_array().unwrap().len();
+    let (model, _) = llama::open(gpu, &out, 64).unwrap();
+    let ti = doppler::gpu::Tensor::from_u32(gpu, &[b, ids.len() / b], &ids, "ids").unwrap();
+    let mut tape = Tape::new();
+    tape.set_grad_enabled(false);
+    let logits = gpu
+        .run(|rec| {
+            let opts = TrainOpts {
+                lora: None,
+                dropout_seed: None,
+            };
+            let l = model.train_logits(&mut tape, rec, &ti, opts)?;
+            Ok(tape.value(l)?.clone())
+        })
+        .unwrap()
+        .read_f32(gpu)
+        .unwrap();
+    let want: Vec<f64> = fx["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    assert_eq!(logits.len(), want.len());
+    let big = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let diff = logits
+        .iter()
+        .zip(&want)
+        .fold(0.0f64, |m, (g, w)| m.max((*g as f64 - w).abs()));
+    eprintln!("merged logits within {:.2e} of PEFT's largest", diff / big);
+    assert!(diff <= 1e-4 * big, "{diff} vs {big}");
+    // Written again to the same place: refused, the first export untouched.
+    let before = std::fs::read(out.join("model.safetensors")).unwrap();
+    let e = export(gpu, &job, &mut |_, _| {}).err().unwrap().to_string();
+    assert!(e.contains("already exists"), "{e}");
+    assert_eq!(
+        std::fs::read(out.join("model.safetensors")).unwrap(),
+        before
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -27,7 +27,7 @@ fn bad(path: &Path, detail: impl Into<String>) -> Error {
 }
 
 /// Whether q and k rows of this base are in GGUF's permuted order.
-fn permuted(cfg: &LlamaConfig) -> bool {
+pub(crate) fn permuted(cfg: &LlamaConfig) -> bool {
     cfg.pairing == Pairing::Interleaved
 }
 
@@ -37,8 +37,9 @@ fn hf_row(r: usize, d: usize) -> usize {
     h * d + (e % 2) * (d / 2) + e / 2
 }
 
-/// B (out, r) with its rows reordered: GGUF -> Hugging Face (`to_hf`) or back.
-fn reorder_rows(b: &[f32], rank: usize, d: usize, to_hf: bool) -> Vec<f32> {
+/// A matrix of `rank` columns (B (out, r), or a weight (out, in)) with its rows reordered
+/// per head of `d` rows: GGUF -> Hugging Face (`to_hf`) or back.
+pub(crate) fn reorder_rows(b: &[f32], rank: usize, d: usize, to_hf: bool) -> Vec<f32> {
     let rows = b.len() / rank;
     let mut out = vec![0.0; b.len()];
     for r in 0..rows {

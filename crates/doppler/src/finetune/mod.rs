@@ -16,6 +16,8 @@
 pub mod adapter;
 pub mod config;
 pub mod data;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod export;
 pub mod lora;
 
 use std::path::PathBuf;

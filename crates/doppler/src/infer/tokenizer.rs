@@ -242,6 +242,28 @@ impl Tokenizer {
         self.pieces.len()
     }
 
+    /// This tokenizer as a Hugging Face `tokenizer.json` (byte-level BPE; its control
+    /// tokens as special added tokens, so that chat markers stay single tokens), for
+    /// `doppler export`. `shown` names the model in the error a SentencePiece one gets.
+    pub fn hf_json(&self, shown: &str) -> Result<String> {
+        let Kind::Bpe(tk) = &self.kind else {
+            return Err(err(
+                shown,
+                "a SentencePiece vocabulary (tokenizer.ggml.model = llama) has no \
+                 tokenizer.json form in Doppler: export from the model's Hugging Face \
+                 directory instead",
+            ));
+        };
+        let mut tk = (**tk).clone();
+        let added: Vec<tokenizers::AddedToken> = self
+            .specials
+            .keys()
+            .map(|s| tokenizers::AddedToken::from(s.clone(), true))
+            .collect();
+        tk.add_special_tokens(&added);
+        tk.to_string(false).map_err(|e| err(shown, e.to_string()))
+    }
+
     /// The id of a control token written out, e.g. `<|im_end|>`.
     pub fn special(&self, text: &str) -> Option<u32> {
         self.specials.get(text).copied()

@@ -2039,6 +2039,28 @@ impl Source for SafeTensorsDir {
     }
 }
 
+/// The `*.safetensors` files of a Hugging Face directory, sorted (at least one).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn safetensors_files(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
+    let shown = dir.display().to_string();
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|source| Error::Io {
+            path: shown.clone(),
+            source,
+        })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(format_err(
+            &shown,
+            "no *.safetensors files in the directory",
+        ));
+    }
+    Ok(files)
+}
+
 /// Opens a model: a `.gguf` file, or a directory with `config.json` and `*.safetensors`.
 /// Returns the configuration, the loaded model, and the GGUF metadata (empty for
 /// SafeTensors) for the tokenizer.
@@ -2062,22 +2084,7 @@ pub fn open(
             path: cfg_path.display().to_string(),
             source,
         })?;
-        let mut files: Vec<_> = std::fs::read_dir(path)
-            .map_err(|source| Error::Io {
-                path: shown.clone(),
-                source,
-            })?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            return Err(format_err(
-                &shown,
-                "no *.safetensors files in the directory",
-            ));
-        }
-        let src = SafeTensorsDir::open(&files, &shown)?;
+        let src = SafeTensorsDir::open(&safetensors_files(path)?, &shown)?;
         let model = from_safetensors(
             gpu,
             &text,
