@@ -246,6 +246,14 @@ impl Tape {
         Var(self.values.len() - 1)
     }
 
+    /// An input whose gradient [`Tape::backward_from`] and [`Tape::backward_inputs`] return.
+    pub fn input_with_grad(&mut self, t: Tensor) -> Var {
+        self.values.push(Some(t));
+        self.ops.push(Op::Leaf { param: None });
+        self.needs_grad.push(self.grad_enabled);
+        Var(self.values.len() - 1)
+    }
+
     /// Parameter `i` of `store`; its gradient accumulates into `store.grads[i]`.
     pub fn param(&mut self, store: &ParamStore, i: usize) -> Var {
         self.values.push(Some(store.values[i].clone()));
@@ -482,26 +490,80 @@ impl Tape {
     /// (1, or the loss scale, or 1 / micro-batches), accumulating into `store`'s gradients.
     /// The tape is consumed: every activation is dropped once no later rule needs it.
     pub fn backward(
-        mut self,
+        self,
         rec: &mut Recorder<'_>,
         loss: Var,
         seed: f32,
         store: &mut ParamStore,
     ) -> Result<()> {
+        self.backward_inputs(rec, loss, seed, store, &[]).map(drop)
+    }
+
+    /// [`Tape::backward`], also returning the gradients of `inputs` (values made by
+    /// [`Tape::input_with_grad`]), in their order.
+    pub fn backward_inputs(
+        self,
+        rec: &mut Recorder<'_>,
+        loss: Var,
+        seed: f32,
+        store: &mut ParamStore,
+        inputs: &[Var],
+    ) -> Result<Vec<Tensor>> {
         if !matches!(self.ops[loss.0], Op::CrossEntropy { .. }) {
             return Err(Error::Invalid {
                 op: "backward",
                 detail: "the loss must be a cross-entropy value".into(),
             });
         }
+        let g = Tensor::from_f32(rec.gpu(), &[1], &[seed], "backward.seed")?;
+        self.walk(rec, loss, g, store, inputs)
+    }
+
+    /// Backpropagates `upstream` (the gradient of a loss with respect to `out`, its shape)
+    /// through the tape: parameters' gradients accumulate into `store`, the gradients of
+    /// `inputs` ([`Tape::input_with_grad`] values) are returned in their order. A piece of
+    /// a longer backward: a layer recomputed from its saved input (fine-tuning's
+    /// recomputation), `upstream` the gradient of its output from the layers above.
+    pub fn backward_from(
+        self,
+        rec: &mut Recorder<'_>,
+        out: Var,
+        upstream: Tensor,
+        store: &mut ParamStore,
+        inputs: &[Var],
+    ) -> Result<Vec<Tensor>> {
+        let shape = self.value(out)?.shape().to_vec();
+        if upstream.shape() != shape.as_slice() || upstream.dtype() != DType::F32 {
+            return Err(Error::Shape {
+                op: "backward_from",
+                detail: format!(
+                    "upstream {:?} {:?} for a value {shape:?} f32",
+                    upstream.shape(),
+                    upstream.dtype()
+                ),
+            });
+        }
+        self.walk(rec, out, upstream, store, inputs)
+    }
+
+    /// The backward walk from `root` (its gradient `root_grad`, never written in place).
+    fn walk(
+        mut self,
+        rec: &mut Recorder<'_>,
+        root: Var,
+        root_grad: Tensor,
+        store: &mut ParamStore,
+        inputs: &[Var],
+    ) -> Result<Vec<Tensor>> {
+        let mut found: Vec<Option<Tensor>> = inputs.iter().map(|_| None).collect();
         let n = self.values.len();
         let mut grads: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
         // Whether grads[v]'s buffer belongs to v alone (a rule's fresh output, or a sum), so
         // that a later rule may add into it in place; false where it is shared with another
         // value's gradient (d(a + b) hands the same g to both).
         let mut owned = vec![false; n];
-        grads[loss.0] = Some(Tensor::from_f32(rec.gpu(), &[1], &[seed], "backward.seed")?);
-        for i in (0..=loss.0).rev() {
+        grads[root.0] = Some(root_grad);
+        for i in (0..=root.0).rev() {
             let op = std::mem::replace(&mut self.ops[i], Op::Leaf { param: None });
             let g = grads[i].take();
             let g_owned = owned[i];
@@ -528,7 +590,11 @@ impl Tape {
                         Some(prev) => elementwise::add(rec, &prev, &g)?,
                     });
                 }
-                Op::Leaf { param: None } => {}
+                Op::Leaf { param: None } => {
+                    if let Some(at) = inputs.iter().position(|v| v.0 == i) {
+                        found[at] = Some(g);
+                    }
+                }
                 // d reshape(x) = reshape^-1(g)
                 Op::Reshape { x } => {
                     let shape = self.value(x)?.shape().to_vec();
@@ -726,7 +792,19 @@ impl Tape {
             }
             drop(value);
         }
-        Ok(())
+        found
+            .into_iter()
+            .zip(inputs)
+            .map(|(g, v)| {
+                g.ok_or_else(|| Error::Invalid {
+                    op: "backward",
+                    detail: format!(
+                        "no gradient reached value {} (not an input_with_grad the result depends on)",
+                        v.0
+                    ),
+                })
+            })
+            .collect()
     }
 
     fn param_of(&self, v: Var) -> Option<usize> {

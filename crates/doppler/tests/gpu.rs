@@ -1993,3 +1993,73 @@ fn lora_export_merges_as_peft_does() {
     );
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// Fine-tuning with each layer recomputed in the backward (the default) against one tape
+/// over the whole model: with the loss in one piece the same losses and adapters bit for
+/// bit over four steps (dropout on: the masks are regenerated alike); with the loss in
+/// pieces of 7 rows (some with no learned token, skipped) the same to float rounding.
+#[test]
+fn lora_recompute_matches_one_tape() {
+    use doppler::finetune::{config::FinetuneConfig, Finetuner};
+    let gpu = gpu();
+    let dir = std::env::temp_dir().join(format!("doppler-ft-re-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let files = doppler::verify::llama::tiny_files("llama", "F16", 5).unwrap();
+    std::fs::write(dir.join("m.gguf"), &files.gguf).unwrap();
+    let lines: Vec<String> = ["red", "sun", "cat", "map", "owl", "fig"]
+        .iter()
+        .map(|w| {
+            serde_json::json!({"messages": [
+                {"role": "user", "content": format!("say {w} twice")},
+                {"role": "assistant", "content": format!("{w} {w}")},
+            ]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(dir.join("d.jsonl"), lines.join("\n")).unwrap();
+    let toml = "base = \"m.gguf\"\ndata = \"d.jsonl\"\neval_fraction = 0.0\nout_dir = \"run\"\n\
+        [lora]\nrank = 4\nalpha = 8\ndropout = 0.1\n\
+        [train]\nseq_len = 48\nbatch_size = 3\ngrad_accum = 2\nsteps = 4\nlr = 1e-2\nseed = 3\n";
+    std::fs::write(dir.join("ft.toml"), toml).unwrap();
+    let base = FinetuneConfig::load(&dir.join("ft.toml")).unwrap();
+    let run = |recompute: bool, rows: Option<usize>, name: &str| {
+        let mut cfg = base.clone();
+        cfg.train.recompute = recompute;
+        cfg.out_dir = dir.join(name);
+        let mut ft = Finetuner::new(gpu, &cfg, false).unwrap();
+        if let Some(r) = rows {
+            ft.loss_rows = r;
+        }
+        let losses: Vec<f32> = (0..4).map(|_| ft.train_step().unwrap().loss).collect();
+        let eval = {
+            ft.eval = ft.train.clone();
+            ft.evaluate().unwrap()
+        };
+        let params: Vec<Vec<f32>> = ft
+            .lora
+            .params
+            .values
+            .iter()
+            .map(|t| t.read_f32(gpu).unwrap())
+            .collect();
+        (losses, eval, params)
+    };
+    let (l0, e0, p0) = run(false, None, "plain");
+    let (l1, e1, p1) = run(true, None, "re");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&l0), bits(&l1), "losses {l0:?} vs {l1:?}");
+    assert_eq!(e0.to_bits(), e1.to_bits(), "eval {e0} vs {e1}");
+    assert!(p0 == p1, "adapters differ");
+    let (l2, e2, p2) = run(true, Some(7), "pieces");
+    for (a, b) in l0.iter().zip(&l2).chain([(&e0, &e2)]) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "{a} vs {b}");
+    }
+    for (a, b) in p0.iter().zip(&p2) {
+        let big = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(d <= 1e-4 * big, "adapter {d} vs {big}");
+    }
+    assert!(l0[3] < l0[0], "{l0:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

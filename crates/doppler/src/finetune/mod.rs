@@ -49,6 +49,9 @@ pub struct FtStep {
     /// Learned tokens in the step.
     pub tokens: usize,
     pub tokens_per_s: f64,
+    /// The most bytes of GPU buffers Doppler's pool has held so far (the base's weights
+    /// included).
+    pub gpu_peak_bytes: u64,
 }
 
 /// What [`Finetuner::run`] reports as it goes.
@@ -112,6 +115,165 @@ fn read_history(path: &std::path::Path, upto: u64) -> Vec<(u64, f32, Option<f32>
     out
 }
 
+/// Bytes of logits the recomputing pass holds at once: the loss runs over pieces of this
+/// many rows' logits (f32), each with its backward, before the next.
+const LOSS_CHUNK_BYTES: usize = 256 << 20;
+
+/// The cross-entropy of fine-tuning: the mean over learned tokens.
+fn ce() -> CrossEntropyOpts {
+    CrossEntropyOpts {
+        ignore_index: Some(IGNORE),
+        ..Default::default()
+    }
+}
+
+/// What [`layered`] runs: the backward too (its upstream factor; the adapters' gradients
+/// accumulate in their store), or the forward alone (evaluation); the dropout seed; rows
+/// of logits a loss piece.
+struct Pass {
+    grad: Option<f32>,
+    dropout_seed: Option<u64>,
+    chunk_rows: usize,
+}
+
+/// One micro-batch through the model a layer at a time, keeping only each layer's input
+/// (B, T, E): the loss over pieces of `chunk_rows` rows (those with no learned token
+/// skipped), and with `pass.grad` the backward: each piece's into the final norm's
+/// output, then each layer recomputed from its saved input on a tape of its own and
+/// backpropagated with the gradient from above (`Tape::backward_from`). The adapters'
+/// gradients are the ones one tape over the whole model gives (the same kernels on the
+/// same values; with one piece, the same bits). Returns a readback of each piece's
+/// (mean, count) of the loss.
+fn layered(
+    llama: &crate::models::llama::Llama,
+    rec: &mut crate::gpu::Recorder<'_>,
+    ids: &Tensor,
+    targets: &[u32],
+    lora: &mut Lora,
+    pass: Pass,
+) -> Result<Vec<crate::gpu::Readback>> {
+    // The tapes hold the adapters' tensors, not the adapters: each layer's borrow ends
+    // before its backward writes their gradients.
+    let seed = pass.dropout_seed;
+    fn opts(lora: &Lora, dropout_seed: Option<u64>) -> TrainOpts<'_> {
+        TrainOpts {
+            lora: Some(lora),
+            dropout_seed,
+        }
+    }
+    llama.train_check(ids, opts(lora, seed))?;
+    let gpu = rec.gpu();
+    let (n_layer, e) = (llama.cfg.n_layer, llama.cfg.n_embd);
+    let mut xs: Vec<Tensor> = vec![llama.train_embed(rec, ids)?];
+    for li in 0..n_layer {
+        let mut tape = Tape::new();
+        tape.set_grad_enabled(false);
+        let x = tape.input(xs.last().expect("the embeddings at least").clone());
+        let y = llama.train_layer(&mut tape, rec, li, x, opts(lora, seed))?;
+        let y = tape.value(y)?.clone();
+        // Saved for the backward, or (evaluation) only the newest kept.
+        match pass.grad.is_some() {
+            true => xs.push(y),
+            false => xs[0] = y,
+        }
+    }
+    let last = xs.pop().expect("the embeddings at least");
+    let mut head = Tape::new();
+    head.set_grad_enabled(pass.grad.is_some());
+    let xl = head.input_with_grad(last);
+    let xn = llama.train_norm(&mut head, rec, xl)?;
+    let normed = head.value(xn)?.clone(); // (R, E)
+    let rows = normed.shape()[0];
+    let learned = targets.iter().filter(|&&t| t != IGNORE).count();
+    let dxn = match pass.grad {
+        Some(_) => {
+            let dxn = Tensor::empty(gpu, &[rows, e], crate::gpu::DType::F32, "dxn")?;
+            rec.clear(&dxn);
+            Some(dxn)
+        }
+        None => None,
+    };
+    let mut reads = Vec::new();
+    for r0 in (0..rows).step_by(pass.chunk_rows) {
+        let n = pass.chunk_rows.min(rows - r0);
+        let part = &targets[r0..r0 + n];
+        let count = part.iter().filter(|&&t| t != IGNORE).count();
+        if count == 0 {
+            continue;
+        }
+        let xc = match (r0, n) {
+            (0, n) if n == rows => normed.clone(),
+            _ => {
+                let xc = Tensor::empty(gpu, &[n, e], crate::gpu::DType::F32, "rows")?;
+                rec.copy_elements(&normed, r0 * e, &xc, 0, n * e)?;
+                xc
+            }
+        };
+        let tt = Tensor::from_u32(gpu, &[n], part, "targets")?;
+        let mut tape = Tape::new();
+        tape.set_grad_enabled(pass.grad.is_some());
+        let xi = tape.input_with_grad(xc);
+        let logits = llama.train_output(&mut tape, rec, xi)?;
+        let loss = tape.cross_entropy(rec, logits, &tt, ce())?;
+        reads.push(rec.read_later(tape.value(loss)?)?);
+        if let (Some(g), Some(dxn)) = (pass.grad, dxn.as_ref()) {
+            // The piece's mean times its share of the learned tokens: the micro-batch's mean.
+            let share = match count == learned {
+                true => g,
+                false => g * (count as f32 / learned as f32),
+            };
+            let [dxc] = tape
+                .backward_inputs(rec, loss, share, &mut lora.params, &[xi])?
+                .try_into()
+                .map_err(|_| Error::Invalid {
+                    op: "finetune",
+                    detail: "one gradient per input".into(),
+                })?;
+            match n == rows {
+                true => rec.copy(&dxc, dxn)?,
+                false => rec.copy_elements(&dxc, 0, dxn, r0 * e, n * e)?,
+            }
+        }
+    }
+    let Some(dxn) = dxn else {
+        return Ok(reads);
+    };
+    let one = |v: Vec<Tensor>| v.into_iter().next().expect("one input asked");
+    let mut dx = one(head.backward_from(rec, xn, dxn, &mut lora.params, &[xl])?);
+    for li in (0..n_layer).rev() {
+        let mut tape = Tape::new();
+        let saved = xs.pop().expect("a saved input a layer");
+        // The embeddings get no gradient (the plain tape's input neither).
+        let x = match li {
+            0 => tape.input(saved),
+            _ => tape.input_with_grad(saved),
+        };
+        let y = llama.train_layer(&mut tape, rec, li, x, opts(lora, seed))?;
+        let inputs = if li == 0 { vec![] } else { vec![x] };
+        let got = tape.backward_from(rec, y, dx.clone(), &mut lora.params, &inputs)?;
+        if li > 0 {
+            dx = one(got);
+        }
+    }
+    Ok(reads)
+}
+
+/// (mean, learned tokens) of the loss from [`layered`]'s or one whole loss's readbacks of
+/// (mean, count).
+async fn mean_of(gpu: &Gpu, reads: &[crate::gpu::Readback]) -> Result<(f64, f64)> {
+    let (mut sum, mut count) = (0.0f64, 0.0f64);
+    for r in reads {
+        let v = r.u32s(gpu).await?;
+        let (m, c) = (f32::from_bits(v[0]) as f64, f32::from_bits(v[1]) as f64);
+        sum += m * c;
+        count += c;
+    }
+    Ok(match count > 0.0 {
+        true => (sum / count, count),
+        false => (0.0, 0.0),
+    })
+}
+
 pub struct Finetuner<'g> {
     gpu: &'g Gpu,
     pub cfg: FinetuneConfig,
@@ -122,6 +284,9 @@ pub struct Finetuner<'g> {
     pub eval: Vec<Sample>,
     /// Samples longer than a row (truncated, or the run refused).
     pub truncated: usize,
+    /// Rows of logits a piece of the loss when layers are recomputed (from
+    /// LOSS_CHUNK_BYTES and the vocabulary).
+    pub loss_rows: usize,
     pub step: u64,
     /// Learned tokens seen so far.
     pub tokens_seen: u64,
@@ -294,6 +459,7 @@ impl<'g> Finetuner<'g> {
                 });
             }
         }
+        let loss_rows = (LOSS_CHUNK_BYTES / (4 * model.llama.cfg.vocab_size).max(1)).max(1);
         let lora = Lora::new(
             gpu,
             &model.llama.cfg,
@@ -313,6 +479,7 @@ impl<'g> Finetuner<'g> {
             train,
             eval,
             truncated,
+            loss_rows,
             step: 0,
             tokens_seen: 0,
             data_sha256,
@@ -383,28 +550,39 @@ impl<'g> Finetuner<'g> {
             let tt = Tensor::from_u32(gpu, &[b * s], &targets, "targets")?;
             let seed = mix(&[tc.seed, self.step, m as u64, 1]);
             let mut rec = gpu.recorder("finetune.step");
-            let mut tape = Tape::new();
-            let opts = TrainOpts {
-                lora: Some(&self.lora),
-                dropout_seed: Some(seed),
-            };
-            let logits = self
-                .model
-                .llama
-                .train_logits(&mut tape, &mut rec, &ti, opts)?;
-            let ce = CrossEntropyOpts {
-                ignore_index: Some(IGNORE),
-                ..Default::default()
-            };
-            let loss = tape.cross_entropy(&mut rec, logits, &tt, ce)?;
-            losses.push(rec.read_later(tape.value(loss)?)?);
+            // Submitted as it is recorded: the GPU starts sooner, and the temporaries of
+            // finished parts go back to the pool for the rest of the step.
+            rec.set_flush_every(crate::gpu::FLUSH_EVERY);
             // A micro-batch with no learned token (all truncated away) adds nothing.
             let g = if learned == 0 {
                 0.0
             } else {
                 1.0 / accum as f32
             };
-            tape.backward(&mut rec, loss, g, &mut self.lora.params)?;
+            let llama = &self.model.llama;
+            let reads = match tc.recompute {
+                true => {
+                    let pass = Pass {
+                        grad: Some(g),
+                        dropout_seed: Some(seed),
+                        chunk_rows: self.loss_rows.max(1),
+                    };
+                    layered(llama, &mut rec, &ti, &targets, &mut self.lora, pass)?
+                }
+                false => {
+                    let opts = TrainOpts {
+                        lora: Some(&self.lora),
+                        dropout_seed: Some(seed),
+                    };
+                    let mut tape = Tape::new();
+                    let logits = llama.train_logits(&mut tape, &mut rec, &ti, opts)?;
+                    let loss = tape.cross_entropy(&mut rec, logits, &tt, ce())?;
+                    let read = rec.read_later(tape.value(loss)?)?;
+                    tape.backward(&mut rec, loss, g, &mut self.lora.params)?;
+                    vec![read]
+                }
+            };
+            losses.push(reads);
             rec.submit()?.settle(gpu).await?;
         }
         let mut rec = gpu.recorder("finetune.update");
@@ -416,8 +594,8 @@ impl<'g> Finetuner<'g> {
         rec.submit()?.settle(gpu).await?;
         self.lora.params.zero_grad();
         let mut loss = 0.0f64;
-        for l in &losses {
-            loss += f32::from_bits(l.u32s(gpu).await?[0]) as f64;
+        for reads in &losses {
+            loss += mean_of(gpu, reads).await?.0;
         }
         let loss = (loss / accum as f64) as f32;
         self.step += 1;
@@ -430,6 +608,7 @@ impl<'g> Finetuner<'g> {
             lr,
             tokens,
             tokens_per_s: (tc.batch_size * tc.seq_len * accum) as f64 / t0.elapsed().as_secs_f64(),
+            gpu_peak_bytes: gpu.pool.stats().peak_bytes,
         })
     }
 
@@ -451,28 +630,20 @@ impl<'g> Finetuner<'g> {
                 continue;
             }
             let ti = Tensor::from_u32(gpu, &[chunk.len(), s], &ids, "ids")?;
-            let tt = Tensor::from_u32(gpu, &[chunk.len() * s], &targets, "targets")?;
-            let mut tape = Tape::new();
-            tape.set_grad_enabled(false);
-            let (llama, lora) = (&self.model.llama, &self.lora);
-            let stats = gpu
-                .run_async(|rec| {
-                    let opts = TrainOpts {
-                        lora: Some(lora),
-                        dropout_seed: None,
-                    };
-                    let logits = llama.train_logits(&mut tape, rec, &ti, opts)?;
-                    let ce = CrossEntropyOpts {
-                        ignore_index: Some(IGNORE),
-                        ..Default::default()
-                    };
-                    let l = tape.cross_entropy(rec, logits, &tt, ce)?;
-                    Ok(tape.value(l)?.clone())
-                })
-                .await?;
-            let v = stats.to_vec_f32(gpu).await?;
-            sum += v[0] as f64 * v[1] as f64;
-            count += v[1] as f64;
+            let mut rec = gpu.recorder("finetune.eval");
+            rec.set_flush_every(crate::gpu::FLUSH_EVERY);
+            let llama = &self.model.llama;
+            // A layer at a time (nothing kept for a backward), the loss in pieces.
+            let pass = Pass {
+                grad: None,
+                dropout_seed: None,
+                chunk_rows: self.loss_rows.max(1),
+            };
+            let reads = layered(llama, &mut rec, &ti, &targets, &mut self.lora, pass)?;
+            rec.submit()?.settle(gpu).await?;
+            let (m, c) = mean_of(gpu, &reads).await?;
+            sum += m * c;
+            count += c;
         }
         let loss = match count > 0.0 {
             true => (sum / count) as f32,

@@ -20,6 +20,8 @@ pub struct PoolStats {
     pub misses: u64,
     /// Submissions whose buffers are still held because the GPU has not finished them.
     pub in_flight: u64,
+    /// The most bytes the pool has held at once (live and pooled), since it was made.
+    pub peak_bytes: u64,
 }
 
 type Key = (u64, u32);
@@ -163,6 +165,10 @@ impl BufferPool {
         let mut p = self.inner.lock().unwrap();
         p.stats.misses += 1;
         p.stats.live_bytes += class;
+        p.stats.peak_bytes = p
+            .stats
+            .peak_bytes
+            .max(p.stats.live_bytes + p.stats.pooled_bytes);
         p.serial += 1;
         Ok(Arc::new(PooledBuffer {
             buffer,

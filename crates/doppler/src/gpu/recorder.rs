@@ -112,7 +112,15 @@ pub struct Recorder<'g> {
     /// [`Recorder::set_flush_every`]), the first times sooner (`next_flush`).
     flush_every: usize,
     next_flush: usize,
+    /// Submissions of flushed parts the GPU may not have finished, oldest first: past
+    /// MAX_AHEAD the recorder waits for the oldest (native), so that a recording far
+    /// faster than the GPU (lavapipe, a large model's backward) does not hold every
+    /// buffer of the whole recording at once: the pool reuses those of finished parts.
+    ahead: std::collections::VecDeque<wgpu::SubmissionIndex>,
 }
+
+/// Flushed parts of one recording the GPU may run behind by before the recorder waits.
+const MAX_AHEAD: usize = 4;
 
 /// A tensor's bytes as they were at a point of a submission, to read once the GPU has
 /// reached it; waiting for it does not wait for later submissions (pipelined decoding
@@ -185,6 +193,7 @@ impl<'g> Recorder<'g> {
             readbacks: Vec::new(),
             flush_every: 0,
             next_flush: 0,
+            ahead: Default::default(),
         }
     }
 
@@ -216,8 +225,30 @@ impl<'g> Recorder<'g> {
             readbacks: std::mem::take(&mut self.readbacks),
             flush_every: 0,
             next_flush: 0,
+            ahead: Default::default(),
         };
-        part.submit().map(drop)
+        let sub = part.submit()?;
+        if let Some(index) = sub.index {
+            self.ahead.push_back(index);
+        }
+        while self.ahead.len() > MAX_AHEAD {
+            let oldest = self.ahead.pop_front().expect("longer than MAX_AHEAD");
+            #[cfg(not(target_arch = "wasm32"))]
+            {
+                let wait = wgpu::PollType::Wait {
+                    submission_index: Some(oldest),
+                    timeout: None,
+                };
+                self.gpu
+                    .device
+                    .poll(wait)
+                    .map_err(|e| Error::Device(e.to_string()))?;
+                self.gpu.pool.collect();
+            }
+            #[cfg(target_arch = "wasm32")]
+            drop(oldest);
+        }
+        Ok(())
     }
 
     fn maybe_flush(&mut self) -> Result<()> {
@@ -445,11 +476,13 @@ impl<'g> Recorder<'g> {
                 queries.as_ref().map(|q| (q, self.timing)),
             )
         });
+        let mut submitted = None;
         let ((), submit_err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
             let index = gpu.queue.submit([cb]);
             for r in &self.readbacks {
                 *r.lock().unwrap() = Some(index.clone());
             }
+            submitted = Some(index);
         });
         err = err.or(submit_err);
         drop(binds);
@@ -492,6 +525,7 @@ impl<'g> Recorder<'g> {
             names,
             dispatches: n_dispatch as usize,
             checks: self.checks,
+            index: submitted,
         })
     }
 }
@@ -668,6 +702,8 @@ pub struct Submission {
     names: Vec<(Arc<str>, [u32; 3])>,
     dispatches: usize,
     checks: Vec<IndexCheck>,
+    /// The queue's index of it.
+    index: Option<wgpu::SubmissionIndex>,
 }
 
 impl Submission {

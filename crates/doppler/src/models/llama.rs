@@ -1177,8 +1177,19 @@ impl Llama {
         ids: &Tensor,
         opts: TrainOpts<'_>,
     ) -> Result<crate::autograd::Var> {
-        use crate::finetune::lora::Target;
-        use crate::ops::attention::AttnOpts;
+        self.train_check(ids, opts)?;
+        let mut x = tape.input(self.train_embed(rec, ids)?); // (B, T, E)
+        for li in 0..self.layers.len() {
+            x = self.train_layer(tape, rec, li, x, opts)?;
+        }
+        let x = self.train_norm(tape, rec, x)?;
+        self.train_output(tape, rec, x) // (B T, V)
+    }
+
+    /// Refuses what [`Llama::train_logits`] cannot run: ids not u32 (B, T), longer than the
+    /// loaded context or a layer's window, an architecture without training ops, adapters
+    /// made for another model.
+    pub fn train_check(&self, ids: &Tensor, opts: TrainOpts<'_>) -> Result<()> {
         let c = &self.cfg;
         let bad = |detail: String| Error::Invalid {
             op: "llama train",
@@ -1222,7 +1233,43 @@ impl Llama {
         if let Some(lo) = opts.lora {
             lo.fits(c)?;
         }
-        let (e, d, hq, hkv, f) = (c.n_embd, c.head_dim, c.n_head, c.n_kv_head, c.ffn_hidden);
+        Ok(())
+    }
+
+    /// The token embeddings of ids (B, T): (B, T, E), the training forward's first value.
+    pub fn train_embed(&self, rec: &mut Recorder<'_>, ids: &Tensor) -> Result<Tensor> {
+        let [b, t] = *ids.shape() else {
+            return Err(Error::Shape {
+                op: "llama train",
+                detail: format!("ids {:?}, expected (B, T)", ids.shape()),
+            });
+        };
+        let e = self.cfg.n_embd;
+        self.embd
+            .get_rows(rec, &ids.reshape(&[b * t])?)?
+            .reshape(&[b, t, e])
+    }
+
+    /// Layer `li` of the training forward: x (B, T, E) to the next layer's input.
+    pub fn train_layer(
+        &self,
+        tape: &mut crate::autograd::Tape,
+        rec: &mut Recorder<'_>,
+        li: usize,
+        x: crate::autograd::Var,
+        opts: TrainOpts<'_>,
+    ) -> Result<crate::autograd::Var> {
+        use crate::finetune::lora::Target;
+        use crate::ops::attention::AttnOpts;
+        let c = &self.cfg;
+        let [b, t, _] = *tape.value(x)?.shape() else {
+            return Err(Error::Shape {
+                op: "llama train",
+                detail: format!("x {:?}, expected (B, T, E)", tape.value(x)?.shape()),
+            });
+        };
+        let l = &self.layers[li];
+        let (d, hq, hkv, f) = (c.head_dim, c.n_head, c.n_kv_head, c.ffn_hidden);
         let eps = c.norm_eps as f32;
         let seed = opts.dropout_seed;
         let lora = |tape: &mut crate::autograd::Tape,
@@ -1237,58 +1284,72 @@ impl Llama {
                 None => Ok(y),
             }
         };
-        let flat = ids.reshape(&[b * t])?;
-        let x0 = self.embd.get_rows(rec, &flat)?.reshape(&[b, t, e])?;
-        let mut x = tape.input(x0); // (B, T, E)
-        for (li, l) in self.layers.iter().enumerate() {
-            // Attention: x += o(attend(rope(q), rope(k), v)), q, k, v from rmsnorm(x).
-            let nw = tape.input(l.attn_norm.clone());
-            let h = tape.rms_norm(rec, x, nw, eps, false)?;
-            let mut qkv = tape.qlinear(rec, h, &l.qkv)?; // (B, T, (Hq + 2 Hkv) D)
-            if let Some(bias) = &l.qkv_bias {
-                qkv = tape.add_bias(rec, qkv, bias)?;
-            }
-            let cols = (hq + 2 * hkv) * d;
-            let part = |tape: &mut crate::autograd::Tape,
-                        rec: &mut Recorder<'_>,
-                        start: usize,
-                        heads: usize,
-                        tg: Target|
-             -> Result<crate::autograd::Var> {
-                let y = match start == 0 && heads * d == cols {
-                    true => qkv,
-                    false => tape.slice(rec, qkv, start, heads * d)?,
-                };
-                let y = lora(tape, rec, li, tg, h, y)?;
-                tape.reshape(y, &[b, t, heads, d])
-            };
-            let q = part(tape, rec, 0, hq, Target::Q)?;
-            let k = part(tape, rec, hq * d, hkv, Target::K)?;
-            let v = part(tape, rec, (hq + hkv) * d, hkv, Target::V)?;
-            let q = tape.rope(rec, q, &self.rope, 0, c.pairing)?;
-            let k = tape.rope(rec, k, &self.rope, 0, c.pairing)?;
-            let a = tape.attention(rec, q, k, v, AttnOpts::default())?; // (B, T, Hq, D)
-            let a = tape.reshape(a, &[b, t, hq * d])?;
-            let o = tape.qlinear(rec, a, &RowSplit::whole(&l.o))?;
-            let o = lora(tape, rec, li, Target::O, a, o)?;
-            x = tape.add(rec, x, o)?;
-            // MLP: x += down(silu(gate(h)) * up(h)), h = rmsnorm(x).
-            let nw = tape.input(l.ffn_norm.clone());
-            let h = tape.rms_norm(rec, x, nw, eps, false)?;
-            let gu = tape.qlinear(rec, h, &RowSplit::whole(&l.gate_up))?; // (B, T, 2F)
-            let gate = tape.slice(rec, gu, 0, f)?;
-            let gate = lora(tape, rec, li, Target::Gate, h, gate)?;
-            let up = tape.slice(rec, gu, f, f)?;
-            let up = lora(tape, rec, li, Target::Up, h, up)?;
-            let u = tape.swiglu(rec, gate, up)?;
-            let down = tape.qlinear(rec, u, &RowSplit::whole(&l.down))?;
-            let down = lora(tape, rec, li, Target::Down, u, down)?;
-            x = tape.add(rec, x, down)?;
+        // Attention: x += o(attend(rope(q), rope(k), v)), q, k, v from rmsnorm(x).
+        let nw = tape.input(l.attn_norm.clone());
+        let h = tape.rms_norm(rec, x, nw, eps, false)?;
+        let mut qkv = tape.qlinear(rec, h, &l.qkv)?; // (B, T, (Hq + 2 Hkv) D)
+        if let Some(bias) = &l.qkv_bias {
+            qkv = tape.add_bias(rec, qkv, bias)?;
         }
+        let cols = (hq + 2 * hkv) * d;
+        let part = |tape: &mut crate::autograd::Tape,
+                    rec: &mut Recorder<'_>,
+                    start: usize,
+                    heads: usize,
+                    tg: Target|
+         -> Result<crate::autograd::Var> {
+            let y = match start == 0 && heads * d == cols {
+                true => qkv,
+                false => tape.slice(rec, qkv, start, heads * d)?,
+            };
+            let y = lora(tape, rec, li, tg, h, y)?;
+            tape.reshape(y, &[b, t, heads, d])
+        };
+        let q = part(tape, rec, 0, hq, Target::Q)?;
+        let k = part(tape, rec, hq * d, hkv, Target::K)?;
+        let v = part(tape, rec, (hq + hkv) * d, hkv, Target::V)?;
+        let q = tape.rope(rec, q, &self.rope, 0, c.pairing)?;
+        let k = tape.rope(rec, k, &self.rope, 0, c.pairing)?;
+        let a = tape.attention(rec, q, k, v, AttnOpts::default())?; // (B, T, Hq, D)
+        let a = tape.reshape(a, &[b, t, hq * d])?;
+        let o = tape.qlinear(rec, a, &RowSplit::whole(&l.o))?;
+        let o = lora(tape, rec, li, Target::O, a, o)?;
+        let x = tape.add(rec, x, o)?;
+        // MLP: x += down(silu(gate(h)) * up(h)), h = rmsnorm(x).
+        let nw = tape.input(l.ffn_norm.clone());
+        let h = tape.rms_norm(rec, x, nw, eps, false)?;
+        let gu = tape.qlinear(rec, h, &RowSplit::whole(&l.gate_up))?; // (B, T, 2F)
+        let gate = tape.slice(rec, gu, 0, f)?;
+        let gate = lora(tape, rec, li, Target::Gate, h, gate)?;
+        let up = tape.slice(rec, gu, f, f)?;
+        let up = lora(tape, rec, li, Target::Up, h, up)?;
+        let u = tape.swiglu(rec, gate, up)?;
+        let down = tape.qlinear(rec, u, &RowSplit::whole(&l.down))?;
+        let down = lora(tape, rec, li, Target::Down, u, down)?;
+        tape.add(rec, x, down)
+    }
+
+    /// The final norm of the training forward: x (B, T, E) to (B T, E).
+    pub fn train_norm(
+        &self,
+        tape: &mut crate::autograd::Tape,
+        rec: &mut Recorder<'_>,
+        x: crate::autograd::Var,
+    ) -> Result<crate::autograd::Var> {
         let nw = tape.input(self.out_norm.clone());
-        let x = tape.rms_norm(rec, x, nw, eps, false)?;
-        let x = tape.reshape(x, &[b * t, e])?;
-        tape.qlinear(rec, x, &self.output) // (B T, V)
+        let x = tape.rms_norm(rec, x, nw, self.cfg.norm_eps as f32, false)?;
+        let rows = tape.value(x)?.numel() / self.cfg.n_embd;
+        tape.reshape(x, &[rows, self.cfg.n_embd])
+    }
+
+    /// Logits (rows, V) of normed rows (rows, E).
+    pub fn train_output(
+        &self,
+        tape: &mut crate::autograd::Tape,
+        rec: &mut Recorder<'_>,
+        x: crate::autograd::Var,
+    ) -> Result<crate::autograd::Var> {
+        tape.qlinear(rec, x, &self.output)
     }
 }
 
