@@ -38,15 +38,26 @@ mem() {
 }
 base=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
 echo "GPU memory in use before: $base MiB"
-peak=$(mem "$out/doppler_mem.txt" sh -c "./target/release/doppler finetune --config configs/.lora_bench.toml --json > $out/doppler_lora.jsonl 2> $out/doppler_lora.err")
-echo "doppler peak GPU memory (nvidia-smi): $peak MiB"
-python3 - "$out/doppler_lora.jsonl" <<'PY'
+# Doppler with what a user gets by default (each layer recomputed in the backward), then
+# with recompute = false (one tape over the whole model).
+for mode in default norecompute; do
+  cfg=configs/.lora_bench.toml
+  if [ "$mode" = norecompute ]; then
+    sed 's/^save_interval = 1000$/save_interval = 1000\nrecompute = false/' configs/.lora_bench.toml > configs/.lora_bench_nr.toml
+    cfg=configs/.lora_bench_nr.toml
+  fi
+  rm -rf runs/lora_bench
+  peak=$(mem "$out/doppler_mem_$mode.txt" sh -c "./target/release/doppler finetune --config $cfg --json > $out/doppler_lora_$mode.jsonl 2> $out/doppler_lora_$mode.err")
+  echo "doppler ($mode) peak GPU memory (nvidia-smi): $peak MiB"
+  python3 - "$out/doppler_lora_$mode.jsonl" "$mode" <<'PY'
 import json, statistics, sys
 s = [json.loads(l)["step"] for l in open(sys.argv[1]) if '"event":"step"' in l]
 t = [x["tokens_per_s"] for x in s[2:]]
-print(json.dumps({"name": "doppler lora r16 (Q4_1 base)", "tokens_per_s_median": statistics.median(t), "steps": len(t),
+print(json.dumps({"name": f"doppler lora r16 (Q4_1 base, {sys.argv[2]})", "tokens_per_s_median": statistics.median(t) if t else None,
+                  "steps": len(t), "pool_peak_mb": s[-1]["gpu_peak_bytes"] / 1e6 if s else None,
                   "losses": [round(x["loss"], 4) for x in s]}))
 PY
+done
 peak=$(mem "$out/peft_mem.txt" sh -c "python3 bench/lora_bench.py --dtypes bf16 > $out/peft.jsonl 2> $out/peft.err")
 echo "pytorch+peft bf16 peak GPU memory (nvidia-smi): $peak MiB"
 peak=$(mem "$out/peft32_mem.txt" sh -c "python3 bench/lora_bench.py --dtypes f32 >> $out/peft.jsonl 2>> $out/peft.err")
