@@ -4,8 +4,9 @@
 # SmolLM2 GGUF (the real file's header and types, Q4_1 blocks; bench/synthetic_gguf.py,
 # carried xz-compressed as .bench/smollm2-synth.gguf.xz) over data/finetune padded to 512
 # tokens, batch 8, rank 16 on all seven projections; tokens/s from its --json steps, peak
-# GPU memory by nvidia-smi. PyTorch: bench/lora_bench.py (bf16 and f32 bases). Expects
-# target/release/doppler and the Vulkan loader unpacked. Writes $OUT/*.
+# GPU memory by nvidia-smi; the 8B Q4_K shape by `doppler bench finetune`. PyTorch:
+# bench/lora_bench.py (bf16 and f32 bases). Expects target/release/doppler and the Vulkan
+# loader unpacked. Writes $OUT/*.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp}"
@@ -58,6 +59,10 @@ print(json.dumps({"name": f"doppler lora r16 (Q4_1 base, {sys.argv[2]})", "token
                   "losses": [round(x["loss"], 4) for x in s]}))
 PY
 done
+# The 8B Q4_K shape (synthetic weights, made in memory): `doppler bench finetune`.
+peak=$(mem "$out/doppler_8b_mem.txt" sh -c "./target/release/doppler bench finetune --preset llama3-8b-q4k --json > $out/doppler_8b.json 2> $out/doppler_8b.err")
+echo "doppler 8B Q4_K peak GPU memory (nvidia-smi): $peak MiB"
+cat "$out/doppler_8b.json"
 peak=$(mem "$out/peft_mem.txt" sh -c "python3 bench/lora_bench.py --dtypes bf16 > $out/peft.jsonl 2> $out/peft.err")
 echo "pytorch+peft bf16 peak GPU memory (nvidia-smi): $peak MiB"
 peak=$(mem "$out/peft32_mem.txt" sh -c "python3 bench/lora_bench.py --dtypes f32 >> $out/peft.jsonl 2>> $out/peft.err")

@@ -23,6 +23,10 @@ pub enum Which {
     /// decode tokens/s (p50/p95 ms per token), dispatches and CPU time per token. Not part
     /// of `all`.
     Generate,
+    /// LoRA fine-tuning steps of a Llama-family model (synthetic weights of a preset, or
+    /// --model) over made-up rows that fill the sequence: tokens/s and the buffer pool's
+    /// peak. Not part of `all`.
+    Finetune,
     /// The cost of a dispatch: chains of tiny dispatches in one submission, each reading
     /// the previous one's output (a barrier between them) or all independent; wall-clock
     /// µs per dispatch (the floor under a decode step of N dispatches).
@@ -66,11 +70,17 @@ pub struct BenchArgs {
     config: Option<std::path::PathBuf>,
     /// train: model shape, "gpt2-124m" (12 layers, 768 wide, 12 heads, vocab 50304) or
     /// "gpt2-tiny" (2 layers, 64 wide); default gpt2-tiny on a CPU adapter.
-    /// generate: synthetic weights of "smollm2-135m" (default; Q8_0 embeddings, Q4_1
-    /// blocks) or "llama3-8b-q4k" (Q4_K, Q6_K output), unless --model is given.
+    /// generate, finetune: synthetic weights of "smollm2-135m" (default; Q8_0 embeddings,
+    /// Q4_1 blocks) or "llama3-8b-q4k" (Q4_K, Q6_K output), unless --model is given.
     #[arg(long)]
     preset: Option<String>,
-    /// generate: a model file or directory instead of synthetic weights.
+    /// finetune: LoRA rank on all seven projections.
+    #[arg(long, default_value_t = 16)]
+    rank: usize,
+    /// finetune: recompute each layer in the backward (the default, as `finetune` runs).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    recompute: bool,
+    /// generate, finetune: a model file or directory instead of synthetic weights.
     #[arg(short, long)]
     model: Option<std::path::PathBuf>,
     /// generate: prompt tokens (prefill) and generated tokens (decode).
@@ -81,7 +91,8 @@ pub struct BenchArgs {
     /// generate: KV cache storage (auto: f16 where the adapter has shader-f16).
     #[arg(long, value_enum, default_value = "auto")]
     cache_type: crate::generate::CacheType,
-    /// train: sequences per step (default 8) and their length (default 1024).
+    /// train, finetune: sequences per step (default 8) and their length (default 1024;
+    /// finetune 512).
     #[arg(long)]
     train_batch: Option<usize>,
     #[arg(long)]
@@ -542,6 +553,19 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
             cache_type: args.cache_type,
         };
         return crate::bench_generate::run(gpu, &g);
+    }
+    if args.which == Which::Finetune {
+        let f = crate::bench_finetune::FtBenchArgs {
+            model: args.model.clone(),
+            preset: args.preset.clone().unwrap_or_else(|| "smollm2-135m".into()),
+            batch: args.train_batch.unwrap_or(8),
+            seq: args.seq.unwrap_or(512),
+            rank: args.rank,
+            steps: args.steps,
+            recompute: args.recompute,
+            json: args.json,
+        };
+        return crate::bench_finetune::run(gpu, &f);
     }
     if args.which == Which::Train {
         let mut trace = doppler::gpu::Trace::default();

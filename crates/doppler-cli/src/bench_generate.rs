@@ -26,15 +26,15 @@ pub struct GenBenchArgs {
     pub cache_type: crate::generate::CacheType,
 }
 
-struct Synthetic {
-    cfg: LlamaConfig,
+pub(crate) struct Synthetic {
+    pub(crate) cfg: LlamaConfig,
     embd: &'static str,
     block: &'static str,
     output: Option<&'static str>,
 }
 
 impl Synthetic {
-    fn preset(name: &str) -> doppler::Result<Synthetic> {
+    pub(crate) fn preset(name: &str) -> doppler::Result<Synthetic> {
         let base = |n_layer, n_embd, n_head, n_kv_head, ffn, vocab, theta| LlamaConfig {
             arch: "llama".into(),
             n_layer,

@@ -1,6 +1,7 @@
 //! `doppler`: run and check neural-network kernels on your GPU through WebGPU.
 
 mod bench;
+mod bench_finetune;
 mod bench_generate;
 mod embed;
 mod export;
