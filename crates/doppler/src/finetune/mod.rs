@@ -177,6 +177,16 @@ fn layered(
             false => xs[0] = y,
         }
     }
+    let pool = |at: &str| {
+        let s = gpu.pool.stats();
+        tracing::debug!(
+            "finetune {at}: pool live {} MB, free {} MB, in flight {}",
+            s.live_bytes >> 20,
+            s.pooled_bytes >> 20,
+            s.in_flight
+        );
+    };
+    pool("forward done");
     let last = xs.pop().expect("the embeddings at least");
     let mut head = Tape::new();
     head.set_grad_enabled(pass.grad.is_some());
@@ -239,6 +249,7 @@ fn layered(
         return Ok(reads);
     };
     let one = |v: Vec<Tensor>| v.into_iter().next().expect("one input asked");
+    pool("loss done");
     let mut dx = one(head.backward_from(rec, xn, dxn, &mut lora.params, &[xl])?);
     for li in (0..n_layer).rev() {
         let mut tape = Tape::new();
@@ -254,6 +265,7 @@ fn layered(
         if li > 0 {
             dx = one(got);
         }
+        pool(&format!("layer {li} backward"));
     }
     Ok(reads)
 }
