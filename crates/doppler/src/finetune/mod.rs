@@ -119,6 +119,11 @@ fn read_history(path: &std::path::Path, upto: u64) -> Vec<(u64, f32, Option<f32>
 /// many rows' logits (f32), each with its backward, before the next.
 const LOSS_CHUNK_BYTES: usize = 256 << 20;
 
+/// Bytes of buffers a submitted part of a step binds at most (with two parts in flight):
+/// the temporaries the GPU has not finished with stay around this size however long the
+/// rows are (`Recorder::set_flush_bytes`).
+const FLUSH_BYTES: u64 = 1 << 30;
+
 /// The cross-entropy of fine-tuning: the mean over learned tokens.
 fn ce() -> CrossEntropyOpts {
     CrossEntropyOpts {
@@ -565,6 +570,7 @@ impl<'g> Finetuner<'g> {
             // Submitted as it is recorded: the GPU starts sooner, and the temporaries of
             // finished parts go back to the pool for the rest of the step.
             rec.set_flush_every(crate::gpu::FLUSH_EVERY);
+            rec.set_flush_bytes(FLUSH_BYTES, 2);
             // A micro-batch with no learned token (all truncated away) adds nothing.
             let g = if learned == 0 {
                 0.0
@@ -644,6 +650,7 @@ impl<'g> Finetuner<'g> {
             let ti = Tensor::from_u32(gpu, &[chunk.len(), s], &ids, "ids")?;
             let mut rec = gpu.recorder("finetune.eval");
             rec.set_flush_every(crate::gpu::FLUSH_EVERY);
+            rec.set_flush_bytes(FLUSH_BYTES, 2);
             let llama = &self.model.llama;
             // A layer at a time (nothing kept for a backward), the loss in pieces.
             let pass = Pass {

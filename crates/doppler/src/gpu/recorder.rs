@@ -117,6 +117,11 @@ pub struct Recorder<'g> {
     /// faster than the GPU (lavapipe, a large model's backward) does not hold every
     /// buffer of the whole recording at once: the pool reuses those of finished parts.
     ahead: std::collections::VecDeque<wgpu::SubmissionIndex>,
+    /// Also submit once the dispatches recorded since the last submission bind this many
+    /// bytes (0: off; [`Recorder::set_flush_bytes`]), and wait past `max_ahead` parts.
+    flush_bytes: u64,
+    touched: u64,
+    max_ahead: usize,
 }
 
 /// Flushed parts of one recording the GPU may run behind by before the recorder waits.
@@ -194,6 +199,9 @@ impl<'g> Recorder<'g> {
             flush_every: 0,
             next_flush: 0,
             ahead: Default::default(),
+            flush_bytes: 0,
+            touched: 0,
+            max_ahead: MAX_AHEAD,
         }
     }
 
@@ -226,13 +234,17 @@ impl<'g> Recorder<'g> {
             flush_every: 0,
             next_flush: 0,
             ahead: Default::default(),
+            flush_bytes: 0,
+            touched: 0,
+            max_ahead: MAX_AHEAD,
         };
+        self.touched = 0;
         let sub = part.submit()?;
         if let Some(index) = sub.index {
             self.ahead.push_back(index);
         }
-        while self.ahead.len() > MAX_AHEAD {
-            let oldest = self.ahead.pop_front().expect("longer than MAX_AHEAD");
+        while self.ahead.len() > self.max_ahead {
+            let oldest = self.ahead.pop_front().expect("longer than max_ahead");
             #[cfg(not(target_arch = "wasm32"))]
             {
                 let wait = wgpu::PollType::Wait {
@@ -251,8 +263,19 @@ impl<'g> Recorder<'g> {
         Ok(())
     }
 
+    /// With flushing on ([`Recorder::set_flush_every`]), also submits once the dispatches
+    /// recorded since the last submission bind `bytes` of buffers, and lets the GPU run at
+    /// most `max_ahead` submitted parts behind: work whose dispatches are large (a model's
+    /// layers over thousands of tokens) then holds a bounded amount of temporaries in
+    /// flight rather than FLUSH_EVERY commands' worth of each part.
+    pub fn set_flush_bytes(&mut self, bytes: u64, max_ahead: usize) {
+        self.flush_bytes = bytes;
+        self.max_ahead = max_ahead;
+    }
+
     fn maybe_flush(&mut self) -> Result<()> {
-        if self.flush_every > 0 && self.cmds.len() >= self.next_flush {
+        let heavy = self.flush_bytes > 0 && self.touched >= self.flush_bytes;
+        if self.flush_every > 0 && (self.cmds.len() >= self.next_flush || heavy) {
             self.flush()?;
             self.next_flush = (2 * self.next_flush).min(self.flush_every);
         }
@@ -319,6 +342,7 @@ impl<'g> Recorder<'g> {
             tensors: tensors.iter().map(|t| (*t).clone()).collect(),
             grid,
         });
+        self.touched += tensors.iter().map(|t| t.byte_size()).sum::<u64>();
         self.maybe_flush()
     }
 
