@@ -564,7 +564,6 @@ impl<'g> Finetuner<'g> {
             tokens += learned;
             let (b, s) = (samples.len(), tc.seq_len);
             let ti = Tensor::from_u32(gpu, &[b, s], &ids, "ids")?;
-            let tt = Tensor::from_u32(gpu, &[b * s], &targets, "targets")?;
             let seed = mix(&[tc.seed, self.step, m as u64, 1]);
             let mut rec = gpu.recorder("finetune.step");
             // Submitted as it is recorded: the GPU starts sooner, and the temporaries of
@@ -592,6 +591,7 @@ impl<'g> Finetuner<'g> {
                         lora: Some(&self.lora),
                         dropout_seed: Some(seed),
                     };
+                    let tt = Tensor::from_u32(gpu, &[b * s], &targets, "targets")?;
                     let mut tape = Tape::new();
                     let logits = llama.train_logits(&mut tape, &mut rec, &ti, opts)?;
                     let loss = tape.cross_entropy(&mut rec, logits, &tt, ce())?;

@@ -223,21 +223,10 @@ impl<'g> Recorder<'g> {
         if self.timing != Timing::Off || self.cmds.is_empty() {
             return Ok(());
         }
-        let part = Recorder {
-            gpu: self.gpu,
-            label: self.label.clone(),
-            cmds: std::mem::take(&mut self.cmds),
-            uniforms: std::mem::take(&mut self.uniforms),
-            timing: Timing::Off,
-            checks: Vec::new(),
-            readbacks: std::mem::take(&mut self.readbacks),
-            flush_every: 0,
-            next_flush: 0,
-            ahead: Default::default(),
-            flush_bytes: 0,
-            touched: 0,
-            max_ahead: MAX_AHEAD,
-        };
+        let mut part = Recorder::new(self.gpu, &self.label, Timing::Off);
+        part.cmds = std::mem::take(&mut self.cmds);
+        part.uniforms = std::mem::take(&mut self.uniforms);
+        part.readbacks = std::mem::take(&mut self.readbacks);
         self.touched = 0;
         let sub = part.submit()?;
         if let Some(index) = sub.index {
