@@ -12,13 +12,13 @@ fn parse(name: &str, src: &str) -> naga::Module {
 fn every_shader_validates() {
     assert!(ALL.len() >= 3);
     for s in ALL {
-        let module = parse(s.name, s.source);
+        let module = parse(s.name, &s.text());
         naga::valid::Validator::new(
             naga::valid::ValidationFlags::all(),
             naga::valid::Capabilities::all(),
         )
         .validate(&module)
-        .unwrap_or_else(|e| panic!("{}.wgsl: {}", s.name, e.emit_to_string(s.source)));
+        .unwrap_or_else(|e| panic!("{}.wgsl: {}", s.name, e.emit_to_string(&s.text())));
         assert!(
             !module.entry_points.is_empty(),
             "{}.wgsl has no entry point",
@@ -34,7 +34,7 @@ fn uniform_blocks_match_rust_params() {
             .iter()
             .find(|s| s.name == shader)
             .unwrap_or_else(|| panic!("no shader {shader}"));
-        let module = parse(s.name, s.source);
+        let module = parse(s.name, &s.text());
         let mut layouter = naga::proc::Layouter::default();
         layouter.update(module.to_ctx()).unwrap();
         let uniform = module
@@ -57,7 +57,7 @@ fn uniform_blocks_match_rust_params() {
 
 /// Override values besides the defaults that select code of their own in shaders lavapipe
 /// never builds (the cooperative product's starts from C and from the bias row, and its
-/// split operands, f16x3).
+/// split operands, f16x3; the cooperative quantized product's fusions and block types).
 const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
     ("matmul_coop", &[("INIT", 1.0)]),
     ("matmul_coop", &[("INIT", 2.0), ("TRANS_B", 1.0)]),
@@ -71,6 +71,20 @@ const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
         "matmul_coop",
         &[("SPLIT", 1.0), ("INIT", 2.0), ("TRANS_B", 1.0)],
     ),
+    ("quant_coop", &[("NORM", 1.0)]),
+    ("quant_coop", &[("RESIDUAL", 1.0), ("TYPE", 12.0)]),
+    ("quant_coop", &[("SWIGLU", 1.0), ("TYPE", 14.0)]),
+    (
+        "quant_coop",
+        &[("SWIGLU", 1.0), ("GEGLU", 1.0), ("TYPE", 8.0)],
+    ),
+    ("quant_coop", &[("SPLITK", 1.0), ("TYPE", 13.0)]),
+    ("quant_coop", &[("TYPE", 0.0)]),
+    ("quant_coop", &[("TYPE", 1.0)]),
+    ("quant_coop", &[("TYPE", 30.0)]),
+    ("quant_coop", &[("TYPE", 3.0)]),
+    ("quant_coop", &[("TYPE", 6.0)]),
+    ("quant_coop", &[("TYPE", 7.0)]),
 ];
 
 /// Every entry point goes through naga's SPIR-V writer (what wgpu runs on Vulkan) with its
@@ -90,7 +104,7 @@ fn every_entry_point_writes_spirv() {
     for (s, consts) in runs {
         let constants: naga::back::PipelineConstants =
             consts.iter().map(|(k, v)| (k.to_string(), *v)).collect();
-        let module = parse(s.name, s.source);
+        let module = parse(s.name, &s.text());
         let info = naga::valid::Validator::new(
             naga::valid::ValidationFlags::all(),
             naga::valid::Capabilities::all(),

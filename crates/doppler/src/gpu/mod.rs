@@ -46,6 +46,11 @@ pub struct GpuOptions {
     pub shader_checks: ShaderChecks,
     /// How f32 matrix products are computed (`DOPPLER_MATMUL`): see [`MatmulMode`].
     pub matmul: MatmulMode,
+    /// Products of quantized weights with many rows of x (prompts, batches) stay on the
+    /// f32 tiled kernel even where the adapter has cooperative matrices
+    /// (`DOPPLER_QUANT_COOP=off`; default: on cooperative matrices, x and W's values
+    /// rounded to f16, f32 sums, as llama.cpp's and cuBLAS's f16 paths).
+    pub quant_tiled_only: bool,
 }
 
 /// How f32 matrix products are computed. The tensor-core modes need cooperative matrices,
@@ -106,6 +111,16 @@ impl GpuOptions {
                     );
                     MatmulMode::F32
                 }),
+            },
+            quant_tiled_only: match get("DOPPLER_QUANT_COOP").as_deref() {
+                None | Some("on") => false,
+                Some("off") => true,
+                Some(other) => {
+                    tracing::warn!(
+                        "DOPPLER_QUANT_COOP={other:?} is not on or off: on where possible"
+                    );
+                    false
+                }
             },
         }
     }
@@ -170,6 +185,10 @@ pub struct Gpu {
     /// [`GpuOptions::matmul`] where possible here (the tensor-core modes need cooperative
     /// matrices, f16 and subgroups of exactly 32: the kernel's layout), else f32.
     pub matmul: MatmulMode,
+    /// Whether quantized products of many rows of x run on cooperative matrices
+    /// (`quant_coop.wgsl`): where possible ([`Gpu::coop_matmul_possible`]) unless
+    /// [`GpuOptions::quant_tiled_only`].
+    pub quant_coop: bool,
     /// Bind groups and the shared parameter buffer (see `binds.rs`); held while a
     /// recorder writes its parameters and submits.
     pub(crate) binds: Mutex<binds::Binds>,
@@ -227,6 +246,7 @@ impl Gpu {
                 MatmulMode::F32
             }
         };
+        let quant_coop = !opts.quant_tiled_only && coop_possible(features, &info);
         Ok(Gpu {
             pool: BufferPool::new(),
             pipelines: PipelineCache::new(),
@@ -241,6 +261,7 @@ impl Gpu {
                 false => opts.shader_checks,
             },
             matmul,
+            quant_coop,
             binds: Mutex::new(binds::Binds::default()),
             errors,
         })
@@ -290,6 +311,10 @@ impl Gpu {
                     MatmulMode::F32 => "f32 tiled",
                     MatmulMode::F16x3 => "f16x3 cooperative matrices",
                     MatmulMode::F16 => "f16 cooperative matrices",
+                },
+                "quantized_prompts": match self.quant_coop {
+                    true => "f16 cooperative matrices",
+                    false => "f32 tiled",
                 },
                 "attention_d64": crate::ops::attention::auto_path(self, 64),
                 "shader_f16": has(wgpu::Features::SHADER_F16),

@@ -8,7 +8,28 @@ use std::sync::{Arc, Mutex};
 /// A WGSL file embedded in the binary. `crate::shaders::ALL` lists every one.
 pub struct Shader {
     pub name: &'static str,
+    /// WGSL shared with other files, put before `source` (quant.wgsl's and
+    /// quant_coop.wgsl's block decoding); "" for most.
+    pub prelude: &'static str,
     pub source: &'static str,
+}
+
+impl Shader {
+    /// The whole WGSL module: the prelude, then the file's own text.
+    pub fn text(&self) -> std::borrow::Cow<'static, str> {
+        match self.prelude {
+            "" => self.source.into(),
+            pre => with_prelude(pre, self.source).into(),
+        }
+    }
+}
+
+/// `prelude` before `own`, `own`'s `enable` directives first (WGSL wants them before any
+/// declaration).
+fn with_prelude(prelude: &str, own: &str) -> String {
+    let (enables, rest): (Vec<&str>, Vec<&str>) =
+        own.lines().partition(|l| l.starts_with("enable "));
+    format!("{}\n{prelude}\n{}", enables.join("\n"), rest.join("\n"))
 }
 
 /// How an entry point uses a storage buffer.
@@ -287,7 +308,8 @@ impl PipelineCache {
 }
 
 /// The shader's WGSL: the embedded text, or for kernel tuning without a rebuild,
-/// `$DOPPLER_SHADER_DIR/<name>.wgsl` where that variable is set and the file exists.
+/// `$DOPPLER_SHADER_DIR/<name>.wgsl` where that variable is set and the file exists (after
+/// the embedded prelude).
 fn shader_source(shader: &Shader) -> Result<std::borrow::Cow<'static, str>> {
     #[cfg(not(target_arch = "wasm32"))]
     if let Some(dir) = std::env::var_os("DOPPLER_SHADER_DIR") {
@@ -306,14 +328,14 @@ fn shader_source(shader: &Shader) -> Result<std::borrow::Cow<'static, str>> {
         if path.exists() {
             tracing::warn!("shader {} from {}", shader.name, path.display());
             return std::fs::read_to_string(&path)
-                .map(Into::into)
+                .map(|own| with_prelude(shader.prelude, &own).into())
                 .map_err(|source| Error::Io {
                     path: path.display().to_string(),
                     source,
                 });
         }
     }
-    Ok(shader.source.into())
+    Ok(shader.text())
 }
 
 fn feature_name(f: wgpu::Features) -> &'static str {

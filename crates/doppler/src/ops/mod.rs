@@ -59,6 +59,7 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("bias", std::mem::size_of::<bias::Params>()),
         ("upsample", std::mem::size_of::<upsample::Params>()),
         ("quant", std::mem::size_of::<quant::Params>()),
+        ("quant_coop", std::mem::size_of::<quant::CoopParams>()),
         ("kvcache", std::mem::size_of::<kvcache::Params>()),
         ("columns", std::mem::size_of::<columns::Params>()),
     ]

@@ -8,7 +8,7 @@ use super::rope::Pairing;
 use crate::error::{Error, Result};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Binding::*, DType, Gpu, Grid, Kernel, Recorder, Tensor};
-use crate::shaders::QUANT;
+use crate::shaders::{QUANT, QUANT_COOP};
 
 #[repr(C)]
 #[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
@@ -92,6 +92,43 @@ static QUANTIZE_X8: Kernel = Kernel::new(
     "quantize_x8",
     &[(7, Read), (8, Read), (14, ReadWrite)],
 );
+
+/// `quant_coop.wgsl`'s parameter block.
+#[repr(C)]
+#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct CoopParams {
+    /// Outputs a row of x (rows of W, or half of them with SWIGLU).
+    pub n: u32,
+    /// Rows of x.
+    pub m: u32,
+    /// Row length.
+    pub k: u32,
+    /// x_half's NORM epsilon, f32 bits.
+    pub eps: u32,
+    /// qmatmul_coop's SPLITK: slices of k.
+    pub splits: u32,
+    pub pad: [u32; 3],
+}
+
+const COOP_FEATURES: wgpu::Features =
+    wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX.union(wgpu::Features::SHADER_F16);
+// x (times the norm) into f16 for the cooperative product: x and the norm weight as vec4s
+// (6, 7), xh and the rows' factors out (8, 9).
+static X_HALF: Kernel = Kernel {
+    shader: &QUANT_COOP,
+    entry: "x_half",
+    storage: &[(6, Read), (7, Read), (8, ReadWrite), (9, ReadWrite)],
+    features: COOP_FEATURES,
+};
+// The product on cooperative matrices: W, y, xh, the rows' factors, the residual.
+static QMATMUL_COOP: Kernel = Kernel {
+    shader: &QUANT_COOP,
+    entry: "qmatmul_coop",
+    storage: &[(1, Read), (2, ReadWrite), (3, Read), (4, Read), (5, Read)],
+    features: COOP_FEATURES,
+};
+/// Output tile of `qmatmul_coop` (rows and columns).
+const COOP_TILE: usize = 128;
 
 static SPLITK_SUM: Kernel = Kernel::new(
     &QUANT,
@@ -900,6 +937,9 @@ pub fn qmatmul_chain(
             let (cm, grid) = matvec_grid(&c, m, w.rows);
             rec.dispatch(&QMATVEC, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         }
+        Path::Tiled if uses_coop(rec.gpu(), m, w.rows, w.cols) => {
+            qmatmul_coop(rec, x, w, fuse, &y)?
+        }
         Path::Tiled => {
             let (gn, gm) = (w.rows.div_ceil(64), m.div_ceil(64));
             let splits = match fuse.norm.is_none() && !fuse.swiglu {
@@ -931,6 +971,77 @@ pub fn qmatmul_chain(
         }
     }
     Ok((y, None))
+}
+
+/// The tiled product on cooperative matrices (`quant_coop.wgsl`): x (times the fused
+/// norm) rounded to f16 by `x_half` (rows that f16 cannot hold scaled down by a power of
+/// two, and back after), then `qmatmul_coop` into `y` (fuse's residual or SwiGLU/GeGLU),
+/// over slices of k summed in order by `splitk_sum` where the output has few tiles.
+fn qmatmul_coop(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &QMatrix,
+    fuse: Fuse<'_>,
+    y: &Tensor,
+) -> Result<()> {
+    let gpu = rec.gpu();
+    let m = x.numel() / w.cols;
+    let outs = if fuse.swiglu { w.rows / 2 } else { w.rows };
+    let mut p = CoopParams {
+        n: outs as u32,
+        m: m as u32,
+        k: w.cols as u32,
+        eps: fuse.norm.map_or(0.0f32, |n| n.1).to_bits(),
+        ..Default::default()
+    };
+    let xh = Tensor::empty(gpu, &[m, w.cols], DType::F16, "qmatmul_coop.xh")?;
+    let rowf = Tensor::empty(gpu, &[m], DType::F32, "qmatmul_coop.rowf")?;
+    let nw = fuse.norm.map_or(x, |n| n.0);
+    let cx = [("NORM", fuse.norm.is_some() as u32 as f64)];
+    let bind = [x, nw, &xh, &rowf];
+    rec.dispatch(
+        &X_HALF,
+        &cx,
+        bytemuck::bytes_of(&p),
+        &bind,
+        Grid::Linear(m as u64),
+    )?;
+    let (gn, gm) = (w.rows.div_ceil(COOP_TILE), m.div_ceil(COOP_TILE));
+    let splits = match fuse.swiglu {
+        true => 1,
+        false => split_k(gn * gm, w.cols),
+    };
+    let c = [
+        ("TYPE", w.ty.0 as f64),
+        ("RESIDUAL", fuse.residual.is_some() as u32 as f64),
+        ("SWIGLU", fuse.swiglu as u32 as f64),
+        ("GEGLU", fuse.geglu as u32 as f64),
+    ];
+    let res = fuse.residual.unwrap_or(x);
+    if splits == 1 {
+        let grid = Grid::Xyz([gn as u32, gm as u32, 1]);
+        let bind = [&w.raw, y, &xh, &rowf, res];
+        return rec.dispatch(&QMATMUL_COOP, &c, bytemuck::bytes_of(&p), &bind, grid);
+    }
+    // Partial tiles of k's slices, then their sum (+ the residual) in order.
+    let part = Tensor::empty(gpu, &[splits, m, outs], DType::F32, "qmatmul_coop.part")?;
+    p.splits = splits as u32;
+    let cs = [c[0], ("SPLITK", 1.0)];
+    let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
+    let bind = [&w.raw, &part, &xh, &rowf, res];
+    rec.dispatch(&QMATMUL_COOP, &cs, bytemuck::bytes_of(&p), &bind, grid)?;
+    let mut ps = w.params(m);
+    ps.n = outs as u32;
+    ps.splits = splits as u32;
+    let cr = [c[1]];
+    let grid = Grid::cover((m * outs) as u64, 256);
+    rec.dispatch(
+        &SPLITK_SUM,
+        &cr,
+        bytemuck::bytes_of(&ps),
+        &[y, &part, res],
+        grid,
+    )
 }
 
 /// dy (.., rows) @ W (rows, cols) -> (.., cols): the product with W as stored (the
@@ -1050,6 +1161,13 @@ pub fn decode_rounds_x(m: usize, ty: GgmlType, rows: usize, cols: usize) -> bool
     matches!(Path::of_shape(m, rows, cols), Path::Decode { .. })
         && cols >= XQ8_MIN_COLS
         && XQ8_TYPES.contains(&ty.name())
+}
+
+/// Whether a product of `m` rows of x with W (`rows`, `cols`) ([`qmatmul`],
+/// [`qmatmul_fused`], [`qmatmul_rope_store`]) runs on cooperative matrices here: x (after
+/// the fused norm) and W's values rounded to f16, f32 sums (`quant_coop.wgsl`).
+pub fn uses_coop(gpu: &Gpu, m: usize, rows: usize, cols: usize) -> bool {
+    matches!(Path::of_shape(m, rows, cols), Path::Tiled) && gpu.quant_coop && cols % 4 == 0
 }
 
 /// Which kernel a product of m rows of x runs.

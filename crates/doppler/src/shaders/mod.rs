@@ -1,18 +1,26 @@
 //! Every WGSL file, embedded in the binary. One file per op family, named like its
-//! `ops/<name>.rs` (`matmul_coop.wgsl`, `attention_coop.wgsl`: the kernels of
-//! `ops/matmul.rs` and `ops/attention.rs` for adapters with cooperative matrices, files of
-//! their own because they enable that extension).
+//! `ops/<name>.rs` (`matmul_coop.wgsl`, `attention_coop.wgsl`, `quant_coop.wgsl`: the
+//! kernels of `ops/matmul.rs`, `ops/attention.rs` and `ops/quant.rs` for adapters with
+//! cooperative matrices, files of their own because they enable that extension;
+//! `quant_blocks.wgsl`: the block decoding both quantized files share, put before each).
 
 use crate::gpu::Shader;
 
 macro_rules! shader {
     ($id:ident, $name:literal) => {
+        shader!($id, $name, "");
+    };
+    ($id:ident, $name:literal, $prelude:expr) => {
         pub static $id: Shader = Shader {
             name: $name,
+            prelude: $prelude,
             source: include_str!(concat!($name, ".wgsl")),
         };
     };
 }
+
+/// GGUF block decoding (`quant_blocks.wgsl`), the prelude of both quantized-product files.
+const QUANT_BLOCKS: &str = include_str!("quant_blocks.wgsl");
 
 shader!(ELEMENTWISE, "elementwise");
 shader!(REDUCE, "reduce");
@@ -33,7 +41,8 @@ shader!(ATTENTION, "attention");
 shader!(ATTENTION_COOP, "attention_coop");
 shader!(BIAS, "bias");
 shader!(UPSAMPLE, "upsample");
-shader!(QUANT, "quant");
+shader!(QUANT, "quant", QUANT_BLOCKS);
+shader!(QUANT_COOP, "quant_coop", QUANT_BLOCKS);
 shader!(KVCACHE, "kvcache");
 shader!(COLUMNS, "columns");
 
@@ -59,6 +68,7 @@ pub static ALL: &[&Shader] = &[
     &BIAS,
     &UPSAMPLE,
     &QUANT,
+    &QUANT_COOP,
     &COLUMNS,
     &KVCACHE,
 ];

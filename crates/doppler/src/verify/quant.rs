@@ -9,8 +9,8 @@ use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
 use crate::ops::quant::{
     chain_rounds, decode_rounds_x, dequantize, get_rows, qmatmul, qmatmul_chain, qmatmul_fused,
-    qmatmul_t, quantize_x8, upload_blocks, Fuse, Next, QMatrix, MATVEC1_MIN_ROWS, MATVEC_MAX_ROWS,
-    SPLITK_MIN_COLS, SUPPORTED, XQ8_MIN_COLS,
+    qmatmul_t, quantize_x8, upload_blocks, uses_coop, Fuse, Next, QMatrix, MATVEC1_MIN_ROWS,
+    MATVEC_MAX_ROWS, SPLITK_MIN_COLS, SUPPORTED, XQ8_MIN_COLS,
 };
 use crate::reference::quant as cpu;
 
@@ -97,6 +97,20 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             .map_err(s)
         })();
         push(out, &format!("dequantize {name}"), format!("{n}"), res);
+    }
+}
+
+/// The bound for a product of `m` rows of x with W (`rows`, `cols`), relative to the sum
+/// of its terms' magnitudes: on cooperative matrices each term carries f16's rounding of
+/// x (after the norm) and of W's value (2 x 2^-11), then f32 sums; otherwise f32's
+/// dot-product bound.
+fn product_tol(gpu: &Gpu, m: usize, rows: usize, cols: usize) -> Tolerance {
+    match uses_coop(gpu, m, rows, cols) {
+        true => Tolerance {
+            abs: 1e-30,
+            rel: 1.5e-3,
+        },
+        false => Tolerance::dot(cols),
     }
 }
 
@@ -193,7 +207,7 @@ pub(super) async fn product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     &got[0],
                     &want,
                     Some(&mag),
-                    Tolerance::dot(cols),
+                    product_tol(gpu, m, rows, cols),
                 )
                 .map_err(s)
             });
@@ -365,7 +379,7 @@ pub(super) async fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     &got[0],
                     &sw,
                     Some(&sw_mag),
-                    Tolerance::dot(cols),
+                    product_tol(gpu, m, rows, cols),
                 )
                 .map_err(s)?;
                 compare(
@@ -373,7 +387,7 @@ pub(super) async fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     &got[1],
                     &rs,
                     Some(&rs_mag),
-                    Tolerance::dot(cols),
+                    product_tol(gpu, m, rows, cols),
                 )
                 .map_err(s)
             });
@@ -384,6 +398,169 @@ pub(super) async fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 res,
             );
         }
+    }
+}
+
+/// What a cooperative-matrix case fuses into its product.
+#[derive(Clone, Copy)]
+enum CoopFuse {
+    Plain,
+    Residual,
+    /// RMSNorm before, SwiGLU (or GeGLU) of stacked gate/up rows after.
+    NormGlu {
+        geglu: bool,
+    },
+}
+
+/// The cooperative-matrix product (`quant_coop.wgsl`, where the adapter has one) on what
+/// the shared cases above do not reach: enough tiles for whole tiles stored straight to
+/// the output, slices of k (few tiles) with and without the residual, a row past f16's
+/// range (scaled by a power of two and back), RMSNorm with GeGLU, 33 rows of x (the
+/// fewest it takes); against f64 with f16's bound on each term.
+pub(super) async fn coop_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    if !gpu.quant_coop {
+        return;
+    }
+    // (type, cols, rows of W, shape of x, fusion, a row of x scaled by 1e6).
+    let cases = [
+        (
+            "Q8_0",
+            64usize,
+            5632usize,
+            vec![384usize],
+            CoopFuse::Plain,
+            false,
+        ),
+        ("Q6_K", 512, 300, vec![3, 50], CoopFuse::Plain, true),
+        ("Q6_K", 512, 300, vec![3, 50], CoopFuse::Residual, true),
+        (
+            "Q4_K",
+            1024,
+            520,
+            vec![2, 100],
+            CoopFuse::NormGlu { geglu: false },
+            true,
+        ),
+        (
+            "BF16",
+            132,
+            200,
+            vec![33],
+            CoopFuse::NormGlu { geglu: true },
+            false,
+        ),
+        ("Q5_0", 96, 130, vec![257], CoopFuse::Residual, false),
+    ];
+    for (i, (name, cols, rows, shape, fuse, big)) in cases.into_iter().enumerate() {
+        let ty = GgmlType::from_name(name).expect("known type");
+        let mut rng = Rng::new(4900 + i as u64);
+        let raw = random_blocks(name, rows * cols, &mut rng);
+        let w = cpu::dequantize(ty, &raw, rows * cols).expect("dequantizes");
+        let m: usize = shape.iter().product();
+        let mut xv = rng.vec(m * cols);
+        if big {
+            xv[7 * cols..8 * cols].iter_mut().for_each(|v| *v *= 1e6);
+        }
+        let nw: Vec<f32> = rng.vec(cols).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let outs = match fuse {
+            CoopFuse::NormGlu { .. } => rows / 2,
+            _ => rows,
+        };
+        let resv = rng.vec(m * outs);
+        let eps = 1e-5f32;
+        let mut xs = shape.clone();
+        xs.push(cols);
+        let mut ys = shape.clone();
+        ys.push(outs);
+        let r = twice("qmatmul coop", async || {
+            let q = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
+            let xt = Tensor::from_f32(gpu, &xs, &xv, "x")?;
+            let nwt = Tensor::from_f32(gpu, &[cols], &nw, "nw")?;
+            let rt = Tensor::from_f32(gpu, &ys, &resv, "res")?;
+            let f = match fuse {
+                CoopFuse::Plain => Fuse::default(),
+                CoopFuse::Residual => Fuse {
+                    residual: Some(&rt),
+                    ..Default::default()
+                },
+                CoopFuse::NormGlu { geglu } => Fuse {
+                    norm: Some((&nwt, eps)),
+                    swiglu: true,
+                    geglu,
+                    ..Default::default()
+                },
+            };
+            let y = gpu.run_async(|rec| qmatmul_fused(rec, &xt, &q, f)).await?;
+            Ok(vec![y.to_vec_f32(gpu).await?])
+        })
+        .await;
+        let mut want = vec![0.0f64; m * outs];
+        let mut mag = vec![0.0f64; m * outs];
+        for a in 0..m {
+            let xr = &xv[a * cols..(a + 1) * cols];
+            let h: Vec<f64> = match fuse {
+                CoopFuse::NormGlu { .. } => {
+                    let ms = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / cols as f64;
+                    let rstd = 1.0 / (ms + eps as f64).sqrt();
+                    xr.iter()
+                        .zip(&nw)
+                        .map(|(&v, &g)| v as f64 * rstd * g as f64)
+                        .collect()
+                }
+                _ => xr.iter().map(|&v| v as f64).collect(),
+            };
+            let dot = |j: usize| -> (f64, f64) {
+                let row = &w[j * cols..(j + 1) * cols];
+                h.iter().zip(row).fold((0.0, 0.0), |(s, g), (&x, &v)| {
+                    (s + x * v as f64, g + (x * v as f64).abs())
+                })
+            };
+            for j in 0..outs {
+                let at = a * outs + j;
+                (want[at], mag[at]) = match fuse {
+                    CoopFuse::Plain => dot(j),
+                    CoopFuse::Residual => {
+                        let (d, dm) = dot(j);
+                        (resv[at] as f64 + d, resv[at].abs() as f64 + dm)
+                    }
+                    CoopFuse::NormGlu { geglu } => {
+                        let ((g, gm), (u, um)) = (dot(j), dot(outs + j));
+                        let act = match geglu {
+                            true => {
+                                let t = (0.7978845608028654 * (g + 0.044715 * g * g * g)).tanh();
+                                0.5 * g * (1.0 + t)
+                            }
+                            false => g / (1.0 + (-g).exp()),
+                        };
+                        // Errors in g and u carry through act(g) u: |u| gm + |act| um.
+                        (act * u, u.abs() * gm + act.abs() * um + (act * u).abs())
+                    }
+                };
+            }
+        }
+        let what = match fuse {
+            CoopFuse::Plain => "",
+            CoopFuse::Residual => " + residual",
+            CoopFuse::NormGlu { geglu: false } => " norm, swiglu",
+            CoopFuse::NormGlu { geglu: true } => " norm, geglu",
+        };
+        let res = r.and_then(|got| {
+            compare(
+                &format!("qmatmul coop {name}"),
+                &got[0],
+                &want,
+                Some(&mag),
+                product_tol(gpu, m, rows, cols),
+            )
+            .map_err(s)
+        });
+        let scaled = if big { ", row 7 x 1e6" } else { "" };
+        push(
+            out,
+            &format!("qmatmul coop {name}"),
+            format!("x {xs:?} @ ({rows}, {cols})^T{what}{scaled}"),
+            res,
+        );
     }
 }
 

@@ -1,0 +1,198 @@
+// GGUF block decoding shared by quant.wgsl and quant_coop.wgsl (prepended to both:
+// crate::shaders). Block layouts as ggml's (see reference/quant.rs and quant.wgsl's
+// header); W's blocks arrive as u32 words (binding 1), little-endian; blocks need not be
+// word-aligned. value(i) is element i of the row-major matrix, value4(i) elements i..i+4
+// (i a multiple of 4, all in one block). TYPE: the ggml type id.
+
+override TYPE: u32 = 2u;   // ggml type id
+const Q6K_BYTES: u32 = 224u;   // a Q6_K block on the GPU (210 bytes and 14 of padding)
+
+@group(0) @binding(1) var<storage, read> src: array<u32>;
+
+fn byte(i: u32) -> u32 {
+    return (src[i >> 2u] >> ((i & 3u) * 8u)) & 0xFFu;
+}
+
+fn half(i: u32) -> f32 {
+    return unpack2x16float(byte(i) | (byte(i + 1u) << 8u)).x;
+}
+
+fn signed8(i: u32) -> f32 {
+    return f32(bitcast<i32>(byte(i) << 24u) >> 24u);
+}
+
+fn word(i: u32) -> u32 {
+    return byte(i) | (byte(i + 1u) << 8u) | (byte(i + 2u) << 16u) | (byte(i + 3u) << 24u);
+}
+
+// Nibble of element j (0..32) of a 32-element block whose 16 bytes start at q.
+fn nibble32(q: u32, j: u32) -> u32 {
+    let b = byte(q + j % 16u);
+    return select(b & 0xFu, b >> 4u, j >= 16u);
+}
+
+// Fifth bit (as 0 or 16) of element j of a Q5_0 / Q5_1 block.
+fn fifth(qh: u32, j: u32) -> u32 {
+    return select(((qh >> j) << 4u) & 0x10u, (qh >> (j % 16u + 12u)) & 0x10u, j >= 16u);
+}
+
+// (scale, min) of K-quant sub-block s (0..8) from the 12 packed bytes at q.
+fn scale_min(q: u32, s: u32) -> vec2<f32> {
+    if (s < 4u) {
+        return vec2<f32>(f32(byte(q + s) & 63u), f32(byte(q + s + 4u) & 63u));
+    }
+    let sc = (byte(q + s + 4u) & 0xFu) | ((byte(q + s - 4u) >> 6u) << 4u);
+    let m = (byte(q + s + 4u) >> 4u) | ((byte(q + s) >> 6u) << 4u);
+    return vec2<f32>(f32(sc), f32(m));
+}
+
+fn value(i: u32) -> f32 {
+    switch (TYPE) {
+        case 0u: { return bitcast<f32>(src[i]); }
+        case 1u: { return half(2u * i); }
+        case 30u: { return bitcast<f32>((byte(2u * i) | (byte(2u * i + 1u) << 8u)) << 16u); }
+        case 2u: {
+            let b = (i / 32u) * 18u;
+            return (f32(nibble32(b + 2u, i % 32u)) - 8.0) * half(b);
+        }
+        case 3u: {
+            let b = (i / 32u) * 20u;
+            return f32(nibble32(b + 4u, i % 32u)) * half(b) + half(b + 2u);
+        }
+        case 6u: {
+            let b = (i / 32u) * 22u;
+            let j = i % 32u;
+            return (f32(nibble32(b + 6u, j) | fifth(word(b + 2u), j)) - 16.0) * half(b);
+        }
+        case 7u: {
+            let b = (i / 32u) * 24u;
+            let j = i % 32u;
+            return f32(nibble32(b + 8u, j) | fifth(word(b + 4u), j)) * half(b) + half(b + 2u);
+        }
+        case 8u: {
+            let b = (i / 32u) * 34u;
+            return signed8(b + 2u + i % 32u) * half(b);
+        }
+        case 12u, 13u: {
+            let k5 = TYPE == 13u;
+            let b = (i / 256u) * select(144u, 176u, k5);
+            let j = i % 256u;
+            let c = j / 64u;             // pair of 32-element sub-blocks
+            let hi = (j % 64u) >= 32u;   // second of the pair: high nibbles
+            let l = j % 32u;
+            let sm = scale_min(b + 4u, 2u * c + select(0u, 1u, hi));
+            let qb = byte(b + select(16u, 48u, k5) + 32u * c + l);
+            var q = select(qb & 0xFu, qb >> 4u, hi);
+            if (k5 && ((byte(b + 16u + l) >> (2u * c + select(0u, 1u, hi))) & 1u) != 0u) {
+                q += 16u;
+            }
+            return half(b) * sm.x * f32(q) - half(b + 2u) * sm.y;
+        }
+        case 14u: {
+            let b = (i / 256u) * Q6K_BYTES;
+            let j = i % 256u;
+            let n = j / 128u;
+            let run = (j % 128u) / 32u;
+            let l = j % 32u;
+            let ql = byte(b + 64u * n + l + 32u * (run & 1u));
+            let qh = byte(b + 128u + 32u * n + l);
+            let lo = select(ql & 0xFu, ql >> 4u, run >= 2u);
+            let q = i32(lo | (((qh >> (2u * run)) & 3u) << 4u)) - 32;
+            return half(b + 208u) * signed8(b + 192u + 8u * n + l / 16u + 2u * run) * f32(q);
+        }
+        default: { return 0.0; }
+    }
+}
+
+// Word at any byte offset (two loads when unaligned).
+fn word_at(i: u32) -> u32 {
+    let w = i >> 2u;
+    let sh = (i & 3u) * 8u;
+    if (sh == 0u) {
+        return src[w];
+    }
+    return (src[w] >> sh) | (src[w + 1u] << (32u - sh));
+}
+
+// The 4 bytes of a word, lowest first.
+fn bytes4(v: u32) -> vec4<u32> {
+    return vec4<u32>(v & 0xFFu, (v >> 8u) & 0xFFu, (v >> 16u) & 0xFFu, v >> 24u);
+}
+
+// f32(u) for u < 2^23, exactly, without integer-to-float conversions (a quarter of the
+// float rate on some GPUs): u's bits under the exponent of 2^23, minus 2^23.
+fn u2f4(u: vec4<u32>) -> vec4<f32> {
+    return bitcast<vec4<f32>>(u | vec4<u32>(0x4B000000u)) - 8388608.0;
+}
+
+fn nibbles4(w: u32, high: bool) -> vec4<f32> {
+    return u2f4(bytes4(select(w, w >> 4u, high) & 0x0F0F0F0Fu));
+}
+
+// Elements i..i+4 (i a multiple of 4, all in one block): one word of quants and one of
+// scales where the layout allows, else four calls of value().
+fn value4(i: u32) -> vec4<f32> {
+    switch (TYPE) {
+        case 0u: { return vec4<f32>(bitcast<f32>(src[i]), bitcast<f32>(src[i + 1u]), bitcast<f32>(src[i + 2u]), bitcast<f32>(src[i + 3u])); }
+        case 1u: {
+            let w = i >> 1u;
+            return vec4<f32>(unpack2x16float(src[w]), unpack2x16float(src[w + 1u]));
+        }
+        case 30u: {
+            // Two bf16 a word, the lower first: the f32 with those 16 high bits.
+            let w = i >> 1u;
+            let a = src[w];
+            let b = src[w + 1u];
+            return bitcast<vec4<f32>>(vec4<u32>(a << 16u, a & 0xFFFF0000u, b << 16u, b & 0xFFFF0000u));
+        }
+        case 2u: {
+            let b = (i / 32u) * 18u;
+            let j = i % 32u;
+            return (nibbles4(word_at(b + 2u + j % 16u), j >= 16u) - 8.0) * half(b);
+        }
+        case 3u: {
+            let b = (i / 32u) * 20u;   // word-aligned blocks
+            let j = i % 32u;
+            let dm = unpack2x16float(src[b >> 2u]);
+            return nibbles4(src[(b + 4u + j % 16u) >> 2u], j >= 16u) * dm.x + dm.y;
+        }
+        case 8u: {
+            let b = (i / 32u) * 34u;
+            let w = bitcast<i32>(word_at(b + 2u + i % 32u));
+            let q = vec4<f32>(f32((w << 24u) >> 24u), f32((w << 16u) >> 24u), f32((w << 8u) >> 24u), f32(w >> 24u));
+            return q * half(b);
+        }
+        case 12u, 13u: {
+            let k5 = TYPE == 13u;
+            let b = (i / 256u) * select(144u, 176u, k5);   // word-aligned blocks
+            let j = i % 256u;
+            let c = j / 64u;
+            let hi = (j % 64u) >= 32u;
+            let l = j % 32u;
+            let sub = 2u * c + select(0u, 1u, hi);
+            let sm = scale_min(b + 4u, sub);
+            let dm = unpack2x16float(src[b >> 2u]);
+            var q = nibbles4(src[(b + select(16u, 48u, k5) + 32u * c + l) >> 2u], hi);
+            if (k5) {
+                let h = src[(b + 16u + l) >> 2u] >> sub;
+                q += vec4<f32>(f32(h & 1u), f32((h >> 8u) & 1u), f32((h >> 16u) & 1u), f32((h >> 24u) & 1u)) * 16.0;
+            }
+            return dm.x * sm.x * q - dm.y * sm.y;
+        }
+        case 14u: {
+            let b = (i / 256u) * Q6K_BYTES;
+            let j = i % 256u;
+            let n = j / 128u;
+            let run = (j % 128u) / 32u;
+            let l = j % 32u;
+            let ql = word_at(b + 64u * n + l + 32u * (run & 1u));
+            let qh = word_at(b + 128u + 32u * n + l) >> (2u * run);
+            let lo = nibbles4(ql, run >= 2u);
+            let hb = vec4<f32>(f32(qh & 3u), f32((qh >> 8u) & 3u), f32((qh >> 16u) & 3u), f32((qh >> 24u) & 3u));
+            let q = lo + hb * 16.0 - 32.0;
+            return half(b + 208u) * signed8(b + 192u + 8u * n + l / 16u + 2u * run) * q;
+        }
+        default: { return vec4<f32>(value(i), value(i + 1u), value(i + 2u), value(i + 3u)); }
+    }
+}
+

@@ -1,0 +1,364 @@
+// quant.wgsl's tiled product (y = x @ W^T, W in its GGUF blocks) on cooperative matrices
+// (tensor cores), for adapters with EXPERIMENTAL_COOPERATIVE_MATRIX, SHADER_F16 and
+// subgroups of 32; the block decoding (value4, TYPE, binding 1) is quant_blocks.wgsl's,
+// put before this file. Rows of W are a multiple of 4 long (k).
+//
+//   x_half   x (m, k) into f16 for the product, a workgroup a row: y = x (NORM: times
+//            rsqrt(mean(x^2) + eps) and the norm weight, as quant.wgsl's NORM), then
+//            scaled by 2^-s, s >= 0 the least that brings the row's largest |y| under
+//            2^15 (0 for any row f16 holds: y rounded to f16, nothing more), xh = f16(y
+//            2^-s), rowf = 2^s (an f32 a row; inf or NaN rows stay so).
+//                                                    grid (m, 1, 1) (y, z past 65535)
+//   qmatmul_coop  dst (m, n) = rowf * (xh @ W^T), RESIDUAL: + res, SWIGLU / GEGLU: W's
+//            2n rows [gate; up], dst[r, j] = act(x.gate_j) * x.up_j (quant.wgsl's
+//            fusions). SPLITK: workgroup z sums slice z of k into partial tiles at
+//            dst[z] (splits, m, n) for quant.wgsl's splitk_sum (no RESIDUAL or SWIGLU).
+//                                   grid (ceil(virtual columns / 128), ceil(m / 128), splits)
+//
+// Tiling as matmul_coop.wgsl's (its TRANS_B case): a workgroup of 128 threads (4
+// subgroups of 32) computes a 128 x 128 tile, stepping through k 32 at a time; each step
+// stages xh's 128 x 32 (row-major) and W's 128 x 32 (decoded by value4 on the way, rounded
+// to f16; row-major, i.e. W^T column-major) in workgroup memory, rows padded by 8 halves;
+// the next step's values wait in registers. Subgroup w owns rows 64 (w / 2).. and columns
+// 64 (w % 2).. of the tile: 4 x 4 accumulators of 16 x 16 in f32. With SWIGLU the tile's
+// (virtual) columns interleave gate and up rows (quant.wgsl's w_row): a pair of adjacent
+// columns is one output. Sums run in a fixed order: the same inputs give the same bits.
+// Against the exact product, each term carries f16's rounding of x and of W's value
+// (2^-11 relative each).
+
+enable f16;
+enable wgpu_cooperative_matrix;
+
+struct Params {
+    n: u32,    // outputs per row of x (rows of W, or half of them with SWIGLU)
+    m: u32,    // rows of x
+    k: u32,    // row length (a multiple of 4)
+    eps: u32,  // x_half's NORM epsilon (f32 bits)
+    splits: u32,   // qmatmul_coop's SPLITK: slices of k
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
+}
+
+override NORM: bool = false;
+override RESIDUAL: bool = false;
+override SWIGLU: bool = false;
+override GEGLU: bool = false;
+override SPLITK: bool = false;
+
+@group(0) @binding(0) var<uniform> p: Params;
+// qmatmul_coop: W's blocks (1, quant_blocks.wgsl), the output, xh, rowf, the residual.
+@group(0) @binding(2) var<storage, read_write> dst: array<f32>;
+@group(0) @binding(3) var<storage, read> xh: array<vec4<f16>>;
+@group(0) @binding(4) var<storage, read> rowf: array<f32>;
+@group(0) @binding(5) var<storage, read> res: array<f32>;
+// x_half: x and the norm weight as vec4s, xh and rowf out.
+@group(0) @binding(6) var<storage, read> xv4: array<vec4<f32>>;
+@group(0) @binding(7) var<storage, read> nwv4: array<vec4<f32>>;
+@group(0) @binding(8) var<storage, read_write> xh_out: array<vec4<f16>>;
+@group(0) @binding(9) var<storage, read_write> rowf_out: array<f32>;
+
+var<workgroup> xr_part: array<f32, 256>;
+
+// Row r's values y, 4 at c (NORM: times the factor and the weight).
+fn x_half_y(r: u32, c: u32, f: f32) -> vec4<f32> {
+    let v = xv4[(r * p.k + c) / 4u];
+    if (NORM) {
+        return v * f * nwv4[c / 4u];
+    }
+    return v;
+}
+
+// The sum of the 256 threads' partials in a fixed tree (thread 0 gets it; max with MAX).
+fn x_half_reduce(lid: u32, v: f32, take_max: bool) -> f32 {
+    xr_part[lid] = v;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s >>= 1u) {
+        if (lid < s) {
+            let o = xr_part[lid + s];
+            xr_part[lid] = select(xr_part[lid] + o, max(xr_part[lid], o), take_max);
+        }
+        workgroupBarrier();
+    }
+    let t = xr_part[0];
+    workgroupBarrier();
+    return t;
+}
+
+@compute @workgroup_size(256)
+fn x_half(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+          @builtin(local_invocation_index) lid: u32) {
+    let r = wid.x + (wid.y + wid.z * nwg.y) * nwg.x;
+    if (r >= p.m) {
+        return;
+    }
+    var f = 1.0;
+    if (NORM) {
+        var ss = 0.0;
+        for (var c = lid * 4u; c < p.k; c += 1024u) {
+            let v = xv4[(r * p.k + c) / 4u];
+            ss += dot(v, v);
+        }
+        let t = x_half_reduce(lid, ss, false);
+        f = inverseSqrt(t / f32(p.k) + bitcast<f32>(p.eps));
+    }
+    var big = 0.0;
+    for (var c = lid * 4u; c < p.k; c += 1024u) {
+        let a = abs(x_half_y(r, c, f));
+        big = max(big, max(max(a.x, a.y), max(a.z, a.w)));
+    }
+    // NaN compares false: a NaN row keeps s from its other values (and stays NaN).
+    let top = x_half_reduce(lid, big, true);
+    // |y| < 2^(e + 1) with e the exponent of top: s = e + 1 - 15 when positive.
+    let e = i32((bitcast<u32>(top) >> 23u) & 0xffu) - 127;
+    let s = clamp(e - 14, 0, 125);
+    let down = exp2(f32(-s));
+    for (var c = lid * 4u; c < p.k; c += 1024u) {
+        xh_out[(r * p.k + c) / 4u] = vec4<f16>(x_half_y(r, c, f) * down);
+    }
+    if (lid == 0u) {
+        rowf_out[r] = exp2(f32(s));
+    }
+}
+
+const T: u32 = 128u;    // tile of the output
+const BK: u32 = 32u;    // k a step
+const SK: u32 = 10u;    // stride of a staged row (BK + 8 halves, in vec4s)
+
+var<workgroup> sa: array<vec4<f16>, 1280>;   // xh [m][k]: T rows of SK
+var<workgroup> sb: array<vec4<f16>, 1280>;   // W [n][k]: T rows of SK
+var<workgroup> scratch: array<f32, 1024>;   // 16 x 16 a subgroup
+var<workgroup> tile_flag: u32;
+
+// Rows of W the product reads, and W's row for virtual output column v (SWIGLU: v even
+// is gate v / 2, odd up v / 2).
+fn w_rows() -> u32 {
+    return select(p.n, 2u * p.n, SWIGLU);
+}
+fn w_row(v: u32) -> u32 {
+    return select(v, select(v / 2u, p.n + v / 2u, (v & 1u) == 1u), SWIGLU);
+}
+
+fn silu(v: f32) -> f32 {
+    return v / (1.0 + exp(-v));
+}
+
+// quant.wgsl's gate_act: silu, or with GEGLU gelu(approximate='tanh').
+fn gate_act(v: f32) -> f32 {
+    if (GEGLU) {
+        let u = 0.7978845608028654 * (v + 0.044715 * v * v * v);
+        return v / (1.0 + exp(-2.0 * u));
+    }
+    return silu(v);
+}
+
+// Slot q (0..1024) of a step at k0: 4 consecutive k of one row (zero outside).
+fn fetch_a(q: u32, m0: u32, k0: u32, kz: u32) -> vec4<f16> {
+    let m = m0 + q / 8u;
+    let kk = k0 + (q % 8u) * 4u;
+    if (m < p.m && kk < kz) {
+        return xh[(m * p.k + kk) / 4u];
+    }
+    return vec4<f16>(0.0);
+}
+
+fn fetch_b(q: u32, n0: u32, k0: u32, kz: u32) -> vec4<f16> {
+    let n = n0 + q / 8u;
+    let kk = k0 + (q % 8u) * 4u;
+    if (n < w_rows() && kk < kz) {
+        return vec4<f16>(value4(w_row(n) * p.k + kk));
+    }
+    return vec4<f16>(0.0);
+}
+
+fn stash(q: u32) -> u32 {
+    return (q / 8u) * SK + q % 8u;
+}
+
+// Accumulator (rows r0.., virtual columns c0.. of the output) through the subgroup's
+// scratch: lane l takes elements 8 l .. 8 l + 7 of the 16 x 16 block (half a row).
+fn put(acc: coop_mat16x16<f32, C>, w: u32, lane: u32, r0: u32, c0: u32, z: u32) {
+    coopStoreT(acc, &scratch[w * 256u], 16u);
+    workgroupBarrier();
+    let i0 = lane * 8u;
+    let r = r0 + i0 / 16u;
+    if (r < p.m) {
+        let f = rowf[r];
+        for (var e = 0u; e < 8u; e++) {
+            let col = c0 + i0 % 16u + e;
+            let v = scratch[w * 256u + i0 + e] * f;
+            if (SWIGLU) {
+                if ((e & 1u) == 1u && col / 2u < p.n) {
+                    let g = scratch[w * 256u + i0 + e - 1u] * f;
+                    dst[r * p.n + col / 2u] = gate_act(g) * v;
+                }
+            } else if (col < p.n) {
+                if (SPLITK) {
+                    dst[(z * p.m + r) * p.n + col] = v;
+                } else if (RESIDUAL) {
+                    dst[r * p.n + col] = res[r * p.n + col] + v;
+                } else {
+                    dst[r * p.n + col] = v;
+                }
+            }
+        }
+    }
+    workgroupBarrier();
+}
+
+@compute @workgroup_size(128)
+fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+    let m0 = wid.y * T;
+    let n0 = wid.x * T;
+    // This workgroup's slice of k: [kb0, kz).
+    var kb0 = 0u;
+    var kz = p.k;
+    if (SPLITK) {
+        let per = (p.k + p.splits * BK - 1u) / (p.splits * BK) * BK;
+        kb0 = min(p.k, wid.z * per);
+        kz = min(p.k, kb0 + per);
+    }
+    let w = tid / 32u;
+    let lane = tid % 32u;
+    let wr = (w / 2u) * 64u;   // the subgroup's rows and columns within the tile
+    let wc = (w % 2u) * 64u;
+
+    var c00 = coop_mat16x16<f32, C>();
+    var c01 = coop_mat16x16<f32, C>();
+    var c02 = coop_mat16x16<f32, C>();
+    var c03 = coop_mat16x16<f32, C>();
+    var c10 = coop_mat16x16<f32, C>();
+    var c11 = coop_mat16x16<f32, C>();
+    var c12 = coop_mat16x16<f32, C>();
+    var c13 = coop_mat16x16<f32, C>();
+    var c20 = coop_mat16x16<f32, C>();
+    var c21 = coop_mat16x16<f32, C>();
+    var c22 = coop_mat16x16<f32, C>();
+    var c23 = coop_mat16x16<f32, C>();
+    var c30 = coop_mat16x16<f32, C>();
+    var c31 = coop_mat16x16<f32, C>();
+    var c32 = coop_mat16x16<f32, C>();
+    var c33 = coop_mat16x16<f32, C>();
+
+    var pa: array<vec4<f16>, 8>;
+    var pb: array<vec4<f16>, 8>;
+    for (var i = 0u; i < 8u; i++) {
+        pa[i] = fetch_a(tid + 128u * i, m0, kb0, kz);
+        pb[i] = fetch_b(tid + 128u * i, n0, kb0, kz);
+    }
+    for (var k0 = kb0; k0 < kz; k0 += BK) {
+        for (var i = 0u; i < 8u; i++) {
+            let at = stash(tid + 128u * i);
+            sa[at] = pa[i];
+            sb[at] = pb[i];
+        }
+        workgroupBarrier();
+        let k1 = k0 + BK;
+        if (k1 < kz) {
+            for (var i = 0u; i < 8u; i++) {
+                pa[i] = fetch_a(tid + 128u * i, m0, k1, kz);
+                pb[i] = fetch_b(tid + 128u * i, n0, k1, kz);
+            }
+        }
+        for (var kb = 0u; kb < BK / 4u; kb += 4u) {   // 16 k a pass, in vec4s
+            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[wr * SK + kb], SK);
+            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 16u) * SK + kb], SK);
+            let a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 32u) * SK + kb], SK);
+            let a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 48u) * SK + kb], SK);
+            let b0 = coopLoad<coop_mat16x16<f16, B>>(&sb[wc * SK + kb], SK);
+            let b1 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 16u) * SK + kb], SK);
+            let b2 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 32u) * SK + kb], SK);
+            let b3 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 48u) * SK + kb], SK);
+            c00 = coopMultiplyAdd(a0, b0, c00);
+            c01 = coopMultiplyAdd(a0, b1, c01);
+            c02 = coopMultiplyAdd(a0, b2, c02);
+            c03 = coopMultiplyAdd(a0, b3, c03);
+            c10 = coopMultiplyAdd(a1, b0, c10);
+            c11 = coopMultiplyAdd(a1, b1, c11);
+            c12 = coopMultiplyAdd(a1, b2, c12);
+            c13 = coopMultiplyAdd(a1, b3, c13);
+            c20 = coopMultiplyAdd(a2, b0, c20);
+            c21 = coopMultiplyAdd(a2, b1, c21);
+            c22 = coopMultiplyAdd(a2, b2, c22);
+            c23 = coopMultiplyAdd(a2, b3, c23);
+            c30 = coopMultiplyAdd(a3, b0, c30);
+            c31 = coopMultiplyAdd(a3, b1, c31);
+            c32 = coopMultiplyAdd(a3, b2, c32);
+            c33 = coopMultiplyAdd(a3, b3, c33);
+        }
+        workgroupBarrier();
+    }
+
+    // Straight to the output where nothing else is done: a whole tile, no fusion or split,
+    // and every row's rowf 1 (thread 0 looks; the flag is read uniformly).
+    if (tid == 0u) {
+        var ones = 1u;
+        for (var i = 0u; i < T; i++) {
+            if (m0 + i < p.m && rowf[m0 + i] != 1.0) {
+                ones = 0u;
+            }
+        }
+        tile_flag = ones;
+    }
+    let ones = workgroupUniformLoad(&tile_flag);
+    let whole = m0 + T <= p.m && n0 + T <= p.n && p.n % 4u == 0u;
+    let r0 = m0 + wr;
+    let c0 = n0 + wc;
+    if (whole && ones == 1u && !RESIDUAL && !SWIGLU && !SPLITK) {
+        // Addresses as named values: naga's SPIR-V writer panics on expressions written
+        // inside coopStoreT's arguments.
+        let n = p.n;
+        let at = r0 * n + c0;   // the output's element (r0, c0), then rows 16 apart
+        let r16 = 16u * n;
+        let a00 = at + 0u * r16 + 0u;
+        let a01 = at + 0u * r16 + 16u;
+        let a02 = at + 0u * r16 + 32u;
+        let a03 = at + 0u * r16 + 48u;
+        let a10 = at + 1u * r16 + 0u;
+        let a11 = at + 1u * r16 + 16u;
+        let a12 = at + 1u * r16 + 32u;
+        let a13 = at + 1u * r16 + 48u;
+        let a20 = at + 2u * r16 + 0u;
+        let a21 = at + 2u * r16 + 16u;
+        let a22 = at + 2u * r16 + 32u;
+        let a23 = at + 2u * r16 + 48u;
+        let a30 = at + 3u * r16 + 0u;
+        let a31 = at + 3u * r16 + 16u;
+        let a32 = at + 3u * r16 + 32u;
+        let a33 = at + 3u * r16 + 48u;
+        coopStoreT(c00, &dst[a00], n);
+        coopStoreT(c01, &dst[a01], n);
+        coopStoreT(c02, &dst[a02], n);
+        coopStoreT(c03, &dst[a03], n);
+        coopStoreT(c10, &dst[a10], n);
+        coopStoreT(c11, &dst[a11], n);
+        coopStoreT(c12, &dst[a12], n);
+        coopStoreT(c13, &dst[a13], n);
+        coopStoreT(c20, &dst[a20], n);
+        coopStoreT(c21, &dst[a21], n);
+        coopStoreT(c22, &dst[a22], n);
+        coopStoreT(c23, &dst[a23], n);
+        coopStoreT(c30, &dst[a30], n);
+        coopStoreT(c31, &dst[a31], n);
+        coopStoreT(c32, &dst[a32], n);
+        coopStoreT(c33, &dst[a33], n);
+        return;
+    }
+    let z = wid.z;
+    put(c00, w, lane, r0, c0, z);
+    put(c01, w, lane, r0, c0 + 16u, z);
+    put(c02, w, lane, r0, c0 + 32u, z);
+    put(c03, w, lane, r0, c0 + 48u, z);
+    put(c10, w, lane, r0 + 16u, c0, z);
+    put(c11, w, lane, r0 + 16u, c0 + 16u, z);
+    put(c12, w, lane, r0 + 16u, c0 + 32u, z);
+    put(c13, w, lane, r0 + 16u, c0 + 48u, z);
+    put(c20, w, lane, r0 + 32u, c0, z);
+    put(c21, w, lane, r0 + 32u, c0 + 16u, z);
+    put(c22, w, lane, r0 + 32u, c0 + 32u, z);
+    put(c23, w, lane, r0 + 32u, c0 + 48u, z);
+    put(c30, w, lane, r0 + 48u, c0, z);
+    put(c31, w, lane, r0 + 48u, c0 + 16u, z);
+    put(c32, w, lane, r0 + 48u, c0 + 32u, z);
+    put(c33, w, lane, r0 + 48u, c0 + 48u, z);
+}
