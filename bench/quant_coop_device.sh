@@ -3,8 +3,8 @@
 # `doppler verify --filter qmatmul` (every type and fusion against f64, the cooperative
 # cases among them), then prefill and decode speed with default settings and with
 # DOPPLER_QUANT_COOP=off (the f32 tiled kernel) at SmolLM2-135M's shapes (Q4_1) and the 8B
-# Q4_K shapes (`doppler bench generate --preset ...`), with per-dispatch traces of the
-# default prefills. Expects the doppler binary as $DOPPLER (default target/release/doppler)
+# Q4_K shapes (`doppler bench generate --preset ...`; their --json has the per-kernel
+# times of the prefill). Expects the doppler binary as $DOPPLER (default target/release/doppler)
 # and the Vulkan loader unpacked. Writes $OUT/*.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,9 +16,9 @@ grep -E "coop|fail" "$out/verify.txt" | head -40
 for preset in smollm2-135m llama3-8b-q4k; do
   gen=64
   "$bin" bench generate --preset $preset --prompt 512 --gen $gen --json \
-    --trace "$out/trace-$preset.json" > "$out/gen-$preset.json" 2> "$out/gen-$preset.err"
+    > "$out/gen-$preset.json" 2> /dev/null
   echo "$preset default rc=$?"; tail -c 600 "$out/gen-$preset.json"; echo
   DOPPLER_QUANT_COOP=off "$bin" bench generate --preset $preset --prompt 512 --gen $gen --json \
-    > "$out/gen-$preset-off.json" 2> "$out/gen-$preset-off.err"
+    > "$out/gen-$preset-off.json" 2> /dev/null
   echo "$preset off rc=$?"; tail -c 600 "$out/gen-$preset-off.json"; echo
 done

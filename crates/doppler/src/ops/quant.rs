@@ -120,11 +120,12 @@ static X_HALF: Kernel = Kernel {
     storage: &[(6, Read), (7, Read), (8, ReadWrite), (9, ReadWrite)],
     features: COOP_FEATURES,
 };
-// The product on cooperative matrices: W, y, xh, the rows' factors, the residual.
+// The product on cooperative matrices: W, y, xh, the rows' factors, the residual, W
+// again as 16-byte words.
 static QMATMUL_COOP: Kernel = Kernel {
     shader: &QUANT_COOP,
     entry: "qmatmul_coop",
-    storage: &[(1, Read), (2, ReadWrite), (3, Read), (4, Read), (5, Read)],
+    storage: &[(1, Read), (2, ReadWrite), (3, Read), (4, Read), (5, Read), (10, Read)],
     features: COOP_FEATURES,
 };
 /// Output tile of `qmatmul_coop` (rows and columns).
@@ -1020,7 +1021,7 @@ fn qmatmul_coop(
     let res = fuse.residual.unwrap_or(x);
     if splits == 1 {
         let grid = Grid::Xyz([gn as u32, gm as u32, 1]);
-        let bind = [&w.raw, y, &xh, &rowf, res];
+        let bind = [&w.raw, y, &xh, &rowf, res, &w.raw];
         return rec.dispatch(&QMATMUL_COOP, &c, bytemuck::bytes_of(&p), &bind, grid);
     }
     // Partial tiles of k's slices, then their sum (+ the residual) in order.
@@ -1028,7 +1029,7 @@ fn qmatmul_coop(
     p.splits = splits as u32;
     let cs = [c[0], ("SPLITK", 1.0)];
     let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
-    let bind = [&w.raw, &part, &xh, &rowf, res];
+    let bind = [&w.raw, &part, &xh, &rowf, res, &w.raw];
     rec.dispatch(&QMATMUL_COOP, &cs, bytemuck::bytes_of(&p), &bind, grid)?;
     let mut ps = w.params(m);
     ps.n = outs as u32;

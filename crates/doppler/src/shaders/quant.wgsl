@@ -51,20 +51,6 @@ struct Params {
 // src again as 16-byte words (the products; blocks of Q4_K and Q5_K are 16-byte aligned).
 @group(0) @binding(13) var<storage, read> srcv4: array<vec4<u32>>;
 
-// scale_min from a K-quant block's first 16 bytes in registers (d and dmin, then the 12
-// packed bytes: words y, z, w).
-fn scale_min16(h: vec4<u32>, s: u32) -> vec2<f32> {
-    let sh = 8u * (s % 4u);
-    var sm: vec2<u32>;
-    if (s < 4u) {
-        sm = vec2<u32>((h.y >> sh) & 63u, (h.z >> sh) & 63u);
-    } else {
-        let e = h.w >> sh;
-        sm = vec2<u32>((e & 0xFu) | ((((h.y >> sh) >> 6u) & 3u) << 4u), ((e >> 4u) & 0xFu) | ((((h.z >> sh) >> 6u) & 3u) << 4u));
-    }
-    return u2f4(vec4<u32>(sm, 0u, 0u)).xy;
-}
-
 // Column of the e-th 4 values (e < 8) of the run of 32 that run32 returns for the run
 // starting at column c (a multiple of 32): c + 4 e, except in Q4_K / Q5_K blocks.
 fn run_col(c: u32, e: u32) -> u32 {
