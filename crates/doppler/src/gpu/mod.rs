@@ -47,9 +47,9 @@ pub struct GpuOptions {
     /// How f32 matrix products are computed (`DOPPLER_MATMUL`): see [`MatmulMode`].
     pub matmul: MatmulMode,
     /// Products of quantized weights with many rows of x (prompts, batches) stay on the
-    /// f32 tiled kernel even where the adapter has cooperative matrices
-    /// (`DOPPLER_QUANT_COOP=off`; default: on cooperative matrices, x and W's values
-    /// rounded to f16, f32 sums, as llama.cpp's and cuBLAS's f16 paths).
+    /// f32 tiled kernel even where the adapter has cooperative matrices. From the
+    /// environment: on unless `DOPPLER_QUANT_COOP=on` (the cooperative kernel, x and W's
+    /// values rounded to f16, f32 sums, does not yet pass `doppler verify` on the H200).
     pub quant_tiled_only: bool,
 }
 
@@ -113,8 +113,8 @@ impl GpuOptions {
                 }),
             },
             quant_tiled_only: match get("DOPPLER_QUANT_COOP").as_deref() {
-                None | Some("on") => false,
-                Some("off") => true,
+                Some("on") => false,
+                None | Some("off") => true,
                 Some(other) => {
                     tracing::warn!(
                         "DOPPLER_QUANT_COOP={other:?} is not on or off: on where possible"

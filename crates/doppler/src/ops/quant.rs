@@ -103,29 +103,32 @@ pub struct CoopParams {
     pub m: u32,
     /// Row length.
     pub k: u32,
-    /// x_half's NORM epsilon, f32 bits.
-    pub eps: u32,
-    /// qmatmul_coop's SPLITK: slices of k.
+    /// SPLITK: slices of k.
     pub splits: u32,
-    pub pad: [u32; 3],
 }
 
+// Rows of x (times the norm) into f16 for the cooperative product (`quant.wgsl`): x and
+// the norm weight as vec4s (7, 8), the rows' factors (2) and the halves (14) out.
+static X_HALF: Kernel = Kernel::new(
+    &QUANT,
+    "x_half",
+    &[(2, ReadWrite), (7, Read), (8, Read), (14, ReadWrite)],
+);
 const COOP_FEATURES: wgpu::Features =
     wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX.union(wgpu::Features::SHADER_F16);
-// x (times the norm) into f16 for the cooperative product: x and the norm weight as vec4s
-// (6, 7), xh and the rows' factors out (8, 9).
-static X_HALF: Kernel = Kernel {
-    shader: &QUANT_COOP,
-    entry: "x_half",
-    storage: &[(6, Read), (7, Read), (8, ReadWrite), (9, ReadWrite)],
-    features: COOP_FEATURES,
-};
 // The product on cooperative matrices: W, y, xh, the rows' factors, the residual, W
 // again as 16-byte words.
 static QMATMUL_COOP: Kernel = Kernel {
     shader: &QUANT_COOP,
     entry: "qmatmul_coop",
-    storage: &[(1, Read), (2, ReadWrite), (3, Read), (4, Read), (5, Read), (10, Read)],
+    storage: &[
+        (1, Read),
+        (2, ReadWrite),
+        (3, Read),
+        (4, Read),
+        (5, Read),
+        (10, Read),
+    ],
     features: COOP_FEATURES,
 };
 /// Output tile of `qmatmul_coop` (rows and columns).
@@ -974,6 +977,39 @@ pub fn qmatmul_chain(
     Ok((y, None))
 }
 
+/// Rows of x (.., k) (after `norm`'s RMSNorm) as f16 for the cooperative product, each
+/// scaled by a power of two where f16 cannot hold it (`quant.wgsl`'s x_half): the halves
+/// (a u32 tensor of (m, k / 2) words, two halves each, the lower first) and each row's
+/// factor back (2^s, 1 for most rows). k a multiple of 4.
+pub fn x_half(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    k: usize,
+    norm: Option<(&Tensor, f32)>,
+) -> Result<(Tensor, Tensor)> {
+    let m = x.numel() / k;
+    let gpu = rec.gpu();
+    let xh = Tensor::empty(gpu, &[m, k / 2], DType::U32, "x_half.xh")?;
+    let rowf = Tensor::empty(gpu, &[m], DType::F32, "x_half.rowf")?;
+    let p = Params {
+        m: m as u32,
+        k: k as u32,
+        eps: norm.map_or(0.0f32, |n| n.1).to_bits(),
+        ..Default::default()
+    };
+    let nw = norm.map_or(x, |n| n.0);
+    let c = [("NORM", norm.is_some() as u32 as f64)];
+    let bind = [&rowf, x, nw, &xh];
+    rec.dispatch(
+        &X_HALF,
+        &c,
+        bytemuck::bytes_of(&p),
+        &bind,
+        Grid::Linear(m as u64),
+    )?;
+    Ok((xh, rowf))
+}
+
 /// The tiled product on cooperative matrices (`quant_coop.wgsl`): x (times the fused
 /// norm) rounded to f16 by `x_half` (rows that f16 cannot hold scaled down by a power of
 /// two, and back after), then `qmatmul_coop` into `y` (fuse's residual or SwiGLU/GeGLU),
@@ -992,21 +1028,9 @@ fn qmatmul_coop(
         n: outs as u32,
         m: m as u32,
         k: w.cols as u32,
-        eps: fuse.norm.map_or(0.0f32, |n| n.1).to_bits(),
         ..Default::default()
     };
-    let xh = Tensor::empty(gpu, &[m, w.cols], DType::F16, "qmatmul_coop.xh")?;
-    let rowf = Tensor::empty(gpu, &[m], DType::F32, "qmatmul_coop.rowf")?;
-    let nw = fuse.norm.map_or(x, |n| n.0);
-    let cx = [("NORM", fuse.norm.is_some() as u32 as f64)];
-    let bind = [x, nw, &xh, &rowf];
-    rec.dispatch(
-        &X_HALF,
-        &cx,
-        bytemuck::bytes_of(&p),
-        &bind,
-        Grid::Linear(m as u64),
-    )?;
+    let (xh, rowf) = x_half(rec, x, w.cols, fuse.norm)?;
     let (gn, gm) = (w.rows.div_ceil(COOP_TILE), m.div_ceil(COOP_TILE));
     let splits = match fuse.swiglu {
         true => 1,

@@ -1142,6 +1142,75 @@ fn qmatvec1_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     }
 }
 
+// x_half: rows of x into f16 for quant_coop.wgsl's product, a workgroup a row: y = x
+// (NORM: times rsqrt(mean(x^2) + eps) and the norm weight), scaled by 2^-s, s >= 0 the
+// least that brings the row's largest |y| under 2^15 (0 for any row f16 holds: y only
+// rounded), xh = f16(y 2^-s) (xq_out: two halves a word, the lower first), dst[r] = 2^s
+// (an inf or NaN row stays so). k a multiple of 4. Grid: m workgroups (2-D past 65535).
+var<workgroup> xh_part: array<f32, 256>;
+
+// Row r's values y, 4 at column c (NORM: times the factor f and the weight).
+fn x_half_y(r: u32, c: u32, f: f32) -> vec4<f32> {
+    let v = xv4[(r * p.k + c) / 4u];
+    if (NORM) {
+        return v * f * nwv4[c / 4u];
+    }
+    return v;
+}
+
+// The 256 threads' partials summed (or with MAX their largest) in a fixed tree.
+fn x_half_reduce(lid: u32, v: f32, take_max: bool) -> f32 {
+    xh_part[lid] = v;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s >>= 1u) {
+        if (lid < s) {
+            let o = xh_part[lid + s];
+            xh_part[lid] = select(xh_part[lid] + o, max(xh_part[lid], o), take_max);
+        }
+        workgroupBarrier();
+    }
+    let t = xh_part[0];
+    workgroupBarrier();
+    return t;
+}
+
+@compute @workgroup_size(256)
+fn x_half(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+          @builtin(local_invocation_index) lid: u32) {
+    let r = wid.x + wid.y * nwg.x;
+    if (r >= p.m) {
+        return;
+    }
+    var f = 1.0;
+    if (NORM) {
+        var ss = 0.0;
+        for (var c = lid * 4u; c < p.k; c += 1024u) {
+            let v = xv4[(r * p.k + c) / 4u];
+            ss += dot(v, v);
+        }
+        f = rstd(x_half_reduce(lid, ss, false));
+    }
+    var big = 0.0;
+    for (var c = lid * 4u; c < p.k; c += 1024u) {
+        let a = abs(x_half_y(r, c, f));
+        big = max(big, max(max(a.x, a.y), max(a.z, a.w)));
+    }
+    let top = x_half_reduce(lid, big, true);
+    // |y| < 2^(e + 1), e the exponent of the largest: s = e + 1 - 15 where positive.
+    let e = i32((bitcast<u32>(top) >> 23u) & 0xffu) - 127;
+    let s = clamp(e - 14, 0, 125);
+    let down = exp2(f32(-s));
+    for (var c = lid * 4u; c < p.k; c += 1024u) {
+        let v = x_half_y(r, c, f) * down;
+        let o = (r * p.k + c) / 2u;
+        xq_out[o] = pack2x16float(v.xy);
+        xq_out[o + 1u] = pack2x16float(v.zw);
+    }
+    if (lid == 0u) {
+        dst[r] = exp2(f32(s));
+    }
+}
+
 const MM_T: u32 = 64u;
 const MM_BK: u32 = 16u;
 var<workgroup> mm_x: array<array<f32, 64>, 16>;   // [k][row of x]

@@ -3,13 +3,9 @@
 // subgroups of 32; the block decoding (value4, TYPE, binding 1) is quant_blocks.wgsl's,
 // put before this file. Rows of W are a multiple of 4 long (k).
 //
-//   x_half   x (m, k) into f16 for the product, a workgroup a row: y = x (NORM: times
-//            rsqrt(mean(x^2) + eps) and the norm weight, as quant.wgsl's NORM), then
-//            scaled by 2^-s, s >= 0 the least that brings the row's largest |y| under
-//            2^15 (0 for any row f16 holds: y rounded to f16, nothing more), xh = f16(y
-//            2^-s), rowf = 2^s (an f32 a row; inf or NaN rows stay so).
-//                                                    grid (m, 1, 1) (y, z past 65535)
-//   qmatmul_coop  dst (m, n) = rowf * (xh @ W^T), RESIDUAL: + res, SWIGLU / GEGLU: W's
+//   qmatmul_coop  dst (m, n) = rowf * (xh @ W^T) (xh and rowf from quant.wgsl's x_half:
+//            x, after the fused norm, as f16, scaled by a power of two where f16 cannot
+//            hold a row), RESIDUAL: + res, SWIGLU / GEGLU: W's
 //            2n rows [gate; up], dst[r, j] = act(x.gate_j) * x.up_j (quant.wgsl's
 //            fusions). SPLITK: workgroup z sums slice z of k into partial tiles at
 //            dst[z] (splits, m, n) for quant.wgsl's splitk_sum (no RESIDUAL or SWIGLU).
@@ -33,14 +29,9 @@ struct Params {
     n: u32,    // outputs per row of x (rows of W, or half of them with SWIGLU)
     m: u32,    // rows of x
     k: u32,    // row length (a multiple of 4)
-    eps: u32,  // x_half's NORM epsilon (f32 bits)
-    splits: u32,   // qmatmul_coop's SPLITK: slices of k
-    pad0: u32,
-    pad1: u32,
-    pad2: u32,
+    splits: u32,   // SPLITK: slices of k
 }
 
-override NORM: bool = false;
 override RESIDUAL: bool = false;
 override SWIGLU: bool = false;
 override GEGLU: bool = false;
@@ -53,75 +44,6 @@ override SPLITK: bool = false;
 @group(0) @binding(3) var<storage, read> xh: array<vec4<f16>>;
 @group(0) @binding(4) var<storage, read> rowf: array<f32>;
 @group(0) @binding(5) var<storage, read> res: array<f32>;
-// x_half: x and the norm weight as vec4s, xh and rowf out.
-@group(0) @binding(6) var<storage, read> xv4: array<vec4<f32>>;
-@group(0) @binding(7) var<storage, read> nwv4: array<vec4<f32>>;
-@group(0) @binding(8) var<storage, read_write> xh_out: array<vec4<f16>>;
-@group(0) @binding(9) var<storage, read_write> rowf_out: array<f32>;
-
-var<workgroup> xr_part: array<f32, 256>;
-
-// Row r's values y, 4 at c (NORM: times the factor and the weight).
-fn x_half_y(r: u32, c: u32, f: f32) -> vec4<f32> {
-    let v = xv4[(r * p.k + c) / 4u];
-    if (NORM) {
-        return v * f * nwv4[c / 4u];
-    }
-    return v;
-}
-
-// The sum of the 256 threads' partials in a fixed tree (thread 0 gets it; max with MAX).
-fn x_half_reduce(lid: u32, v: f32, take_max: bool) -> f32 {
-    xr_part[lid] = v;
-    workgroupBarrier();
-    for (var s = 128u; s > 0u; s >>= 1u) {
-        if (lid < s) {
-            let o = xr_part[lid + s];
-            xr_part[lid] = select(xr_part[lid] + o, max(xr_part[lid], o), take_max);
-        }
-        workgroupBarrier();
-    }
-    let t = xr_part[0];
-    workgroupBarrier();
-    return t;
-}
-
-@compute @workgroup_size(256)
-fn x_half(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-          @builtin(local_invocation_index) lid: u32) {
-    let r = wid.x + (wid.y + wid.z * nwg.y) * nwg.x;
-    if (r >= p.m) {
-        return;
-    }
-    var f = 1.0;
-    if (NORM) {
-        var ss = 0.0;
-        for (var c = lid * 4u; c < p.k; c += 1024u) {
-            let v = xv4[(r * p.k + c) / 4u];
-            ss += dot(v, v);
-        }
-        let t = x_half_reduce(lid, ss, false);
-        f = inverseSqrt(t / f32(p.k) + bitcast<f32>(p.eps));
-    }
-    var big = 0.0;
-    for (var c = lid * 4u; c < p.k; c += 1024u) {
-        let a = abs(x_half_y(r, c, f));
-        big = max(big, max(max(a.x, a.y), max(a.z, a.w)));
-    }
-    // NaN compares false: a NaN row keeps s from its other values (and stays NaN).
-    let top = x_half_reduce(lid, big, true);
-    // |y| < 2^(e + 1) with e the exponent of top: s = e + 1 - 15 when positive.
-    let e = i32((bitcast<u32>(top) >> 23u) & 0xffu) - 127;
-    let s = clamp(e - 14, 0, 125);
-    let down = exp2(f32(-s));
-    for (var c = lid * 4u; c < p.k; c += 1024u) {
-        xh_out[(r * p.k + c) / 4u] = vec4<f16>(x_half_y(r, c, f) * down);
-    }
-    if (lid == 0u) {
-        rowf_out[r] = exp2(f32(s));
-    }
-}
-
 const T: u32 = 128u;    // tile of the output
 const BK: u32 = 32u;    // k a step
 const SK: u32 = 10u;    // stride of a staged row (BK + 8 halves, in vec4s)
@@ -337,22 +259,39 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     let wr = (w / 2u) * 64u;   // the subgroup's rows and columns within the tile
     let wc = (w % 2u) * 64u;
 
-    var c00 = coop_mat16x16<f32, C>();
-    var c01 = coop_mat16x16<f32, C>();
-    var c02 = coop_mat16x16<f32, C>();
-    var c03 = coop_mat16x16<f32, C>();
-    var c10 = coop_mat16x16<f32, C>();
-    var c11 = coop_mat16x16<f32, C>();
-    var c12 = coop_mat16x16<f32, C>();
-    var c13 = coop_mat16x16<f32, C>();
-    var c20 = coop_mat16x16<f32, C>();
-    var c21 = coop_mat16x16<f32, C>();
-    var c22 = coop_mat16x16<f32, C>();
-    var c23 = coop_mat16x16<f32, C>();
-    var c30 = coop_mat16x16<f32, C>();
-    var c31 = coop_mat16x16<f32, C>();
-    var c32 = coop_mat16x16<f32, C>();
-    var c33 = coop_mat16x16<f32, C>();
+    var c00: coop_mat16x16<f32, C>;
+    var c01: coop_mat16x16<f32, C>;
+    var c02: coop_mat16x16<f32, C>;
+    var c03: coop_mat16x16<f32, C>;
+    var c10: coop_mat16x16<f32, C>;
+    var c11: coop_mat16x16<f32, C>;
+    var c12: coop_mat16x16<f32, C>;
+    var c13: coop_mat16x16<f32, C>;
+    var c20: coop_mat16x16<f32, C>;
+    var c21: coop_mat16x16<f32, C>;
+    var c22: coop_mat16x16<f32, C>;
+    var c23: coop_mat16x16<f32, C>;
+    var c30: coop_mat16x16<f32, C>;
+    var c31: coop_mat16x16<f32, C>;
+    var c32: coop_mat16x16<f32, C>;
+    var c33: coop_mat16x16<f32, C>;
+    // Declared, then set (as matmul_coop.wgsl does): the form known to give zeros on the H200.
+    c00 = coop_mat16x16<f32, C>();
+    c01 = coop_mat16x16<f32, C>();
+    c02 = coop_mat16x16<f32, C>();
+    c03 = coop_mat16x16<f32, C>();
+    c10 = coop_mat16x16<f32, C>();
+    c11 = coop_mat16x16<f32, C>();
+    c12 = coop_mat16x16<f32, C>();
+    c13 = coop_mat16x16<f32, C>();
+    c20 = coop_mat16x16<f32, C>();
+    c21 = coop_mat16x16<f32, C>();
+    c22 = coop_mat16x16<f32, C>();
+    c23 = coop_mat16x16<f32, C>();
+    c30 = coop_mat16x16<f32, C>();
+    c31 = coop_mat16x16<f32, C>();
+    c32 = coop_mat16x16<f32, C>();
+    c33 = coop_mat16x16<f32, C>();
 
     var pa: array<vec4<f16>, 8>;
     var pb: array<vec4<f16>, 8>;
@@ -393,14 +332,22 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
             }
         }
         for (var kb = 0u; kb < BK / 4u; kb += 4u) {   // 16 k a pass, in vec4s
-            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[wr * SK + kb], SK);
-            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 16u) * SK + kb], SK);
-            let a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 32u) * SK + kb], SK);
-            let a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 48u) * SK + kb], SK);
-            let b0 = coopLoad<coop_mat16x16<f16, B>>(&sb[wc * SK + kb], SK);
-            let b1 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 16u) * SK + kb], SK);
-            let b2 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 32u) * SK + kb], SK);
-            let b3 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 48u) * SK + kb], SK);
+            var a0: coop_mat16x16<f16, A>;
+            var a1: coop_mat16x16<f16, A>;
+            var a2: coop_mat16x16<f16, A>;
+            var a3: coop_mat16x16<f16, A>;
+            var b0: coop_mat16x16<f16, B>;
+            var b1: coop_mat16x16<f16, B>;
+            var b2: coop_mat16x16<f16, B>;
+            var b3: coop_mat16x16<f16, B>;
+            a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[wr * SK + kb], SK);
+            a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 16u) * SK + kb], SK);
+            a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 32u) * SK + kb], SK);
+            a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 48u) * SK + kb], SK);
+            b0 = coopLoad<coop_mat16x16<f16, B>>(&sb[wc * SK + kb], SK);
+            b1 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 16u) * SK + kb], SK);
+            b2 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 32u) * SK + kb], SK);
+            b3 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 48u) * SK + kb], SK);
             c00 = coopMultiplyAdd(a0, b0, c00);
             c01 = coopMultiplyAdd(a0, b1, c01);
             c02 = coopMultiplyAdd(a0, b2, c02);

@@ -117,6 +117,7 @@ const FAMILIES: &[Family] = &[
     (&["get_rows", "qmatmul"], family!(quant::product_checks)),
     (&["qmatmul fused"], family!(quant::fused_checks)),
     (&["qmatmul coop"], family!(quant::coop_checks)),
+    (&["x_half"], family!(quant::half_checks)),
     (&["qmatmul decode"], family!(quant::decode_checks)),
     (&["qmatmul_chain"], family!(quant::chain_checks)),
     (&["row_split"], family!(quant::split_checks)),

@@ -9,8 +9,8 @@ use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
 use crate::ops::quant::{
     chain_rounds, decode_rounds_x, dequantize, get_rows, qmatmul, qmatmul_chain, qmatmul_fused,
-    qmatmul_t, quantize_x8, upload_blocks, uses_coop, Fuse, Next, QMatrix, MATVEC1_MIN_ROWS,
-    MATVEC_MAX_ROWS, SPLITK_MIN_COLS, SUPPORTED, XQ8_MIN_COLS,
+    qmatmul_t, quantize_x8, upload_blocks, uses_coop, x_half, Fuse, Next, QMatrix,
+    MATVEC1_MIN_ROWS, MATVEC_MAX_ROWS, SPLITK_MIN_COLS, SUPPORTED, XQ8_MIN_COLS,
 };
 use crate::reference::quant as cpu;
 
@@ -398,6 +398,103 @@ pub(super) async fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 res,
             );
         }
+    }
+}
+
+/// Rows of x into f16 for the cooperative product (`x_half`), on any adapter: plain and
+/// after RMSNorm, rows of 68 and 2,000 (one and two passes of 256 threads), in a batch,
+/// with a row f16 cannot hold (x 1e6: scaled down by a power of two, the factor back)
+/// and a row of zeros; against f64 rounded to f16 (within one f16 step: the GPU's f32
+/// arithmetic before the rounding), the factors exactly.
+pub(super) async fn half_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    for (i, (shape, k, norm)) in [
+        (vec![3usize], 68usize, false),
+        (vec![2, 5], 2000, true),
+        (vec![2, 5], 2000, false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut rng = Rng::new(5900 + i as u64);
+        let m: usize = shape.iter().product();
+        let mut xv = rng.vec(m * k);
+        xv[k..2 * k].iter_mut().for_each(|v| *v *= 1e6);
+        xv[2 * k..3 * k].iter_mut().for_each(|v| *v = 0.0);
+        let nw: Vec<f32> = rng.vec(k).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let eps = 1e-5f32;
+        let mut xs = shape.clone();
+        xs.push(k);
+        let r = twice("x_half", async || {
+            let xt = Tensor::from_f32(gpu, &xs, &xv, "x")?;
+            let nwt = Tensor::from_f32(gpu, &[k], &nw, "nw")?;
+            let (h, f) = gpu
+                .run_async(|rec| x_half(rec, &xt, k, norm.then_some((&nwt, eps))))
+                .await?;
+            let words = h.to_vec_u32(gpu).await?;
+            let halves = words
+                .iter()
+                .flat_map(|w| [*w as u16, (*w >> 16) as u16])
+                .map(|b| f16::from_bits(b).to_f32())
+                .collect();
+            Ok(vec![halves, f.to_vec_f32(gpu).await?])
+        })
+        .await;
+        let mut want_h = vec![0.0f64; m * k];
+        let mut scale = vec![0.0f64; m * k];
+        let mut want_f = vec![0.0f64; m];
+        for a in 0..m {
+            let xr = &xv[a * k..(a + 1) * k];
+            let f = match norm {
+                true => {
+                    let ms = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / k as f64;
+                    1.0 / (ms + eps as f64).sqrt()
+                }
+                false => 1.0,
+            };
+            let y: Vec<f64> = (0..k)
+                .map(|c| xr[c] as f64 * f * if norm { nw[c] as f64 } else { 1.0 })
+                .collect();
+            let top = y.iter().fold(0.0f64, |t, v| t.max(v.abs()));
+            let mut s = 0i32;
+            while top * 2f64.powi(-s) >= 32768.0 {
+                s += 1;
+            }
+            want_f[a] = 2f64.powi(s);
+            for c in 0..k {
+                let v = y[c] * 2f64.powi(-s);
+                want_h[a * k + c] = f16::from_f64(v).to_f64();
+                // One f16 step at v (the GPU rounds its f32 value, not v).
+                scale[a * k + c] = v.abs().max(6.1e-5);
+            }
+        }
+        let res = r.and_then(|got| {
+            compare(
+                "x_half",
+                &got[0],
+                &want_h,
+                Some(&scale),
+                Tolerance {
+                    abs: 0.0,
+                    rel: 1.0 / 1024.0,
+                },
+            )
+            .map_err(s)?;
+            compare(
+                "x_half factors",
+                &got[1],
+                &want_f,
+                None,
+                Tolerance { abs: 0.0, rel: 0.0 },
+            )
+            .map_err(s)
+        });
+        let how = if norm { ", RMSNorm" } else { "" };
+        push(
+            out,
+            "x_half",
+            format!("x {xs:?}{how}, row 1 x 1e6, row 2 zeros"),
+            res,
+        );
     }
 }
 
