@@ -71,7 +71,7 @@ const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
         "matmul_coop",
         &[("SPLIT", 1.0), ("INIT", 2.0), ("TRANS_B", 1.0)],
     ),
-    ("quant_coop", &[("NORM", 1.0)]),
+    ("quant_coop", &[("TYPE", 7.0), ("RESIDUAL", 1.0)]),
     ("quant_coop", &[("RESIDUAL", 1.0), ("TYPE", 12.0)]),
     ("quant_coop", &[("SWIGLU", 1.0), ("TYPE", 14.0)]),
     (

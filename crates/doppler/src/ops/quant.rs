@@ -26,7 +26,15 @@ pub struct Params {
     pub heads: u32,
 }
 
-static DEQUANT: Kernel = Kernel::new(&QUANT, "dequantize", &[(1, Read), (2, ReadWrite)]);
+// W (1, and as 16-byte words 13), out (2).
+static DEQUANT: Kernel = Kernel::new(
+    &QUANT,
+    "dequantize",
+    &[(1, Read), (2, ReadWrite), (13, Read)],
+);
+/// Types `dequantize` (and the cooperative product) decode a run of 32 at a time from the
+/// run's raw words (`quant_blocks.wgsl`'s RAW).
+const RAW_TYPES: &[&str] = &["Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"];
 static GET_ROWS: Kernel = Kernel::new(&QUANT, "get_rows", &[(1, Read), (2, ReadWrite), (4, Read)]);
 // Products bind the norm weight (5) and the residual (6) always (x stands in when unused),
 // x and the norm weight again as vec4s (7, 8), and the matrix-vector ones W as 16-byte
@@ -260,12 +268,13 @@ pub fn dequantize(
         n: n as u32,
         ..Default::default()
     };
+    let per_thread = if RAW_TYPES.contains(&ty.name()) { 32 } else { 1 };
     rec.dispatch(
         &DEQUANT,
         &[("TYPE", ty.0 as f64)],
         bytemuck::bytes_of(&p),
-        &[raw, &y],
-        Grid::cover(n as u64, 256),
+        &[raw, &y, raw],
+        Grid::cover((n / per_thread) as u64, 256),
     )?;
     Ok(y)
 }

@@ -12,6 +12,7 @@
 // Kernels (element i of a matrix W (N, K) stored row-major in blocks is value(n * K + k);
 // GGUF rows are whole blocks):
 //   dequantize   dst[i] = value(i), i < n                       cover n, 256 a workgroup
+//                (RAW types: a run of 32 a thread, raw_value4; cover n / 32)
 //   get_rows     dst[r, c] = value(ids[r] * k + c), r < m       cover m * k, 256 a workgroup
 //   qmatvec      y[r, j] = sum_c x[r, c] * value(j * k + c)     (n / 8) * (m / MV_X) groups:
 //                8 rows of W x MV_X rows of x a workgroup (8; 1 for one row), 32 threads a
@@ -48,8 +49,6 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
 @group(0) @binding(3) var<storage, read> x: array<f32>;
 @group(0) @binding(4) var<storage, read> ids: array<u32>;
-// src again as 16-byte words (the products; blocks of Q4_K and Q5_K are 16-byte aligned).
-@group(0) @binding(13) var<storage, read> srcv4: array<vec4<u32>>;
 
 // Column of the e-th 4 values (e < 8) of the run of 32 that run32 returns for the run
 // starting at column c (a multiple of 32): c + 4 e, except in Q4_K / Q5_K blocks.
@@ -360,9 +359,23 @@ fn run32_q8(i: u32, xq: Xq8) -> f32 {
 @compute @workgroup_size(256)
 fn dequantize(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
-    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
-    if (i < p.n) {
-        dst[i] = value(i);
+    let t = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (RAW) {
+        // A run of 32 a thread (p.n a multiple of 32).
+        let i = t * 32u;
+        if (i < p.n) {
+            let r = fetch_raw(i);
+            for (var e = 0u; e < 8u; e++) {
+                let v = raw_value4(r, e, (i % 256u) / 32u);
+                for (var j = 0u; j < 4u; j++) {
+                    dst[i + 4u * e + j] = v[j];
+                }
+            }
+        }
+        return;
+    }
+    if (t < p.n) {
+        dst[t] = value(t);
     }
 }
 

@@ -209,3 +209,111 @@ fn scale_min16(h: vec4<u32>, s: u32) -> vec2<f32> {
     }
     return u2f4(vec4<u32>(sm, 0u, 0u)).xy;
 }
+
+// Runs of 32 values (one block, or one sub-block of a K-quant block) decoded from their
+// raw words (RAW types: blocks on word or 16-byte boundaries): fetch_raw loads a run's
+// words into registers, raw_value4 decodes 4 values of it (the scales once a run where
+// the compiler keeps them). quant_coop.wgsl's product fetches the next step's words before
+// a step's products and decodes after; dequantize decodes RAW types a run a thread.
+override RAW: bool = TYPE == 3u || TYPE == 7u || TYPE == 12u || TYPE == 13u || TYPE == 14u;
+const RAW_V4: u32 = 5u;   // registers of raw words a run (vec4s)
+
+// W's blocks again as 16-byte words (K-quant blocks are 16-byte aligned).
+@group(0) @binding(13) var<storage, read> srcv4: array<vec4<u32>>;
+
+// The words of the run of elements i.. (i a multiple of 32).
+//   Q4_1 (20 bytes), Q5_1 (24): the block's words, in order.
+//   Q4_K: the header (d, dmin, scales), the 32 bytes of the sub-block pair.
+//   Q5_K: the header, the 32 bytes of fifth bits, the pair's 32 bytes.
+//   Q6_K: the 32 bytes of low nibbles, the 32 of 2-bit highs, scales (bytes 192..208), d.
+fn fetch_raw(i: u32) -> array<vec4<u32>, RAW_V4> {
+    var r: array<vec4<u32>, RAW_V4>;
+    switch (TYPE) {
+        case 3u, 7u: {
+            let words = select(6u, 5u, TYPE == 3u);
+            let w0 = (i / 32u) * words;
+            r[0] = vec4<u32>(src[w0], src[w0 + 1u], src[w0 + 2u], src[w0 + 3u]);
+            r[1].x = src[w0 + 4u];
+            if (TYPE == 7u) {
+                r[1].y = src[w0 + 5u];
+            }
+        }
+        case 12u, 13u: {
+            let k5 = TYPE == 13u;
+            let b = (i / 256u) * select(9u, 11u, k5);   // in vec4s
+            let c = ((i % 256u) / 32u) / 2u;             // sub-block pair
+            r[0] = srcv4[b];
+            let q = b + select(1u, 3u, k5) + 2u * c;
+            r[1] = srcv4[q];
+            r[2] = srcv4[q + 1u];
+            if (k5) {
+                r[3] = srcv4[b + 1u];
+                r[4] = srcv4[b + 2u];
+            }
+        }
+        case 14u: {
+            let b = (i / 256u) * (Q6K_BYTES / 16u);
+            let run = (i % 256u) / 32u;
+            let h = run / 4u;   // half of the block
+            let rr = run % 4u;
+            r[0] = srcv4[b + 4u * h + 2u * (rr & 1u)];
+            r[1] = srcv4[b + 4u * h + 2u * (rr & 1u) + 1u];
+            r[2] = srcv4[b + 8u + 2u * h];
+            r[3] = srcv4[b + 9u + 2u * h];
+            let sc = srcv4[b + 12u];
+            r[4] = vec4<u32>(sc[(2u * h + rr / 2u)] >> (16u * (rr & 1u)), srcv4[b + 13u].x, 0u, 0u);
+        }
+        default: {}
+    }
+    return r;
+}
+
+// Word j (0..20) of a run's raw registers.
+fn rw(r: array<vec4<u32>, RAW_V4>, j: u32) -> u32 {
+    return r[j / 4u][j % 4u];
+}
+
+// The 4 bits at b.. of x as 0/1 floats, 8 bits apart (b + 8 e): fifth bits of 4 bytes.
+fn bits4(v: u32) -> vec4<f32> {
+    return u2f4(bytes4(v & 0x01010101u));
+}
+
+// Run values e (4 e .. 4 e + 3 of the run's 32) from fetch_raw's words; s: the run's
+// place in a K-quant block, (i % 256) / 32.
+fn raw_value4(r: array<vec4<u32>, RAW_V4>, e: u32, s: u32) -> vec4<f32> {
+    let hi = e >= 4u;        // Q4_1 / Q5_1: high nibbles for elements 16..
+    let ek = e % 4u;
+    switch (TYPE) {
+        case 3u: {
+            let dm = unpack2x16float(rw(r, 0u));
+            return nibbles4(rw(r, 1u + ek), hi) * dm.x + dm.y;
+        }
+        case 7u: {
+            let dm = unpack2x16float(rw(r, 0u));
+            // Element j's fifth bit is bit j of qh (word 1).
+            let h = (rw(r, 1u) >> (4u * e)) & 0xFu;
+            let hb = u2f4(vec4<u32>(h & 1u, (h >> 1u) & 1u, (h >> 2u) & 1u, h >> 3u));
+            return (nibbles4(rw(r, 2u + ek), hi) + hb * 16.0) * dm.x + dm.y;
+        }
+        case 12u, 13u: {
+            let dm = unpack2x16float(r[0].x);
+            let sm = scale_min16(r[0], s);
+            var q = nibbles4(rw(r, 4u + e), (s & 1u) == 1u);
+            if (TYPE == 13u) {
+                q += bits4(rw(r, 12u + e) >> s) * 16.0;
+            }
+            return dm.x * sm.x * q - dm.y * sm.y;
+        }
+        case 14u: {
+            let rr = s % 4u;
+            let lo = nibbles4(rw(r, e), rr >= 2u);
+            let hb = u2f4(bytes4((rw(r, 8u + e) >> (2u * rr)) & 0x03030303u));
+            let sw = r[4].x >> select(0u, 8u, hi);
+            let d = unpack2x16float(r[4].y).x;
+            return d * f32(bitcast<i32>(sw << 24u) >> 24u) * (lo + hb * 16.0 - 32.0);
+        }
+        default: {
+            return vec4<f32>(0.0);
+        }
+    }
+}

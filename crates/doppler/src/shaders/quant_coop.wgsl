@@ -38,8 +38,7 @@ override GEGLU: bool = false;
 override SPLITK: bool = false;
 
 @group(0) @binding(0) var<uniform> p: Params;
-// qmatmul_coop: W's blocks (1, quant_blocks.wgsl; 10 below), the output, xh, rowf, the
-// residual.
+// W's blocks (1 and 13, quant_blocks.wgsl), the output, xh, rowf, the residual.
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
 @group(0) @binding(3) var<storage, read> xh: array<vec4<f16>>;
 @group(0) @binding(4) var<storage, read> rowf: array<f32>;
@@ -98,117 +97,17 @@ fn stash(q: u32) -> u32 {
     return (q / 8u) * SK + q % 8u;
 }
 
-// RAW (Q4_1, Q5_1, Q4_K, Q5_K, Q6_K: blocks on word or 16-byte boundaries): thread t takes
-// row n0 + t of W's tile, a step's 32 values of it being one block (or one K-quant
-// sub-block): it fetches the block's words for the next step into registers (fetch_raw)
-// before the step's products and decodes them into the staging row after (stash_raw), so
-// the loads' latency hides behind the products and the scales are decoded once a run.
-// Other types decode 4 values a slot as they are fetched (value4).
-override RAW: bool = TYPE == 3u || TYPE == 7u || TYPE == 12u || TYPE == 13u || TYPE == 14u;
-const RAW_V4: u32 = 5u;   // registers of raw words a run (vec4s)
-
-// W's blocks again as 16-byte words (K-quant blocks are 16-byte aligned).
-@group(0) @binding(10) var<storage, read> w4: array<vec4<u32>>;
-
-// The words of row n's run at k0 (zeros past W's rows: they decode to zeros).
-//   Q4_1 (20 bytes), Q5_1 (24): the block's words, in order.
-//   Q4_K: the header (d, dmin, scales), the 32 bytes of the sub-block pair.
-//   Q5_K: the header, the 32 bytes of fifth bits, the pair's 32 bytes.
-//   Q6_K: the 32 bytes of low nibbles, the 32 of 2-bit highs, scales (bytes 192..208), d.
-fn fetch_raw(n: u32, k0: u32, kz: u32) -> array<vec4<u32>, RAW_V4> {
-    var r: array<vec4<u32>, RAW_V4>;
+// RAW types (quant_blocks.wgsl): thread t takes row n0 + t of W's tile, a step's 32
+// values of it being one block (or one K-quant sub-block): it fetches the block's words
+// for the next step into registers (fetch_raw) before the step's products and decodes them
+// into the staging row after (raw_value4), so the loads' latency hides behind the
+// products and the scales are decoded once a run. Other types decode 4 values a slot as
+// they are fetched (value4).
+fn fetch_w_raw(n: u32, k0: u32, kz: u32) -> array<vec4<u32>, RAW_V4> {
     if (n >= w_rows() || k0 >= kz) {
-        return r;
+        return array<vec4<u32>, RAW_V4>();   // zeros decode to zeros
     }
-    let i = w_row(n) * p.k + k0;   // element index, a multiple of 32
-    switch (TYPE) {
-        case 3u, 7u: {
-            let words = select(6u, 5u, TYPE == 3u);
-            let w0 = (i / 32u) * words;
-            r[0] = vec4<u32>(src[w0], src[w0 + 1u], src[w0 + 2u], src[w0 + 3u]);
-            r[1].x = src[w0 + 4u];
-            if (TYPE == 7u) {
-                r[1].y = src[w0 + 5u];
-            }
-        }
-        case 12u, 13u: {
-            let k5 = TYPE == 13u;
-            let b = (i / 256u) * select(9u, 11u, k5);   // in vec4s
-            let c = ((i % 256u) / 32u) / 2u;             // sub-block pair
-            r[0] = w4[b];
-            let q = b + select(1u, 3u, k5) + 2u * c;
-            r[1] = w4[q];
-            r[2] = w4[q + 1u];
-            if (k5) {
-                r[3] = w4[b + 1u];
-                r[4] = w4[b + 2u];
-            }
-        }
-        case 14u: {
-            let b = (i / 256u) * (Q6K_BYTES / 16u);
-            let run = (i % 256u) / 32u;
-            let h = run / 4u;   // half of the block
-            let rr = run % 4u;
-            r[0] = w4[b + 4u * h + 2u * (rr & 1u)];
-            r[1] = w4[b + 4u * h + 2u * (rr & 1u) + 1u];
-            r[2] = w4[b + 8u + 2u * h];
-            r[3] = w4[b + 9u + 2u * h];
-            let sc = w4[b + 12u];
-            r[4] = vec4<u32>(sc[(2u * h + rr / 2u)] >> (16u * (rr & 1u)), w4[b + 13u].x, 0u, 0u);
-        }
-        default: {}
-    }
-    return r;
-}
-
-// Word j (0..20) of a run's raw registers.
-fn rw(r: array<vec4<u32>, RAW_V4>, j: u32) -> u32 {
-    return r[j / 4u][j % 4u];
-}
-
-// The 4 bits at b.. of x as 0/1 floats, 8 bits apart (b + 8 e): fifth bits of 4 bytes.
-fn bits4(v: u32) -> vec4<f32> {
-    return u2f4(bytes4(v & 0x01010101u));
-}
-
-// Run values e (4 e .. 4 e + 3 of the run's 32) from fetch_raw's words; k0: the step.
-fn raw_value4(r: array<vec4<u32>, RAW_V4>, e: u32, k0: u32) -> vec4<f32> {
-    let hi = e >= 4u;        // Q4_1 / Q5_1: high nibbles for elements 16..
-    let ek = e % 4u;
-    switch (TYPE) {
-        case 3u: {
-            let dm = unpack2x16float(rw(r, 0u));
-            return nibbles4(rw(r, 1u + ek), hi) * dm.x + dm.y;
-        }
-        case 7u: {
-            let dm = unpack2x16float(rw(r, 0u));
-            // Element j's fifth bit is bit j of qh (word 1).
-            let h = (rw(r, 1u) >> (4u * e)) & 0xFu;
-            let hb = u2f4(vec4<u32>(h & 1u, (h >> 1u) & 1u, (h >> 2u) & 1u, h >> 3u));
-            return (nibbles4(rw(r, 2u + ek), hi) + hb * 16.0) * dm.x + dm.y;
-        }
-        case 12u, 13u: {
-            let s = (k0 % 256u) / 32u;   // sub-block
-            let dm = unpack2x16float(r[0].x);
-            let sm = scale_min16(r[0], s);
-            var q = nibbles4(rw(r, 4u + e), (s & 1u) == 1u);
-            if (TYPE == 13u) {
-                q += bits4(rw(r, 12u + e) >> s) * 16.0;
-            }
-            return dm.x * sm.x * q - dm.y * sm.y;
-        }
-        case 14u: {
-            let rr = ((k0 % 256u) / 32u) % 4u;
-            let lo = nibbles4(rw(r, e), rr >= 2u);
-            let hb = u2f4(bytes4((rw(r, 8u + e) >> (2u * rr)) & 0x03030303u));
-            let sw = r[4].x >> select(0u, 8u, hi);
-            let d = unpack2x16float(r[4].y).x;
-            return d * f32(bitcast<i32>(sw << 24u) >> 24u) * (lo + hb * 16.0 - 32.0);
-        }
-        default: {
-            return vec4<f32>(0.0);
-        }
-    }
+    return fetch_raw(w_row(n) * p.k + k0);
 }
 
 // Accumulator (rows r0.., virtual columns c0.. of the output) through the subgroup's
@@ -303,7 +202,7 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         }
     }
     if (RAW) {
-        raw = fetch_raw(n0 + tid, kb0, kz);
+        raw = fetch_w_raw(n0 + tid, kb0, kz);
     }
     for (var k0 = kb0; k0 < kz; k0 += BK) {
         for (var i = 0u; i < 8u; i++) {
@@ -311,7 +210,7 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         }
         if (RAW) {
             for (var e = 0u; e < 8u; e++) {
-                sb[tid * SK + e] = vec4<f16>(raw_value4(raw, e, k0));
+                sb[tid * SK + e] = vec4<f16>(raw_value4(raw, e, (k0 % 256u) / 32u));
             }
         } else {
             for (var i = 0u; i < 8u; i++) {
@@ -328,7 +227,7 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
                 }
             }
             if (RAW) {
-                raw = fetch_raw(n0 + tid, k1, kz);
+                raw = fetch_w_raw(n0 + tid, k1, kz);
             }
         }
         for (var kb = 0u; kb < BK / 4u; kb += 4u) {   // 16 k a pass, in vec4s
