@@ -539,7 +539,11 @@ pub(crate) fn scoped<T>(
     {
         let scope = device.push_error_scope(filter);
         let value = f();
-        let err = pollster::block_on(scope.pop()).map(|e| e.to_string());
+        // The validation error's description (its Display is just "Validation Error").
+        let err = pollster::block_on(scope.pop()).map(|e| match e {
+            wgpu::Error::Validation { description, .. } => description,
+            other => other.to_string(),
+        });
         (value, err)
     }
     #[cfg(target_arch = "wasm32")]

@@ -268,7 +268,11 @@ pub fn dequantize(
         n: n as u32,
         ..Default::default()
     };
-    let per_thread = if RAW_TYPES.contains(&ty.name()) { 32 } else { 1 };
+    let per_thread = if RAW_TYPES.contains(&ty.name()) {
+        32
+    } else {
+        1
+    };
     rec.dispatch(
         &DEQUANT,
         &[("TYPE", ty.0 as f64)],

@@ -227,45 +227,47 @@ const RAW_V4: u32 = 5u;   // registers of raw words a run (vec4s)
 //   Q5_K: the header, the 32 bytes of fifth bits, the pair's 32 bytes.
 //   Q6_K: the 32 bytes of low nibbles, the 32 of 2-bit highs, scales (bytes 192..208), d.
 fn fetch_raw(i: u32) -> array<vec4<u32>, RAW_V4> {
-    var r: array<vec4<u32>, RAW_V4>;
+    // Each case loads whole vectors and returns them as one value (the H200's compiler
+    // lost partial writes to a local array of them: Q5_1, Q5_K and Q6_K decoded wrong).
+    let z = vec4<u32>(0u);
     switch (TYPE) {
-        case 3u, 7u: {
-            let words = select(6u, 5u, TYPE == 3u);
-            let w0 = (i / 32u) * words;
-            r[0] = vec4<u32>(src[w0], src[w0 + 1u], src[w0 + 2u], src[w0 + 3u]);
-            r[1].x = src[w0 + 4u];
-            if (TYPE == 7u) {
-                r[1].y = src[w0 + 5u];
-            }
+        case 3u: {
+            let w0 = (i / 32u) * 5u;
+            let a = vec4<u32>(src[w0], src[w0 + 1u], src[w0 + 2u], src[w0 + 3u]);
+            return array<vec4<u32>, RAW_V4>(a, vec4<u32>(src[w0 + 4u], 0u, 0u, 0u), z, z, z);
         }
-        case 12u, 13u: {
-            let k5 = TYPE == 13u;
-            let b = (i / 256u) * select(9u, 11u, k5);   // in vec4s
-            let c = ((i % 256u) / 32u) / 2u;             // sub-block pair
-            r[0] = srcv4[b];
-            let q = b + select(1u, 3u, k5) + 2u * c;
-            r[1] = srcv4[q];
-            r[2] = srcv4[q + 1u];
-            if (k5) {
-                r[3] = srcv4[b + 1u];
-                r[4] = srcv4[b + 2u];
-            }
+        case 7u: {
+            let w0 = (i / 32u) * 6u;
+            let a = vec4<u32>(src[w0], src[w0 + 1u], src[w0 + 2u], src[w0 + 3u]);
+            let b = vec4<u32>(src[w0 + 4u], src[w0 + 5u], 0u, 0u);
+            return array<vec4<u32>, RAW_V4>(a, b, z, z, z);
+        }
+        case 12u: {
+            let b = (i / 256u) * 9u;              // in vec4s
+            let q = b + 1u + 2u * (((i % 256u) / 32u) / 2u);   // the sub-block pair's bytes
+            return array<vec4<u32>, RAW_V4>(srcv4[b], srcv4[q], srcv4[q + 1u], z, z);
+        }
+        case 13u: {
+            let b = (i / 256u) * 11u;
+            let q = b + 3u + 2u * (((i % 256u) / 32u) / 2u);
+            return array<vec4<u32>, RAW_V4>(srcv4[b], srcv4[q], srcv4[q + 1u], srcv4[b + 1u], srcv4[b + 2u]);
         }
         case 14u: {
             let b = (i / 256u) * (Q6K_BYTES / 16u);
             let run = (i % 256u) / 32u;
             let h = run / 4u;   // half of the block
             let rr = run % 4u;
-            r[0] = srcv4[b + 4u * h + 2u * (rr & 1u)];
-            r[1] = srcv4[b + 4u * h + 2u * (rr & 1u) + 1u];
-            r[2] = srcv4[b + 8u + 2u * h];
-            r[3] = srcv4[b + 9u + 2u * h];
+            let l = b + 4u * h + 2u * (rr & 1u);
             let sc = srcv4[b + 12u];
-            r[4] = vec4<u32>(sc[(2u * h + rr / 2u)] >> (16u * (rr & 1u)), srcv4[b + 13u].x, 0u, 0u);
+            let j = 2u * h + rr / 2u;   // the scales' word
+            let sw = select(select(select(sc.x, sc.y, j == 1u), sc.z, j == 2u), sc.w, j == 3u);
+            let s = vec4<u32>(sw >> (16u * (rr & 1u)), srcv4[b + 13u].x, 0u, 0u);
+            return array<vec4<u32>, RAW_V4>(srcv4[l], srcv4[l + 1u], srcv4[b + 8u + 2u * h], srcv4[b + 9u + 2u * h], s);
         }
-        default: {}
+        default: {
+            return array<vec4<u32>, RAW_V4>(z, z, z, z, z);
+        }
     }
-    return r;
 }
 
 // Word j (0..20) of a run's raw registers.

@@ -50,7 +50,6 @@ const SK: u32 = 10u;    // stride of a staged row (BK + 8 halves, in vec4s)
 var<workgroup> sa: array<vec4<f16>, 1280>;   // xh [m][k]: T rows of SK
 var<workgroup> sb: array<vec4<f16>, 1280>;   // W [n][k]: T rows of SK
 var<workgroup> scratch: array<f32, 1024>;   // 16 x 16 a subgroup
-var<workgroup> tile_flag: u32;
 
 // Rows of W the product reads, and W's row for virtual output column v (SWIGLU: v even
 // is gate v / 2, odd up v / 2).
@@ -269,20 +268,24 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
 
     // Straight to the output where nothing else is done: a whole tile, no fusion or split,
     // and every row's rowf 1 (thread 0 looks; the flag is read uniformly).
+    // The flag goes through the scratch: a workgroup variable beside sa, sb and scratch
+    // gave wrong, run-to-run varying sums on the H200 (as matmul_coop.wgsl saw with
+    // atomics).
     if (tid == 0u) {
-        var ones = 1u;
+        var ones = 1.0;
         for (var i = 0u; i < T; i++) {
             if (m0 + i < p.m && rowf[m0 + i] != 1.0) {
-                ones = 0u;
+                ones = 0.0;
             }
         }
-        tile_flag = ones;
+        scratch[0] = ones;
     }
-    let ones = workgroupUniformLoad(&tile_flag);
+    let ones = workgroupUniformLoad(&scratch[0]);
+    workgroupBarrier();   // all have read it before `put` writes the scratch
     let whole = m0 + T <= p.m && n0 + T <= p.n && p.n % 4u == 0u;
     let r0 = m0 + wr;
     let c0 = n0 + wc;
-    if (whole && ones == 1u && !RESIDUAL && !SWIGLU && !SPLITK) {
+    if (whole && ones == 1.0 && !RESIDUAL && !SWIGLU && !SPLITK) {
         // Addresses as named values: naga's SPIR-V writer panics on expressions written
         // inside coopStoreT's arguments.
         let n = p.n;
