@@ -46,11 +46,12 @@ pub struct GpuOptions {
     pub shader_checks: ShaderChecks,
     /// How f32 matrix products are computed (`DOPPLER_MATMUL`): see [`MatmulMode`].
     pub matmul: MatmulMode,
-    /// Products of quantized weights with many rows of x (prompts, batches) stay on the
-    /// f32 tiled kernel even where the adapter has cooperative matrices. From the
-    /// environment: on unless `DOPPLER_QUANT_COOP=on` (the cooperative kernel, x and W's
-    /// values rounded to f16, f32 sums, does not yet pass `doppler verify` on the H200).
-    pub quant_tiled_only: bool,
+    /// Products of quantized weights with many rows of x (prompts, batches) on cooperative
+    /// matrices where the adapter has them (`DOPPLER_QUANT_COOP=on`; default off: the f32
+    /// tiled kernel). Experimental: the cooperative kernel (`quant_coop.wgsl`: x and W's
+    /// values rounded to f16, f32 sums) has not yet passed `doppler verify` on a GPU that
+    /// has cooperative matrices.
+    pub quant_coop: bool,
 }
 
 /// How f32 matrix products are computed. The tensor-core modes need cooperative matrices,
@@ -112,13 +113,11 @@ impl GpuOptions {
                     MatmulMode::F32
                 }),
             },
-            quant_tiled_only: match get("DOPPLER_QUANT_COOP").as_deref() {
-                Some("on") => false,
-                None | Some("off") => true,
+            quant_coop: match get("DOPPLER_QUANT_COOP").as_deref() {
+                Some("on") => true,
+                None | Some("off") => false,
                 Some(other) => {
-                    tracing::warn!(
-                        "DOPPLER_QUANT_COOP={other:?} is not on or off: on where possible"
-                    );
+                    tracing::warn!("DOPPLER_QUANT_COOP={other:?} is not on or off: off");
                     false
                 }
             },
@@ -186,8 +185,8 @@ pub struct Gpu {
     /// matrices, f16 and subgroups of exactly 32: the kernel's layout), else f32.
     pub matmul: MatmulMode,
     /// Whether quantized products of many rows of x run on cooperative matrices
-    /// (`quant_coop.wgsl`): where possible ([`Gpu::coop_matmul_possible`]) unless
-    /// [`GpuOptions::quant_tiled_only`].
+    /// (`quant_coop.wgsl`): [`GpuOptions::quant_coop`] where possible
+    /// ([`Gpu::coop_matmul_possible`]).
     pub quant_coop: bool,
     /// Bind groups and the shared parameter buffer (see `binds.rs`); held while a
     /// recorder writes its parameters and submits.
@@ -246,7 +245,12 @@ impl Gpu {
                 MatmulMode::F32
             }
         };
-        let quant_coop = !opts.quant_tiled_only && coop_possible(features, &info);
+        let quant_coop = opts.quant_coop && coop_possible(features, &info);
+        if quant_coop {
+            tracing::warn!(
+                "quantized prompt products on cooperative matrices (DOPPLER_QUANT_COOP=on): experimental, they failed `doppler verify --filter qmatmul` on an H200 (2026-12-03)"
+            );
+        }
         Ok(Gpu {
             pool: BufferPool::new(),
             pipelines: PipelineCache::new(),

@@ -26,15 +26,16 @@ pub struct Params {
     pub heads: u32,
 }
 
+static DEQUANT: Kernel = Kernel::new(&QUANT, "dequantize", &[(1, Read), (2, ReadWrite)]);
 // W (1, and as 16-byte words 13), out (2).
-static DEQUANT: Kernel = Kernel::new(
+static DEQUANT_RUNS: Kernel = Kernel::new(
     &QUANT,
-    "dequantize",
+    "dequantize_runs",
     &[(1, Read), (2, ReadWrite), (13, Read)],
 );
-/// Types `dequantize` (and the cooperative product) decode a run of 32 at a time from the
-/// run's raw words (`quant_blocks.wgsl`'s RAW).
-const RAW_TYPES: &[&str] = &["Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"];
+/// Types the cooperative product decodes a run of 32 at a time from the run's raw words
+/// (`quant_blocks.wgsl`'s RAW); [`dequantize_runs`] checks that decoding.
+pub const RAW_TYPES: &[&str] = &["Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"];
 static GET_ROWS: Kernel = Kernel::new(&QUANT, "get_rows", &[(1, Read), (2, ReadWrite), (4, Read)]);
 // Products bind the norm weight (5) and the residual (6) always (x stands in when unused),
 // x and the norm weight again as vec4s (7, 8), and the matrix-vector ones W as 16-byte
@@ -239,6 +240,37 @@ pub fn dequantize(
     ty: GgmlType,
     shape: &[usize],
 ) -> Result<Tensor> {
+    dequantize_with(rec, raw, ty, shape, false)
+}
+
+/// [`dequantize`] of a [`RAW_TYPES`] tensor by the run decoding the cooperative-matrix
+/// product reads W with (`quant_blocks.wgsl`'s fetch_raw and raw_value4), a run of 32
+/// values a thread: what `doppler verify` checks that decoding with on any adapter.
+pub fn dequantize_runs(
+    rec: &mut Recorder<'_>,
+    raw: &Tensor,
+    ty: GgmlType,
+    shape: &[usize],
+) -> Result<Tensor> {
+    if !RAW_TYPES.contains(&ty.name()) {
+        return Err(Error::Invalid {
+            op: "dequantize_runs",
+            detail: format!(
+                "{} is not decoded in runs (those are {RAW_TYPES:?})",
+                ty.name()
+            ),
+        });
+    }
+    dequantize_with(rec, raw, ty, shape, true)
+}
+
+fn dequantize_with(
+    rec: &mut Recorder<'_>,
+    raw: &Tensor,
+    ty: GgmlType,
+    shape: &[usize],
+    runs: bool,
+) -> Result<Tensor> {
     let n: usize = shape.iter().product();
     let bad = |detail: String| {
         Err(Error::Invalid {
@@ -268,18 +300,15 @@ pub fn dequantize(
         n: n as u32,
         ..Default::default()
     };
-    let per_thread = if RAW_TYPES.contains(&ty.name()) {
-        32
-    } else {
-        1
-    };
-    rec.dispatch(
-        &DEQUANT,
-        &[("TYPE", ty.0 as f64)],
-        bytemuck::bytes_of(&p),
-        &[raw, &y, raw],
-        Grid::cover((n / per_thread) as u64, 256),
-    )?;
+    let c = [("TYPE", ty.0 as f64)];
+    let pb = bytemuck::bytes_of(&p);
+    match runs {
+        true => {
+            let grid = Grid::cover((n / 32) as u64, 256);
+            rec.dispatch(&DEQUANT_RUNS, &c, pb, &[raw, &y, raw], grid)?
+        }
+        false => rec.dispatch(&DEQUANT, &c, pb, &[raw, &y], Grid::cover(n as u64, 256))?,
+    }
     Ok(y)
 }
 

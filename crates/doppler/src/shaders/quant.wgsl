@@ -12,7 +12,7 @@
 // Kernels (element i of a matrix W (N, K) stored row-major in blocks is value(n * K + k);
 // GGUF rows are whole blocks):
 //   dequantize   dst[i] = value(i), i < n                       cover n, 256 a workgroup
-//                (RAW types: a run of 32 a thread, raw_value4; cover n / 32)
+//   dequantize_runs  the same for RAW types, a run of 32 a thread    cover n / 32
 //   get_rows     dst[r, c] = value(ids[r] * k + c), r < m       cover m * k, 256 a workgroup
 //   qmatvec      y[r, j] = sum_c x[r, c] * value(j * k + c)     (n / 8) * (m / MV_X) groups:
 //                8 rows of W x MV_X rows of x a workgroup (8; 1 for one row), 32 threads a
@@ -359,23 +359,27 @@ fn run32_q8(i: u32, xq: Xq8) -> f32 {
 @compute @workgroup_size(256)
 fn dequantize(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
-    let t = (wid.x + wid.y * nwg.x) * 256u + lid;
-    if (RAW) {
-        // A run of 32 a thread (p.n a multiple of 32).
-        let i = t * 32u;
-        if (i < p.n) {
-            let r = fetch_raw(i);
-            for (var e = 0u; e < 8u; e++) {
-                let v = raw_value4(r, e, (i % 256u) / 32u);
-                for (var j = 0u; j < 4u; j++) {
-                    dst[i + 4u * e + j] = v[j];
-                }
+    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (i < p.n) {
+        dst[i] = value(i);
+    }
+}
+
+// dequantize's result for RAW types by quant_blocks.wgsl's run decoding (fetch_raw,
+// raw_value4: what quant_coop.wgsl's product decodes W with), a run of 32 a thread (p.n a
+// multiple of 32), so that `doppler verify` checks that decoding on any adapter.
+@compute @workgroup_size(256)
+fn dequantize_runs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_index) lid: u32) {
+    let i = ((wid.x + wid.y * nwg.x) * 256u + lid) * 32u;
+    if (i < p.n) {
+        let r = fetch_raw(i);
+        for (var e = 0u; e < 8u; e++) {
+            let v = raw_value4(r, e, (i % 256u) / 32u);
+            for (var j = 0u; j < 4u; j++) {
+                dst[i + 4u * e + j] = v[j];
             }
         }
-        return;
-    }
-    if (t < p.n) {
-        dst[t] = value(t);
     }
 }
 

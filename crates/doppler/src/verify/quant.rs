@@ -8,9 +8,9 @@ use crate::check::{compare, Rng, Stats, Tolerance};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
 use crate::ops::quant::{
-    chain_rounds, decode_rounds_x, dequantize, get_rows, qmatmul, qmatmul_chain, qmatmul_fused,
-    qmatmul_t, quantize_x8, upload_blocks, uses_coop, x_half, Fuse, Next, QMatrix,
-    MATVEC1_MIN_ROWS, MATVEC_MAX_ROWS, SPLITK_MIN_COLS, SUPPORTED, XQ8_MIN_COLS,
+    chain_rounds, decode_rounds_x, dequantize, dequantize_runs, get_rows, qmatmul, qmatmul_chain,
+    qmatmul_fused, qmatmul_t, quantize_x8, upload_blocks, uses_coop, x_half, Fuse, Next, QMatrix,
+    MATVEC1_MIN_ROWS, MATVEC_MAX_ROWS, RAW_TYPES, SPLITK_MIN_COLS, SUPPORTED, XQ8_MIN_COLS,
 };
 use crate::reference::quant as cpu;
 
@@ -57,17 +57,24 @@ pub fn random_blocks(name: &str, n: usize, rng: &mut Rng) -> Vec<u8> {
 }
 
 pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    // Every type on a few blocks; Q8_0 and Q4_K past 65535 workgroups of 256.
-    let mut cases: Vec<(&str, usize)> = SUPPORTED.iter().map(|&t| (t, 768)).collect();
-    cases.push(("Q8_0", 65_540 * 256));
-    cases.push(("Q4_K", 65_540 * 256));
-    for (i, &(name, n)) in cases.iter().enumerate() {
+    // Every type on a few blocks; Q8_0 and Q4_K past 65535 workgroups of 256; the
+    // cooperative product's run decoding (RAW types) on a few blocks: (type, n, runs).
+    let mut cases: Vec<(&str, usize, bool)> = SUPPORTED.iter().map(|&t| (t, 768, false)).collect();
+    cases.push(("Q8_0", 65_540 * 256, false));
+    cases.push(("Q4_K", 65_540 * 256, false));
+    cases.extend(RAW_TYPES.iter().map(|&t| (t, 768, true)));
+    for (i, &(name, n, runs)) in cases.iter().enumerate() {
         let ty = GgmlType::from_name(name).expect("known type");
         let mut rng = Rng::new(1900 + i as u64);
         let raw = random_blocks(name, n, &mut rng);
         let r = twice("dequantize", async || {
             let t = upload_blocks(gpu, &raw, ty, "raw")?;
-            let y = gpu.run_async(|rec| dequantize(rec, &t, ty, &[n])).await?;
+            let y = gpu
+                .run_async(|rec| match runs {
+                    true => dequantize_runs(rec, &t, ty, &[n]),
+                    false => dequantize(rec, &t, ty, &[n]),
+                })
+                .await?;
             Ok(vec![y.to_vec_f32(gpu).await?])
         })
         .await;
@@ -96,7 +103,8 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             )
             .map_err(s)
         })();
-        push(out, &format!("dequantize {name}"), format!("{n}"), res);
+        let how = if runs { " (runs of 32)" } else { "" };
+        push(out, &format!("dequantize {name}"), format!("{n}{how}"), res);
     }
 }
 
