@@ -136,7 +136,7 @@ static QMATMUL_COOP: Kernel = Kernel {
         (3, Read),
         (4, Read),
         (5, Read),
-        (10, Read),
+        (13, Read),
     ],
     features: COOP_FEATURES,
 };
