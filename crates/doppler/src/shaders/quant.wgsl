@@ -412,11 +412,11 @@ fn get_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
 //            the same pass and multiply by rsqrt(mean(x^2) + eps) at the end.
 //   RESIDUAL dst = res (binding 6) + product
 //   SWIGLU   W holds 2n rows [gate; up]: dst[r, j] = silu(x.gate_j) * x.up_j, j < n
-//   GEGLU    with SWIGLU: gelu_tanh(x.gate_j) instead of silu (Gemma's GeGLU)
+//   GEGLU    with SWIGLU: gelu_tanh(x.gate_j) instead of silu (Gemma's GeGLU;
+//            quant_blocks.wgsl's gate_act)
 override NORM: bool = false;
 override RESIDUAL: bool = false;
 override SWIGLU: bool = false;
-override GEGLU: bool = false;
 
 // ROPE (entry points qmatvec_rope, qmatvec1_rope; what kvcache.wgsl's rope_store does, on
 // the product's output): W stacks q, k and v heads ((heads + 2 hkv) d rows; p.heads query
@@ -529,21 +529,6 @@ fn rope_out_half16(t: u32, v: u32, s: vec4<f32>) {
 @group(0) @binding(7) var<storage, read> xv4: array<vec4<f32>>;
 @group(0) @binding(8) var<storage, read> nwv4: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read> res: array<f32>;
-
-fn silu(v: f32) -> f32 {
-    return v / (1.0 + exp(-v));
-}
-
-// The gate's activation: silu, or with GEGLU gelu(approximate='tanh'), 0.5 v (1 + tanh u)
-// = v / (1 + exp(-2u)), u = sqrt(2/pi) (v + 0.044715 v^3) (gelu.wgsl's form: no
-// cancellation; exp's overflow gives 0 for v << 0).
-fn gate_act(v: f32) -> f32 {
-    if (GEGLU) {
-        let u = 0.7978845608028654 * (v + 0.044715 * v * v * v);
-        return v / (1.0 + exp(-2.0 * u));
-    }
-    return silu(v);
-}
 
 // Rows of W the product reads, and W's row for (virtual) output column v: with SWIGLU the
 // columns interleave gate and up rows (v even: gate v / 2, odd: up v / 2).

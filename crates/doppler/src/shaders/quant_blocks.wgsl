@@ -2,7 +2,8 @@
 // crate::shaders). Block layouts as ggml's (see reference/quant.rs and quant.wgsl's
 // header); W's blocks arrive as u32 words (binding 1), little-endian; blocks need not be
 // word-aligned. value(i) is element i of the row-major matrix, value4(i) elements i..i+4
-// (i a multiple of 4, all in one block). TYPE: the ggml type id.
+// (i a multiple of 4, all in one block). TYPE: the ggml type id. Also the gated
+// activation of both files' SwiGLU/GeGLU products (gate_act).
 
 override TYPE: u32 = 2u;   // ggml type id
 const Q6K_BYTES: u32 = 224u;   // a Q6_K block on the GPU (210 bytes and 14 of padding)
@@ -227,8 +228,9 @@ const RAW_V4: u32 = 5u;   // registers of raw words a run (vec4s)
 //   Q5_K: the header, the 32 bytes of fifth bits, the pair's 32 bytes.
 //   Q6_K: the 32 bytes of low nibbles, the 32 of 2-bit highs, scales (bytes 192..208), d.
 fn fetch_raw(i: u32) -> array<vec4<u32>, RAW_V4> {
-    // Each case loads whole vectors and returns them as one value (the H200's compiler
-    // lost partial writes to a local array of them: Q5_1, Q5_K and Q6_K decoded wrong).
+    // Each case loads whole vectors and returns them as one value (an earlier form that
+    // wrote parts of a local array of them decoded Q5_1, Q5_K and Q6_K wrong on the H200,
+    // right on lavapipe; this form has not run on the H200 yet).
     let z = vec4<u32>(0u);
     switch (TYPE) {
         case 3u: {
@@ -318,4 +320,22 @@ fn raw_value4(r: array<vec4<u32>, RAW_V4>, e: u32, s: u32) -> vec4<f32> {
             return vec4<f32>(0.0);
         }
     }
+}
+
+// SWIGLU / GEGLU products (quant.wgsl, quant_coop.wgsl): the gate's activation.
+override GEGLU: bool = false;
+
+fn silu(v: f32) -> f32 {
+    return v / (1.0 + exp(-v));
+}
+
+// The gate's activation: silu, or with GEGLU gelu(approximate='tanh'), 0.5 v (1 + tanh u)
+// = v / (1 + exp(-2u)), u = sqrt(2/pi) (v + 0.044715 v^3) (gelu.wgsl's form: no
+// cancellation; exp's overflow gives 0 for v << 0).
+fn gate_act(v: f32) -> f32 {
+    if (GEGLU) {
+        let u = 0.7978845608028654 * (v + 0.044715 * v * v * v);
+        return v / (1.0 + exp(-2.0 * u));
+    }
+    return silu(v);
 }

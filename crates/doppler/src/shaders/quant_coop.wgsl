@@ -34,7 +34,6 @@ struct Params {
 
 override RESIDUAL: bool = false;
 override SWIGLU: bool = false;
-override GEGLU: bool = false;
 override SPLITK: bool = false;
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -58,19 +57,6 @@ fn w_rows() -> u32 {
 }
 fn w_row(v: u32) -> u32 {
     return select(v, select(v / 2u, p.n + v / 2u, (v & 1u) == 1u), SWIGLU);
-}
-
-fn silu(v: f32) -> f32 {
-    return v / (1.0 + exp(-v));
-}
-
-// quant.wgsl's gate_act: silu, or with GEGLU gelu(approximate='tanh').
-fn gate_act(v: f32) -> f32 {
-    if (GEGLU) {
-        let u = 0.7978845608028654 * (v + 0.044715 * v * v * v);
-        return v / (1.0 + exp(-2.0 * u));
-    }
-    return silu(v);
 }
 
 // Slot q (0..1024) of a step at k0: 4 consecutive k of one row (zero outside).
@@ -173,7 +159,7 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     var c31: coop_mat16x16<f32, C>;
     var c32: coop_mat16x16<f32, C>;
     var c33: coop_mat16x16<f32, C>;
-    // Declared, then set (as matmul_coop.wgsl does): the form known to give zeros on the H200.
+    // Declared, then set, as matmul_coop.wgsl does.
     c00 = coop_mat16x16<f32, C>();
     c01 = coop_mat16x16<f32, C>();
     c02 = coop_mat16x16<f32, C>();
@@ -268,9 +254,9 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
 
     // Straight to the output where nothing else is done: a whole tile, no fusion or split,
     // and every row's rowf 1 (thread 0 looks; the flag is read uniformly).
-    // The flag goes through the scratch: a workgroup variable beside sa, sb and scratch
-    // gave wrong, run-to-run varying sums on the H200 (as matmul_coop.wgsl saw with
-    // atomics).
+    // The flag goes through the scratch: no workgroup variable beside sa, sb and scratch
+    // (matmul_coop.wgsl saw wrong sums with one; whether that is this kernel's fault on
+    // the H200 is not known yet, docs/benchmarks.md session 20).
     if (tid == 0u) {
         var ones = 1.0;
         for (var i = 0u; i < T; i++) {
