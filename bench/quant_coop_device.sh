@@ -11,9 +11,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp}"
 bin="${DOPPLER:-target/release/doppler}"
-DOPPLER_QUANT_COOP=on "$bin" verify --filter qmatmul > "$out/verify.txt" 2>&1; echo "verify rc=$?" >> "$out/verify.txt"
-tail -3 "$out/verify.txt"
-grep -E "coop|fail" "$out/verify.txt" | head -40
+"$bin" info --json > "$out/info.json" 2>&1
+grep -E '"(cooperative_matrix|PASSTHROUGH_SHADERS|quantized_prompts)' -A2 "$out/info.json" | head -12
+{
+  for f in qmatmul dequantize; do DOPPLER_QUANT_COOP=on "$bin" verify --filter $f; echo "verify $f rc=$?"; done
+  # The f16 matmul and attention kernels: cooperative matrices too, built the same way.
+  for f in matmul attention; do DOPPLER_MATMUL=f16 "$bin" verify --filter $f; echo "verify f16 $f rc=$?"; done
+} > "$out/verify.txt" 2>&1
+grep -E "rc=|passed|failed" "$out/verify.txt" | head -20
+grep -E "coop|FAIL|fail" "$out/verify.txt" | head -30
 for preset in smollm2-135m llama3-8b-q4k; do
   gen=64
   DOPPLER_QUANT_COOP=on "$bin" bench generate --preset $preset --prompt 512 --gen $gen --json \

@@ -1,6 +1,7 @@
 //! Every WGSL file parses and validates with naga (no GPU needed), and every uniform
 //! parameter block has the size its Rust mirror has.
 
+use doppler::gpu::{spirv, ShaderChecks};
 use doppler::shaders::ALL;
 
 fn parse(name: &str, src: &str) -> naga::Module {
@@ -127,6 +128,22 @@ fn every_entry_point_writes_spirv() {
             };
             naga::back::spv::write_vec(&m, &i, &opts, Some(&pipeline))
                 .unwrap_or_else(|e| panic!("{}.{} {consts:?}: SPIR-V: {e}", s.name, ep.name));
+            // What the GPU layer builds for cooperative-matrix kernels on Vulkan: every
+            // load and store of the workgroup memory found and marked.
+            if s.text().contains("enable wgpu_cooperative_matrix") {
+                for checks in [ShaderChecks::Bounds, ShaderChecks::Off] {
+                    let words = spirv::words(&s.text(), &ep.name, consts, checks)
+                        .unwrap_or_else(|e| panic!("{}.{} {consts:?}: {e}", s.name, ep.name));
+                    if let Some(dir) = std::env::var_os("DOPPLER_SPIRV_DUMP") {
+                        let tag: Vec<String> =
+                            consts.iter().map(|(k, v)| format!("{k}{v}")).collect();
+                        let file =
+                            format!("{}.{}.{}.{checks:?}.spv", s.name, ep.name, tag.join("_"));
+                        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+                        std::fs::write(std::path::Path::new(&dir).join(file), bytes).unwrap();
+                    }
+                }
+            }
         }
     }
 }

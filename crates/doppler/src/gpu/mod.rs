@@ -5,6 +5,8 @@ mod binds;
 mod pipeline;
 mod pool;
 mod recorder;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod spirv;
 mod tensor;
 pub mod trace;
 
@@ -136,6 +138,16 @@ fn wanted_features() -> wgpu::Features {
         | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES
         | wgpu::Features::SHADER_INT64
         | wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
+        | passthrough()
+}
+
+/// Natively: the cooperative-matrix kernels' SPIR-V, written and patched by gpu/spirv.rs.
+fn passthrough() -> wgpu::Features {
+    if cfg!(target_arch = "wasm32") {
+        wgpu::Features::empty()
+    } else {
+        wgpu::Features::PASSTHROUGH_SHADERS
+    }
 }
 
 fn parse_backend(name: &str) -> Result<wgpu::Backends> {

@@ -192,13 +192,24 @@ impl PipelineCache {
                 feature: feature_name(missing),
             });
         }
-        let module = self.module(gpu, kernel.shader)?;
         let name: Arc<str> = if constants.is_empty() {
             kernel.name().into()
         } else {
             let c: Vec<String> = constants.iter().map(|(k, v)| format!("{k}={v}")).collect();
             format!("{}[{}]", kernel.name(), c.join(",")).into()
         };
+        // Cooperative-matrix kernels on Vulkan: a module per pipeline, constants applied
+        // (gpu/spirv.rs says why); others: the shader's module, shared.
+        #[cfg(not(target_arch = "wasm32"))]
+        let (module, constants) = if super::spirv::wanted(gpu, kernel) {
+            let text = shader_source(kernel.shader)?;
+            let m = super::spirv::module(gpu, kernel, &text, constants, &name)?;
+            (m, &[][..])
+        } else {
+            (self.module(gpu, kernel.shader)?, constants)
+        };
+        #[cfg(target_arch = "wasm32")]
+        let module = self.module(gpu, kernel.shader)?;
         let mut entries = vec![wgpu::BindGroupLayoutEntry {
             binding: 0,
             visibility: wgpu::ShaderStages::COMPUTE,

@@ -1,0 +1,353 @@
+//! SPIR-V for the cooperative-matrix kernels, written by naga here and given to Vulkan as
+//! is (wgpu's passthrough shaders), with the memory operands naga leaves out.
+//!
+//! naga (30) declares the Vulkan memory model in every module that uses cooperative
+//! matrices, but marks none of its loads and stores `NonPrivatePointer`. Under that model
+//! a barrier orders only non-private accesses: a workgroup's stores to its staging tiles
+//! need not be visible to the other subgroups' loads after `workgroupBarrier()`, and a
+//! compiler may move those loads above it (gfx-rs/wgpu#8805). Here every load and store
+//! through a Workgroup pointer (`OpLoad`, `OpStore`, `OpCooperativeMatrixLoadKHR`,
+//! `OpCooperativeMatrixStoreKHR`) gets `NonPrivatePointer`, as GLSL compilers mark
+//! `shared` memory under the same model; storage buffers are left as they are (no kernel
+//! reads within a dispatch what another workgroup wrote).
+//!
+//! Override constants are applied here (naga's `process_overrides`), so the pipeline is
+//! created without constants; the runtime checks follow [`ShaderChecks`] as wgpu's own
+//! translation would.
+
+use super::{Gpu, Kernel, ShaderChecks};
+use crate::error::{Error, Result};
+
+/// Whether `kernel` is built here: a cooperative-matrix kernel on Vulkan, where the device
+/// takes passthrough shaders.
+pub(crate) fn wanted(gpu: &Gpu, kernel: &Kernel) -> bool {
+    kernel
+        .features
+        .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+        && gpu.info.backend == wgpu::Backend::Vulkan
+        && gpu.features.contains(wgpu::Features::PASSTHROUGH_SHADERS)
+}
+
+/// The module for one pipeline of `kernel` (WGSL text `text`, override `constants`),
+/// labelled `name`.
+pub(crate) fn module(
+    gpu: &Gpu,
+    kernel: &Kernel,
+    text: &str,
+    constants: &[(&'static str, f64)],
+    name: &str,
+) -> Result<wgpu::ShaderModule> {
+    let words = words(text, kernel.entry, constants, gpu.shader_checks).map_err(|message| {
+        Error::Shader {
+            shader: name.to_string(),
+            message,
+        }
+    })?;
+    let desc = wgpu::ShaderModuleDescriptorPassthrough {
+        label: Some(name),
+        entry_points: vec![wgpu::PassthroughShaderEntryPoint {
+            name: kernel.entry.into(),
+            // Read by Metal only.
+            workgroup_size: (1, 1, 1),
+        }]
+        .into(),
+        spirv: Some(words.into()),
+        ..Default::default()
+    };
+    let (module, err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
+        // SAFETY: the words are naga's translation of WGSL that naga validated (below),
+        // with memory operands added that only strengthen ordering; Vulkan validates the
+        // module again when the pipeline is created.
+        unsafe { gpu.device.create_shader_module_passthrough(desc) }
+    });
+    match err {
+        Some(message) => Err(Error::Shader {
+            shader: name.to_string(),
+            message,
+        }),
+        None => Ok(module),
+    }
+}
+
+/// The patched SPIR-V of `entry` in `text` with `constants` applied, or naga's message.
+pub fn words(
+    text: &str,
+    entry: &str,
+    constants: &[(&'static str, f64)],
+    checks: ShaderChecks,
+) -> std::result::Result<Vec<u32>, String> {
+    use naga::back::spv;
+    let module = naga::front::wgsl::parse_str(text).map_err(|e| e.emit_to_string(text))?;
+    let info = naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::all(),
+    )
+    .subgroup_stages(naga::valid::ShaderStages::COMPUTE)
+    .subgroup_operations(naga::valid::SubgroupOperationSet::all())
+    .validate(&module)
+    .map_err(|e| e.emit_to_string(text))?;
+    let values: naga::back::PipelineConstants =
+        constants.iter().map(|&(k, v)| (k.to_string(), v)).collect();
+    let (module, info) = naga::back::pipeline_constants::process_overrides(
+        &module,
+        &info,
+        Some((naga::ShaderStage::Compute, entry)),
+        &values,
+    )
+    .map_err(|e| format!("override constants: {e}"))?;
+    let policy = match checks {
+        ShaderChecks::All | ShaderChecks::Bounds => naga::proc::BoundsCheckPolicy::Restrict,
+        ShaderChecks::Off => naga::proc::BoundsCheckPolicy::Unchecked,
+    };
+    let options = spv::Options {
+        lang_version: (1, 5),
+        flags: spv::WriterFlags::empty(),
+        bounds_check_policies: naga::proc::BoundsCheckPolicies {
+            index: policy,
+            buffer: policy,
+            image_load: policy,
+            binding_array: naga::proc::BoundsCheckPolicy::Unchecked,
+        },
+        // Every kernel writes its workgroup memory before reading it (as the pipelines
+        // wgpu builds: zero_initialize_workgroup_memory false).
+        zero_initialize_workgroup_memory: spv::ZeroInitializeWorkgroupMemoryMode::None,
+        force_loop_bounding: checks == ShaderChecks::All,
+        emit_int_div_checks: checks != ShaderChecks::Off,
+        ..spv::Options::default()
+    };
+    let pipeline = spv::PipelineOptions {
+        shader_stage: naga::ShaderStage::Compute,
+        entry_point: entry.to_string(),
+    };
+    let mut words = spv::write_vec(&module, &info, &options, Some(&pipeline))
+        .map_err(|e| format!("SPIR-V: {e}"))?;
+    non_private_workgroup(&mut words)?;
+    Ok(words)
+}
+
+const OP_DECORATE: u32 = 71;
+const OP_TYPE_ARRAY: u32 = 28;
+const OP_TYPE_RUNTIME_ARRAY: u32 = 29;
+const OP_TYPE_STRUCT: u32 = 30;
+const OP_TYPE_POINTER: u32 = 32;
+const OP_VARIABLE: u32 = 59;
+const OP_LOAD: u32 = 61;
+const OP_STORE: u32 = 62;
+const OP_ACCESS_CHAIN: u32 = 65;
+const OP_IN_BOUNDS_ACCESS_CHAIN: u32 = 66;
+const OP_PTR_ACCESS_CHAIN: u32 = 67;
+const OP_COPY_OBJECT: u32 = 83;
+const OP_COOP_LOAD: u32 = 4457;
+const OP_COOP_STORE: u32 = 4458;
+const ARRAY_STRIDE: u32 = 6;
+const WORKGROUP: u32 = 4;
+const NON_PRIVATE_POINTER: u32 = 0x20;
+/// Storage classes whose types carry explicit layouts (Uniform, PushConstant,
+/// StorageBuffer, PhysicalStorageBuffer).
+const EXPLICIT_LAYOUT: [u32; 4] = [2, 9, 12, 5349];
+
+/// The module's instructions (opcode, words including the first), or what is malformed.
+fn instructions(words: &[u32]) -> std::result::Result<Vec<(u32, Vec<u32>)>, String> {
+    if words.len() < 5 || words[0] != 0x0723_0203 {
+        return Err("not a SPIR-V module".into());
+    }
+    let mut all = Vec::new();
+    let mut at = 5;
+    while at < words.len() {
+        let count = (words[at] >> 16) as usize;
+        if count == 0 || at + count > words.len() {
+            return Err(format!("malformed SPIR-V instruction at word {at}"));
+        }
+        all.push((words[at] & 0xffff, words[at..at + count].to_vec()));
+        at += count;
+    }
+    Ok(all)
+}
+
+/// Adds `NonPrivatePointer` to every load and store through a Workgroup pointer in the
+/// module `words`. Pointers are followed through variables, access chains and copies (the
+/// only ways naga forms them in compute kernels); a load or store whose pointer is not
+/// known is an error, not left unmarked. Also drops the `ArrayStride` naga puts on arrays
+/// that live only in workgroup or function memory (Vulkan allows explicit layouts only
+/// where memory is shared with the host: VUID-StandaloneSpirv-None-10684).
+pub fn non_private_workgroup(words: &mut Vec<u32>) -> std::result::Result<(), String> {
+    use std::collections::{HashMap, HashSet};
+    let mut all = instructions(words)?;
+    // Pointer type id -> storage class; pointer value id -> storage class.
+    let mut pointer_types: HashMap<u32, u32> = HashMap::new();
+    // Aggregate type id -> the types it holds.
+    let mut parts: HashMap<u32, Vec<u32>> = HashMap::new();
+    let mut roots = Vec::new();
+    for (op, ins) in &all {
+        match (*op, ins.len()) {
+            (OP_TYPE_POINTER, 4..) => {
+                pointer_types.insert(ins[1], ins[2]);
+                if EXPLICIT_LAYOUT.contains(&ins[2]) {
+                    roots.push(ins[3]);
+                }
+            }
+            (OP_TYPE_ARRAY | OP_TYPE_RUNTIME_ARRAY, 3..) => {
+                parts.insert(ins[1], vec![ins[2]]);
+            }
+            (OP_TYPE_STRUCT, 2..) => {
+                parts.insert(ins[1], ins[2..].to_vec());
+            }
+            _ => {}
+        }
+    }
+    // Types inside a host-shared block keep their layout.
+    let mut explicit: HashSet<u32> = HashSet::new();
+    while let Some(t) = roots.pop() {
+        if explicit.insert(t) {
+            roots.extend(parts.get(&t).into_iter().flatten());
+        }
+    }
+    let mut pointers: HashMap<u32, u32> = HashMap::new();
+    all.retain(|(op, ins)| {
+        !(*op == OP_DECORATE
+            && ins.len() == 4
+            && ins[2] == ARRAY_STRIDE
+            && parts.contains_key(&ins[1])
+            && !explicit.contains(&ins[1]))
+    });
+    for (op, ins) in &mut all {
+        let count = ins.len();
+        match *op {
+            OP_VARIABLE if count >= 4 => {
+                pointers.insert(ins[2], ins[3]);
+            }
+            OP_ACCESS_CHAIN | OP_IN_BOUNDS_ACCESS_CHAIN | OP_PTR_ACCESS_CHAIN | OP_COPY_OBJECT
+                if count >= 4 =>
+            {
+                if let Some(&class) = pointer_types.get(&ins[1]) {
+                    pointers.insert(ins[2], class);
+                }
+            }
+            // OpLoad: type, result, pointer, [memory access ...].
+            OP_LOAD => mark(ins, 3, 4, &pointers)?,
+            // OpStore: pointer, object, [memory access ...].
+            OP_STORE => mark(ins, 1, 3, &pointers)?,
+            // Load: type, result, pointer, layout, stride, [memory operand ...].
+            OP_COOP_LOAD => mark(ins, 3, 6, &pointers)?,
+            // Store: pointer, object, layout, stride, [memory operand ...].
+            OP_COOP_STORE => mark(ins, 1, 5, &pointers)?,
+            _ => {}
+        }
+        if ins.len() != count {
+            ins[0] = ((ins.len() as u32) << 16) | *op;
+        }
+    }
+    words.truncate(5);
+    for (_, ins) in all {
+        words.extend(ins);
+    }
+    Ok(())
+}
+
+/// Marks instruction `ins` (its pointer operand at word `ptr`, its memory operand mask
+/// at word `mask` if present) non-private when the pointer (storage classes in
+/// `pointers`) is into Workgroup memory.
+fn mark(
+    ins: &mut Vec<u32>,
+    ptr: usize,
+    mask: usize,
+    pointers: &std::collections::HashMap<u32, u32>,
+) -> std::result::Result<(), String> {
+    if ins.len() < mask {
+        return Err(format!(
+            "SPIR-V opcode {} has {} words, fewer than its operands",
+            ins[0] & 0xffff,
+            ins.len()
+        ));
+    }
+    let Some(&class) = pointers.get(&ins[ptr]) else {
+        return Err(format!(
+            "SPIR-V opcode {}: pointer %{} of unknown storage class",
+            ins[0] & 0xffff,
+            ins[ptr]
+        ));
+    };
+    if class != WORKGROUP {
+        return Ok(());
+    }
+    if ins.len() == mask {
+        ins.push(NON_PRIVATE_POINTER);
+    } else {
+        ins[mask] |= NON_PRIVATE_POINTER;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KERNEL: &str = "
+var<workgroup> tile: array<f32, 64>;
+@group(0) @binding(1) var<storage, read_write> out: array<f32>;
+override SCALE: f32 = 1.0;
+@compute @workgroup_size(64)
+fn main(@builtin(local_invocation_index) i: u32) {
+    tile[i] = f32(i) * SCALE;
+    workgroupBarrier();
+    out[i] = tile[63u - i];
+}";
+
+    /// (opcode, memory-access mask word or None) of each OpLoad/OpStore in `words`, with
+    /// its pointer's storage class.
+    fn accesses(words: &[u32]) -> Vec<(u32, Option<u32>, u32)> {
+        let mut pointer_types = std::collections::HashMap::new();
+        let mut pointers = std::collections::HashMap::new();
+        let mut found = Vec::new();
+        let mut at = 5;
+        while at < words.len() {
+            let count = (words[at] >> 16) as usize;
+            let op = words[at] & 0xffff;
+            let ins = &words[at..at + count];
+            match op {
+                OP_TYPE_POINTER => {
+                    pointer_types.insert(ins[1], ins[2]);
+                }
+                OP_VARIABLE => {
+                    pointers.insert(ins[2], ins[3]);
+                }
+                OP_ACCESS_CHAIN | OP_IN_BOUNDS_ACCESS_CHAIN => {
+                    pointers.insert(ins[2], pointer_types[&ins[1]]);
+                }
+                OP_LOAD => found.push((op, ins.get(4).copied(), pointers[&ins[3]])),
+                OP_STORE => found.push((op, ins.get(3).copied(), pointers[&ins[1]])),
+                _ => {}
+            }
+            at += count;
+        }
+        found
+    }
+
+    #[test]
+    fn workgroup_accesses_become_non_private_and_others_stay() {
+        let words = words(KERNEL, "main", &[("SCALE", 2.0)], ShaderChecks::Bounds).unwrap();
+        let found = accesses(&words);
+        let wg: Vec<_> = found.iter().filter(|a| a.2 == WORKGROUP).collect();
+        assert!(
+            wg.iter().any(|a| a.0 == OP_LOAD) && wg.iter().any(|a| a.0 == OP_STORE),
+            "{found:?}"
+        );
+        for a in &wg {
+            assert_eq!(
+                a.1.map(|m| m & NON_PRIVATE_POINTER),
+                Some(NON_PRIVATE_POINTER)
+            );
+        }
+        // The storage buffer's store is untouched.
+        assert!(found
+            .iter()
+            .any(|a| a.2 != WORKGROUP && a.0 == OP_STORE && a.1.is_none()));
+    }
+
+    #[test]
+    fn garbage_is_refused() {
+        assert!(non_private_workgroup(&mut vec![1, 2, 3]).is_err());
+        let mut truncated = vec![0x0723_0203, 0, 0, 10, 0, (9 << 16) | OP_LOAD, 1];
+        assert!(non_private_workgroup(&mut truncated).is_err());
+    }
+}
