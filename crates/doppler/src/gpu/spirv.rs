@@ -19,11 +19,18 @@ use super::{Gpu, Kernel, ShaderChecks};
 use crate::error::{Error, Result};
 
 /// Whether `kernel` is built here: a cooperative-matrix kernel on Vulkan, where the device
-/// takes passthrough shaders.
+/// takes passthrough shaders. `DOPPLER_PASSTHROUGH` (diagnostics) changes which: `off`
+/// none (wgpu's own translation), `all` every kernel.
 pub(crate) fn wanted(gpu: &Gpu, kernel: &Kernel) -> bool {
-    kernel
+    let coop = kernel
         .features
-        .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+        .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
+    let which = match std::env::var("DOPPLER_PASSTHROUGH").as_deref() {
+        Ok("off") => false,
+        Ok("all") => true,
+        _ => coop,
+    };
+    which
         && gpu.info.backend == wgpu::Backend::Vulkan
         && gpu.features.contains(wgpu::Features::PASSTHROUGH_SHADERS)
 }
@@ -37,12 +44,15 @@ pub(crate) fn module(
     constants: &[(&'static str, f64)],
     name: &str,
 ) -> Result<wgpu::ShaderModule> {
-    let words = words(text, kernel.entry, constants, gpu.shader_checks).map_err(|message| {
-        Error::Shader {
-            shader: name.to_string(),
-            message,
-        }
-    })?;
+    let mut layout: Vec<u32> = kernel.storage.iter().map(|&(b, _)| b).collect();
+    layout.push(0); // the parameters (pipeline.rs)
+    let words =
+        words(text, kernel.entry, constants, &layout, gpu.shader_checks).map_err(|message| {
+            Error::Shader {
+                shader: name.to_string(),
+                message,
+            }
+        })?;
     let desc = wgpu::ShaderModuleDescriptorPassthrough {
         label: Some(name),
         entry_points: vec![wgpu::PassthroughShaderEntryPoint {
@@ -70,10 +80,15 @@ pub(crate) fn module(
 }
 
 /// The patched SPIR-V of `entry` in `text` with `constants` applied, or naga's message.
+/// `layout`: the WGSL binding numbers of the pipeline's bind group (group 0). wgpu's
+/// Vulkan backend numbers a bind group's descriptors 0, 1, 2 ... in the order of their
+/// binding numbers (wgpu-hal's create_bind_group_layout), and renumbers the bindings
+/// of the SPIR-V it writes to match; so does this.
 pub fn words(
     text: &str,
     entry: &str,
     constants: &[(&'static str, f64)],
+    layout: &[u32],
     checks: ShaderChecks,
 ) -> std::result::Result<Vec<u32>, String> {
     use naga::back::spv;
@@ -95,6 +110,21 @@ pub fn words(
         &values,
     )
     .map_err(|e| format!("override constants: {e}"))?;
+    let mut numbers = layout.to_vec();
+    numbers.sort_unstable();
+    numbers.dedup();
+    let binding_map = numbers
+        .iter()
+        .enumerate()
+        .map(|(rank, &binding)| {
+            let target = spv::BindingInfo {
+                descriptor_set: 0,
+                binding: rank as u32,
+                binding_array_size: None,
+            };
+            (naga::ResourceBinding { group: 0, binding }, target)
+        })
+        .collect();
     let policy = match checks {
         ShaderChecks::All | ShaderChecks::Bounds => naga::proc::BoundsCheckPolicy::Restrict,
         ShaderChecks::Off => naga::proc::BoundsCheckPolicy::Unchecked,
@@ -113,6 +143,8 @@ pub fn words(
         zero_initialize_workgroup_memory: spv::ZeroInitializeWorkgroupMemoryMode::None,
         force_loop_bounding: checks == ShaderChecks::All,
         emit_int_div_checks: checks != ShaderChecks::Off,
+        binding_map,
+        fake_missing_bindings: false,
         ..spv::Options::default()
     };
     let pipeline = spv::PipelineOptions {
@@ -325,7 +357,14 @@ fn main(@builtin(local_invocation_index) i: u32) {
 
     #[test]
     fn workgroup_accesses_become_non_private_and_others_stay() {
-        let words = words(KERNEL, "main", &[("SCALE", 2.0)], ShaderChecks::Bounds).unwrap();
+        let words = words(
+            KERNEL,
+            "main",
+            &[("SCALE", 2.0)],
+            &[0, 1],
+            ShaderChecks::Bounds,
+        )
+        .unwrap();
         let found = accesses(&words);
         let wg: Vec<_> = found.iter().filter(|a| a.2 == WORKGROUP).collect();
         assert!(

@@ -228,9 +228,6 @@ const RAW_V4: u32 = 5u;   // registers of raw words a run (vec4s)
 //   Q5_K: the header, the 32 bytes of fifth bits, the pair's 32 bytes.
 //   Q6_K: the 32 bytes of low nibbles, the 32 of 2-bit highs, scales (bytes 192..208), d.
 fn fetch_raw(i: u32) -> array<vec4<u32>, RAW_V4> {
-    // Each case loads whole vectors and returns them as one value (an earlier form that
-    // wrote parts of a local array of them decoded Q5_1, Q5_K and Q6_K wrong on the H200,
-    // right on lavapipe; this form has not run on the H200 yet).
     let z = vec4<u32>(0u);
     switch (TYPE) {
         case 3u: {
@@ -277,44 +274,48 @@ fn rw(r: array<vec4<u32>, RAW_V4>, j: u32) -> u32 {
     return r[j / 4u][j % 4u];
 }
 
-// The 4 bits at b.. of x as 0/1 floats, 8 bits apart (b + 8 e): fifth bits of 4 bytes.
-fn bits4(v: u32) -> vec4<f32> {
-    return u2f4(bytes4(v & 0x01010101u));
+// The 4 nibbles of w's bytes (high ones if `high`), as integers.
+fn nib4(w: u32, high: bool) -> vec4<u32> {
+    return bytes4(select(w, w >> 4u, high) & 0x0F0F0F0Fu);
 }
 
 // Run values e (4 e .. 4 e + 3 of the run's 32) from fetch_raw's words; s: the run's
-// place in a K-quant block, (i % 256) / 32.
+// place in a K-quant block, (i % 256) / 32. Each quant is put together as an integer
+// (low bits | high bits << 4) and converted once: a sum of u2f4's (2^23 + q) - 2^23
+// terms is exact only if the compiler keeps the subtractions where they are, and the
+// H200's did not (Q5_1, Q5_K and Q6_K decoded wrong; Q4_1 and Q4_K, one term, right).
 fn raw_value4(r: array<vec4<u32>, RAW_V4>, e: u32, s: u32) -> vec4<f32> {
     let hi = e >= 4u;        // Q4_1 / Q5_1: high nibbles for elements 16..
     let ek = e % 4u;
     switch (TYPE) {
         case 3u: {
             let dm = unpack2x16float(rw(r, 0u));
-            return nibbles4(rw(r, 1u + ek), hi) * dm.x + dm.y;
+            return vec4<f32>(nib4(rw(r, 1u + ek), hi)) * dm.x + dm.y;
         }
         case 7u: {
             let dm = unpack2x16float(rw(r, 0u));
             // Element j's fifth bit is bit j of qh (word 1).
             let h = (rw(r, 1u) >> (4u * e)) & 0xFu;
-            let hb = u2f4(vec4<u32>(h & 1u, (h >> 1u) & 1u, (h >> 2u) & 1u, h >> 3u));
-            return (nibbles4(rw(r, 2u + ek), hi) + hb * 16.0) * dm.x + dm.y;
+            let hb = vec4<u32>(h & 1u, (h >> 1u) & 1u, (h >> 2u) & 1u, h >> 3u);
+            return vec4<f32>(nib4(rw(r, 2u + ek), hi) | (hb << vec4<u32>(4u))) * dm.x + dm.y;
         }
         case 12u, 13u: {
             let dm = unpack2x16float(r[0].x);
             let sm = scale_min16(r[0], s);
-            var q = nibbles4(rw(r, 4u + e), (s & 1u) == 1u);
+            var q = nib4(rw(r, 4u + e), (s & 1u) == 1u);
             if (TYPE == 13u) {
-                q += bits4(rw(r, 12u + e) >> s) * 16.0;
+                q |= bytes4((rw(r, 12u + e) >> s) & 0x01010101u) << vec4<u32>(4u);
             }
-            return dm.x * sm.x * q - dm.y * sm.y;
+            return dm.x * sm.x * vec4<f32>(q) - dm.y * sm.y;
         }
         case 14u: {
             let rr = s % 4u;
-            let lo = nibbles4(rw(r, e), rr >= 2u);
-            let hb = u2f4(bytes4((rw(r, 8u + e) >> (2u * rr)) & 0x03030303u));
+            let lo = nib4(rw(r, e), rr >= 2u);
+            let hb = bytes4((rw(r, 8u + e) >> (2u * rr)) & 0x03030303u);
             let sw = r[4].x >> select(0u, 8u, hi);
             let d = unpack2x16float(r[4].y).x;
-            return d * f32(bitcast<i32>(sw << 24u) >> 24u) * (lo + hb * 16.0 - 32.0);
+            let q = vec4<i32>(lo | (hb << vec4<u32>(4u))) - vec4<i32>(32);
+            return d * f32(bitcast<i32>(sw << 24u) >> 24u) * vec4<f32>(q);
         }
         default: {
             return vec4<f32>(0.0);
