@@ -19,7 +19,7 @@ grep -E '"(cooperative_matrix|PASSTHROUGH_SHADERS|quantized_prompts)' -A2 "$out/
   for f in matmul attention; do DOPPLER_MATMUL=f16 "$bin" verify --filter $f; echo "verify f16 $f rc=$?"; done
 } > "$out/verify.txt" 2>&1
 grep -E "rc=|passed|failed" "$out/verify.txt" | head -20
-grep -E "coop|FAIL|fail" "$out/verify.txt" | head -30
+grep -E "FAIL" "$out/verify.txt" | cut -c1-300 | head -30
 # The f16 matmul on cooperative matrices at 4096^3 (it is built as the quantized product is).
 DOPPLER_MATMUL=f16 "$bin" bench matmul --size 4096 --json > "$out/matmul-f16.json" 2> /dev/null
 echo "matmul f16 rc=$?"; grep -iE "tflop" "$out/matmul-f16.json" | head -5
@@ -27,8 +27,9 @@ for preset in smollm2-135m llama3-8b-q4k; do
   gen=64
   DOPPLER_QUANT_COOP=on "$bin" bench generate --preset $preset --prompt 512 --gen $gen --json \
     > "$out/gen-$preset-coop.json" 2> /dev/null
-  echo "$preset coop rc=$?"; tail -c 600 "$out/gen-$preset-coop.json"; echo
+  echo "$preset coop rc=$?"
   "$bin" bench generate --preset $preset --prompt 512 --gen $gen --json \
     > "$out/gen-$preset.json" 2> /dev/null
-  echo "$preset default rc=$?"; tail -c 600 "$out/gen-$preset.json"; echo
+  echo "$preset default rc=$?"
 done
+grep -H prefill_tok_s "$out"/gen-*.json

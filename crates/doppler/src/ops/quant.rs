@@ -123,9 +123,6 @@ static X_HALF: Kernel = Kernel::new(
     "x_half",
     &[(2, ReadWrite), (7, Read), (8, Read), (14, ReadWrite)],
 );
-// W's values rounded to f16 for the cooperative product (`quant.wgsl`): W (1), the
-// halves (14).
-static DEQUANT_HALF: Kernel = Kernel::new(&QUANT, "dequantize_half", &[(1, Read), (14, ReadWrite)]);
 const COOP_FEATURES: wgpu::Features =
     wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX.union(wgpu::Features::SHADER_F16);
 // The product on cooperative matrices: W, y, xh, the rows' factors, the residual, W
@@ -1055,53 +1052,6 @@ pub fn x_half(
     Ok((xh, rowf))
 }
 
-/// GGUF's type number of F16.
-const GGML_F16: u32 = 1;
-
-/// Whether the cooperative product reads W of type `ty` decoded into f16 beforehand
-/// ([`dequantize_half`]) rather than decoding it tile by tile: for every type but F16 and
-/// BF16 (read as they are), unless `DOPPLER_QUANT_COOP_W=fused` (measurements).
-fn coop_w_half(ty: GgmlType) -> bool {
-    let fused = cfg!(not(target_arch = "wasm32"))
-        && std::env::var("DOPPLER_QUANT_COOP_W").as_deref() == Ok("fused");
-    !fused && !matches!(ty.name(), "F16" | "BF16")
-}
-
-/// W's values rounded to f16: a u32 tensor (rows, cols / 2) of two halves a word, the
-/// lower first (GGUF's F16 blocks).
-pub fn dequantize_half(rec: &mut Recorder<'_>, w: &QMatrix) -> Result<Tensor> {
-    let n = w.rows * w.cols;
-    if n % 4 != 0 || n > u32::MAX as usize {
-        return Err(Error::Invalid {
-            op: "dequantize_half",
-            detail: format!(
-                "W ({}, {}): not a multiple of 4 values below 2^32",
-                w.rows, w.cols
-            ),
-        });
-    }
-    let half = Tensor::empty(
-        rec.gpu(),
-        &[w.rows, w.cols / 2],
-        DType::U32,
-        "qmatmul.w_half",
-    )?;
-    let p = Params {
-        n: n as u32,
-        ..Default::default()
-    };
-    let c = [("TYPE", w.ty.0 as f64)];
-    let grid = Grid::cover((n / 4) as u64, 256);
-    rec.dispatch(
-        &DEQUANT_HALF,
-        &c,
-        bytemuck::bytes_of(&p),
-        &[&w.raw, &half],
-        grid,
-    )?;
-    Ok(half)
-}
-
 /// The tiled product on cooperative matrices (`quant_coop.wgsl`): x (times the fused
 /// norm) rounded to f16 by `x_half` (rows that f16 cannot hold scaled down by a power of
 /// two, and back after), then `qmatmul_coop` into `y` (fuse's residual or SwiGLU/GeGLU),
@@ -1123,22 +1073,13 @@ fn qmatmul_coop(
         ..Default::default()
     };
     let (xh, rowf) = x_half(rec, x, w.cols, fuse.norm)?;
-    // W decoded once into f16 for all tiles of rows, then read as F16 (see [`coop_w_half`]).
-    let half;
-    let (wraw, wty) = match coop_w_half(w.ty) {
-        true => {
-            half = dequantize_half(rec, w)?;
-            (&half, GGML_F16)
-        }
-        false => (&w.raw, w.ty.0),
-    };
     let (gn, gm) = (w.rows.div_ceil(COOP_TILE), m.div_ceil(COOP_TILE));
     let splits = match fuse.swiglu {
         true => 1,
         false => split_k(gn * gm, w.cols),
     };
     let c = [
-        ("TYPE", wty as f64),
+        ("TYPE", w.ty.0 as f64),
         ("RESIDUAL", fuse.residual.is_some() as u32 as f64),
         ("SWIGLU", fuse.swiglu as u32 as f64),
         ("GEGLU", fuse.geglu as u32 as f64),
@@ -1146,7 +1087,7 @@ fn qmatmul_coop(
     let res = fuse.residual.unwrap_or(x);
     if splits == 1 {
         let grid = Grid::Xyz([gn as u32, gm as u32, 1]);
-        let bind = [wraw, y, &xh, &rowf, res, wraw];
+        let bind = [&w.raw, y, &xh, &rowf, res, &w.raw];
         return rec.dispatch(&QMATMUL_COOP, &c, bytemuck::bytes_of(&p), &bind, grid);
     }
     // Partial tiles of k's slices, then their sum (+ the residual) in order.
@@ -1154,7 +1095,7 @@ fn qmatmul_coop(
     p.splits = splits as u32;
     let cs = [c[0], ("SPLITK", 1.0)];
     let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
-    let bind = [wraw, &part, &xh, &rowf, res, wraw];
+    let bind = [&w.raw, &part, &xh, &rowf, res, &w.raw];
     rec.dispatch(&QMATMUL_COOP, &cs, bytemuck::bytes_of(&p), &bind, grid)?;
     let mut ps = w.params(m);
     ps.n = outs as u32;

@@ -383,20 +383,6 @@ fn dequantize_runs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     }
 }
 
-// W's values rounded to f16 for the cooperative product of many rows (quant_coop.wgsl
-// reads them as TYPE F16): 4 values a thread by value4, two halves a word (the lower
-// first) into xq_out; p.n values, a multiple of 4. Grid: linear (2-D past 65535).
-@compute @workgroup_size(256)
-fn dequantize_half(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                   @builtin(local_invocation_index) lid: u32) {
-    let i = ((wid.x + wid.y * nwg.x) * 256u + lid) * 4u;
-    if (i < p.n) {
-        let v = value4(i);
-        xq_out[i / 2u] = pack2x16float(v.xy);
-        xq_out[i / 2u + 1u] = pack2x16float(v.zw);
-    }
-}
-
 @compute @workgroup_size(256)
 fn get_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {

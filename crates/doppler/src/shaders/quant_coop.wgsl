@@ -18,8 +18,10 @@
 // the next step's values wait in registers. Subgroup w owns rows 64 (w / 2).. and columns
 // 64 (w % 2).. of the tile: 4 x 4 accumulators of 16 x 16 in f32. With SWIGLU the tile's
 // (virtual) columns interleave gate and up rows (quant.wgsl's w_row): a pair of adjacent
-// columns is one output. Sums run in a fixed order: the same inputs give the same bits.
-// Against the exact product, each term carries f16's rounding of x and of W's value
+// columns is one output. A whole tile with no SwiGLU or split and rows of factor 1 is
+// stored straight from the accumulators (which, with RESIDUAL, start from the residual);
+// others go through the subgroup's scratch, 4 accumulators at a time, to the epilogue.
+// Sums run in a fixed order: the same inputs give the same bits. Against the exact product, each term carries f16's rounding of x and of W's value
 // (2^-11 relative each).
 
 enable f16;
@@ -48,7 +50,7 @@ const SK: u32 = 10u;    // stride of a staged row (BK + 8 halves, in vec4s)
 
 var<workgroup> sa: array<vec4<f16>, 1280>;   // xh [m][k]: T rows of SK
 var<workgroup> sb: array<vec4<f16>, 1280>;   // W [n][k]: T rows of SK
-var<workgroup> scratch: array<f32, 1024>;   // 16 x 16 a subgroup
+var<workgroup> scratch: array<f32, 4096>;   // 4 blocks of 16 x 16 a subgroup
 
 // Rows of W the product reads, and W's row for virtual output column v (SWIGLU: v even
 // is gate v / 2, odd up v / 2).
@@ -95,21 +97,20 @@ fn fetch_w_raw(n: u32, k0: u32, kz: u32) -> array<vec4<u32>, RAW_V4> {
     return fetch_raw(w_row(n) * p.k + k0);
 }
 
-// Accumulator (rows r0.., virtual columns c0.. of the output) through the subgroup's
-// scratch: lane l takes elements 8 l .. 8 l + 7 of the 16 x 16 block (half a row).
-fn put(acc: coop_mat16x16<f32, C>, w: u32, lane: u32, r0: u32, c0: u32, z: u32) {
-    coopStoreT(acc, &scratch[w * 256u], 16u);
-    workgroupBarrier();
+// Block j (16 x 16 at scratch[w * 1024 + 256 j]) of the subgroup's scratch into the
+// output (rows r0.., virtual columns c0..): lane l takes elements 8 l .. 8 l + 7 (half a
+// row).
+fn emit(base: u32, lane: u32, r0: u32, c0: u32, z: u32) {
     let i0 = lane * 8u;
     let r = r0 + i0 / 16u;
     if (r < p.m) {
         let f = rowf[r];
         for (var e = 0u; e < 8u; e++) {
             let col = c0 + i0 % 16u + e;
-            let v = scratch[w * 256u + i0 + e] * f;
+            let v = scratch[base + i0 + e] * f;
             if (SWIGLU) {
                 if ((e & 1u) == 1u && col / 2u < p.n) {
-                    let g = scratch[w * 256u + i0 + e - 1u] * f;
+                    let g = scratch[base + i0 + e - 1u] * f;
                     dst[r * p.n + col / 2u] = gate_act(g) * v;
                 }
             } else if (col < p.n) {
@@ -123,6 +124,25 @@ fn put(acc: coop_mat16x16<f32, C>, w: u32, lane: u32, r0: u32, c0: u32, z: u32) 
             }
         }
     }
+}
+
+// A row of 4 accumulators (rows r0.., virtual columns c0 .. c0 + 63) through the
+// subgroup's scratch: one pair of barriers for the four.
+fn put4(a0: coop_mat16x16<f32, C>, a1: coop_mat16x16<f32, C>, a2: coop_mat16x16<f32, C>,
+        a3: coop_mat16x16<f32, C>, w: u32, lane: u32, r0: u32, c0: u32, z: u32) {
+    let b0 = w * 1024u;
+    let b1 = b0 + 256u;
+    let b2 = b0 + 512u;
+    let b3 = b0 + 768u;
+    coopStoreT(a0, &scratch[b0], 16u);
+    coopStoreT(a1, &scratch[b1], 16u);
+    coopStoreT(a2, &scratch[b2], 16u);
+    coopStoreT(a3, &scratch[b3], 16u);
+    workgroupBarrier();
+    emit(b0, lane, r0, c0, z);
+    emit(b1, lane, r0, c0 + 16u, z);
+    emit(b2, lane, r0, c0 + 32u, z);
+    emit(b3, lane, r0, c0 + 48u, z);
     workgroupBarrier();
 }
 
@@ -176,6 +196,62 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     c31 = coop_mat16x16<f32, C>();
     c32 = coop_mat16x16<f32, C>();
     c33 = coop_mat16x16<f32, C>();
+
+    // Straight to the output at the end where nothing else is to be done there: a whole
+    // tile, no SwiGLU or split, every row's rowf 1 (thread 0 looks; the flag is read
+    // uniformly through the scratch). With RESIDUAL the sums then start from the residual.
+    if (tid == 0u) {
+        var ones = 1.0;
+        for (var i = 0u; i < T; i++) {
+            if (m0 + i < p.m && rowf[m0 + i] != 1.0) {
+                ones = 0.0;
+            }
+        }
+        scratch[0] = ones;
+    }
+    let ones = workgroupUniformLoad(&scratch[0]);
+    // (`&`, not `&&`: naga takes a short-circuit's value as non-uniform.)
+    let whole = (m0 + T <= p.m) & (n0 + T <= p.n) & (p.n % 4u == 0u);
+    let straight = whole & (ones == 1.0) & !SWIGLU & !SPLITK;
+    if (straight & RESIDUAL) {
+        // Addresses as named values: naga's SPIR-V writer panics on expressions written
+        // inside coopLoadT's arguments.
+        let n = p.n;
+        let at = (m0 + wr) * n + n0 + wc;   // the subgroup's corner, then rows 16 apart
+        let r16 = 16u * n;
+        let a00 = at + 0u * r16 + 0u;
+        let a01 = at + 0u * r16 + 16u;
+        let a02 = at + 0u * r16 + 32u;
+        let a03 = at + 0u * r16 + 48u;
+        let a10 = at + 1u * r16 + 0u;
+        let a11 = at + 1u * r16 + 16u;
+        let a12 = at + 1u * r16 + 32u;
+        let a13 = at + 1u * r16 + 48u;
+        let a20 = at + 2u * r16 + 0u;
+        let a21 = at + 2u * r16 + 16u;
+        let a22 = at + 2u * r16 + 32u;
+        let a23 = at + 2u * r16 + 48u;
+        let a30 = at + 3u * r16 + 0u;
+        let a31 = at + 3u * r16 + 16u;
+        let a32 = at + 3u * r16 + 32u;
+        let a33 = at + 3u * r16 + 48u;
+        c00 = coopLoadT<coop_mat16x16<f32, C>>(&res[a00], n);
+        c01 = coopLoadT<coop_mat16x16<f32, C>>(&res[a01], n);
+        c02 = coopLoadT<coop_mat16x16<f32, C>>(&res[a02], n);
+        c03 = coopLoadT<coop_mat16x16<f32, C>>(&res[a03], n);
+        c10 = coopLoadT<coop_mat16x16<f32, C>>(&res[a10], n);
+        c11 = coopLoadT<coop_mat16x16<f32, C>>(&res[a11], n);
+        c12 = coopLoadT<coop_mat16x16<f32, C>>(&res[a12], n);
+        c13 = coopLoadT<coop_mat16x16<f32, C>>(&res[a13], n);
+        c20 = coopLoadT<coop_mat16x16<f32, C>>(&res[a20], n);
+        c21 = coopLoadT<coop_mat16x16<f32, C>>(&res[a21], n);
+        c22 = coopLoadT<coop_mat16x16<f32, C>>(&res[a22], n);
+        c23 = coopLoadT<coop_mat16x16<f32, C>>(&res[a23], n);
+        c30 = coopLoadT<coop_mat16x16<f32, C>>(&res[a30], n);
+        c31 = coopLoadT<coop_mat16x16<f32, C>>(&res[a31], n);
+        c32 = coopLoadT<coop_mat16x16<f32, C>>(&res[a32], n);
+        c33 = coopLoadT<coop_mat16x16<f32, C>>(&res[a33], n);
+    }
 
     var pa: array<vec4<f16>, 8>;
     var pb: array<vec4<f16>, 8>;
@@ -252,26 +328,9 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         workgroupBarrier();
     }
 
-    // Straight to the output where nothing else is done: a whole tile, no fusion or split,
-    // and every row's rowf 1 (thread 0 looks; the flag is read uniformly).
-    // The flag goes through the scratch: no workgroup variable beside sa, sb and scratch
-    // (matmul_coop.wgsl saw wrong sums with one; whether that is this kernel's fault on
-    // the H200 is not known yet, docs/benchmarks.md session 20).
-    if (tid == 0u) {
-        var ones = 1.0;
-        for (var i = 0u; i < T; i++) {
-            if (m0 + i < p.m && rowf[m0 + i] != 1.0) {
-                ones = 0.0;
-            }
-        }
-        scratch[0] = ones;
-    }
-    let ones = workgroupUniformLoad(&scratch[0]);
-    workgroupBarrier();   // all have read it before `put` writes the scratch
-    let whole = m0 + T <= p.m && n0 + T <= p.n && p.n % 4u == 0u;
     let r0 = m0 + wr;
     let c0 = n0 + wc;
-    if (whole && ones == 1.0 && !RESIDUAL && !SWIGLU && !SPLITK) {
+    if (straight) {
         // Addresses as named values: naga's SPIR-V writer panics on expressions written
         // inside coopStoreT's arguments.
         let n = p.n;
@@ -312,20 +371,8 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         return;
     }
     let z = wid.z;
-    put(c00, w, lane, r0, c0, z);
-    put(c01, w, lane, r0, c0 + 16u, z);
-    put(c02, w, lane, r0, c0 + 32u, z);
-    put(c03, w, lane, r0, c0 + 48u, z);
-    put(c10, w, lane, r0 + 16u, c0, z);
-    put(c11, w, lane, r0 + 16u, c0 + 16u, z);
-    put(c12, w, lane, r0 + 16u, c0 + 32u, z);
-    put(c13, w, lane, r0 + 16u, c0 + 48u, z);
-    put(c20, w, lane, r0 + 32u, c0, z);
-    put(c21, w, lane, r0 + 32u, c0 + 16u, z);
-    put(c22, w, lane, r0 + 32u, c0 + 32u, z);
-    put(c23, w, lane, r0 + 32u, c0 + 48u, z);
-    put(c30, w, lane, r0 + 48u, c0, z);
-    put(c31, w, lane, r0 + 48u, c0 + 16u, z);
-    put(c32, w, lane, r0 + 48u, c0 + 32u, z);
-    put(c33, w, lane, r0 + 48u, c0 + 48u, z);
+    put4(c00, c01, c02, c03, w, lane, r0, c0, z);
+    put4(c10, c11, c12, c13, w, lane, r0 + 16u, c0, z);
+    put4(c20, c21, c22, c23, w, lane, r0 + 32u, c0, z);
+    put4(c30, c31, c32, c33, w, lane, r0 + 48u, c0, z);
 }

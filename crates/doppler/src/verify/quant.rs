@@ -8,10 +8,9 @@ use crate::check::{compare, Rng, Stats, Tolerance};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
 use crate::ops::quant::{
-    chain_rounds, decode_rounds_x, dequantize, dequantize_half, dequantize_runs, get_rows, qmatmul,
-    qmatmul_chain, qmatmul_fused, qmatmul_t, quantize_x8, upload_blocks, uses_coop, x_half, Fuse,
-    Next, QMatrix, MATVEC1_MIN_ROWS, MATVEC_MAX_ROWS, RAW_TYPES, SPLITK_MIN_COLS, SUPPORTED,
-    XQ8_MIN_COLS,
+    chain_rounds, decode_rounds_x, dequantize, dequantize_runs, get_rows, qmatmul, qmatmul_chain,
+    qmatmul_fused, qmatmul_t, quantize_x8, upload_blocks, uses_coop, x_half, Fuse, Next, QMatrix,
+    MATVEC1_MIN_ROWS, MATVEC_MAX_ROWS, RAW_TYPES, SPLITK_MIN_COLS, SUPPORTED, XQ8_MIN_COLS,
 };
 use crate::reference::quant as cpu;
 
@@ -57,59 +56,23 @@ pub fn random_blocks(name: &str, n: usize, rng: &mut Rng) -> Vec<u8> {
     raw
 }
 
-/// How a dequantize check decodes: one value a thread, runs of 32 (RAW types), or into
-/// f16 halves (the cooperative product's W).
-#[derive(Clone, Copy, PartialEq)]
-enum Decode {
-    Values,
-    Runs,
-    Half,
-}
-
 pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     // Every type on a few blocks; Q8_0 and Q4_K past 65535 workgroups of 256; the
-    // cooperative product's run decoding (RAW types) and its f16 W (every type but F16,
-    // BF16, read as they are) on a few blocks: (type, n, how).
-    let mut cases: Vec<(&str, usize, Decode)> = SUPPORTED
-        .iter()
-        .map(|&t| (t, 768, Decode::Values))
-        .collect();
-    cases.push(("Q8_0", 65_540 * 256, Decode::Values));
-    cases.push(("Q4_K", 65_540 * 256, Decode::Values));
-    cases.extend(RAW_TYPES.iter().map(|&t| (t, 768, Decode::Runs)));
-    cases.extend(
-        SUPPORTED
-            .iter()
-            .filter(|&&t| !matches!(t, "F16" | "BF16"))
-            .map(|&t| (t, 768, Decode::Half)),
-    );
-    for (i, &(name, n, how)) in cases.iter().enumerate() {
+    // cooperative product's run decoding (RAW types) on a few blocks: (type, n, runs).
+    let mut cases: Vec<(&str, usize, bool)> = SUPPORTED.iter().map(|&t| (t, 768, false)).collect();
+    cases.push(("Q8_0", 65_540 * 256, false));
+    cases.push(("Q4_K", 65_540 * 256, false));
+    cases.extend(RAW_TYPES.iter().map(|&t| (t, 768, true)));
+    for (i, &(name, n, runs)) in cases.iter().enumerate() {
         let ty = GgmlType::from_name(name).expect("known type");
         let mut rng = Rng::new(1900 + i as u64);
         let raw = random_blocks(name, n, &mut rng);
         let r = twice("dequantize", async || {
             let t = upload_blocks(gpu, &raw, ty, "raw")?;
-            if how == Decode::Half {
-                // 3 rows of 256.
-                let w = QMatrix {
-                    raw: t,
-                    ty,
-                    rows: n / 256,
-                    cols: 256,
-                };
-                let h = gpu.run_async(|rec| dequantize_half(rec, &w)).await?;
-                let words = h.to_vec_u32(gpu).await?;
-                let vals = words
-                    .iter()
-                    .flat_map(|w| [*w as u16, (*w >> 16) as u16])
-                    .map(|b| f16::from_bits(b).to_f32())
-                    .collect();
-                return Ok(vec![vals]);
-            }
             let y = gpu
-                .run_async(|rec| match how {
-                    Decode::Runs => dequantize_runs(rec, &t, ty, &[n]),
-                    _ => dequantize(rec, &t, ty, &[n]),
+                .run_async(|rec| match runs {
+                    true => dequantize_runs(rec, &t, ty, &[n]),
+                    false => dequantize(rec, &t, ty, &[n]),
                 })
                 .await?;
             Ok(vec![y.to_vec_f32(gpu).await?])
@@ -117,18 +80,9 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         .await;
         let res = (|| {
             let got = r.map_err(|e| e.to_string())?;
-            let mut want = cpu::dequantize(ty, &raw, n).map_err(s)?;
+            let want = cpu::dequantize(ty, &raw, n).map_err(s)?;
             // Products of an f16 scale and small integers, minus a min: two roundings,
-            // judged against the largest magnitude in each group of 32; into f16, that
-            // value rounded to f16 (a tie the two roundings resolve differently: one f16
-            // step, 2^-10 of the group's largest at most).
-            let rel = match how {
-                Decode::Half => {
-                    want = want.iter().map(|v| f16::from_f32(*v).to_f32()).collect();
-                    1.0 / 1024.0
-                }
-                _ => 4.0 * f32::EPSILON as f64,
-            };
+            // judged against the largest magnitude in each group of 32.
             let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
             let scale: Vec<f64> = want64
                 .chunks(32)
@@ -142,15 +96,14 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 &got[0],
                 &want64,
                 Some(&scale),
-                Tolerance { abs: 0.0, rel },
+                Tolerance {
+                    abs: 0.0,
+                    rel: 4.0 * f32::EPSILON as f64,
+                },
             )
             .map_err(s)
         })();
-        let how = match how {
-            Decode::Values => "",
-            Decode::Runs => " (runs of 32)",
-            Decode::Half => " (into f16)",
-        };
+        let how = if runs { " (runs of 32)" } else { "" };
         push(out, &format!("dequantize {name}"), format!("{n}{how}"), res);
     }
 }
