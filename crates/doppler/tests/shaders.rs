@@ -58,7 +58,8 @@ fn uniform_blocks_match_rust_params() {
 
 /// Override values besides the defaults that select code of their own in shaders lavapipe
 /// never builds (the cooperative product's starts from C and from the bias row, and its
-/// split operands, f16x3; the cooperative quantized product's fusions and block types).
+/// split operands, f16x3; the cooperative quantized product's fusions and block types,
+/// glu_rows' GeGLU).
 const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
     ("matmul_coop", &[("INIT", 1.0)]),
     ("matmul_coop", &[("INIT", 2.0), ("TRANS_B", 1.0)]),
@@ -74,11 +75,9 @@ const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
     ),
     ("quant_coop", &[("TYPE", 7.0), ("RESIDUAL", 1.0)]),
     ("quant_coop", &[("RESIDUAL", 1.0), ("TYPE", 12.0)]),
-    ("quant_coop", &[("SWIGLU", 1.0), ("TYPE", 14.0)]),
-    (
-        "quant_coop",
-        &[("SWIGLU", 1.0), ("GEGLU", 1.0), ("TYPE", 8.0)],
-    ),
+    ("quant_coop", &[("TYPE", 14.0)]),
+    ("quant_coop", &[("TYPE", 8.0)]),
+    ("quant", &[("GEGLU", 1.0)]),
     ("quant_coop", &[("SPLITK", 1.0), ("TYPE", 13.0)]),
     ("quant_coop", &[("TYPE", 0.0)]),
     ("quant_coop", &[("TYPE", 1.0)]),

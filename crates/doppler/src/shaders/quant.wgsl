@@ -1410,6 +1410,22 @@ fn qmatmul_t(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     }
 }
 
+// dst[r, j] = act(x[r, j]) * x[r, n + j] (quant_blocks.wgsl's gate_act: silu, or GEGLU's
+// gelu), x (m, 2n) the product with W's 2n rows [gate; up]: the cooperative product's
+// SwiGLU / GeGLU, done after it (its tiles go straight to x). i < m n; cover m n, 256 a
+// workgroup.
+@compute @workgroup_size(256)
+fn glu_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (i >= p.m * p.n) {
+        return;
+    }
+    let r = i / p.n;
+    let j = i % p.n;
+    dst[i] = gate_act(x[2u * r * p.n + j]) * x[(2u * r + 1u) * p.n + j];
+}
+
 // dst[i] = (res[i] +) the sum of qmatmul's SPLITK partials x (p.splits, m, n) in slice
 // order, i < m n. Cover m n, 256 a workgroup.
 @compute @workgroup_size(256)

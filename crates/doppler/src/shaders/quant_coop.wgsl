@@ -5,37 +5,36 @@
 //
 //   qmatmul_coop  dst (m, n) = rowf * (xh @ W^T) (xh and rowf from quant.wgsl's x_half:
 //            x, after the fused norm, as f16, scaled by a power of two where f16 cannot
-//            hold a row), RESIDUAL: + res, SWIGLU / GEGLU: W's
-//            2n rows [gate; up], dst[r, j] = act(x.gate_j) * x.up_j (quant.wgsl's
-//            fusions). SPLITK: workgroup z sums slice z of k into partial tiles at
-//            dst[z] (splits, m, n) for quant.wgsl's splitk_sum (no RESIDUAL or SWIGLU).
-//                                   grid (ceil(virtual columns / 128), ceil(m / 128), splits)
+//            hold a row), RESIDUAL: + res. SPLITK: workgroup z sums slice z of k into
+//            partial tiles at dst[z] (splits, m, n) for quant.wgsl's splitk_sum (no
+//            RESIDUAL). (SwiGLU / GeGLU: the product, then quant.wgsl's glu_rows.)
+//                                   grid (ceil(n / 128), ceil(m / 128), splits)
 //
 // Tiling as matmul_coop.wgsl's (its TRANS_B case): a workgroup of 128 threads (4
 // subgroups of 32) computes a 128 x 128 tile, stepping through k 32 at a time; each step
 // stages xh's 128 x 32 (row-major) and W's 128 x 32 (decoded by value4 on the way, rounded
 // to f16; row-major, i.e. W^T column-major) in workgroup memory, rows padded by 8 halves;
 // the next step's values wait in registers. Subgroup w owns rows 64 (w / 2).. and columns
-// 64 (w % 2).. of the tile: 4 x 4 accumulators of 16 x 16 in f32. With SWIGLU the tile's
-// (virtual) columns interleave gate and up rows (quant.wgsl's w_row): a pair of adjacent
-// columns is one output. A whole tile with no SwiGLU or split and rows of factor 1 is
-// stored straight from the accumulators (which, with RESIDUAL, start from the residual);
-// others go through the subgroup's scratch, 4 accumulators at a time, to the epilogue.
-// Sums run in a fixed order: the same inputs give the same bits. Against the exact product, each term carries f16's rounding of x and of W's value
+// 64 (w % 2).. of the tile: 4 x 4 accumulators of 16 x 16 in f32. A whole tile with rows
+// of factor 1 and no split is stored straight from the accumulators (which, with
+// RESIDUAL, start from the residual); others go through the subgroup's 16 x 16 scratch
+// (a larger scratch, 4 accumulators a barrier pair, made every product slower on the
+// H200, docs/benchmarks.md session 21). Sums run in a fixed order: the same inputs give
+// the same bits.
+// Against the exact product, each term carries f16's rounding of x and of W's value
 // (2^-11 relative each).
 
 enable f16;
 enable wgpu_cooperative_matrix;
 
 struct Params {
-    n: u32,    // outputs per row of x (rows of W, or half of them with SWIGLU)
+    n: u32,    // outputs per row of x (rows of W)
     m: u32,    // rows of x
     k: u32,    // row length (a multiple of 4)
     splits: u32,   // SPLITK: slices of k
 }
 
 override RESIDUAL: bool = false;
-override SWIGLU: bool = false;
 override SPLITK: bool = false;
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -50,16 +49,7 @@ const SK: u32 = 10u;    // stride of a staged row (BK + 8 halves, in vec4s)
 
 var<workgroup> sa: array<vec4<f16>, 1280>;   // xh [m][k]: T rows of SK
 var<workgroup> sb: array<vec4<f16>, 1280>;   // W [n][k]: T rows of SK
-var<workgroup> scratch: array<f32, 4096>;   // 4 blocks of 16 x 16 a subgroup
-
-// Rows of W the product reads, and W's row for virtual output column v (SWIGLU: v even
-// is gate v / 2, odd up v / 2).
-fn w_rows() -> u32 {
-    return select(p.n, 2u * p.n, SWIGLU);
-}
-fn w_row(v: u32) -> u32 {
-    return select(v, select(v / 2u, p.n + v / 2u, (v & 1u) == 1u), SWIGLU);
-}
+var<workgroup> scratch: array<f32, 1024>;   // 16 x 16 a subgroup
 
 // Slot q (0..1024) of a step at k0: 4 consecutive k of one row (zero outside).
 fn fetch_a(q: u32, m0: u32, k0: u32, kz: u32) -> vec4<f16> {
@@ -74,8 +64,8 @@ fn fetch_a(q: u32, m0: u32, k0: u32, kz: u32) -> vec4<f16> {
 fn fetch_b(q: u32, n0: u32, k0: u32, kz: u32) -> vec4<f16> {
     let n = n0 + q / 8u;
     let kk = k0 + (q % 8u) * 4u;
-    if (n < w_rows() && kk < kz) {
-        return vec4<f16>(value4(w_row(n) * p.k + kk));
+    if (n < p.n && kk < kz) {
+        return vec4<f16>(value4(n * p.k + kk));
     }
     return vec4<f16>(0.0);
 }
@@ -91,29 +81,25 @@ fn stash(q: u32) -> u32 {
 // products and the scales are decoded once a run. Other types decode 4 values a slot as
 // they are fetched (value4).
 fn fetch_w_raw(n: u32, k0: u32, kz: u32) -> array<vec4<u32>, RAW_V4> {
-    if (n >= w_rows() || k0 >= kz) {
+    if (n >= p.n || k0 >= kz) {
         return array<vec4<u32>, RAW_V4>();   // zeros decode to zeros
     }
-    return fetch_raw(w_row(n) * p.k + k0);
+    return fetch_raw(n * p.k + k0);
 }
 
-// Block j (16 x 16 at scratch[w * 1024 + 256 j]) of the subgroup's scratch into the
-// output (rows r0.., virtual columns c0..): lane l takes elements 8 l .. 8 l + 7 (half a
-// row).
-fn emit(base: u32, lane: u32, r0: u32, c0: u32, z: u32) {
+// Accumulator (rows r0.., columns c0.. of the output) through the subgroup's
+// scratch: lane l takes elements 8 l .. 8 l + 7 of the 16 x 16 block (half a row).
+fn put(acc: coop_mat16x16<f32, C>, w: u32, lane: u32, r0: u32, c0: u32, z: u32) {
+    coopStoreT(acc, &scratch[w * 256u], 16u);
+    workgroupBarrier();
     let i0 = lane * 8u;
     let r = r0 + i0 / 16u;
     if (r < p.m) {
         let f = rowf[r];
         for (var e = 0u; e < 8u; e++) {
             let col = c0 + i0 % 16u + e;
-            let v = scratch[base + i0 + e] * f;
-            if (SWIGLU) {
-                if ((e & 1u) == 1u && col / 2u < p.n) {
-                    let g = scratch[base + i0 + e - 1u] * f;
-                    dst[r * p.n + col / 2u] = gate_act(g) * v;
-                }
-            } else if (col < p.n) {
+            let v = scratch[w * 256u + i0 + e] * f;
+            if (col < p.n) {
                 if (SPLITK) {
                     dst[(z * p.m + r) * p.n + col] = v;
                 } else if (RESIDUAL) {
@@ -124,25 +110,6 @@ fn emit(base: u32, lane: u32, r0: u32, c0: u32, z: u32) {
             }
         }
     }
-}
-
-// A row of 4 accumulators (rows r0.., virtual columns c0 .. c0 + 63) through the
-// subgroup's scratch: one pair of barriers for the four.
-fn put4(a0: coop_mat16x16<f32, C>, a1: coop_mat16x16<f32, C>, a2: coop_mat16x16<f32, C>,
-        a3: coop_mat16x16<f32, C>, w: u32, lane: u32, r0: u32, c0: u32, z: u32) {
-    let b0 = w * 1024u;
-    let b1 = b0 + 256u;
-    let b2 = b0 + 512u;
-    let b3 = b0 + 768u;
-    coopStoreT(a0, &scratch[b0], 16u);
-    coopStoreT(a1, &scratch[b1], 16u);
-    coopStoreT(a2, &scratch[b2], 16u);
-    coopStoreT(a3, &scratch[b3], 16u);
-    workgroupBarrier();
-    emit(b0, lane, r0, c0, z);
-    emit(b1, lane, r0, c0 + 16u, z);
-    emit(b2, lane, r0, c0 + 32u, z);
-    emit(b3, lane, r0, c0 + 48u, z);
     workgroupBarrier();
 }
 
@@ -197,9 +164,9 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     c32 = coop_mat16x16<f32, C>();
     c33 = coop_mat16x16<f32, C>();
 
-    // Straight to the output at the end where nothing else is to be done there: a whole
-    // tile, no SwiGLU or split, every row's rowf 1 (thread 0 looks; the flag is read
-    // uniformly through the scratch). With RESIDUAL the sums then start from the residual.
+    // Straight to the output at the end: a whole tile, no split, every row's rowf 1
+    // (thread 0 looks; the flag is read uniformly through the scratch). With RESIDUAL the
+    // sums then start from the residual.
     if (tid == 0u) {
         var ones = 1.0;
         for (var i = 0u; i < T; i++) {
@@ -210,9 +177,10 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         scratch[0] = ones;
     }
     let ones = workgroupUniformLoad(&scratch[0]);
+    workgroupBarrier();   // read by all before `put` may write the scratch
     // (`&`, not `&&`: naga takes a short-circuit's value as non-uniform.)
     let whole = (m0 + T <= p.m) & (n0 + T <= p.n) & (p.n % 4u == 0u);
-    let straight = whole & (ones == 1.0) & !SWIGLU & !SPLITK;
+    let straight = whole & (ones == 1.0) & !SPLITK;
     if (straight & RESIDUAL) {
         // Addresses as named values: naga's SPIR-V writer panics on expressions written
         // inside coopLoadT's arguments.
@@ -371,8 +339,20 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         return;
     }
     let z = wid.z;
-    put4(c00, c01, c02, c03, w, lane, r0, c0, z);
-    put4(c10, c11, c12, c13, w, lane, r0 + 16u, c0, z);
-    put4(c20, c21, c22, c23, w, lane, r0 + 32u, c0, z);
-    put4(c30, c31, c32, c33, w, lane, r0 + 48u, c0, z);
+    put(c00, w, lane, r0, c0, z);
+    put(c01, w, lane, r0, c0 + 16u, z);
+    put(c02, w, lane, r0, c0 + 32u, z);
+    put(c03, w, lane, r0, c0 + 48u, z);
+    put(c10, w, lane, r0 + 16u, c0, z);
+    put(c11, w, lane, r0 + 16u, c0 + 16u, z);
+    put(c12, w, lane, r0 + 16u, c0 + 32u, z);
+    put(c13, w, lane, r0 + 16u, c0 + 48u, z);
+    put(c20, w, lane, r0 + 32u, c0, z);
+    put(c21, w, lane, r0 + 32u, c0 + 16u, z);
+    put(c22, w, lane, r0 + 32u, c0 + 32u, z);
+    put(c23, w, lane, r0 + 32u, c0 + 48u, z);
+    put(c30, w, lane, r0 + 48u, c0, z);
+    put(c31, w, lane, r0 + 48u, c0 + 16u, z);
+    put(c32, w, lane, r0 + 48u, c0 + 32u, z);
+    put(c33, w, lane, r0 + 48u, c0 + 48u, z);
 }
