@@ -33,7 +33,7 @@ pub enum ShaderChecks {
 
 /// How to choose an adapter. Empty fields mean "the default": the first discrete GPU,
 /// then integrated, virtual, CPU.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct GpuOptions {
     /// Case-insensitive substring of the adapter name (`DOPPLER_ADAPTER`).
     pub adapter: Option<String>,
@@ -49,11 +49,23 @@ pub struct GpuOptions {
     /// How f32 matrix products are computed (`DOPPLER_MATMUL`): see [`MatmulMode`].
     pub matmul: MatmulMode,
     /// Products of quantized weights with many rows of x (prompts, batches) on cooperative
-    /// matrices where the adapter has them (`DOPPLER_QUANT_COOP=on`; default off: the f32
-    /// tiled kernel). Experimental: the cooperative kernel (`quant_coop.wgsl`: x and W's
-    /// values rounded to f16, f32 sums) has not yet passed `doppler verify` on a GPU that
-    /// has cooperative matrices.
+    /// matrices where the adapter has them (`quant_coop.wgsl`: x and W's values rounded to
+    /// f16, f32 sums, as llama.cpp's prompt products on tensor cores). Default on;
+    /// `DOPPLER_QUANT_COOP=off` keeps them on the f32 tiled kernel (f32 arithmetic
+    /// throughout, ~4x slower on the H200).
     pub quant_coop: bool,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            adapter: None,
+            backend: None,
+            shader_checks: ShaderChecks::default(),
+            matmul: MatmulMode::default(),
+            quant_coop: true,
+        }
+    }
 }
 
 /// How f32 matrix products are computed. The tensor-core modes need cooperative matrices,
@@ -116,11 +128,11 @@ impl GpuOptions {
                 }),
             },
             quant_coop: match get("DOPPLER_QUANT_COOP").as_deref() {
-                Some("on") => true,
-                None | Some("off") => false,
+                None | Some("on") => true,
+                Some("off") => false,
                 Some(other) => {
-                    tracing::warn!("DOPPLER_QUANT_COOP={other:?} is not on or off: off");
-                    false
+                    tracing::warn!("DOPPLER_QUANT_COOP={other:?} is not on or off: on");
+                    true
                 }
             },
         }
@@ -258,11 +270,6 @@ impl Gpu {
             }
         };
         let quant_coop = opts.quant_coop && coop_possible(features, &info);
-        if quant_coop {
-            tracing::warn!(
-                "quantized prompt products on cooperative matrices (DOPPLER_QUANT_COOP=on): experimental, they failed `doppler verify --filter qmatmul` on an H200 (2026-12-03)"
-            );
-        }
         Ok(Gpu {
             pool: BufferPool::new(),
             pipelines: PipelineCache::new(),

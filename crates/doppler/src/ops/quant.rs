@@ -160,10 +160,19 @@ const MAX_SPLITS: usize = 8;
 
 /// Slices of k for a tiled product of `tiles` output tiles over `k` columns (1: no split).
 fn split_k(tiles: usize, k: usize) -> usize {
-    if tiles * 2 >= SPLITK_TARGET {
+    split_k_to(SPLITK_TARGET, tiles, k)
+}
+
+/// The cooperative product's [`SPLITK_TARGET`]: its workgroups (128 x 128 tiles, 4
+/// subgroups each) want ~4 a core of the H200 (the 8B's o, down and q/k/v over 512 tokens:
+/// 52.4 ms a prefill unsplit, 41.5 split to reach 512 workgroups, 48.8 to reach 1024).
+const COOP_SPLITK_TARGET: usize = 512;
+
+fn split_k_to(target: usize, tiles: usize, k: usize) -> usize {
+    if tiles * 2 >= target {
         return 1;
     }
-    SPLITK_TARGET
+    target
         .div_ceil(tiles)
         .min(k / SLICE_MIN_COLS)
         .clamp(1, MAX_SPLITS)
@@ -1095,7 +1104,7 @@ fn qmatmul_coop(
         let grid = Grid::cover((m * outs) as u64, 256);
         return rec.dispatch(&GLU_ROWS, &cg, bytemuck::bytes_of(&pg), &[y, &gu], grid);
     }
-    let splits = split_k(gn * gm, w.cols);
+    let splits = split_k_to(COOP_SPLITK_TARGET, gn * gm, w.cols);
     let res = fuse.residual.unwrap_or(x);
     if splits == 1 {
         let grid = Grid::Xyz([gn as u32, gm as u32, 1]);
@@ -1429,7 +1438,7 @@ fn matvec_grid(
 
 #[cfg(test)]
 mod tests {
-    use super::split_k;
+    use super::{split_k, split_k_to, COOP_SPLITK_TARGET};
 
     #[test]
     fn split_k_fills_a_large_gpu_only_when_tiles_are_few() {
@@ -1443,5 +1452,9 @@ mod tests {
         assert_eq!(split_k(3, 300), 2);
         assert_eq!(split_k(3, 2816), 8);
         assert_eq!(split_k(128, 4096), 1);
+        // The cooperative product's 128 x 128 tiles: the 8B's o and down over 512 tokens
+        // (32 x 4 tiles) in 4 slices; its gate/up (224 x 4) unsplit.
+        assert_eq!(split_k_to(COOP_SPLITK_TARGET, 128, 4096), 4);
+        assert_eq!(split_k_to(COOP_SPLITK_TARGET, 896, 4096), 1);
     }
 }
