@@ -718,6 +718,36 @@ fn logs_are_plain_text_off_a_terminal_and_a_missing_shader_dir_is_named() {
     );
 }
 
+/// The SPIR-V the GPU layer writes itself for cooperative-matrix kernels on Vulkan
+/// (gpu/spirv.rs), run for every kernel of a few ops where lavapipe has no cooperative
+/// matrices: bindings renumbered as wgpu's Vulkan backend numbers descriptors (softmax and
+/// embedding read zeros before that), overrides and workgroup memory right.
+#[test]
+fn kernels_through_the_passthrough_spirv_path_pass_verify() {
+    let out = Command::new(env!("CARGO_BIN_EXE_doppler"))
+        .args(["verify", "--filter", "softmax", "-vv"])
+        .env("DOPPLER_PASSTHROUGH", "all")
+        .output()
+        .expect("run doppler");
+    let (stdout, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{err}");
+    assert!(stdout.contains(" 0 failed"), "{stdout}");
+    assert!(
+        err.contains("passthrough module"),
+        "the path was not taken: {err}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_doppler"))
+        .args(["verify", "--filter", "embedding"])
+        .env("DOPPLER_PASSTHROUGH", "all")
+        .output()
+        .expect("run doppler");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+}
+
 /// Every verb over malformed inputs: a non-zero exit, one line of error naming the
 /// problem (clap's usage hints aside), never a panic, and nothing from libwayland about
 /// XDG_RUNTIME_DIR on a machine without one.

@@ -46,6 +46,7 @@ pub(crate) fn module(
 ) -> Result<wgpu::ShaderModule> {
     let mut layout: Vec<u32> = kernel.storage.iter().map(|&(b, _)| b).collect();
     layout.push(0); // the parameters (pipeline.rs)
+    tracing::debug!("{name}: SPIR-V written and patched here (passthrough module)");
     let words =
         words(text, kernel.entry, constants, &layout, gpu.shader_checks).map_err(|message| {
             Error::Shader {
