@@ -24,7 +24,9 @@ DOPPLER_MATMUL=f16 "$bin" bench matmul --size 4096 --json > "$out/matmul-f16.jso
 echo "matmul f16 rc=$?"
 for preset in smollm2-135m llama3-8b-q4k; do
   gen=64
-  "$bin" bench generate --preset $preset --prompt 512 --gen $gen --json \
+  # --rows: the products of batched decode steps (issue 25's small-M goal: >= 80% of the
+  # floor's read rate).
+  "$bin" bench generate --preset $preset --prompt 512 --gen $gen --rows 2,4,8,16,32,64 --json \
     > "$out/gen-$preset.json" 2> /dev/null
   echo "$preset rc=$?"
   DOPPLER_QUANT_COOP=off "$bin" bench generate --preset $preset --prompt 512 --gen $gen --json \

@@ -91,6 +91,11 @@ pub struct BenchArgs {
     /// generate: KV cache storage (auto: f16 where the adapter has shader-f16).
     #[arg(long, value_enum, default_value = "auto")]
     cache_type: crate::generate::CacheType,
+    /// generate: also time forward passes of these numbers of rows (e.g. 2,4,8,32,64: the
+    /// products a batched decode step of that many sequences runs, each weight read once
+    /// for all rows), as tokens/s and the weights' read rate against the decode floor's.
+    #[arg(long, value_delimiter = ',')]
+    rows: Vec<usize>,
     /// train, finetune: sequences per step (default 8) and their length (default 1024;
     /// finetune 512).
     #[arg(long)]
@@ -551,6 +556,7 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
             gen: args.gen,
             json: args.json,
             cache_type: args.cache_type,
+            rows: args.rows.clone(),
         };
         return crate::bench_generate::run(gpu, &g);
     }

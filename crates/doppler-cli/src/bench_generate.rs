@@ -24,6 +24,8 @@ pub struct GenBenchArgs {
     pub gen: usize,
     pub json: bool,
     pub cache_type: crate::generate::CacheType,
+    /// Row counts whose forward passes are timed too (`--rows`).
+    pub rows: Vec<usize>,
 }
 
 pub(crate) struct Synthetic {
@@ -163,6 +165,8 @@ impl Synthetic {
 const PREFILL_RUNS: usize = 5;
 /// Timed runs of the decode floor's chain (after one to warm up).
 const FLOOR_RUNS: usize = 10;
+/// Timed forward passes of each `--rows` count (after one to warm up).
+const ROWS_RUNS: usize = 5;
 /// Decode steps (and runs of the floor's chain) profiled dispatch by dispatch.
 const PROFILED_STEPS: usize = 4;
 
@@ -210,6 +214,15 @@ fn argmax(v: &[f32]) -> u32 {
 }
 
 pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
+    if let Some(&bad) = args.rows.iter().find(|&&m| m == 0 || m > args.prompt) {
+        return Err(doppler::Error::Invalid {
+            op: "bench generate",
+            detail: format!(
+                "--rows {bad}: each row count must be 1 ..= --prompt ({})",
+                args.prompt
+            ),
+        });
+    }
     // Room for the timed loop, then 16 steps timed on the GPU and 4 profiled ones.
     let ctx = args.prompt + args.gen + 24;
     let t0 = Instant::now();
@@ -322,6 +335,26 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         .iter()
         .map(|k| serde_json::json!({ "kernel": k.name, "ms": k.total_ns / 1e6, "dispatches": k.count }))
         .collect();
+    // Forward passes of m rows from an empty cache: every product with m rows of x (W read
+    // once for all of them, as a batched decode step of m sequences would), attention
+    // among the m (small next to the products at these m). GPU time, median of ROWS_RUNS
+    // after one to warm up.
+    let mut row_ms = Vec::new();
+    let len = cache.len;
+    for &m in &args.rows {
+        let mut ms = Vec::new();
+        for run in 0..=ROWS_RUNS {
+            cache.len = 0;
+            let mut rec = gpu.timed_recorder("rows");
+            llama.forward(&mut rec, &prompt[..m], &mut cache, false)?;
+            let trace = rec.submit()?.wait(gpu)?;
+            if run > 0 {
+                ms.push(trace.events.iter().map(|e| e.dur_ns / 1e6).sum::<f64>());
+            }
+        }
+        row_ms.push((m, pct(&ms, 0.5)));
+    }
+    cache.len = len;
     // The floor of a decode step: its reads (`Llama::decode_reads`) as a chain of dependent
     // dispatches that only stream them (`sum_words`), timed as the step is. What the
     // weights' bytes and the dependent dispatches between them cost before any arithmetic.
@@ -367,6 +400,19 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
     let floor_bytes: u64 = reads.iter().flat_map(|r| &r.1).map(|r| r.1).sum();
     // None where the adapter has no timestamps.
     let floor_p50 = (!floor_ms.is_empty()).then(|| pct(&floor_ms, 0.5));
+    let by_rows: Vec<serde_json::Value> = row_ms
+        .iter()
+        .map(|&(m, step)| {
+            let gb_s = llama.decode_bytes as f64 / (step / 1e3) / 1e9;
+            serde_json::json!({
+                "rows": m,
+                "step_ms": step,
+                "tok_s": m as f64 / step * 1e3,
+                "weight_gb_s": gb_s,
+                "of_floor": floor_p50.map(|f| gb_s / (floor_bytes as f64 / (f / 1e3) / 1e9)),
+            })
+        })
+        .collect();
     let n = per_token.len().max(1) as f64;
     let decode_s: f64 = per_token.iter().sum::<f64>() / 1e3;
     let p50 = pct(&per_token, 0.5);
@@ -403,6 +449,7 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         "decode_kernels": kernels,
         "floor_kernels": floor_kernels,
         "prefill_kernels": prefill_kernels,
+        "rows": by_rows,
     });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&result).unwrap());

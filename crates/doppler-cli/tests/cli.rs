@@ -553,6 +553,29 @@ fn doppler_stdin(args: &[&str], input: &str) -> (bool, String, String) {
     )
 }
 
+/// `bench generate --rows`: forward passes of a few rows timed, as tokens/s and the
+/// weights' read rate; a row count outside 1 ..= --prompt is refused by name.
+#[test]
+fn bench_generate_times_batches_of_rows() {
+    let (gguf, _) = tiny_model("bench-rows-model", "llama");
+    let m = gguf.to_str().unwrap();
+    let args = [
+        "bench", "generate", "-m", m, "--prompt", "16", "--gen", "2", "--json",
+    ];
+    let (ok, out, err) = doppler(&[&args[..], &["--rows", "2,8"]].concat());
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{v}");
+    for (r, want) in rows.iter().zip([2, 8]) {
+        assert_eq!(r["rows"], want);
+        assert!(r["step_ms"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["tok_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let (ok, _, err) = doppler(&[&args[..], &["--rows", "17"]].concat());
+    assert!(!ok && err.contains("--rows 17"), "{err}");
+}
+
 #[test]
 fn generate_from_a_model_file_is_seeded_and_reports_json() {
     let (gguf, _) = tiny_model("gen-model", "llama");
