@@ -747,28 +747,23 @@ fn logs_are_plain_text_off_a_terminal_and_a_missing_shader_dir_is_named() {
 /// embedding read zeros before that), overrides and workgroup memory right.
 #[test]
 fn kernels_through_the_passthrough_spirv_path_pass_verify() {
-    let out = Command::new(env!("CARGO_BIN_EXE_doppler"))
-        .args(["verify", "--filter", "softmax", "-vv"])
-        .env("DOPPLER_PASSTHROUGH", "all")
-        .output()
-        .expect("run doppler");
-    let (stdout, err) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(out.status.success(), "{stdout}\n{err}");
-    assert!(stdout.contains(" 0 failed"), "{stdout}");
-    assert!(
-        err.contains("passthrough module"),
-        "the path was not taken: {err}"
-    );
-    let out = Command::new(env!("CARGO_BIN_EXE_doppler"))
-        .args(["verify", "--filter", "embedding"])
-        .env("DOPPLER_PASSTHROUGH", "all")
-        .output()
-        .expect("run doppler");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}");
+    for op in ["softmax", "embedding"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_doppler"))
+            .args(["verify", "--filter", op, "-vv"])
+            .env("DOPPLER_PASSTHROUGH", "all")
+            .output()
+            .expect("run doppler");
+        let (stdout, err) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(out.status.success(), "{op}: {stdout}\n{err}");
+        assert!(stdout.contains(" 0 failed"), "{op}: {stdout}");
+        assert!(
+            err.contains("passthrough module"),
+            "{op}: the path was not taken: {err}"
+        );
+    }
 }
 
 /// Every verb over malformed inputs: a non-zero exit, one line of error naming the

@@ -130,12 +130,12 @@ fn every_entry_point_writes_spirv() {
             // What the GPU layer builds for cooperative-matrix kernels on Vulkan: every
             // load and store of the workgroup memory found and marked.
             if s.text().contains("enable wgpu_cooperative_matrix") {
+                let bindings: Vec<u32> = module
+                    .global_variables
+                    .iter()
+                    .filter_map(|(_, v)| v.binding.as_ref().map(|b| b.binding))
+                    .collect();
                 for checks in [ShaderChecks::Bounds, ShaderChecks::Off] {
-                    let bindings: Vec<u32> = module
-                        .global_variables
-                        .iter()
-                        .filter_map(|(_, v)| v.binding.as_ref().map(|b| b.binding))
-                        .collect();
                     let words = spirv::words(&s.text(), &ep.name, consts, &bindings, checks)
                         .unwrap_or_else(|e| panic!("{}.{} {consts:?}: {e}", s.name, ep.name));
                     if let Some(dir) = std::env::var_os("DOPPLER_SPIRV_DUMP") {

@@ -21,6 +21,7 @@
 
 use super::{Gpu, Kernel, ShaderChecks};
 use crate::error::{Error, Result};
+use std::collections::{HashMap, HashSet};
 
 /// Whether `kernel` is built here: a cooperative-matrix kernel on Vulkan, where the device
 /// takes passthrough shaders. `DOPPLER_PASSTHROUGH` (diagnostics) changes which: `off`
@@ -161,7 +162,7 @@ pub fn words(
     };
     let mut words = spv::write_vec(&module, &info, &options, Some(&pipeline))
         .map_err(|e| format!("SPIR-V: {e}"))?;
-    non_private_workgroup(&mut words)?;
+    patch_workgroup_memory(&mut words)?;
     Ok(words)
 }
 
@@ -204,28 +205,48 @@ fn instructions(words: &[u32]) -> std::result::Result<Vec<(u32, Vec<u32>)>, Stri
     Ok(all)
 }
 
+/// The storage class of every pointer type (first) and pointer value (second) of a
+/// module's instructions: values from variables, access chains and copies, the only ways
+/// naga forms pointers in compute kernels.
+fn storage_classes(all: &[(u32, Vec<u32>)]) -> (HashMap<u32, u32>, HashMap<u32, u32>) {
+    let mut types = HashMap::new();
+    let mut values = HashMap::new();
+    for (op, ins) in all {
+        match (*op, ins.len()) {
+            (OP_TYPE_POINTER, 4..) => {
+                types.insert(ins[1], ins[2]);
+            }
+            (OP_VARIABLE, 4..) => {
+                values.insert(ins[2], ins[3]);
+            }
+            (
+                OP_ACCESS_CHAIN | OP_IN_BOUNDS_ACCESS_CHAIN | OP_PTR_ACCESS_CHAIN | OP_COPY_OBJECT,
+                4..,
+            ) => {
+                if let Some(&class) = types.get(&ins[1]) {
+                    values.insert(ins[2], class);
+                }
+            }
+            _ => {}
+        }
+    }
+    (types, values)
+}
+
 /// Adds `NonPrivatePointer` to every load and store through a Workgroup pointer in the
-/// module `words`. Pointers are followed through variables, access chains and copies (the
-/// only ways naga forms them in compute kernels); a load or store whose pointer is not
-/// known is an error, not left unmarked. Also drops the `ArrayStride` naga puts on arrays
-/// that live only in workgroup or function memory (Vulkan allows explicit layouts only
-/// where memory is shared with the host: VUID-StandaloneSpirv-None-10684).
-pub fn non_private_workgroup(words: &mut Vec<u32>) -> std::result::Result<(), String> {
-    use std::collections::{HashMap, HashSet};
+/// module `words` (a load or store whose pointer is not known is an error, not left
+/// unmarked), and drops the `ArrayStride` naga puts on arrays that live only in
+/// workgroup or function memory (Vulkan allows explicit layouts only where memory is
+/// shared with the host: VUID-StandaloneSpirv-None-10684).
+pub fn patch_workgroup_memory(words: &mut Vec<u32>) -> std::result::Result<(), String> {
     let mut all = instructions(words)?;
-    // Pointer type id -> storage class; pointer value id -> storage class.
-    let mut pointer_types: HashMap<u32, u32> = HashMap::new();
-    // Aggregate type id -> the types it holds.
+    let (_, pointers) = storage_classes(&all);
+    // Aggregate type id -> the types it holds; the pointees of host-shared pointers.
     let mut parts: HashMap<u32, Vec<u32>> = HashMap::new();
     let mut roots = Vec::new();
     for (op, ins) in &all {
         match (*op, ins.len()) {
-            (OP_TYPE_POINTER, 4..) => {
-                pointer_types.insert(ins[1], ins[2]);
-                if EXPLICIT_LAYOUT.contains(&ins[2]) {
-                    roots.push(ins[3]);
-                }
-            }
+            (OP_TYPE_POINTER, 4..) if EXPLICIT_LAYOUT.contains(&ins[2]) => roots.push(ins[3]),
             (OP_TYPE_ARRAY | OP_TYPE_RUNTIME_ARRAY, 3..) => {
                 parts.insert(ins[1], vec![ins[2]]);
             }
@@ -242,7 +263,6 @@ pub fn non_private_workgroup(words: &mut Vec<u32>) -> std::result::Result<(), St
             roots.extend(parts.get(&t).into_iter().flatten());
         }
     }
-    let mut pointers: HashMap<u32, u32> = HashMap::new();
     all.retain(|(op, ins)| {
         !(*op == OP_DECORATE
             && ins.len() == 4
@@ -252,26 +272,8 @@ pub fn non_private_workgroup(words: &mut Vec<u32>) -> std::result::Result<(), St
     });
     for (op, ins) in &mut all {
         let count = ins.len();
-        match *op {
-            OP_VARIABLE if count >= 4 => {
-                pointers.insert(ins[2], ins[3]);
-            }
-            OP_ACCESS_CHAIN | OP_IN_BOUNDS_ACCESS_CHAIN | OP_PTR_ACCESS_CHAIN | OP_COPY_OBJECT
-                if count >= 4 =>
-            {
-                if let Some(&class) = pointer_types.get(&ins[1]) {
-                    pointers.insert(ins[2], class);
-                }
-            }
-            // OpLoad: type, result, pointer, [memory access ...].
-            OP_LOAD => mark(ins, 3, 4, &pointers)?,
-            // OpStore: pointer, object, [memory access ...].
-            OP_STORE => mark(ins, 1, 3, &pointers)?,
-            // Load: type, result, pointer, layout, stride, [memory operand ...].
-            OP_COOP_LOAD => mark(ins, 3, 6, &pointers)?,
-            // Store: pointer, object, layout, stride, [memory operand ...].
-            OP_COOP_STORE => mark(ins, 1, 5, &pointers)?,
-            _ => {}
+        if let Some((ptr, mask)) = access_operands(*op) {
+            mark(ins, ptr, mask, &pointers)?;
         }
         if ins.len() != count {
             ins[0] = ((ins.len() as u32) << 16) | *op;
@@ -284,6 +286,22 @@ pub fn non_private_workgroup(words: &mut Vec<u32>) -> std::result::Result<(), St
     Ok(())
 }
 
+/// For a load or store opcode, the words of its pointer operand and of its (optional)
+/// memory operand mask.
+fn access_operands(op: u32) -> Option<(usize, usize)> {
+    match op {
+        // OpLoad: type, result, pointer, [memory access ...].
+        OP_LOAD => Some((3, 4)),
+        // OpStore: pointer, object, [memory access ...].
+        OP_STORE => Some((1, 3)),
+        // Load: type, result, pointer, layout, stride, [memory operand ...].
+        OP_COOP_LOAD => Some((3, 6)),
+        // Store: pointer, object, layout, stride, [memory operand ...].
+        OP_COOP_STORE => Some((1, 5)),
+        _ => None,
+    }
+}
+
 /// Marks instruction `ins` (its pointer operand at word `ptr`, its memory operand mask
 /// at word `mask` if present) non-private when the pointer (storage classes in
 /// `pointers`) is into Workgroup memory.
@@ -291,7 +309,7 @@ fn mark(
     ins: &mut Vec<u32>,
     ptr: usize,
     mask: usize,
-    pointers: &std::collections::HashMap<u32, u32>,
+    pointers: &HashMap<u32, u32>,
 ) -> std::result::Result<(), String> {
     if ins.len() < mask {
         return Err(format!(
@@ -333,34 +351,28 @@ fn main(@builtin(local_invocation_index) i: u32) {
     out[i] = tile[63u - i];
 }";
 
-    /// (opcode, memory-access mask word or None) of each OpLoad/OpStore in `words`, with
-    /// its pointer's storage class.
+    /// (opcode, memory operand mask or None, the pointer's storage class) of each load
+    /// and store in `words`.
     fn accesses(words: &[u32]) -> Vec<(u32, Option<u32>, u32)> {
-        let mut pointer_types = std::collections::HashMap::new();
-        let mut pointers = std::collections::HashMap::new();
-        let mut found = Vec::new();
-        let mut at = 5;
-        while at < words.len() {
-            let count = (words[at] >> 16) as usize;
-            let op = words[at] & 0xffff;
-            let ins = &words[at..at + count];
-            match op {
-                OP_TYPE_POINTER => {
-                    pointer_types.insert(ins[1], ins[2]);
-                }
-                OP_VARIABLE => {
-                    pointers.insert(ins[2], ins[3]);
-                }
-                OP_ACCESS_CHAIN | OP_IN_BOUNDS_ACCESS_CHAIN => {
-                    pointers.insert(ins[2], pointer_types[&ins[1]]);
-                }
-                OP_LOAD => found.push((op, ins.get(4).copied(), pointers[&ins[3]])),
-                OP_STORE => found.push((op, ins.get(3).copied(), pointers[&ins[1]])),
-                _ => {}
-            }
-            at += count;
+        let all = instructions(words).unwrap();
+        let (_, pointers) = storage_classes(&all);
+        all.iter()
+            .filter_map(|(op, ins)| {
+                let (ptr, mask) = access_operands(*op)?;
+                Some((*op, ins.get(mask).copied(), pointers[&ins[ptr]]))
+            })
+            .collect()
+    }
+
+    /// Every workgroup access in `found` marked non-private.
+    fn all_marked(found: &[(u32, Option<u32>, u32)]) {
+        for a in found.iter().filter(|a| a.2 == WORKGROUP) {
+            assert_eq!(
+                a.1.map(|m| m & NON_PRIVATE_POINTER),
+                Some(NON_PRIVATE_POINTER),
+                "{a:?}"
+            );
         }
-        found
     }
 
     #[test]
@@ -379,22 +391,51 @@ fn main(@builtin(local_invocation_index) i: u32) {
             wg.iter().any(|a| a.0 == OP_LOAD) && wg.iter().any(|a| a.0 == OP_STORE),
             "{found:?}"
         );
-        for a in &wg {
-            assert_eq!(
-                a.1.map(|m| m & NON_PRIVATE_POINTER),
-                Some(NON_PRIVATE_POINTER)
-            );
-        }
+        all_marked(&found);
         // The storage buffer's store is untouched.
         assert!(found
             .iter()
             .any(|a| a.2 != WORKGROUP && a.0 == OP_STORE && a.1.is_none()));
     }
 
+    /// The quantized product's cooperative loads and stores of its staged tiles and
+    /// scratch are marked, and no workgroup array keeps an ArrayStride.
+    #[test]
+    fn the_cooperative_product_is_patched() {
+        let text = crate::shaders::QUANT_COOP.text();
+        let layout = [0, 1, 2, 3, 4, 5, 13];
+        let c = [("TYPE", 12.0), ("RESIDUAL", 1.0)];
+        let words = words(&text, "qmatmul_coop", &c, &layout, ShaderChecks::Bounds).unwrap();
+        let found = accesses(&words);
+        let coop = |op| {
+            found
+                .iter()
+                .filter(|a| a.0 == op && a.2 == WORKGROUP)
+                .count()
+        };
+        // 8 fragments a pass from sa and sb, the scratch's stores.
+        assert!(
+            coop(OP_COOP_LOAD) >= 8 && coop(OP_COOP_STORE) >= 1,
+            "{found:?}"
+        );
+        all_marked(&found);
+        let all = instructions(&words).unwrap();
+        let (types, _) = storage_classes(&all);
+        let workgroup_arrays: Vec<u32> = all
+            .iter()
+            .filter(|(op, ins)| *op == OP_TYPE_POINTER && types[&ins[1]] == WORKGROUP)
+            .map(|(_, ins)| ins[3])
+            .collect();
+        assert!(!workgroup_arrays.is_empty());
+        assert!(!all.iter().any(|(op, ins)| *op == OP_DECORATE
+            && ins[2] == ARRAY_STRIDE
+            && workgroup_arrays.contains(&ins[1])));
+    }
+
     #[test]
     fn garbage_is_refused() {
-        assert!(non_private_workgroup(&mut vec![1, 2, 3]).is_err());
+        assert!(patch_workgroup_memory(&mut vec![1, 2, 3]).is_err());
         let mut truncated = vec![0x0723_0203, 0, 0, 10, 0, (9 << 16) | OP_LOAD, 1];
-        assert!(non_private_workgroup(&mut truncated).is_err());
+        assert!(patch_workgroup_memory(&mut truncated).is_err());
     }
 }

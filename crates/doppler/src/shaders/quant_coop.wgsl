@@ -16,8 +16,8 @@
 // to f16; row-major, i.e. W^T column-major) in workgroup memory, rows padded by 8 halves;
 // the next step's values wait in registers. Subgroup w owns rows 64 (w / 2).. and columns
 // 64 (w % 2).. of the tile: 4 x 4 accumulators of 16 x 16 in f32. A whole tile with rows
-// of factor 1 and no split is stored straight from the accumulators (which, with
-// RESIDUAL, start from the residual); others go through the subgroup's 16 x 16 scratch
+// of factor 1, no residual and no split is stored straight from the accumulators; others
+// go through the subgroup's 16 x 16 scratch
 // (a larger scratch, 4 accumulators a barrier pair, made every product slower on the
 // H200, docs/benchmarks.md session 21). Sums run in a fixed order: the same inputs give
 // the same bits.
@@ -164,63 +164,6 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     c32 = coop_mat16x16<f32, C>();
     c33 = coop_mat16x16<f32, C>();
 
-    // Straight to the output at the end: a whole tile, no split, every row's rowf 1
-    // (thread 0 looks; the flag is read uniformly through the scratch). With RESIDUAL the
-    // sums then start from the residual.
-    if (tid == 0u) {
-        var ones = 1.0;
-        for (var i = 0u; i < T; i++) {
-            if (m0 + i < p.m && rowf[m0 + i] != 1.0) {
-                ones = 0.0;
-            }
-        }
-        scratch[0] = ones;
-    }
-    let ones = workgroupUniformLoad(&scratch[0]);
-    workgroupBarrier();   // read by all before `put` may write the scratch
-    // (`&`, not `&&`: naga takes a short-circuit's value as non-uniform.)
-    let whole = (m0 + T <= p.m) & (n0 + T <= p.n) & (p.n % 4u == 0u);
-    let straight = whole & (ones == 1.0) & !SPLITK;
-    if (straight & RESIDUAL) {
-        // Addresses as named values: naga's SPIR-V writer panics on expressions written
-        // inside coopLoadT's arguments.
-        let n = p.n;
-        let at = (m0 + wr) * n + n0 + wc;   // the subgroup's corner, then rows 16 apart
-        let r16 = 16u * n;
-        let a00 = at + 0u * r16 + 0u;
-        let a01 = at + 0u * r16 + 16u;
-        let a02 = at + 0u * r16 + 32u;
-        let a03 = at + 0u * r16 + 48u;
-        let a10 = at + 1u * r16 + 0u;
-        let a11 = at + 1u * r16 + 16u;
-        let a12 = at + 1u * r16 + 32u;
-        let a13 = at + 1u * r16 + 48u;
-        let a20 = at + 2u * r16 + 0u;
-        let a21 = at + 2u * r16 + 16u;
-        let a22 = at + 2u * r16 + 32u;
-        let a23 = at + 2u * r16 + 48u;
-        let a30 = at + 3u * r16 + 0u;
-        let a31 = at + 3u * r16 + 16u;
-        let a32 = at + 3u * r16 + 32u;
-        let a33 = at + 3u * r16 + 48u;
-        c00 = coopLoadT<coop_mat16x16<f32, C>>(&res[a00], n);
-        c01 = coopLoadT<coop_mat16x16<f32, C>>(&res[a01], n);
-        c02 = coopLoadT<coop_mat16x16<f32, C>>(&res[a02], n);
-        c03 = coopLoadT<coop_mat16x16<f32, C>>(&res[a03], n);
-        c10 = coopLoadT<coop_mat16x16<f32, C>>(&res[a10], n);
-        c11 = coopLoadT<coop_mat16x16<f32, C>>(&res[a11], n);
-        c12 = coopLoadT<coop_mat16x16<f32, C>>(&res[a12], n);
-        c13 = coopLoadT<coop_mat16x16<f32, C>>(&res[a13], n);
-        c20 = coopLoadT<coop_mat16x16<f32, C>>(&res[a20], n);
-        c21 = coopLoadT<coop_mat16x16<f32, C>>(&res[a21], n);
-        c22 = coopLoadT<coop_mat16x16<f32, C>>(&res[a22], n);
-        c23 = coopLoadT<coop_mat16x16<f32, C>>(&res[a23], n);
-        c30 = coopLoadT<coop_mat16x16<f32, C>>(&res[a30], n);
-        c31 = coopLoadT<coop_mat16x16<f32, C>>(&res[a31], n);
-        c32 = coopLoadT<coop_mat16x16<f32, C>>(&res[a32], n);
-        c33 = coopLoadT<coop_mat16x16<f32, C>>(&res[a33], n);
-    }
-
     var pa: array<vec4<f16>, 8>;
     var pb: array<vec4<f16>, 8>;
     var raw: array<vec4<u32>, RAW_V4>;
@@ -296,6 +239,24 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         workgroupBarrier();
     }
 
+    // Straight to the output: a whole tile, no residual or split, every row's
+    // rowf 1 (thread 0 looks; the flag is read uniformly through the scratch). (Sums
+    // started from the residual, to store residual tiles straight too, measured no faster
+    // on the H200: 42.8 vs 42.4 ms for the 8B's o and down.)
+    if (tid == 0u) {
+        var ones = 1.0;
+        for (var i = 0u; i < T; i++) {
+            if (m0 + i < p.m && rowf[m0 + i] != 1.0) {
+                ones = 0.0;
+            }
+        }
+        scratch[0] = ones;
+    }
+    let ones = workgroupUniformLoad(&scratch[0]);
+    workgroupBarrier();   // read by all before `put` may write the scratch
+    // (`&`, not `&&`: naga takes a short-circuit's value as non-uniform.)
+    let whole = (m0 + T <= p.m) & (n0 + T <= p.n) & (p.n % 4u == 0u);
+    let straight = whole & (ones == 1.0) & !RESIDUAL & !SPLITK;
     let r0 = m0 + wr;
     let c0 = n0 + wc;
     if (straight) {
