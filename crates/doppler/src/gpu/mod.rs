@@ -340,6 +340,12 @@ impl Gpu {
                     false => "f32 tiled",
                 },
                 "attention_d64": crate::ops::attention::auto_path(self, 64),
+                // Prompts over a KV cache at Llama 3 8B's head dim: the cooperative forward,
+                // or one workgroup a (query, head).
+                "prompt_attention_d128": match crate::ops::kvcache::prompt_on_coop(self, 128) {
+                    true => "coop",
+                    false => "rows",
+                },
                 "shader_f16": has(wgpu::Features::SHADER_F16),
                 "subgroups": has(wgpu::Features::SUBGROUP),
                 "timestamps": has(wgpu::Features::TIMESTAMP_QUERY),

@@ -125,6 +125,19 @@ static FWD_C: Kernel = Kernel {
     storage: FWD_T.storage,
     features: COOP,
 };
+/// The forward for head dims 65..=128 (forward only: prompts).
+static FWD_CW: Kernel = Kernel {
+    shader: &ATTENTION_COOP,
+    entry: "attn_fwd_coop_wide",
+    storage: &[
+        (1, Read),
+        (2, Read),
+        (3, Read),
+        (4, ReadWrite),
+        (5, ReadWrite),
+    ],
+    features: COOP,
+};
 static BWD_DQ_C: Kernel = Kernel {
     shader: &ATTENTION_COOP,
     entry: "attn_bwd_dq_coop",
@@ -144,6 +157,10 @@ static BWD_DKV_C: Kernel = Kernel {
 const COOP_ROWS: u64 = 64;
 const COOP_SHARED: u32 = 3 * 64 * 72 * 2 + 4 * 16 * 68 * 4 + 128 * 4;
 pub const COOP_MAX_HEAD_DIM: usize = 64;
+/// The same for `attn_fwd_coop_wide` (one 64 x 136 f16 tile, the probabilities' 64 x 72
+/// f16, the scratch and 128 floats), and its largest head dim.
+const COOP_WIDE_SHARED: u32 = 64 * 136 * 2 + 64 * 72 * 2 + 4 * 16 * 68 * 4 + 128 * 4;
+pub const COOP_FORWARD_MAX_HEAD_DIM: usize = 128;
 
 /// Rows per workgroup of the tiled kernels, and the workgroup memory they need (bytes).
 const TILED_ROWS: u64 = 32;
@@ -162,8 +179,9 @@ pub enum AttnPath {
     /// Score tiles shared by 256 threads (head dim <= 64, 31 KB of workgroup memory).
     Tiled,
     /// Cooperative matrices with f16 operands (head dim <= 64, 45 KB of workgroup memory,
-    /// the adapter's cooperative matrices, f16 and subgroups of 32). `Auto` takes it when
-    /// the GPU was opened for f16 products ([`crate::gpu::MatmulMode::F16`]).
+    /// the adapter's cooperative matrices, f16 and subgroups of 32; the forward alone to
+    /// head dim 128 in 44 KB). `Auto` takes it when the GPU was opened for f16 products
+    /// ([`crate::gpu::MatmulMode::F16`]) and the head dim is <= 64.
     Coop,
 }
 
@@ -239,20 +257,32 @@ pub fn coop_fits(gpu: &crate::gpu::Gpu, d: usize) -> bool {
         && gpu.limits.max_compute_workgroup_storage_size >= COOP_SHARED
 }
 
+/// Whether the cooperative-matrix forward can run for head dim `d` on this GPU (to 128:
+/// `attn_fwd_coop_wide` past 64; the backward stays at [`coop_fits`]).
+pub fn coop_forward_fits(gpu: &crate::gpu::Gpu, d: usize) -> bool {
+    coop_fits(gpu, d)
+        || (d <= COOP_FORWARD_MAX_HEAD_DIM
+            && gpu.coop_matmul_possible()
+            && gpu.limits.max_compute_workgroup_storage_size >= COOP_WIDE_SHARED)
+}
+
 /// The kernel set that runs.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Set {
     Rows,
     Tiled,
     Coop,
+    /// `attn_fwd_coop_wide` (forward only).
+    CoopWide,
 }
 
-/// Which kernels run for head dim `d`.
-fn kernel_set(rec: &Recorder<'_>, d: usize, path: AttnPath) -> Result<Set> {
+/// Which kernels run for head dim `d` (in the `backward` or the forward).
+fn kernel_set(rec: &Recorder<'_>, d: usize, path: AttnPath, backward: bool) -> Result<Set> {
     let gpu = rec.gpu();
     let tiled = tiled_fits(gpu, d);
     let coop = coop_fits(gpu, d);
     match path {
+        AttnPath::Coop if !coop && !backward && coop_forward_fits(gpu, d) => Ok(Set::CoopWide),
         AttnPath::Auto if coop && (gpu.matmul == crate::gpu::MatmulMode::F16) => Ok(Set::Coop),
         AttnPath::Auto if tiled => Ok(Set::Tiled),
         AttnPath::Auto | AttnPath::Rows => Ok(Set::Rows),
@@ -268,7 +298,7 @@ fn kernel_set(rec: &Recorder<'_>, d: usize, path: AttnPath) -> Result<Set> {
         AttnPath::Coop => Err(Error::Invalid {
             op: "attention",
             detail: format!(
-                "cooperative-matrix kernels need head dim <= {COOP_MAX_HEAD_DIM} (got {d}), {COOP_SHARED} bytes of workgroup memory (device: {}), and cooperative matrices, f16 and subgroups of 32 (adapter {})",
+                "cooperative-matrix kernels need head dim <= {COOP_MAX_HEAD_DIM} (the forward alone: {COOP_FORWARD_MAX_HEAD_DIM}; got {d}), {COOP_SHARED} bytes of workgroup memory (device: {}), and cooperative matrices, f16 and subgroups of 32 (adapter {})",
                 gpu.limits.max_compute_workgroup_storage_size, gpu.info.name
             ),
         }),
@@ -394,13 +424,14 @@ pub fn attention(
         DType::F32,
         "attention.lse",
     )?;
-    let (kernel, rows, c) = match kernel_set(rec, d, opts.path)? {
+    let (kernel, rows, c) = match kernel_set(rec, d, opts.path, false)? {
         Set::Coop => (&FWD_C, COOP_ROWS, &c[..1]),
+        Set::CoopWide => (&FWD_CW, COOP_ROWS, &c[..1]),
         Set::Tiled => (&FWD_T, TILED_ROWS, &c[..1]),
         Set::Rows => (&FWD, BR, &c[..]),
     };
     let groups = (p.b * p.hq) as u64 * (p.tq as u64).div_ceil(rows);
-    // FWD_T and FWD_C also bind dO's slot (7): q goes there, unread.
+    // FWD_T and FWD_C also bind dO's slot (7): q goes there, unread (FWD_CW binds five).
     let bound = [q, k, v, &o, &lse, q];
     rec.dispatch(
         kernel,
@@ -449,8 +480,8 @@ pub fn attention_backward(
     let dq = Tensor::empty(gpu, q.shape(), DType::F32, "attention.dq")?;
     let dk = Tensor::empty(gpu, k.shape(), DType::F32, "attention.dk")?;
     let dv = Tensor::empty(gpu, v.shape(), DType::F32, "attention.dv")?;
-    let (dq_k, dkv_k, rows, c) = match kernel_set(rec, d, opts.path)? {
-        Set::Coop => (&BWD_DQ_C, &BWD_DKV_C, COOP_ROWS, &c[..1]),
+    let (dq_k, dkv_k, rows, c) = match kernel_set(rec, d, opts.path, true)? {
+        Set::Coop | Set::CoopWide => (&BWD_DQ_C, &BWD_DKV_C, COOP_ROWS, &c[..1]),
         Set::Tiled => (&BWD_DQ_T, &BWD_DKV_T, TILED_ROWS, &c[..1]),
         Set::Rows => (&BWD_DQ, &BWD_DKV, BR, &c[..]),
     };

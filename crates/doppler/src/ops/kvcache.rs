@@ -455,9 +455,10 @@ pub fn kv_attend_parts(
 /// of them (query i sees keys j, i - W < j <= i; the cache may then be a ring). Scale
 /// 1/sqrt(D). Up to
 /// [`SPLIT_MAX_QUERIES`] queries split the keys into ranges (two dispatches, many more
-/// workgroups); more queries run the tiled attention of
-/// `ops::attention` where it fits (head dim <= 64; its cooperative-matrix kernels when
-/// the GPU was opened for f16 products), otherwise one workgroup per (t, h).
+/// workgroups); more queries run the tiled attention of `ops::attention` where it fits
+/// (its cooperative-matrix forward to head dim 128 where [`prompt_on_coop`]; else the
+/// tiled kernels to head dim 64, cooperative when the GPU was opened for f16 products),
+/// otherwise one workgroup per (t, h).
 pub fn kv_attend(
     rec: &mut Recorder<'_>,
     q: &Tensor,
@@ -472,17 +473,22 @@ pub fn kv_attend(
     // The tiled kernels read keys 0..pos+T in order: a ring that has wrapped goes to
     // `attend`, as does a window that hides keys from some query (no mask for it there).
     let contiguous = pos + t <= k.shape()[0] && window.is_none_or(|w| pos + t <= w);
-    if parts.is_none() && t > SPLIT_MAX_QUERIES && contiguous && attention::tiled_fits(rec.gpu(), d)
+    let coop = prompt_on_coop(rec.gpu(), d);
+    if parts.is_none()
+        && t > SPLIT_MAX_QUERIES
+        && contiguous
+        && (coop || attention::tiled_fits(rec.gpu(), d))
     {
         // A prompt: the training kernels' tiled attention (a block of queries shares each
         // tile of keys) over the filled part of the caches; its causal mask lets query i
-        // see keys up to pos + i. `Auto` takes the cooperative kernels (f16 operands) when
-        // the GPU was opened for f16 products (`DOPPLER_MATMUL=f16`), as llama.cpp's f16
-        // caches do, else the tiled ones (which fit: checked above).
+        // see keys up to pos + i. On cooperative matrices (f16 operands, f32 sums, head
+        // dim <= 128) where the quantized prompt products are ([`prompt_on_coop`]), else
+        // `Auto`: the cooperative kernels when the GPU was opened for f16 products
+        // (`DOPPLER_MATMUL=f16`), the tiled ones otherwise (which fit: checked above).
         let opts = AttnOpts {
             causal: true,
             scale: None,
-            path: AttnPath::Auto,
+            path: if coop { AttnPath::Coop } else { AttnPath::Auto },
             dropout: None,
         };
         // f16 caches: their rows copied out as f32 (one pass over them; the attention
@@ -505,6 +511,14 @@ pub fn kv_attend(
     let c = kv_consts("kv_attend", &[k, v])?;
     rec.dispatch(&ATTEND, &c, bytemuck::bytes_of(&p), &[q, k, v, &o], grid)?;
     Ok(o)
+}
+
+/// Whether prompts (more than [`SPLIT_MAX_QUERIES`] queries over contiguous keys) attend
+/// on cooperative matrices at head dim `d`: where the quantized prompt products do
+/// ([`crate::gpu::GpuOptions::quant_coop`], default on; `DOPPLER_QUANT_COOP=off` keeps
+/// both f32) and the forward fits ([`attention::coop_forward_fits`]).
+pub fn prompt_on_coop(gpu: &Gpu, d: usize) -> bool {
+    gpu.quant_coop && attention::coop_forward_fits(gpu, d)
 }
 
 /// The second half of [`kv_attend`]: each (query, head)'s key ranges merged, o (1, T Hq,

@@ -2,7 +2,8 @@
 // EXPERIMENTAL_COOPERATIVE_MATRIX, SHADER_F16 and subgroups of 32: q, k, v, dO and the
 // probabilities / dS enter the products as f16; every sum, the softmax statistics and
 // the outputs are f32. Same formulas, bindings and layouts as attention.wgsl (derivatives
-// in its header); head dim <= 64 (staged zero-padded to 64).
+// in its header); head dim <= 64 (staged zero-padded to 64); the forward to 128 too
+// (attn_fwd_coop_wide, at the end of the forward's section).
 //   q, o   (B, Tq, Hq, D)     k, v, dk, dv  (B, Tk, Hkv, D)     lse, delta  (B, Hq, Tq)
 //
 // A workgroup of 128 threads (4 subgroups of 32) owns 64 rows (queries in the forward and
@@ -46,7 +47,7 @@ struct Params {
     drop_scale: f32,  // 1 / (1 - dropout probability)
 }
 
-override D4: u32 = 16u;   // head dim / 4 (<= 16)
+override D4: u32 = 16u;   // head dim / 4 (<= 16; attn_fwd_coop_wide: <= 32)
 
 const NEG: f32 = -1e30;
 const BLK: u32 = 64u;     // rows of a workgroup, and of a step
@@ -284,6 +285,53 @@ fn frag_b1(r: u32, c: u32) -> coop_mat16x16<f16, B> {
     return coopLoadT<coop_mat16x16<f16, B>>(&s1[(r * 16u * SH + c * 16u) / 4u], SH4);
 }
 
+// The online softmax's running statistics of a lane's half row.
+struct Online {
+    m: f32,      // the row's running max (the same in both lanes)
+    l: f32,      // the sum of the lane's own columns
+    corr: f32,   // exp(old max - new max): what O is scaled by this step
+}
+
+// One step of the online softmax for query i and keys j .. j + 32 (the lane's half of
+// the 64 scores at scratch position b): masked scores, the row max shared with the
+// other lane through xch, exp(s - max) times the dropout z into s2 at pb (f16), and the
+// updated (m, l). Called in uniform control flow (a barrier inside).
+fn softmax_step(m: f32, l: f32, i: u32, j: u32, b: u32, pb: u32, g: u32, lane: u32, row: u32) -> Online {
+    let neg = vec4<f32>(NEG);
+    let x0 = select(neg, rd(b), seen_keys(i, j));
+    let x1 = select(neg, rd(b + 4u), seen_keys(i, j + 4u));
+    let x2 = select(neg, rd(b + 8u), seen_keys(i, j + 8u));
+    let x3 = select(neg, rd(b + 12u), seen_keys(i, j + 12u));
+    let x4 = select(neg, rd(b + 16u), seen_keys(i, j + 16u));
+    let x5 = select(neg, rd(b + 20u), seen_keys(i, j + 20u));
+    let x6 = select(neg, rd(b + 24u), seen_keys(i, j + 24u));
+    let x7 = select(neg, rd(b + 28u), seen_keys(i, j + 28u));
+    let mx4 = max(max(max(x0, x1), max(x2, x3)), max(max(x4, x5), max(x6, x7)));
+    xch[g * 32u + lane] = max(max(mx4.x, mx4.y), max(mx4.z, mx4.w));
+    workgroupBarrier();
+    let mn = max(m, max(xch[g * 32u + lane], xch[g * 32u + (lane ^ 16u)]));
+    let corr = exp(m - mn);
+    let zero = vec4<f32>(0.0);
+    let e0 = select(zero, exp(x0 - mn), x0 > neg);
+    let e1 = select(zero, exp(x1 - mn), x1 > neg);
+    let e2 = select(zero, exp(x2 - mn), x2 > neg);
+    let e3 = select(zero, exp(x3 - mn), x3 > neg);
+    let e4 = select(zero, exp(x4 - mn), x4 > neg);
+    let e5 = select(zero, exp(x5 - mn), x5 > neg);
+    let e6 = select(zero, exp(x6 - mn), x6 > neg);
+    let e7 = select(zero, exp(x7 - mn), x7 > neg);
+    let es = ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7));
+    put2(pb, e0 * z_keys(row, j));
+    put2(pb + 4u, e1 * z_keys(row, j + 4u));
+    put2(pb + 8u, e2 * z_keys(row, j + 8u));
+    put2(pb + 12u, e3 * z_keys(row, j + 12u));
+    put2(pb + 16u, e4 * z_keys(row, j + 16u));
+    put2(pb + 20u, e5 * z_keys(row, j + 20u));
+    put2(pb + 24u, e6 * z_keys(row, j + 24u));
+    put2(pb + 28u, e7 * z_keys(row, j + 28u));
+    return Online(mn, l * corr + ((es.x + es.y) + (es.z + es.w)), corr);
+}
+
 @compute @workgroup_size(128)
 fn attn_fwd_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                  @builtin(local_invocation_index) tid: u32) {
@@ -336,41 +384,10 @@ fn attn_fwd_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
         workgroupBarrier();
         scores0(q0, q1, q2, q3, g);
         workgroupBarrier();
-        let j = j0 + c0;
-        let neg = vec4<f32>(NEG);
-        let x0 = select(neg, rd(b), seen_keys(i, j));
-        let x1 = select(neg, rd(b + 4u), seen_keys(i, j + 4u));
-        let x2 = select(neg, rd(b + 8u), seen_keys(i, j + 8u));
-        let x3 = select(neg, rd(b + 12u), seen_keys(i, j + 12u));
-        let x4 = select(neg, rd(b + 16u), seen_keys(i, j + 16u));
-        let x5 = select(neg, rd(b + 20u), seen_keys(i, j + 20u));
-        let x6 = select(neg, rd(b + 24u), seen_keys(i, j + 24u));
-        let x7 = select(neg, rd(b + 28u), seen_keys(i, j + 28u));
-        let mx4 = max(max(max(x0, x1), max(x2, x3)), max(max(x4, x5), max(x6, x7)));
-        xch[g * 32u + lane] = max(max(mx4.x, mx4.y), max(mx4.z, mx4.w));
-        workgroupBarrier();
-        let mn = max(m, max(xch[g * 32u + lane], xch[g * 32u + (lane ^ 16u)]));
-        let corr = exp(m - mn);
-        m = mn;
-        let zero = vec4<f32>(0.0);
-        let e0 = select(zero, exp(x0 - mn), x0 > neg);
-        let e1 = select(zero, exp(x1 - mn), x1 > neg);
-        let e2 = select(zero, exp(x2 - mn), x2 > neg);
-        let e3 = select(zero, exp(x3 - mn), x3 > neg);
-        let e4 = select(zero, exp(x4 - mn), x4 > neg);
-        let e5 = select(zero, exp(x5 - mn), x5 > neg);
-        let e6 = select(zero, exp(x6 - mn), x6 > neg);
-        let e7 = select(zero, exp(x7 - mn), x7 > neg);
-        let es = ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7));
-        l = l * corr + ((es.x + es.y) + (es.z + es.w));
-        put2(pb, e0 * z_keys(row, j));
-        put2(pb + 4u, e1 * z_keys(row, j + 4u));
-        put2(pb + 8u, e2 * z_keys(row, j + 8u));
-        put2(pb + 12u, e3 * z_keys(row, j + 12u));
-        put2(pb + 16u, e4 * z_keys(row, j + 16u));
-        put2(pb + 20u, e5 * z_keys(row, j + 20u));
-        put2(pb + 24u, e6 * z_keys(row, j + 24u));
-        put2(pb + 28u, e7 * z_keys(row, j + 28u));
+        let st = softmax_step(m, l, i, j0 + c0, b, pb, g, lane, row);
+        m = st.m;
+        l = st.l;
+        let corr = st.corr;
         workgroupBarrier();
         // P V: 16 x 64 probabilities times the 64 x 64 values, into the scratch.
         let p0 = frag_p(g, 0u);
@@ -406,6 +423,164 @@ fn attn_fwd_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
         for (var e = 0u; e < 8u; e++) {
             if (c0 / 4u + e < D4) {
                 o[at + e] = os[e] * s;
+            }
+        }
+        if (lane < 16u) {
+            lse[(w.bi * p.hq + w.h) * p.tq + i] = m + log(lt);
+        }
+    }
+}
+
+// ---- attn_fwd_coop_wide: the forward for head dims up to 128 (prompts of 8B-class models)
+// Within 48 KB of workgroup memory (44,544 bytes): one staged tile sw of 64 rows of up to
+// 128 values (rows of SW halves, zero-padded past the head dim) holds Q, then each step's
+// K, then its V (the scores are done with K before V goes in; V's loads are in flight
+// during the scores, the next K's during the softmax and P V). Subgroup g holds its 16
+// rows of Q as eight 16 x 16 fragments; P V is made 64 columns at a time through the
+// scratch; lane l keeps O's row l % 16, columns 64 h + 32 (l / 16) .. + 32 of both halves
+// h (16 vec4s). Same formulas, order of sums per column block, mask and dropout as
+// attn_fwd_coop; o and lse as it writes them.
+const SW: u32 = 136u;     // stride of a staged row (halves)
+const SW4: u32 = 34u;
+var<workgroup> sw: array<vec4<f16>, 2176>;   // 64 rows of SW
+
+// Slot e (0..16) of thread tid in a stage of 64 rows (from r0) of head hh of q (which 0),
+// k (1) or v (2): vec4 t % 32 of row t / 32, t = tid + 128 e; zeros past nt, the head dim
+// and the batch.
+fn fetch_w(which: u32, bi: u32, r0: u32, nt: u32, hh: u32, nh: u32, tid: u32, e: u32) -> vec4<f32> {
+    let t = tid + 128u * e;
+    let r = r0 + t / 32u;
+    let ch = t % 32u;
+    var x = vec4<f32>(0.0);
+    if (bi < p.b && r < nt && ch < D4) {
+        let at = row_at(bi, r, nt, hh, nh) + ch;
+        switch (which) {
+            case 0u: { x = q[at]; }
+            case 1u: { x = k[at]; }
+            default: { x = v[at]; }
+        }
+    }
+    return x;
+}
+
+// A fetched slot (times mul) as f16 into sw.
+fn put_w(tid: u32, e: u32, x: vec4<f32>, mul: f32) {
+    let t = tid + 128u * e;
+    sw[((t / 32u) * SW) / 4u + t % 32u] = vec4<f16>(x * mul);
+}
+
+// Rows r .. r + 16, columns 16 c .. + 16 of sw (Q's fragment c of a subgroup's rows).
+fn frag_qw(r: u32, c: u32) -> coop_mat16x16<f16, A> {
+    return coopLoadT<coop_mat16x16<f16, A>>(&sw[(r * SW + c * 16u) / 4u], SW4);
+}
+
+// K^T's fragment: head dims 16 c .. + 16 of keys 16 n .. + 16 staged in sw.
+fn frag_kw(n: u32, c: u32) -> coop_mat16x16<f16, B> {
+    return coopLoad<coop_mat16x16<f16, B>>(&sw[(n * 16u * SW + c * 16u) / 4u], SW4);
+}
+
+// V's fragment: keys 16 r .. + 16, head dims 16 c .. + 16 staged in sw.
+fn frag_vw(r: u32, c: u32) -> coop_mat16x16<f16, B> {
+    return coopLoadT<coop_mat16x16<f16, B>>(&sw[(r * 16u * SW + c * 16u) / 4u], SW4);
+}
+
+@compute @workgroup_size(128)
+fn attn_fwd_coop_wide(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                      @builtin(local_invocation_index) tid: u32) {
+    let w = block_of(wid, nwg, p.tq, p.hq);
+    let g = tid / 32u;
+    let lane = tid % 32u;
+    let lr = lane % 16u;
+    let c0 = (lane / 16u) * 32u;     // the lane's first column of a 64-column half
+    let i = w.r0 + g * 16u + lr;     // the lane's query
+    let b = g * SCR + lr * SS + c0;  // the lane's first scratch value
+    let pb = (g * 16u + lr) * SH + c0;
+    for (var e = 0u; e < 16u; e++) {   // Q, scaled
+        put_w(tid, e, fetch_w(0u, w.bi, w.r0, p.tq, w.h, p.hq, tid, e), p.scale);
+    }
+    workgroupBarrier();
+    let q0 = frag_qw(g * 16u, 0u);
+    let q1 = frag_qw(g * 16u, 1u);
+    let q2 = frag_qw(g * 16u, 2u);
+    let q3 = frag_qw(g * 16u, 3u);
+    let q4 = frag_qw(g * 16u, 4u);
+    let q5 = frag_qw(g * 16u, 5u);
+    let q6 = frag_qw(g * 16u, 6u);
+    let q7 = frag_qw(g * 16u, 7u);
+    let row = drop_row(w.bi, w.h, i);
+    var m = NEG;
+    var l = 0.0;
+    var os = array<vec4<f32>, 16>();   // O: columns 4 (e % 8) + c0 + 64 (e / 8)
+    let end = select(0u, key_end(w.r0), w.ok);
+    var fx: array<vec4<f32>, 16>;   // K or V in flight
+    if (end > 0u) {
+        for (var e = 0u; e < 16u; e++) {
+            fx[e] = fetch_w(1u, w.bi, 0u, p.tk, w.kv, p.hkv, tid, e);
+        }
+    }
+    for (var j0 = 0u; j0 < end; j0 += BLK) {
+        workgroupBarrier();   // everyone is done with sw (Q or the last V) and s2
+        for (var e = 0u; e < 16u; e++) {
+            put_w(tid, e, fx[e], 1.0);
+            fx[e] = fetch_w(2u, w.bi, j0, p.tk, w.kv, p.hkv, tid, e);
+        }
+        workgroupBarrier();
+        // S = Q K^T: 16 x 64, each fragment a sum over the eight 16-wide head-dim chunks.
+        for (var n = 0u; n < 4u; n++) {
+            var acc = coop_mat16x16<f32, C>();
+            acc = coopMultiplyAdd(q0, frag_kw(n, 0u), acc);
+            acc = coopMultiplyAdd(q1, frag_kw(n, 1u), acc);
+            acc = coopMultiplyAdd(q2, frag_kw(n, 2u), acc);
+            acc = coopMultiplyAdd(q3, frag_kw(n, 3u), acc);
+            acc = coopMultiplyAdd(q4, frag_kw(n, 4u), acc);
+            acc = coopMultiplyAdd(q5, frag_kw(n, 5u), acc);
+            acc = coopMultiplyAdd(q6, frag_kw(n, 6u), acc);
+            acc = coopMultiplyAdd(q7, frag_kw(n, 7u), acc);
+            coopStoreT(acc, &scr[(g * SCR + n * 16u) / 4u], SS4);
+        }
+        workgroupBarrier();   // the scores are in the scratch; nobody reads K any more
+        for (var e = 0u; e < 16u; e++) {
+            put_w(tid, e, fx[e], 1.0);
+        }
+        if (j0 + BLK < end) {
+            for (var e = 0u; e < 16u; e++) {
+                fx[e] = fetch_w(1u, w.bi, j0 + BLK, p.tk, w.kv, p.hkv, tid, e);
+            }
+        }
+        let st = softmax_step(m, l, i, j0 + c0, b, pb, g, lane, row);
+        m = st.m;
+        l = st.l;
+        workgroupBarrier();   // P in s2, V in sw
+        let p0 = frag_p(g, 0u);
+        let p1 = frag_p(g, 1u);
+        let p2 = frag_p(g, 2u);
+        let p3 = frag_p(g, 3u);
+        for (var hf = 0u; hf < 2u; hf++) {
+            for (var n = 0u; n < 4u; n++) {
+                var acc = coop_mat16x16<f32, C>();
+                acc = coopMultiplyAdd(p0, frag_vw(0u, 4u * hf + n), acc);
+                acc = coopMultiplyAdd(p1, frag_vw(1u, 4u * hf + n), acc);
+                acc = coopMultiplyAdd(p2, frag_vw(2u, 4u * hf + n), acc);
+                acc = coopMultiplyAdd(p3, frag_vw(3u, 4u * hf + n), acc);
+                coopStoreT(acc, &scr[(g * SCR + n * 16u) / 4u], SS4);
+            }
+            workgroupBarrier();
+            for (var e = 0u; e < 8u; e++) {
+                os[8u * hf + e] = os[8u * hf + e] * st.corr + rd(b + 4u * e);
+            }
+            workgroupBarrier();
+        }
+    }
+    xch[g * 32u + lane] = l;
+    workgroupBarrier();
+    let lt = l + xch[g * 32u + (lane ^ 16u)];   // the same sum in both lanes
+    if (w.ok && i < p.tq) {
+        let at = row_at(w.bi, i, p.tq, w.h, p.hq);
+        let s = 1.0 / lt;
+        for (var e = 0u; e < 16u; e++) {
+            let col4 = 16u * (e / 8u) + c0 / 4u + e % 8u;
+            if (col4 < D4) {
+                o[at + col4] = os[e] * s;
             }
         }
         if (lane < 16u) {

@@ -4,22 +4,28 @@ use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::gpu::{Gpu, Tensor};
 use crate::ops::attention::{
-    attention, attention_backward, coop_fits, tiled_fits, AttnDropout, AttnOpts, AttnPath,
+    attention, attention_backward, coop_fits, coop_forward_fits, tiled_fits, AttnDropout, AttnOpts,
+    AttnPath,
 };
 use crate::reference::{attention as cpu, widen};
 
 /// (B, Tq, Tk, Hq, Hkv, D, causal): odd lengths over several row blocks with grouped heads;
 /// fewer queries than keys (the causal offset a KV cache gives); full attention; the
 /// largest head dim; four query heads on one key/value head over several tiles; more than
-/// 65535 workgroups. Each runs on every kernel set that applies (tiled: head dim <= 64;
-/// cooperative matrices: head dim <= 64 on an adapter that has them, not lavapipe).
-pub const ATTN_CASES: [(usize, usize, usize, usize, usize, usize, bool); 6] = [
+/// 65535 workgroups; head dims between 64 and 128 (grouped heads over several row
+/// blocks, the causal offset, full attention, a head dim not a multiple of 16). Each runs
+/// on every kernel set that applies (tiled: head dim <= 64; cooperative matrices on an
+/// adapter that has them, not lavapipe: head dim <= 64, the forward alone to 128).
+pub const ATTN_CASES: [(usize, usize, usize, usize, usize, usize, bool); 9] = [
     (2, 77, 77, 4, 2, 16, true),
     (1, 5, 70, 2, 1, 64, true),
     (3, 19, 23, 3, 3, 8, false),
     (1, 130, 130, 2, 2, 128, true),
     (1, 100, 100, 4, 1, 64, true),
     (1, 1, 2, 65_537, 65_537, 4, true),
+    (2, 77, 77, 4, 2, 96, true),
+    (1, 5, 70, 8, 2, 128, true),
+    (3, 19, 83, 3, 1, 100, false),
 ];
 
 pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
@@ -38,7 +44,10 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         check(gpu, out, n, ATTN_CASES[n], Some(drop)).await;
     }
     if coop_fits(gpu, 64) {
-        coop_rescale_check(gpu, out).await;
+        coop_rescale_check(gpu, out, 64).await;
+    }
+    if coop_forward_fits(gpu, 128) {
+        coop_rescale_check(gpu, out, 128).await;
     }
 }
 
@@ -49,8 +58,9 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// few units barely move the max after the first step.) Inputs are exact in f16
 /// (multiples of 1/64 near 1), so the cooperative kernel's scores are exact and only P's
 /// rounding to f16 (2^-11) separates the result from the reference.
-async fn coop_rescale_check(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    let (t, d, jump) = (300usize, 64usize, 200usize);
+/// At head dim 128 (`attn_fwd_coop_wide`) the scale stays 1/8 (exact in f16).
+async fn coop_rescale_check(gpu: &Gpu, out: &mut Vec<CheckResult>, d: usize) {
+    let (t, jump) = (300usize, 200usize);
     let mut rng = Rng::new(1590);
     let mut small = |den: f32| ((rng.next_u64() % 9) as f32 - 4.0) / den;
     let q: Vec<f32> = (0..t * d).map(|_| 1.0 + small(64.0)).collect();
@@ -81,7 +91,7 @@ async fn coop_rescale_check(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let (o, lse) = cpu::attention(&widen(&q), &widen(&k), &widen(&v), dm);
     let opts = AttnOpts {
         causal: true,
-        scale: None,
+        scale: Some(0.125),
         path: AttnPath::Coop,
         dropout: None,
     };
@@ -99,7 +109,10 @@ async fn coop_rescale_check(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         ])
     })
     .await;
-    let shape = format!("B1 T{t} D{d} causal, key {jump} scores ~10, cooperative");
+    let shape = format!(
+        "B1 T{t} D{d} causal, key {jump} scores ~{}, cooperative",
+        1.25 * 0.125 * d as f64
+    );
     // P rounded to f16 (2^-11 of each weight) in a convex combination of |v| <= 1.02.
     let tols = [
         Tolerance {
@@ -174,12 +187,14 @@ async fn check(
     for path in [AttnPath::Rows, AttnPath::Tiled, AttnPath::Coop] {
         let fits = match path {
             AttnPath::Tiled => tiled_fits(gpu, d),
-            AttnPath::Coop => coop_fits(gpu, d),
+            AttnPath::Coop => coop_forward_fits(gpu, d),
             _ => true,
         };
         if !fits {
             continue;
         }
+        // Past head dim 64 the cooperative kernels have the forward alone.
+        let backward = path != AttnPath::Coop || coop_fits(gpu, d);
         // f16 operands (q, k, v, dO, the probabilities and dS each rounded once, 2^-11):
         // four roundings on a path from the inputs to an output, against the same scale.
         let tol = match path {
@@ -202,15 +217,20 @@ async fn check(
             let tg = Tensor::from_f32(gpu, &qs, &g, "dO")?;
             let mut rec = gpu.recorder("attention");
             let f = attention(&mut rec, &tq_, &tk_, &tv_, opts)?;
-            let gr = attention_backward(&mut rec, &tq_, &tk_, &tv_, &f, &tg, opts)?;
+            let gr = match backward {
+                true => Some(attention_backward(
+                    &mut rec, &tq_, &tk_, &tv_, &f, &tg, opts,
+                )?),
+                false => None,
+            };
             rec.submit()?;
-            Ok(vec![
-                f.o.to_vec_f32(gpu).await?,
-                f.lse.to_vec_f32(gpu).await?,
-                gr.dq.to_vec_f32(gpu).await?,
-                gr.dk.to_vec_f32(gpu).await?,
-                gr.dv.to_vec_f32(gpu).await?,
-            ])
+            let mut got = vec![f.o.to_vec_f32(gpu).await?, f.lse.to_vec_f32(gpu).await?];
+            if let Some(gr) = gr {
+                got.push(gr.dq.to_vec_f32(gpu).await?);
+                got.push(gr.dk.to_vec_f32(gpu).await?);
+                got.push(gr.dv.to_vec_f32(gpu).await?);
+            }
+            Ok(got)
         })
         .await;
         let shape = format!(
@@ -226,7 +246,7 @@ async fn check(
                 _ => "",
             }
         );
-        for (i, name) in names.iter().enumerate() {
+        for (i, name) in names.iter().enumerate().take(if backward { 5 } else { 2 }) {
             let res = match &r {
                 Ok(got) => compare(name, &got[i], &want[i], Some(&scales[i]), tol).map_err(s),
                 Err(e) => Err(e.clone()),

@@ -5,7 +5,9 @@ use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{DType, Gpu, Tensor};
-use crate::ops::kvcache::{kv_attend, kv_attend_parts, kv_store, KvType, RopeStore};
+use crate::ops::kvcache::{
+    kv_attend, kv_attend_parts, kv_store, prompt_on_coop, KvType, RopeStore,
+};
 use crate::ops::quant::{qmatmul_fused, qmatvec_parts, Fuse, QMatrix, MERGE_MAX_WIDTH};
 use crate::reference::{attention as cpu, widen};
 
@@ -13,9 +15,10 @@ use crate::reference::{attention as cpu, widen};
 /// ..., or of 7, 2, 1, 1, ... from 10 on): grouped heads with an odd prefill longer than
 /// one chunk of 256 keys, then steps (up to 4 queries: key ranges split over workgroups,
 /// from a few keys to more than 128); prompts of heads too large for the tiled kernel (one
-/// workgroup a head); D = 64 as SmolLM2 has; a second prompt chunk of 7 after cached tokens
-/// (tiled, offset causal mask).
-pub const KV_CASES: [(usize, usize, usize, usize, usize, usize); 7] = [
+/// workgroup a head, or the cooperative forward to D 128); D = 64 as SmolLM2 has; a second
+/// prompt chunk of 7 after cached tokens (tiled, offset causal mask), also at D = 128 with
+/// four query heads a key head (Llama 3's grouping; cooperative where the GPU has it).
+pub const KV_CASES: [(usize, usize, usize, usize, usize, usize); 8] = [
     (300, 6, 2, 16, 261, 4),
     (160, 8, 2, 128, 140, 2),
     (8, 1, 1, 256, 3, 2),
@@ -25,6 +28,7 @@ pub const KV_CASES: [(usize, usize, usize, usize, usize, usize); 7] = [
     // 256 dimensions over full ranges of 64 keys: attend_part's keys and values past the 8
     // vec4s a thread loads up front.
     (80, 2, 1, 256, 70, 2),
+    (100, 4, 1, 128, 70, 12),
 ];
 
 /// Sliding windows over caches (rows, Hq, Hkv, D, window, the tokens of each step): a
@@ -194,9 +198,11 @@ async fn check_case(
     .await;
     // Convex combinations of v with probabilities from D-term dots and exp(): as the
     // training kernels, judged against max |v| (here ~1) with the dot's tolerance. A
-    // GPU opened for f16 products runs prompts on cooperative matrices: four f16
-    // roundings (2^-11) on the way, scaled as verify/attention.rs does (1 + max |s|).
-    let tol = match gpu.matmul == crate::gpu::MatmulMode::F16 {
+    // GPU opened for f16 products, or with cooperative prompts (the default where the
+    // adapter has them), runs prompts on cooperative matrices: four f16 roundings (2^-11)
+    // on the way, scaled as verify/attention.rs does (1 + max |s|).
+    let coop = gpu.matmul == crate::gpu::MatmulMode::F16 || prompt_on_coop(gpu, d);
+    let tol = match coop {
         true => Tolerance {
             abs: 2.0 * 4.0 * 4.9e-4 * (1.0 + (d as f64).sqrt()),
             rel: 0.0,
