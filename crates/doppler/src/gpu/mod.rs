@@ -50,9 +50,10 @@ pub struct GpuOptions {
     pub matmul: MatmulMode,
     /// Products of quantized weights with many rows of x (prompts, batches) on cooperative
     /// matrices where the adapter has them (`quant_coop.wgsl`: x and W's values rounded to
-    /// f16, f32 sums, as llama.cpp's prompt products on tensor cores). Default on;
-    /// `DOPPLER_QUANT_COOP=off` keeps them on the f32 tiled kernel (f32 arithmetic
-    /// throughout, ~4x slower on the H200).
+    /// f16, f32 sums, as llama.cpp's prompt products on tensor cores), and prompts'
+    /// attention over the KV cache too (head dims to 128,
+    /// [`crate::ops::kvcache::prompt_on_coop`]). Default on; `DOPPLER_QUANT_COOP=off`
+    /// keeps both f32 (the f32 tiled kernels, ~4x slower on the H200).
     pub quant_coop: bool,
 }
 
