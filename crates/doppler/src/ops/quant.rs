@@ -80,6 +80,20 @@ static QMATMUL_T: Kernel = Kernel::new(
 
 // The decode product on x rounded (XQ8) that can also round its output (X8_OUT): x's words
 // (3, 7), the next norm's weight (5), the residual (6), the rounded output (14).
+// Batched decode: up to 8 rows of x rounded (qmatvec1_x8's bindings but xq_out).
+static QMATVEC_X8ROWS: Kernel = Kernel::new(
+    &QUANT,
+    "qmatvec_x8rows",
+    &[
+        (1, Read),
+        (2, ReadWrite),
+        (3, Read),
+        (5, Read),
+        (6, Read),
+        (7, Read),
+        (13, Read),
+    ],
+);
 static QMATVEC1_X8: Kernel = Kernel::new(
     &QUANT,
     "qmatvec1_x8",
@@ -969,6 +983,21 @@ pub fn qmatmul_chain(
     let nw = fuse.norm.map_or(x, |n| n.0);
     let res = fuse.residual.unwrap_or(x);
     let bind = [&w.raw, &y, x, nw, res, x, nw, &w.raw];
+    if let Some(split) = batch_split(m, w.ty, w.rows, w.cols) {
+        let own;
+        let xq = match fuse.x8 {
+            Some(x8) => {
+                x8.check("qmatmul", w, fuse.norm.map(|n| n.0))?;
+                x8
+            }
+            None => {
+                own = quantize_x8(rec, x, w.cols, fuse.norm)?;
+                &own
+            }
+        };
+        qmatvec_x8rows(rec, xq, w, &p, &y, fuse, split)?;
+        return Ok((y, None));
+    }
     match Path::of(m, w) {
         Path::Decode { split } => {
             if decode_rounds_x(m, w.ty, w.rows, w.cols) {
@@ -1246,9 +1275,59 @@ pub(crate) fn quantize_x8(
 /// and rows of [`XQ8_MIN_COLS`] or more (as llama.cpp's quantized matrix-vector products
 /// do), for a quarter of the float work a weight.
 pub fn decode_rounds_x(m: usize, ty: GgmlType, rows: usize, cols: usize) -> bool {
-    matches!(Path::of_shape(m, rows, cols), Path::Decode { .. })
+    (matches!(Path::of_shape(m, rows, cols), Path::Decode { .. })
         && cols >= XQ8_MIN_COLS
-        && XQ8_TYPES.contains(&ty.name())
+        && XQ8_TYPES.contains(&ty.name()))
+        || batch_split(m, ty, rows, cols).is_some()
+}
+
+/// Most rows of x a batched decode workgroup takes (`quant.wgsl`'s MvxAcc).
+const BATCH_ROWS: usize = 8;
+
+/// Where 2 ..= [`MATVEC_MAX_ROWS`] rows of x through W (`rows`, `cols`) of type `ty` run
+/// the batched decode kernel (`qmatvec_x8rows`: x rounded to 8 bits as one row's decode
+/// product does, W read once per 8 rows of x, not once a row): the decode kernel's split
+/// (W shaped for it, a type it rounds x for, rows of x a multiple of 64 long so that
+/// rounded rows stay 16-byte aligned). None: the matrix-vector kernel.
+fn batch_split(m: usize, ty: GgmlType, rows: usize, cols: usize) -> Option<u32> {
+    if !(2..=MATVEC_MAX_ROWS).contains(&m) || cols % 64 != 0 {
+        return None;
+    }
+    match Path::of_shape(1, rows, cols) {
+        Path::Decode { split } if decode_rounds_x(1, ty, rows, cols) => Some(split),
+        _ => None,
+    }
+}
+
+/// The batched decode product (`qmatvec_x8rows`) on rows of x already rounded, with
+/// `fuse`'s residual or SwiGLU (and its norm's factor; the weight went into the rounding):
+/// workgroups of 256 threads over W as the decode kernel's (`split`), each taking 2, 4 or
+/// 8 rows of x.
+fn qmatvec_x8rows(
+    rec: &mut Recorder<'_>,
+    xq: &X8,
+    w: &QMatrix,
+    p: &Params,
+    y: &Tensor,
+    fuse: Fuse<'_>,
+    split: u32,
+) -> Result<()> {
+    let m = p.m as usize;
+    let mv_x = m.min(BATCH_ROWS).next_power_of_two();
+    let c = [
+        ("TYPE", w.ty.0 as f64),
+        ("NORM", xq.norm.is_some() as u32 as f64),
+        ("RESIDUAL", fuse.residual.is_some() as u32 as f64),
+        ("SWIGLU", fuse.swiglu as u32 as f64),
+        ("GEGLU", fuse.geglu as u32 as f64),
+        ("MV1_SPLIT", split as f64),
+        ("MV1_X", mv_x as f64),
+    ];
+    let res = fuse.residual.unwrap_or(&xq.q);
+    let bind = [&w.raw, y, &xq.q, &xq.q, res, &xq.q, &w.raw];
+    let groups = w.rows.div_ceil(Path::rows(split, 256, 4)) * m.div_ceil(mv_x);
+    let grid = Grid::Linear(groups as u64);
+    rec.dispatch(&QMATVEC_X8ROWS, &c, bytemuck::bytes_of(p), &bind, grid)
 }
 
 /// Whether a product of `m` rows of x with W (`rows`, `cols`) ([`qmatmul`],
@@ -1328,7 +1407,9 @@ pub fn qmatmul_rope_store(
     let wraps = to.pos + t > to.k_cache.shape().first().copied().unwrap_or(0);
     // q8_0 caches always take the two steps (a block of 32 spans threads).
     let kv_f16 = to.k_cache.dtype() == DType::F16;
+    // Batched decode steps take the batched product, then `rope_store`.
     let fused = !matches!(path, Path::Tiled)
+        && batch_split(t, w.ty, w.rows, w.cols).is_none()
         && !wraps
         && to.k_cache.dtype() != DType::U32
         && rec.gpu().limits.max_storage_buffers_per_shader_stage >= ROPE_STORAGE;

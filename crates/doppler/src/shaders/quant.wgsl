@@ -213,12 +213,18 @@ struct Xq8 {
 }
 
 fn xq8_at(c: u32) -> Xq8 {
+    return xq8_row(0u, c);
+}
+
+// The same of row r of x (rows of x8_row_words(k) words: a multiple of 4 for r > 0).
+fn xq8_row(r: u32, c: u32) -> Xq8 {
     var o: Xq8;
-    let sc = p.k / 4u;   // scales and sums
+    let r0 = r * x8_row_words(p.k);
+    let sc = r0 + p.k / 4u;   // scales and sums
     o.ss = 0.0;
     for (var h = 0u; h < 2u; h++) {
         let col = run_col(c, 4u * h);   // a multiple of 16
-        let w = bitcast<vec4<u32>>(xv4[col / 16u]);
+        let w = bitcast<vec4<u32>>(xv4[r0 / 4u + col / 16u]);
         o.q[4u * h] = w.x;
         o.q[4u * h + 1u] = w.y;
         o.q[4u * h + 2u] = w.z;
@@ -300,55 +306,89 @@ fn quantize_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
 // of the quants (unsigned, offset where the type's are signed) with x's, a group of 16 at
 // a time, then each group's scales.
 fn run32_q8(i: u32, xq: Xq8) -> f32 {
-    var lo = 0;   // integer dots of the halves
-    var hi = 0;
+    return dot_run_q8(w_run_q8(i), xq);
+}
+
+// W's run i / 32 as the integer dots take it: the halves' quants (4 words each, unsigned
+// or offset as the type stores them) and the type's factors (Q4_0, Q8_0: d; Q4_1: d, m;
+// K-quants: the halves' (scale, min); Q6_K: the halves' scales). Loaded once, it serves
+// several rows of x (qmatvec_x8rows).
+struct WRun {
+    q: array<u32, 8>,
+    f: vec4<f32>,
+}
+
+fn w_run_q8(i: u32) -> WRun {
+    var r: WRun;
     switch (TYPE) {
         case 2u: {
             let b = (i / 32u) * 18u;
             for (var w = 0u; w < 4u; w++) {
                 let q = word_at(b + 2u + 4u * w);
-                lo += dot4I8Packed(q & 0x0F0F0F0Fu, xq.q[w]);
-                hi += dot4I8Packed((q >> 4u) & 0x0F0F0F0Fu, xq.q[w + 4u]);
+                r.q[w] = q & 0x0F0F0F0Fu;
+                r.q[w + 4u] = (q >> 4u) & 0x0F0F0F0Fu;
             }
-            // (q - 8) d
-            return half(b) * (xq.d.x * f32(lo - 8 * xq.s.x) + xq.d.y * f32(hi - 8 * xq.s.y));
+            r.f.x = half(b);
         }
         case 3u: {
             let b = (i / 32u) * 5u;   // in words
-            let dm = unpack2x16float(src[b]);
             for (var w = 0u; w < 4u; w++) {
                 let q = src[b + 1u + w];
-                lo += dot4I8Packed(q & 0x0F0F0F0Fu, xq.q[w]);
-                hi += dot4I8Packed((q >> 4u) & 0x0F0F0F0Fu, xq.q[w + 4u]);
+                r.q[w] = q & 0x0F0F0F0Fu;
+                r.q[w + 4u] = (q >> 4u) & 0x0F0F0F0Fu;
             }
-            // q d + m
-            return xq.d.x * (dm.x * f32(lo) + dm.y * f32(xq.s.x)) + xq.d.y * (dm.x * f32(hi) + dm.y * f32(xq.s.y));
+            r.f = vec4<f32>(unpack2x16float(src[b]), 0.0, 0.0);
         }
         case 8u: {
             let b = (i / 32u) * 34u;
             for (var w = 0u; w < 4u; w++) {
-                lo += dot4I8Packed(word_at(b + 2u + 4u * w), xq.q[w]);
-                hi += dot4I8Packed(word_at(b + 18u + 4u * w), xq.q[w + 4u]);
+                r.q[w] = word_at(b + 2u + 4u * w);
+                r.q[w + 4u] = word_at(b + 18u + 4u * w);
             }
-            return half(b) * (xq.d.x * f32(lo) + xq.d.y * f32(hi));
+            r.f.x = half(b);
         }
         case 12u, 13u: {
-            let r = k_run(i);
-            for (var w = 0u; w < 4u; w++) {
-                lo += dot4I8Packed(r.q[w], xq.q[w]);
-                hi += dot4I8Packed(r.q[w + 4u], xq.q[w + 4u]);
-            }
-            // q scale - min
-            return xq.d.x * (r.s0.x * f32(lo) - r.s0.y * f32(xq.s.x)) + xq.d.y * (r.s1.x * f32(hi) - r.s1.y * f32(xq.s.y));
+            let k = k_run(i);
+            r.q = k.q;
+            r.f = vec4<f32>(k.s0, k.s1);
         }
         case 14u: {
-            let r = q6k_run(i);
-            for (var w = 0u; w < 4u; w++) {
-                lo += dot4I8Packed(r.q[w], xq.q[w]);
-                hi += dot4I8Packed(r.q[w + 4u], xq.q[w + 4u]);
-            }
+            let k = q6k_run(i);
+            r.q = k.q;
+            r.f = vec4<f32>(k.s, 0.0, 0.0);
+        }
+        default: {}
+    }
+    return r;
+}
+
+// dot(W's run, x's run as xq): the integer dots of the halves, then the type's factors.
+fn dot_run_q8(r: WRun, xq: Xq8) -> f32 {
+    var lo = 0;   // integer dots of the halves
+    var hi = 0;
+    for (var w = 0u; w < 4u; w++) {
+        lo += dot4I8Packed(r.q[w], xq.q[w]);
+        hi += dot4I8Packed(r.q[w + 4u], xq.q[w + 4u]);
+    }
+    switch (TYPE) {
+        case 2u: {
+            // (q - 8) d
+            return r.f.x * (xq.d.x * f32(lo - 8 * xq.s.x) + xq.d.y * f32(hi - 8 * xq.s.y));
+        }
+        case 3u: {
+            // q d + m
+            return xq.d.x * (r.f.x * f32(lo) + r.f.y * f32(xq.s.x)) + xq.d.y * (r.f.x * f32(hi) + r.f.y * f32(xq.s.y));
+        }
+        case 8u: {
+            return r.f.x * (xq.d.x * f32(lo) + xq.d.y * f32(hi));
+        }
+        case 12u, 13u: {
+            // q scale - min
+            return xq.d.x * (r.f.x * f32(lo) - r.f.y * f32(xq.s.x)) + xq.d.y * (r.f.z * f32(hi) - r.f.w * f32(xq.s.y));
+        }
+        case 14u: {
             // (q - 32) scale
-            return r.s.x * xq.d.x * f32(lo - 32 * xq.s.x) + r.s.y * xq.d.y * f32(hi - 32 * xq.s.y);
+            return r.f.x * xq.d.x * f32(lo - 32 * xq.s.x) + r.f.y * xq.d.y * f32(hi - 32 * xq.s.y);
         }
         default: {
             return 0.0;
@@ -1039,9 +1079,9 @@ override X8_OUT: bool = false;
 override X8_OUT_NORM: bool = false;
 var<workgroup> x8_vals: array<f32, 16>;
 
-// Stores the first thread of each set's outputs (the columns at.x..) into dst, and with
-// X8_OUT into x8_vals.
-fn mv1_store(g: u32, lid: u32, at: vec2<u32>) {
+// Stores the first thread of each set's outputs (the columns at.x.. of row r of x) into
+// dst, and with X8_OUT (one row) into x8_vals.
+fn mv1_store(g: u32, lid: u32, at: vec2<u32>, r: u32) {
     let wr = w_rows();
     if (at.y != 0u) {
         return;
@@ -1054,14 +1094,14 @@ fn mv1_store(g: u32, lid: u32, at: vec2<u32>) {
                 // v0 is a multiple of 4: gate (even v) and up (v + 1) are both here.
                 if ((v & 1u) == 0u) {
                     let y = gate_act(mv1_get(lid, q) * scale) * (mv1_get(lid, q + 1u) * scale);
-                    dst[v / 2u] = y;
+                    dst[r * p.n + v / 2u] = y;
                     if (X8_OUT) {
                         x8_vals[v / 2u - 16u * g] = y;
                     }
                 }
             } else {
-                let y = finish(0u, v, mv1_get(lid, q) * scale);
-                dst[v] = y;
+                let y = finish(r, v, mv1_get(lid, q) * scale);
+                dst[r * p.n + v] = y;
                 if (X8_OUT) {
                     x8_vals[v - 16u * g] = y;
                 }
@@ -1089,7 +1129,7 @@ fn qmatvec1(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
             @builtin(local_invocation_index) lid: u32) {
     let g = wid.x + wid.y * nwg.x;
     let at = mv1_sums(g, lid);
-    mv1_store(g, lid, at);
+    mv1_store(g, lid, at, 0u);
 }
 
 // qmatvec1 on x rounded (XQ8), with X8_OUT: only the bindings the XQ8 path reads, so that
@@ -1101,7 +1141,7 @@ fn qmatvec1_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let width = 32u * MV1_SPLIT;
     let at = mv1_at(g, lid);
     mv1_reduce(lid, at.y, width, mv1_sums_x8(at.x, at.y, width));
-    mv1_store(g, lid, at);
+    mv1_store(g, lid, at, 0u);
     if (X8_OUT) {
         workgroupBarrier();
         if (lid == 0u && 16u * g < p.n) {
@@ -1116,6 +1156,122 @@ fn qmatvec1_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
                 }
             }
             round_group(0u, p.n, g, v, nwv, X8_OUT_NORM);
+        }
+    }
+}
+
+// qmatvec1_x8 for up to MV1_X rows of x (2 .. 8: batched decode steps), x rounded
+// (XQ8; rows of x8_row_words(k) words, a multiple of 4): each thread's 4 runs of W a pass
+// are loaded and unpacked once (w_run_q8) and serve every row of x (dot_run_q8), so a
+// weight is read once per MV1_X rows, not once a row. Sets of threads as qmatvec1's
+// (MV1_SPLIT groups of 32 sharing 4 rows of W); then each row's sums are reduced and
+// stored in turn (mv1_reduce, mv1_store). Grid: linear over (W's workgroups) x
+// ceil(m / MV1_X) row groups. Same sums, in the same order, as qmatvec1_x8 gives a row.
+override MV1_X: u32 = 1u;
+
+struct MvxAcc {
+    rows: array<vec4<f32>, 8>,
+    ss: array<f32, 8>,
+}
+
+// Row r of x against a pass's 4 runs of W (at column c): the 4 dots, and the row's x^2
+// there (NORM).
+struct MvxRow {
+    d: vec4<f32>,
+    ss: f32,
+}
+
+fn mvx_row(w0: WRun, w1: WRun, w2: WRun, w3: WRun, r: u32, c: u32) -> MvxRow {
+    let xa = xq8_row(r, c);
+    let d = vec4<f32>(dot_run_q8(w0, xa), dot_run_q8(w1, xa), dot_run_q8(w2, xa), dot_run_q8(w3, xa));
+    return MvxRow(d, xa.ss);
+}
+
+// The sums of rows r0 .. r0 + nr of x: one named accumulator a row (not an array indexed
+// by the row, which the compiler may keep in memory); MV1_X (a constant) drops the rows
+// past it.
+fn mvx_sums(v0: u32, local: u32, width: u32, r0: u32, nr: u32) -> MvxAcc {
+    var a: MvxAcc;
+    let wr = w_rows();
+    if (v0 >= wr) {
+        return a;
+    }
+    var a0 = vec4<f32>(0.0);
+    var a1 = vec4<f32>(0.0);
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
+    var a4 = vec4<f32>(0.0);
+    var a5 = vec4<f32>(0.0);
+    var a6 = vec4<f32>(0.0);
+    var a7 = vec4<f32>(0.0);
+    var sa = vec4<f32>(0.0);   // x^2 of rows 0..4, and 4..8
+    var sb = vec4<f32>(0.0);
+    for (var c = local * 32u; c < p.k; c += 32u * width) {
+        let w0 = w_run_q8(w_row(v0) * p.k + c);
+        let w1 = w_run_q8(w_row(min(v0 + 1u, wr - 1u)) * p.k + c);
+        let w2 = w_run_q8(w_row(min(v0 + 2u, wr - 1u)) * p.k + c);
+        let w3 = w_run_q8(w_row(min(v0 + 3u, wr - 1u)) * p.k + c);
+        let x0 = mvx_row(w0, w1, w2, w3, r0, c);
+        a0 += x0.d;
+        sa.x += x0.ss;
+        if (MV1_X > 1u && nr > 1u) {
+            let x = mvx_row(w0, w1, w2, w3, r0 + 1u, c);
+            a1 += x.d;
+            sa.y += x.ss;
+        }
+        if (MV1_X > 2u && nr > 2u) {
+            let x = mvx_row(w0, w1, w2, w3, r0 + 2u, c);
+            a2 += x.d;
+            sa.z += x.ss;
+        }
+        if (MV1_X > 3u && nr > 3u) {
+            let x = mvx_row(w0, w1, w2, w3, r0 + 3u, c);
+            a3 += x.d;
+            sa.w += x.ss;
+        }
+        if (MV1_X > 4u && nr > 4u) {
+            let x = mvx_row(w0, w1, w2, w3, r0 + 4u, c);
+            a4 += x.d;
+            sb.x += x.ss;
+        }
+        if (MV1_X > 5u && nr > 5u) {
+            let x = mvx_row(w0, w1, w2, w3, r0 + 5u, c);
+            a5 += x.d;
+            sb.y += x.ss;
+        }
+        if (MV1_X > 6u && nr > 6u) {
+            let x = mvx_row(w0, w1, w2, w3, r0 + 6u, c);
+            a6 += x.d;
+            sb.z += x.ss;
+        }
+        if (MV1_X > 7u && nr > 7u) {
+            let x = mvx_row(w0, w1, w2, w3, r0 + 7u, c);
+            a7 += x.d;
+            sb.w += x.ss;
+        }
+    }
+    a.rows = array<vec4<f32>, 8>(a0, a1, a2, a3, a4, a5, a6, a7);
+    a.ss = array<f32, 8>(sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w);
+    return a;
+}
+
+@compute @workgroup_size(256)
+fn qmatvec_x8rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) lid: u32) {
+    let g = wid.x + wid.y * nwg.x;
+    let width = 32u * MV1_SPLIT;
+    let per = 256u / width * 4u;   // rows of W a workgroup
+    let groups = (w_rows() + per - 1u) / per;
+    let gw = g % groups;
+    let r0 = (g / groups) * MV1_X;
+    let nr = min(MV1_X, p.m - min(r0, p.m));
+    let at = mv1_at(gw, lid);
+    let a = mvx_sums(at.x, at.y, width, r0, nr);
+    for (var r = 0u; r < MV1_X; r++) {
+        if (r < nr) {
+            mv1_reduce(lid, at.y, width, Mv1Acc(a.rows[r], vec4<f32>(0.0), a.ss[r]));
+            mv1_store(gw, lid, at, r0 + r);
+            workgroupBarrier();   // the sums read before the next row's go in
         }
     }
 }

@@ -119,6 +119,7 @@ const FAMILIES: &[Family] = &[
     (&["qmatmul coop"], family!(quant::coop_checks)),
     (&["x_half"], family!(quant::half_checks)),
     (&["qmatmul decode"], family!(quant::decode_checks)),
+    (&["qmatmul batch"], family!(quant::batch_checks)),
     (&["qmatmul_chain"], family!(quant::chain_checks)),
     (&["row_split"], family!(quant::split_checks)),
     (&["kv_attend"], family!(kvcache::checks)),

@@ -730,6 +730,169 @@ pub(super) async fn decode_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     }
 }
 
+/// What a batched decode case fuses into its product.
+#[derive(Clone, Copy)]
+enum BatchFuse {
+    Plain,
+    Residual,
+    NormSwiglu,
+}
+
+/// (type, rows of W, columns, rows of x, fusion) of [`batch_checks`]: every type the
+/// batched decode kernel takes, 2 .. 32 rows of x (one workgroup's 2, 4 or 8 rows, part
+/// of one, and several row groups with a partial last), W tall (sets of 1 and 2 groups) or
+/// short and long (4 groups a set), each fusion.
+const BATCH_CASES: [(&str, usize, usize, usize, BatchFuse); 8] = [
+    (
+        "Q4_0",
+        MATVEC1_MIN_ROWS + 3,
+        XQ8_MIN_COLS,
+        2,
+        BatchFuse::Plain,
+    ),
+    (
+        "Q4_1",
+        MATVEC1_MIN_ROWS + 3,
+        XQ8_MIN_COLS,
+        3,
+        BatchFuse::Plain,
+    ),
+    (
+        "Q8_0",
+        MATVEC1_MIN_ROWS + 3,
+        XQ8_MIN_COLS,
+        4,
+        BatchFuse::Residual,
+    ),
+    ("Q4_K", MATVEC1_MIN_ROWS + 6, 2048, 5, BatchFuse::NormSwiglu),
+    ("Q5_K", 37, SPLITK_MIN_COLS + 512, 8, BatchFuse::Plain),
+    (
+        "Q6_K",
+        MATVEC1_MIN_ROWS + 3,
+        XQ8_MIN_COLS,
+        13,
+        BatchFuse::Residual,
+    ),
+    (
+        "Q4_K",
+        MATVEC1_MIN_ROWS + 3,
+        XQ8_MIN_COLS,
+        MATVEC_MAX_ROWS,
+        BatchFuse::Plain,
+    ),
+    ("Q6_K", 38, SPLITK_MIN_COLS, 7, BatchFuse::NormSwiglu),
+];
+
+/// The batched decode kernel (`qmatvec_x8rows`, 2 .. 32 rows of x through W shaped for the
+/// decode kernel) against f64 sums over the CPU dequantizer, each row of x (times the norm
+/// weight) rounded to 8 bits as `decode_rounds_x` says it is, the norm's factor from the
+/// unrounded row; plain, with the residual, and with the norm and SwiGLU.
+pub(super) async fn batch_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    for (i, &(name, rows, cols, m, fuse)) in BATCH_CASES.iter().enumerate() {
+        let ty = GgmlType::from_name(name).expect("known type");
+        let mut rng = Rng::new(5100 + i as u64);
+        let raw = random_blocks(name, rows * cols, &mut rng);
+        let w = cpu::dequantize(ty, &raw, rows * cols).expect("dequantizes");
+        let xv = rng.vec(m * cols);
+        let nw: Vec<f32> = (0..cols).map(|_| 0.5 + rng.uniform()).collect();
+        let outs = match fuse {
+            BatchFuse::NormSwiglu => rows / 2,
+            _ => rows,
+        };
+        let resv = rng.vec(m * outs);
+        let eps = 1e-5f32;
+        let r = twice("qmatmul batch", async || {
+            let q = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
+            let xt = Tensor::from_f32(gpu, &[m, cols], &xv, "x")?;
+            let nwt = Tensor::from_f32(gpu, &[cols], &nw, "nw")?;
+            let rt = Tensor::from_f32(gpu, &[m, outs], &resv, "res")?;
+            let f = match fuse {
+                BatchFuse::Plain => Fuse::default(),
+                BatchFuse::Residual => Fuse {
+                    residual: Some(&rt),
+                    ..Default::default()
+                },
+                BatchFuse::NormSwiglu => Fuse {
+                    norm: Some((&nwt, eps)),
+                    swiglu: true,
+                    ..Default::default()
+                },
+            };
+            let y = gpu.run_async(|rec| qmatmul_fused(rec, &xt, &q, f)).await?;
+            Ok(vec![y.to_vec_f32(gpu).await?])
+        })
+        .await;
+        let rounds = decode_rounds_x(m, ty, rows, cols);
+        let (mut want, mut mag) = (vec![0.0f64; m * outs], vec![0.0f64; m * outs]);
+        for a in 0..m {
+            let xr = &xv[a * cols..(a + 1) * cols];
+            let norm = matches!(fuse, BatchFuse::NormSwiglu);
+            let h: Vec<f32> = match norm {
+                true => xr.iter().zip(&nw).map(|(v, g)| v * g).collect(),
+                false => xr.to_vec(),
+            };
+            let h = if rounds { cpu::round_x8(&h) } else { h };
+            let ms = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / cols as f64;
+            let rstd = if norm {
+                1.0 / (ms + eps as f64).sqrt()
+            } else {
+                1.0
+            };
+            let dot = |j: usize| -> (f64, f64) {
+                let (mut s, mut g) = (0.0, 0.0);
+                for c in 0..cols {
+                    let t = h[c] as f64 * rstd * w[j * cols + c] as f64;
+                    s += t;
+                    g += t.abs();
+                }
+                (s, g)
+            };
+            for j in 0..outs {
+                let at = a * outs + j;
+                (want[at], mag[at]) = match fuse {
+                    BatchFuse::Plain => dot(j),
+                    BatchFuse::Residual => {
+                        let (d, dm) = dot(j);
+                        (resv[at] as f64 + d, resv[at].abs() as f64 + dm)
+                    }
+                    BatchFuse::NormSwiglu => {
+                        // Gate rows, then up rows: j and outs + j.
+                        let ((g, gm), (u, um)) = (dot(j), dot(outs + j));
+                        let sig = 1.0 / (1.0 + (-g).exp());
+                        let y = g * sig * u;
+                        (y, u.abs() * gm + (g * sig).abs() * um + y.abs())
+                    }
+                };
+            }
+        }
+        let res = r.and_then(|got| {
+            compare(
+                &format!("qmatmul batch {name}"),
+                &got[0],
+                &want,
+                Some(&mag),
+                Tolerance::dot(cols),
+            )
+            .map_err(s)
+        });
+        let how = match fuse {
+            BatchFuse::Plain => "",
+            BatchFuse::Residual => ", + residual",
+            BatchFuse::NormSwiglu => ", norm + SwiGLU",
+        };
+        let kernel = match rounds {
+            true => ", x rounded to 8 bits",
+            false => "",
+        };
+        push(
+            out,
+            &format!("qmatmul batch {name}"),
+            format!("x [{m}, {cols}] @ ({rows}, {cols})^T{how}{kernel}"),
+            res,
+        );
+    }
+}
+
 /// Decode products that round their outputs for the next product (`qmatmul_chain`: the
 /// shapes of a layer's o with the residual, gate/up with the norm and SwiGLU, down with
 /// the residual, then a normed product as the next layer's q/k/v or the output head): each
