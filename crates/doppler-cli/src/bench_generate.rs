@@ -339,6 +339,7 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
     // once for all of them, as a batched decode step of m sequences would), attention
     // among the m (small next to the products at these m). GPU time, median of ROWS_RUNS
     // after one to warm up.
+    // Each count's kernels from one more pass, profiled dispatch by dispatch.
     let mut row_ms = Vec::new();
     let len = cache.len;
     for &m in &args.rows {
@@ -352,7 +353,17 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
                 ms.push(trace.events.iter().map(|e| e.dur_ns / 1e6).sum::<f64>());
             }
         }
-        row_ms.push((m, pct(&ms, 0.5)));
+        cache.len = 0;
+        let mut rec = gpu.profiling_recorder("rows");
+        llama.forward(&mut rec, &prompt[..m], &mut cache, false)?;
+        let kernels: Vec<serde_json::Value> = rec
+            .submit()?
+            .wait(gpu)?
+            .by_kernel()
+            .iter()
+            .map(|k| serde_json::json!({ "kernel": k.name, "ms": k.total_ns / 1e6, "dispatches": k.count }))
+            .collect();
+        row_ms.push((m, pct(&ms, 0.5), kernels, ms));
     }
     cache.len = len;
     // The floor of a decode step: its reads (`Llama::decode_reads`) as a chain of dependent
@@ -402,7 +413,8 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
     let floor_p50 = (!floor_ms.is_empty()).then(|| pct(&floor_ms, 0.5));
     let by_rows: Vec<serde_json::Value> = row_ms
         .iter()
-        .map(|&(m, step)| {
+        .map(|(m, step, kernels, runs)| {
+            let (m, step) = (*m, *step);
             let gb_s = llama.decode_bytes as f64 / (step / 1e3) / 1e9;
             serde_json::json!({
                 "rows": m,
@@ -410,6 +422,8 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
                 "tok_s": m as f64 / step * 1e3,
                 "weight_gb_s": gb_s,
                 "of_floor": floor_p50.map(|f| gb_s / (floor_bytes as f64 / (f / 1e3) / 1e9)),
+                "runs_ms": runs,
+                "kernels": kernels,
             })
         })
         .collect();
