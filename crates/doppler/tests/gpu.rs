@@ -667,7 +667,7 @@ fn decode_products_on_8_bit_x_keep_a_nan_or_infinity_non_finite() {
     use doppler::ops::quant::{decode_rounds_x, qmatmul, QMatrix, MATVEC1_MIN_ROWS, XQ8_MIN_COLS};
     let (rows, cols) = (MATVEC1_MIN_ROWS, XQ8_MIN_COLS);
     let ty = GgmlType::from_name("Q8_0").unwrap();
-    assert!(decode_rounds_x(1, ty, rows, cols));
+    assert!(decode_rounds_x(gpu(), 1, ty, rows, cols));
     let raw = verify::quant::random_blocks("Q8_0", rows * cols, &mut Rng::new(5));
     let w = QMatrix::new(gpu(), "w", &raw, ty, rows, cols).unwrap();
     for bad in [f32::NAN, f32::INFINITY] {

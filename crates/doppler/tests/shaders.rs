@@ -59,7 +59,7 @@ fn uniform_blocks_match_rust_params() {
 /// Override values besides the defaults that select code of their own in shaders lavapipe
 /// never builds (the cooperative product's starts from C and from the bias row, and its
 /// split operands, f16x3; the cooperative quantized product's fusions and block types,
-/// glu_rows' GeGLU).
+/// glu_rows' GeGLU, the skinny product's taller tiles).
 const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
     ("matmul_coop", &[("INIT", 1.0)]),
     ("matmul_coop", &[("INIT", 2.0), ("TRANS_B", 1.0)]),
@@ -85,6 +85,16 @@ const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
     ("quant_coop", &[("TYPE", 3.0)]),
     ("quant_coop", &[("TYPE", 6.0)]),
     ("quant_coop", &[("TYPE", 7.0)]),
+    // qmatmul_coop_skinny's tiles of 32 and 64 rows.
+    (
+        "quant_coop",
+        &[("SK_R", 2.0), ("TYPE", 12.0), ("RESIDUAL", 1.0)],
+    ),
+    (
+        "quant_coop",
+        &[("SK_R", 4.0), ("SPLITK", 1.0), ("TYPE", 14.0)],
+    ),
+    ("quant_coop", &[("SK_R", 4.0), ("TYPE", 1.0)]),
 ];
 
 /// Every entry point goes through naga's SPIR-V writer (what wgpu runs on Vulkan) with its

@@ -141,6 +141,12 @@ const COOP_FEATURES: wgpu::Features =
     wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX.union(wgpu::Features::SHADER_F16);
 // The product on cooperative matrices: W, y, xh, the rows' factors, the residual, W
 // again as 16-byte words.
+static QMATMUL_COOP_SKINNY: Kernel = Kernel {
+    shader: &QUANT_COOP,
+    entry: "qmatmul_coop_skinny",
+    storage: QMATMUL_COOP.storage,
+    features: COOP_FEATURES,
+};
 static QMATMUL_COOP: Kernel = Kernel {
     shader: &QUANT_COOP,
     entry: "qmatmul_coop",
@@ -761,7 +767,7 @@ pub fn qmatvec_parts(
         residual,
         ..Default::default()
     };
-    let rounds = width == w.cols && decode_rounds_x(1, w.ty, w.rows, w.cols);
+    let rounds = width == w.cols && one_row_rounds_x(1, w.ty, w.rows, w.cols);
     let path = match Path::of(1, w) {
         Path::Decode { split } if rounds && parts.d % 16 == 0 => split,
         _ => {
@@ -819,7 +825,7 @@ pub(crate) fn chain_layout(
         && wg <= limits.max_compute_workgroup_size_x;
     let takes = next.w.cols == outs
         && outs % 16 == 0
-        && decode_rounds_x(1, next.w.ty, next.w.rows, next.w.cols);
+        && one_row_rounds_x(1, next.w.ty, next.w.rows, next.w.cols);
     (fits && takes).then_some((wg, rw))
 }
 
@@ -828,7 +834,7 @@ pub(crate) fn chain_layout(
 pub fn chain_rounds(gpu: &Gpu, w: &QMatrix, swiglu: bool, next: Next<'_>) -> bool {
     match Path::of(1, w) {
         Path::Decode { split } => {
-            decode_rounds_x(1, w.ty, w.rows, w.cols)
+            one_row_rounds_x(1, w.ty, w.rows, w.cols)
                 && chain_layout(&gpu.limits, w, swiglu, split, next).is_some()
         }
         _ => false,
@@ -902,8 +908,10 @@ fn qmatvec1_x8(
 
 /// y (.., rows of W) = x (.., cols) @ W^T with W read in its encoding. One row of x runs
 /// the decode kernel (cols a multiple of 32, at least [`MATVEC1_MIN_ROWS`] rows or
-/// [`SPLITK_MIN_COLS`] columns), up to [`MATVEC_MAX_ROWS`] rows the matrix-vector kernel,
-/// more the tiled one.
+/// [`SPLITK_MIN_COLS`] columns); from [`SKINNY_MIN_ROWS`] rows the cooperative-matrix
+/// products where the adapter has them ([`uses_coop`]); else up to [`MATVEC_MAX_ROWS`]
+/// rows the batched decode kernel (W shaped for the decode kernel, [`decode_rounds_x`])
+/// or the matrix-vector kernel, more the tiled one.
 pub fn qmatmul(rec: &mut Recorder<'_>, x: &Tensor, w: &QMatrix) -> Result<Tensor> {
     qmatmul_fused(rec, x, w, Fuse::default())
 }
@@ -983,6 +991,10 @@ pub fn qmatmul_chain(
     let nw = fuse.norm.map_or(x, |n| n.0);
     let res = fuse.residual.unwrap_or(x);
     let bind = [&w.raw, &y, x, nw, res, x, nw, &w.raw];
+    if uses_coop(rec.gpu(), m, w.rows, w.cols) {
+        qmatmul_coop(rec, x, w, fuse, &y)?;
+        return Ok((y, None));
+    }
     if let Some(split) = batch_split(m, w.ty, w.rows, w.cols) {
         let own;
         let xq = match fuse.x8 {
@@ -1000,7 +1012,7 @@ pub fn qmatmul_chain(
     }
     match Path::of(m, w) {
         Path::Decode { split } => {
-            if decode_rounds_x(m, w.ty, w.rows, w.cols) {
+            if one_row_rounds_x(m, w.ty, w.rows, w.cols) {
                 let own;
                 let xq = match fuse.x8 {
                     Some(x8) => {
@@ -1022,9 +1034,6 @@ pub fn qmatmul_chain(
         Path::MatVec => {
             let (cm, grid) = matvec_grid(&c, m, w.rows);
             rec.dispatch(&QMATVEC, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
-        }
-        Path::Tiled if uses_coop(rec.gpu(), m, w.rows, w.cols) => {
-            qmatmul_coop(rec, x, w, fuse, &y)?
         }
         Path::Tiled => {
             let (gn, gm) = (w.rows.div_ceil(64), m.div_ceil(64));
@@ -1114,11 +1123,24 @@ fn qmatmul_coop(
         ..Default::default()
     };
     let (xh, rowf) = x_half(rec, x, w.cols, fuse.norm)?;
-    let (gn, gm) = (w.rows.div_ceil(COOP_TILE), m.div_ceil(COOP_TILE));
+    // Few rows: tiles of 16, 32 or 64 rows (SK_R 1, 2, 4), W decoded once per tile.
+    let skinny = m <= SKINNY_MAX_ROWS;
+    let sk_r = m.div_ceil(16).next_power_of_two().min(4);
+    let (kernel, tile_m) = match skinny {
+        true => (&QMATMUL_COOP_SKINNY, 16 * sk_r),
+        false => (&QMATMUL_COOP, COOP_TILE),
+    };
+    let (gn, gm) = (w.rows.div_ceil(COOP_TILE), m.div_ceil(tile_m));
+    let sk = ("SK_R", sk_r as f64);
     let c = [
         ("TYPE", w.ty.0 as f64),
         ("RESIDUAL", fuse.residual.is_some() as u32 as f64),
+        sk,
     ];
+    let c = match skinny {
+        true => &c[..],
+        false => &c[..2],
+    };
     if fuse.swiglu {
         // The product (m, 2n) whole tiles straight out, then act(gate) * up: through the
         // product's scratch instead, the 8B's gate/up took 69 ms a prefill, not 43.
@@ -1126,7 +1148,9 @@ fn qmatmul_coop(
         p.n = w.rows as u32;
         let grid = Grid::Xyz([gn as u32, gm as u32, 1]);
         let bind = [&w.raw, &gu, &xh, &rowf, x, &w.raw];
-        rec.dispatch(&QMATMUL_COOP, &c[..1], bytemuck::bytes_of(&p), &bind, grid)?;
+        let cg = [c[0], sk];
+        let cg = if skinny { &cg[..] } else { &cg[..1] };
+        rec.dispatch(kernel, cg, bytemuck::bytes_of(&p), &bind, grid)?;
         let mut pg = w.params(m);
         pg.n = outs as u32;
         let cg = [("GEGLU", fuse.geglu as u32 as f64)];
@@ -1138,15 +1162,16 @@ fn qmatmul_coop(
     if splits == 1 {
         let grid = Grid::Xyz([gn as u32, gm as u32, 1]);
         let bind = [&w.raw, y, &xh, &rowf, res, &w.raw];
-        return rec.dispatch(&QMATMUL_COOP, &c, bytemuck::bytes_of(&p), &bind, grid);
+        return rec.dispatch(kernel, c, bytemuck::bytes_of(&p), &bind, grid);
     }
     // Partial tiles of k's slices, then their sum (+ the residual) in order.
     let part = Tensor::empty(gpu, &[splits, m, outs], DType::F32, "qmatmul_coop.part")?;
     p.splits = splits as u32;
-    let cs = [c[0], ("SPLITK", 1.0)];
+    let cs = [c[0], ("SPLITK", 1.0), sk];
+    let cs = if skinny { &cs[..] } else { &cs[..2] };
     let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
     let bind = [&w.raw, &part, &xh, &rowf, res, &w.raw];
-    rec.dispatch(&QMATMUL_COOP, &cs, bytemuck::bytes_of(&p), &bind, grid)?;
+    rec.dispatch(kernel, cs, bytemuck::bytes_of(&p), &bind, grid)?;
     let mut ps = w.params(m);
     ps.n = outs as u32;
     ps.splits = splits as u32;
@@ -1271,14 +1296,22 @@ pub(crate) fn quantize_x8(
 /// Whether a product of `m` rows of x with W (`rows`, `cols`) of type `ty` ([`qmatmul`],
 /// [`qmatmul_fused`], [`qmatmul_rope_store`]) rounds x (after the fused norm's weight) to
 /// 8-bit integers in groups of 16 columns, as `reference::quant::round_x8` does, and
-/// multiplies those: the one-row decode kernel does, for the types with integer quants
-/// and rows of [`XQ8_MIN_COLS`] or more (as llama.cpp's quantized matrix-vector products
-/// do), for a quarter of the float work a weight.
-pub fn decode_rounds_x(m: usize, ty: GgmlType, rows: usize, cols: usize) -> bool {
-    (matches!(Path::of_shape(m, rows, cols), Path::Decode { .. })
+/// multiplies those on this adapter: the one-row decode kernel does, for the types with
+/// integer quants and rows of [`XQ8_MIN_COLS`] or more (as llama.cpp's quantized
+/// matrix-vector products do), for a quarter of the float work a weight; so does the
+/// batched decode kernel for 2 ..= [`MATVEC_MAX_ROWS`] rows through the same W where no
+/// cooperative product takes them ([`uses_coop`]).
+pub fn decode_rounds_x(gpu: &Gpu, m: usize, ty: GgmlType, rows: usize, cols: usize) -> bool {
+    one_row_rounds_x(m, ty, rows, cols)
+        || (!uses_coop(gpu, m, rows, cols) && batch_split(m, ty, rows, cols).is_some())
+}
+
+/// [`decode_rounds_x`] for one row of x (no adapter needed: no cooperative product takes
+/// one row).
+fn one_row_rounds_x(m: usize, ty: GgmlType, rows: usize, cols: usize) -> bool {
+    matches!(Path::of_shape(m, rows, cols), Path::Decode { .. })
         && cols >= XQ8_MIN_COLS
-        && XQ8_TYPES.contains(&ty.name()))
-        || batch_split(m, ty, rows, cols).is_some()
+        && XQ8_TYPES.contains(&ty.name())
 }
 
 /// Most rows of x a batched decode workgroup takes (`quant.wgsl`'s MvxAcc).
@@ -1294,7 +1327,7 @@ fn batch_split(m: usize, ty: GgmlType, rows: usize, cols: usize) -> Option<u32> 
         return None;
     }
     match Path::of_shape(1, rows, cols) {
-        Path::Decode { split } if decode_rounds_x(1, ty, rows, cols) => Some(split),
+        Path::Decode { split } if one_row_rounds_x(1, ty, rows, cols) => Some(split),
         _ => None,
     }
 }
@@ -1334,8 +1367,18 @@ fn qmatvec_x8rows(
 /// [`qmatmul_fused`], [`qmatmul_rope_store`]) runs on cooperative matrices here: x (after
 /// the fused norm) and W's values rounded to f16, f32 sums (`quant_coop.wgsl`).
 pub fn uses_coop(gpu: &Gpu, m: usize, rows: usize, cols: usize) -> bool {
-    matches!(Path::of_shape(m, rows, cols), Path::Tiled) && gpu.quant_coop && cols % 4 == 0
+    let shape = matches!(Path::of_shape(m, rows, cols), Path::Tiled)
+        || (SKINNY_MIN_ROWS..=SKINNY_MAX_ROWS).contains(&m);
+    shape && gpu.quant_coop && cols % 4 == 0
 }
+
+/// Rows of x from and up to which a cooperative product takes tiles of 16, 32 or 64 rows
+/// (`qmatmul_coop_skinny`: batched decode steps); more rows take 128-row tiles. Below,
+/// the batched decode kernel or the matrix-vector kernel is faster: on the H200 an 8B
+/// step of 2, 4 or 8 rows took 11.3, 11.4 and 12.0 ms cooperative against 5.6, 7.6 and
+/// 12.4 with `qmatvec_x8rows`; 16 rows 13.2 against 21.9 (docs/benchmarks.md, session 22).
+pub const SKINNY_MIN_ROWS: usize = 9;
+pub const SKINNY_MAX_ROWS: usize = 64;
 
 /// Which kernel a product of m rows of x runs.
 enum Path {
@@ -1410,6 +1453,7 @@ pub fn qmatmul_rope_store(
     // Batched decode steps take the batched product, then `rope_store`.
     let fused = !matches!(path, Path::Tiled)
         && batch_split(t, w.ty, w.rows, w.cols).is_none()
+        && !uses_coop(rec.gpu(), t, w.rows, w.cols)
         && !wraps
         && to.k_cache.dtype() != DType::U32
         && rec.gpu().limits.max_storage_buffers_per_shader_stage >= ROPE_STORAGE;
@@ -1469,7 +1513,7 @@ pub fn qmatmul_rope_store(
         Path::Decode { split } => {
             let grid = Grid::Linear(w.rows.div_ceil(Path::rows(split, 256, 4)) as u64);
             let split = ("MV1_SPLIT", split as f64);
-            if decode_rounds_x(t, w.ty, w.rows, w.cols) {
+            if one_row_rounds_x(t, w.ty, w.rows, w.cols) {
                 let own;
                 let xq = match x8 {
                     Some(x8) => {

@@ -317,3 +317,130 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     put(c32, w, lane, r0 + 48u, c0 + 32u, z);
     put(c33, w, lane, r0 + 48u, c0 + 48u, z);
 }
+
+// ---- qmatmul_coop_skinny: few rows of x (batched decode steps, 2 .. 64) ----
+// The same product with tiles of 16 SK_R rows (SK_R = 1, 2 or 4) by 128 columns, so that
+// W is decoded once per 16 SK_R rows of x, not once per 128 (most of them padding at
+// these m): subgroup w owns columns 32 w .. + 32 of the tile and all its rows, SK_R x 2
+// accumulators. Each step stages xh's 16 SK_R x 32 (SK_R slots a thread) and W's
+// 128 x 32 as qmatmul_coop does. Every tile goes out through `put` (rowf, RESIDUAL,
+// SPLITK as there). Per output, the same sums in the same order as qmatmul_coop with
+// the same slices of k.
+//                                   grid (ceil(n / 128), ceil(m / (16 SK_R)), splits)
+override SK_R: u32 = 1u;
+
+@compute @workgroup_size(128)
+fn qmatmul_coop_skinny(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+    let m0 = wid.y * 16u * SK_R;
+    let n0 = wid.x * T;
+    var kb0 = 0u;
+    var kz = p.k;
+    if (SPLITK) {
+        let per = (p.k + p.splits * BK - 1u) / (p.splits * BK) * BK;
+        kb0 = min(p.k, wid.z * per);
+        kz = min(p.k, kb0 + per);
+    }
+    let w = tid / 32u;
+    let lane = tid % 32u;
+    let wc = w * 32u;   // the subgroup's columns within the tile
+
+    var c00: coop_mat16x16<f32, C>;
+    var c01: coop_mat16x16<f32, C>;
+    var c10: coop_mat16x16<f32, C>;
+    var c11: coop_mat16x16<f32, C>;
+    var c20: coop_mat16x16<f32, C>;
+    var c21: coop_mat16x16<f32, C>;
+    var c30: coop_mat16x16<f32, C>;
+    var c31: coop_mat16x16<f32, C>;
+    c00 = coop_mat16x16<f32, C>();
+    c01 = coop_mat16x16<f32, C>();
+    c10 = coop_mat16x16<f32, C>();
+    c11 = coop_mat16x16<f32, C>();
+    c20 = coop_mat16x16<f32, C>();
+    c21 = coop_mat16x16<f32, C>();
+    c30 = coop_mat16x16<f32, C>();
+    c31 = coop_mat16x16<f32, C>();
+
+    var pa: array<vec4<f16>, 4>;
+    var pb: array<vec4<f16>, 8>;
+    var raw: array<vec4<u32>, RAW_V4>;
+    for (var i = 0u; i < SK_R; i++) {
+        pa[i] = fetch_a(tid + 128u * i, m0, kb0, kz);
+    }
+    if (RAW) {
+        raw = fetch_w_raw(n0 + tid, kb0, kz);
+    } else {
+        for (var i = 0u; i < 8u; i++) {
+            pb[i] = fetch_b(tid + 128u * i, n0, kb0, kz);
+        }
+    }
+    for (var k0 = kb0; k0 < kz; k0 += BK) {
+        for (var i = 0u; i < SK_R; i++) {
+            sa[stash(tid + 128u * i)] = pa[i];
+        }
+        if (RAW) {
+            for (var e = 0u; e < 8u; e++) {
+                sb[tid * SK + e] = vec4<f16>(raw_value4(raw, e, (k0 % 256u) / 32u));
+            }
+        } else {
+            for (var i = 0u; i < 8u; i++) {
+                sb[stash(tid + 128u * i)] = pb[i];
+            }
+        }
+        workgroupBarrier();
+        let k1 = k0 + BK;
+        if (k1 < kz) {
+            for (var i = 0u; i < SK_R; i++) {
+                pa[i] = fetch_a(tid + 128u * i, m0, k1, kz);
+            }
+            if (RAW) {
+                raw = fetch_w_raw(n0 + tid, k1, kz);
+            } else {
+                for (var i = 0u; i < 8u; i++) {
+                    pb[i] = fetch_b(tid + 128u * i, n0, k1, kz);
+                }
+            }
+        }
+        for (var kb = 0u; kb < BK / 4u; kb += 4u) {   // 16 k a pass, in vec4s
+            var b0: coop_mat16x16<f16, B>;
+            var b1: coop_mat16x16<f16, B>;
+            b0 = coopLoad<coop_mat16x16<f16, B>>(&sb[wc * SK + kb], SK);
+            b1 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 16u) * SK + kb], SK);
+            var a0: coop_mat16x16<f16, A>;
+            a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[kb], SK);
+            c00 = coopMultiplyAdd(a0, b0, c00);
+            c01 = coopMultiplyAdd(a0, b1, c01);
+            if (SK_R > 1u) {
+                var a1: coop_mat16x16<f16, A>;
+                a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[16u * SK + kb], SK);
+                c10 = coopMultiplyAdd(a1, b0, c10);
+                c11 = coopMultiplyAdd(a1, b1, c11);
+            }
+            if (SK_R > 2u) {
+                var a2: coop_mat16x16<f16, A>;
+                var a3: coop_mat16x16<f16, A>;
+                a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[32u * SK + kb], SK);
+                a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[48u * SK + kb], SK);
+                c20 = coopMultiplyAdd(a2, b0, c20);
+                c21 = coopMultiplyAdd(a2, b1, c21);
+                c30 = coopMultiplyAdd(a3, b0, c30);
+                c31 = coopMultiplyAdd(a3, b1, c31);
+            }
+        }
+        workgroupBarrier();
+    }
+    let z = wid.z;
+    let c0 = n0 + wc;
+    put(c00, w, lane, m0, c0, z);
+    put(c01, w, lane, m0, c0 + 16u, z);
+    if (SK_R > 1u) {
+        put(c10, w, lane, m0 + 16u, c0, z);
+        put(c11, w, lane, m0 + 16u, c0 + 16u, z);
+    }
+    if (SK_R > 2u) {
+        put(c20, w, lane, m0 + 32u, c0, z);
+        put(c21, w, lane, m0 + 32u, c0 + 16u, z);
+        put(c30, w, lane, m0 + 48u, c0, z);
+        put(c31, w, lane, m0 + 48u, c0 + 16u, z);
+    }
+}

@@ -341,7 +341,7 @@ pub(super) async fn fused_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 vec![0.0; m * rows],
             );
             // The decode kernel rounds x (times the norm weight) to 8 bits for some types.
-            let rounds = decode_rounds_x(m, ty, rows, cols);
+            let rounds = decode_rounds_x(gpu, m, ty, rows, cols);
             for a in 0..m {
                 let xr = &xv[a * cols..(a + 1) * cols];
                 let ms = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / cols as f64;
@@ -555,6 +555,19 @@ pub(super) async fn coop_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             false,
         ),
         ("Q5_0", 96, 130, vec![257], CoopFuse::Residual, false),
+        // Few rows (qmatmul_coop_skinny): tiles of 16 rows (9 of them used), 32 (17 used),
+        // 64 (40 used, and all 64).
+        ("Q4_0", 96, 300, vec![9], CoopFuse::Plain, false),
+        ("Q6_K", 512, 300, vec![17], CoopFuse::Residual, true),
+        (
+            "Q4_K",
+            1024,
+            520,
+            vec![2, 20],
+            CoopFuse::NormGlu { geglu: false },
+            true,
+        ),
+        ("F16", 68, 130, vec![64], CoopFuse::Plain, false),
     ];
     for (i, (name, cols, rows, shape, fuse, big)) in cases.into_iter().enumerate() {
         let ty = GgmlType::from_name(name).expect("known type");
@@ -696,7 +709,7 @@ pub(super) async fn decode_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             Ok(vec![y.to_vec_f32(gpu).await?])
         })
         .await;
-        let rounds = decode_rounds_x(1, ty, rows, cols);
+        let rounds = decode_rounds_x(gpu, 1, ty, rows, cols);
         let x = match rounds {
             true => cpu::round_x8(&xv),
             false => xv.clone(),
@@ -783,10 +796,11 @@ const BATCH_CASES: [(&str, usize, usize, usize, BatchFuse); 8] = [
     ("Q6_K", 38, SPLITK_MIN_COLS, 7, BatchFuse::NormSwiglu),
 ];
 
-/// The batched decode kernel (`qmatvec_x8rows`, 2 .. 32 rows of x through W shaped for the
-/// decode kernel) against f64 sums over the CPU dequantizer, each row of x (times the norm
-/// weight) rounded to 8 bits as `decode_rounds_x` says it is, the norm's factor from the
-/// unrounded row; plain, with the residual, and with the norm and SwiGLU.
+/// Products of 2 .. 32 rows of x through W shaped for the decode kernel (batched decode
+/// steps: `qmatmul_coop_skinny` where the adapter has cooperative matrices, else
+/// `qmatvec_x8rows`) against f64 sums over the CPU dequantizer, each row of x (times the
+/// norm weight) rounded to 8 bits where `decode_rounds_x` says it is, the norm's factor
+/// from the unrounded row; plain, with the residual, and with the norm and SwiGLU.
 pub(super) async fn batch_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     for (i, &(name, rows, cols, m, fuse)) in BATCH_CASES.iter().enumerate() {
         let ty = GgmlType::from_name(name).expect("known type");
@@ -822,7 +836,7 @@ pub(super) async fn batch_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             Ok(vec![y.to_vec_f32(gpu).await?])
         })
         .await;
-        let rounds = decode_rounds_x(m, ty, rows, cols);
+        let rounds = decode_rounds_x(gpu, m, ty, rows, cols);
         let (mut want, mut mag) = (vec![0.0f64; m * outs], vec![0.0f64; m * outs]);
         for a in 0..m {
             let xr = &xv[a * cols..(a + 1) * cols];
@@ -871,7 +885,7 @@ pub(super) async fn batch_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 &got[0],
                 &want,
                 Some(&mag),
-                Tolerance::dot(cols),
+                product_tol(gpu, m, rows, cols),
             )
             .map_err(s)
         });
@@ -880,9 +894,10 @@ pub(super) async fn batch_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             BatchFuse::Residual => ", + residual",
             BatchFuse::NormSwiglu => ", norm + SwiGLU",
         };
-        let kernel = match rounds {
-            true => ", x rounded to 8 bits",
-            false => "",
+        let kernel = match (rounds, uses_coop(gpu, m, rows, cols)) {
+            (true, _) => ", x rounded to 8 bits",
+            (false, true) => ", cooperative (f16)",
+            (false, false) => "",
         };
         push(
             out,
