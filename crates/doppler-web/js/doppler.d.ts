@@ -8,6 +8,7 @@ export interface AdapterReport {
   matmul: 'f32' | 'f16x3' | 'f16';
   paths: {
     matmul: string; attention_d64: 'coop' | 'tiled' | 'rows';
+    quantized_prompts: string; prompt_attention_d128: 'coop' | 'rows';
     shader_f16: boolean; subgroups: boolean; timestamps: boolean; per_kernel_times: boolean;
   };
 }
