@@ -80,20 +80,6 @@ static QMATMUL_T: Kernel = Kernel::new(
 
 // The decode product on x rounded (XQ8) that can also round its output (X8_OUT): x's words
 // (3, 7), the next norm's weight (5), the residual (6), the rounded output (14).
-// Batched decode: up to 8 rows of x rounded (qmatvec1_x8's bindings but xq_out).
-static QMATVEC_X8ROWS: Kernel = Kernel::new(
-    &QUANT,
-    "qmatvec_x8rows",
-    &[
-        (1, Read),
-        (2, ReadWrite),
-        (3, Read),
-        (5, Read),
-        (6, Read),
-        (7, Read),
-        (13, Read),
-    ],
-);
 static QMATVEC1_X8: Kernel = Kernel::new(
     &QUANT,
     "qmatvec1_x8",
@@ -106,6 +92,20 @@ static QMATVEC1_X8: Kernel = Kernel::new(
         (7, Read),
         (13, Read),
         (14, ReadWrite),
+    ],
+);
+// Batched decode: up to 8 rows of x rounded (qmatvec1_x8's bindings but xq_out).
+static QMATVEC_X8ROWS: Kernel = Kernel::new(
+    &QUANT,
+    "qmatvec_x8rows",
+    &[
+        (1, Read),
+        (2, ReadWrite),
+        (3, Read),
+        (5, Read),
+        (6, Read),
+        (7, Read),
+        (13, Read),
     ],
 );
 
@@ -141,12 +141,6 @@ const COOP_FEATURES: wgpu::Features =
     wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX.union(wgpu::Features::SHADER_F16);
 // The product on cooperative matrices: W, y, xh, the rows' factors, the residual, W
 // again as 16-byte words.
-static QMATMUL_COOP_SKINNY: Kernel = Kernel {
-    shader: &QUANT_COOP,
-    entry: "qmatmul_coop_skinny",
-    storage: QMATMUL_COOP.storage,
-    features: COOP_FEATURES,
-};
 static QMATMUL_COOP: Kernel = Kernel {
     shader: &QUANT_COOP,
     entry: "qmatmul_coop",
@@ -158,6 +152,13 @@ static QMATMUL_COOP: Kernel = Kernel {
         (5, Read),
         (13, Read),
     ],
+    features: COOP_FEATURES,
+};
+// The same for few rows of x (tiles of 16 to 64 rows).
+static QMATMUL_COOP_SKINNY: Kernel = Kernel {
+    shader: &QUANT_COOP,
+    entry: "qmatmul_coop_skinny",
+    storage: QMATMUL_COOP.storage,
     features: COOP_FEATURES,
 };
 /// Output tile of `qmatmul_coop` (rows and columns).

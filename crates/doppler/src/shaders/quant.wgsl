@@ -22,6 +22,8 @@
 //                long rows); 32, 16 or 8 rows a workgroup
 //   qmatvec1_x8  qmatvec1 on x rounded to 8 bits (XQ8 below), optionally rounding its own
 //                outputs for the next product (X8_OUT)
+//   qmatvec_x8rows  qmatvec1_x8 for 2 .. 8 rows of x a workgroup (batched decode): W read
+//                once per MV1_X rows of x
 //   qmatvec_rope, qmatvec1_rope  qmatvec and qmatvec1 with q/k/v's bias, RoPE and KV-cache
 //                store as the epilogue (ROPE below)
 //   quantize_x8  rows of x (times a norm weight) rounded to 8 bits in groups of 16 (XQ8)

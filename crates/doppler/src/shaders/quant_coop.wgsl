@@ -9,6 +9,8 @@
 //            partial tiles at dst[z] (splits, m, n) for quant.wgsl's splitk_sum (no
 //            RESIDUAL). (SwiGLU / GeGLU: the product, then quant.wgsl's glu_rows.)
 //                                   grid (ceil(n / 128), ceil(m / 128), splits)
+//   qmatmul_coop_skinny  the same with tiles of 16, 32 or 64 rows (few rows of x: batched
+//            decode steps; at the end of the file)
 //
 // Tiling as matmul_coop.wgsl's (its TRANS_B case): a workgroup of 128 threads (4
 // subgroups of 32) computes a 128 x 128 tile, stepping through k 32 at a time; each step
