@@ -59,7 +59,8 @@ fn uniform_blocks_match_rust_params() {
 /// Override values besides the defaults that select code of their own in shaders lavapipe
 /// never builds (the cooperative product's starts from C and from the bias row, and its
 /// split operands, f16x3; the cooperative quantized product's fusions and block types,
-/// glu_rows' GeGLU, the skinny product's taller tiles).
+/// glu_rows' GeGLU, the skinny product's taller tiles, W by rows for dX, x_half scaling
+/// gradients up).
 const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
     ("matmul_coop", &[("INIT", 1.0)]),
     ("matmul_coop", &[("INIT", 2.0), ("TRANS_B", 1.0)]),
@@ -95,6 +96,14 @@ const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
         &[("SK_R", 4.0), ("SPLITK", 1.0), ("TYPE", 14.0)],
     ),
     ("quant_coop", &[("SK_R", 4.0), ("TYPE", 1.0)]),
+    // qmatmul_t on cooperative matrices: W staged by rows (runs decoded, and 4 values).
+    ("quant_coop", &[("TRANS_W", 1.0), ("TYPE", 12.0)]),
+    (
+        "quant_coop",
+        &[("TRANS_W", 1.0), ("SPLITK", 1.0), ("TYPE", 2.0)],
+    ),
+    ("quant_coop", &[("TRANS_W", 1.0), ("TYPE", 30.0)]),
+    ("quant", &[("SCALE_UP", 1.0)]),
 ];
 
 /// Every entry point goes through naga's SPIR-V writer (what wgpu runs on Vulkan) with its

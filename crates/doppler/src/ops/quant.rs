@@ -1079,6 +1079,18 @@ pub fn x_half(
     k: usize,
     norm: Option<(&Tensor, f32)>,
 ) -> Result<(Tensor, Tensor)> {
+    x_half_scaled(rec, x, k, norm, false)
+}
+
+/// [`x_half`], with `scale_up` rows whose values are small scaled up too (by a power of two,
+/// the largest |value| to [2^14, 2^15)): gradients, which may sit in f16's subnormals.
+pub fn x_half_scaled(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    k: usize,
+    norm: Option<(&Tensor, f32)>,
+    scale_up: bool,
+) -> Result<(Tensor, Tensor)> {
     let m = x.numel() / k;
     let gpu = rec.gpu();
     let xh = Tensor::empty(gpu, &[m, k / 2], DType::U32, "x_half.xh")?;
@@ -1090,7 +1102,10 @@ pub fn x_half(
         ..Default::default()
     };
     let nw = norm.map_or(x, |n| n.0);
-    let c = [("NORM", norm.is_some() as u32 as f64)];
+    let c = [
+        ("NORM", norm.is_some() as u32 as f64),
+        ("SCALE_UP", scale_up as u32 as f64),
+    ];
     let bind = [&rowf, x, nw, &xh];
     rec.dispatch(
         &X_HALF,
@@ -1220,6 +1235,10 @@ fn qmatmul_t_part(
     let mut out = sh.to_vec();
     *out.last_mut().expect("non-empty") = w.cols;
     let y = Tensor::empty(rec.gpu(), &out, DType::F32, "qmatmul_t.y")?;
+    if c0 == 0 && width == w.rows && acc.is_none() && uses_coop_t(rec.gpu(), m, w.rows, w.cols) {
+        qmatmul_t_coop(rec, dy, w, &y)?;
+        return Ok(y);
+    }
     let mut p = w.params(m);
     p.d = width as u32;
     p.pos = c0 as u32;
@@ -1237,6 +1256,57 @@ fn qmatmul_t_part(
         grid,
     )?;
     Ok(y)
+}
+
+/// Whether dY (m, rows) @ W ([`qmatmul_t`]) runs on cooperative matrices here
+/// (`quant_coop.wgsl` with TRANS_W: dY's rows scaled by powers of two into f16 and W's
+/// values rounded to f16, f32 sums): where the forward's products of m rows take 128-row
+/// tiles ([`uses_coop`], m past [`SKINNY_MAX_ROWS`]), rows of dY and of W a multiple of
+/// 4 long.
+pub fn uses_coop_t(gpu: &Gpu, m: usize, rows: usize, cols: usize) -> bool {
+    m > SKINNY_MAX_ROWS && rows % 4 == 0 && cols % 4 == 0 && uses_coop(gpu, m, cols, rows)
+}
+
+/// [`qmatmul_t`] on cooperative matrices (see [`uses_coop_t`]): y (m, cols).
+fn qmatmul_t_coop(rec: &mut Recorder<'_>, dy: &Tensor, w: &QMatrix, y: &Tensor) -> Result<()> {
+    let gpu = rec.gpu();
+    let m = dy.numel() / w.rows;
+    let mut p = CoopParams {
+        n: w.cols as u32,
+        m: m as u32,
+        k: w.rows as u32,
+        ..Default::default()
+    };
+    let (xh, rowf) = x_half_scaled(rec, dy, w.rows, None, true)?;
+    let (gn, gm) = (w.cols.div_ceil(COOP_TILE), m.div_ceil(COOP_TILE));
+    let ty = ("TYPE", w.ty.0 as f64);
+    let splits = split_k_to(COOP_SPLITK_TARGET, gn * gm, w.rows);
+    if splits == 1 {
+        let grid = Grid::Xyz([gn as u32, gm as u32, 1]);
+        let bind = [&w.raw, y, &xh, &rowf, dy, &w.raw];
+        let c = [ty, ("TRANS_W", 1.0)];
+        return rec.dispatch(&QMATMUL_COOP, &c, bytemuck::bytes_of(&p), &bind, grid);
+    }
+    let part = Tensor::empty(gpu, &[splits, m, w.cols], DType::F32, "qmatmul_t.part")?;
+    p.splits = splits as u32;
+    let c = [ty, ("SPLITK", 1.0), ("TRANS_W", 1.0)];
+    let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
+    let bind = [&w.raw, &part, &xh, &rowf, dy, &w.raw];
+    rec.dispatch(&QMATMUL_COOP, &c, bytemuck::bytes_of(&p), &bind, grid)?;
+    let ps = Params {
+        n: w.cols as u32,
+        m: m as u32,
+        splits: splits as u32,
+        ..Default::default()
+    };
+    let grid = Grid::cover((m * w.cols) as u64, 256);
+    rec.dispatch(
+        &SPLITK_SUM,
+        &[("RESIDUAL", 0.0)],
+        bytemuck::bytes_of(&ps),
+        &[y, &part, dy],
+        grid,
+    )
 }
 
 /// Types whose decode products ([`Path::Decode`]) round x to 8 bits (`quant.wgsl`'s XQ8:

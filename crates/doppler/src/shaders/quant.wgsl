@@ -1306,7 +1306,10 @@ fn qmatvec1_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
 // (NORM: times rsqrt(mean(x^2) + eps) and the norm weight), scaled by 2^-s, s >= 0 the
 // least that brings the row's largest |y| under 2^15 (0 for any row f16 holds: y only
 // rounded), xh = f16(y 2^-s) (xq_out: two halves a word, the lower first), dst[r] = 2^s
-// (an inf or NaN row stays so). k a multiple of 4. Grid: m workgroups (2-D past 65535).
+// (an inf or NaN row stays so). SCALE_UP (gradients, whose rows may be small enough for
+// f16's subnormals): s may be negative too, down to -100, the row's largest |y| in
+// [2^14, 2^15). k a multiple of 4. Grid: m workgroups (2-D past 65535).
+override SCALE_UP: bool = false;
 var<workgroup> xh_part: array<f32, 256>;
 
 // Row r's values y, 4 at column c (NORM: times the factor f and the weight).
@@ -1358,7 +1361,7 @@ fn x_half(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let top = x_half_reduce(lid, big, true);
     // |y| < 2^(e + 1), e the exponent of the largest: s = e + 1 - 15 where positive.
     let e = i32((bitcast<u32>(top) >> 23u) & 0xffu) - 127;
-    let s = clamp(e - 14, 0, 125);
+    let s = clamp(e - 14, select(0, -100, SCALE_UP), 125);
     let down = exp2(f32(-s));
     for (var c = lid * 4u; c < p.k; c += 1024u) {
         let v = x_half_y(r, c, f) * down;

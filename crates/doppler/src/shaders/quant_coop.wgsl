@@ -9,6 +9,8 @@
 //            partial tiles at dst[z] (splits, m, n) for quant.wgsl's splitk_sum (no
 //            RESIDUAL). (SwiGLU / GeGLU: the product, then quant.wgsl's glu_rows.)
 //                                   grid (ceil(n / 128), ceil(m / 128), splits)
+//            TRANS_W: dst (m, n) = rowf * (xh @ W) + res, W (k, n) as stored (qmatmul_t's
+//            dX = dY W, n W's columns): W staged by rows ([k][n]), see fetch_wt.
 //   qmatmul_coop_skinny  the same with tiles of 16, 32 or 64 rows (few rows of x: batched
 //            decode steps; at the end of the file)
 //
@@ -38,6 +40,7 @@ struct Params {
 
 override RESIDUAL: bool = false;
 override SPLITK: bool = false;
+override TRANS_W: bool = false;
 
 @group(0) @binding(0) var<uniform> p: Params;
 // W's blocks (1 and 13, quant_blocks.wgsl), the output, xh, rowf, the residual.
@@ -87,6 +90,40 @@ fn fetch_w_raw(n: u32, k0: u32, kz: u32) -> array<vec4<u32>, RAW_V4> {
         return array<vec4<u32>, RAW_V4>();   // zeros decode to zeros
     }
     return fetch_raw(n * p.k + k0);
+}
+
+// TRANS_W (qmatmul_t's dX = dY W with W as stored: outputs are W's columns, k runs over
+// its rows): thread t stages W's row k0 + t / 4, columns n0 + 32 (t % 4) .. + 32 (one run
+// of 32, whole in a block) into row t / 4 of sb as [k][n], rows of SN vec4s; the products
+// load W's fragments row-major from there.
+const SN: u32 = 34u;   // stride of a TRANS_W staged row (128 + 8 halves, in vec4s)
+
+fn fetch_wt_raw(tid: u32, n0: u32, k0: u32, kz: u32) -> array<vec4<u32>, RAW_V4> {
+    let j = k0 + tid / 4u;
+    let c = n0 + 32u * (tid % 4u);
+    if (j >= kz || c >= p.n) {
+        return array<vec4<u32>, RAW_V4>();
+    }
+    return fetch_raw(j * p.n + c);
+}
+
+fn fetch_wt(tid: u32, i: u32, n0: u32, k0: u32, kz: u32) -> vec4<f16> {
+    let j = k0 + tid / 4u;
+    let c = n0 + 32u * (tid % 4u) + 4u * i;
+    if (j < kz && c < p.n) {
+        return vec4<f16>(value4(j * p.n + c));
+    }
+    return vec4<f16>(0.0);
+}
+
+// The run thread t stages at k0: its place in a K-quant block.
+fn wt_run(tid: u32, n0: u32, k0: u32) -> u32 {
+    return (((k0 + tid / 4u) * p.n + n0 + 32u * (tid % 4u)) % 256u) / 32u;
+}
+
+// Where thread t's 4 values i of its run go in sb.
+fn wt_stash(tid: u32, i: u32) -> u32 {
+    return (tid / 4u) * SN + (tid % 4u) * 8u + i;
 }
 
 // Accumulator (rows r0.., columns c0.. of the output) through the subgroup's
@@ -172,19 +209,36 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     for (var i = 0u; i < 8u; i++) {
         pa[i] = fetch_a(tid + 128u * i, m0, kb0, kz);
         if (!RAW) {
-            pb[i] = fetch_b(tid + 128u * i, n0, kb0, kz);
+            if (TRANS_W) {
+                pb[i] = fetch_wt(tid, i, n0, kb0, kz);
+            } else {
+                pb[i] = fetch_b(tid + 128u * i, n0, kb0, kz);
+            }
         }
     }
     if (RAW) {
-        raw = fetch_w_raw(n0 + tid, kb0, kz);
+        if (TRANS_W) {
+            raw = fetch_wt_raw(tid, n0, kb0, kz);
+        } else {
+            raw = fetch_w_raw(n0 + tid, kb0, kz);
+        }
     }
     for (var k0 = kb0; k0 < kz; k0 += BK) {
         for (var i = 0u; i < 8u; i++) {
             sa[stash(tid + 128u * i)] = pa[i];
         }
-        if (RAW) {
+        if (RAW && TRANS_W) {
+            let run = wt_run(tid, n0, k0);
+            for (var e = 0u; e < 8u; e++) {
+                sb[wt_stash(tid, e)] = vec4<f16>(raw_value4(raw, e, run));
+            }
+        } else if (RAW) {
             for (var e = 0u; e < 8u; e++) {
                 sb[tid * SK + e] = vec4<f16>(raw_value4(raw, e, (k0 % 256u) / 32u));
+            }
+        } else if (TRANS_W) {
+            for (var i = 0u; i < 8u; i++) {
+                sb[wt_stash(tid, i)] = pb[i];
             }
         } else {
             for (var i = 0u; i < 8u; i++) {
@@ -197,11 +251,19 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
             for (var i = 0u; i < 8u; i++) {
                 pa[i] = fetch_a(tid + 128u * i, m0, k1, kz);
                 if (!RAW) {
-                    pb[i] = fetch_b(tid + 128u * i, n0, k1, kz);
+                    if (TRANS_W) {
+                pb[i] = fetch_wt(tid, i, n0, k1, kz);
+            } else {
+                pb[i] = fetch_b(tid + 128u * i, n0, k1, kz);
+            }
                 }
             }
             if (RAW) {
-                raw = fetch_w_raw(n0 + tid, k1, kz);
+                if (TRANS_W) {
+                    raw = fetch_wt_raw(tid, n0, k1, kz);
+                } else {
+                    raw = fetch_w_raw(n0 + tid, k1, kz);
+                }
             }
         }
         for (var kb = 0u; kb < BK / 4u; kb += 4u) {   // 16 k a pass, in vec4s
@@ -217,10 +279,19 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
             a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 16u) * SK + kb], SK);
             a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 32u) * SK + kb], SK);
             a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 48u) * SK + kb], SK);
-            b0 = coopLoad<coop_mat16x16<f16, B>>(&sb[wc * SK + kb], SK);
-            b1 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 16u) * SK + kb], SK);
-            b2 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 32u) * SK + kb], SK);
-            b3 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 48u) * SK + kb], SK);
+            if (TRANS_W) {
+                // W's rows k0 + 4 kb .. + 16 (rows of sb), columns wc + 16 c .. + 16.
+                let bt = 4u * kb * SN + wc / 4u;
+                b0 = coopLoadT<coop_mat16x16<f16, B>>(&sb[bt], SN);
+                b1 = coopLoadT<coop_mat16x16<f16, B>>(&sb[bt + 4u], SN);
+                b2 = coopLoadT<coop_mat16x16<f16, B>>(&sb[bt + 8u], SN);
+                b3 = coopLoadT<coop_mat16x16<f16, B>>(&sb[bt + 12u], SN);
+            } else {
+                b0 = coopLoad<coop_mat16x16<f16, B>>(&sb[wc * SK + kb], SK);
+                b1 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 16u) * SK + kb], SK);
+                b2 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 32u) * SK + kb], SK);
+                b3 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 48u) * SK + kb], SK);
+            }
             c00 = coopMultiplyAdd(a0, b0, c00);
             c01 = coopMultiplyAdd(a0, b1, c01);
             c02 = coopMultiplyAdd(a0, b2, c02);

@@ -116,7 +116,10 @@ const FAMILIES: &[Family] = &[
     (&["dequantize"], family!(quant::checks)),
     (&["get_rows", "qmatmul"], family!(quant::product_checks)),
     (&["qmatmul fused"], family!(quant::fused_checks)),
-    (&["qmatmul coop"], family!(quant::coop_checks)),
+    (
+        &["qmatmul coop", "qmatmul_t coop"],
+        family!(quant::coop_checks),
+    ),
     (&["x_half"], family!(quant::half_checks)),
     (&["qmatmul decode"], family!(quant::decode_checks)),
     (&["qmatmul batch"], family!(quant::batch_checks)),

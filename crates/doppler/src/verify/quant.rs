@@ -680,6 +680,84 @@ pub(super) async fn coop_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             res,
         );
     }
+    coop_t_checks(gpu, out).await;
+}
+
+/// dX = dY W (`qmatmul_t`) on cooperative matrices (`quant_coop.wgsl` with TRANS_W, more
+/// than 64 rows of dY) against f64 sums over the CPU dequantizer: every block family (K-quants,
+/// 32-element blocks decoded by runs and by 4 values, 16-bit floats and f32), W's rows (the
+/// sum) not a multiple of a step, W's columns not a multiple of a run or of a tile, several
+/// row tiles, split k (a long sum over few output tiles); in every case a row of dY scaled
+/// by 1e-7 (f16 would hold it only as subnormals: x_half scales it up) and one by 1e5.
+async fn coop_t_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    use crate::ops::quant::uses_coop_t;
+    // (type, rows of W (the sum), columns of W (the outputs), rows of dY).
+    let cases = [
+        ("Q4_K", 132usize, 512usize, 150usize),
+        ("Q6_K", 68, 768, 200),
+        ("Q5_K", 36, 256, 130),
+        ("Q4_1", 100, 96, 129),
+        ("Q5_1", 64, 160, 70),
+        ("Q8_0", 64, 96, 300),
+        ("Q4_0", 4096, 256, 100),
+        ("F16", 40, 68, 257),
+        ("BF16", 44, 132, 80),
+        ("F32", 16, 64, 65),
+    ];
+    for (i, (name, rows, cols, m)) in cases.into_iter().enumerate() {
+        let ty = GgmlType::from_name(name).expect("known type");
+        let mut rng = Rng::new(5300 + i as u64);
+        let raw = random_blocks(name, rows * cols, &mut rng);
+        let w = cpu::dequantize(ty, &raw, rows * cols).expect("dequantizes");
+        let mut dy = rng.vec(m * rows);
+        dy[5 * rows..6 * rows].iter_mut().for_each(|v| *v *= 1e-7);
+        dy[9 * rows..10 * rows].iter_mut().for_each(|v| *v *= 1e5);
+        let r = twice("qmatmul_t coop", async || {
+            let q = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
+            let dt = Tensor::from_f32(gpu, &[m, rows], &dy, "dy")?;
+            let y = gpu.run_async(|rec| qmatmul_t(rec, &dt, &q)).await?;
+            Ok(vec![y.to_vec_f32(gpu).await?])
+        })
+        .await;
+        let (mut want, mut mag) = (vec![0.0f64; m * cols], vec![0.0f64; m * cols]);
+        for a in 0..m {
+            for j in 0..rows {
+                let d = dy[a * rows + j] as f64;
+                for c in 0..cols {
+                    let t = d * w[j * cols + c] as f64;
+                    want[a * cols + c] += t;
+                    mag[a * cols + c] += t.abs();
+                }
+            }
+        }
+        let coop = uses_coop_t(gpu, m, rows, cols);
+        let tol = match coop {
+            true => Tolerance {
+                abs: 1e-30,
+                rel: 1.5e-3,
+            },
+            false => Tolerance::dot(rows),
+        };
+        let res = r.and_then(|got| {
+            compare(
+                &format!("qmatmul_t coop {name}"),
+                &got[0],
+                &want,
+                Some(&mag),
+                tol,
+            )
+            .map_err(s)
+        });
+        push(
+            out,
+            &format!("qmatmul_t coop {name}"),
+            format!(
+                "dy [{m}, {rows}] @ ({rows}, {cols}), rows x 1e-7 and x 1e5{}",
+                if coop { "" } else { " (not cooperative here)" }
+            ),
+            res,
+        );
+    }
 }
 
 /// The one-row decode kernel (`qmatvec1`, W tall enough, rows long enough to round x) for
