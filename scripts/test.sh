@@ -19,9 +19,16 @@ export DOPPLER_GEMMA3="$(bash scripts/fetch_gemma3.sh)"
 echo "== cargo test (naga validation, CPU reference, GPU kernels, CLI, SmolLM2 and Gemma 3 against transformers)"
 cargo test --workspace
 
+echo "== serve: doppler serve against the official openai Python client (tests/serve)"
+cargo build --quiet -p doppler-cli
+# openai and pytest into a folder of their own (no system packages touched).
+pydeps="${DOPPLER_CACHE:-$HOME/.cache/doppler}/pydeps"
+pip_args=(--quiet --disable-pip-version-check --target "$pydeps" --upgrade 'openai==3.51.0' 'pytest==9.2.0')
+python3 -m pip install "${pip_args[@]}" || python3 -m pip install --break-system-packages "${pip_args[@]}"
+PYTHONPATH="$pydeps" DOPPLER_BIN="$PWD/target/debug/doppler" python3 -m pytest -q -p no:cacheprovider tests/serve
+
 echo "== browser: the wasm package and the demo page in headless Chromium (tests/browser)"
 # The native numbers the browser must match come from the CLI that `cargo test` built.
-cargo build --quiet -p doppler-cli
 if ! command -v node >/dev/null; then
     echo "test: node not found: install Node.js 20 or newer for the browser tests" >&2
     exit 1

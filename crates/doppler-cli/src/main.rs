@@ -8,6 +8,7 @@ mod export;
 mod finetune;
 mod generate;
 mod inspect;
+mod serve;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -72,6 +73,9 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Chat with a model interactively (keeps the conversation in the KV cache).
     Chat(generate::ChatArgs),
+    /// Serve a model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions,
+    /// /v1/models, /health, /metrics).
+    Serve(serve::ServeArgs),
     /// Print a GGUF model's metadata and tensor table (needs no GPU).
     Inspect(inspect::InspectArgs),
     /// Sentence vectors from a BERT-family encoder (sentence-transformers directories).
@@ -140,6 +144,7 @@ fn run(cli: Cli) -> doppler::Result<ExitCode> {
         Command::Export(args) => export::export_cmd(&gpu()?, &args),
         Command::Generate(args) => generate::generate_cmd(&gpu()?, &args),
         Command::Chat(args) => generate::chat_cmd(&gpu()?, &args),
+        Command::Serve(args) => serve::serve_cmd(&gpu()?, &args),
         Command::Embed(args) => embed::embed(&gpu()?, &args),
     }
 }

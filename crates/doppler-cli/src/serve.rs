@@ -1,0 +1,1063 @@
+//! `doppler serve`: an OpenAI-compatible HTTP server over `infer` (tokio + axum).
+//!
+//! The HTTP side (a tokio runtime on its own thread) parses and checks requests and
+//! answers in OpenAI's wire format: JSON bodies, SSE chunks ending `data: [DONE]`, error
+//! objects. The model, its GPU and one KV cache stay on the calling thread, the worker,
+//! which runs one request at a time in arrival order (a bounded queue in front: 429 past
+//! it) and streams each piece of text back as it is certain. A client that goes away
+//! ends its generation at the next token. Each request starts from an empty cache, so its
+//! tokens do not depend on what ran before or beside it.
+//!
+//! Not yet (issue 26): continuous batching of several sequences in one decode step, a
+//! paged KV pool, logprobs, `response_format` grammars, presence and frequency penalties.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use clap::Args;
+use doppler::gpu::Gpu;
+use doppler::infer::chat::Message;
+use doppler::infer::sample::{Sampler, SamplerConfig};
+use doppler::infer::{GenOptions, Model, Session, StopReason};
+use doppler::Error;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc as tmpsc;
+
+use crate::generate::CacheType;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Model: a .gguf file, or a directory with config.json, *.safetensors and tokenizer.json.
+    #[arg(short, long)]
+    model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port, printed when listening).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Context (KV cache) size in tokens: a request's prompt and its answer together.
+    #[arg(short = 'c', long, default_value_t = 4096)]
+    ctx_size: usize,
+    /// KV cache storage: auto (f16 where the adapter has shader-f16, else f32), f32, f16,
+    /// q8_0.
+    #[arg(long, value_enum, default_value = "auto")]
+    cache_type: CacheType,
+    /// Requests waiting beside the one running; more are answered 429.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// Require `Authorization: Bearer KEY` on every /v1 request.
+    #[arg(long, env = "DOPPLER_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// The model's id in /v1/models and in requests (default: the file or directory name).
+    #[arg(long)]
+    alias: Option<String>,
+}
+
+/// Largest request body (bytes); larger ones are answered 413.
+const BODY_LIMIT: usize = 8 << 20;
+
+/// What the worker sends back for a request.
+enum Event {
+    /// The prompt was accepted: its tokens.
+    Started {
+        prompt_tokens: usize,
+    },
+    Text(String),
+    Done {
+        finish: &'static str,
+        completion_tokens: usize,
+    },
+    Failed(ApiError),
+}
+
+/// A request for the worker: the rendered prompt (or the messages to render) and its
+/// options.
+struct Job {
+    prompt: Prompt,
+    max_tokens: Option<usize>,
+    sampler: SamplerConfig,
+    stop: Vec<String>,
+    events: tmpsc::UnboundedSender<Event>,
+}
+
+enum Prompt {
+    Chat(Vec<Message>),
+    Text(String),
+}
+
+/// Counters for /metrics.
+#[derive(Default)]
+struct Stats {
+    /// Requests taken and not finished: the one running and those waiting.
+    inflight: AtomicUsize,
+    active: AtomicUsize,
+    requests: AtomicU64,
+    prompt_tokens: AtomicU64,
+    completion_tokens: AtomicU64,
+    /// The last request's decode rate (tokens/s, f64 bits).
+    decode_tok_s: AtomicU64,
+    /// Tokens in the KV cache now.
+    kv_tokens: AtomicUsize,
+}
+
+struct App {
+    model_id: String,
+    api_key: Option<String>,
+    queue: usize,
+    jobs: Mutex<mpsc::Sender<Job>>,
+    stats: Arc<Stats>,
+    ids: AtomicU64,
+    ctx: usize,
+    has_template: bool,
+}
+
+/// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    param: Option<String>,
+    code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn bad(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param.into()),
+            code: None,
+        }
+    }
+
+    /// A 500 or 503: the server's fault, not the request's.
+    fn server(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    fn body(&self) -> Value {
+        json!({ "error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+/// A JSON body's rejection (not JSON, wrong types, too large) as OpenAI's error object.
+fn rejection(r: JsonRejection) -> ApiError {
+    let too_large = r.status() == StatusCode::PAYLOAD_TOO_LARGE;
+    ApiError {
+        // OpenAI answers 400 where axum says 415 or 422.
+        status: match too_large {
+            true => StatusCode::PAYLOAD_TOO_LARGE,
+            false => StatusCode::BAD_REQUEST,
+        },
+        message: match too_large {
+            true => format!("request body larger than {BODY_LIMIT} bytes"),
+            false => format!("invalid JSON body: {}", r.body_text()),
+        },
+        kind: "invalid_request_error",
+        param: None,
+        code: too_large.then_some("request_too_large"),
+    }
+}
+
+/// `doppler serve`: loads the model, listens, and runs requests until killed.
+pub fn serve_cmd(gpu: &Gpu, args: &ServeArgs) -> doppler::Result<ExitCode> {
+    let model = Model::open(gpu, &args.model, args.ctx_size)?;
+    let mut session =
+        Session::with_cache_type(gpu, &model, args.ctx_size, args.cache_type.kv_type(gpu))?;
+    tracing::info!("{}", crate::generate::cache_line(&session.cache));
+    let model_id = match &args.alias {
+        Some(a) => a.clone(),
+        None => args
+            .model
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into()),
+    };
+    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .map_err(|e| Error::Invalid {
+            op: "serve",
+            detail: format!("--host {} --port {}: {e}", args.host, args.port),
+        })?;
+    let (tx, rx) = mpsc::channel::<Job>();
+    let stats = Arc::new(Stats::default());
+    let app = Arc::new(App {
+        model_id,
+        api_key: args.api_key.clone(),
+        queue: args.queue,
+        jobs: Mutex::new(tx),
+        stats: stats.clone(),
+        ids: AtomicU64::new(0),
+        ctx: session.capacity(),
+        has_template: model.template.is_some(),
+    });
+    // The HTTP side on its own thread; the worker (this thread) keeps the GPU.
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<SocketAddr, String>>();
+    std::thread::Builder::new()
+        .name("doppler-http".into())
+        .spawn(move || http_main(app, addr, ready_tx))
+        .map_err(|e| Error::Invalid {
+            op: "serve",
+            detail: format!("starting the HTTP thread: {e}"),
+        })?;
+    match ready_rx.recv() {
+        Ok(Ok(bound)) => {
+            // The one line a script waits for (stdout), then the logs (stderr).
+            println!("doppler serve: listening on http://{bound}");
+            use std::io::Write;
+            let _ = std::io::stdout().flush();
+        }
+        Ok(Err(e)) => {
+            return Err(Error::Invalid {
+                op: "serve",
+                detail: e,
+            })
+        }
+        Err(_) => {
+            return Err(Error::Invalid {
+                op: "serve",
+                detail: "the HTTP thread ended before listening".into(),
+            })
+        }
+    }
+    for job in rx {
+        stats.active.store(1, Ordering::SeqCst);
+        run_job(gpu, &model, &mut session, job, &stats);
+        stats.active.store(0, Ordering::SeqCst);
+        stats.kv_tokens.store(0, Ordering::SeqCst);
+        stats.inflight.fetch_sub(1, Ordering::SeqCst);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn http_main(app: Arc<App>, addr: SocketAddr, ready: mpsc::Sender<Result<SocketAddr, String>>) {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            let _ = ready.send(Err(format!("tokio runtime: {e}")));
+            return;
+        }
+    };
+    rt.block_on(async move {
+        let listener = match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = ready.send(Err(format!("cannot listen on {addr}: {e}")));
+                return;
+            }
+        };
+        let bound = listener.local_addr().unwrap_or(addr);
+        let router = Router::new()
+            .route("/v1/chat/completions", post(chat_completions))
+            .route("/v1/completions", post(completions))
+            .route("/v1/models", get(models))
+            .route("/health", get(|| async { Json(json!({ "status": "ok" })) }))
+            .route("/metrics", get(metrics))
+            .fallback(|| async {
+                ApiError {
+                    status: StatusCode::NOT_FOUND,
+                    message: "no such route".into(),
+                    kind: "invalid_request_error",
+                    param: None,
+                    code: Some("not_found"),
+                }
+            })
+            .layer(DefaultBodyLimit::max(BODY_LIMIT))
+            .with_state(app);
+        let _ = ready.send(Ok(bound));
+        if let Err(e) = axum::serve(listener, router).await {
+            tracing::error!("HTTP server stopped: {e}");
+        }
+    });
+}
+
+/// The key check: `Authorization: Bearer KEY` where the server has one.
+fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &app.api_key else {
+        return Ok(());
+    };
+    let given = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given == Some(key.as_str()) {
+        return Ok(());
+    }
+    Err(ApiError {
+        status: StatusCode::UNAUTHORIZED,
+        message: "missing or incorrect API key (Authorization: Bearer KEY)".into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("invalid_api_key"),
+    })
+}
+
+async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
+    Json(json!({ "object": "list", "data": [{
+        "id": app.model_id, "object": "model", "created": 0, "owned_by": "doppler",
+    }]}))
+    .into_response()
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> String {
+    let s = &app.stats;
+    let rate = f64::from_bits(s.decode_tok_s.load(Ordering::SeqCst));
+    let active = s.active.load(Ordering::SeqCst);
+    let waiting = s.inflight.load(Ordering::SeqCst).saturating_sub(active);
+    format!(
+        "# HELP doppler_queue_depth Requests waiting for the model.\n# TYPE doppler_queue_depth gauge\ndoppler_queue_depth {}\n\
+         # HELP doppler_active_sequences Sequences being generated.\n# TYPE doppler_active_sequences gauge\ndoppler_active_sequences {}\n\
+         # HELP doppler_requests_total Requests answered by the model.\n# TYPE doppler_requests_total counter\ndoppler_requests_total {}\n\
+         # HELP doppler_prompt_tokens_total Prompt tokens processed.\n# TYPE doppler_prompt_tokens_total counter\ndoppler_prompt_tokens_total {}\n\
+         # HELP doppler_completion_tokens_total Tokens generated.\n# TYPE doppler_completion_tokens_total counter\ndoppler_completion_tokens_total {}\n\
+         # HELP doppler_decode_tokens_per_second The last request's decode rate.\n# TYPE doppler_decode_tokens_per_second gauge\ndoppler_decode_tokens_per_second {rate}\n\
+         # HELP doppler_kv_tokens_in_use Tokens held in the KV cache.\n# TYPE doppler_kv_tokens_in_use gauge\ndoppler_kv_tokens_in_use {}\n\
+         # HELP doppler_kv_tokens_capacity Tokens the KV cache holds.\n# TYPE doppler_kv_tokens_capacity gauge\ndoppler_kv_tokens_capacity {}\n",
+        waiting,
+        active,
+        s.requests.load(Ordering::SeqCst),
+        s.prompt_tokens.load(Ordering::SeqCst),
+        s.completion_tokens.load(Ordering::SeqCst),
+        s.kv_tokens.load(Ordering::SeqCst),
+        app.ctx,
+    )
+}
+
+/// A message's content: a string, or a list of text parts.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Deserialize)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct InMessage {
+    role: String,
+    content: Option<Content>,
+    #[allow(dead_code)]
+    name: Option<String>,
+}
+
+/// A string or a list of strings (`stop`, `prompt`).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// The parameters both endpoints share (OpenAI's names). Unknown fields are refused, as
+/// OpenAI refuses them; fields accepted but without effect here are listed as such.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Request {
+    model: Option<String>,
+    messages: Option<Vec<InMessage>>,
+    prompt: Option<OneOrMany>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    max_tokens: Option<i64>,
+    max_completion_tokens: Option<i64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    min_p: Option<f64>,
+    seed: Option<i64>,
+    stop: Option<OneOrMany>,
+    n: Option<i64>,
+    presence_penalty: Option<f64>,
+    frequency_penalty: Option<f64>,
+    logprobs: Option<Value>,
+    top_logprobs: Option<i64>,
+    response_format: Option<Value>,
+    logit_bias: Option<Value>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    echo: Option<bool>,
+    suffix: Option<String>,
+    best_of: Option<i64>,
+    // Accepted, no effect here.
+    #[allow(dead_code)]
+    user: Option<Value>,
+    #[allow(dead_code)]
+    store: Option<Value>,
+    #[allow(dead_code)]
+    metadata: Option<Value>,
+    #[allow(dead_code)]
+    service_tier: Option<Value>,
+    #[allow(dead_code)]
+    parallel_tool_calls: Option<Value>,
+}
+
+/// What a request asks of the worker, after its parameters are checked.
+struct Checked {
+    prompt: Prompt,
+    max_tokens: Option<usize>,
+    sampler: SamplerConfig,
+    stop: Vec<String>,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn check(app: &App, r: Request, chat: bool) -> Result<Checked, ApiError> {
+    if let Some(m) = &r.model {
+        if m != &app.model_id {
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!(
+                    "the model `{m}` does not exist: this server has `{}`",
+                    app.model_id
+                ),
+                kind: "invalid_request_error",
+                param: Some("model".into()),
+                code: Some("model_not_found"),
+            });
+        }
+    }
+    let unsupported = |param: &str, what: &str| {
+        Err(ApiError::bad(
+            param,
+            format!("{param}: {what} is not supported by this server yet"),
+        ))
+    };
+    if r.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad(
+            "n",
+            "n: only 1 choice a request is supported",
+        ));
+    }
+    if r.best_of.is_some_and(|n| n != 1) {
+        return unsupported("best_of", "more than one candidate");
+    }
+    if r.presence_penalty.is_some_and(|p| p != 0.0) {
+        return unsupported("presence_penalty", "a presence penalty");
+    }
+    if r.frequency_penalty.is_some_and(|p| p != 0.0) {
+        return unsupported("frequency_penalty", "a frequency penalty");
+    }
+    let logprobs = match &r.logprobs {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(_) => true,
+    };
+    if logprobs || r.top_logprobs.is_some_and(|n| n > 0) {
+        return unsupported("logprobs", "returning log-probabilities");
+    }
+    if let Some(f) = &r.response_format {
+        if f.get("type").and_then(Value::as_str) != Some("text") {
+            return unsupported("response_format", "a response format other than text");
+        }
+    }
+    if r.logit_bias
+        .as_ref()
+        .is_some_and(|b| !b.is_null() && b.as_object().is_none_or(|o| !o.is_empty()))
+    {
+        return unsupported("logit_bias", "a logit bias");
+    }
+    if r.tools.as_ref().is_some_and(|t| !t.is_null()) || r.tool_choice.is_some() {
+        return unsupported("tools", "tool calling");
+    }
+    if r.echo == Some(true) {
+        return unsupported("echo", "echoing the prompt");
+    }
+    if r.suffix.is_some() {
+        return unsupported("suffix", "a suffix");
+    }
+    let prompt = if chat {
+        if r.prompt.is_some() {
+            return Err(ApiError::bad(
+                "prompt",
+                "prompt: use messages in chat completions",
+            ));
+        }
+        if !app.has_template {
+            return Err(ApiError::bad(
+                "messages",
+                "this model has no chat template this build recognises: use /v1/completions",
+            ));
+        }
+        let Some(msgs) = r.messages else {
+            return Err(ApiError::bad("messages", "messages: required"));
+        };
+        if msgs.is_empty() {
+            return Err(ApiError::bad("messages", "messages: must not be empty"));
+        }
+        let mut out = Vec::with_capacity(msgs.len());
+        for (i, m) in msgs.into_iter().enumerate() {
+            let role = match m.role.as_str() {
+                "system" | "developer" => "system",
+                "user" => "user",
+                "assistant" => "assistant",
+                other => {
+                    return Err(ApiError::bad(
+                        &format!("messages[{i}].role"),
+                        format!("messages[{i}].role: `{other}` is not supported (system, developer, user, assistant)"),
+                    ))
+                }
+            };
+            let text = match m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t,
+                Some(Content::Parts(parts)) => {
+                    let mut t = String::new();
+                    for (j, p) in parts.into_iter().enumerate() {
+                        match (p.kind.as_str(), p.text) {
+                            ("text", Some(s)) => t.push_str(&s),
+                            (kind, _) => {
+                                return Err(ApiError::bad(
+                                    &format!("messages[{i}].content[{j}]"),
+                                    format!("messages[{i}].content[{j}]: a `{kind}` part is not supported (text only)"),
+                                ))
+                            }
+                        }
+                    }
+                    t
+                }
+            };
+            out.push(Message::new(role, &text));
+        }
+        Prompt::Chat(out)
+    } else {
+        if r.messages.is_some() {
+            return Err(ApiError::bad(
+                "messages",
+                "messages: use /v1/chat/completions",
+            ));
+        }
+        let texts = match r.prompt {
+            Some(p) => p.into_vec(),
+            None => return Err(ApiError::bad("prompt", "prompt: required")),
+        };
+        if texts.len() != 1 {
+            return Err(ApiError::bad(
+                "prompt",
+                "prompt: exactly one prompt a request",
+            ));
+        }
+        Prompt::Text(texts.into_iter().next().unwrap_or_default())
+    };
+    let max = r.max_completion_tokens.or(r.max_tokens);
+    let param = match r.max_completion_tokens {
+        Some(_) => "max_completion_tokens",
+        None => "max_tokens",
+    };
+    let max_tokens = match max {
+        None => None,
+        Some(n) if n < 1 => {
+            return Err(ApiError::bad(
+                param,
+                format!("{param}: {n} must be at least 1"),
+            ))
+        }
+        Some(n) => Some(n as usize),
+    };
+    let temperature = r.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad(
+            "temperature",
+            format!("temperature: {temperature} must be in [0, 2]"),
+        ));
+    }
+    let top_p = r.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad(
+            "top_p",
+            format!("top_p: {top_p} must be in (0, 1]"),
+        ));
+    }
+    let min_p = r.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::bad(
+            "min_p",
+            format!("min_p: {min_p} must be in [0, 1]"),
+        ));
+    }
+    let top_k = match r.top_k {
+        None => 0,
+        Some(k) if k < 0 => return Err(ApiError::bad("top_k", format!("top_k: {k} must be >= 0"))),
+        Some(k) => k as usize,
+    };
+    // Without a seed, one from the clock: a seed makes the answer reproducible.
+    let seed = match r.seed {
+        Some(s) => s as u64,
+        None => SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+    };
+    let stop = r.stop.map(OneOrMany::into_vec).unwrap_or_default();
+    if stop.len() > 4 {
+        return Err(ApiError::bad("stop", "stop: at most 4 sequences"));
+    }
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::bad("stop", "stop: sequences must not be empty"));
+    }
+    Ok(Checked {
+        prompt,
+        max_tokens,
+        sampler: SamplerConfig {
+            temperature: temperature as f32,
+            top_k,
+            top_p: top_p as f32,
+            min_p: min_p as f32,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed,
+        },
+        stop,
+        stream: r.stream,
+        include_usage: r.stream_options.is_some_and(|o| o.include_usage),
+    })
+}
+
+async fn chat_completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Json<Request>, JsonRejection>,
+) -> Response {
+    respond(app, headers, body, true).await
+}
+
+async fn completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Json<Request>, JsonRejection>,
+) -> Response {
+    respond(app, headers, body, false).await
+}
+
+/// Checks a request, queues it, and answers: one JSON object, or SSE chunks as the text
+/// comes.
+async fn respond(
+    app: Arc<App>,
+    headers: HeaderMap,
+    body: Result<Json<Request>, JsonRejection>,
+    chat: bool,
+) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
+    let req = match body {
+        Ok(Json(r)) => r,
+        Err(r) => return rejection(r).into_response(),
+    };
+    let c = match check(&app, req, chat) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
+    let (tx, mut rx) = tmpsc::unbounded_channel();
+    // A place: the one running and `queue` waiting, or 429.
+    let stats = &app.stats;
+    if stats.inflight.fetch_add(1, Ordering::SeqCst) > app.queue {
+        stats.inflight.fetch_sub(1, Ordering::SeqCst);
+        return ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: format!("the queue is full ({} requests waiting)", app.queue),
+            kind: "rate_limit_error",
+            param: None,
+            code: Some("queue_full"),
+        }
+        .into_response();
+    }
+    let job = Job {
+        prompt: c.prompt,
+        max_tokens: c.max_tokens,
+        sampler: c.sampler,
+        stop: c.stop,
+        events: tx,
+    };
+    let sent = app
+        .jobs
+        .lock()
+        .map(|j| j.send(job).is_ok())
+        .unwrap_or(false);
+    if !sent {
+        stats.inflight.fetch_sub(1, Ordering::SeqCst);
+        return ApiError::server(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the model's worker has stopped",
+        )
+        .into_response();
+    }
+    // The first event says whether the prompt was taken (an error is still an HTTP error).
+    let prompt_tokens = match rx.recv().await {
+        Some(Event::Started { prompt_tokens }) => prompt_tokens,
+        Some(Event::Failed(e)) => return e.into_response(),
+        _ => return no_answer(),
+    };
+    let n = app.ids.fetch_add(1, Ordering::SeqCst);
+    let id = match chat {
+        true => format!("chatcmpl-{n}"),
+        false => format!("cmpl-{n}"),
+    };
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let shape = Shape {
+        id,
+        created,
+        model: app.model_id.clone(),
+        chat,
+    };
+    if !c.stream {
+        let mut text = String::new();
+        loop {
+            match rx.recv().await {
+                Some(Event::Text(t)) => text.push_str(&t),
+                Some(Event::Done {
+                    finish,
+                    completion_tokens,
+                }) => {
+                    let usage = usage(prompt_tokens, completion_tokens);
+                    return Json(shape.whole(&text, finish, usage)).into_response();
+                }
+                Some(Event::Failed(e)) => return e.into_response(),
+                Some(Event::Started { .. }) | None => return no_answer(),
+            }
+        }
+    }
+    let include_usage = c.include_usage;
+    let stream = async_stream(rx, shape, prompt_tokens, include_usage);
+    Sse::new(stream).into_response()
+}
+
+/// The worker dropped a request without its last event (it should not happen).
+fn no_answer() -> Response {
+    ApiError::server(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the worker ended the request without an answer",
+    )
+    .into_response()
+}
+
+/// What every answer of a request carries.
+struct Shape {
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+}
+
+impl Shape {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.chat, chunk) {
+            (true, false) => "chat.completion",
+            (true, true) => "chat.completion.chunk",
+            (false, _) => "text_completion",
+        }
+    }
+
+    fn head(&self, chunk: bool) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": concat!("doppler-", env!("CARGO_PKG_VERSION")),
+        })
+    }
+
+    fn whole(&self, text: &str, finish: &str, usage: Value) -> Value {
+        let mut v = self.head(false);
+        v["choices"] = match self.chat {
+            true => json!([{ "index": 0, "message": { "role": "assistant", "content": text },
+                "logprobs": null, "finish_reason": finish }]),
+            false => json!([{ "index": 0, "text": text, "logprobs": null,
+                "finish_reason": finish }]),
+        };
+        v["usage"] = usage;
+        v
+    }
+
+    /// A chunk of text (chat: a delta; `first` also carries the role), or the last one
+    /// with its finish reason.
+    fn chunk(&self, text: Option<&str>, first: bool, finish: Option<&str>) -> Value {
+        let mut v = self.head(true);
+        let choice = match self.chat {
+            true => {
+                let mut delta = json!({});
+                if first {
+                    delta["role"] = "assistant".into();
+                }
+                if let Some(t) = text {
+                    delta["content"] = t.into();
+                }
+                json!({ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish })
+            }
+            false => json!({ "index": 0, "text": text.unwrap_or(""), "logprobs": null,
+                "finish_reason": finish }),
+        };
+        v["choices"] = json!([choice]);
+        v
+    }
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({ "prompt_tokens": prompt, "completion_tokens": completion,
+        "total_tokens": prompt + completion })
+}
+
+/// The SSE stream of a request: a first chunk (chat: the role), one chunk a piece of text,
+/// the last with the finish reason, the usage when asked for, then `[DONE]`. An error
+/// after the first chunk is sent as an error object in the stream (OpenAI's way).
+fn async_stream(
+    rx: tmpsc::UnboundedReceiver<Event>,
+    shape: Shape,
+    prompt_tokens: usize,
+    include_usage: bool,
+) -> impl futures_util::Stream<Item = Result<SseEvent, std::convert::Infallible>> {
+    struct St {
+        rx: tmpsc::UnboundedReceiver<Event>,
+        shape: Shape,
+        prompt_tokens: usize,
+        include_usage: bool,
+        first: bool,
+        pending: std::collections::VecDeque<String>,
+        ended: bool,
+    }
+    let st = St {
+        rx,
+        shape,
+        prompt_tokens,
+        include_usage,
+        first: true,
+        pending: Default::default(),
+        ended: false,
+    };
+    futures_util::stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(data) = st.pending.pop_front() {
+                return Some((Ok(SseEvent::default().data(data)), st));
+            }
+            if st.ended {
+                return None;
+            }
+            if st.first && st.shape.chat {
+                st.first = false;
+                let c = st.shape.chunk(Some(""), true, None);
+                st.pending.push_back(c.to_string());
+                continue;
+            }
+            match st.rx.recv().await {
+                Some(Event::Text(t)) => {
+                    let c = st.shape.chunk(Some(&t), false, None);
+                    st.pending.push_back(c.to_string());
+                }
+                Some(Event::Done {
+                    finish,
+                    completion_tokens,
+                }) => {
+                    let c = st.shape.chunk(None, false, Some(finish));
+                    st.pending.push_back(c.to_string());
+                    if st.include_usage {
+                        let mut u = st.shape.head(true);
+                        u["choices"] = json!([]);
+                        u["usage"] = usage(st.prompt_tokens, completion_tokens);
+                        st.pending.push_back(u.to_string());
+                    }
+                    st.pending.push_back("[DONE]".into());
+                    st.ended = true;
+                }
+                Some(Event::Failed(e)) => {
+                    st.pending.push_back(e.body().to_string());
+                    st.pending.push_back("[DONE]".into());
+                    st.ended = true;
+                }
+                Some(Event::Started { .. }) => {}
+                None => {
+                    st.ended = true;
+                }
+            }
+        }
+    })
+}
+
+/// One request on the worker: the prompt rendered and checked against the context, then
+/// the generation from an empty cache, each certain piece of text sent as it comes. A
+/// send that fails (the client went away) ends the generation.
+fn run_job(gpu: &Gpu, model: &Model, session: &mut Session<'_>, job: Job, stats: &Stats) {
+    let events = job.events;
+    let fail = |e: ApiError| {
+        let _ = events.send(Event::Failed(e));
+    };
+    let (text, special) = match &job.prompt {
+        Prompt::Chat(msgs) => match &model.template {
+            Some(t) => (t.render(msgs, true), true),
+            None => {
+                return fail(ApiError::bad("messages", "this model has no chat template"));
+            }
+        },
+        Prompt::Text(t) => (t.clone(), false),
+    };
+    let mut ids = match model.prompt_ids(&text, special, true) {
+        Ok(ids) => ids,
+        Err(e) => {
+            return fail(ApiError::bad(
+                "prompt",
+                format!("tokenizing the prompt: {e}"),
+            ))
+        }
+    };
+    if ids.is_empty() {
+        ids.extend(model.tokenizer.bos.or(model.tokenizer.eos));
+    }
+    let param = match job.prompt {
+        Prompt::Chat(_) => "messages",
+        Prompt::Text(_) => "prompt",
+    };
+    session.reset();
+    let room = session.capacity().saturating_sub(ids.len());
+    if room == 0 {
+        return fail(ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: format!(
+                "the prompt's {} tokens fill this server's context of {} tokens: nothing left to generate",
+                ids.len(),
+                session.capacity()
+            ),
+            kind: "invalid_request_error",
+            param: Some(param.into()),
+            code: Some("context_length_exceeded"),
+        });
+    }
+    if let Some(m) = job.max_tokens {
+        if ids.len() + m > session.capacity() {
+            return fail(ApiError {
+                status: StatusCode::BAD_REQUEST,
+                message: format!(
+                    "the prompt's {} tokens and max_tokens {m} exceed this server's context of {} tokens",
+                    ids.len(),
+                    session.capacity()
+                ),
+                kind: "invalid_request_error",
+                param: Some("max_tokens".into()),
+                code: Some("context_length_exceeded"),
+            });
+        }
+    }
+    if events
+        .send(Event::Started {
+            prompt_tokens: ids.len(),
+        })
+        .is_err()
+    {
+        return;
+    }
+    let opts = GenOptions {
+        max_tokens: job.max_tokens.unwrap_or(room).min(room),
+        stop_tokens: model.stop_tokens(),
+        stop_strings: job.stop,
+    };
+    let mut sampler = Sampler::new(job.sampler);
+    let t0 = Instant::now();
+    let result = session.generate(gpu, &ids, &opts, &mut sampler, &mut |piece| {
+        events
+            .send(Event::Text(piece.to_string()))
+            .map_err(|_| Error::Invalid {
+                op: "serve",
+                detail: "the client went away".into(),
+            })
+    });
+    stats.requests.fetch_add(1, Ordering::SeqCst);
+    stats
+        .prompt_tokens
+        .fetch_add(ids.len() as u64, Ordering::SeqCst);
+    match result {
+        Ok(g) => {
+            stats
+                .completion_tokens
+                .fetch_add(g.tokens.len() as u64, Ordering::SeqCst);
+            stats
+                .decode_tok_s
+                .store(g.decode_tok_s().to_bits(), Ordering::SeqCst);
+            stats.kv_tokens.store(session.cache.len, Ordering::SeqCst);
+            let finish = match g.stop {
+                StopReason::Token | StopReason::String => "stop",
+                StopReason::Length | StopReason::Context => "length",
+            };
+            // The stop token counts, as every sampled one does.
+            let completion_tokens = g.tokens.len() + (g.stop == StopReason::Token) as usize;
+            tracing::info!(
+                "{} prompt + {} generated tokens in {:.0} ms ({finish})",
+                ids.len(),
+                g.tokens.len(),
+                t0.elapsed().as_secs_f64() * 1e3
+            );
+            let _ = events.send(Event::Done {
+                finish,
+                completion_tokens,
+            });
+        }
+        Err(e) => {
+            if !events.is_closed() {
+                fail(ApiError::server(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("generation failed: {e}"),
+                ));
+            } else {
+                tracing::info!("request cancelled: the client went away");
+            }
+        }
+    }
+}

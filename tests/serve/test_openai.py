@@ -1,0 +1,188 @@
+"""`doppler serve` against the official `openai` Python client (issue 26).
+
+Starts the server on 127.0.0.1 (a free port) with SmolLM2-135M-Instruct ($DOPPLER_SMOLLM2)
+and the binary $DOPPLER_BIN (default target/debug/doppler), then speaks to it as any
+OpenAI client would: chat and text completions, streaming and not, stop strings, seeded
+sampling, the usage counts, and the error cases (each an OpenAI error object with its
+status). Greedy answers are compared across streaming and not, and across requests: the
+same request gives the same tokens whatever ran before it.
+
+Run: DOPPLER_SMOLLM2=path/to/SmolLM2-135M-Instruct.Q4_1.gguf python3 -m pytest -q tests/serve
+"""
+import http.client
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+
+import openai
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+KEY = "test-key"
+
+
+def start(*extra):
+    model = os.environ.get("DOPPLER_SMOLLM2")
+    if not model or not os.path.exists(model):
+        pytest.skip("DOPPLER_SMOLLM2 is not set to the SmolLM2 GGUF")
+    binary = os.environ.get("DOPPLER_BIN", os.path.join(ROOT, "target", "debug", "doppler"))
+    proc = subprocess.Popen(
+        [binary, "serve", "-m", model, "--port", "0", "-c", "256", "--alias", "smollm2", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    m = re.search(r"listening on http://([\d.]+):(\d+)", line)
+    if not m:
+        proc.kill()
+        raise RuntimeError(f"the server did not start: {line!r}")
+    return proc, m.group(1), int(m.group(2))
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, host, port = start("--api-key", KEY, "--queue", "0")
+    yield host, port
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def client(server):
+    host, port = server
+    return openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=KEY, max_retries=0,
+                         timeout=600)
+
+
+def raw(server, method, path, body=None, headers=None):
+    """A request outside the client (bodies it would not send): (status, JSON or text)."""
+    host, port = server
+    conn = http.client.HTTPConnection(host, port, timeout=600)
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    h.update(headers or {})
+    conn.request(method, path, body=body, headers=h)
+    r = conn.getresponse()
+    data = r.read().decode()
+    conn.close()
+    try:
+        return r.status, json.loads(data)
+    except json.JSONDecodeError:
+        return r.status, data
+
+
+HELLO = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_models_lists_the_served_model(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["smollm2"]
+
+
+def test_chat_greedy_streamed_equals_whole(client):
+    whole = client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=8,
+                                           temperature=0)
+    choice = whole.choices[0]
+    assert whole.object == "chat.completion"
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens <= 8
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    chunks = list(client.chat.completions.create(
+        model="smollm2", messages=HELLO, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == choice.finish_reason and all(f is None for f in finishes[:-1])
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # The same request again: the same tokens (each request starts from an empty cache).
+    again = client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=8,
+                                           temperature=0)
+    assert again.choices[0].message.content == choice.message.content
+
+
+def test_seeded_sampling_repeats(client):
+    ask = dict(model="smollm2", messages=HELLO, max_tokens=6, temperature=0.9, top_p=0.95,
+               seed=1234)
+    a = client.chat.completions.create(**ask).choices[0].message.content
+    b = client.chat.completions.create(**ask).choices[0].message.content
+    assert a == b
+
+
+def test_completions_stop_at_a_stop_string(client):
+    r = client.completions.create(model="smollm2", prompt="One, two, three,", max_tokens=12,
+                                  temperature=0, stop=[","])
+    assert r.object == "text_completion"
+    assert "," not in r.choices[0].text
+    assert r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2", prompt="One, two, three,", max_tokens=12, temperature=0, stop=[","],
+        stream=True))
+    assert streamed == r.choices[0].text
+
+
+def test_errors_are_openai_error_objects(client, server):
+    host, port = server
+    nokey = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        nokey.models.list()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=HELLO, max_tokens=2)
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=[], max_tokens=2)
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=-1)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=HELLO, temperature=3)
+    assert e.value.body["param"] == "temperature"
+    # A prompt longer than the context (-c 256).
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2", prompt="word " * 400, max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded"
+    # Bodies no client sends: not JSON, a wrong type, an unknown field, 9 MB.
+    for body in [b"{not json", json.dumps({"messages": "hi"}).encode(),
+                 json.dumps({"messages": HELLO, "frobnicate": 1}).encode()]:
+        status, err = raw(server, "POST", "/v1/chat/completions", body)
+        assert status == 400, (status, err)
+        assert err["error"]["type"] == "invalid_request_error"
+    status, err = raw(server, "POST", "/v1/chat/completions", b"[" + b"1," * (9 << 19) + b"1]")
+    assert status == 413 and err["error"]["code"] == "request_too_large"
+    status, _ = raw(server, "GET", "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert status == 401
+
+
+def test_queue_full_is_429_and_a_cancelled_stream_frees_the_model(client, server):
+    # --queue 0: while one request runs, the next is refused.
+    stream = client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=60,
+                                            temperature=0, stream=True)
+    it = iter(stream)
+    next(it)
+    next(it)
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=2)
+    stream.close()   # the client goes away mid-stream
+    deadline = time.time() + 120
+    while True:
+        _, metrics = raw(server, "GET", "/metrics")
+        active = int(re.search(r"^doppler_active_sequences (\d+)", metrics, re.M).group(1))
+        if active == 0 or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert active == 0
+    r = client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=2,
+                                       temperature=0)
+    assert r.choices[0].message.content
+    _, metrics = raw(server, "GET", "/metrics")
+    assert re.search(r"^doppler_queue_depth 0$", metrics, re.M)
+    assert re.search(r"^doppler_kv_tokens_in_use 0$", metrics, re.M)
+
+
+def test_health_needs_no_key(server):
+    status, body = raw(server, "GET", "/health", headers={"Authorization": ""})
+    assert status == 200 and body == {"status": "ok"}
