@@ -91,6 +91,8 @@ struct Job {
     sampler: SamplerConfig,
     stop: Vec<String>,
     events: tmpsc::UnboundedSender<Event>,
+    /// Given back before the last event (see [`Slot`]).
+    slot: Slot,
 }
 
 enum Prompt {
@@ -109,7 +111,8 @@ struct Stats {
     completion_tokens: AtomicU64,
     /// The last request's decode rate (tokens/s, f64 bits).
     decode_tok_s: AtomicU64,
-    /// Tokens in the KV cache now.
+    /// Tokens the running request holds in the KV cache (its prompt, counted as it
+    /// starts; its answer's tokens are not counted as they come).
     kv_tokens: AtomicUsize,
 }
 
@@ -253,11 +256,7 @@ pub fn serve_cmd(gpu: &Gpu, args: &ServeArgs) -> doppler::Result<ExitCode> {
         }
     }
     for job in rx {
-        stats.active.store(1, Ordering::SeqCst);
         run_job(gpu, &model, &mut session, job, &stats);
-        stats.active.store(0, Ordering::SeqCst);
-        stats.kv_tokens.store(0, Ordering::SeqCst);
-        stats.inflight.fetch_sub(1, Ordering::SeqCst);
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -312,10 +311,13 @@ fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &app.api_key else {
         return Ok(());
     };
+    // The scheme is case-insensitive (RFC 6750), the key is not.
     let given = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, key)| key.trim());
     if given == Some(key.as_str()) {
         return Ok(());
     }
@@ -338,7 +340,10 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     .into_response()
 }
 
-async fn metrics(State(app): State<Arc<App>>) -> String {
+async fn metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&app, &headers) {
+        return e.into_response();
+    }
     let s = &app.stats;
     let rate = f64::from_bits(s.decode_tok_s.load(Ordering::SeqCst));
     let active = s.active.load(Ordering::SeqCst);
@@ -350,7 +355,7 @@ async fn metrics(State(app): State<Arc<App>>) -> String {
          # HELP doppler_prompt_tokens_total Prompt tokens processed.\n# TYPE doppler_prompt_tokens_total counter\ndoppler_prompt_tokens_total {}\n\
          # HELP doppler_completion_tokens_total Tokens generated.\n# TYPE doppler_completion_tokens_total counter\ndoppler_completion_tokens_total {}\n\
          # HELP doppler_decode_tokens_per_second The last request's decode rate.\n# TYPE doppler_decode_tokens_per_second gauge\ndoppler_decode_tokens_per_second {rate}\n\
-         # HELP doppler_kv_tokens_in_use Tokens held in the KV cache.\n# TYPE doppler_kv_tokens_in_use gauge\ndoppler_kv_tokens_in_use {}\n\
+         # HELP doppler_kv_tokens_in_use Prompt tokens the running request holds in the KV cache.\n# TYPE doppler_kv_tokens_in_use gauge\ndoppler_kv_tokens_in_use {}\n\
          # HELP doppler_kv_tokens_capacity Tokens the KV cache holds.\n# TYPE doppler_kv_tokens_capacity gauge\ndoppler_kv_tokens_capacity {}\n",
         waiting,
         active,
@@ -360,6 +365,7 @@ async fn metrics(State(app): State<Arc<App>>) -> String {
         s.kv_tokens.load(Ordering::SeqCst),
         app.ctx,
     )
+    .into_response()
 }
 
 /// A message's content: a string, or a list of text parts.
@@ -404,8 +410,7 @@ impl OneOrMany {
 
 #[derive(Deserialize)]
 struct StreamOptions {
-    #[serde(default)]
-    include_usage: bool,
+    include_usage: Option<bool>,
 }
 
 /// The parameters both endpoints share (OpenAI's names). Unknown fields are refused, as
@@ -416,8 +421,7 @@ struct Request {
     model: Option<String>,
     messages: Option<Vec<InMessage>>,
     prompt: Option<OneOrMany>,
-    #[serde(default)]
-    stream: bool,
+    stream: Option<bool>,
     stream_options: Option<StreamOptions>,
     max_tokens: Option<i64>,
     max_completion_tokens: Option<i64>,
@@ -604,6 +608,9 @@ fn check(app: &App, r: Request, chat: bool) -> Result<Checked, ApiError> {
         None => "max_tokens",
     };
     let max_tokens = match max {
+        // OpenAI's defaults: chat until the model stops (here: the context), text
+        // completions 16 tokens.
+        None if !chat => Some(16),
         None => None,
         Some(n) if n < 1 => {
             return Err(ApiError::bad(
@@ -621,12 +628,17 @@ fn check(app: &App, r: Request, chat: bool) -> Result<Checked, ApiError> {
         ));
     }
     let top_p = r.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
+    if !(0.0..=1.0).contains(&top_p) {
         return Err(ApiError::bad(
             "top_p",
-            format!("top_p: {top_p} must be in (0, 1]"),
+            format!("top_p: {top_p} must be in [0, 1]"),
         ));
     }
+    // top_p 0 keeps only the most likely token: greedy.
+    let (temperature, top_p) = match top_p == 0.0 {
+        true => (0.0, 1.0),
+        false => (temperature, top_p),
+    };
     let min_p = r.min_p.unwrap_or(0.0);
     if !(0.0..=1.0).contains(&min_p) {
         return Err(ApiError::bad(
@@ -666,8 +678,10 @@ fn check(app: &App, r: Request, chat: bool) -> Result<Checked, ApiError> {
             seed,
         },
         stop,
-        stream: r.stream,
-        include_usage: r.stream_options.is_some_and(|o| o.include_usage),
+        stream: r.stream.unwrap_or(false),
+        include_usage: r
+            .stream_options
+            .is_some_and(|o| o.include_usage.unwrap_or(false)),
     })
 }
 
@@ -709,8 +723,10 @@ async fn respond(
     let (tx, mut rx) = tmpsc::unbounded_channel();
     // A place: the one running and `queue` waiting, or 429.
     let stats = &app.stats;
-    if stats.inflight.fetch_add(1, Ordering::SeqCst) > app.queue {
-        stats.inflight.fetch_sub(1, Ordering::SeqCst);
+    let taken = stats.inflight.fetch_add(1, Ordering::SeqCst);
+    let slot = Slot(stats.clone());
+    if taken > app.queue {
+        drop(slot);
         return ApiError {
             status: StatusCode::TOO_MANY_REQUESTS,
             message: format!("the queue is full ({} requests waiting)", app.queue),
@@ -726,14 +742,15 @@ async fn respond(
         sampler: c.sampler,
         stop: c.stop,
         events: tx,
+        slot,
     };
     let sent = app
         .jobs
         .lock()
         .map(|j| j.send(job).is_ok())
         .unwrap_or(false);
+    // (A job that was not sent is dropped with its slot.)
     if !sent {
-        stats.inflight.fetch_sub(1, Ordering::SeqCst);
         return ApiError::server(
             StatusCode::SERVICE_UNAVAILABLE,
             "the model's worker has stopped",
@@ -933,83 +950,126 @@ fn async_stream(
     })
 }
 
-/// One request on the worker: the prompt rendered and checked against the context, then
-/// the generation from an empty cache, each certain piece of text sent as it comes. A
-/// send that fails (the client went away) ends the generation.
+/// A place among the requests taken (the one running and those waiting): given back when
+/// dropped, which the worker does before a request's last event, so that a client that
+/// sends its next request as soon as it has the answer finds the place free.
+struct Slot(Arc<Stats>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.inflight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// One request on the worker ([`generate_job`]), its place given back and the model
+/// marked idle before its last event goes out.
 fn run_job(gpu: &Gpu, model: &Model, session: &mut Session<'_>, job: Job, stats: &Stats) {
-    let events = job.events;
-    let fail = |e: ApiError| {
-        let _ = events.send(Event::Failed(e));
+    let Job {
+        prompt,
+        max_tokens,
+        sampler,
+        stop,
+        events,
+        slot,
+    } = job;
+    stats.active.store(1, Ordering::SeqCst);
+    let ask = Ask {
+        prompt,
+        max_tokens,
+        sampler,
+        stop,
     };
-    let (text, special) = match &job.prompt {
+    // A client that left while its request waited costs nothing more.
+    let last = match events.is_closed() {
+        true => None,
+        false => generate_job(gpu, model, session, ask, &events, stats),
+    };
+    drop(slot);
+    stats.kv_tokens.store(0, Ordering::SeqCst);
+    stats.active.store(0, Ordering::SeqCst);
+    if let Some(ev) = last {
+        let _ = events.send(ev);
+    }
+}
+
+/// What a request asks the model for.
+struct Ask {
+    prompt: Prompt,
+    max_tokens: Option<usize>,
+    sampler: SamplerConfig,
+    stop: Vec<String>,
+}
+
+/// The prompt rendered and checked against the context, then the generation from an empty
+/// cache, each certain piece of text sent as it comes: the request's last event (Done or
+/// Failed), None when its client went away (a send that fails ends the generation).
+fn generate_job(
+    gpu: &Gpu,
+    model: &Model,
+    session: &mut Session<'_>,
+    ask: Ask,
+    events: &tmpsc::UnboundedSender<Event>,
+    stats: &Stats,
+) -> Option<Event> {
+    let fail = |e: ApiError| Some(Event::Failed(e));
+    let (text, special, param) = match &ask.prompt {
         Prompt::Chat(msgs) => match &model.template {
-            Some(t) => (t.render(msgs, true), true),
-            None => {
-                return fail(ApiError::bad("messages", "this model has no chat template"));
-            }
+            Some(t) => (t.render(msgs, true), true, "messages"),
+            None => return fail(ApiError::bad("messages", "this model has no chat template")),
         },
-        Prompt::Text(t) => (t.clone(), false),
+        Prompt::Text(t) => (t.clone(), false, "prompt"),
     };
     let mut ids = match model.prompt_ids(&text, special, true) {
         Ok(ids) => ids,
-        Err(e) => {
-            return fail(ApiError::bad(
-                "prompt",
-                format!("tokenizing the prompt: {e}"),
-            ))
-        }
+        Err(e) => return fail(ApiError::bad(param, format!("tokenizing the prompt: {e}"))),
     };
     if ids.is_empty() {
         ids.extend(model.tokenizer.bos.or(model.tokenizer.eos));
     }
-    let param = match job.prompt {
-        Prompt::Chat(_) => "messages",
-        Prompt::Text(_) => "prompt",
-    };
     session.reset();
     let room = session.capacity().saturating_sub(ids.len());
-    if room == 0 {
-        return fail(ApiError {
+    let too_long = |message: String, param: &str| {
+        fail(ApiError {
             status: StatusCode::BAD_REQUEST,
-            message: format!(
+            message,
+            kind: "invalid_request_error",
+            param: Some(param.into()),
+            code: Some("context_length_exceeded"),
+        })
+    };
+    if room == 0 {
+        return too_long(
+            format!(
                 "the prompt's {} tokens fill this server's context of {} tokens: nothing left to generate",
                 ids.len(),
                 session.capacity()
             ),
-            kind: "invalid_request_error",
-            param: Some(param.into()),
-            code: Some("context_length_exceeded"),
-        });
+            param,
+        );
     }
-    if let Some(m) = job.max_tokens {
+    if let Some(m) = ask.max_tokens {
         if ids.len() + m > session.capacity() {
-            return fail(ApiError {
-                status: StatusCode::BAD_REQUEST,
-                message: format!(
+            return too_long(
+                format!(
                     "the prompt's {} tokens and max_tokens {m} exceed this server's context of {} tokens",
                     ids.len(),
                     session.capacity()
                 ),
-                kind: "invalid_request_error",
-                param: Some("max_tokens".into()),
-                code: Some("context_length_exceeded"),
-            });
+                "max_tokens",
+            );
         }
     }
-    if events
-        .send(Event::Started {
-            prompt_tokens: ids.len(),
-        })
-        .is_err()
-    {
-        return;
-    }
-    let opts = GenOptions {
-        max_tokens: job.max_tokens.unwrap_or(room).min(room),
-        stop_tokens: model.stop_tokens(),
-        stop_strings: job.stop,
+    let started = Event::Started {
+        prompt_tokens: ids.len(),
     };
-    let mut sampler = Sampler::new(job.sampler);
+    events.send(started).ok()?;
+    stats.kv_tokens.store(ids.len(), Ordering::SeqCst);
+    let opts = GenOptions {
+        max_tokens: ask.max_tokens.unwrap_or(room).min(room),
+        stop_tokens: model.stop_tokens(),
+        stop_strings: ask.stop,
+    };
+    let mut sampler = Sampler::new(ask.sampler);
     let t0 = Instant::now();
     let result = session.generate(gpu, &ids, &opts, &mut sampler, &mut |piece| {
         events
@@ -1031,7 +1091,6 @@ fn run_job(gpu: &Gpu, model: &Model, session: &mut Session<'_>, job: Job, stats:
             stats
                 .decode_tok_s
                 .store(g.decode_tok_s().to_bits(), Ordering::SeqCst);
-            stats.kv_tokens.store(session.cache.len, Ordering::SeqCst);
             let finish = match g.stop {
                 StopReason::Token | StopReason::String => "stop",
                 StopReason::Length | StopReason::Context => "length",
@@ -1044,20 +1103,18 @@ fn run_job(gpu: &Gpu, model: &Model, session: &mut Session<'_>, job: Job, stats:
                 g.tokens.len(),
                 t0.elapsed().as_secs_f64() * 1e3
             );
-            let _ = events.send(Event::Done {
+            Some(Event::Done {
                 finish,
                 completion_tokens,
-            });
+            })
         }
-        Err(e) => {
-            if !events.is_closed() {
-                fail(ApiError::server(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("generation failed: {e}"),
-                ));
-            } else {
-                tracing::info!("request cancelled: the client went away");
-            }
+        Err(_) if events.is_closed() => {
+            tracing::info!("request cancelled: the client went away");
+            None
         }
+        Err(e) => fail(ApiError::server(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("generation failed: {e}"),
+        )),
     }
 }
