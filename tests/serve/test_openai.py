@@ -104,6 +104,23 @@ def test_chat_greedy_streamed_equals_whole(client):
     assert again.choices[0].message.content == choice.message.content
 
 
+def test_greedy_completion_equals_doppler_generate(client):
+    # The same prompt through `doppler generate` (another entry point into the library):
+    # the same greedy tokens, hence the same text.
+    model = os.environ["DOPPLER_SMOLLM2"]
+    binary = os.environ.get("DOPPLER_BIN", os.path.join(ROOT, "target", "debug", "doppler"))
+    prompt = "The three primary colours are"
+    out = subprocess.run(
+        [binary, "generate", "-m", model, prompt, "-n", "8", "-c", "256", "--temperature", "0",
+         "--top-k", "0", "--top-p", "1", "--min-p", "0", "--json"],
+        capture_output=True, text=True, timeout=600, check=True)
+    want = json.loads(out.stdout.strip().splitlines()[-1])
+    r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0)
+    assert r.choices[0].text == want["text"]
+    assert r.usage.completion_tokens == want["generated_tokens"] + (want["stop"] == "token")
+    assert r.usage.prompt_tokens == want["prompt_tokens"]
+
+
 def test_seeded_sampling_repeats(client):
     ask = dict(model="smollm2", messages=HELLO, max_tokens=6, temperature=0.9, top_p=0.95,
                seed=1234)

@@ -997,34 +997,16 @@ pub fn qmatmul_chain(
         return Ok((y, None));
     }
     if let Some(split) = batch_split(m, w.ty, w.rows, w.cols) {
-        let own;
-        let xq = match fuse.x8 {
-            Some(x8) => {
-                x8.check("qmatmul", w, fuse.norm.map(|n| n.0))?;
-                x8
-            }
-            None => {
-                own = quantize_x8(rec, x, w.cols, fuse.norm)?;
-                &own
-            }
-        };
+        let xq = rounded_x(rec, "qmatmul", x, w, fuse.norm, fuse.x8)?;
+        let xq = xq.get();
         qmatvec_x8rows(rec, xq, w, &p, &y, fuse, split)?;
         return Ok((y, None));
     }
     match Path::of(m, w) {
         Path::Decode { split } => {
             if one_row_rounds_x(m, w.ty, w.rows, w.cols) {
-                let own;
-                let xq = match fuse.x8 {
-                    Some(x8) => {
-                        x8.check("qmatmul", w, fuse.norm.map(|n| n.0))?;
-                        x8
-                    }
-                    None => {
-                        own = quantize_x8(rec, x, w.cols, fuse.norm)?;
-                        &own
-                    }
-                };
+                let xq = rounded_x(rec, "qmatmul", x, w, fuse.norm, fuse.x8)?;
+                let xq = xq.get();
                 let y8 = qmatvec1_x8(rec, xq, w, &p, &y, fuse, split, next)?;
                 return Ok((y, y8));
             }
@@ -1364,6 +1346,39 @@ pub(crate) fn quantize_x8(
     })
 }
 
+/// x rounded for an XQ8 product: the caller's (checked against W and the norm) or made
+/// here by [`quantize_x8`].
+enum RoundedX<'a> {
+    Given(&'a X8),
+    Made(X8),
+}
+
+impl RoundedX<'_> {
+    fn get(&self) -> &X8 {
+        match self {
+            RoundedX::Given(x8) => x8,
+            RoundedX::Made(x8) => x8,
+        }
+    }
+}
+
+fn rounded_x<'a>(
+    rec: &mut Recorder<'_>,
+    op: &'static str,
+    x: &Tensor,
+    w: &QMatrix,
+    norm: Option<(&Tensor, f32)>,
+    given: Option<&'a X8>,
+) -> Result<RoundedX<'a>> {
+    match given {
+        Some(x8) => {
+            x8.check(op, w, norm.map(|n| n.0))?;
+            Ok(RoundedX::Given(x8))
+        }
+        None => Ok(RoundedX::Made(quantize_x8(rec, x, w.cols, norm)?)),
+    }
+}
+
 /// Whether a product of `m` rows of x with W (`rows`, `cols`) of type `ty` ([`qmatmul`],
 /// [`qmatmul_fused`], [`qmatmul_rope_store`]) rounds x (after the fused norm's weight) to
 /// 8-bit integers in groups of 16 columns, as `reference::quant::round_x8` does, and
@@ -1585,17 +1600,8 @@ pub fn qmatmul_rope_store(
             let grid = Grid::Linear(w.rows.div_ceil(Path::rows(split, 256, 4)) as u64);
             let split = ("MV1_SPLIT", split as f64);
             if one_row_rounds_x(t, w.ty, w.rows, w.cols) {
-                let own;
-                let xq = match x8 {
-                    Some(x8) => {
-                        x8.check("qmatmul_rope_store", w, norm.map(|n| n.0))?;
-                        x8
-                    }
-                    None => {
-                        own = quantize_x8(rec, x, w.cols, norm)?;
-                        &own
-                    }
-                };
+                let xq = rounded_x(rec, "qmatmul_rope_store", x, w, norm, x8)?;
+                let xq = xq.get();
                 let c1 = [c[0], c[1], c[2], c[3], c[4], split, ("XQ8", 1.0)];
                 let mut bind = bind;
                 for i in [2, 3, 4, 5] {
