@@ -223,3 +223,103 @@ def test_null_options_and_top_p_zero(client, server):
 def test_health_needs_no_key(server):
     status, body = raw(server, "GET", "/health", headers={"Authorization": ""})
     assert status == 200 and body == {"status": "ok"}
+
+
+def test_logprobs_chat_stream_and_legacy(client):
+    ask = dict(model="smollm2", messages=HELLO, max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(**ask).choices[0]
+    r = client.chat.completions.create(logprobs=True, top_logprobs=3, **ask)
+    choice = r.choices[0]
+    # The host's argmax over the logits picks what the GPU's greedy path picked.
+    assert choice.message.content == plain.message.content
+    content = choice.logprobs.content
+    assert len(content) == r.usage.completion_tokens - (choice.finish_reason == "stop")
+    assert b"".join(bytes(t.bytes) for t in content).decode() == choice.message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3
+        assert t.logprob <= 0 and t.top_logprobs[0].token == t.token   # greedy: the top one
+        assert t.top_logprobs[0].logprob == t.logprob
+        assert all(a.logprob >= b.logprob for a, b in zip(t.top_logprobs, t.top_logprobs[1:]))
+    # Streamed: the same entries, chunk by chunk.
+    chunks = list(client.chat.completions.create(logprobs=True, top_logprobs=3, stream=True,
+                                                 **ask))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    # Text completions' legacy form: logprobs N.
+    t = client.completions.create(model="smollm2", prompt="One, two, three,", max_tokens=4,
+                                  temperature=0, logprobs=2).choices[0]
+    lp = t.logprobs
+    assert "".join(lp.tokens) == t.text and len(lp.token_logprobs) == len(lp.tokens)
+    assert lp.text_offset == [sum(len(x.encode()) for x in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(d) == 2 and max(d.values()) == p for d, p in zip(lp.top_logprobs, lp.token_logprobs))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(top_logprobs=30, logprobs=True, **ask)
+    assert e.value.body["param"] == "top_logprobs"
+
+
+def test_penalties_and_logit_bias(client):
+    ask = dict(model="smollm2", prompt="One, two, three,", max_tokens=12, temperature=0)
+    # Token 28 (",") pushed by +100 is every token.
+    forced = client.completions.create(logit_bias={"28": 100}, logprobs=0, **ask).choices[0]
+    assert set(forced.logprobs.tokens) == {","}
+    # The greedy answer repeats ","; a frequency penalty of 2 a use changes it (the
+    # arithmetic itself: doppler's unit tests in infer::sample).
+    plain = client.completions.create(logprobs=0, **ask).choices[0]
+    assert plain.logprobs.tokens.count(",") >= 3
+    pen = client.completions.create(frequency_penalty=2.0, logprobs=0, **ask).choices[0]
+    assert pen.text != plain.text
+    assert pen.logprobs.tokens.count(",") < plain.logprobs.tokens.count(",")
+    for bad in [dict(frequency_penalty=2.5), dict(presence_penalty=-3),
+                dict(logit_bias={"999999": 1}), dict(logit_bias={"5": 101})]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**ask, **bad)
+        assert e.value.body["param"] == next(iter(bad))
+
+
+SCHEMA = {"type": "object", "additionalProperties": False,
+          "properties": {"city": {"type": "string", "maxLength": 24},
+                         "population": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"enum": ["big", "old", "coastal"]},
+                                  "maxItems": 2},
+                         "capital": {"type": "boolean"}},
+          "required": ["city", "population", "tags"]}
+
+
+def test_json_mode_and_json_schema_parse(client):
+    msgs = [{"role": "user", "content": "Describe Paris as JSON."}]
+    for seed in (1, 2):
+        r = client.chat.completions.create(
+            model="smollm2", messages=msgs, max_tokens=80, temperature=0.8, seed=seed,
+            response_format={"type": "json_object"}).choices[0]
+        if r.finish_reason == "stop":
+            assert isinstance(json.loads(r.message.content), dict)
+        r = client.chat.completions.create(
+            model="smollm2", messages=msgs, max_tokens=80, temperature=0.8, seed=seed,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}})
+        c = r.choices[0]
+        assert c.finish_reason == "stop", c.message.content
+        v = json.loads(c.message.content)
+        assert list(v)[:3] == ["city", "population", "tags"] and set(v) <= set(SCHEMA["properties"])
+        assert isinstance(v["city"], str) and len(v["city"]) <= 24
+        assert isinstance(v["population"], int) and not isinstance(v["population"], bool)
+        assert len(v["tags"]) <= 2 and set(v["tags"]) <= {"big", "old", "coastal"}
+        assert isinstance(v.get("capital", True), bool)
+    # Streamed, the same text as whole (greedy).
+    ask = dict(model="smollm2", messages=msgs, max_tokens=40, temperature=0,
+               response_format={"type": "json_object"})
+    whole = client.chat.completions.create(**ask).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(stream=True, **ask) if c.choices)
+    assert streamed == whole
+    # What the grammar cannot express is refused, naming it.
+    for fmt, word in [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a+"}}}, "pattern"),
+        ({"type": "json_schema", "json_schema": {"schema": {}}}, "name"),
+        ({"type": "yaml"}, "yaml"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2,
+                                           response_format=fmt)
+        assert e.value.body["param"] == "response_format" and word in e.value.body["message"]

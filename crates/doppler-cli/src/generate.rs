@@ -77,6 +77,12 @@ pub struct SamplingArgs {
     /// Tokens the repetition penalty looks back over.
     #[arg(long, default_value_t = 64)]
     repeat_last_n: usize,
+    /// Subtracted from the logits of tokens already generated (OpenAI's; -2..2, 0: off).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    presence_penalty: f32,
+    /// Subtracted once per time a token was already generated (OpenAI's; -2..2, 0: off).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    frequency_penalty: f32,
     /// Random seed: the same seed, model and prompt give the same text.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -91,6 +97,9 @@ impl SamplingArgs {
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
             repeat_last_n: self.repeat_last_n,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            logit_bias: Vec::new(),
             seed: self.seed,
         };
         cfg.validate().map_err(|detail| Error::Invalid {

@@ -8,8 +8,14 @@
 //! ends its generation at the next token. Each request starts from an empty cache, so its
 //! tokens do not depend on what ran before or beside it.
 //!
+//! Sampling as OpenAI's: temperature, top_p (and llama.cpp's top_k, min_p), seed, stop
+//! strings, presence and frequency penalties, logit_bias; log-probabilities of the chosen
+//! tokens and the most likely others (from the model's logits, as vLLM reports them);
+//! `response_format` json_object and json_schema enforced by a grammar over the
+//! vocabulary (`doppler::infer::grammar`): the answer parses, and follows the schema.
+//!
 //! Not yet (issue 26): continuous batching of several sequences in one decode step, a
-//! paged KV pool, logprobs, `response_format` grammars, presence and frequency penalties.
+//! paged KV pool.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -28,7 +34,8 @@ use axum::{Json, Router};
 use clap::Args;
 use doppler::gpu::Gpu;
 use doppler::infer::chat::Message;
-use doppler::infer::sample::{Sampler, SamplerConfig};
+use doppler::infer::grammar::{Grammar, JsonConstraint, TokenTrie};
+use doppler::infer::sample::{Sampler, SamplerConfig, TokenLogprob};
 use doppler::infer::{GenOptions, Model, Session, StopReason};
 use doppler::Error;
 use serde::Deserialize;
@@ -75,7 +82,8 @@ enum Event {
     Started {
         prompt_tokens: usize,
     },
-    Text(String),
+    /// Text and the log-probabilities of its tokens (when asked for).
+    Text(String, Vec<TokenLogprob>),
     Done {
         finish: &'static str,
         completion_tokens: usize,
@@ -90,6 +98,9 @@ struct Job {
     max_tokens: Option<usize>,
     sampler: SamplerConfig,
     stop: Vec<String>,
+    /// Some(n): each token's log-probability and the n most likely.
+    logprobs: Option<usize>,
+    grammar: Option<Arc<Grammar>>,
     events: tmpsc::UnboundedSender<Event>,
     /// Given back before the last event (see [`Slot`]).
     slot: Slot,
@@ -125,6 +136,10 @@ struct App {
     ids: AtomicU64,
     ctx: usize,
     has_template: bool,
+    vocab: usize,
+    /// Token texts for log-probabilities (lossy where a token holds part of a character)
+    /// and their bytes.
+    tokens: Arc<Vec<(String, Vec<u8>)>>,
 }
 
 /// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
@@ -225,6 +240,15 @@ pub fn serve_cmd(gpu: &Gpu, args: &ServeArgs) -> doppler::Result<ExitCode> {
         ids: AtomicU64::new(0),
         ctx: session.capacity(),
         has_template: model.template.is_some(),
+        vocab: model.llama.cfg.vocab_size,
+        tokens: Arc::new(
+            (0..model.tokenizer.vocab_size() as u32)
+                .map(|i| {
+                    let b = model.tokenizer.token_bytes(i).to_vec();
+                    (String::from_utf8_lossy(&b).into_owned(), b)
+                })
+                .collect(),
+        ),
     });
     // The HTTP side on its own thread; the worker (this thread) keeps the GPU.
     let (ready_tx, ready_rx) = mpsc::channel::<Result<SocketAddr, String>>();
@@ -255,8 +279,9 @@ pub fn serve_cmd(gpu: &Gpu, args: &ServeArgs) -> doppler::Result<ExitCode> {
             })
         }
     }
+    let mut trie = None;
     for job in rx {
-        run_job(gpu, &model, &mut session, job, &stats);
+        run_job(gpu, &model, &mut session, job, &stats, &mut trie);
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -462,6 +487,8 @@ struct Checked {
     max_tokens: Option<usize>,
     sampler: SamplerConfig,
     stop: Vec<String>,
+    logprobs: Option<usize>,
+    grammar: Option<Arc<Grammar>>,
     stream: bool,
     include_usage: bool,
 }
@@ -496,29 +523,57 @@ fn check(app: &App, r: Request, chat: bool) -> Result<Checked, ApiError> {
     if r.best_of.is_some_and(|n| n != 1) {
         return unsupported("best_of", "more than one candidate");
     }
-    if r.presence_penalty.is_some_and(|p| p != 0.0) {
-        return unsupported("presence_penalty", "a presence penalty");
-    }
-    if r.frequency_penalty.is_some_and(|p| p != 0.0) {
-        return unsupported("frequency_penalty", "a frequency penalty");
-    }
-    let logprobs = match &r.logprobs {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
-        Some(_) => true,
-    };
-    if logprobs || r.top_logprobs.is_some_and(|n| n > 0) {
-        return unsupported("logprobs", "returning log-probabilities");
-    }
-    if let Some(f) = &r.response_format {
-        if f.get("type").and_then(Value::as_str) != Some("text") {
-            return unsupported("response_format", "a response format other than text");
+    let penalty = |v: Option<f64>, param: &str| -> Result<f32, ApiError> {
+        match v.unwrap_or(0.0) {
+            p if (-2.0..=2.0).contains(&p) => Ok(p as f32),
+            p => Err(ApiError::bad(
+                param,
+                format!("{param}: {p} must be in [-2, 2]"),
+            )),
         }
-    }
-    if r.logit_bias
-        .as_ref()
-        .is_some_and(|b| !b.is_null() && b.as_object().is_none_or(|o| !o.is_empty()))
-    {
-        return unsupported("logit_bias", "a logit bias");
+    };
+    let presence_penalty = penalty(r.presence_penalty, "presence_penalty")?;
+    let frequency_penalty = penalty(r.frequency_penalty, "frequency_penalty")?;
+    let logprobs = logprobs_of(&r, chat)?;
+    let grammar = match &r.response_format {
+        None | Some(Value::Null) => None,
+        Some(f) => response_format(f)?,
+    };
+    let mut logit_bias = Vec::new();
+    match &r.logit_bias {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(o)) => {
+            for (k, v) in o {
+                let id = k.parse::<u32>().ok().filter(|&i| (i as usize) < app.vocab);
+                let Some(id) = id else {
+                    return Err(ApiError::bad(
+                        "logit_bias",
+                        format!(
+                            "logit_bias: `{k}` is not a token id below the vocabulary's {}",
+                            app.vocab
+                        ),
+                    ));
+                };
+                match v.as_f64() {
+                    Some(b) if (-100.0..=100.0).contains(&b) => logit_bias.push((id, b as f32)),
+                    _ => {
+                        return Err(ApiError::bad(
+                            "logit_bias",
+                            format!(
+                                "logit_bias: the bias of token {k} must be a number in [-100, 100]"
+                            ),
+                        ))
+                    }
+                }
+            }
+            logit_bias.sort_by_key(|e| e.0);
+        }
+        Some(_) => {
+            return Err(ApiError::bad(
+                "logit_bias",
+                "logit_bias: an object of token ids to biases",
+            ))
+        }
     }
     if r.tools.as_ref().is_some_and(|t| !t.is_null()) || r.tool_choice.is_some() {
         return unsupported("tools", "tool calling");
@@ -675,14 +730,104 @@ fn check(app: &App, r: Request, chat: bool) -> Result<Checked, ApiError> {
             min_p: min_p as f32,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty,
+            frequency_penalty,
+            logit_bias,
             seed,
         },
         stop,
+        logprobs,
+        grammar,
         stream: r.stream.unwrap_or(false),
         include_usage: r
             .stream_options
             .is_some_and(|o| o.include_usage.unwrap_or(false)),
     })
+}
+
+/// Log-probabilities asked for: chat's `logprobs: true` with `top_logprobs` 0..20, or text
+/// completions' `logprobs: N` (0..5, the legacy form).
+fn logprobs_of(r: &Request, chat: bool) -> Result<Option<usize>, ApiError> {
+    if chat {
+        let on = match &r.logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+            Some(Value::Bool(true)) => true,
+            Some(_) => return Err(ApiError::bad("logprobs", "logprobs: true or false")),
+        };
+        return match r.top_logprobs {
+            None => Ok(on.then_some(0)),
+            Some(n) if !(0..=20).contains(&n) => Err(ApiError::bad(
+                "top_logprobs",
+                format!("top_logprobs: {n} must be in [0, 20]"),
+            )),
+            Some(_) if !on => Err(ApiError::bad(
+                "top_logprobs",
+                "top_logprobs: needs logprobs: true",
+            )),
+            Some(n) => Ok(Some(n as usize)),
+        };
+    }
+    if r.top_logprobs.is_some() {
+        return Err(ApiError::bad(
+            "top_logprobs",
+            "top_logprobs: text completions take logprobs: N",
+        ));
+    }
+    match &r.logprobs {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_i64() {
+            Some(n) if (0..=5).contains(&n) => Ok(Some(n as usize)),
+            _ => Err(ApiError::bad(
+                "logprobs",
+                "logprobs: a whole number in [0, 5]",
+            )),
+        },
+    }
+}
+
+/// `response_format`: text (no grammar), json_object, or json_schema with its schema
+/// compiled (a 400 naming what the grammar cannot express).
+fn response_format(f: &Value) -> Result<Option<Arc<Grammar>>, ApiError> {
+    let bad = |m: String| ApiError::bad("response_format", format!("response_format: {m}"));
+    let kind = f
+        .get("type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("an object with a type (text, json_object, json_schema)".into()))?;
+    if let Some(k) = f.as_object().and_then(|o| {
+        o.keys()
+            .find(|k| !matches!(k.as_str(), "type" | "json_schema"))
+    }) {
+        return Err(bad(format!("unknown field `{k}`")));
+    }
+    match kind {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(Arc::new(Grammar::json_object()))),
+        "json_schema" => {
+            let js = f
+                .get("json_schema")
+                .and_then(Value::as_object)
+                .ok_or_else(|| bad("json_schema: an object with name and schema".into()))?;
+            if let Some(k) = js
+                .keys()
+                .find(|k| !matches!(k.as_str(), "name" | "schema" | "strict" | "description"))
+            {
+                return Err(bad(format!("json_schema: unknown field `{k}`")));
+            }
+            match js.get("name").and_then(Value::as_str) {
+                Some(n) if !n.is_empty() && n.len() <= 64 => {}
+                _ => return Err(bad("json_schema.name: a name of 1 to 64 characters".into())),
+            }
+            // No schema: any JSON value.
+            let grammar = match js.get("schema") {
+                None | Some(Value::Null) => Grammar::json_value(),
+                Some(s) => Grammar::from_schema(s).map_err(|e| bad(format!("json_schema.{e}")))?,
+            };
+            Ok(Some(Arc::new(grammar)))
+        }
+        other => Err(bad(format!(
+            "type `{other}` is not supported (text, json_object, json_schema)"
+        ))),
+    }
 }
 
 async fn chat_completions(
@@ -741,6 +886,8 @@ async fn respond(
         max_tokens: c.max_tokens,
         sampler: c.sampler,
         stop: c.stop,
+        logprobs: c.logprobs,
+        grammar: c.grammar,
         events: tx,
         slot,
     };
@@ -776,18 +923,24 @@ async fn respond(
         created,
         model: app.model_id.clone(),
         chat,
+        logprobs: c.logprobs.is_some(),
+        tokens: app.tokens.clone(),
     };
     if !c.stream {
         let mut text = String::new();
+        let mut lps = Vec::new();
         loop {
             match rx.recv().await {
-                Some(Event::Text(t)) => text.push_str(&t),
+                Some(Event::Text(t, lp)) => {
+                    text.push_str(&t);
+                    lps.extend(lp);
+                }
                 Some(Event::Done {
                     finish,
                     completion_tokens,
                 }) => {
                     let usage = usage(prompt_tokens, completion_tokens);
-                    return Json(shape.whole(&text, finish, usage)).into_response();
+                    return Json(shape.whole(&text, &lps, finish, usage)).into_response();
                 }
                 Some(Event::Failed(e)) => return e.into_response(),
                 Some(Event::Started { .. }) | None => return no_answer(),
@@ -814,6 +967,9 @@ struct Shape {
     created: u64,
     model: String,
     chat: bool,
+    /// Whether the request asked for log-probabilities.
+    logprobs: bool,
+    tokens: Arc<Vec<(String, Vec<u8>)>>,
 }
 
 impl Shape {
@@ -835,21 +991,84 @@ impl Shape {
         })
     }
 
-    fn whole(&self, text: &str, finish: &str, usage: Value) -> Value {
+    fn whole(&self, text: &str, lps: &[TokenLogprob], finish: &str, usage: Value) -> Value {
         let mut v = self.head(false);
+        let logprobs = self.logprobs_json(lps, 0);
         v["choices"] = match self.chat {
             true => json!([{ "index": 0, "message": { "role": "assistant", "content": text },
-                "logprobs": null, "finish_reason": finish }]),
-            false => json!([{ "index": 0, "text": text, "logprobs": null,
+                "logprobs": logprobs, "finish_reason": finish }]),
+            false => json!([{ "index": 0, "text": text, "logprobs": logprobs,
                 "finish_reason": finish }]),
         };
         v["usage"] = usage;
         v
     }
 
+    /// A token's text and bytes.
+    fn token(&self, id: u32) -> (&str, &[u8]) {
+        self.tokens
+            .get(id as usize)
+            .map_or(("", &[][..]), |(t, b)| (t.as_str(), b.as_slice()))
+    }
+
+    /// Log-probabilities in the endpoint's shape (null unless asked for): chat's
+    /// `{"content": [{token, logprob, bytes, top_logprobs}]}`, or text completions'
+    /// `{tokens, token_logprobs, top_logprobs, text_offset}`, offsets from `offset`
+    /// bytes into the answer. -inf (a banned token) is written -9999 as OpenAI does.
+    fn logprobs_json(&self, lps: &[TokenLogprob], offset: usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        let lp = |x: f32| x.max(-9999.0);
+        if self.chat {
+            let content: Vec<Value> = lps
+                .iter()
+                .map(|e| {
+                    let (t, b) = self.token(e.id);
+                    let top: Vec<Value> = e
+                        .top
+                        .iter()
+                        .map(|&(id, l)| {
+                            let (t, b) = self.token(id);
+                            json!({ "token": t, "logprob": lp(l), "bytes": b })
+                        })
+                        .collect();
+                    json!({ "token": t, "logprob": lp(e.logprob), "bytes": b, "top_logprobs": top })
+                })
+                .collect();
+            return json!({ "content": content, "refusal": null });
+        }
+        let mut at = offset;
+        let mut tokens = Vec::new();
+        let mut token_logprobs = Vec::new();
+        let mut top = Vec::new();
+        let mut offsets = Vec::new();
+        for e in lps {
+            let (t, b) = self.token(e.id);
+            tokens.push(json!(t));
+            token_logprobs.push(json!(lp(e.logprob)));
+            let mut m = serde_json::Map::new();
+            for &(id, l) in &e.top {
+                m.entry(self.token(id).0.to_string())
+                    .or_insert(json!(lp(l)));
+            }
+            top.push(Value::Object(m));
+            offsets.push(json!(at));
+            at += b.len();
+        }
+        json!({ "tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets })
+    }
+
     /// A chunk of text (chat: a delta; `first` also carries the role), or the last one
     /// with its finish reason.
-    fn chunk(&self, text: Option<&str>, first: bool, finish: Option<&str>) -> Value {
+    fn chunk(
+        &self,
+        text: Option<&str>,
+        first: bool,
+        finish: Option<&str>,
+        logprobs: Value,
+    ) -> Value {
         let mut v = self.head(true);
         let choice = match self.chat {
             true => {
@@ -860,9 +1079,9 @@ impl Shape {
                 if let Some(t) = text {
                     delta["content"] = t.into();
                 }
-                json!({ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish })
+                json!({ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish })
             }
-            false => json!({ "index": 0, "text": text.unwrap_or(""), "logprobs": null,
+            false => json!({ "index": 0, "text": text.unwrap_or(""), "logprobs": logprobs,
                 "finish_reason": finish }),
         };
         v["choices"] = json!([choice]);
@@ -892,12 +1111,15 @@ fn async_stream(
         first: bool,
         pending: std::collections::VecDeque<String>,
         ended: bool,
+        /// Bytes of text sent (text completions' logprob offsets).
+        sent: usize,
     }
     let st = St {
         rx,
         shape,
         prompt_tokens,
         include_usage,
+        sent: 0,
         first: true,
         pending: Default::default(),
         ended: false,
@@ -912,20 +1134,22 @@ fn async_stream(
             }
             if st.first && st.shape.chat {
                 st.first = false;
-                let c = st.shape.chunk(Some(""), true, None);
+                let c = st.shape.chunk(Some(""), true, None, Value::Null);
                 st.pending.push_back(c.to_string());
                 continue;
             }
             match st.rx.recv().await {
-                Some(Event::Text(t)) => {
-                    let c = st.shape.chunk(Some(&t), false, None);
+                Some(Event::Text(t, lp)) => {
+                    let lps = st.shape.logprobs_json(&lp, st.sent);
+                    st.sent += t.len();
+                    let c = st.shape.chunk(Some(&t), false, None, lps);
                     st.pending.push_back(c.to_string());
                 }
                 Some(Event::Done {
                     finish,
                     completion_tokens,
                 }) => {
-                    let c = st.shape.chunk(None, false, Some(finish));
+                    let c = st.shape.chunk(None, false, Some(finish), Value::Null);
                     st.pending.push_back(c.to_string());
                     if st.include_usage {
                         let mut u = st.shape.head(true);
@@ -963,12 +1187,21 @@ impl Drop for Slot {
 
 /// One request on the worker ([`generate_job`]), its place given back and the model
 /// marked idle before its last event goes out.
-fn run_job(gpu: &Gpu, model: &Model, session: &mut Session<'_>, job: Job, stats: &Stats) {
+fn run_job(
+    gpu: &Gpu,
+    model: &Model,
+    session: &mut Session<'_>,
+    job: Job,
+    stats: &Stats,
+    trie: &mut Option<Arc<TokenTrie>>,
+) {
     let Job {
         prompt,
         max_tokens,
         sampler,
         stop,
+        logprobs,
+        grammar,
         events,
         slot,
     } = job;
@@ -978,11 +1211,13 @@ fn run_job(gpu: &Gpu, model: &Model, session: &mut Session<'_>, job: Job, stats:
         max_tokens,
         sampler,
         stop,
+        logprobs,
+        grammar,
     };
     // A client that left while its request waited costs nothing more.
     let last = match events.is_closed() {
         true => None,
-        false => generate_job(gpu, model, session, ask, &events, stats),
+        false => generate_job(gpu, model, session, ask, &events, stats, trie),
     };
     drop(slot);
     stats.kv_tokens.store(0, Ordering::SeqCst);
@@ -998,6 +1233,8 @@ struct Ask {
     max_tokens: Option<usize>,
     sampler: SamplerConfig,
     stop: Vec<String>,
+    logprobs: Option<usize>,
+    grammar: Option<Arc<Grammar>>,
 }
 
 /// The prompt rendered and checked against the context, then the generation from an empty
@@ -1010,6 +1247,7 @@ fn generate_job(
     ask: Ask,
     events: &tmpsc::UnboundedSender<Event>,
     stats: &Stats,
+    trie: &mut Option<Arc<TokenTrie>>,
 ) -> Option<Event> {
     let fail = |e: ApiError| Some(Event::Failed(e));
     let (text, special, param) = match &ask.prompt {
@@ -1070,10 +1308,21 @@ fn generate_job(
         stop_strings: ask.stop,
     };
     let mut sampler = Sampler::new(ask.sampler);
+    if let Some(n) = ask.logprobs {
+        sampler = sampler.with_logprobs(n);
+    }
+    if let Some(g) = ask.grammar {
+        // The vocabulary's trie: built for the first request that needs it.
+        let trie = trie
+            .get_or_insert_with(|| Arc::new(TokenTrie::new(&model.tokenizer)))
+            .clone();
+        let c = JsonConstraint::new(g, trie, opts.stop_tokens.clone());
+        sampler = sampler.with_constraint(Box::new(c));
+    }
     let t0 = Instant::now();
-    let result = session.generate(gpu, &ids, &opts, &mut sampler, &mut |piece| {
+    let result = session.generate_pieces(gpu, &ids, &opts, &mut sampler, &mut |piece| {
         events
-            .send(Event::Text(piece.to_string()))
+            .send(Event::Text(piece.text.to_string(), piece.logprobs.to_vec()))
             .map_err(|_| Error::Invalid {
                 op: "serve",
                 detail: "the client went away".into(),

@@ -75,6 +75,7 @@ impl GenerateOptions {
             repeat_penalty: self.repeat_penalty,
             repeat_last_n: self.repeat_last_n,
             seed: self.seed,
+            ..Default::default()
         }
     }
 }

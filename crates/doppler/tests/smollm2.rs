@@ -326,3 +326,59 @@ fn lora_logits_match_peft() {
     eprintln!("the adapter moves the top logits by up to {moved:.3}");
     assert!(moved > 100.0 * LORA_TOL, "{moved}");
 }
+
+/// Token bytes spell the text back; the JSON constraint over the real vocabulary allows
+/// only tokens that keep the text valid, and finds them quickly.
+#[test]
+fn token_bytes_and_the_json_constraint_over_the_vocabulary() {
+    use doppler::infer::grammar::{Grammar, JsonConstraint, TokenTrie};
+    use doppler::infer::sample::TokenConstraint;
+    use std::sync::Arc;
+    let tk = &model().tokenizer;
+    let text = "Héllo, wörld! 😀 {\"a\": [1, 2]}\n\ttabs";
+    let ids = tk.encode(text, false).unwrap();
+    let bytes: Vec<u8> = ids
+        .iter()
+        .flat_map(|&i| tk.token_bytes(i).to_vec())
+        .collect();
+    assert_eq!(bytes, text.as_bytes());
+    let t0 = std::time::Instant::now();
+    let trie = Arc::new(TokenTrie::new(tk));
+    eprintln!("trie {:?}", t0.elapsed());
+    let stop = vec![tk.eos.unwrap()];
+    let mut c = JsonConstraint::new(Arc::new(Grammar::json_object()), trie.clone(), stop.clone());
+    let v = tk.vocab_size();
+    // Walk: at each step the first allowed token of a fixed preference list, else the
+    // lowest allowed id; the text stays a prefix of valid JSON and ends whole.
+    let prefer: Vec<u32> = tk
+        .encode("{\"name\": \"Zoë\", \"n\": [1, 2.5], \"ok\": true}", false)
+        .unwrap();
+    let mut out: Vec<u8> = Vec::new();
+    let mut worst = std::time::Duration::ZERO;
+    for step in 0..200 {
+        let mut allowed = vec![false; v];
+        let t = std::time::Instant::now();
+        c.allowed(&mut allowed);
+        worst = worst.max(t.elapsed());
+        let next = prefer
+            .get(step)
+            .copied()
+            .filter(|&p| allowed[p as usize])
+            .or_else(|| allowed.iter().position(|&a| a).map(|i| i as u32))
+            .unwrap();
+        if stop.contains(&next) {
+            break;
+        }
+        // A stop token is allowed exactly when the text is whole.
+        assert_eq!(allowed[stop[0] as usize], c.complete());
+        c.accept(next);
+        out.extend_from_slice(tk.token_bytes(next));
+    }
+    eprintln!(
+        "worst allowed() {worst:?}: {}",
+        String::from_utf8_lossy(&out)
+    );
+    assert!(c.complete());
+    let parsed: Value = serde_json::from_slice(&out).expect("the walk's text parses");
+    assert!(parsed.is_object());
+}

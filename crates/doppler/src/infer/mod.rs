@@ -2,6 +2,7 @@
 //! keeps a conversation's keys and values on the GPU and generates from it.
 
 pub mod chat;
+pub mod grammar;
 pub mod greedy;
 pub mod sample;
 pub mod tokenizer;
@@ -17,7 +18,7 @@ use crate::models::llama::{self, Llama};
 use crate::ops::kvcache::KvCache;
 use chat::Template;
 use greedy::GreedyDecoder;
-use sample::Sampler;
+use sample::{Sampler, TokenLogprob};
 use tokenizer::Tokenizer;
 
 /// Prompt tokens run per forward step (bounds the activations a long prompt needs).
@@ -279,11 +280,20 @@ pub enum StopReason {
     Context,
 }
 
+/// A piece of generated text and the log-probabilities of the tokens chosen since the
+/// piece before.
+pub struct Piece<'a> {
+    pub text: &'a str,
+    pub logprobs: &'a [TokenLogprob],
+}
+
 /// What one generation produced and how long it took.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Generation {
     pub prompt_tokens: usize,
     pub tokens: Vec<u32>,
+    /// Each of `tokens`' log-probabilities (a sampler [`Sampler::with_logprobs`]).
+    pub logprobs: Vec<TokenLogprob>,
     pub text: String,
     pub stop: StopReason,
     /// The last sampled token when it was not run through the model: the stop token, or
@@ -417,9 +427,9 @@ impl<'m> Session<'m> {
     /// stop string). The last sampled token is not run through the model (see
     /// [`Generation::stop_token`]); every other one is in the cache afterwards.
     ///
-    /// A plain greedy sampler (temperature 0, no repetition penalty) picks on the GPU and
-    /// runs each token's step before the host has read it ([`GreedyDecoder`]); a stop
-    /// token found that way is taken back out of the cache.
+    /// A plain greedy sampler ([`Sampler::plain_greedy`]) picks on the GPU and runs each
+    /// token's step before the host has read it ([`GreedyDecoder`]); a stop token found
+    /// that way is taken back out of the cache.
     pub async fn generate_async(
         &mut self,
         gpu: &Gpu,
@@ -428,8 +438,36 @@ impl<'m> Session<'m> {
         sampler: &mut Sampler,
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<Generation> {
+        self.generate_pieces_async(gpu, prompt, opts, sampler, &mut |p| on_text(p.text))
+            .await
+    }
+
+    /// Blocking [`Session::generate_pieces_async`].
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn generate_pieces(
+        &mut self,
+        gpu: &Gpu,
+        prompt: &[u32],
+        opts: &GenOptions,
+        sampler: &mut Sampler,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> Result<()>,
+    ) -> Result<Generation> {
+        pollster::block_on(self.generate_pieces_async(gpu, prompt, opts, sampler, on_piece))
+    }
+
+    /// [`Session::generate_async`], each piece of text with the log-probabilities of the
+    /// tokens chosen since the piece before (a sampler [`Sampler::with_logprobs`]; none
+    /// for tokens whose text a stop string cut off).
+    pub async fn generate_pieces_async(
+        &mut self,
+        gpu: &Gpu,
+        prompt: &[u32],
+        opts: &GenOptions,
+        sampler: &mut Sampler,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> Result<()>,
+    ) -> Result<Generation> {
         let t0 = Instant::now();
-        let gpu_greedy = sampler.cfg.temperature == 0.0 && sampler.cfg.repeat_penalty == 1.0;
+        let gpu_greedy = sampler.plain_greedy();
         let mut dec = None;
         let mut logits = Vec::new();
         if gpu_greedy {
@@ -447,6 +485,7 @@ impl<'m> Session<'m> {
         let mut out = Generation {
             prompt_tokens: prompt.len(),
             tokens: Vec::new(),
+            logprobs: Vec::new(),
             text: String::new(),
             stop: StopReason::Length,
             stop_token: None,
@@ -455,6 +494,16 @@ impl<'m> Session<'m> {
         };
         let tk = &self.model.tokenizer;
         let mut sent = 0;
+        // out.logprobs[..lp_sent] went out with a piece.
+        let mut lp_sent = 0;
+        let mut emit = |text: &str, lps: &[TokenLogprob], lp_sent: &mut usize| {
+            let r = on_piece(Piece {
+                text,
+                logprobs: &lps[*lp_sent..],
+            });
+            *lp_sent = lps.len();
+            r
+        };
         let mut t = Instant::now();
         for i in 0..opts.max_tokens {
             // Whether this token will run through the model unless it stops generation.
@@ -490,6 +539,7 @@ impl<'m> Session<'m> {
                 self.tokens.push(next);
             }
             out.tokens.push(next);
+            out.logprobs.extend(sampler.take_logprob());
             let text = tk.decode(&out.tokens);
             if let Some(at) = opts
                 .stop_strings
@@ -499,7 +549,7 @@ impl<'m> Session<'m> {
             {
                 // Text already sent held back any start of a stop string, so at >= sent.
                 if at > sent && text.is_char_boundary(sent) {
-                    on_text(&text[sent..at])?;
+                    emit(&text[sent..at], &out.logprobs, &mut lp_sent)?;
                 }
                 out.text = text[..at].to_string();
                 out.stop = StopReason::String;
@@ -510,7 +560,7 @@ impl<'m> Session<'m> {
             }
             let safe = safe_prefix(&text, &opts.stop_strings);
             if safe > sent && text.is_char_boundary(sent) {
-                on_text(&text[sent..safe])?;
+                emit(&text[sent..safe], &out.logprobs, &mut lp_sent)?;
                 sent = safe;
             }
             out.text = text;
@@ -527,8 +577,10 @@ impl<'m> Session<'m> {
                 logits = self.feed_async(gpu, &[next]).await?;
             }
         }
-        if sent < out.text.len() && out.text.is_char_boundary(sent) {
-            on_text(&out.text[sent..])?;
+        if (sent < out.text.len() || lp_sent < out.logprobs.len())
+            && out.text.is_char_boundary(sent)
+        {
+            emit(&out.text[sent..], &out.logprobs, &mut lp_sent)?;
         }
         Ok(out)
     }

@@ -1,6 +1,10 @@
-//! Choosing the next token from logits, in llama.cpp's order: repetition penalty, top-k,
-//! top-p, min-p, temperature, then a draw from the distribution (or the argmax when the
-//! temperature is 0). Seeded: the same logits, history and seed give the same tokens.
+//! Choosing the next token from logits: a constraint's mask (e.g. a JSON grammar), the
+//! logit bias, the repetition penalty (llama.cpp's), presence and frequency penalties
+//! (OpenAI's), then in llama.cpp's order top-k, top-p, min-p, temperature and a draw from
+//! the distribution (or the argmax when the temperature is 0). Seeded: the same logits,
+//! history and seed give the same tokens. Optionally the chosen token's log-probability
+//! and the most likely alternatives, from the model's logits as they came (before any of
+//! the above, as vLLM reports them by default).
 
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct SamplerConfig {
@@ -16,6 +20,15 @@ pub struct SamplerConfig {
     pub repeat_penalty: f32,
     /// How many recent tokens the penalty looks at.
     pub repeat_last_n: usize,
+    /// OpenAI's presence penalty: subtracted from the logit of every token this sampler
+    /// has chosen before (0: off; OpenAI allows -2..2).
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty: subtracted once for each time this sampler chose the
+    /// token before (0: off).
+    pub frequency_penalty: f32,
+    /// Added to the logits of these tokens before anything else (OpenAI's logit_bias:
+    /// -100 bans a token, 100 all but forces it).
+    pub logit_bias: Vec<(u32, f32)>,
     pub seed: u64,
 }
 
@@ -28,6 +41,9 @@ impl Default for SamplerConfig {
             min_p: 0.05,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
             seed: 0,
         }
     }
@@ -61,19 +77,133 @@ impl SamplerConfig {
                 self.repeat_penalty
             ));
         }
+        for (name, v) in [
+            ("presence penalty", self.presence_penalty),
+            ("frequency penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(format!("{name} {v} must be in [-2, 2]"));
+            }
+        }
+        if let Some((t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return Err(format!(
+                "logit bias {b} of token {t} must be in [-100, 100]"
+            ));
+        }
         Ok(())
+    }
+}
+
+/// What may come next, checked token by token (a grammar: see `infer::grammar`).
+pub trait TokenConstraint {
+    /// Marks in `allowed` (one flag a vocabulary entry, all false on entry) the tokens that
+    /// may come next. At least one: where nothing else can, a stop token.
+    fn allowed(&mut self, allowed: &mut [bool]);
+    /// Takes the token chosen.
+    fn accept(&mut self, id: u32);
+}
+
+/// A chosen token's log-probability and, when asked, the most likely tokens' (most
+/// likely first, equal ones by id), from the model's logits.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// log softmax of `logits` at `id` and the `top` most likely (f64 sums; non-finite logits
+/// have probability 0: -inf).
+pub fn logprobs(logits: &[f32], id: u32, top: usize) -> TokenLogprob {
+    let m = logits
+        .iter()
+        .filter(|v| v.is_finite())
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let z: f64 = logits
+        .iter()
+        .filter(|v| v.is_finite())
+        .map(|&v| (v as f64 - m).exp())
+        .sum();
+    let lse = m + z.ln();
+    let lp = |i: usize| match logits.get(i) {
+        Some(v) if v.is_finite() => (*v as f64 - lse) as f32,
+        _ => f32::NEG_INFINITY,
+    };
+    let mut best: Vec<(u32, f32)> = Vec::new();
+    if top > 0 {
+        let mut all: Vec<(u32, f32)> = (0..logits.len()).map(|i| (i as u32, lp(i))).collect();
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let k = top.min(all.len());
+        if k < all.len() {
+            all.select_nth_unstable_by(k - 1, order);
+            all.truncate(k);
+        }
+        all.sort_by(order);
+        best = all;
+    }
+    TokenLogprob {
+        id,
+        logprob: lp(id as usize),
+        top: best,
     }
 }
 
 pub struct Sampler {
     pub cfg: SamplerConfig,
     state: u64,
+    /// How often this sampler chose each token (presence and frequency penalties).
+    counts: std::collections::HashMap<u32, u32>,
+    constraint: Option<Box<dyn TokenConstraint>>,
+    /// Some(n): each choice's log-probability and the n most likely.
+    logprobs: Option<usize>,
+    last: Option<TokenLogprob>,
 }
 
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Sampler {
         let state = cfg.seed ^ 0x9E37_79B9_7F4A_7C15;
-        Sampler { cfg, state }
+        Sampler {
+            cfg,
+            state,
+            counts: Default::default(),
+            constraint: None,
+            logprobs: None,
+            last: None,
+        }
+    }
+
+    /// Only tokens `c` allows are chosen.
+    pub fn with_constraint(mut self, c: Box<dyn TokenConstraint>) -> Sampler {
+        self.constraint = Some(c);
+        self
+    }
+
+    /// Each choice's log-probability and the `top` most likely ([`Sampler::take_logprob`]).
+    pub fn with_logprobs(mut self, top: usize) -> Sampler {
+        self.logprobs = Some(top);
+        self
+    }
+
+    /// Whether the choices need nothing but the argmax of the logits (which the GPU can
+    /// take without the host reading them).
+    pub fn plain_greedy(&self) -> bool {
+        let c = &self.cfg;
+        c.temperature == 0.0
+            && c.repeat_penalty == 1.0
+            && c.presence_penalty == 0.0
+            && c.frequency_penalty == 0.0
+            && c.logit_bias.is_empty()
+            && self.constraint.is_none()
+            && self.logprobs.is_none()
+    }
+
+    /// The last choice's log-probabilities (with [`Sampler::with_logprobs`]).
+    pub fn take_logprob(&mut self) -> Option<TokenLogprob> {
+        self.last.take()
     }
 
     /// splitmix64: a uniform draw in [0, 1) with 53 bits.
@@ -87,24 +217,58 @@ impl Sampler {
     }
 
     /// The next token given `logits` (V) and the tokens so far. Non-finite logits are
-    /// never chosen; if none is finite, token 0.
+    /// never chosen; if none is finite, token 0 (or the constraint's first allowed).
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let id = self.choose(logits, history);
+        if let Some(top) = self.logprobs {
+            self.last = Some(logprobs(logits, id, top));
+        }
+        if let Some(c) = &mut self.constraint {
+            c.accept(id);
+        }
+        *self.counts.entry(id).or_insert(0) += 1;
+        id
+    }
+
+    fn choose(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let mut mask = None;
+        if let Some(con) = &mut self.constraint {
+            let mut allowed = vec![false; logits.len()];
+            con.allowed(&mut allowed);
+            mask = Some(allowed);
+        }
+        let ok = |i: usize| mask.as_ref().is_none_or(|m| m[i]);
         let c = &self.cfg;
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
-            .filter(|(_, v)| v.is_finite())
+            .filter(|&(i, v)| v.is_finite() && ok(i))
             .map(|(i, &v)| (i as u32, v))
             .collect();
         if cand.is_empty() {
-            return 0;
+            // Nothing finite the constraint allows: its first allowed token.
+            return mask.and_then(|m| m.iter().position(|&a| a)).unwrap_or(0) as u32;
+        }
+        // (cand is in id order until the cut below.)
+        for &(t, b) in &c.logit_bias {
+            if let Ok(i) = cand.binary_search_by_key(&t, |e| e.0) {
+                cand[i].1 += b;
+            }
+        }
+        if c.presence_penalty != 0.0 || c.frequency_penalty != 0.0 {
+            for (&t, &n) in &self.counts {
+                if let Ok(i) = cand.binary_search_by_key(&t, |e| e.0) {
+                    cand[i].1 -= c.presence_penalty + c.frequency_penalty * n as f32;
+                }
+            }
         }
         if c.repeat_penalty != 1.0 {
             let recent = &history[history.len().saturating_sub(c.repeat_last_n)..];
             let mut seen = std::collections::HashSet::new();
             for &t in recent {
                 if seen.insert(t) {
-                    if let Some(e) = cand.iter_mut().find(|e| e.0 == t) {
+                    if let Ok(i) = cand.binary_search_by_key(&t, |e| e.0) {
+                        let e = &mut cand[i];
                         e.1 = if e.1 > 0.0 {
                             e.1 / c.repeat_penalty
                         } else {
@@ -230,5 +394,66 @@ mod tests {
                 (0..500).map(|_| s.sample(&logits, &[])).collect();
             assert_eq!(seen.into_iter().collect::<Vec<_>>(), [0, 1]);
         }
+    }
+
+    #[test]
+    fn presence_frequency_penalties_and_logit_bias() {
+        let logits = [2.0f32, 1.5, 0.0];
+        let run = |cfg: SamplerConfig| {
+            let mut s = Sampler::new(cfg);
+            (0..4).map(|_| s.sample(&logits, &[])).collect::<Vec<_>>()
+        };
+        let g = SamplerConfig::greedy;
+        // Frequency 1: each use costs 1 (2.0 -> 1.0 < 1.5, then 0.5 < 1.0, ...).
+        let f = run(SamplerConfig {
+            frequency_penalty: 1.0,
+            ..g()
+        });
+        assert_eq!(f, [0, 1, 0, 1]);
+        // Presence 1: once, whatever the count (1.0 vs 0.5 after both were used).
+        let p = run(SamplerConfig {
+            presence_penalty: 1.0,
+            ..g()
+        });
+        assert_eq!(p, [0, 1, 0, 0]);
+        let b = run(SamplerConfig {
+            logit_bias: vec![(2, 2.5)],
+            ..g()
+        });
+        assert_eq!(b, [2, 2, 2, 2]);
+        assert!(SamplerConfig {
+            frequency_penalty: 2.5,
+            ..g()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplerConfig {
+            logit_bias: vec![(1, -101.0)],
+            ..g()
+        }
+        .validate()
+        .is_err());
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_and_the_top_in_order() {
+        let logits = [1.0f32, 3.0, f32::NEG_INFINITY, 3.0, -2.0];
+        let lp = logprobs(&logits, 0, 3);
+        let z: f64 = [1.0f64, 3.0, 3.0, -2.0].iter().map(|v| v.exp()).sum();
+        assert!((lp.logprob as f64 - (1.0 - z.ln())).abs() < 1e-6);
+        // Ties by id; -inf last.
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3, 0]);
+        assert_eq!(logprobs(&logits, 2, 0).logprob, f32::NEG_INFINITY);
+        // The sampler reports what it chose, from the logits before penalties and masks.
+        let mut s = Sampler::new(SamplerConfig {
+            logit_bias: vec![(4, 10.0)],
+            ..SamplerConfig::greedy()
+        })
+        .with_logprobs(1);
+        assert!(!s.plain_greedy());
+        assert_eq!(s.sample(&logits, &[]), 4);
+        let t = s.take_logprob().unwrap();
+        assert_eq!((t.id, t.top[0].0), (4, 1));
+        assert!((t.logprob as f64 - (-2.0 - z.ln())).abs() < 1e-6);
     }
 }

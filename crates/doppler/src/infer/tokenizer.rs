@@ -43,6 +43,11 @@ pub struct Tokenizer {
     pub add_bos: bool,
     /// Control tokens by text, matched in text when special tokens are parsed.
     specials: BTreeMap<String, u32>,
+    /// Pieces spell bytes in GPT-2's byte-to-character alphabet (byte-level BPE); else
+    /// they are text with U+2581 for a space and `<0xXX>` byte tokens (SentencePiece).
+    byte_level: bool,
+    /// Each token's bytes, worked out on first use ([`Tokenizer::token_bytes`]).
+    bytes: std::sync::OnceLock<Vec<Vec<u8>>>,
 }
 
 enum Kind {
@@ -174,6 +179,8 @@ impl Tokenizer {
             eos,
             add_bos,
             specials,
+            byte_level: model == "gpt2",
+            bytes: Default::default(),
         })
     }
 
@@ -228,6 +235,11 @@ impl Tokenizer {
             .get("add_bos_token")
             .and_then(|v| v.as_bool())
             .unwrap_or(false);
+        let byte_level = matches!(tk.get_decoder(), Some(DecoderWrapper::ByteLevel(_)))
+            || matches!(
+                tk.get_pre_tokenizer(),
+                Some(PreTokenizerWrapper::ByteLevel(_))
+            );
         Ok(Tokenizer {
             kind: Kind::Bpe(Box::new(tk)),
             pieces,
@@ -235,6 +247,8 @@ impl Tokenizer {
             eos,
             add_bos,
             specials,
+            byte_level,
+            bytes: Default::default(),
         })
     }
 
@@ -334,6 +348,63 @@ impl Tokenizer {
     pub fn piece(&self, id: u32) -> Option<&str> {
         self.pieces.get(id as usize).map(String::as_str)
     }
+
+    /// Whether `id` is a control token (`<|im_end|>`, ...): never part of plain text.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.pieces
+            .get(id as usize)
+            .is_some_and(|p| self.specials.get(p) == Some(&id))
+    }
+
+    /// The bytes token `id` adds to the text (a control token: its text; a byte-level
+    /// token may hold part of a UTF-8 character). Empty for an id past the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        let all = self.bytes.get_or_init(|| {
+            let unbyte = byte_level_inverse();
+            (0..self.pieces.len() as u32)
+                .map(|i| {
+                    let p = &self.pieces[i as usize];
+                    if self.is_special(i) {
+                        return p.as_bytes().to_vec();
+                    }
+                    if let Some(b) = p
+                        .strip_prefix("<0x")
+                        .and_then(|h| h.strip_suffix('>'))
+                        .filter(|h| h.len() == 2 && !self.byte_level)
+                        .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    {
+                        return vec![b];
+                    }
+                    if self.byte_level {
+                        if let Some(b) = p.chars().map(|c| unbyte.get(&c).copied()).collect() {
+                            return b;
+                        }
+                    }
+                    p.replace('\u{2581}', " ").into_bytes()
+                })
+                .collect()
+        });
+        all.get(id as usize).map_or(&[], Vec::as_slice)
+    }
+}
+
+/// GPT-2's byte-level alphabet backwards: the character that stands for each byte -> the
+/// byte (printable Latin-1 bytes stand for themselves, the others for U+0100 onwards).
+fn byte_level_inverse() -> HashMap<char, u8> {
+    let mut out = HashMap::new();
+    let mut n = 0u32;
+    for b in 0..=255u8 {
+        let shown = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        let c = match shown {
+            true => b as u32,
+            false => {
+                n += 1;
+                255 + n
+            }
+        };
+        out.insert(char::from_u32(c).unwrap_or('?'), b);
+    }
+    out
 }
 
 fn byte_level_bpe(
