@@ -323,3 +323,75 @@ def test_json_mode_and_json_schema_parse(client):
             client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2,
                                            response_format=fmt)
         assert e.value.body["param"] == "response_format" and word in e.value.body["message"]
+
+
+def test_load_every_answer_equals_the_request_alone():
+    """16 concurrent streams, 64 requests (chat and text, greedy and seeded, every 10th
+    cancelled after its first chunk): each finished answer, text and log-probabilities, is
+    bit for bit the same request's answer when it runs alone; afterwards nothing is held."""
+    proc, host, port = start("--queue", "64")
+    try:
+        c = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="-", max_retries=0,
+                          timeout=600)
+        prompts = ["Count to five.", "Name a colour.", "One, two,", "Hello in Spanish:"]
+
+        # Short prompts and answers: lavapipe runs a request in about a second.
+        def ask(i):
+            a = dict(model="smollm2", max_tokens=1 + i % 3, logprobs=True,
+                     temperature=0 if i % 2 else 0.8, seed=i)
+            if i % 4 == 1:
+                a["messages"] = [{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": prompts[i % 4]}]
+            else:
+                a["prompt"] = prompts[i % 4]
+                a["logprobs"] = 1
+            return a
+
+        def run(i, cancel=False):
+            a = ask(i)
+            chat = "messages" in a
+            make = c.chat.completions.create if chat else c.completions.create
+            if a.get("logprobs") is True:
+                a["top_logprobs"] = 1
+            stream = make(stream=True, **a)
+            text, lps = "", []
+            for n, ch in enumerate(stream):
+                if cancel and n >= 1:
+                    stream.close()
+                    return None
+                if not ch.choices:
+                    continue
+                choice = ch.choices[0]
+                if chat:
+                    text += choice.delta.content or ""
+                    if choice.logprobs and choice.logprobs.content:
+                        lps += [(t.token, t.logprob) for t in choice.logprobs.content]
+                else:
+                    text += choice.text
+                    if choice.logprobs:
+                        lps += list(zip(choice.logprobs.tokens, choice.logprobs.token_logprobs))
+            return text, lps
+
+        results = {}
+
+        def worker(w):
+            for k in range(4):
+                i = w * 4 + k
+                results[i] = run(i, cancel=(i % 10 == 9))
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=900)
+        assert len(results) == 64
+        for i, got in sorted(results.items()):
+            if got is None:
+                continue
+            assert got == run(i), i
+        _, metrics = raw((host, port), "GET", "/metrics", headers={"Authorization": ""})
+        for name in ("queue_depth", "active_sequences", "kv_tokens_in_use"):
+            assert re.search(rf"^doppler_{name} 0$", metrics, re.M), (name, metrics)
+    finally:
+        proc.kill()
+        proc.wait()
