@@ -287,40 +287,57 @@ impl Sampler {
                 .map(|e| e.0)
                 .unwrap_or(0);
         }
+        // Without top-k or top-p the candidates stay in id order (no sort of the whole
+        // vocabulary); with them, most likely first.
         if c.top_k > 0 && c.top_k < cand.len() {
             cand.select_nth_unstable_by(c.top_k - 1, order);
             cand.truncate(c.top_k);
         }
-        cand.sort_by(order);
-        // Probabilities at temperature 1 for the top-p and min-p cuts (as llama.cpp).
-        let probs = |cand: &[(u32, f32)], temp: f32| -> Vec<f64> {
-            let m = cand[0].1 as f64;
-            let e: Vec<f64> = cand
-                .iter()
-                .map(|x| ((x.1 as f64 - m) / temp as f64).exp())
-                .collect();
-            let z: f64 = e.iter().sum();
-            e.into_iter().map(|v| v / z).collect()
-        };
+        if c.top_k > 0 {
+            cand.sort_unstable_by(order);
+        }
+        let max = |cand: &[(u32, f32)]| cand.iter().fold(f32::NEG_INFINITY, |m, e| m.max(e.1)) as f64;
         if c.top_p < 1.0 {
-            let p = probs(&cand, 1.0);
-            let mut acc = 0.0;
-            let keep = p.iter().position(|&q| {
-                acc += q;
-                acc >= c.top_p as f64
-            });
-            cand.truncate(keep.map_or(cand.len(), |k| k + 1));
+            // The smallest most-likely-first prefix whose probability (at temperature 1,
+            // as llama.cpp) reaches top_p: the best k found by selection and sorted, k
+            // growing until they hold that much.
+            let m = max(&cand);
+            let z: f64 = cand.iter().map(|x| (x.1 as f64 - m).exp()).sum();
+            let n = cand.len();
+            let mut k = 64.min(n);
+            loop {
+                if k < n {
+                    cand.select_nth_unstable_by(k - 1, order);
+                }
+                cand[..k].sort_unstable_by(order);
+                let mut acc = 0.0;
+                let keep = cand[..k].iter().position(|x| {
+                    acc += (x.1 as f64 - m).exp() / z;
+                    acc >= c.top_p as f64
+                });
+                match keep {
+                    Some(i) => {
+                        cand.truncate(i + 1);
+                        break;
+                    }
+                    None if k == n => break,
+                    None => k = (k * 4).min(n),
+                }
+            }
         }
         if c.min_p > 0.0 {
-            let p = probs(&cand, 1.0);
-            let cut = p[0] * c.min_p as f64;
-            let keep = p.iter().take_while(|&&q| q >= cut).count().max(1);
-            cand.truncate(keep);
+            // p / p_max >= min_p, on the logits (temperature 1); the most likely stays.
+            let cut = max(&cand) + (c.min_p as f64).ln();
+            cand.retain(|x| x.1 as f64 >= cut);
         }
-        let p = probs(&cand, c.temperature);
-        let r = self.uniform();
+        // The draw, in the candidates' order.
+        let m = max(&cand);
+        let t = c.temperature as f64;
+        let w: Vec<f64> = cand.iter().map(|x| ((x.1 as f64 - m) / t).exp()).collect();
+        let z: f64 = w.iter().sum();
+        let r = self.uniform() * z;
         let mut acc = 0.0;
-        for (i, q) in p.iter().enumerate() {
+        for (i, q) in w.iter().enumerate() {
             acc += q;
             if r < acc {
                 return cand[i].0;
@@ -455,5 +472,43 @@ mod tests {
         let t = s.take_logprob().unwrap();
         assert_eq!((t.id, t.top[0].0), (4, 1));
         assert!((t.logprob as f64 - (-2.0 - z.ln())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn top_p_over_a_large_vocabulary_is_the_sorted_nucleus() {
+        // 5000 logits from a fixed generator; the nucleus needs hundreds of tokens, past
+        // the first selection's 64.
+        let mut x = 12345u64;
+        let logits: Vec<f32> = (0..5000)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((x >> 33) as f32 / (1u64 << 31) as f32) * 4.0
+            })
+            .collect();
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let m = logits[idx[0]] as f64;
+        let z: f64 = logits.iter().map(|&l| (l as f64 - m).exp()).sum();
+        let mut acc = 0.0;
+        let n = idx
+            .iter()
+            .position(|&i| {
+                acc += (logits[i] as f64 - m).exp() / z;
+                acc >= 0.5
+            })
+            .unwrap()
+            + 1;
+        assert!(n > 256, "{n}");
+        let nucleus: std::collections::HashSet<u32> = idx[..n].iter().map(|&i| i as u32).collect();
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.5,
+            min_p: 0.0,
+            seed: 3,
+            ..Default::default()
+        });
+        let seen: std::collections::HashSet<u32> = (0..3000).map(|_| s.sample(&logits, &[])).collect();
+        assert!(seen.is_subset(&nucleus) && seen.len() > n / 2, "{} of {n}", seen.len());
     }
 }
