@@ -135,9 +135,44 @@ impl Grammar {
         let mut b = Builder {
             doc: schema,
             refs: BTreeMap::new(),
+            depth: 0,
         };
         g.root = b.compile(&mut g.nodes, schema, "schema")?;
+        g.check_cycles()?;
         Ok(g)
+    }
+
+    /// Refuses alternatives that lead back to themselves before any text (`$ref` cycles
+    /// through anyOf with no object or array between): they could never start a value.
+    fn check_cycles(&self) -> Result<(), String> {
+        // 0 unseen, 1 on the path, 2 done.
+        fn visit(nodes: &[Node], id: Id, mark: &mut [u8]) -> bool {
+            match mark[id as usize] {
+                1 => return false,
+                2 => return true,
+                _ => {}
+            }
+            mark[id as usize] = 1;
+            if let Node::AnyOf(alts) = &nodes[id as usize] {
+                for &a in alts {
+                    if !visit(nodes, a, mark) {
+                        return false;
+                    }
+                }
+            }
+            mark[id as usize] = 2;
+            true
+        }
+        let mut mark = vec![0u8; self.nodes.len()];
+        for id in 0..self.nodes.len() as Id {
+            if !visit(&self.nodes, id, &mut mark) {
+                return Err(
+                    "schema: a $ref leads back to itself with no object or array in between"
+                        .into(),
+                );
+            }
+        }
+        Ok(())
     }
 
     fn push(nodes: &mut Vec<Node>, n: Node) -> Id {
@@ -149,7 +184,12 @@ impl Grammar {
 struct Builder<'a> {
     doc: &'a Value,
     refs: BTreeMap<String, Id>,
+    /// Schemas being compiled, one inside the other (bounded: [`MAX_SCHEMA_DEPTH`]).
+    depth: usize,
 }
+
+/// Deepest nesting of schemas (through `$ref`s too) a grammar is compiled from.
+pub const MAX_SCHEMA_DEPTH: usize = 64;
 
 const ANNOTATIONS: &[&str] = &[
     "title",
@@ -170,6 +210,18 @@ const ANNOTATIONS: &[&str] = &[
 
 impl Builder<'_> {
     fn compile(&mut self, nodes: &mut Vec<Node>, s: &Value, at: &str) -> Result<Id, String> {
+        if self.depth >= MAX_SCHEMA_DEPTH {
+            return Err(format!(
+                "{at}: schemas nested deeper than {MAX_SCHEMA_DEPTH} (through $ref too)"
+            ));
+        }
+        self.depth += 1;
+        let r = self.compile_at(nodes, s, at);
+        self.depth -= 1;
+        r
+    }
+
+    fn compile_at(&mut self, nodes: &mut Vec<Node>, s: &Value, at: &str) -> Result<Id, String> {
         let obj = match s {
             Value::Bool(true) => return Ok(ANY),
             Value::Object(o) => o,
@@ -1225,9 +1277,20 @@ mod tests {
                 "`a`",
             ),
             (json!(3), "schema"),
+            // Left recursion: would never start a value.
+            (json!({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"}), "itself"),
+            (json!({"anyOf": [{"$ref": "#"}]}), "itself"),
         ] {
             let e = Grammar::from_schema(&s).unwrap_err();
             assert!(e.contains(word), "{s}: {e}");
         }
+        // A chain of 10,000 $refs: refused, not a stack overflow.
+        let mut defs = serde_json::Map::new();
+        for i in 0..10_000 {
+            defs.insert(format!("d{i}"), json!({"$ref": format!("#/$defs/d{}", i + 1)}));
+        }
+        defs.insert("d10000".into(), json!({"type": "null"}));
+        let e = Grammar::from_schema(&json!({"$defs": defs, "$ref": "#/$defs/d0"})).unwrap_err();
+        assert!(e.contains("nested deeper"), "{e}");
     }
 }
