@@ -161,6 +161,39 @@ pub struct GenerateArgs {
     /// Print one JSON object (text, tokens, timings) at the end instead of streaming.
     #[arg(long)]
     json: bool,
+    /// Constrain the answer to one JSON object (OpenAI's json_object mode).
+    #[arg(long, conflicts_with_all = ["checkpoint", "json_schema"])]
+    json_object: bool,
+    /// Constrain the answer to JSON following this JSON Schema: its text, or @FILE (the
+    /// subset `doppler::infer::grammar` enforces; other keywords are an error).
+    #[arg(long, value_name = "SCHEMA", conflicts_with = "checkpoint")]
+    json_schema: Option<String>,
+}
+
+/// `--json-object` / `--json-schema`: the grammar, compiled (an error names what it cannot
+/// express).
+fn grammar_of(args: &GenerateArgs) -> doppler::Result<Option<doppler::infer::grammar::Grammar>> {
+    use doppler::infer::grammar::Grammar;
+    if args.json_object {
+        return Ok(Some(Grammar::json_object()));
+    }
+    let Some(s) = &args.json_schema else {
+        return Ok(None);
+    };
+    let text = match s.strip_prefix('@') {
+        Some(path) => std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.to_string(),
+            source,
+        })?,
+        None => s.clone(),
+    };
+    let bad = |detail: String| Error::Invalid {
+        op: "--json-schema",
+        detail,
+    };
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    Grammar::from_schema(&v).map(Some).map_err(bad)
 }
 
 pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode> {
@@ -224,6 +257,12 @@ pub fn generate_cmd(gpu: &Gpu, args: &GenerateArgs) -> doppler::Result<ExitCode>
     let mut ids = model.prompt_ids(&text, special, true)?;
     if ids.is_empty() {
         ids.extend(tk.bos.or(tk.eos));
+    }
+    if let Some(g) = grammar_of(args)? {
+        use doppler::infer::grammar::{JsonConstraint, TokenTrie};
+        let trie = std::sync::Arc::new(TokenTrie::new(tk));
+        let c = JsonConstraint::new(std::sync::Arc::new(g), trie, model.stop_tokens());
+        sampler = sampler.with_constraint(Box::new(c));
     }
     let mut session =
         Session::with_cache_type(gpu, &model, args.ctx_size, args.cache_type.kv_type(gpu))?;

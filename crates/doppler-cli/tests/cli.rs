@@ -627,6 +627,61 @@ fn generate_from_a_model_file_is_seeded_and_reports_json() {
     assert!(!ok && err.contains("/nonexistent.gguf"), "{err}");
 }
 
+/// `--json-schema` / `--json-object`: whatever a (random) model samples, the answer is
+/// what the schema allows, then a stop; a schema the grammar cannot express is refused.
+#[test]
+fn generate_follows_a_json_schema() {
+    let (gguf, _) = tiny_model("gen-json", "llama");
+    let m = gguf.to_str().unwrap();
+    for seed in ["1", "2", "3"] {
+        let (ok, out, err) = doppler(&[
+            "generate",
+            "-m",
+            m,
+            "x",
+            "-n",
+            "12",
+            "--seed",
+            seed,
+            "--temperature",
+            "1.5",
+            "--json-schema",
+            r#"{"enum": ["yes", "no", {"k": [1, null]}]}"#,
+            "--json",
+        ]);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let text = v["text"].as_str().unwrap();
+        assert!(
+            ["\"yes\"", "\"no\"", r#"{"k":[1,null]}"#].contains(&text),
+            "{text:?}"
+        );
+        assert_eq!(v["stop"], "token", "{v}");
+    }
+    let (ok, out, err) = doppler(&[
+        "generate",
+        "-m",
+        m,
+        "x",
+        "-n",
+        "8",
+        "--json-object",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v["text"].as_str().unwrap().starts_with('{'), "{v}");
+    let (ok, _, err) = doppler(&[
+        "generate",
+        "-m",
+        m,
+        "x",
+        "--json-schema",
+        r#"{"type": "integer", "minimum": 1}"#,
+    ]);
+    assert!(!ok && err.contains("minimum"), "{err}");
+}
+
 #[test]
 fn generate_from_safetensors_matches_gguf() {
     let (gguf, hf) = tiny_model("gen-st", "qwen2");

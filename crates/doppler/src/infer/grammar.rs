@@ -167,8 +167,7 @@ impl Grammar {
         for id in 0..self.nodes.len() as Id {
             if !visit(&self.nodes, id, &mut mark) {
                 return Err(
-                    "schema: a $ref leads back to itself with no object or array in between"
-                        .into(),
+                    "schema: a $ref leads back to itself with no object or array in between".into(),
                 );
             }
         }
@@ -1278,7 +1277,10 @@ mod tests {
             ),
             (json!(3), "schema"),
             // Left recursion: would never start a value.
-            (json!({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"}), "itself"),
+            (
+                json!({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"}),
+                "itself",
+            ),
             (json!({"anyOf": [{"$ref": "#"}]}), "itself"),
         ] {
             let e = Grammar::from_schema(&s).unwrap_err();
@@ -1287,7 +1289,10 @@ mod tests {
         // A chain of 10,000 $refs: refused, not a stack overflow.
         let mut defs = serde_json::Map::new();
         for i in 0..10_000 {
-            defs.insert(format!("d{i}"), json!({"$ref": format!("#/$defs/d{}", i + 1)}));
+            defs.insert(
+                format!("d{i}"),
+                json!({"$ref": format!("#/$defs/d{}", i + 1)}),
+            );
         }
         defs.insert("d10000".into(), json!({"type": "null"}));
         let e = Grammar::from_schema(&json!({"$defs": defs, "$ref": "#/$defs/d0"})).unwrap_err();

@@ -296,7 +296,8 @@ impl Sampler {
         if c.top_k > 0 {
             cand.sort_unstable_by(order);
         }
-        let max = |cand: &[(u32, f32)]| cand.iter().fold(f32::NEG_INFINITY, |m, e| m.max(e.1)) as f64;
+        let max =
+            |cand: &[(u32, f32)]| cand.iter().fold(f32::NEG_INFINITY, |m, e| m.max(e.1)) as f64;
         if c.top_p < 1.0 {
             // The smallest most-likely-first prefix whose probability (at temperature 1,
             // as llama.cpp) reaches top_p: the best k found by selection and sorted, k
@@ -481,7 +482,9 @@ mod tests {
         let mut x = 12345u64;
         let logits: Vec<f32> = (0..5000)
             .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((x >> 33) as f32 / (1u64 << 31) as f32) * 4.0
             })
             .collect();
@@ -508,7 +511,12 @@ mod tests {
             seed: 3,
             ..Default::default()
         });
-        let seen: std::collections::HashSet<u32> = (0..3000).map(|_| s.sample(&logits, &[])).collect();
-        assert!(seen.is_subset(&nucleus) && seen.len() > n / 2, "{} of {n}", seen.len());
+        let seen: std::collections::HashSet<u32> =
+            (0..3000).map(|_| s.sample(&logits, &[])).collect();
+        assert!(
+            seen.is_subset(&nucleus) && seen.len() > n / 2,
+            "{} of {n}",
+            seen.len()
+        );
     }
 }
