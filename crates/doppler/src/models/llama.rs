@@ -1076,6 +1076,7 @@ impl Llama {
             v_cache: &cache.v[li],
             pos,
             window,
+            paged: None,
         }
     }
 

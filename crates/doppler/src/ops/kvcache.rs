@@ -33,7 +33,7 @@ static WIDEN: Kernel = Kernel::new(&KVCACHE, "kv_widen", &[(4, ReadWrite), (6, R
 static ATTEND: Kernel = Kernel::new(
     &KVCACHE,
     "attend",
-    &[(1, Read), (2, Read), (3, Read), (4, ReadWrite)],
+    &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (18, Read)],
 );
 static ATTEND_PART: Kernel = Kernel::new(
     &KVCACHE,
@@ -74,6 +74,7 @@ static ROPE_STORE: Kernel = Kernel::new(
         (9, ReadWrite),
         (10, ReadWrite),
         (11, ReadWrite),
+        (18, Read),
     ],
 );
 
@@ -509,7 +510,8 @@ pub fn kv_attend(
     let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend.o")?;
     let grid = Grid::Linear((p.t * p.hq) as u64);
     let c = kv_consts("kv_attend", &[k, v])?;
-    rec.dispatch(&ATTEND, &c, bytemuck::bytes_of(&p), &[q, k, v, &o], grid)?;
+    // (Binding 18, the page lists, is read only with PAGED: q stands in.)
+    rec.dispatch(&ATTEND, &c, bytemuck::bytes_of(&p), &[q, k, v, &o, q], grid)?;
     Ok(o)
 }
 
@@ -616,6 +618,9 @@ pub struct RopeStore<'a> {
     pub pos: usize,
     /// The layer's attention window (its cache may then be a ring).
     pub window: Option<usize>,
+    /// Rows of different sequences in a pool of pages ([`PagedRows`]): each row's own
+    /// position and cache rows (`pos` and `window` unused then).
+    pub paged: Option<&'a PagedRows>,
 }
 
 impl RopeStore<'_> {
@@ -627,7 +632,14 @@ impl RopeStore<'_> {
             cs.get(2).copied().unwrap_or(0),
         );
         let want = (self.hq + 2 * hkv) * d;
-        let p = params(&[rows, self.hq, d], cs, self.pos, self.window, "qkv")?;
+        if let Some(pg) = self.paged {
+            pg.check(op, rows, cs, self.table.positions)?;
+        }
+        let (pos, window) = match self.paged {
+            Some(_) => (0, None),
+            None => (self.pos, self.window),
+        };
+        let p = params(&[rows, self.hq, d], cs, pos, window, "qkv")?;
         if width != want
             || logical(self.v_cache) != cs
             || self.table.head_dim != d
@@ -643,7 +655,7 @@ impl RopeStore<'_> {
                 ),
             });
         }
-        if self.pos + rows > self.table.positions {
+        if self.paged.is_none() && self.pos + rows > self.table.positions {
             return Err(Error::Shape {
                 op,
                 detail: format!(
@@ -688,6 +700,7 @@ pub fn rope_store(rec: &mut Recorder<'_>, qkv: &Tensor, to: &RopeStore<'_>) -> R
         ),
         c16,
         c8,
+        ("PAGED", to.paged.is_some() as u32 as f64),
     ];
     // One RoPE pair a thread, two for f16 caches (whole words); q8_0: q's pairs, then
     // a block of 32 of each k and v head a thread.
@@ -707,8 +720,142 @@ pub fn rope_store(rec: &mut Recorder<'_>, qkv: &Tensor, to: &RopeStore<'_>) -> R
             &q,
             to.k_cache,
             to.v_cache,
+            to.paged.map_or(qkv, |pg| &pg.info),
         ],
         Grid::cover(pairs, 256),
     )?;
     Ok(q)
+}
+
+/// Rows of keys a page of a paged pool holds (`kvcache.wgsl`'s PAGE).
+pub const PAGE: usize = 16;
+
+/// Where each row of a batched step lives in a pool of pages: per row, its token's
+/// position in its sequence and that sequence's pages (PAGE cache rows each, in order).
+/// On the GPU as one u32 buffer: (position, start of the page list) per row, then the
+/// lists.
+pub struct PagedRows {
+    pub info: Tensor,
+    rows: usize,
+    /// Largest position + 1 and the largest page id + 1 (checked against the tensors).
+    positions: usize,
+    pages: usize,
+}
+
+impl PagedRows {
+    /// `rows`: each row's position and its sequence's page list (long enough for it).
+    pub fn new(gpu: &Gpu, rows: &[(usize, &[u32])]) -> Result<PagedRows> {
+        let mut info: Vec<u32> = Vec::with_capacity(rows.len() * 3);
+        let mut lists: Vec<u32> = Vec::new();
+        let head = 2 * rows.len();
+        let (mut positions, mut pages) = (0, 0);
+        for (i, &(pos, list)) in rows.iter().enumerate() {
+            if pos / PAGE >= list.len() {
+                return Err(Error::Shape {
+                    op: "paged rows",
+                    detail: format!(
+                        "row {i} at position {pos} has {} pages of {PAGE} rows",
+                        list.len()
+                    ),
+                });
+            }
+            info.push(pos as u32);
+            info.push((head + lists.len()) as u32);
+            lists.extend_from_slice(&list[..pos / PAGE + 1]);
+            positions = positions.max(pos + 1);
+            pages = pages.max(list.iter().map(|&p| p as usize + 1).max().unwrap_or(0));
+        }
+        info.extend(lists);
+        if rows.is_empty() {
+            return Err(Error::Invalid {
+                op: "paged rows",
+                detail: "no rows".into(),
+            });
+        }
+        Ok(PagedRows {
+            info: Tensor::from_u32(gpu, &[info.len()], &info, "paged.rows")?,
+            rows: rows.len(),
+            positions,
+            pages,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// `rows` rows through a pool (its pages, Hkv, D) and a RoPE table of `table`
+    /// positions.
+    fn check(&self, op: &'static str, rows: usize, pool: &[usize], table: usize) -> Result<()> {
+        let pool_pages = pool.first().copied().unwrap_or(0) / PAGE;
+        if rows != self.rows || self.pages > pool_pages || self.positions > table {
+            return Err(Error::Shape {
+                op,
+                detail: format!(
+                    "{rows} rows for {} paged rows, pages up to {} in a pool of {pool_pages}, positions up to {} with a RoPE table of {table}",
+                    self.rows, self.pages, self.positions
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A pool of pages for `layers` layers: keys and values (pages * PAGE rows, Hkv, D) each.
+pub fn paged_pool(
+    gpu: &Gpu,
+    layers: usize,
+    pages: usize,
+    hkv: usize,
+    d: usize,
+    ty: KvType,
+) -> Result<KvCache> {
+    KvCache::with_windows(
+        gpu,
+        &vec![None; layers],
+        pages * PAGE,
+        hkv,
+        d,
+        RING_STEP,
+        ty,
+    )
+}
+
+/// Causal attention of each row of `q` (M, Hq, D), a token of its own sequence, over that
+/// sequence's keys so far in the paged pool (`k`, `v`: (pages * PAGE, Hkv, D), the row's
+/// own key already stored): `attend` with PAGED, one workgroup per (row, head). Scale
+/// 1/sqrt(D). A row's result does not depend on the other rows.
+pub fn kv_attend_paged(
+    rec: &mut Recorder<'_>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    rows: &PagedRows,
+) -> Result<Tensor> {
+    let cs = logical(k);
+    rows.check(
+        "kv_attend_paged",
+        q.shape().first().copied().unwrap_or(0),
+        &cs,
+        usize::MAX,
+    )?;
+    let p = params(q.shape(), &cs, 0, None, "q")?;
+    if logical(v) != cs {
+        return Err(Error::Shape {
+            op: "kv_attend_paged",
+            detail: format!("keys {cs:?} and values {:?} differ", v.shape()),
+        });
+    }
+    let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend_paged.o")?;
+    let grid = Grid::Linear((p.t * p.hq) as u64);
+    let [c16, c8] = kv_consts("kv_attend_paged", &[k, v])?;
+    let c = [c16, c8, ("PAGED", 1.0)];
+    rec.dispatch(
+        &ATTEND,
+        &c,
+        bytemuck::bytes_of(&p),
+        &[q, k, v, &o, &rows.info],
+        grid,
+    )?;
+    Ok(o)
 }

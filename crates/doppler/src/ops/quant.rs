@@ -1553,6 +1553,12 @@ pub fn qmatmul_rope_store(
     }
     super::expect_f32("qmatmul_rope_store", x)?;
     let mut p = w.params(t);
+    if to.paged.is_some() {
+        return Err(Error::Invalid {
+            op: "qmatmul_rope_store",
+            detail: "paged rows: use the product, then kvcache::rope_store".into(),
+        });
+    }
     let kv = to.params("qmatmul_rope_store", t, w.rows)?;
     let d = kv.d as usize;
     if let Some((nwt, eps)) = norm {

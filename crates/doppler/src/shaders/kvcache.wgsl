@@ -29,6 +29,11 @@
 // j % p.ring (p.ring = its rows), so a cache of window - 1 + T rows or more holds all a
 // step of T tokens needs (a ring of the last keys); without a ring, j < rows and the row
 // is j.
+// Pages (PAGED, `attend` and `rope_store`: continuous batching): each row t of q / qkv is
+// a token of its own sequence, whose keys live in pages of PAGE rows of one pool; the
+// u32 buffer `paged` (binding 18) holds per row its position (2 t) and where its page list
+// starts (2 t + 1): key j of row t is in pool row pages[j / PAGE] * PAGE + j % PAGE. No
+// windows then. A row's sums do not depend on the other rows.
 // Caches hold words (array<u32>): f32 bits, or with KV_F16 two f16 halves a word
 // (pack2x16float / unpack2x16float: core WGSL, no shader-f16 needed), or with KV_Q8
 // llama.cpp's q8_0 numbers: each head's D values of a token as D / 4 words of 8-bit
@@ -64,6 +69,25 @@ struct Params {
 
 override KV_F16: bool = false;
 override KV_Q8: bool = false;
+override PAGED: bool = false;
+const PAGE: u32 = 16u;
+@group(0) @binding(18) var<storage, read> paged: array<u32>;
+
+// The position of row t's token.
+fn tok_pos(t: u32) -> u32 {
+    if (PAGED) {
+        return paged[2u * t];
+    }
+    return p.pos + t;
+}
+
+// The cache (pool) row of row t's sequence's token j.
+fn key_row(t: u32, j: u32) -> u32 {
+    if (PAGED) {
+        return paged[paged[2u * t + 1u] + j / PAGE] * PAGE + j % PAGE;
+    }
+    return cache_row(j);
+}
 
 // q8_0: the words of head-and-token segment `seg` start at seg * D * 9 / 32; within it,
 // dim's quant word and its block's scale word.
@@ -235,18 +259,18 @@ fn score(kb: u32) -> f32 {
 
 // sum over jj = first, first + step, ... < n of sc[jj] * (4 dims at vb of the cached value
 // row c0 + jj): a group's share of a chunk of keys.
-fn weighted_values(c0: u32, first: u32, step: u32, n: u32, stride: u32, vb: u32) -> vec4<f32> {
+fn weighted_values(t: u32, c0: u32, first: u32, step: u32, n: u32, stride: u32, vb: u32) -> vec4<f32> {
     var acc = vec4<f32>(0.0);
     var jj = first;
     for (; jj + 3u * step < n; jj += 4u * step) {
-        let a = v4(cache_row(c0 + jj) * stride + vb);
-        let b = v4(cache_row(c0 + jj + step) * stride + vb);
-        let c = v4(cache_row(c0 + jj + 2u * step) * stride + vb);
-        let d = v4(cache_row(c0 + jj + 3u * step) * stride + vb);
+        let a = v4(key_row(t, c0 + jj) * stride + vb);
+        let b = v4(key_row(t, c0 + jj + step) * stride + vb);
+        let c = v4(key_row(t, c0 + jj + 2u * step) * stride + vb);
+        let d = v4(key_row(t, c0 + jj + 3u * step) * stride + vb);
         acc += sc[jj] * a + sc[jj + step] * b + sc[jj + 2u * step] * c + sc[jj + 3u * step] * d;
     }
     for (; jj < n; jj += step) {
-        acc += sc[jj] * v4(cache_row(c0 + jj) * stride + vb);
+        acc += sc[jj] * v4(key_row(t, c0 + jj) * stride + vb);
     }
     return acc;
 }
@@ -278,17 +302,18 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let dim4 = lid % d4;
     let stride = p.hkv * p.d;             // floats between consecutive cached tokens
     let base = kvh * p.d;
-    let nkeys = p.pos + t + 1u;           // causal: keys first_key(t)..=pos+t
+    let nkeys = tok_pos(t) + 1u;          // causal: keys first_key(t)..=pos+t
+    let first = select(first_key(t), 0u, PAGED);
     load_q(t, h, lid);
     var m = -3.0e38;                       // running max of the scores
     var l = 0.0;                           // running sum of exp(score - m)
     var acc = vec4<f32>(0.0);              // this thread's 4 output dims, its group's keys
-    for (var c0 = first_key(t); c0 < nkeys; c0 += WG) {
+    for (var c0 = first; c0 < nkeys; c0 += WG) {
         workgroupBarrier();
         let j = c0 + lid;
         var s = -3.0e38;
         if (j < nkeys) {
-            s = score(cache_row(j) * stride + base);
+            s = score(key_row(t, j) * stride + base);
         }
         red[lid] = s;
         reduce(lid, true);
@@ -303,7 +328,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
         m = m_new;
         acc *= alpha;
         if (grp < groups) {
-            acc += weighted_values(c0, grp, groups, min(WG, nkeys - c0), stride, base + 4u * dim4);
+            acc += weighted_values(t, c0, grp, groups, min(WG, nkeys - c0), stride, base + 4u * dim4);
         }
     }
     workgroupBarrier();
@@ -613,7 +638,7 @@ fn rope_pair(t: u32, slot: u32, k: u32) -> Pair {
         b += bias[off + j];
     }
     if (slot < p.hq + p.hkv) {
-        let cs = table[(p.pos + t) * half + k];
+        let cs = table[tok_pos(t) * half + k];
         return Pair(i, j, a * cs.x - b * cs.y, a * cs.y + b * cs.x);
     }
     return Pair(i, j, a, b);
@@ -660,7 +685,7 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     }
     let is_k = slot < p.hq + p.hkv;
     let h = select(slot - p.hq - p.hkv, slot - p.hq, is_k);
-    let o = (cache_row(p.pos + t) * p.hkv + h) * p.d;
+    let o = (key_row(t, tok_pos(t)) * p.hkv + h) * p.d;
     if (KV_F16) {
         let y = rope_pair(t, slot, k + 1u);
         if (INTERLEAVED) {
@@ -711,7 +736,7 @@ fn rope_store_q8(idx: u32) {
         let pr = rope_pair(t, slot, k);
         x[i] = select(pr.b, pr.a, pr.i == dim);
     }
-    let seg = cache_row(p.pos + t) * p.hkv + kvs % p.hkv;
+    let seg = key_row(t, tok_pos(t)) * p.hkv + kvs % p.hkv;
     let w = q8_pack(x);
     for (var i = 0u; i < 8u; i++) {
         put(kvs < p.hkv, q8_word(seg, 32u * blk) + i, w[i]);

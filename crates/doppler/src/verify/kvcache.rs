@@ -269,6 +269,7 @@ pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 v_cache: &vc,
                 pos,
                 window,
+                paged: None,
             };
             let q = gpu.run_async(|rec| rope_store(rec, &x, &to)).await?;
             let mut got = vec![q.to_vec_f32(gpu).await?];
@@ -428,6 +429,7 @@ pub(super) async fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     v_cache: &vc,
                     pos,
                     window: None,
+                    paged: None,
                 };
                 let q = gpu
                     .run_async(|rec| {
@@ -572,6 +574,168 @@ async fn merged_check(
                 "{hq} heads x {d}, {} keys @ ({rows}, {cols})^T {ty_name}{what}",
                 pos + 1
             ),
+            res,
+        );
+    }
+}
+
+/// Paged rows (continuous batching): rows of different sequences, each at its own position
+/// with its own scattered pages of one pool, through `rope_store` (PAGED: q turned, k
+/// turned and v stored in the row's page) then `kv_attend_paged` (each row over its own
+/// sequence's keys), against f64: RoPE at each row's position, the pool's rows (noise
+/// elsewhere, which no row may read) and softmax attention. A sequence with two rows (a
+/// prompt's chunk) sees its first row's key from the second. f32 and f16 pools.
+pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    use crate::ops::kvcache::{
+        kv_attend_paged, paged_pool, rope_store, PagedRows, RopeStore, PAGE,
+    };
+    use crate::ops::rope::{Pairing, RopeTable};
+    let (hq, hkv, d, pages) = (4usize, 2usize, 32usize, 8usize);
+    let width = (hq + 2 * hkv) * d;
+    let seqs: [&[u32]; 3] = [&[5], &[2, 6], &[7, 0, 3]];
+    // (sequence, position) of each row.
+    let rows_of = [(0usize, 4usize), (1, 19), (2, 35), (2, 36)];
+    for (ti, ty) in [KvType::F32, KvType::F16].into_iter().enumerate() {
+        let mut rng = Rng::new(7700 + ti as u64);
+        let n = pages * PAGE * hkv * d;
+        let (k0, v0) = (rng.vec(n), rng.vec(n));
+        let qkv = rng.vec(rows_of.len() * width);
+        let round = |x: f32| match ty {
+            KvType::F16 => half::f16::from_f32(x).to_f32(),
+            _ => x,
+        };
+        let r = twice("kv_paged", async || {
+            let table = RopeTable::new(gpu, 64, d, 10000.0)?;
+            let pool = paged_pool(gpu, 1, pages, hkv, d, ty)?;
+            let fill = |t: &Tensor, x: &[f32]| -> crate::Result<()> {
+                let src = match ty {
+                    KvType::F16 => Tensor::from_f16(
+                        gpu,
+                        &[pages * PAGE, hkv, d],
+                        &x.iter()
+                            .map(|&v| half::f16::from_f32(v))
+                            .collect::<Vec<_>>(),
+                        "noise",
+                    )?,
+                    _ => Tensor::from_f32(gpu, &[pages * PAGE, hkv, d], x, "noise")?,
+                };
+                gpu.run(|rec| rec.copy_elements(&src, 0, t, 0, src.numel()))
+            };
+            fill(&pool.k[0], &k0)?;
+            fill(&pool.v[0], &v0)?;
+            let list: Vec<(usize, &[u32])> =
+                rows_of.iter().map(|&(sq, pos)| (pos, seqs[sq])).collect();
+            let pg = PagedRows::new(gpu, &list)?;
+            let x = Tensor::from_f32(gpu, &[rows_of.len(), width], &qkv, "qkv")?;
+            let to = RopeStore {
+                bias: None,
+                table: &table,
+                pairing: Pairing::Half,
+                hq,
+                k_cache: &pool.k[0],
+                v_cache: &pool.v[0],
+                pos: 0,
+                window: None,
+                paged: Some(&pg),
+            };
+            let (q, o) = gpu
+                .run_async(|rec| {
+                    let q = rope_store(rec, &x, &to)?;
+                    let o = kv_attend_paged(rec, &q, &pool.k[0], &pool.v[0], &pg)?;
+                    Ok((q, o))
+                })
+                .await?;
+            Ok(vec![q.to_vec_f32(gpu).await?, o.to_vec_f32(gpu).await?])
+        })
+        .await;
+        // f64: the pool as stored, each row's k and v written at its position's row.
+        let phys = |sq: usize, j: usize| seqs[sq][j / PAGE] as usize * PAGE + j % PAGE;
+        let (mut kp, mut vp): (Vec<f64>, Vec<f64>) = (
+            k0.iter().map(|&v| round(v) as f64).collect(),
+            v0.iter().map(|&v| round(v) as f64).collect(),
+        );
+        let mut qs = Vec::new();
+        for (r, &(sq, pos)) in rows_of.iter().enumerate() {
+            let row = &qkv[r * width..(r + 1) * width];
+            let part = |from: usize, heads: usize| -> Vec<f64> {
+                row[from..from + heads * d]
+                    .iter()
+                    .map(|&v| v as f64)
+                    .collect()
+            };
+            let q = crate::reference::rope::rope(
+                &part(0, hq),
+                1,
+                hq,
+                d,
+                pos,
+                10000.0,
+                Pairing::Half,
+                1.0,
+            );
+            let k = crate::reference::rope::rope(
+                &part(hq * d, hkv),
+                1,
+                hkv,
+                d,
+                pos,
+                10000.0,
+                Pairing::Half,
+                1.0,
+            );
+            let v = part((hq + hkv) * d, hkv);
+            let at = phys(sq, pos) * hkv * d;
+            for i in 0..hkv * d {
+                kp[at + i] = round(k[i] as f32) as f64;
+                vp[at + i] = round(v[i] as f32) as f64;
+            }
+            qs.push(q);
+        }
+        let (mut want, mut mag) = (Vec::new(), Vec::new());
+        for (r, &(sq, pos)) in rows_of.iter().enumerate() {
+            for h in 0..hq {
+                let kvh = h / (hq / hkv);
+                let q = &qs[r][h * d..(h + 1) * d];
+                let key = |j: usize| (phys(sq, j) * hkv + kvh) * d;
+                let sc: Vec<f64> = (0..=pos)
+                    .map(|j| (0..d).map(|e| q[e] * kp[key(j) + e]).sum::<f64>() / (d as f64).sqrt())
+                    .collect();
+                let m = sc.iter().cloned().fold(f64::MIN, f64::max);
+                let w: Vec<f64> = sc.iter().map(|s| (s - m).exp()).collect();
+                let z: f64 = w.iter().sum();
+                for e in 0..d {
+                    want.push((0..=pos).map(|j| w[j] / z * vp[key(j) + e]).sum::<f64>());
+                    mag.push(
+                        (0..=pos)
+                            .map(|j| w[j] / z * vp[key(j) + e].abs())
+                            .sum::<f64>(),
+                    );
+                }
+            }
+        }
+        let qwant: Vec<f64> = qs.concat();
+        let res = r.and_then(|got| {
+            let tol = Tolerance {
+                abs: 1e-6,
+                rel: 1e-6,
+            };
+            compare("rope_store paged q", &got[0], &qwant, None, tol).map_err(s)?;
+            compare(
+                "kv_attend_paged",
+                &got[1],
+                &want,
+                Some(&mag),
+                Tolerance {
+                    abs: 1e-6,
+                    rel: 2e-5,
+                },
+            )
+            .map_err(s)
+        });
+        push(
+            out,
+            "kv_paged",
+            format!("{} rows of 3 sequences (positions 4, 19, 35 + 36) in {pages} scattered pages of {PAGE}, Hq {hq}/Hkv {hkv}, D {d}, {}", rows_of.len(), ty.name()),
             res,
         );
     }

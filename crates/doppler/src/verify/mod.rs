@@ -127,6 +127,7 @@ const FAMILIES: &[Family] = &[
     (&["row_split"], family!(quant::split_checks)),
     (&["kv_attend"], family!(kvcache::checks)),
     (&["rope_store"], family!(kvcache::rope_store_checks)),
+    (&["kv_paged"], family!(kvcache::paged_checks)),
     (
         &["qmatmul_rope_store"],
         family!(kvcache::rope_product_checks),
