@@ -382,3 +382,96 @@ fn token_bytes_and_the_json_constraint_over_the_vocabulary() {
     let parsed: Value = serde_json::from_slice(&out).expect("the walk's text parses");
     assert!(parsed.is_object());
 }
+
+/// Continuous batching (`infer::batch`): the paged forward pass matches transformers'
+/// logits as the one-sequence path does, greedy continuations included; and each
+/// sequence's logits are the same bits alone or beside others whose prompts start, decode
+/// and finish around it (batch invariance), with pages back in the pool afterwards.
+#[test]
+fn batched_sequences_match_transformers_and_are_batch_invariant() {
+    use doppler::infer::batch::Batch;
+    use doppler::ops::kvcache::KvType;
+    let (gpu, m) = (gpu(), model());
+    let prompts: Vec<&Value> = fixture()["prompts"].as_array().unwrap().iter().collect();
+    let argmax = |l: &[f32]| Sampler::new(SamplerConfig::greedy()).sample(l, &[]);
+    // Alone: each prompt in one step, then greedy tokens one a step.
+    let alone = |pi: usize, steps: usize| -> Vec<Vec<f32>> {
+        let mut b = Batch::new(gpu, m, 64, KvType::F32).unwrap();
+        let id = b.add();
+        let mut out = vec![b
+            .step(gpu, &[(id, &ids(&prompts[pi]["ids"]))])
+            .unwrap()
+            .remove(0)];
+        for _ in 0..steps {
+            let next = argmax(out.last().unwrap());
+            out.push(b.step(gpu, &[(id, &[next])]).unwrap().remove(0));
+        }
+        b.remove(id);
+        assert_eq!(b.pages_in_use(), 0);
+        out
+    };
+    let a0 = alone(0, 4);
+    let want = ids(&prompts[0]["greedy"]);
+    for (step, l) in a0.iter().enumerate() {
+        check_top(0, step, l, &prompts[0]["steps"][step]["top"], LOGIT_TOL);
+        if step < 4 {
+            assert_eq!(argmax(l), want[step], "batched greedy token {step}");
+        }
+    }
+    let a1 = alone(1, 2);
+    check_top(1, 0, &a1[0], &prompts[1]["top_logits"], LOGIT_TOL);
+    // Together: prompt 0 starts; next step prompt 1's prompt joins while 0 decodes; a
+    // third sequence (prompt 2) comes and goes in between.
+    let mut b = Batch::new(gpu, m, 64, KvType::F32).unwrap();
+    let (s0, s1, s2) = (b.add(), b.add(), b.add());
+    let p = |i: usize| ids(&prompts[i.min(prompts.len() - 1)]["ids"]);
+    let mut got0 = b.step(gpu, &[(s0, &p(0))]).unwrap();
+    let mut l0 = vec![got0.remove(0)];
+    let r = b
+        .step(gpu, &[(s2, &p(2)), (s0, &[argmax(&l0[0])]), (s1, &p(1))])
+        .unwrap();
+    l0.push(r[1].clone());
+    let mut l1 = vec![r[2].clone()];
+    b.remove(s2);
+    for _ in 0..2 {
+        let r = b
+            .step(
+                gpu,
+                &[
+                    (s1, &[argmax(l1.last().unwrap())]),
+                    (s0, &[argmax(l0.last().unwrap())]),
+                ],
+            )
+            .unwrap();
+        l1.push(r[0].clone());
+        l0.push(r[1].clone());
+    }
+    let bits = |v: &[Vec<f32>]| {
+        v.iter()
+            .map(|l| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        bits(&l0),
+        bits(&a0[..4]),
+        "sequence 0: alone and batched differ"
+    );
+    assert_eq!(
+        bits(&l1),
+        bits(&a1[..3]),
+        "sequence 1: alone and batched differ"
+    );
+    b.remove(s0);
+    b.remove(s1);
+    assert_eq!((b.pages_in_use(), b.sequences()), (0, 0));
+    // Bad steps are refused before anything changes.
+    let s = b.add();
+    assert!(b
+        .step(gpu, &[(s, &[u32::MAX])])
+        .unwrap_err()
+        .to_string()
+        .contains("vocabulary"));
+    assert!(b.step(gpu, &[(s, &vec![1; 64 * 16 + 1])]).is_err());
+    assert_eq!(b.pages_in_use(), 0);
+    assert!(Batch::new(gpu, m, 4, KvType::Q8_0).is_err());
+}

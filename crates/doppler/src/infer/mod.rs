@@ -1,6 +1,7 @@
 //! Inference: a model file opened with its tokenizer and chat template, and a session that
 //! keeps a conversation's keys and values on the GPU and generates from it.
 
+pub mod batch;
 pub mod chat;
 pub mod grammar;
 pub mod greedy;

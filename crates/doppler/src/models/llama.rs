@@ -44,7 +44,8 @@ use crate::formats::{FileData, LocalFuture};
 use crate::gpu::{DType, Gpu, Recorder, Tensor};
 use crate::ops::elementwise::{add, scale, softcap};
 use crate::ops::kvcache::{
-    self, kv_attend, kv_attend_parts, rope_store, KvCache, KvType, RopeStore, RING_STEP,
+    self, kv_attend, kv_attend_paged, kv_attend_parts, rope_store, KvCache, KvType, PagedRows,
+    RopeStore, RING_STEP,
 };
 use crate::ops::norm::{rms_norm, rms_norm_heads};
 use crate::ops::quant::{
@@ -984,6 +985,143 @@ impl Llama {
             (x, x8) = qmatmul_chain(rec, &g, &l.down, fuse, next)?;
         }
         self.finish_logits(rec, x, x8, cache, t, all)
+    }
+
+    /// Why this model cannot run [`Llama::forward_paged`] (None: it can): attention
+    /// windows (their rings are not paged) or a LoRA adapter applied at inference.
+    pub fn paged_unsupported(&self) -> Option<String> {
+        if (0..self.cfg.n_layer).any(|i| self.cfg.window(i).is_some()) {
+            return Some("layers with attention windows (sliding-window attention)".into());
+        }
+        if self.lora.is_some() {
+            return Some("a LoRA adapter applied at inference".into());
+        }
+        None
+    }
+
+    /// One step of continuous batching. Row r of `ids` (u32, (M)) is the next token of its
+    /// own sequence, at the position and in the pages `rows` gives ([`PagedRows`]: the
+    /// pool `pool` of pages, [`kvcache::paged_pool`], holds every sequence's keys and
+    /// values; a prompt's chunk is several rows of one sequence). Returns logits (S, V) of
+    /// the rows `out_rows` (u32, (S)), e.g. each sequence's last row. Every product runs one
+    /// kernel whatever the number of rows ([`Fuse::invariant`]) and each row attends over
+    /// its own pages only, so a row's logits are the same bits whatever else the step
+    /// holds (batch invariance). The caller keeps the rows' pages and positions valid.
+    pub fn forward_paged(
+        &self,
+        rec: &mut Recorder<'_>,
+        ids: &Tensor,
+        pool: &KvCache,
+        rows: &PagedRows,
+        out_rows: &Tensor,
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        if let Some(why) = self.paged_unsupported() {
+            return Err(Error::Invalid {
+                op: "llama paged",
+                detail: format!("this model has {why}"),
+            });
+        }
+        let m = ids.numel();
+        if ids.dtype() != DType::U32
+            || ids.shape().len() != 1
+            || m != rows.rows()
+            || pool.k.len() != self.layers.len()
+        {
+            return Err(Error::Shape {
+                op: "llama paged",
+                detail: format!(
+                    "token ids {:?} {:?} for {} paged rows, a pool of {} layers (the model has {})",
+                    ids.dtype(),
+                    ids.shape(),
+                    rows.rows(),
+                    pool.k.len(),
+                    self.layers.len()
+                ),
+            });
+        }
+        let (eps, d, hq) = (c.norm_eps as f32, c.head_dim, c.n_head);
+        let inv = Fuse {
+            invariant: true,
+            ..Default::default()
+        };
+        let mut x = self.embd.get_rows(rec, ids)?; // (M, E)
+        if c.gemma() {
+            x = scale(rec, &x, (c.n_embd as f32).sqrt())?;
+        }
+        for (li, l) in self.layers.iter().enumerate() {
+            let qkv = l.qkv.product(
+                rec,
+                &x,
+                Fuse {
+                    norm: Some((&l.attn_norm, eps)),
+                    ..inv
+                },
+            )?;
+            if let Some(w) = &l.qk_norm {
+                rms_norm_heads(rec, &qkv, w, hq, c.n_kv_head, eps, false)?;
+            }
+            let to = RopeStore {
+                paged: Some(rows),
+                ..self.rope_store_of(li, pool, 0)
+            };
+            let q = rope_store(rec, &qkv, &to)?;
+            let a =
+                kv_attend_paged(rec, &q, &pool.k[li], &pool.v[li], rows)?.reshape(&[m, hq * d])?;
+            if let (Some(post_attn), Some(post_ffn)) = (&l.post_attn_norm, &l.post_ffn_norm) {
+                let o = qmatmul_fused(rec, &a, &l.o, inv)?;
+                let o = rms_norm(rec, &o, post_attn, eps, false)?.y;
+                x = add(rec, &x, &o)?;
+                let fuse = Fuse {
+                    norm: Some((&l.ffn_norm, eps)),
+                    swiglu: true,
+                    geglu: true,
+                    ..inv
+                };
+                let g = qmatmul_fused(rec, &x, &l.gate_up, fuse)?;
+                let down = qmatmul_fused(rec, &g, &l.down, inv)?;
+                let down = rms_norm(rec, &down, post_ffn, eps, false)?.y;
+                x = add(rec, &x, &down)?;
+                continue;
+            }
+            x = qmatmul_fused(
+                rec,
+                &a,
+                &l.o,
+                Fuse {
+                    residual: Some(&x),
+                    ..inv
+                },
+            )?;
+            let fuse = Fuse {
+                norm: Some((&l.ffn_norm, eps)),
+                swiglu: true,
+                ..inv
+            };
+            let g = qmatmul_fused(rec, &x, &l.gate_up, fuse)?;
+            x = qmatmul_fused(
+                rec,
+                &g,
+                &l.down,
+                Fuse {
+                    residual: Some(&x),
+                    ..inv
+                },
+            )?;
+        }
+        let last = crate::ops::embedding::embedding(rec, &x, out_rows)?; // (S, E)
+        let mut logits = self.output.product(
+            rec,
+            &last,
+            Fuse {
+                norm: Some((&self.out_norm, eps)),
+                ..inv
+            },
+        )?;
+        if let Some(cap) = c.final_softcap {
+            logits = softcap(rec, &logits, cap as f32)?;
+        }
+        Ok(logits)
     }
 
     /// The step's end: the cache grows by its `t` tokens; logits of every token (`all`)

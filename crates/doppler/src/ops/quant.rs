@@ -595,6 +595,7 @@ impl RowSplit {
         let y = Tensor::empty(rec.gpu(), &out_shape, DType::F32, "qmatmul.y")?;
         let part_fuse = Fuse {
             norm: fuse.norm,
+            invariant: fuse.invariant,
             ..Default::default()
         };
         for (r0, w) in &self.parts {
@@ -637,6 +638,11 @@ pub struct Fuse<'a> {
     /// with `norm`'s weight: used instead of rounding x again where the product rounds x
     /// ([`decode_rounds_x`]; x is read otherwise).
     pub x8: Option<&'a X8>,
+    /// The same kernel and order of sums whatever the number of rows of x (the
+    /// matrix-vector kernel, 8 rows of x a workgroup, x read as f32): each row's result is
+    /// the same bits alone or beside other rows (batched serving's batch invariance).
+    /// Slower than the kernels chosen by shape for many rows.
+    pub invariant: bool,
 }
 
 /// One row of x rounded to 8 bits for the XQ8 decode products (`quant.wgsl`'s layout:
@@ -992,6 +998,11 @@ pub fn qmatmul_chain(
     let nw = fuse.norm.map_or(x, |n| n.0);
     let res = fuse.residual.unwrap_or(x);
     let bind = [&w.raw, &y, x, nw, res, x, nw, &w.raw];
+    if fuse.invariant {
+        let (cm, grid) = matvec_grid(&c, m, w.rows, 8);
+        rec.dispatch(&QMATVEC, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
+        return Ok((y, None));
+    }
     if uses_coop(rec.gpu(), m, w.rows, w.cols) {
         qmatmul_coop(rec, x, w, fuse, &y)?;
         return Ok((y, None));
@@ -1015,7 +1026,7 @@ pub fn qmatmul_chain(
             rec.dispatch(&QMATVEC1, &c1, bytemuck::bytes_of(&p), &bind, grid)?;
         }
         Path::MatVec => {
-            let (cm, grid) = matvec_grid(&c, m, w.rows);
+            let (cm, grid) = matvec_grid(&c, m, w.rows, if m == 1 { 1 } else { 8 });
             rec.dispatch(&QMATVEC, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         }
         Path::Tiled => {
@@ -1620,7 +1631,7 @@ pub fn qmatmul_rope_store(
             }
         }
         _ => {
-            let (cm, grid) = matvec_grid(&c, t, w.rows);
+            let (cm, grid) = matvec_grid(&c, t, w.rows, if t == 1 { 1 } else { 8 });
             rec.dispatch(&QMATVEC_ROPE, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         }
     }
@@ -1634,8 +1645,8 @@ fn matvec_grid(
     c: &[(&'static str, f64)],
     m: usize,
     rows: usize,
+    mv_x: usize,
 ) -> (Vec<(&'static str, f64)>, Grid) {
-    let mv_x = if m == 1 { 1 } else { 8 };
     let mut cm = c.to_vec();
     cm.push(("MV_X", mv_x as f64));
     (

@@ -607,22 +607,23 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let r = twice("kv_paged", async || {
             let table = RopeTable::new(gpu, 64, d, 10000.0)?;
             let pool = paged_pool(gpu, 1, pages, hkv, d, ty)?;
-            let fill = |t: &Tensor, x: &[f32]| -> crate::Result<()> {
-                let src = match ty {
-                    KvType::F16 => Tensor::from_f16(
-                        gpu,
-                        &[pages * PAGE, hkv, d],
-                        &x.iter()
-                            .map(|&v| half::f16::from_f32(v))
-                            .collect::<Vec<_>>(),
-                        "noise",
-                    )?,
-                    _ => Tensor::from_f32(gpu, &[pages * PAGE, hkv, d], x, "noise")?,
-                };
-                gpu.run(|rec| rec.copy_elements(&src, 0, t, 0, src.numel()))
+            let noise = |x: &[f32], name| match ty {
+                KvType::F16 => Tensor::from_f16(
+                    gpu,
+                    &[pages * PAGE, hkv, d],
+                    &x.iter()
+                        .map(|&v| half::f16::from_f32(v))
+                        .collect::<Vec<_>>(),
+                    name,
+                ),
+                _ => Tensor::from_f32(gpu, &[pages * PAGE, hkv, d], x, name),
             };
-            fill(&pool.k[0], &k0)?;
-            fill(&pool.v[0], &v0)?;
+            let (kn, vn) = (noise(&k0, "k noise")?, noise(&v0, "v noise")?);
+            gpu.run_async(|rec| {
+                rec.copy_elements(&kn, 0, &pool.k[0], 0, kn.numel())?;
+                rec.copy_elements(&vn, 0, &pool.v[0], 0, vn.numel())
+            })
+            .await?;
             let list: Vec<(usize, &[u32])> =
                 rows_of.iter().map(|&(sq, pos)| (pos, seqs[sq])).collect();
             let pg = PagedRows::new(gpu, &list)?;
