@@ -42,7 +42,7 @@ def start(*extra):
 
 @pytest.fixture(scope="module")
 def server():
-    proc, host, port = start("--api-key", KEY, "--queue", "0")
+    proc, host, port = start("--api-key", KEY, "--queue", "0", "--parallel", "2")
     yield host, port
     proc.kill()
     proc.wait()
@@ -181,15 +181,20 @@ def test_errors_are_openai_error_objects(client, server):
 
 
 def test_queue_full_is_429_and_a_cancelled_stream_frees_the_model(client, server):
-    # --queue 0: while one request runs, the next is refused.
-    stream = client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=60,
-                                            temperature=0, stream=True)
-    it = iter(stream)
-    next(it)
-    next(it)
+    # --parallel 2 --queue 0: while two requests run, the next is refused.
+    streams = [client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=60,
+                                              temperature=0, stream=True) for _ in range(2)]
+    for stream in streams:
+        it = iter(stream)
+        next(it)
+        next(it)
     with pytest.raises(openai.RateLimitError):
         client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=2)
-    stream.close()   # the client goes away mid-stream
+    _, metrics = raw(server, "GET", "/metrics")
+    assert re.search(r"^doppler_active_sequences 2$", metrics, re.M), metrics
+    assert int(re.search(r"^doppler_kv_pages_in_use (\d+)", metrics, re.M).group(1)) > 0
+    for stream in streams:
+        stream.close()   # the clients go away mid-stream
     deadline = time.time() + 120
     while True:
         _, metrics = raw(server, "GET", "/metrics")
@@ -204,6 +209,7 @@ def test_queue_full_is_429_and_a_cancelled_stream_frees_the_model(client, server
     _, metrics = raw(server, "GET", "/metrics")
     assert re.search(r"^doppler_queue_depth 0$", metrics, re.M)
     assert re.search(r"^doppler_kv_tokens_in_use 0$", metrics, re.M)
+    assert re.search(r"^doppler_kv_pages_in_use 0$", metrics, re.M)
 
 
 def test_null_options_and_top_p_zero(client, server):
@@ -390,7 +396,7 @@ def test_load_every_answer_equals_the_request_alone():
                 continue
             assert got == run(i), i
         _, metrics = raw((host, port), "GET", "/metrics", headers={"Authorization": ""})
-        for name in ("queue_depth", "active_sequences", "kv_tokens_in_use"):
+        for name in ("queue_depth", "active_sequences", "kv_tokens_in_use", "kv_pages_in_use"):
             assert re.search(rf"^doppler_{name} 0$", metrics, re.M), (name, metrics)
     finally:
         proc.kill()

@@ -14,8 +14,14 @@
 //! `response_format` json_object and json_schema enforced by a grammar over the
 //! vocabulary (`doppler::infer::grammar`): the answer parses, and follows the schema.
 //!
-//! Not yet (issue 26): continuous batching of several sequences in one decode step, a
-//! paged KV pool.
+//! Continuous batching (`--parallel N`, default 8): up to N requests are generated at
+//! once, every one's next token (or a chunk of its prompt) a row of one forward pass over
+//! a pool of KV pages (`doppler::infer::batch`); a request that finishes or whose client
+//! leaves gives its pages back at once and the next waiting one starts. Every row runs the
+//! same kernels whatever the others are, so a request's tokens and log-probabilities are
+//! the same bits alone or beside others. `--parallel 1`, and models the batched pass does
+//! not run (attention windows, a LoRA adapter, a q8_0 cache), take the one-sequence path:
+//! one request at a time from an empty cache.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -36,7 +42,9 @@ use doppler::gpu::Gpu;
 use doppler::infer::chat::Message;
 use doppler::infer::grammar::{Grammar, JsonConstraint, TokenTrie};
 use doppler::infer::sample::{Sampler, SamplerConfig, TokenLogprob};
-use doppler::infer::{GenOptions, Model, Session, StopReason};
+use doppler::infer::batch::{Batch, SeqId};
+use doppler::infer::{GenOptions, Model, Session, StopReason, TextStream};
+use doppler::ops::kvcache::PAGE;
 use doppler::Error;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -62,9 +70,13 @@ pub struct ServeArgs {
     /// q8_0.
     #[arg(long, value_enum, default_value = "auto")]
     cache_type: CacheType,
-    /// Requests waiting beside the one running; more are answered 429.
+    /// Requests waiting beside those running; more are answered 429.
     #[arg(long, default_value_t = 64)]
     queue: usize,
+    /// Requests generated at once (continuous batching; each up to -c tokens, a pool of
+    /// KV pages for all of them). 1: one at a time on the one-sequence path.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    parallel: u16,
     /// Require `Authorization: Bearer KEY` on every /v1 request.
     #[arg(long, env = "DOPPLER_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -122,9 +134,10 @@ struct Stats {
     completion_tokens: AtomicU64,
     /// The last request's decode rate (tokens/s, f64 bits).
     decode_tok_s: AtomicU64,
-    /// Tokens the running request holds in the KV cache (its prompt, counted as it
-    /// starts; its answer's tokens are not counted as they come).
+    /// Tokens the running requests hold in the KV cache.
     kv_tokens: AtomicUsize,
+    /// Pages of the batched KV pool in use (0 without one).
+    kv_pages: AtomicUsize,
 }
 
 struct App {
@@ -135,6 +148,9 @@ struct App {
     stats: Arc<Stats>,
     ids: AtomicU64,
     ctx: usize,
+    /// Pages of the batched KV pool (0: the one-sequence path) and requests at once.
+    pages: usize,
+    parallel: usize,
     has_template: bool,
     vocab: usize,
     /// Token texts for log-probabilities (lossy where a token holds part of a character)
@@ -212,9 +228,38 @@ fn rejection(r: JsonRejection) -> ApiError {
 /// `doppler serve`: loads the model, listens, and runs requests until killed.
 pub fn serve_cmd(gpu: &Gpu, args: &ServeArgs) -> doppler::Result<ExitCode> {
     let model = Model::open(gpu, &args.model, args.ctx_size)?;
-    let mut session =
-        Session::with_cache_type(gpu, &model, args.ctx_size, args.cache_type.kv_type(gpu))?;
-    tracing::info!("{}", crate::generate::cache_line(&session.cache));
+    let ty = args.cache_type.kv_type(gpu);
+    let parallel = args.parallel as usize;
+    let ctx = args.ctx_size.min(model.llama.max_context);
+    let batch = match parallel {
+        1 => None,
+        n => {
+            let pages = n * ctx.div_ceil(PAGE);
+            match Batch::new(gpu, &model, pages, ty) {
+                Ok(b) => {
+                    tracing::info!(
+                        "continuous batching: {n} requests at once, KV pool of {pages} pages of {PAGE} tokens ({} {}, {:.1} MiB)",
+                        ty.name(),
+                        ctx,
+                        b.bytes() as f64 / 1048576.0
+                    );
+                    Some(b)
+                }
+                Err(e) => {
+                    tracing::warn!("{e}: one request at a time");
+                    None
+                }
+            }
+        }
+    };
+    let mut session = match &batch {
+        Some(_) => None,
+        None => {
+            let s = Session::with_cache_type(gpu, &model, args.ctx_size, ty)?;
+            tracing::info!("{}", crate::generate::cache_line(&s.cache));
+            Some(s)
+        }
+    };
     let model_id = match &args.alias {
         Some(a) => a.clone(),
         None => args
@@ -238,7 +283,12 @@ pub fn serve_cmd(gpu: &Gpu, args: &ServeArgs) -> doppler::Result<ExitCode> {
         jobs: Mutex::new(tx),
         stats: stats.clone(),
         ids: AtomicU64::new(0),
-        ctx: session.capacity(),
+        ctx,
+        pages: batch.as_ref().map_or(0, Batch::pages),
+        parallel: match &batch {
+            Some(_) => parallel,
+            None => 1,
+        },
         has_template: model.template.is_some(),
         vocab: model.llama.cfg.vocab_size,
         tokens: Arc::new(
@@ -280,8 +330,14 @@ pub fn serve_cmd(gpu: &Gpu, args: &ServeArgs) -> doppler::Result<ExitCode> {
         }
     }
     let mut trie = None;
-    for job in rx {
-        run_job(gpu, &model, &mut session, job, &stats, &mut trie);
+    match (batch, &mut session) {
+        (Some(b), _) => batch_loop(gpu, b, rx, &stats, parallel, ctx, &mut trie),
+        (None, Some(session)) => {
+            for job in rx {
+                run_job(gpu, &model, session, job, &stats, &mut trie);
+            }
+        }
+        (None, None) => unreachable!("a session where there is no batch"),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -380,8 +436,11 @@ async fn metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
          # HELP doppler_prompt_tokens_total Prompt tokens processed.\n# TYPE doppler_prompt_tokens_total counter\ndoppler_prompt_tokens_total {}\n\
          # HELP doppler_completion_tokens_total Tokens generated.\n# TYPE doppler_completion_tokens_total counter\ndoppler_completion_tokens_total {}\n\
          # HELP doppler_decode_tokens_per_second The last request's decode rate.\n# TYPE doppler_decode_tokens_per_second gauge\ndoppler_decode_tokens_per_second {rate}\n\
-         # HELP doppler_kv_tokens_in_use Prompt tokens the running request holds in the KV cache.\n# TYPE doppler_kv_tokens_in_use gauge\ndoppler_kv_tokens_in_use {}\n\
-         # HELP doppler_kv_tokens_capacity Tokens the KV cache holds.\n# TYPE doppler_kv_tokens_capacity gauge\ndoppler_kv_tokens_capacity {}\n",
+         # HELP doppler_kv_tokens_in_use Tokens the running requests hold in the KV cache.\n# TYPE doppler_kv_tokens_in_use gauge\ndoppler_kv_tokens_in_use {}\n\
+         # HELP doppler_kv_tokens_capacity Tokens a request may hold (-c).\n# TYPE doppler_kv_tokens_capacity gauge\ndoppler_kv_tokens_capacity {}\n\
+         # HELP doppler_kv_pages_in_use Pages of the KV pool in use (continuous batching).\n# TYPE doppler_kv_pages_in_use gauge\ndoppler_kv_pages_in_use {}\n\
+         # HELP doppler_kv_pages_total Pages of the KV pool.\n# TYPE doppler_kv_pages_total gauge\ndoppler_kv_pages_total {}\n\
+         # HELP doppler_parallel Requests generated at once.\n# TYPE doppler_parallel gauge\ndoppler_parallel {}\n",
         waiting,
         active,
         s.requests.load(Ordering::SeqCst),
@@ -389,6 +448,9 @@ async fn metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
         s.completion_tokens.load(Ordering::SeqCst),
         s.kv_tokens.load(Ordering::SeqCst),
         app.ctx,
+        s.kv_pages.load(Ordering::SeqCst),
+        app.pages,
+        app.parallel,
     )
     .into_response()
 }
@@ -870,7 +932,7 @@ async fn respond(
     let stats = &app.stats;
     let taken = stats.inflight.fetch_add(1, Ordering::SeqCst);
     let slot = Slot(stats.clone());
-    if taken > app.queue {
+    if taken >= app.queue + app.parallel {
         drop(slot);
         return ApiError {
             status: StatusCode::TOO_MANY_REQUESTS,
@@ -1237,6 +1299,53 @@ struct Ask {
     grammar: Option<Arc<Grammar>>,
 }
 
+/// A request's prompt rendered (chat template) and tokenized, checked against the context
+/// `ctx`: its token ids and how many tokens it may generate.
+fn prepare(model: &Model, ask: &Ask, ctx: usize) -> Result<(Vec<u32>, usize), ApiError> {
+    let (text, special, param) = match &ask.prompt {
+        Prompt::Chat(msgs) => match &model.template {
+            Some(t) => (t.render(msgs, true), true, "messages"),
+            None => return Err(ApiError::bad("messages", "this model has no chat template")),
+        },
+        Prompt::Text(t) => (t.clone(), false, "prompt"),
+    };
+    let mut ids = model
+        .prompt_ids(&text, special, true)
+        .map_err(|e| ApiError::bad(param, format!("tokenizing the prompt: {e}")))?;
+    if ids.is_empty() {
+        ids.extend(model.tokenizer.bos.or(model.tokenizer.eos));
+    }
+    let room = ctx.saturating_sub(ids.len());
+    let too_long = |message: String, param: &str| ApiError {
+        status: StatusCode::BAD_REQUEST,
+        message,
+        kind: "invalid_request_error",
+        param: Some(param.into()),
+        code: Some("context_length_exceeded"),
+    };
+    if room == 0 {
+        return Err(too_long(
+            format!(
+                "the prompt's {} tokens fill this server's context of {ctx} tokens: nothing left to generate",
+                ids.len(),
+            ),
+            param,
+        ));
+    }
+    if let Some(m) = ask.max_tokens {
+        if ids.len() + m > ctx {
+            return Err(too_long(
+                format!(
+                    "the prompt's {} tokens and max_tokens {m} exceed this server's context of {ctx} tokens",
+                    ids.len(),
+                ),
+                "max_tokens",
+            ));
+        }
+    }
+    Ok((ids, ask.max_tokens.unwrap_or(room).min(room)))
+}
+
 /// The prompt rendered and checked against the context, then the generation from an empty
 /// cache, each certain piece of text sent as it comes: the request's last event (Done or
 /// Failed), None when its client went away (a send that fails ends the generation).
@@ -1250,75 +1359,29 @@ fn generate_job(
     trie: &mut Option<Arc<TokenTrie>>,
 ) -> Option<Event> {
     let fail = |e: ApiError| Some(Event::Failed(e));
-    let (text, special, param) = match &ask.prompt {
-        Prompt::Chat(msgs) => match &model.template {
-            Some(t) => (t.render(msgs, true), true, "messages"),
-            None => return fail(ApiError::bad("messages", "this model has no chat template")),
-        },
-        Prompt::Text(t) => (t.clone(), false, "prompt"),
-    };
-    let mut ids = match model.prompt_ids(&text, special, true) {
-        Ok(ids) => ids,
-        Err(e) => return fail(ApiError::bad(param, format!("tokenizing the prompt: {e}"))),
-    };
-    if ids.is_empty() {
-        ids.extend(model.tokenizer.bos.or(model.tokenizer.eos));
-    }
     session.reset();
-    let room = session.capacity().saturating_sub(ids.len());
-    let too_long = |message: String, param: &str| {
-        fail(ApiError {
-            status: StatusCode::BAD_REQUEST,
-            message,
-            kind: "invalid_request_error",
-            param: Some(param.into()),
-            code: Some("context_length_exceeded"),
-        })
+    let (ids, max_tokens) = match prepare(model, &ask, session.capacity()) {
+        Ok(p) => p,
+        Err(e) => return fail(e),
     };
-    if room == 0 {
-        return too_long(
-            format!(
-                "the prompt's {} tokens fill this server's context of {} tokens: nothing left to generate",
-                ids.len(),
-                session.capacity()
-            ),
-            param,
-        );
-    }
-    if let Some(m) = ask.max_tokens {
-        if ids.len() + m > session.capacity() {
-            return too_long(
-                format!(
-                    "the prompt's {} tokens and max_tokens {m} exceed this server's context of {} tokens",
-                    ids.len(),
-                    session.capacity()
-                ),
-                "max_tokens",
-            );
-        }
-    }
     let started = Event::Started {
         prompt_tokens: ids.len(),
     };
     events.send(started).ok()?;
     stats.kv_tokens.store(ids.len(), Ordering::SeqCst);
     let opts = GenOptions {
-        max_tokens: ask.max_tokens.unwrap_or(room).min(room),
+        max_tokens,
         stop_tokens: model.stop_tokens(),
         stop_strings: ask.stop,
     };
-    let mut sampler = Sampler::new(ask.sampler);
-    if let Some(n) = ask.logprobs {
-        sampler = sampler.with_logprobs(n);
-    }
-    if let Some(g) = ask.grammar {
-        // The vocabulary's trie: built for the first request that needs it.
-        let trie = trie
-            .get_or_insert_with(|| Arc::new(TokenTrie::new(&model.tokenizer)))
-            .clone();
-        let c = JsonConstraint::new(g, trie, opts.stop_tokens.clone());
-        sampler = sampler.with_constraint(Box::new(c));
-    }
+    let mut sampler = make_sampler(
+        model,
+        ask.sampler,
+        ask.logprobs,
+        ask.grammar,
+        &opts.stop_tokens,
+        trie,
+    );
     let t0 = Instant::now();
     let result = session.generate_pieces(gpu, &ids, &opts, &mut sampler, &mut |piece| {
         events
@@ -1365,5 +1428,301 @@ fn generate_job(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("generation failed: {e}"),
         )),
+    }
+}
+
+/// Rows of prompts a batched step takes at most (beside one row per decoding request):
+/// longer prompts run in chunks, so that the others keep decoding meanwhile.
+const STEP_PROMPT_ROWS: usize = 512;
+
+/// A request the batched worker is generating.
+struct Running {
+    seq: SeqId,
+    events: tmpsc::UnboundedSender<Event>,
+    slot: Slot,
+    sampler: Sampler,
+    /// Tokens still to run: what is left of the prompt, or the last token chosen.
+    todo: Vec<u32>,
+    stream: TextStream,
+    stop_tokens: Vec<u32>,
+    max_tokens: usize,
+    prompt_tokens: usize,
+    started: Instant,
+}
+
+/// Why a running request ends.
+enum End {
+    Finished(&'static str, usize),
+    /// The client went away.
+    Gone,
+    Failed(ApiError),
+}
+
+/// The continuous-batching worker: takes waiting requests while fewer than `parallel` run
+/// (each with its sampler and text stream), then steps every running one together
+/// ([`Batch::step`]: a chunk of a prompt, or the token chosen last), samples each whose
+/// row was its last, streams its text, and ends those that stop, reach their length or
+/// lose their client, giving their pages back. Blocks on the queue when nothing runs.
+fn batch_loop(
+    gpu: &Gpu,
+    mut batch: Batch<'_>,
+    rx: mpsc::Receiver<Job>,
+    stats: &Stats,
+    parallel: usize,
+    ctx: usize,
+    trie: &mut Option<Arc<TokenTrie>>,
+) {
+    let model = batch.model;
+    let tk = &model.tokenizer;
+    let mut waiting = std::collections::VecDeque::new();
+    let mut running: Vec<Running> = Vec::new();
+    loop {
+        if running.is_empty() && waiting.is_empty() {
+            match rx.recv() {
+                Ok(j) => waiting.push_back(j),
+                Err(_) => return,
+            }
+        }
+        while let Ok(j) = rx.try_recv() {
+            waiting.push_back(j);
+        }
+        while running.len() < parallel {
+            let Some(job) = waiting.pop_front() else { break };
+            if let Some(r) = start(model, &mut batch, job, ctx, trie) {
+                running.push(r);
+            }
+        }
+        stats.active.store(running.len(), Ordering::SeqCst);
+        if running.is_empty() {
+            continue;
+        }
+        // One row for each request decoding; prompts' chunks from what is left.
+        let mut budget = STEP_PROMPT_ROWS;
+        let mut take: Vec<usize> = running
+            .iter()
+            .map(|r| (r.todo.len() == 1) as usize)
+            .collect();
+        for (i, r) in running.iter().enumerate() {
+            if r.todo.len() > 1 && budget > 0 {
+                take[i] = r.todo.len().min(budget);
+                budget -= take[i];
+            }
+        }
+        let feeds: Vec<(SeqId, &[u32])> = running
+            .iter()
+            .zip(&take)
+            .filter(|(_, &n)| n > 0)
+            .map(|(r, &n)| (r.seq, &r.todo[..n]))
+            .collect();
+        let t0 = Instant::now();
+        let result = batch.step(gpu, &feeds);
+        let mut ends: Vec<(usize, End)> = Vec::new();
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!("batched step failed: {e}");
+                for i in 0..running.len() {
+                    let err = ApiError::server(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        format!("generation failed: {e}"),
+                    );
+                    ends.push((i, End::Failed(err)));
+                }
+                Vec::new()
+            }
+        };
+        let mut chosen = 0;
+        let mut li = 0;
+        for (i, r) in running.iter_mut().enumerate() {
+            if logits.is_empty() || take[i] == 0 {
+                continue;
+            }
+            let l = &logits[li];
+            li += 1;
+            r.todo.drain(..take[i]);
+            if !r.todo.is_empty() {
+                continue; // more of the prompt next step
+            }
+            chosen += 1;
+            let next = r.sampler.sample(l, r.stream.tokens());
+            if r.stop_tokens.contains(&next) {
+                // The stop token counts, as every sampled one does.
+                ends.push((i, End::Finished("stop", r.stream.tokens().len() + 1)));
+                continue;
+            }
+            let events = &r.events;
+            let pushed = r.stream.push(tk, next, r.sampler.take_logprob(), &mut |p| {
+                events
+                    .send(Event::Text(p.text.to_string(), p.logprobs.to_vec()))
+                    .map_err(|_| gone())
+            });
+            let n = r.stream.tokens().len();
+            match pushed {
+                Err(_) => ends.push((i, End::Gone)),
+                Ok(true) => ends.push((i, End::Finished("stop", n))),
+                Ok(false) if n >= r.max_tokens || batch.len(r.seq).unwrap_or(ctx) + 1 > ctx => {
+                    ends.push((i, End::Finished("length", n)))
+                }
+                Ok(false) => r.todo.push(next),
+            }
+        }
+        if chosen > 0 {
+            let rate = chosen as f64 / t0.elapsed().as_secs_f64().max(1e-9);
+            stats.decode_tok_s.store(rate.to_bits(), Ordering::SeqCst);
+        }
+        // Requests whose client left while they ran.
+        for (i, r) in running.iter().enumerate() {
+            if r.events.is_closed() && !ends.iter().any(|e| e.0 == i) {
+                ends.push((i, End::Gone));
+            }
+        }
+        ends.sort_by_key(|e| std::cmp::Reverse(e.0));
+        for (i, end) in ends {
+            let r = running.swap_remove(i);
+            finish(&mut batch, r, end, stats);
+        }
+        let held: usize = running.iter().filter_map(|r| batch.len(r.seq)).sum();
+        stats.kv_tokens.store(held, Ordering::SeqCst);
+        stats.kv_pages.store(batch.pages_in_use(), Ordering::SeqCst);
+        stats.active.store(running.len(), Ordering::SeqCst);
+    }
+}
+
+fn gone() -> Error {
+    Error::Invalid {
+        op: "serve",
+        detail: "the client went away".into(),
+    }
+}
+
+/// A waiting request into a running one: rendered, checked, a sequence for it, its
+/// `Started` event sent; None when it ended there (an error answered, or its client gone).
+fn start(
+    model: &Model,
+    batch: &mut Batch<'_>,
+    job: Job,
+    ctx: usize,
+    trie: &mut Option<Arc<TokenTrie>>,
+) -> Option<Running> {
+    let Job {
+        prompt,
+        max_tokens,
+        sampler,
+        stop,
+        logprobs,
+        grammar,
+        events,
+        slot,
+    } = job;
+    if events.is_closed() {
+        return None;
+    }
+    let ask = Ask {
+        prompt,
+        max_tokens,
+        sampler,
+        stop,
+        logprobs,
+        grammar,
+    };
+    let (ids, max_tokens) = match prepare(model, &ask, ctx) {
+        Ok(p) => p,
+        Err(e) => {
+            drop(slot);
+            let _ = events.send(Event::Failed(e));
+            return None;
+        }
+    };
+    let stop_tokens = model.stop_tokens();
+    let sampler = make_sampler(model, ask.sampler, ask.logprobs, ask.grammar, &stop_tokens, trie);
+    events
+        .send(Event::Started {
+            prompt_tokens: ids.len(),
+        })
+        .ok()?;
+    Some(Running {
+        seq: batch.add(),
+        events,
+        slot,
+        sampler,
+        prompt_tokens: ids.len(),
+        todo: ids,
+        stream: TextStream::new(ask.stop),
+        stop_tokens,
+        max_tokens,
+        started: Instant::now(),
+    })
+}
+
+/// A request's sampler: its settings, log-probabilities when asked, its grammar.
+fn make_sampler(
+    model: &Model,
+    cfg: SamplerConfig,
+    logprobs: Option<usize>,
+    grammar: Option<Arc<Grammar>>,
+    stop_tokens: &[u32],
+    trie: &mut Option<Arc<TokenTrie>>,
+) -> Sampler {
+    let mut sampler = Sampler::new(cfg);
+    if let Some(n) = logprobs {
+        sampler = sampler.with_logprobs(n);
+    }
+    if let Some(g) = grammar {
+        // The vocabulary's trie: built for the first request that needs it.
+        let trie = trie
+            .get_or_insert_with(|| Arc::new(TokenTrie::new(&model.tokenizer)))
+            .clone();
+        let c = JsonConstraint::new(g, trie, stop_tokens.to_vec());
+        sampler = sampler.with_constraint(Box::new(c));
+    }
+    sampler
+}
+
+/// A running request's end: the rest of its text, its pages back, its place in the queue
+/// given back, then its last event.
+fn finish(batch: &mut Batch<'_>, r: Running, end: End, stats: &Stats) {
+    let Running {
+        seq,
+        events,
+        slot,
+        mut stream,
+        prompt_tokens,
+        started,
+        ..
+    } = r;
+    batch.remove(seq);
+    let last = match end {
+        End::Gone => {
+            tracing::info!("request cancelled: the client went away");
+            None
+        }
+        End::Failed(e) => Some(Event::Failed(e)),
+        End::Finished(finish, completion_tokens) => {
+            let flushed = stream.finish(&mut |p| {
+                events
+                    .send(Event::Text(p.text.to_string(), p.logprobs.to_vec()))
+                    .map_err(|_| gone())
+            });
+            stats.requests.fetch_add(1, Ordering::SeqCst);
+            stats
+                .prompt_tokens
+                .fetch_add(prompt_tokens as u64, Ordering::SeqCst);
+            stats
+                .completion_tokens
+                .fetch_add(completion_tokens as u64, Ordering::SeqCst);
+            tracing::info!(
+                "{prompt_tokens} prompt + {} generated tokens in {:.0} ms ({finish})",
+                stream.tokens().len(),
+                started.elapsed().as_secs_f64() * 1e3
+            );
+            flushed.ok().map(|_| Event::Done {
+                finish,
+                completion_tokens,
+            })
+        }
+    };
+    drop(slot);
+    if let Some(ev) = last {
+        let _ = events.send(ev);
     }
 }

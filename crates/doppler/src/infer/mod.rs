@@ -494,17 +494,7 @@ impl<'m> Session<'m> {
             token_ms: Vec::new(),
         };
         let tk = &self.model.tokenizer;
-        let mut sent = 0;
-        // out.logprobs[..lp_sent] went out with a piece.
-        let mut lp_sent = 0;
-        let mut emit = |text: &str, lps: &[TokenLogprob], lp_sent: &mut usize| {
-            let r = on_piece(Piece {
-                text,
-                logprobs: &lps[*lp_sent..],
-            });
-            *lp_sent = lps.len();
-            r
-        };
+        let mut stream = TextStream::new(opts.stop_strings.clone());
         let mut t = Instant::now();
         for i in 0..opts.max_tokens {
             // Whether this token will run through the model unless it stops generation.
@@ -539,32 +529,14 @@ impl<'m> Session<'m> {
                 // on_text) leaves the session's tokens and cache in step.
                 self.tokens.push(next);
             }
-            out.tokens.push(next);
-            out.logprobs.extend(sampler.take_logprob());
-            let text = tk.decode(&out.tokens);
-            if let Some(at) = opts
-                .stop_strings
-                .iter()
-                .filter_map(|s| text.find(s.as_str()))
-                .min()
-            {
-                // Text already sent held back any start of a stop string, so at >= sent.
-                if at > sent && text.is_char_boundary(sent) {
-                    emit(&text[sent..at], &out.logprobs, &mut lp_sent)?;
-                }
-                out.text = text[..at].to_string();
+            if stream.push(tk, next, sampler.take_logprob(), on_piece)? {
+                (out.tokens, out.logprobs, out.text) = stream.into_parts();
                 out.stop = StopReason::String;
                 if !ran && self.cache.fits(1) {
                     self.feed_async(gpu, &[next]).await?;
                 }
                 return Ok(out);
             }
-            let safe = safe_prefix(&text, &opts.stop_strings);
-            if safe > sent && text.is_char_boundary(sent) {
-                emit(&text[sent..safe], &out.logprobs, &mut lp_sent)?;
-                sent = safe;
-            }
-            out.text = text;
             if i + 1 == opts.max_tokens {
                 out.stop_token = Some(next);
                 break;
@@ -578,11 +550,8 @@ impl<'m> Session<'m> {
                 logits = self.feed_async(gpu, &[next]).await?;
             }
         }
-        if (sent < out.text.len() || lp_sent < out.logprobs.len())
-            && out.text.is_char_boundary(sent)
-        {
-            emit(&out.text[sent..], &out.logprobs, &mut lp_sent)?;
-        }
+        stream.finish(on_piece)?;
+        (out.tokens, out.logprobs, out.text) = stream.into_parts();
         Ok(out)
     }
 
@@ -704,6 +673,95 @@ impl Conversation {
 
 /// Length of the prefix of `text` that is certain: whole characters (no U+FFFD from a
 /// split UTF-8 sequence at the end) and no suffix that could start a stop string.
+/// Generated tokens turned into text as it becomes certain: whole UTF-8 characters, no
+/// part of a possible stop string; a stop string cuts the text where it starts. Each piece
+/// goes out with the log-probabilities of the tokens since the piece before.
+pub struct TextStream {
+    stops: Vec<String>,
+    tokens: Vec<u32>,
+    logprobs: Vec<TokenLogprob>,
+    text: String,
+    /// Bytes of `text` and entries of `logprobs` sent.
+    sent: usize,
+    lp_sent: usize,
+}
+
+impl TextStream {
+    pub fn new(stops: Vec<String>) -> TextStream {
+        TextStream {
+            stops,
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            text: String::new(),
+            sent: 0,
+            lp_sent: 0,
+        }
+    }
+
+    /// Adds a token (and its log-probability): `on_piece` gets what is now certain.
+    /// Returns whether a stop string ended the text (it is then cut before it).
+    pub fn push(
+        &mut self,
+        tk: &tokenizer::Tokenizer,
+        id: u32,
+        logprob: Option<TokenLogprob>,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> Result<()>,
+    ) -> Result<bool> {
+        self.tokens.push(id);
+        self.logprobs.extend(logprob);
+        let text = tk.decode(&self.tokens);
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| text.find(s.as_str()))
+            .min()
+        {
+            // Text already sent held back any start of a stop string, so at >= sent.
+            self.text = text;
+            if at > self.sent && self.text.is_char_boundary(self.sent) {
+                self.emit(at, on_piece)?;
+            }
+            self.text.truncate(at);
+            return Ok(true);
+        }
+        let safe = safe_prefix(&text, &self.stops);
+        self.text = text;
+        if safe > self.sent && self.text.is_char_boundary(self.sent) {
+            self.emit(safe, on_piece)?;
+        }
+        Ok(false)
+    }
+
+    fn emit(&mut self, end: usize, on_piece: &mut dyn FnMut(Piece<'_>) -> Result<()>) -> Result<()> {
+        let r = on_piece(Piece {
+            text: &self.text[self.sent..end],
+            logprobs: &self.logprobs[self.lp_sent..],
+        });
+        self.sent = end;
+        self.lp_sent = self.logprobs.len();
+        r
+    }
+
+    /// The end: what was held back goes out (unless a stop string cut it).
+    pub fn finish(&mut self, on_piece: &mut dyn FnMut(Piece<'_>) -> Result<()>) -> Result<()> {
+        if (self.sent < self.text.len() || self.lp_sent < self.logprobs.len())
+            && self.text.is_char_boundary(self.sent)
+        {
+            self.emit(self.text.len(), on_piece)?;
+        }
+        Ok(())
+    }
+
+    /// Tokens, their log-probabilities and the text.
+    pub fn into_parts(self) -> (Vec<u32>, Vec<TokenLogprob>, String) {
+        (self.tokens, self.logprobs, self.text)
+    }
+
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+}
+
 fn safe_prefix(text: &str, stops: &[String]) -> usize {
     let mut end = text.len();
     if text.ends_with('\u{FFFD}') {
