@@ -39,10 +39,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Args;
 use doppler::gpu::Gpu;
+use doppler::infer::batch::{Batch, SeqId};
 use doppler::infer::chat::Message;
 use doppler::infer::grammar::{Grammar, JsonConstraint, TokenTrie};
 use doppler::infer::sample::{Sampler, SamplerConfig, TokenLogprob};
-use doppler::infer::batch::{Batch, SeqId};
 use doppler::infer::{GenOptions, Model, Session, StopReason, TextStream};
 use doppler::ops::kvcache::PAGE;
 use doppler::Error;
@@ -1487,7 +1487,9 @@ fn batch_loop(
             waiting.push_back(j);
         }
         while running.len() < parallel {
-            let Some(job) = waiting.pop_front() else { break };
+            let Some(job) = waiting.pop_front() else {
+                break;
+            };
             if let Some(r) = start(model, &mut batch, job, ctx, trie) {
                 running.push(r);
             }
@@ -1514,6 +1516,7 @@ fn batch_loop(
             .filter(|(_, &n)| n > 0)
             .map(|(r, &n)| (r.seq, &r.todo[..n]))
             .collect();
+        let feeds_rows: usize = feeds.iter().map(|f| f.1.len()).sum();
         let t0 = Instant::now();
         let result = batch.step(gpu, &feeds);
         let mut ends: Vec<(usize, End)> = Vec::new();
@@ -1531,27 +1534,32 @@ fn batch_loop(
                 Vec::new()
             }
         };
-        let mut chosen = 0;
+        let gpu_ms = t0.elapsed().as_secs_f64() * 1e3;
+        // The requests whose rows ran their last pending token (the others have more of
+        // their prompt to run): (index in running, index in logits).
+        let mut due = Vec::new();
         let mut li = 0;
         for (i, r) in running.iter_mut().enumerate() {
             if logits.is_empty() || take[i] == 0 {
                 continue;
             }
-            let l = &logits[li];
-            li += 1;
             r.todo.drain(..take[i]);
-            if !r.todo.is_empty() {
-                continue; // more of the prompt next step
+            if r.todo.is_empty() {
+                due.push((i, li));
             }
-            chosen += 1;
-            let next = r.sampler.sample(l, r.stream.tokens());
+            li += 1;
+        }
+        let picks = sample_rows(&mut running, &due, &logits);
+        let chosen = picks.len();
+        for (&(i, _), (next, logprob)) in due.iter().zip(picks) {
+            let r = &mut running[i];
             if r.stop_tokens.contains(&next) {
                 // The stop token counts, as every sampled one does.
                 ends.push((i, End::Finished("stop", r.stream.tokens().len() + 1)));
                 continue;
             }
             let events = &r.events;
-            let pushed = r.stream.push(tk, next, r.sampler.take_logprob(), &mut |p| {
+            let pushed = r.stream.push(tk, next, logprob, &mut |p| {
                 events
                     .send(Event::Text(p.text.to_string(), p.logprobs.to_vec()))
                     .map_err(|_| gone())
@@ -1567,8 +1575,16 @@ fn batch_loop(
             }
         }
         if chosen > 0 {
-            let rate = chosen as f64 / t0.elapsed().as_secs_f64().max(1e-9);
-            stats.decode_tok_s.store(rate.to_bits(), Ordering::SeqCst);
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            stats.decode_tok_s.store(
+                (chosen as f64 / ms.max(1e-6) * 1e3).to_bits(),
+                Ordering::SeqCst,
+            );
+            tracing::debug!(
+                "step: {} rows, {chosen} tokens chosen, {gpu_ms:.2} ms forward + {:.2} ms sampling and streaming",
+                feeds_rows,
+                ms - gpu_ms
+            );
         }
         // Requests whose client left while they ran.
         for (i, r) in running.iter().enumerate() {
@@ -1586,6 +1602,54 @@ fn batch_loop(
         stats.kv_pages.store(batch.pages_in_use(), Ordering::SeqCst);
         stats.active.store(running.len(), Ordering::SeqCst);
     }
+}
+
+/// The next token of each request in `due` (index in `running`, index in `logits`) and
+/// its log-probability, sampled on several threads when there are many (each request's
+/// sampler is its own: the same choices whatever the threads).
+fn sample_rows(
+    running: &mut [Running],
+    due: &[(usize, usize)],
+    logits: &[Vec<f32>],
+) -> Vec<(u32, Option<TokenLogprob>)> {
+    let mut jobs: Vec<(&mut Sampler, &[u32], &[f32])> = Vec::with_capacity(due.len());
+    let mut d = due.iter().peekable();
+    for (i, r) in running.iter_mut().enumerate() {
+        if let Some(&&(_, li)) = d.peek().filter(|e| e.0 == i) {
+            d.next();
+            let Running {
+                sampler, stream, ..
+            } = r;
+            jobs.push((sampler, stream.tokens(), &logits[li]));
+        }
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(16);
+    if jobs.len() < 4 || threads < 2 {
+        return jobs
+            .into_iter()
+            .map(|(s, h, l)| (s.sample(l, h), s.take_logprob()))
+            .collect();
+    }
+    let per = jobs.len().div_ceil(threads);
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = jobs
+            .chunks_mut(per)
+            .map(|chunk| {
+                sc.spawn(move || {
+                    chunk
+                        .iter_mut()
+                        .map(|(s, h, l)| (s.sample(l, h), s.take_logprob()))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("a sampling thread panicked"))
+            .collect()
+    })
 }
 
 fn gone() -> Error {
@@ -1634,7 +1698,14 @@ fn start(
         }
     };
     let stop_tokens = model.stop_tokens();
-    let sampler = make_sampler(model, ask.sampler, ask.logprobs, ask.grammar, &stop_tokens, trie);
+    let sampler = make_sampler(
+        model,
+        ask.sampler,
+        ask.logprobs,
+        ask.grammar,
+        &stop_tokens,
+        trie,
+    );
     events
         .send(Event::Started {
             prompt_tokens: ids.len(),

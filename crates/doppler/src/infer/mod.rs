@@ -732,7 +732,11 @@ impl TextStream {
         Ok(false)
     }
 
-    fn emit(&mut self, end: usize, on_piece: &mut dyn FnMut(Piece<'_>) -> Result<()>) -> Result<()> {
+    fn emit(
+        &mut self,
+        end: usize,
+        on_piece: &mut dyn FnMut(Piece<'_>) -> Result<()>,
+    ) -> Result<()> {
         let r = on_piece(Piece {
             text: &self.text[self.sent..end],
             logprobs: &self.logprobs[self.lp_sent..],
