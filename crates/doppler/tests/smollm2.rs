@@ -342,6 +342,25 @@ fn token_bytes_and_the_json_constraint_over_the_vocabulary() {
         .flat_map(|&i| tk.token_bytes(i).to_vec())
         .collect();
     assert_eq!(bytes, text.as_bytes());
+    // Where decode is the bytes read as UTF-8 (what TextStream builds text from), any ids
+    // decode so, split characters and control tokens included.
+    assert!(tk.decode_is_bytes());
+    let mut x = 99u64;
+    for _ in 0..300 {
+        let ids: Vec<u32> = (0..1 + x as usize % 9)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 33) % tk.vocab_size() as u64) as u32
+            })
+            .collect();
+        let b: Vec<u8> = ids
+            .iter()
+            .flat_map(|&i| tk.token_bytes(i).to_vec())
+            .collect();
+        assert_eq!(tk.decode(&ids), String::from_utf8_lossy(&b), "{ids:?}");
+    }
     let t0 = std::time::Instant::now();
     let trie = Arc::new(TokenTrie::new(tk));
     eprintln!("trie {:?}", t0.elapsed());

@@ -679,6 +679,8 @@ impl Conversation {
 pub struct TextStream {
     stops: Vec<String>,
     tokens: Vec<u32>,
+    /// The tokens' bytes, where the tokenizer's text is those bytes read as UTF-8.
+    bytes: Vec<u8>,
     logprobs: Vec<TokenLogprob>,
     text: String,
     /// Bytes of `text` and entries of `logprobs` sent.
@@ -691,6 +693,7 @@ impl TextStream {
         TextStream {
             stops,
             tokens: Vec::new(),
+            bytes: Vec::new(),
             logprobs: Vec::new(),
             text: String::new(),
             sent: 0,
@@ -709,7 +712,15 @@ impl TextStream {
     ) -> Result<bool> {
         self.tokens.push(id);
         self.logprobs.extend(logprob);
-        let text = tk.decode(&self.tokens);
+        // Byte-level vocabularies: the text from the bytes so far (no decoder pass over
+        // every token each time).
+        let text = match tk.decode_is_bytes() {
+            true => {
+                self.bytes.extend_from_slice(tk.token_bytes(id));
+                String::from_utf8_lossy(&self.bytes).into_owned()
+            }
+            false => tk.decode(&self.tokens),
+        };
         if let Some(at) = self
             .stops
             .iter()

@@ -46,6 +46,9 @@ pub struct Tokenizer {
     /// Pieces spell bytes in GPT-2's byte-to-character alphabet (byte-level BPE); else
     /// they are text with U+2581 for a space and `<0xXX>` byte tokens (SentencePiece).
     byte_level: bool,
+    /// `decode` is the tokens' bytes joined, read as UTF-8 (lossy): byte-level BPE with
+    /// nothing else in its decoder ([`Tokenizer::decode_is_bytes`]).
+    decode_bytes: bool,
     /// Each token's bytes, worked out on first use ([`Tokenizer::token_bytes`]).
     bytes: std::sync::OnceLock<Vec<Vec<u8>>>,
 }
@@ -180,6 +183,7 @@ impl Tokenizer {
             add_bos,
             specials,
             byte_level: model == "gpt2",
+            decode_bytes: model == "gpt2",
             bytes: Default::default(),
         })
     }
@@ -235,7 +239,8 @@ impl Tokenizer {
             .get("add_bos_token")
             .and_then(|v| v.as_bool())
             .unwrap_or(false);
-        let byte_level = matches!(tk.get_decoder(), Some(DecoderWrapper::ByteLevel(_)))
+        let decode_bytes = matches!(tk.get_decoder(), Some(DecoderWrapper::ByteLevel(_)));
+        let byte_level = decode_bytes
             || matches!(
                 tk.get_pre_tokenizer(),
                 Some(PreTokenizerWrapper::ByteLevel(_))
@@ -248,6 +253,7 @@ impl Tokenizer {
             add_bos,
             specials,
             byte_level,
+            decode_bytes,
             bytes: Default::default(),
         })
     }
@@ -347,6 +353,13 @@ impl Tokenizer {
     /// The token's text as stored (for listings).
     pub fn piece(&self, id: u32) -> Option<&str> {
         self.pieces.get(id as usize).map(String::as_str)
+    }
+
+    /// Whether [`Tokenizer::decode`] is the tokens' bytes ([`Tokenizer::token_bytes`])
+    /// joined and read as UTF-8, replacing what is not (text can then be built token by
+    /// token).
+    pub fn decode_is_bytes(&self) -> bool {
+        self.decode_bytes
     }
 
     /// Whether `id` is a control token (`<|im_end|>`, ...): never part of plain text.

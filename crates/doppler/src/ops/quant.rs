@@ -638,10 +638,12 @@ pub struct Fuse<'a> {
     /// with `norm`'s weight: used instead of rounding x again where the product rounds x
     /// ([`decode_rounds_x`]; x is read otherwise).
     pub x8: Option<&'a X8>,
-    /// The same kernel and order of sums whatever the number of rows of x (the
-    /// matrix-vector kernel, 8 rows of x a workgroup, x read as f32): each row's result is
-    /// the same bits alone or beside other rows (batched serving's batch invariance).
-    /// Slower than the kernels chosen by shape for many rows.
+    /// The same kernel and order of sums whatever the number of rows of x, so that each
+    /// row's result is the same bits alone or beside other rows (batched serving's batch
+    /// invariance): where cooperative products run ([`invariant_on_coop`]) the cooperative
+    /// product in tiles of 16 rows, k split by W's shape alone (x rounded to f16 as there);
+    /// elsewhere the
+    /// matrix-vector kernel at 8 rows of x a workgroup (x read as f32).
     pub invariant: bool,
 }
 
@@ -999,8 +1001,12 @@ pub fn qmatmul_chain(
     let res = fuse.residual.unwrap_or(x);
     let bind = [&w.raw, &y, x, nw, res, x, nw, &w.raw];
     if fuse.invariant {
-        let (cm, grid) = matvec_grid(&c, m, w.rows, 8);
-        rec.dispatch(&QMATVEC, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
+        if invariant_on_coop(rec.gpu(), w.cols) {
+            qmatmul_coop(rec, x, w, fuse, &y)?;
+        } else {
+            let (cm, grid) = matvec_grid(&c, m, w.rows, 8);
+            rec.dispatch(&QMATVEC, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
+        }
         return Ok((y, None));
     }
     if uses_coop(rec.gpu(), m, w.rows, w.cols) {
@@ -1133,8 +1139,13 @@ fn qmatmul_coop(
     };
     let (xh, rowf) = x_half(rec, x, w.cols, fuse.norm)?;
     // Few rows: tiles of 16, 32 or 64 rows (SK_R 1, 2, 4), W decoded once per tile.
-    let skinny = m <= SKINNY_MAX_ROWS;
-    let sk_r = m.div_ceil(16).next_power_of_two().min(4);
+    // Invariant products: always tiles of 16 rows, k split as for one tile of rows
+    // (nothing depends on m).
+    let skinny = m <= SKINNY_MAX_ROWS || fuse.invariant;
+    let sk_r = match fuse.invariant {
+        true => 1,
+        false => m.div_ceil(16).next_power_of_two().min(4),
+    };
     let (kernel, tile_m) = match skinny {
         true => (&QMATMUL_COOP_SKINNY, 16 * sk_r),
         false => (&QMATMUL_COOP, COOP_TILE),
@@ -1166,7 +1177,10 @@ fn qmatmul_coop(
         let grid = Grid::cover((m * outs) as u64, 256);
         return rec.dispatch(&GLU_ROWS, &cg, bytemuck::bytes_of(&pg), &[y, &gu], grid);
     }
-    let splits = split_k_to(COOP_SPLITK_TARGET, gn * gm, w.cols);
+    let splits = match fuse.invariant {
+        true => split_k_to(COOP_SPLITK_TARGET, gn, w.cols),
+        false => split_k_to(COOP_SPLITK_TARGET, gn * gm, w.cols),
+    };
     let res = fuse.residual.unwrap_or(x);
     if splits == 1 {
         let grid = Grid::Xyz([gn as u32, gm as u32, 1]);
@@ -1458,6 +1472,12 @@ fn qmatvec_x8rows(
     let groups = w.rows.div_ceil(Path::rows(split, 256, 4)) * m.div_ceil(mv_x);
     let grid = Grid::Linear(groups as u64);
     rec.dispatch(&QMATVEC_X8ROWS, &c, bytemuck::bytes_of(p), &bind, grid)
+}
+
+/// Whether products with [`Fuse::invariant`] run on cooperative matrices here (whatever
+/// the rows of x: adapters with them, rows of W a multiple of 4 long).
+pub fn invariant_on_coop(gpu: &Gpu, cols: usize) -> bool {
+    gpu.quant_coop && cols % 4 == 0
 }
 
 /// Whether a product of `m` rows of x with W (`rows`, `cols`) ([`qmatmul`],

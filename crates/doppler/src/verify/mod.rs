@@ -123,6 +123,7 @@ const FAMILIES: &[Family] = &[
     (&["x_half"], family!(quant::half_checks)),
     (&["qmatmul decode"], family!(quant::decode_checks)),
     (&["qmatmul batch"], family!(quant::batch_checks)),
+    (&["qmatmul invariant"], family!(quant::invariant_checks)),
     (&["qmatmul_chain"], family!(quant::chain_checks)),
     (&["row_split"], family!(quant::split_checks)),
     (&["kv_attend"], family!(kvcache::checks)),

@@ -1267,3 +1267,144 @@ pub(super) async fn split_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         );
     }
 }
+
+/// Batch-invariant products ([`Fuse::invariant`], batched serving): 37 rows of x through W,
+/// and rows 0, 5, 20 and 36 each alone — every row the same bits both ways — and the 37
+/// rows against f64 sums over the CPU dequantizer (on cooperative matrices: x rounded to
+/// f16, 1.5e-3 of sum |x w|); plain, with the residual, and with the norm and SwiGLU.
+pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    use crate::ops::quant::{invariant_on_coop, qmatmul_fused, Fuse};
+    let cases: [(&str, usize, usize, BatchFuse); 4] = [
+        ("Q4_1", 96, 576, BatchFuse::Plain),
+        ("Q4_K", 64, 512, BatchFuse::NormSwiglu),
+        ("Q6_K", 40, 256, BatchFuse::Residual),
+        ("F16", 24, 64, BatchFuse::Plain),
+    ];
+    let m = 37usize;
+    let alone = [0usize, 5, 20, 36];
+    for (ci, &(name, rows, cols, fuse)) in cases.iter().enumerate() {
+        let ty = GgmlType::from_name(name).expect("known type");
+        let mut rng = Rng::new(6200 + ci as u64);
+        let raw = random_blocks(name, rows * cols, &mut rng);
+        let w = cpu::dequantize(ty, &raw, rows * cols).expect("dequantizes");
+        let xv = rng.vec(m * cols);
+        let nw: Vec<f32> = (0..cols).map(|_| 0.5 + rng.uniform()).collect();
+        let outs = match fuse {
+            BatchFuse::NormSwiglu => rows / 2,
+            _ => rows,
+        };
+        let resv = rng.vec(m * outs);
+        let eps = 1e-5f32;
+        let r = twice("qmatmul invariant", async || {
+            let q = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
+            let nwt = Tensor::from_f32(gpu, &[cols], &nw, "nw")?;
+            let run = async |r0: usize, n: usize| -> crate::Result<Vec<f32>> {
+                let xt = Tensor::from_f32(gpu, &[n, cols], &xv[r0 * cols..(r0 + n) * cols], "x")?;
+                let rt =
+                    Tensor::from_f32(gpu, &[n, outs], &resv[r0 * outs..(r0 + n) * outs], "res")?;
+                let f = match fuse {
+                    BatchFuse::Plain => Fuse::default(),
+                    BatchFuse::Residual => Fuse {
+                        residual: Some(&rt),
+                        ..Default::default()
+                    },
+                    BatchFuse::NormSwiglu => Fuse {
+                        norm: Some((&nwt, eps)),
+                        swiglu: true,
+                        ..Default::default()
+                    },
+                };
+                let f = Fuse {
+                    invariant: true,
+                    ..f
+                };
+                let y = gpu.run_async(|rec| qmatmul_fused(rec, &xt, &q, f)).await?;
+                y.to_vec_f32(gpu).await
+            };
+            let mut got = vec![run(0, m).await?];
+            for &a in &alone {
+                got.push(run(a, 1).await?);
+            }
+            Ok(got)
+        })
+        .await;
+        let (mut want, mut mag) = (vec![0.0f64; m * outs], vec![0.0f64; m * outs]);
+        for a in 0..m {
+            let xr = &xv[a * cols..(a + 1) * cols];
+            let norm = matches!(fuse, BatchFuse::NormSwiglu);
+            let ms = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / cols as f64;
+            let rstd = if norm {
+                1.0 / (ms + eps as f64).sqrt()
+            } else {
+                1.0
+            };
+            let dot = |j: usize| -> (f64, f64) {
+                let (mut s, mut g) = (0.0, 0.0);
+                for c in 0..cols {
+                    let h = if norm {
+                        xr[c] as f64 * nw[c] as f64
+                    } else {
+                        xr[c] as f64
+                    };
+                    let t = h * rstd * w[j * cols + c] as f64;
+                    s += t;
+                    g += t.abs();
+                }
+                (s, g)
+            };
+            for j in 0..outs {
+                let at = a * outs + j;
+                (want[at], mag[at]) = match fuse {
+                    BatchFuse::Plain => dot(j),
+                    BatchFuse::Residual => {
+                        let (d, dm) = dot(j);
+                        (resv[at] as f64 + d, resv[at].abs() as f64 + dm)
+                    }
+                    BatchFuse::NormSwiglu => {
+                        let ((g, gm), (u, um)) = (dot(j), dot(outs + j));
+                        let sig = 1.0 / (1.0 + (-g).exp());
+                        let y = g * sig * u;
+                        (y, u.abs() * gm + (g * sig).abs() * um + y.abs())
+                    }
+                };
+            }
+        }
+        let coop = invariant_on_coop(gpu, cols);
+        let tol = match coop {
+            true => Tolerance {
+                abs: 1e-30,
+                rel: 1.5e-3,
+            },
+            false => Tolerance::dot(cols),
+        };
+        let res = r.and_then(|got| {
+            for (k, &a) in alone.iter().enumerate() {
+                let batched = &got[0][a * outs..(a + 1) * outs];
+                if let Some(j) =
+                    (0..outs).find(|&j| batched[j].to_bits() != got[k + 1][j].to_bits())
+                {
+                    return Err(format!(
+                        "row {a}, output {j}: {} in a batch of {m}, {} alone",
+                        batched[j],
+                        got[k + 1][j]
+                    ));
+                }
+            }
+            compare("qmatmul invariant", &got[0], &want, Some(&mag), tol).map_err(s)
+        });
+        let how = match fuse {
+            BatchFuse::Plain => "",
+            BatchFuse::Residual => ", + residual",
+            BatchFuse::NormSwiglu => ", norm + SwiGLU",
+        };
+        push(
+            out,
+            "qmatmul invariant",
+            format!(
+                "x [{m}, {cols}] @ ({rows}, {cols})^T {name}{how}, rows {alone:?} alone the same bits{}",
+                if coop { ", cooperative (f16)" } else { "" }
+            ),
+            res,
+        );
+    }
+}
