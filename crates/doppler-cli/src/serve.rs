@@ -617,7 +617,11 @@ fn check(app: &App, r: Request, chat: bool) -> Result<Checked, ApiError> {
                     ));
                 };
                 match v.as_f64() {
-                    Some(b) if (-100.0..=100.0).contains(&b) => logit_bias.push((id, b as f32)),
+                    // The same id written twice ("5", "05"): the last one counts.
+                    Some(b) if (-100.0..=100.0).contains(&b) => {
+                        logit_bias.retain(|e: &(u32, f32)| e.0 != id);
+                        logit_bias.push((id, b as f32))
+                    }
                     _ => {
                         return Err(ApiError::bad(
                             "logit_bias",
@@ -1315,6 +1319,19 @@ fn prepare(model: &Model, ask: &Ask, ctx: usize) -> Result<(Vec<u32>, usize), Ap
     if ids.is_empty() {
         ids.extend(model.tokenizer.bos.or(model.tokenizer.eos));
     }
+    if ids.is_empty() {
+        return Err(ApiError::bad(
+            param,
+            format!("{param}: empty, and this model has no BOS or EOS token to start from"),
+        ));
+    }
+    let vocab = model.llama.cfg.vocab_size;
+    if let Some(&t) = ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad(
+            param,
+            format!("{param}: token {t} is past the model's vocabulary of {vocab}"),
+        ));
+    }
     let room = ctx.saturating_sub(ids.len());
     let too_long = |message: String, param: &str| ApiError {
         status: StatusCode::BAD_REQUEST,
@@ -1486,6 +1503,8 @@ fn batch_loop(
         while let Ok(j) = rx.try_recv() {
             waiting.push_back(j);
         }
+        // Requests whose client left while waiting give their places back now.
+        waiting.retain(|j: &Job| !j.events.is_closed());
         while running.len() < parallel {
             let Some(job) = waiting.pop_front() else {
                 break;

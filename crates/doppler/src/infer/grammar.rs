@@ -34,6 +34,9 @@ use super::tokenizer::Tokenizer;
 
 /// Most spaces or tabs after a newline between JSON tokens.
 pub const MAX_INDENT: u8 = 20;
+/// Most alternatives one value may start as (anyOf / oneOf / $ref flattened), and most
+/// values of one enum.
+pub const MAX_ALTERNATIVES: usize = 256;
 /// Deepest nesting of objects and arrays.
 pub const MAX_DEPTH: usize = 64;
 /// Most parser stacks followed at once (alternatives beyond are dropped).
@@ -138,37 +141,76 @@ impl Grammar {
             depth: 0,
         };
         g.root = b.compile(&mut g.nodes, schema, "schema")?;
-        g.check_cycles()?;
+        g.flatten()?;
         Ok(g)
     }
 
-    /// Refuses alternatives that lead back to themselves before any text (`$ref` cycles
-    /// through anyOf with no object or array between): they could never start a value.
-    fn check_cycles(&self) -> Result<(), String> {
+    /// Every anyOf (and `$ref`) node replaced by the plain alternatives it stands for,
+    /// each once, found without recursion: starting a value then never walks nested
+    /// alternatives (a schema of `$ref`s doubling at each level cannot cost 2^n, a chain
+    /// of 100,000 cannot overflow the stack). Refuses alternatives that lead back to
+    /// themselves before any text ($ref cycles with no object or array between: they
+    /// could never start a value) and more than [`MAX_ALTERNATIVES`] of them.
+    fn flatten(&mut self) -> Result<(), String> {
+        let n = self.nodes.len();
+        let is_any = |nodes: &[Node], i: usize| matches!(nodes[i], Node::AnyOf(_));
         // 0 unseen, 1 on the path, 2 done.
-        fn visit(nodes: &[Node], id: Id, mark: &mut [u8]) -> bool {
-            match mark[id as usize] {
-                1 => return false,
-                2 => return true,
-                _ => {}
+        let mut mark = vec![0u8; n];
+        let mut leaves: Vec<Option<Vec<Id>>> = vec![None; n];
+        for root in 0..n {
+            if mark[root] != 0 || !is_any(&self.nodes, root) {
+                continue;
             }
-            mark[id as usize] = 1;
-            if let Node::AnyOf(alts) = &nodes[id as usize] {
-                for &a in alts {
-                    if !visit(nodes, a, mark) {
-                        return false;
+            mark[root] = 1;
+            let mut stack: Vec<(usize, usize)> = vec![(root, 0)];
+            while let Some(top) = stack.last_mut() {
+                let (id, next) = (top.0, top.1);
+                let Node::AnyOf(alts) = &self.nodes[id] else {
+                    unreachable!("only anyOf nodes are stacked")
+                };
+                if next < alts.len() {
+                    top.1 += 1;
+                    let c = alts[next] as usize;
+                    if is_any(&self.nodes, c) {
+                        match mark[c] {
+                            1 => {
+                                return Err("schema: a $ref leads back to itself with no object or array in between".into());
+                            }
+                            0 => {
+                                mark[c] = 1;
+                                stack.push((c, 0));
+                            }
+                            _ => {}
+                        }
+                    }
+                    continue;
+                }
+                let mut out: Vec<Id> = Vec::new();
+                for &c in alts {
+                    let own = [c];
+                    let add: &[Id] = match is_any(&self.nodes, c as usize) {
+                        true => leaves[c as usize].as_deref().unwrap_or(&[]),
+                        false => &own,
+                    };
+                    for &l in add {
+                        if !out.contains(&l) {
+                            out.push(l);
+                        }
+                    }
+                    if out.len() > MAX_ALTERNATIVES {
+                        return Err(format!(
+                            "schema: more than {MAX_ALTERNATIVES} alternatives (anyOf, $ref) for one value"
+                        ));
                     }
                 }
+                leaves[id] = Some(out);
+                mark[id] = 2;
+                stack.pop();
             }
-            mark[id as usize] = 2;
-            true
         }
-        let mut mark = vec![0u8; self.nodes.len()];
-        for id in 0..self.nodes.len() as Id {
-            if !visit(&self.nodes, id, &mut mark) {
-                return Err(
-                    "schema: a $ref leads back to itself with no object or array in between".into(),
-                );
+        for (id, l) in leaves.into_iter().enumerate() {
+            if let Some(l) = l {
+                self.nodes[id] = Node::AnyOf(l);
             }
         }
         Ok(())
@@ -324,6 +366,9 @@ impl Builder<'_> {
                 .as_array()
                 .filter(|a| !a.is_empty())
                 .ok_or(format!("{at}.enum: must be a non-empty list"))?;
+            if vals.len() > MAX_ALTERNATIVES {
+                return Err(format!("{at}.enum: more than {MAX_ALTERNATIVES} values"));
+            }
             return Ok(Grammar::push(
                 nodes,
                 Node::Lits(vals.iter().map(compact).collect()),
@@ -1146,6 +1191,14 @@ impl TokenConstraint for JsonConstraint {
             }
         }
         self.walk(0, &self.states, allowed);
+        // A stop token that is also text (an EOS the vocabulary does not mark as a
+        // control token) is still no JSON: only a whole value may stop.
+        let complete = self.complete();
+        for &t in &self.stop {
+            if let Some(a) = allowed.get_mut(t as usize) {
+                *a = complete;
+            }
+        }
         if !allowed.iter().any(|&a| a) {
             // A dead end (a vocabulary that cannot spell what must come): stop.
             for &t in &self.stop {
@@ -1286,6 +1339,37 @@ mod tests {
             let e = Grammar::from_schema(&s).unwrap_err();
             assert!(e.contains(word), "{s}: {e}");
         }
+        // $refs doubling at each of 30 levels (2^30 paths): compiled to one alternative.
+        let mut defs = serde_json::Map::new();
+        for k in 0..30 {
+            let r = format!("#/$defs/d{}", k + 1);
+            defs.insert(
+                format!("d{k}"),
+                json!({"anyOf": [{"$ref": r}, {"$ref": r}]}),
+            );
+        }
+        defs.insert("d30".into(), json!({"type": "string"}));
+        let g = Grammar::from_schema(&json!({"$defs": defs, "$ref": "#/$defs/d0"})).unwrap();
+        assert!(g.accepts("\"x\"") && !g.accepts("1"));
+        // A chain of 20,000 $refs compiled 50 at a time (each piece cached): no recursion
+        // at run time either.
+        let mut defs = serde_json::Map::new();
+        for i in 0..20_000 {
+            defs.insert(
+                format!("a{i}"),
+                json!({"$ref": format!("#/$defs/a{}", i + 1)}),
+            );
+        }
+        defs.insert("a20000".into(), json!({"type": "integer"}));
+        let pieces: Vec<Value> = (0..=20_000 / 50)
+            .rev()
+            .map(|k| json!({"$ref": format!("#/$defs/a{}", k * 50)}))
+            .collect();
+        let g = Grammar::from_schema(&json!({"$defs": defs, "anyOf": pieces})).unwrap();
+        assert!(g.accepts("12") && !g.accepts("\"x\""));
+        let many: Vec<i64> = (0..300).collect();
+        let e = Grammar::from_schema(&json!({"enum": many})).unwrap_err();
+        assert!(e.contains("256"), "{e}");
         // A chain of 10,000 $refs: refused, not a stack overflow.
         let mut defs = serde_json::Map::new();
         for i in 0..10_000 {

@@ -671,8 +671,6 @@ impl Conversation {
     }
 }
 
-/// Length of the prefix of `text` that is certain: whole characters (no U+FFFD from a
-/// split UTF-8 sequence at the end) and no suffix that could start a stop string.
 /// Generated tokens turned into text as it becomes certain: whole UTF-8 characters, no
 /// part of a possible stop string; a stop string cuts the text where it starts. Each piece
 /// goes out with the log-probabilities of the tokens since the piece before.
@@ -686,6 +684,8 @@ pub struct TextStream {
     /// Bytes of `text` and entries of `logprobs` sent.
     sent: usize,
     lp_sent: usize,
+    /// A stop string ended the text: nothing more goes out.
+    stopped: bool,
 }
 
 impl TextStream {
@@ -698,6 +698,7 @@ impl TextStream {
             text: String::new(),
             sent: 0,
             lp_sent: 0,
+            stopped: false,
         }
     }
 
@@ -733,6 +734,7 @@ impl TextStream {
                 self.emit(at, on_piece)?;
             }
             self.text.truncate(at);
+            self.stopped = true;
             return Ok(true);
         }
         let safe = safe_prefix(&text, &self.stops);
@@ -759,7 +761,8 @@ impl TextStream {
 
     /// The end: what was held back goes out (unless a stop string cut it).
     pub fn finish(&mut self, on_piece: &mut dyn FnMut(Piece<'_>) -> Result<()>) -> Result<()> {
-        if (self.sent < self.text.len() || self.lp_sent < self.logprobs.len())
+        if !self.stopped
+            && (self.sent < self.text.len() || self.lp_sent < self.logprobs.len())
             && self.text.is_char_boundary(self.sent)
         {
             self.emit(self.text.len(), on_piece)?;
@@ -777,6 +780,8 @@ impl TextStream {
     }
 }
 
+/// Length of the prefix of `text` that is certain: whole characters (no U+FFFD from a
+/// split UTF-8 sequence at the end) and no suffix that could start a stop string.
 fn safe_prefix(text: &str, stops: &[String]) -> usize {
     let mut end = text.len();
     if text.ends_with('\u{FFFD}') {
