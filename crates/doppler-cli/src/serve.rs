@@ -106,13 +106,7 @@ enum Event {
 /// A request for the worker: the rendered prompt (or the messages to render) and its
 /// options.
 struct Job {
-    prompt: Prompt,
-    max_tokens: Option<usize>,
-    sampler: SamplerConfig,
-    stop: Vec<String>,
-    /// Some(n): each token's log-probability and the n most likely.
-    logprobs: Option<usize>,
-    grammar: Option<Arc<Grammar>>,
+    ask: Ask,
     events: tmpsc::UnboundedSender<Event>,
     /// Given back before the last event (see [`Slot`]).
     slot: Slot,
@@ -545,12 +539,7 @@ struct Request {
 
 /// What a request asks of the worker, after its parameters are checked.
 struct Checked {
-    prompt: Prompt,
-    max_tokens: Option<usize>,
-    sampler: SamplerConfig,
-    stop: Vec<String>,
-    logprobs: Option<usize>,
-    grammar: Option<Arc<Grammar>>,
+    ask: Ask,
     stream: bool,
     include_usage: bool,
 }
@@ -786,7 +775,7 @@ fn check(app: &App, r: Request, chat: bool) -> Result<Checked, ApiError> {
     if stop.iter().any(String::is_empty) {
         return Err(ApiError::bad("stop", "stop: sequences must not be empty"));
     }
-    Ok(Checked {
+    let ask = Ask {
         prompt,
         max_tokens,
         sampler: SamplerConfig {
@@ -804,6 +793,9 @@ fn check(app: &App, r: Request, chat: bool) -> Result<Checked, ApiError> {
         stop,
         logprobs,
         grammar,
+    };
+    Ok(Checked {
+        ask,
         stream: r.stream.unwrap_or(false),
         include_usage: r
             .stream_options
@@ -947,13 +939,9 @@ async fn respond(
         }
         .into_response();
     }
+    let logprobs = c.ask.logprobs.is_some();
     let job = Job {
-        prompt: c.prompt,
-        max_tokens: c.max_tokens,
-        sampler: c.sampler,
-        stop: c.stop,
-        logprobs: c.logprobs,
-        grammar: c.grammar,
+        ask: c.ask,
         events: tx,
         slot,
     };
@@ -989,7 +977,7 @@ async fn respond(
         created,
         model: app.model_id.clone(),
         chat,
-        logprobs: c.logprobs.is_some(),
+        logprobs,
         tokens: app.tokens.clone(),
     };
     if !c.stream {
@@ -1261,25 +1249,8 @@ fn run_job(
     stats: &Stats,
     trie: &mut Option<Arc<TokenTrie>>,
 ) {
-    let Job {
-        prompt,
-        max_tokens,
-        sampler,
-        stop,
-        logprobs,
-        grammar,
-        events,
-        slot,
-    } = job;
+    let Job { ask, events, slot } = job;
     stats.active.store(1, Ordering::SeqCst);
-    let ask = Ask {
-        prompt,
-        max_tokens,
-        sampler,
-        stop,
-        logprobs,
-        grammar,
-    };
     // A client that left while its request waited costs nothing more.
     let last = match events.is_closed() {
         true => None,
@@ -1299,6 +1270,7 @@ struct Ask {
     max_tokens: Option<usize>,
     sampler: SamplerConfig,
     stop: Vec<String>,
+    /// Some(n): each token's log-probability and the n most likely.
     logprobs: Option<usize>,
     grammar: Option<Arc<Grammar>>,
 }
@@ -1687,27 +1659,10 @@ fn start(
     ctx: usize,
     trie: &mut Option<Arc<TokenTrie>>,
 ) -> Option<Running> {
-    let Job {
-        prompt,
-        max_tokens,
-        sampler,
-        stop,
-        logprobs,
-        grammar,
-        events,
-        slot,
-    } = job;
+    let Job { ask, events, slot } = job;
     if events.is_closed() {
         return None;
     }
-    let ask = Ask {
-        prompt,
-        max_tokens,
-        sampler,
-        stop,
-        logprobs,
-        grammar,
-    };
     let (ids, max_tokens) = match prepare(model, &ask, ctx) {
         Ok(p) => p,
         Err(e) => {

@@ -415,16 +415,10 @@ impl Builder<'_> {
                 "object" => self.object(nodes, obj, at)?,
                 "array" => self.array(nodes, obj, at)?,
                 "string" => {
-                    let len = |k: &str| -> Result<Option<u32>, String> {
-                        obj.get(k)
-                            .map(|v| {
-                                v.as_u64()
-                                    .map(|n| n.min(u32::MAX as u64 - 1) as u32)
-                                    .ok_or(format!("{at}.{k}: a whole number >= 0"))
-                            })
-                            .transpose()
-                    };
-                    let (min, max) = (len("minLength")?.unwrap_or(0), len("maxLength")?);
+                    let (min, max) = (
+                        count(obj, "minLength", at)?.unwrap_or(0),
+                        count(obj, "maxLength", at)?,
+                    );
                     match (min, max) {
                         (0, None) => ANY_STRING,
                         (min, max) => {
@@ -509,15 +503,7 @@ impl Builder<'_> {
             None => ANY,
             Some(s) => self.compile(nodes, s, &format!("{at}.items"))?,
         };
-        let n = |k: &str| -> Result<Option<u32>, String> {
-            obj.get(k)
-                .map(|v| {
-                    v.as_u64()
-                        .map(|n| n.min(u32::MAX as u64 - 1) as u32)
-                        .ok_or(format!("{at}.{k}: a whole number >= 0"))
-                })
-                .transpose()
-        };
+        let n = |k: &str| count(obj, k, at);
         let (min, max) = (
             n("minItems")?.unwrap_or(0),
             n("maxItems")?.unwrap_or(u32::MAX),
@@ -527,6 +513,17 @@ impl Builder<'_> {
         }
         Ok(Grammar::push(nodes, Node::Array { items, min, max }))
     }
+}
+
+/// Keyword `k` of a schema as a count (minLength, maxItems, ...): None when absent.
+fn count(obj: &serde_json::Map<String, Value>, k: &str, at: &str) -> Result<Option<u32>, String> {
+    obj.get(k)
+        .map(|v| {
+            v.as_u64()
+                .map(|n| n.min(u32::MAX as u64 - 1) as u32)
+                .ok_or(format!("{at}.{k}: a whole number >= 0"))
+        })
+        .transpose()
 }
 
 fn compact(v: &Value) -> Vec<u8> {

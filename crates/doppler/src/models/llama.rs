@@ -916,19 +916,7 @@ impl Llama {
                 // products one after the other.
                 let a = kv_attend(rec, &q, &cache.k[li], &cache.v[li], pos, window)?
                     .reshape(&[t, c.n_head * d])?;
-                let o = qmatmul_fused(rec, &a, &l.o, Fuse::default())?;
-                let o = rms_norm(rec, &o, post_attn, eps, false)?.y;
-                x = add(rec, &x, &o)?;
-                let fuse = Fuse {
-                    norm: Some((&l.ffn_norm, eps)),
-                    swiglu: true,
-                    geglu: true,
-                    ..Default::default()
-                };
-                let g = qmatmul_fused(rec, &x, &l.gate_up, fuse)?;
-                let down = qmatmul_fused(rec, &g, &l.down, Fuse::default())?;
-                let down = rms_norm(rec, &down, post_ffn, eps, false)?.y;
-                x = add(rec, &x, &down)?;
+                x = self.post_normed(rec, l, (post_attn, post_ffn), &x, &a, Fuse::default())?;
                 x8 = None;
                 continue;
             }
@@ -1069,19 +1057,7 @@ impl Llama {
             let a =
                 kv_attend_paged(rec, &q, &pool.k[li], &pool.v[li], rows)?.reshape(&[m, hq * d])?;
             if let (Some(post_attn), Some(post_ffn)) = (&l.post_attn_norm, &l.post_ffn_norm) {
-                let o = qmatmul_fused(rec, &a, &l.o, inv)?;
-                let o = rms_norm(rec, &o, post_attn, eps, false)?.y;
-                x = add(rec, &x, &o)?;
-                let fuse = Fuse {
-                    norm: Some((&l.ffn_norm, eps)),
-                    swiglu: true,
-                    geglu: true,
-                    ..inv
-                };
-                let g = qmatmul_fused(rec, &x, &l.gate_up, fuse)?;
-                let down = qmatmul_fused(rec, &g, &l.down, inv)?;
-                let down = rms_norm(rec, &down, post_ffn, eps, false)?.y;
-                x = add(rec, &x, &down)?;
+                x = self.post_normed(rec, l, (post_attn, post_ffn), &x, &a, inv)?;
                 continue;
             }
             x = qmatmul_fused(
@@ -1198,6 +1174,34 @@ impl Llama {
 impl Llama {
     /// Where layer `li`'s q/k/v product goes after it: its bias, its RoPE table (a
     /// windowed layer's own where the model has one), and its caches at `pos`.
+    /// The rest of a Gemma layer after its attention `a`: each block's output normalised
+    /// (`post`: after attention, after the feed-forward) before it joins the residual x,
+    /// the products one after the other with `base`'s options (GeGLU).
+    fn post_normed(
+        &self,
+        rec: &mut Recorder<'_>,
+        l: &Layer,
+        post: (&Tensor, &Tensor),
+        x: &Tensor,
+        a: &Tensor,
+        base: Fuse<'_>,
+    ) -> Result<Tensor> {
+        let eps = self.cfg.norm_eps as f32;
+        let o = qmatmul_fused(rec, a, &l.o, base)?;
+        let o = rms_norm(rec, &o, post.0, eps, false)?.y;
+        let x = add(rec, x, &o)?;
+        let fuse = Fuse {
+            norm: Some((&l.ffn_norm, eps)),
+            swiglu: true,
+            geglu: true,
+            ..base
+        };
+        let g = qmatmul_fused(rec, &x, &l.gate_up, fuse)?;
+        let down = qmatmul_fused(rec, &g, &l.down, base)?;
+        let down = rms_norm(rec, &down, post.1, eps, false)?.y;
+        add(rec, &x, &down)
+    }
+
     fn rope_store_of<'a>(&'a self, li: usize, cache: &'a KvCache, pos: usize) -> RopeStore<'a> {
         let (c, l) = (&self.cfg, &self.layers[li]);
         let window = c.window(li);

@@ -829,6 +829,86 @@ enum BatchFuse {
     NormSwiglu,
 }
 
+impl BatchFuse {
+    /// The product's options: the residual `rt`, or the norm (`nwt`, `eps`) and SwiGLU.
+    fn fuse<'a>(self, rt: &'a Tensor, nwt: &'a Tensor, eps: f32) -> Fuse<'a> {
+        match self {
+            BatchFuse::Plain => Fuse::default(),
+            BatchFuse::Residual => Fuse {
+                residual: Some(rt),
+                ..Default::default()
+            },
+            BatchFuse::NormSwiglu => Fuse {
+                norm: Some((nwt, eps)),
+                swiglu: true,
+                ..Default::default()
+            },
+        }
+    }
+
+    /// f64 results and magnitudes (sum |terms|) of the rows `xv` (m, cols) through the
+    /// dequantized `w` with this fusion (the norm's weight `nw` and epsilon; the residual
+    /// `resv`, (m, outs)); x (times the norm weight) rounded to 8 bits first where
+    /// `rounds`, the norm's factor from the unrounded row.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        self,
+        xv: &[f32],
+        w: &[f32],
+        nw: &[f32],
+        resv: &[f32],
+        cols: usize,
+        eps: f32,
+        rounds: bool,
+    ) -> (Vec<f64>, Vec<f64>) {
+        let m = xv.len() / cols;
+        let outs = resv.len() / m;
+        let (mut want, mut mag) = (vec![0.0f64; m * outs], vec![0.0f64; m * outs]);
+        let norm = matches!(self, BatchFuse::NormSwiglu);
+        for a in 0..m {
+            let xr = &xv[a * cols..(a + 1) * cols];
+            let h: Vec<f32> = match norm {
+                true => xr.iter().zip(nw).map(|(v, g)| v * g).collect(),
+                false => xr.to_vec(),
+            };
+            let h = if rounds { cpu::round_x8(&h) } else { h };
+            let ms = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / cols as f64;
+            let rstd = if norm {
+                1.0 / (ms + eps as f64).sqrt()
+            } else {
+                1.0
+            };
+            let dot = |j: usize| -> (f64, f64) {
+                let (mut s, mut g) = (0.0, 0.0);
+                for c in 0..cols {
+                    let t = h[c] as f64 * rstd * w[j * cols + c] as f64;
+                    s += t;
+                    g += t.abs();
+                }
+                (s, g)
+            };
+            for j in 0..outs {
+                let at = a * outs + j;
+                (want[at], mag[at]) = match self {
+                    BatchFuse::Plain => dot(j),
+                    BatchFuse::Residual => {
+                        let (d, dm) = dot(j);
+                        (resv[at] as f64 + d, resv[at].abs() as f64 + dm)
+                    }
+                    BatchFuse::NormSwiglu => {
+                        // Gate rows, then up rows: j and outs + j.
+                        let ((g, gm), (u, um)) = (dot(j), dot(outs + j));
+                        let sig = 1.0 / (1.0 + (-g).exp());
+                        let y = g * sig * u;
+                        (y, u.abs() * gm + (g * sig).abs() * um + y.abs())
+                    }
+                };
+            }
+        }
+        (want, mag)
+    }
+}
+
 /// (type, rows of W, columns, rows of x, fusion) of [`batch_checks`]: every type the
 /// batched decode kernel takes, 2 .. 32 rows of x (one workgroup's 2, 4 or 8 rows, part
 /// of one, and several row groups with a partial last), W tall (sets of 1 and 2 groups) or
@@ -898,65 +978,13 @@ pub(super) async fn batch_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let xt = Tensor::from_f32(gpu, &[m, cols], &xv, "x")?;
             let nwt = Tensor::from_f32(gpu, &[cols], &nw, "nw")?;
             let rt = Tensor::from_f32(gpu, &[m, outs], &resv, "res")?;
-            let f = match fuse {
-                BatchFuse::Plain => Fuse::default(),
-                BatchFuse::Residual => Fuse {
-                    residual: Some(&rt),
-                    ..Default::default()
-                },
-                BatchFuse::NormSwiglu => Fuse {
-                    norm: Some((&nwt, eps)),
-                    swiglu: true,
-                    ..Default::default()
-                },
-            };
+            let f = fuse.fuse(&rt, &nwt, eps);
             let y = gpu.run_async(|rec| qmatmul_fused(rec, &xt, &q, f)).await?;
             Ok(vec![y.to_vec_f32(gpu).await?])
         })
         .await;
         let rounds = decode_rounds_x(gpu, m, ty, rows, cols);
-        let (mut want, mut mag) = (vec![0.0f64; m * outs], vec![0.0f64; m * outs]);
-        for a in 0..m {
-            let xr = &xv[a * cols..(a + 1) * cols];
-            let norm = matches!(fuse, BatchFuse::NormSwiglu);
-            let h: Vec<f32> = match norm {
-                true => xr.iter().zip(&nw).map(|(v, g)| v * g).collect(),
-                false => xr.to_vec(),
-            };
-            let h = if rounds { cpu::round_x8(&h) } else { h };
-            let ms = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / cols as f64;
-            let rstd = if norm {
-                1.0 / (ms + eps as f64).sqrt()
-            } else {
-                1.0
-            };
-            let dot = |j: usize| -> (f64, f64) {
-                let (mut s, mut g) = (0.0, 0.0);
-                for c in 0..cols {
-                    let t = h[c] as f64 * rstd * w[j * cols + c] as f64;
-                    s += t;
-                    g += t.abs();
-                }
-                (s, g)
-            };
-            for j in 0..outs {
-                let at = a * outs + j;
-                (want[at], mag[at]) = match fuse {
-                    BatchFuse::Plain => dot(j),
-                    BatchFuse::Residual => {
-                        let (d, dm) = dot(j);
-                        (resv[at] as f64 + d, resv[at].abs() as f64 + dm)
-                    }
-                    BatchFuse::NormSwiglu => {
-                        // Gate rows, then up rows: j and outs + j.
-                        let ((g, gm), (u, um)) = (dot(j), dot(outs + j));
-                        let sig = 1.0 / (1.0 + (-g).exp());
-                        let y = g * sig * u;
-                        (y, u.abs() * gm + (g * sig).abs() * um + y.abs())
-                    }
-                };
-            }
-        }
+        let (want, mag) = fuse.reference(&xv, &w, &nw, &resv, cols, eps, rounds);
         let res = r.and_then(|got| {
             compare(
                 &format!("qmatmul batch {name}"),
@@ -1302,18 +1330,7 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 let xt = Tensor::from_f32(gpu, &[n, cols], &xv[r0 * cols..(r0 + n) * cols], "x")?;
                 let rt =
                     Tensor::from_f32(gpu, &[n, outs], &resv[r0 * outs..(r0 + n) * outs], "res")?;
-                let f = match fuse {
-                    BatchFuse::Plain => Fuse::default(),
-                    BatchFuse::Residual => Fuse {
-                        residual: Some(&rt),
-                        ..Default::default()
-                    },
-                    BatchFuse::NormSwiglu => Fuse {
-                        norm: Some((&nwt, eps)),
-                        swiglu: true,
-                        ..Default::default()
-                    },
-                };
+                let f = fuse.fuse(&rt, &nwt, eps);
                 let f = Fuse {
                     invariant: true,
                     ..f
@@ -1328,47 +1345,7 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             Ok(got)
         })
         .await;
-        let (mut want, mut mag) = (vec![0.0f64; m * outs], vec![0.0f64; m * outs]);
-        for a in 0..m {
-            let xr = &xv[a * cols..(a + 1) * cols];
-            let norm = matches!(fuse, BatchFuse::NormSwiglu);
-            let ms = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / cols as f64;
-            let rstd = if norm {
-                1.0 / (ms + eps as f64).sqrt()
-            } else {
-                1.0
-            };
-            let dot = |j: usize| -> (f64, f64) {
-                let (mut s, mut g) = (0.0, 0.0);
-                for c in 0..cols {
-                    let h = if norm {
-                        xr[c] as f64 * nw[c] as f64
-                    } else {
-                        xr[c] as f64
-                    };
-                    let t = h * rstd * w[j * cols + c] as f64;
-                    s += t;
-                    g += t.abs();
-                }
-                (s, g)
-            };
-            for j in 0..outs {
-                let at = a * outs + j;
-                (want[at], mag[at]) = match fuse {
-                    BatchFuse::Plain => dot(j),
-                    BatchFuse::Residual => {
-                        let (d, dm) = dot(j);
-                        (resv[at] as f64 + d, resv[at].abs() as f64 + dm)
-                    }
-                    BatchFuse::NormSwiglu => {
-                        let ((g, gm), (u, um)) = (dot(j), dot(outs + j));
-                        let sig = 1.0 / (1.0 + (-g).exp());
-                        let y = g * sig * u;
-                        (y, u.abs() * gm + (g * sig).abs() * um + y.abs())
-                    }
-                };
-            }
-        }
+        let (want, mag) = fuse.reference(&xv, &w, &nw, &resv, cols, eps, false);
         let coop = invariant_on_coop(gpu, cols);
         let tol = match coop {
             true => Tolerance {
