@@ -498,6 +498,8 @@ async function startTraining() {
   redraw();
   trainAbort = new AbortController();
   let lastStep = 0;
+  let unit = 'tokens';
+  let accuracy = null;
   try {
     const text = await corpusText();
     const maxSteps = Number($('train-max-steps').value) || undefined;
@@ -510,7 +512,9 @@ async function startTraining() {
       onStart: (e) => {
         chart.steps = maxSteps ? Math.min(e.steps, e.startStep + maxSteps) : e.steps;
         $('train-status').textContent =
-          `${e.params.toLocaleString()} parameters, vocabulary ${e.vocab}; ${e.trainTokens.toLocaleString()} training and ${e.valTokens.toLocaleString()} validation tokens`;
+          `${e.params.toLocaleString()} parameters, ${e.unit === 'tokens' ? 'vocabulary ' + e.outputs : e.outputs + ' classes'}; ` +
+          `${e.trainItems.toLocaleString()} training and ${e.valItems.toLocaleString()} validation ${e.unit}`;
+        unit = e.unit;
         $('train-chart').dataset.params = e.params;
         redraw();
       },
@@ -519,19 +523,22 @@ async function startTraining() {
         chart.train.push([e.step, e.loss]);
         $('train-status').textContent =
           `step ${e.step}/${chart.steps || e.steps}: loss ${e.loss.toFixed(4)}, lr ${e.lr.toExponential(2)}, ` +
-          `${Math.round(e.tokensPerS).toLocaleString()} tokens/s${e.skipped ? ' (overflow: step skipped)' : ''}`;
+          `${Math.round(e.itemsPerS).toLocaleString()} ${unit}/s${e.skipped ? ' (overflow: step skipped)' : ''}` +
+          (accuracy == null ? '' : `, validation accuracy ${(accuracy * 100).toFixed(1)}%`);
         redraw();
       },
       onEval: (e) => {
         chart.val.push([e.step, e.valLoss]);
+        accuracy = e.valAccuracy;
         redraw();
       },
     });
     trainRun = run;
     const s = run.summary;
     $('train-summary').textContent =
-      `${s.stopped ? 'Stopped' : 'Done'}: ${s.steps} steps in ${s.seconds.toFixed(1)} s (${Math.round(s.tokensPerS).toLocaleString()} tokens/s); ` +
-      `validation loss ${s.firstValLoss == null ? '–' : s.firstValLoss.toFixed(4)} → ${s.finalValLoss.toFixed(4)}, ` +
+      `${s.stopped ? 'Stopped' : 'Done'}: ${s.steps} steps in ${s.seconds.toFixed(1)} s (${Math.round(s.itemsPerS).toLocaleString()} ${unit}/s); ` +
+      `validation loss ${s.firstValLoss == null ? '–' : s.firstValLoss.toFixed(4)} → ${s.finalValLoss.toFixed(4)}` +
+      (s.finalValAccuracy == null ? ', ' : ` (accuracy ${(s.finalValAccuracy * 100).toFixed(2)}%), `) +
       `final train loss ${s.finalTrainLoss.toFixed(4)}.`;
     $('train-summary').dataset.done = s.stopped ? 'stopped' : 'true';
     setStatus(`Training ${s.stopped ? 'stopped' : 'done'} in ${((performance.now() - t0) / 1000).toFixed(1)} s.`);

@@ -87,8 +87,8 @@ test('training tiny.toml: per-step losses equal the native run within 1e-4 relat
       `sample ${JSON.stringify(got.sample)}; summary ${JSON.stringify(got.summary)}`);
     const n = await want;
     assert.equal(got.start.params, n.start.params, 'parameter count');
-    assert.equal(got.start.vocab, n.start.vocab, 'vocabulary');
-    assert.equal(got.start.trainTokens, n.start.train_tokens);
+    assert.equal(got.start.outputs, n.start.vocab, 'vocabulary');
+    assert.equal(got.start.trainItems, n.start.train_tokens);
     assert.equal(got.steps.length, 20);
     assert.deepEqual(got.steps.map((s) => s[0]), n.steps.map((s) => s[0]), 'step numbers');
     let worst = 0;

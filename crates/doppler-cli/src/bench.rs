@@ -487,14 +487,18 @@ fn train_config(
 ) -> doppler::Result<()> {
     use doppler::train::{config::TrainConfig, Trainer};
     let cfg = TrainConfig::load(path)?;
-    let corpus = &cfg.data.corpus;
-    let text = std::fs::read_to_string(corpus).map_err(|source| doppler::Error::Io {
-        path: corpus.display().to_string(),
+    let data = cfg.data_path();
+    let text = std::fs::read_to_string(data).map_err(|source| doppler::Error::Io {
+        path: data.display().to_string(),
         source,
     })?;
     let mut trainer = Trainer::fresh(gpu, &cfg, &text)?;
     let tc = &cfg.train;
-    let tokens = (tc.batch_size * cfg.model.block_size * tc.grad_accum) as f64;
+    let items = (cfg.items_per_batch() * tc.grad_accum) as f64;
+    let (shape, unit) = match cfg.transformer() {
+        Some(m) => (format!("B{} T{}", tc.batch_size, m.block_size), "K tok/s"),
+        None => (format!("B{}", tc.batch_size), "K images/s"),
+    };
     for _ in 0..2 {
         trainer.train_step()?;
     }
@@ -516,16 +520,14 @@ fn train_config(
             gpu.matmul.name()
         ),
         shape: format!(
-            "B{} T{} x{}, {} params",
-            tc.batch_size,
-            cfg.model.block_size,
+            "{shape} x{}, {} params",
             tc.grad_accum,
-            trainer.model.params.numel()
+            trainer.params().numel()
         ),
         wall_ms: med,
         gpu_ms: None,
-        value: tokens / (med / 1e3) / 1e3,
-        unit: "K tok/s",
+        value: items / (med / 1e3) / 1e3,
+        unit,
     });
     if !args.json {
         print_kernels(&tr);

@@ -75,6 +75,10 @@ fn run_until(
     steps: &mut Vec<doppler::train::StepInfo>,
 ) -> doppler::Result<ExitCode> {
     let bar = ProgressBar::hidden();
+    let unit = match trainer.task {
+        doppler::train::Task::Text { .. } => "tokens",
+        doppler::train::Task::Images { .. } => "images",
+    };
     let mut on_event = |e: Event<'_>| {
         if let Event::Step(s) = &e {
             steps.push((*s).clone());
@@ -83,17 +87,29 @@ fn run_until(
             let v = match e {
                 Event::Started {
                     params,
-                    vocab,
-                    train_tokens,
-                    val_tokens,
+                    outputs,
+                    train_items,
+                    val_items,
+                    unit,
                     start_step,
                     steps,
-                } => serde_json::json!({
-                    "event": "start", "params": params, "vocab": vocab, "train_tokens": train_tokens,
-                    "val_tokens": val_tokens, "start_step": start_step, "steps": steps }),
+                } => {
+                    let mut v = serde_json::json!({
+                        "event": "start", "params": params, "start_step": start_step, "steps": steps });
+                    // "vocab", "train_tokens", "val_tokens" or "classes", "train_images", ...
+                    let outputs_name = if unit == "tokens" { "vocab" } else { "classes" };
+                    v[outputs_name] = outputs.into();
+                    v[format!("train_{unit}")] = train_items.into();
+                    v[format!("val_{unit}")] = val_items.into();
+                    v
+                }
                 Event::Step(s) => serde_json::json!({ "event": "step", "step": s }),
-                Event::Eval { step, val_loss } => {
-                    serde_json::json!({ "event": "eval", "step": step, "val_loss": val_loss })
+                Event::Eval {
+                    step,
+                    val_loss,
+                    val_accuracy,
+                } => {
+                    serde_json::json!({ "event": "eval", "step": step, "val_loss": val_loss, "val_accuracy": val_accuracy })
                 }
                 Event::Checkpoint { step, dir } => {
                     serde_json::json!({ "event": "checkpoint", "step": step, "dir": dir })
@@ -105,13 +121,18 @@ fn run_until(
         match e {
             Event::Started {
                 params,
-                vocab,
-                train_tokens,
-                val_tokens,
+                outputs,
+                train_items,
+                val_items,
+                unit,
                 start_step,
                 steps,
             } => {
-                eprintln!("model: {params} parameters, vocabulary {vocab}; data: {train_tokens} training / {val_tokens} validation tokens");
+                let outputs = match unit {
+                    "tokens" => format!("vocabulary {outputs}"),
+                    _ => format!("{outputs} classes"),
+                };
+                eprintln!("model: {params} parameters, {outputs}; data: {train_items} training / {val_items} validation {unit}");
                 bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
                 bar.set_length(steps);
                 bar.set_position(start_step);
@@ -125,10 +146,11 @@ fn run_until(
             Event::Step(s) => {
                 bar.set_position(s.step);
                 bar.set_message(format!(
-                    "loss {:.4}  lr {:.2e}  {:.0} tok/s{}",
+                    "loss {:.4}  lr {:.2e}  {:.0} {}/s{}",
                     s.loss,
                     s.lr,
-                    s.tokens_per_s,
+                    s.items_per_s,
+                    unit,
                     if s.skipped {
                         "  (overflow: step skipped)"
                     } else {
@@ -136,9 +158,14 @@ fn run_until(
                     }
                 ));
             }
-            Event::Eval { step, val_loss } => {
-                bar.println(format!("step {step}: validation loss {val_loss:.4}"))
-            }
+            Event::Eval {
+                step,
+                val_loss,
+                val_accuracy,
+            } => bar.println(format!(
+                "step {step}: validation loss {val_loss:.4}{}",
+                val_accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))
+            )),
             Event::Checkpoint { step, dir } => {
                 bar.println(format!("step {step}: checkpoint {}", dir.display()))
             }
@@ -155,12 +182,15 @@ fn run_until(
         let first = summary
             .first_val_loss
             .map_or("-".into(), |v| format!("{v:.4}"));
+        let accuracy = summary
+            .final_val_accuracy
+            .map_or(String::new(), |a| format!(" (accuracy {:.2}%)", a * 100.0));
         eprintln!(
-            "done: steps {} -> {}, validation loss {first} -> {:.4}, {:.0} tokens/s, {:.1} s; checkpoint {}",
+            "done: steps {} -> {}, validation loss {first} -> {:.4}{accuracy}, {:.0} {unit}/s, {:.1} s; checkpoint {}",
             summary.start_step,
             summary.steps,
             summary.final_val_loss,
-            summary.tokens_per_s,
+            summary.items_per_s,
             summary.seconds,
             summary.checkpoint.display()
         );

@@ -303,10 +303,18 @@ fn chat(jinja: &str) {
 fn train_toml(data: &[u8]) -> Outcome {
     let text = std::str::from_utf8(data).map_err(s)?;
     let cfg = TrainConfig::parse(text, "fuzz.toml").map_err(s)?;
-    let mut m = cfg.model.clone();
-    m.vocab_size = m.vocab_size.max(1);
-    if m.validate().is_ok() {
-        let _ = doppler::models::transformer::Transformer::expected(&m);
+    match &cfg.model {
+        doppler::train::config::NetConfig::Transformer(m) => {
+            let mut m = m.clone();
+            m.vocab_size = m.vocab_size.max(1);
+            if m.validate().is_ok() {
+                let _ = doppler::models::transformer::Transformer::expected(&m);
+            }
+        }
+        // parse() validated it: its layout must build.
+        doppler::train::config::NetConfig::Conv(c) => {
+            let _ = doppler::models::convnet::ConvNet::expected(c);
+        }
     }
     let _ = cfg.loss_scaler();
     let _ = cfg.differences(&cfg);

@@ -646,20 +646,24 @@ pub fn train(config_toml: String, corpus: String, options: JsValue, on_event: Fu
             let v = match e {
                 Event::Started {
                     params,
-                    vocab,
-                    train_tokens,
-                    val_tokens,
+                    outputs,
+                    train_items,
+                    val_items,
+                    unit,
                     start_step,
                     steps,
-                } => serde_json::json!({ "type": "started", "params": params, "vocab": vocab,
-                    "trainTokens": train_tokens, "valTokens": val_tokens,
+                } => serde_json::json!({ "type": "started", "params": params, "outputs": outputs,
+                    "trainItems": train_items, "valItems": val_items, "unit": unit,
                     "startStep": start_step, "steps": steps }),
                 Event::Step(s) => serde_json::json!({ "type": "step", "step": s.step,
                     "steps": s.steps, "loss": s.loss, "lr": s.lr,
-                    "tokensPerS": s.tokens_per_s, "gradNorm": s.grad_norm, "skipped": s.skipped }),
-                Event::Eval { step, val_loss } => {
-                    serde_json::json!({ "type": "eval", "step": step, "valLoss": val_loss })
-                }
+                    "itemsPerS": s.items_per_s, "gradNorm": s.grad_norm, "skipped": s.skipped }),
+                Event::Eval {
+                    step,
+                    val_loss,
+                    val_accuracy,
+                } => serde_json::json!({ "type": "eval", "step": step, "valLoss": val_loss,
+                    "valAccuracy": val_accuracy }),
                 Event::Checkpoint { .. } => return Ok(Flow::Continue),
             };
             let js = to_js(&v).map_err(|e| Error::Invalid {
@@ -696,10 +700,11 @@ pub fn train(config_toml: String, corpus: String, options: JsValue, on_event: Fu
             "stopped": summary.stopped,
             "firstValLoss": summary.first_val_loss,
             "finalValLoss": summary.final_val_loss,
+            "finalValAccuracy": summary.final_val_accuracy,
             "finalTrainLoss": summary.final_train_loss,
-            "tokensPerS": summary.tokens_per_s,
+            "itemsPerS": summary.items_per_s,
             "seconds": summary.seconds,
-            "params": trainer.model.params.numel(),
+            "params": trainer.params().numel(),
         }))?;
         Ok(WebRun {
             trainer: Rc::new(RefCell::new(trainer)),
@@ -735,7 +740,10 @@ impl WebRun {
             .trainer
             .try_borrow()
             .map_err(|_| js_err("train: the run is busy"))?;
-        let bytes = t.tokenizer.to_json().map_err(js_err)?;
+        let (_, tokenizer) = t
+            .text_model()
+            .ok_or_else(|| js_err("train: this run trains a conv net: it has no tokenizer"))?;
+        let bytes = tokenizer.to_json().map_err(js_err)?;
         String::from_utf8(bytes).map_err(js_err)
     }
 
@@ -757,10 +765,13 @@ impl WebRun {
                     aborted = matches!(r.map(|v| v.as_bool()), Ok(Some(false)) | Err(_));
                 }
             };
+            let (model, tokenizer) = t
+                .text_model()
+                .ok_or_else(|| js_err("train: this run trains a conv net: it generates no text"))?;
             let text = doppler::train::generate_async(
                 g,
-                &t.model,
-                &t.tokenizer,
+                model,
+                tokenizer,
                 &prompt,
                 o.max_tokens,
                 &mut sampler,

@@ -18,7 +18,10 @@ use crate::ops::matmul::{matmul, matmul_bias, matmul_into, MatmulOpts};
 use crate::ops::norm::{self, NormOut};
 use crate::ops::quant::RowSplit;
 use crate::ops::rope::{self, Pairing, RopeTable};
-use crate::ops::{bias, columns, dropout, elementwise, embedding, silu};
+use crate::ops::conv2d::{self, Conv2dOpts};
+use crate::ops::groupnorm::{self, GroupNormOut};
+use crate::ops::pool::{self, Pool};
+use crate::ops::{bias, columns, dropout, elementwise, embedding, silu, upsample};
 
 /// A value on the tape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -163,6 +166,36 @@ enum Op {
         x: Var,
         p: f64,
         seed: u64,
+    },
+    /// x (N, Cin, H, W) convolved with w (Cout, Cin/groups, KH, KW), plus b (Cout).
+    Conv2d {
+        x: Var,
+        w: Var,
+        b: Option<Var>,
+        opts: Conv2dOpts,
+    },
+    /// x (N, C, ...) normalized over groups of C/groups channels, times w (C) plus b (C).
+    GroupNorm {
+        x: Var,
+        w: Var,
+        b: Var,
+        groups: usize,
+        out: GroupNormOut,
+    },
+    /// x (N, C, H, W) -> (N, C, H*sh, W*sw), nearest neighbour.
+    Upsample {
+        x: Var,
+        scale: (usize, usize),
+    },
+    /// x (N, C*r*r, H, W) -> (N, C, H*r, W*r).
+    PixelShuffle {
+        x: Var,
+        r: usize,
+    },
+    /// Window means of x (N, C, H, W).
+    AvgPool {
+        x: Var,
+        pool: Pool,
     },
     /// Mean cross-entropy of logits (..., V) against targets (...); the value is the
     /// (mean, count) pair the kernel writes.
@@ -463,6 +496,75 @@ impl Tape {
         Ok(self.push(y, Op::Dropout { x, p, seed }, &[x]))
     }
 
+    /// x (N, Cin, H, W) convolved with w (Cout, Cin/groups, KH, KW), plus b (Cout), as
+    /// torch's `conv2d`: (N, Cout, OH, OW).
+    pub fn conv2d(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        x: Var,
+        w: Var,
+        b: Option<Var>,
+        opts: Conv2dOpts,
+    ) -> Result<Var> {
+        let [tx, tw] = self.vals([x, w])?;
+        let tb = b.map(|b| self.value(b).cloned()).transpose()?;
+        let y = conv2d::conv2d(rec, &tx, &tw, tb.as_ref(), opts)?;
+        let inputs: Vec<Var> = [x, w].into_iter().chain(b).collect();
+        Ok(self.push(y, Op::Conv2d { x, w, b, opts }, &inputs))
+    }
+
+    /// torch's `group_norm(x, groups, w, b, eps)` over x (N, C, ...).
+    pub fn group_norm(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        x: Var,
+        w: Var,
+        b: Var,
+        groups: usize,
+        eps: f32,
+    ) -> Result<Var> {
+        let [tx, tw, tb] = self.vals([x, w, b])?;
+        let out = groupnorm::group_norm(rec, &tx, &tw, &tb, groups, eps)?;
+        let y = out.y.clone();
+        Ok(self.push(
+            y,
+            Op::GroupNorm {
+                x,
+                w,
+                b,
+                groups,
+                out,
+            },
+            &[x, w, b],
+        ))
+    }
+
+    /// Nearest-neighbour upsampling of x (N, C, H, W) by integer factors.
+    pub fn upsample_nearest(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        x: Var,
+        scale: (usize, usize),
+    ) -> Result<Var> {
+        let [tx] = self.vals([x])?;
+        let y = upsample::upsample_nearest2d(rec, &tx, scale.0, scale.1)?;
+        Ok(self.push(y, Op::Upsample { x, scale }, &[x]))
+    }
+
+    /// torch's `pixel_shuffle(x, r)`: (N, C*r*r, H, W) -> (N, C, H*r, W*r).
+    pub fn pixel_shuffle(&mut self, rec: &mut Recorder<'_>, x: Var, r: usize) -> Result<Var> {
+        let [tx] = self.vals([x])?;
+        let y = upsample::pixel_shuffle(rec, &tx, r)?;
+        Ok(self.push(y, Op::PixelShuffle { x, r }, &[x]))
+    }
+
+    /// torch's `avg_pool2d(x, kernel, stride)` (no padding).
+    pub fn avg_pool(&mut self, rec: &mut Recorder<'_>, x: Var, pool: Pool) -> Result<Var> {
+        let [tx] = self.vals([x])?;
+        let y = pool::avg_pool2d(rec, &tx, pool)?;
+        Ok(self.push(y, Op::AvgPool { x, pool }, &[x]))
+    }
+
     /// Mean cross-entropy over non-ignored tokens; the value is (mean, count).
     pub fn cross_entropy(
         &mut self,
@@ -755,6 +857,45 @@ impl Tape {
                 // dx = g * mask / (1 - p), the mask regenerated from the seed
                 Op::Dropout { x, p, seed } => {
                     contrib.push((x, dropout::dropout_backward(rec, &g, p, seed)?))
+                }
+                // dx: the transposed convolution of g with w; dw: g correlated with x;
+                // db: g summed over (N, OH, OW)   (conv2d.wgsl)
+                Op::Conv2d { x, w, b, opts } => {
+                    let [tx, tw] = self.vals([x, w])?;
+                    let gr = conv2d::conv2d_backward(rec, &tx, &tw, &g, opts, b.is_some())?;
+                    contrib.push((x, gr.dx));
+                    contrib.push((w, gr.dw));
+                    if let (Some(b), Some(db)) = (b, gr.db) {
+                        contrib.push((b, db));
+                    }
+                }
+                // Formulas in groupnorm.wgsl.
+                Op::GroupNorm {
+                    x,
+                    w,
+                    b,
+                    groups,
+                    out,
+                } => {
+                    let [tx, tw] = self.vals([x, w])?;
+                    let gr = groupnorm::group_norm_backward(rec, &tx, &tw, &out, &g, groups)?;
+                    contrib.push((x, gr.dx));
+                    contrib.push((w, gr.dgamma));
+                    contrib.push((b, gr.dbeta));
+                }
+                // dx = g summed over each sh x sw block
+                Op::Upsample { x, scale } => contrib.push((
+                    x,
+                    upsample::upsample_nearest2d_backward(rec, &g, scale.0, scale.1)?,
+                )),
+                // dx = the inverse permutation of g
+                Op::PixelShuffle { x, r } => {
+                    contrib.push((x, upsample::pixel_shuffle_backward(rec, &g, r)?))
+                }
+                // dx = sum over the windows holding each pixel of g / window size
+                Op::AvgPool { x, pool } => {
+                    let shape = self.value(x)?.shape().to_vec();
+                    contrib.push((x, pool::avg_pool2d_backward(rec, &g, &shape, pool)?));
                 }
                 // dlogits = (softmax(logits) - onehot) * g / count
                 Op::CrossEntropy {

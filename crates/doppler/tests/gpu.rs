@@ -872,7 +872,6 @@ fn a_gguf_whose_layer_count_contradicts_its_tensors_is_refused() {
 /// and an untied head). The losses of every step and the weights after the last must agree.
 #[test]
 fn training_steps_match_the_f64_reference_trainer() {
-    use doppler::models::transformer::Transformer;
     use doppler::optim::warmup_cosine;
     use doppler::reference::{finite_diff, optim as ropt, transformer as rmodel};
     use doppler::train::{config::TrainConfig, Trainer};
@@ -896,17 +895,19 @@ fn training_steps_match_the_f64_reference_trainer() {
         );
         let cfg = TrainConfig::parse(&toml, "test").unwrap();
         let mut trainer = Trainer::fresh(gpu, &cfg, &text).unwrap();
-        let (mcfg, tc) = (trainer.cfg.model.clone(), trainer.cfg.train.clone());
-        let names = trainer.model.params.names.clone();
-        let read = |t: &Transformer| -> Vec<Vec<f64>> {
-            t.params
-                .values
+        let (mcfg, tc) = (
+            trainer.cfg.transformer().unwrap().clone(),
+            trainer.cfg.train.clone(),
+        );
+        let names = trainer.params().names.clone();
+        let read = |p: &doppler::autograd::ParamStore| -> Vec<Vec<f64>> {
+            p.values
                 .iter()
                 .map(|v| v.read_f32(gpu).unwrap().iter().map(|&x| x as f64).collect())
                 .collect()
         };
-        let mut w = read(&trainer.model);
-        let decayed = trainer.model.decayed();
+        let mut w = read(trainer.params());
+        let decayed = trainer.text_model().unwrap().0.decayed();
         let mut m: Vec<Vec<f64>> = w.iter().map(|x| vec![0.0; x.len()]).collect();
         let mut v = m.clone();
         let (steps, t) = (4u64, mcfg.block_size);
@@ -914,7 +915,7 @@ fn training_steps_match_the_f64_reference_trainer() {
         for step in 0..steps {
             let micro: Vec<(Vec<u32>, Vec<u32>, u64)> = (0..tc.grad_accum)
                 .map(|i| {
-                    let (ids, tg) = trainer.batch(step, i);
+                    let (ids, tg) = trainer.batch(step, i).unwrap();
                     (ids, tg, trainer.dropout_seed(step, i))
                 })
                 .collect();
@@ -973,7 +974,7 @@ fn training_steps_match_the_f64_reference_trainer() {
             clipped > 0,
             "{arch}: clipping never acted; the test would not check it"
         );
-        let got = read(&trainer.model);
+        let got = read(trainer.params());
         for (i, name) in names.iter().enumerate() {
             let big = w[i].iter().fold(0.0f64, |a, x| a.max(x.abs()));
             let diff = got[i]

@@ -343,36 +343,10 @@ impl Transformer {
     pub fn from_weights(
         gpu: &Gpu,
         cfg: &ModelConfig,
-        mut weights: Vec<(String, Vec<usize>, Vec<f32>)>,
+        weights: Vec<(String, Vec<usize>, Vec<f32>)>,
     ) -> Result<Transformer> {
         cfg.validate()?;
-        let mut params = ParamStore::default();
-        let mut index = HashMap::new();
-        for (name, shape) in Transformer::expected(cfg) {
-            let Some(pos) = weights.iter().position(|w| w.0 == name) else {
-                return Err(Error::Invalid {
-                    op: "model weights",
-                    detail: format!("missing tensor {name} {shape:?}"),
-                });
-            };
-            let (_, got, data) = weights.swap_remove(pos);
-            if got != shape {
-                return Err(Error::Invalid {
-                    op: "model weights",
-                    detail: format!("{name}: shape {got:?}, config expects {shape:?}"),
-                });
-            }
-            index.insert(
-                name.clone(),
-                params.push(name.clone(), Tensor::from_f32(gpu, &shape, &data, &name)?),
-            );
-        }
-        if let Some(extra) = weights.first() {
-            return Err(Error::Invalid {
-                op: "model weights",
-                detail: format!("unexpected tensor {} for this config", extra.0),
-            });
-        }
+        let (params, index) = super::store_weights(gpu, Transformer::expected(cfg), weights)?;
         let rope = match cfg.arch {
             Arch::Llama => Some(Arc::new(RopeTable::new(
                 gpu,

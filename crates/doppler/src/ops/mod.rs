@@ -14,6 +14,7 @@ pub mod groupnorm;
 pub mod kvcache;
 pub mod matmul;
 pub mod norm;
+pub mod pool;
 pub mod quant;
 pub mod reduce;
 pub mod rope;
@@ -58,6 +59,7 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("attention", std::mem::size_of::<attention::Params>()),
         ("bias", std::mem::size_of::<bias::Params>()),
         ("upsample", std::mem::size_of::<upsample::Params>()),
+        ("pool", std::mem::size_of::<pool::Params>()),
         ("quant", std::mem::size_of::<quant::Params>()),
         ("quant_coop", std::mem::size_of::<quant::CoopParams>()),
         ("kvcache", std::mem::size_of::<kvcache::Params>()),

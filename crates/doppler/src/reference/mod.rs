@@ -12,6 +12,7 @@ pub mod gelu;
 pub mod groupnorm;
 pub mod norm;
 pub mod optim;
+pub mod pool;
 pub mod quant;
 pub mod rope;
 pub mod silu;

@@ -41,6 +41,7 @@ shader!(ATTENTION, "attention");
 shader!(ATTENTION_COOP, "attention_coop");
 shader!(BIAS, "bias");
 shader!(UPSAMPLE, "upsample");
+shader!(POOL, "pool");
 shader!(QUANT, "quant", QUANT_BLOCKS);
 shader!(QUANT_COOP, "quant_coop", QUANT_BLOCKS);
 shader!(KVCACHE, "kvcache");
@@ -67,6 +68,7 @@ pub static ALL: &[&Shader] = &[
     &ATTENTION_COOP,
     &BIAS,
     &UPSAMPLE,
+    &POOL,
     &QUANT,
     &QUANT_COOP,
     &COLUMNS,

@@ -7,14 +7,59 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::models::convnet::ConvConfig;
 use crate::models::transformer::ModelConfig;
 
+/// A run's config. Two kinds, told apart by `model.arch`: a transformer ("gpt2", "llama")
+/// trained on text, or a conv net ("convnet") trained on images.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainConfig {
-    pub model: ModelConfig,
-    pub data: DataConfig,
+    pub model: NetConfig,
+    pub data: DataSpec,
     pub train: RunConfig,
+}
+
+/// The `[model]` table. Untagged in a checkpoint's state.json (as written before conv
+/// nets existed); a TOML file is read by `arch`, so its errors name the right fields.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum NetConfig {
+    Transformer(ModelConfig),
+    Conv(ConvConfig),
+}
+
+/// The `[data]` table: a text corpus for a transformer, images for a conv net.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum DataSpec {
+    Text(DataConfig),
+    Images(ImageDataConfig),
+}
+
+/// Labelled images in a CSV file: one image a line, its C*H*W pixel values (channel by
+/// channel, rows top to bottom) and then its class (an integer in 0..classes). The shape
+/// comes from the model's config.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageDataConfig {
+    /// Relative paths are relative to the config file.
+    pub images: PathBuf,
+    /// The largest pixel value (16 for the 8x8 digits, 255 for 8-bit images): pixels are
+    /// scaled from [0, pixel_max] to [-1, 1].
+    pub pixel_max: f64,
+    /// The last fraction of the images is held out for validation.
+    #[serde(default = "default_val")]
+    pub val_fraction: f64,
+}
+
+/// One kind's sections, read from TOML with every field checked.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Sections<M, D> {
+    model: M,
+    data: D,
+    train: RunConfig,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -114,7 +159,11 @@ impl TrainConfig {
         })?;
         let mut cfg = TrainConfig::parse(&text, &path.display().to_string())?;
         let base = path.parent().unwrap_or(Path::new("."));
-        for p in [&mut cfg.data.corpus, &mut cfg.train.out_dir] {
+        let data = match &mut cfg.data {
+            DataSpec::Text(d) => &mut d.corpus,
+            DataSpec::Images(d) => &mut d.images,
+        };
+        for p in [data, &mut cfg.train.out_dir] {
             if p.is_relative() {
                 *p = base.join(&*p);
             }
@@ -123,12 +172,53 @@ impl TrainConfig {
     }
 
     pub fn parse(text: &str, name: &str) -> Result<TrainConfig> {
-        let cfg: TrainConfig = toml::from_str(text).map_err(|e| Error::Config {
+        let err = |e: toml::de::Error| Error::Config {
             path: name.into(),
             detail: toml_error(text, &e),
-        })?;
+        };
+        let table: toml::Table = toml::from_str(text).map_err(err)?;
+        let arch = table.get("model").and_then(|m| m.get("arch"));
+        let cfg = if arch.and_then(|a| a.as_str()) == Some("convnet") {
+            let s: Sections<ConvConfig, ImageDataConfig> = toml::from_str(text).map_err(err)?;
+            TrainConfig {
+                model: NetConfig::Conv(s.model),
+                data: DataSpec::Images(s.data),
+                train: s.train,
+            }
+        } else {
+            let s: Sections<ModelConfig, DataConfig> = toml::from_str(text).map_err(err)?;
+            TrainConfig {
+                model: NetConfig::Transformer(s.model),
+                data: DataSpec::Text(s.data),
+                train: s.train,
+            }
+        };
         cfg.check(name)?;
         Ok(cfg)
+    }
+
+    /// The transformer's config, for a text run.
+    pub fn transformer(&self) -> Option<&ModelConfig> {
+        match &self.model {
+            NetConfig::Transformer(m) => Some(m),
+            NetConfig::Conv(_) => None,
+        }
+    }
+
+    /// The file the run's data comes from (corpus or images).
+    pub fn data_path(&self) -> &Path {
+        match &self.data {
+            DataSpec::Text(d) => &d.corpus,
+            DataSpec::Images(d) => &d.images,
+        }
+    }
+
+    /// Items (tokens or images) in one micro-batch.
+    pub fn items_per_batch(&self) -> usize {
+        match &self.model {
+            NetConfig::Transformer(m) => self.train.batch_size * m.block_size,
+            NetConfig::Conv(_) => self.train.batch_size,
+        }
     }
 
     fn check(&self, name: &str) -> Result<()> {
@@ -138,18 +228,35 @@ impl TrainConfig {
                 detail,
             })
         };
-        let (d, t) = (&self.data, &self.train);
-        if !(0.0..1.0).contains(&d.val_fraction) || d.val_fraction == 0.0 {
+        let t = &self.train;
+        let val_fraction = match &self.data {
+            DataSpec::Text(d) => d.val_fraction,
+            DataSpec::Images(d) => d.val_fraction,
+        };
+        if !(0.0..1.0).contains(&val_fraction) || val_fraction == 0.0 {
             return bad(format!(
-                "data.val_fraction {} must be in (0, 1)",
-                d.val_fraction
+                "data.val_fraction {val_fraction} must be in (0, 1)"
             ));
         }
-        if d.tokenizer == TokenizerKind::Bpe && !(257..=1 << 20).contains(&d.vocab_size) {
-            return bad(format!(
-                "data.vocab_size {} must be at least 257 for byte-level BPE",
-                d.vocab_size
-            ));
+        match (&self.model, &self.data) {
+            (NetConfig::Transformer(_), DataSpec::Text(d)) => {
+                if d.tokenizer == TokenizerKind::Bpe && !(257..=1 << 20).contains(&d.vocab_size) {
+                    return bad(format!(
+                        "data.vocab_size {} must be at least 257 for byte-level BPE",
+                        d.vocab_size
+                    ));
+                }
+            }
+            (NetConfig::Conv(_), DataSpec::Images(d)) => {
+                if !(d.pixel_max > 0.0 && d.pixel_max.is_finite()) {
+                    return bad(format!("data.pixel_max {} must be positive", d.pixel_max));
+                }
+            }
+            _ => {
+                return bad(
+                    "a transformer trains on a text corpus (data.corpus), a conv net on images (data.images)".into(),
+                )
+            }
         }
         if t.batch_size == 0
             || t.grad_accum == 0
@@ -185,10 +292,16 @@ impl TrainConfig {
             path: name.into(),
             detail,
         })?;
-        // vocab_size comes from the tokenizer: validate the rest with a placeholder.
-        let mut m = self.model.clone();
-        m.vocab_size = m.vocab_size.max(1);
-        m.validate().map_err(|e| Error::Config {
+        let checked = match &self.model {
+            NetConfig::Transformer(m) => {
+                // vocab_size comes from the tokenizer: validate the rest with a placeholder.
+                let mut m = m.clone();
+                m.vocab_size = m.vocab_size.max(1);
+                m.validate()
+            }
+            NetConfig::Conv(c) => c.validate(),
+        };
+        checked.map_err(|e| Error::Config {
             path: name.into(),
             detail: format!("[model] {e}"),
         })
@@ -222,7 +335,7 @@ impl TrainConfig {
                 continue;
             };
             for (k, v) in x {
-                if matches!(k.as_str(), "out_dir" | "corpus") {
+                if matches!(k.as_str(), "out_dir" | "corpus" | "images") {
                     continue;
                 }
                 if y.get(k) != Some(v) {
@@ -296,14 +409,17 @@ out_dir = "runs/x"
             // Fine-tuning configs are `doppler finetune`'s (finetune::config checks them).
             if path.extension().is_some_and(|x| x == "toml") && !name.starts_with("finetune") {
                 let c = TrainConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
-                assert!(c.data.corpus.is_file(), "{}", path.display());
+                // Image sets are fetched by a script (scripts/fetch_digits.py), not shipped.
+                if matches!(c.data, DataSpec::Text(_)) {
+                    assert!(c.data_path().is_file(), "{}", path.display());
+                }
                 n += 1;
             }
         }
         assert!(n >= 2);
         let nano = TrainConfig::load(&dir.join("shakespeare_char.toml")).unwrap();
         use crate::models::transformer::InitScheme;
-        assert_eq!(nano.model.init, InitScheme::Nanogpt);
+        assert_eq!(nano.transformer().unwrap().init, InitScheme::Nanogpt);
         assert_eq!(nano.train.betas, (0.9, 0.99));
     }
 
@@ -311,7 +427,10 @@ out_dir = "runs/x"
     fn parses_and_fills_defaults() {
         let c = TrainConfig::parse(GOOD, "good.toml").unwrap();
         assert_eq!(c.train.grad_accum, 1);
-        assert_eq!(c.data.val_fraction, 0.1);
+        let DataSpec::Text(d) = &c.data else {
+            panic!("text data")
+        };
+        assert_eq!(d.val_fraction, 0.1);
         assert!(!c.loss_scaler().unwrap().dynamic);
     }
 
@@ -346,7 +465,10 @@ out_dir = "runs/x"
     fn differences_name_the_fields() {
         let a = TrainConfig::parse(GOOD, "a").unwrap();
         let mut b = a.clone();
-        b.model.n_layer = 3;
+        let NetConfig::Transformer(m) = &mut b.model else {
+            panic!("a transformer config")
+        };
+        m.n_layer = 3;
         b.train.out_dir = "elsewhere".into();
         assert_eq!(a.differences(&b), vec!["model.n_layer: 2 vs 3".to_string()]);
     }

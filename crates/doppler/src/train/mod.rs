@@ -7,18 +7,21 @@ pub mod checkpoint;
 pub mod config;
 pub mod curve;
 pub mod data;
+pub mod images;
 
 use std::path::{Path, PathBuf};
 use web_time::Instant;
 
-use crate::autograd::Tape;
+use crate::autograd::{ParamStore, Tape};
 use crate::error::{Error, Result};
 use crate::gpu::{Gpu, Recorder, Submission, Tensor, Trace, FLUSH_EVERY};
+use crate::models::convnet::ConvNet;
 use crate::models::transformer::Transformer;
 use crate::optim::{grad_scale, warmup_cosine, AdamW, LossScaler};
 use checkpoint::{CheckpointFiles, RunState};
-use config::TrainConfig;
+use config::{DataSpec, NetConfig, TrainConfig};
 use data::{batch, mix, Dataset, Tokenizer};
+use images::ImageSet;
 
 const METRICS: &str = "metrics.jsonl";
 const CURVE: &str = "loss.svg";
@@ -31,7 +34,8 @@ pub struct StepInfo {
     pub steps: u64,
     pub loss: f32,
     pub lr: f64,
-    pub tokens_per_s: f64,
+    /// Tokens (text) or images (conv nets) a second.
+    pub items_per_s: f64,
     /// Global gradient norm before clipping (read only with dynamic loss scaling).
     pub grad_norm: Option<f32>,
     /// Overflowed under dynamic loss scaling: no update was applied.
@@ -49,9 +53,13 @@ pub enum Flow {
 pub enum Event<'a> {
     Started {
         params: usize,
-        vocab: usize,
-        train_tokens: usize,
-        val_tokens: usize,
+        /// Vocabulary size (text) or class count (images).
+        outputs: usize,
+        /// Training and held-out items: tokens or images.
+        train_items: usize,
+        val_items: usize,
+        /// "tokens" or "images".
+        unit: &'static str,
         start_step: u64,
         steps: u64,
     },
@@ -59,11 +67,29 @@ pub enum Event<'a> {
     Eval {
         step: u64,
         val_loss: f32,
+        /// Held-out accuracy (classifiers).
+        val_accuracy: Option<f32>,
     },
     Checkpoint {
         step: u64,
         dir: &'a Path,
     },
+}
+
+/// A held-out evaluation.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct Eval {
+    pub loss: f32,
+    /// The fraction of held-out images classified right (classifiers).
+    pub accuracy: Option<f32>,
+}
+
+/// The first index of the largest value.
+fn argmax(row: &[f32]) -> usize {
+    row.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best })
+        .0
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -75,24 +101,72 @@ pub struct Summary {
     /// Validation loss before the first step of this process (None when resumed).
     pub first_val_loss: Option<f32>,
     pub final_val_loss: f32,
+    /// The last held-out accuracy (classifiers).
+    pub final_val_accuracy: Option<f32>,
     pub final_train_loss: f32,
-    pub tokens_per_s: f64,
+    /// Tokens (text) or images (conv nets) a second.
+    pub items_per_s: f64,
     pub seconds: f64,
     pub checkpoint: PathBuf,
+}
+
+/// What a run trains, and on what.
+pub enum Task {
+    Text {
+        model: Transformer,
+        tokenizer: Tokenizer,
+        data: Dataset,
+    },
+    Images {
+        model: ConvNet,
+        data: ImageSet,
+    },
+}
+
+impl Task {
+    pub fn params(&self) -> &ParamStore {
+        match self {
+            Task::Text { model, .. } => &model.params,
+            Task::Images { model, .. } => &model.params,
+        }
+    }
+
+    fn params_mut(&mut self) -> &mut ParamStore {
+        match self {
+            Task::Text { model, .. } => &mut model.params,
+            Task::Images { model, .. } => &mut model.params,
+        }
+    }
+
+    fn decayed(&self) -> Vec<bool> {
+        match self {
+            Task::Text { model, .. } => model.decayed(),
+            Task::Images { model, .. } => model.decayed(),
+        }
+    }
+}
+
+/// One row of metrics.jsonl: a step's training loss and, where it was evaluated, the
+/// held-out loss and accuracy.
+#[derive(Clone, Copy, Debug)]
+struct Record {
+    step: u64,
+    loss: f32,
+    val_loss: Option<f32>,
+    val_accuracy: Option<f32>,
 }
 
 pub struct Trainer<'g> {
     gpu: &'g Gpu,
     pub cfg: TrainConfig,
-    pub model: Transformer,
-    pub tokenizer: Tokenizer,
+    pub task: Task,
     opt: AdamW,
-    data: Dataset,
     scaler: LossScaler,
     pub step: u64,
-    tokens_seen: u64,
-    /// (step, loss, val_loss) so far, for metrics.jsonl and the curve.
-    history: Vec<(u64, f32, Option<f32>)>,
+    /// Tokens or images consumed so far.
+    items_seen: u64,
+    /// Records so far, for metrics.jsonl and the curve.
+    history: Vec<Record>,
     /// When set, training steps run with GPU timestamps and their dispatches land here.
     pub trace: Option<Trace>,
     /// Whether [`Trainer::run_async`] writes checkpoints, metrics and the curve to the
@@ -113,102 +187,155 @@ impl<'g> Trainer<'g> {
     pub fn new(gpu: &'g Gpu, cfg: &TrainConfig, resume: bool) -> Result<Trainer<'g>> {
         let out = &cfg.train.out_dir;
         let has_ckpt = out.join("latest").is_file();
-        let text = std::fs::read_to_string(&cfg.data.corpus).map_err(io(&cfg.data.corpus))?;
-        // Errors about the text name the corpus.
-        let corpus_err = |detail: String| Error::Config {
-            path: cfg.data.corpus.display().to_string(),
-            detail,
-        };
-        if text.trim().is_empty() {
-            return Err(corpus_err(
-                "the corpus is empty: training needs text".into(),
-            ));
-        }
-        if resume && has_ckpt {
-            let ck: checkpoint::Loaded = checkpoint::load(out)?;
-            // The vocabulary size comes from the tokenizer, not the file.
-            let mut asked = cfg.clone();
-            asked.model.vocab_size = ck.state.config.model.vocab_size;
-            let diff = ck.state.config.differences(&asked);
-            if !diff.is_empty() {
-                return Err(Error::Checkpoint {
-                    path: ck.dir.display().to_string(),
-                    detail: format!("was written by another config: {}", diff.join("; ")),
-                });
-            }
-            let tokenizer = Tokenizer::from_json(ck.tokenizer()?)?;
-            let mcfg = ck.state.config.model.clone();
-            let model = Transformer::from_weights(gpu, &mcfg, ck.model.clone()).map_err(|e| {
-                Error::Checkpoint {
-                    path: ck.dir.display().to_string(),
-                    detail: e.to_string(),
-                }
-            })?;
-            let mut opt = Self::optimizer(gpu, cfg, &model)?;
-            opt.restore(
-                ck.state.adamw_step,
-                ck.optim_state(gpu, &model.params.names)?,
-            )?;
-            let data = Dataset::new(
-                tokenizer.encode(&text)?,
-                cfg.data.val_fraction,
-                mcfg.block_size,
-            )?;
-            let mut t = Trainer {
-                gpu,
-                cfg: ck.state.config.clone(),
-                model,
-                tokenizer,
-                opt,
-                data,
-                scaler: ck.state.loss_scaler.clone(),
-                step: ck.state.step,
-                tokens_seen: ck.state.tokens_seen,
-                history: Vec::new(),
-                trace: None,
-                persist: true,
-            };
-            t.cfg.train.out_dir = cfg.train.out_dir.clone();
-            t.cfg.data.corpus = cfg.data.corpus.clone();
-            t.history = read_history(&out.join(METRICS), t.step);
-            return Ok(t);
-        }
-        if has_ckpt {
+        if has_ckpt && !resume {
             return Err(Error::Checkpoint {
                 path: out.display().to_string(),
                 detail: "already holds checkpoints: pass --resume to continue, or choose another out_dir".into(),
             });
         }
-        if resume {
+        if resume && !has_ckpt {
             return Err(Error::Checkpoint {
                 path: out.display().to_string(),
                 detail: "holds no checkpoint to resume (no `latest` file): run without --resume to start".into(),
             });
         }
-        let mut t = Self::fresh(gpu, cfg, &text).map_err(|e| match e {
-            Error::Invalid {
-                op: "dataset",
-                detail,
-            } => corpus_err(format!("too short for this config: {detail}")),
-            e => e,
-        })?;
-        t.persist = true;
+        let data_path = cfg.data_path();
+        // Errors about the data name its file.
+        let data_err = |detail: String| Error::Config {
+            path: data_path.display().to_string(),
+            detail,
+        };
+        let text = std::fs::read_to_string(data_path).map_err(io(data_path))?;
+        if text.trim().is_empty() {
+            return Err(data_err(format!(
+                "the {} is empty: training needs data",
+                match cfg.data {
+                    DataSpec::Text(_) => "corpus",
+                    DataSpec::Images(_) => "images file",
+                }
+            )));
+        }
+        if !has_ckpt {
+            let mut t = Self::fresh(gpu, cfg, &text).map_err(|e| match e {
+                Error::Invalid {
+                    op: "dataset",
+                    detail,
+                } => data_err(format!("too short for this config: {detail}")),
+                e => e,
+            })?;
+            t.persist = true;
+            return Ok(t);
+        }
+        let ck: checkpoint::Loaded = checkpoint::load(out)?;
+        let ck_err = |e: Error| Error::Checkpoint {
+            path: ck.dir.display().to_string(),
+            detail: e.to_string(),
+        };
+        // A text model's vocabulary size comes from the tokenizer, not the file.
+        let mut asked = cfg.clone();
+        if let (NetConfig::Transformer(a), NetConfig::Transformer(c)) =
+            (&mut asked.model, &ck.state.config.model)
+        {
+            a.vocab_size = c.vocab_size;
+        }
+        let diff = ck.state.config.differences(&asked);
+        if !diff.is_empty() {
+            return Err(Error::Checkpoint {
+                path: ck.dir.display().to_string(),
+                detail: format!("was written by another config: {}", diff.join("; ")),
+            });
+        }
+        let mut saved = ck.state.config.clone();
+        saved.train.out_dir = cfg.train.out_dir.clone();
+        match (&mut saved.data, &cfg.data) {
+            (DataSpec::Text(s), DataSpec::Text(c)) => s.corpus = c.corpus.clone(),
+            (DataSpec::Images(s), DataSpec::Images(c)) => s.images = c.images.clone(),
+            _ => {}
+        }
+        let task = match &saved.model {
+            NetConfig::Transformer(mcfg) => {
+                let tokenizer = Tokenizer::from_json(ck.tokenizer()?)?;
+                let model =
+                    Transformer::from_weights(gpu, mcfg, ck.model.clone()).map_err(ck_err)?;
+                let DataSpec::Text(d) = &saved.data else {
+                    unreachable!("checked by the config")
+                };
+                let data =
+                    Dataset::new(tokenizer.encode(&text)?, d.val_fraction, mcfg.block_size)?;
+                Task::Text {
+                    model,
+                    tokenizer,
+                    data,
+                }
+            }
+            NetConfig::Conv(_) => Self::conv_task(gpu, &saved, &text, Some(ck.model.clone()))?,
+        };
+        let mut opt = Self::optimizer(gpu, cfg, &task)?;
+        opt.restore(
+            ck.state.adamw_step,
+            ck.optim_state(gpu, &task.params().names)?,
+        )?;
+        let mut t = Trainer {
+            gpu,
+            cfg: saved,
+            task,
+            opt,
+            scaler: ck.state.loss_scaler.clone(),
+            step: ck.state.step,
+            items_seen: ck.state.tokens_seen,
+            history: Vec::new(),
+            trace: None,
+            persist: true,
+        };
+        t.history = read_history(&out.join(METRICS), t.step);
         Ok(t)
     }
 
-    /// A fresh run over the corpus `text` (the config's corpus path is not read), writing
-    /// nothing unless [`Trainer::persist`] is set.
+    /// A conv net's task: its images parsed from `csv`, its weights `weights` or fresh
+    /// from the seed.
+    fn conv_task(
+        gpu: &Gpu,
+        cfg: &TrainConfig,
+        csv: &str,
+        weights: Option<Vec<(String, Vec<usize>, Vec<f32>)>>,
+    ) -> Result<Task> {
+        let (NetConfig::Conv(m), DataSpec::Images(d)) = (&cfg.model, &cfg.data) else {
+            return Err(Error::Invalid {
+                op: "train",
+                detail: "a conv net trains on images".into(),
+            });
+        };
+        let data = ImageSet::parse(csv, &d.images, d, m.image_shape(), m.classes)?;
+        let model = match weights {
+            Some(w) => ConvNet::from_weights(gpu, m, w).map_err(|e| Error::Checkpoint {
+                path: cfg.train.out_dir.display().to_string(),
+                detail: e.to_string(),
+            })?,
+            None => ConvNet::new(gpu, m, mix(&[cfg.train.seed, 0x1417]))?,
+        };
+        Ok(Task::Images { model, data })
+    }
+
+    /// A fresh run on the data `text` (a text run's corpus, an image run's CSV; the
+    /// config's data path is not read), writing nothing unless [`Trainer::persist`] is
+    /// set.
     pub fn fresh(gpu: &'g Gpu, cfg: &TrainConfig, text: &str) -> Result<Trainer<'g>> {
-        let tokenizer = Tokenizer::train(&cfg.data, text)?;
         let mut cfg = cfg.clone();
-        cfg.model.vocab_size = tokenizer.vocab_size();
-        let model = Transformer::new(gpu, &cfg.model, mix(&[cfg.train.seed, 0x1417]))?;
-        let opt = Self::optimizer(gpu, &cfg, &model)?;
-        let data = Dataset::new(
-            tokenizer.encode(&text)?,
-            cfg.data.val_fraction,
-            cfg.model.block_size,
-        )?;
+        let task = match (&mut cfg.model, &cfg.data) {
+            (NetConfig::Transformer(m), DataSpec::Text(d)) => {
+                let tokenizer = Tokenizer::train(d, text)?;
+                m.vocab_size = tokenizer.vocab_size();
+                let model = Transformer::new(gpu, m, mix(&[cfg.train.seed, 0x1417]))?;
+                let data = Dataset::new(tokenizer.encode(text)?, d.val_fraction, m.block_size)?;
+                Task::Text {
+                    model,
+                    tokenizer,
+                    data,
+                }
+            }
+            _ => Self::conv_task(gpu, &cfg, text, None)?,
+        };
+        let opt = Self::optimizer(gpu, &cfg, &task)?;
         let scaler = cfg.loss_scaler().map_err(|d| Error::Config {
             path: "loss_scale".into(),
             detail: d,
@@ -221,26 +348,39 @@ impl<'g> Trainer<'g> {
         Ok(Trainer {
             gpu,
             cfg,
-            model,
-            tokenizer,
+            task,
             opt,
-            data,
             scaler,
             step: 0,
-            tokens_seen: 0,
+            items_seen: 0,
             history: Vec::new(),
             trace: None,
             persist: false,
         })
     }
 
-    fn optimizer(gpu: &Gpu, cfg: &TrainConfig, model: &Transformer) -> Result<AdamW> {
-        let params: Vec<&Tensor> = model.params.values.iter().collect();
+    fn optimizer(gpu: &Gpu, cfg: &TrainConfig, task: &Task) -> Result<AdamW> {
+        let params: Vec<&Tensor> = task.params().values.iter().collect();
         let mut opt = AdamW::new(gpu, &params, cfg.train.lr)?;
         opt.betas = cfg.train.betas;
         opt.weight_decay = cfg.train.weight_decay;
-        opt.decay_mask = model.decayed();
+        opt.decay_mask = task.decayed();
         Ok(opt)
+    }
+
+    /// The model's parameters.
+    pub fn params(&self) -> &ParamStore {
+        self.task.params()
+    }
+
+    /// The transformer and its tokenizer, for a text run.
+    pub fn text_model(&self) -> Option<(&Transformer, &Tokenizer)> {
+        match &self.task {
+            Task::Text {
+                model, tokenizer, ..
+            } => Some((model, tokenizer)),
+            Task::Images { .. } => None,
+        }
     }
 
     fn recorder(&self) -> Recorder<'g> {
@@ -254,8 +394,12 @@ impl<'g> Trainer<'g> {
         }
     }
 
-    pub fn vocab_size(&self) -> usize {
-        self.tokenizer.vocab_size()
+    /// Vocabulary size (text) or class count (images).
+    pub fn outputs(&self) -> usize {
+        match &self.task {
+            Task::Text { tokenizer, .. } => tokenizer.vocab_size(),
+            Task::Images { data, .. } => data.classes,
+        }
     }
 
     /// Blocking [`Trainer::train_step_async`].
@@ -266,7 +410,7 @@ impl<'g> Trainer<'g> {
 
     /// Blocking [`Trainer::evaluate_async`].
     #[cfg(not(target_arch = "wasm32"))]
-    pub fn evaluate(&mut self) -> Result<f32> {
+    pub fn evaluate(&mut self) -> Result<Eval> {
         pollster::block_on(self.evaluate_async())
     }
 
@@ -279,17 +423,43 @@ impl<'g> Trainer<'g> {
         }))
     }
 
-    /// The training batch of micro-batch `micro` at step `step` (0 for the first step):
-    /// (ids, targets), each (batch_size, block_size) row-major. A pure function of the
-    /// config's seed, the step and the micro-batch, whichever process asks.
-    pub fn batch(&self, step: u64, micro: usize) -> (Vec<u32>, Vec<u32>) {
+    /// The training batch of micro-batch `micro` at step `step` (0 for the first step) of
+    /// a text run: (ids, targets), each (batch_size, block_size) row-major. A pure
+    /// function of the config's seed, the step and the micro-batch, whichever process asks.
+    pub fn batch(&self, step: u64, micro: usize) -> Result<(Vec<u32>, Vec<u32>)> {
+        let (Task::Text { data, .. }, Some(m)) = (&self.task, self.cfg.transformer()) else {
+            return Err(self.not_text("batch"));
+        };
         let key = mix(&[self.cfg.train.seed, step, micro as u64]);
-        batch(
-            &self.data.train,
-            self.cfg.train.batch_size,
-            self.cfg.model.block_size,
-            key,
-        )
+        Ok(batch(&data.train, self.cfg.train.batch_size, m.block_size, key))
+    }
+
+    /// The images of micro-batch `micro` at step `step` of an image run: (pixels
+    /// (batch_size, C, H, W), labels (batch_size)), epochs of seeded permutations walked
+    /// in order (a pure function of the config's seed, the step and the micro-batch).
+    pub fn image_batch(&self, step: u64, micro: usize) -> Result<(Vec<f32>, Vec<u32>)> {
+        let Task::Images { data, .. } = &self.task else {
+            return Err(Error::Invalid {
+                op: "image_batch",
+                detail: "this run trains on text".into(),
+            });
+        };
+        let tc = &self.cfg.train;
+        let index = step * tc.grad_accum as u64 + micro as u64;
+        Ok(images::batch(
+            &data.train,
+            data.pixels(),
+            tc.batch_size,
+            mix(&[tc.seed, 0x1a6e5]),
+            index,
+        ))
+    }
+
+    fn not_text(&self, op: &'static str) -> Error {
+        Error::Invalid {
+            op,
+            detail: "this run trains a conv net on images, not a transformer on text".into(),
+        }
     }
 
     /// The dropout seed of micro-batch `micro` at step `step` (the model derives each
@@ -299,11 +469,33 @@ impl<'g> Trainer<'g> {
         mix(&[mix(&[self.cfg.train.seed, step, micro as u64]), 1])
     }
 
+    /// The loss of micro-batch `m` of the current step, recorded on `tape`.
+    fn micro_loss(&self, tape: &mut Tape, rec: &mut Recorder<'_>, m: usize) -> Result<crate::autograd::Var> {
+        let (gpu, b) = (self.gpu, self.cfg.train.batch_size);
+        match &self.task {
+            Task::Text { model, .. } => {
+                let (ids, targets) = self.batch(self.step, m)?;
+                let t = model.cfg.block_size;
+                let drop_seed = self.dropout_seed(self.step, m);
+                let ids = Tensor::from_u32(gpu, &[b, t], &ids, "ids")?;
+                let targets = Tensor::from_u32(gpu, &[b, t], &targets, "targets")?;
+                model.loss(tape, rec, &ids, &targets, Some(drop_seed))
+            }
+            Task::Images { model, data } => {
+                let (pixels, labels) = self.image_batch(self.step, m)?;
+                let [c, h, w] = data.shape;
+                let x = Tensor::from_f32(gpu, &[b, c, h, w], &pixels, "images")?;
+                let y = Tensor::from_u32(gpu, &[b], &labels, "labels")?;
+                model.loss(tape, rec, &x, &y)
+            }
+        }
+    }
+
     /// One optimizer step over `grad_accum` micro-batches.
     pub async fn train_step_async(&mut self) -> Result<StepInfo> {
         let t0 = Instant::now();
         let (gpu, tc) = (self.gpu, self.cfg.train.clone());
-        let (b, t) = (tc.batch_size, self.cfg.model.block_size);
+        let items = self.cfg.items_per_batch();
         let lr = warmup_cosine(self.step, tc.lr, tc.min_lr, tc.warmup, tc.steps);
         self.opt.lr = lr;
         let accum = tc.grad_accum;
@@ -312,17 +504,11 @@ impl<'g> Trainer<'g> {
         let mut losses = Vec::with_capacity(accum);
         let mut rec = self.recorder();
         for m in 0..accum {
-            let (ids, targets) = self.batch(self.step, m);
-            let drop_seed = self.dropout_seed(self.step, m);
-            let ids = Tensor::from_u32(gpu, &[b, t], &ids, "ids")?;
-            let targets = Tensor::from_u32(gpu, &[b, t], &targets, "targets")?;
             let mut tape = Tape::new();
-            let loss = self
-                .model
-                .loss(&mut tape, &mut rec, &ids, &targets, Some(drop_seed))?;
+            let loss = self.micro_loss(&mut tape, &mut rec, m)?;
             // Read back with the step's own submissions, not one more each.
             losses.push(rec.read_later(tape.value(loss)?)?);
-            tape.backward(&mut rec, loss, seed_grad, &mut self.model.params)?;
+            tape.backward(&mut rec, loss, seed_grad, self.task.params_mut())?;
             if m + 1 < accum {
                 // Let the next micro-batch reuse this one's activation buffers.
                 let next = self.recorder();
@@ -334,9 +520,9 @@ impl<'g> Trainer<'g> {
                 .await?;
             }
         }
-        let grads = self.model.params.all_grads("train")?;
+        let grads = self.task.params().all_grads("train")?;
         let grad_refs: Vec<&Tensor> = grads.iter().collect();
-        let params: Vec<&Tensor> = self.model.params.values.iter().collect();
+        let params: Vec<&Tensor> = self.task.params().values.iter().collect();
         let scale = grad_scale(&mut rec, &grad_refs, tc.grad_clip, self.scaler.scale)?;
         let (mut grad_norm, mut skipped) = (None, false);
         if self.scaler.dynamic {
@@ -351,21 +537,26 @@ impl<'g> Trainer<'g> {
             self.opt.step(&mut rec, &params, &grad_refs, &scale)?;
         }
         finish(gpu, &mut self.trace, rec.submit()?).await?;
-        self.model.params.zero_grad();
+        self.task.params_mut().zero_grad();
         let mut loss = 0.0f64;
         for l in &losses {
             loss += f32::from_bits(l.u32s(gpu).await?[0]) as f64;
         }
         let loss = (loss / accum as f64) as f32;
         self.step += 1;
-        self.tokens_seen += (b * t * accum) as u64;
-        self.history.push((self.step, loss, None));
+        self.items_seen += (items * accum) as u64;
+        self.history.push(Record {
+            step: self.step,
+            loss,
+            val_loss: None,
+            val_accuracy: None,
+        });
         Ok(StepInfo {
             step: self.step,
             steps: tc.steps,
             loss,
             lr,
-            tokens_per_s: (b * t * accum) as f64 / t0.elapsed().as_secs_f64(),
+            items_per_s: (items * accum) as f64 / t0.elapsed().as_secs_f64(),
             grad_norm,
             skipped,
         })
@@ -373,19 +564,31 @@ impl<'g> Trainer<'g> {
 
     /// The batches of the steps in `steps` (what each step trained on), with the loss,
     /// learning rate and skip flag of each, as SafeTensors bytes for a replay elsewhere
-    /// (`bench/torch_parity.py`): `ids` and `targets` I32 (S, grad_accum, batch_size,
-    /// block_size), `step` I64 (S, the step's index: 0 for the first), `loss` F32 (S),
-    /// `lr` F64 (S), `skipped` U8 (S); metadata `matmul` (the products' mode).
+    /// (`bench/torch_parity.py`, `bench/torch_convnet.py`): a text run's `ids` and
+    /// `targets` I32 (S, grad_accum, batch_size, block_size), an image run's `images` F32
+    /// (S, grad_accum, batch_size, C, H, W) and `labels` I32 (S, grad_accum, batch_size);
+    /// `step` I64 (S, the step's index: 0 for the first), `loss` F32 (S), `lr` F64 (S),
+    /// `skipped` U8 (S); metadata `matmul` (the products' mode).
     pub fn batches_safetensors(&self, steps: &[StepInfo]) -> Result<Vec<u8>> {
         let tc = &self.cfg.train;
-        let (mut ids, mut targets) = (Vec::<u8>::new(), Vec::<u8>::new());
+        let (mut a, mut b) = (Vec::<u8>::new(), Vec::<u8>::new());
         let (mut index, mut loss, mut lr, mut skipped) = (vec![], vec![], vec![], vec![]);
+        let i32s = |v: &[u32]| v.iter().flat_map(|&v| (v as i32).to_le_bytes()).collect::<Vec<u8>>();
         for s in steps {
             let step = s.step - 1;
             for m in 0..tc.grad_accum {
-                let (i, t) = self.batch(step, m);
-                ids.extend(i.iter().flat_map(|&v| (v as i32).to_le_bytes()));
-                targets.extend(t.iter().flat_map(|&v| (v as i32).to_le_bytes()));
+                match &self.task {
+                    Task::Text { .. } => {
+                        let (i, t) = self.batch(step, m)?;
+                        a.extend(i32s(&i));
+                        b.extend(i32s(&t));
+                    }
+                    Task::Images { .. } => {
+                        let (p, l) = self.image_batch(step, m)?;
+                        a.extend(p.iter().flat_map(|v| v.to_le_bytes()));
+                        b.extend(i32s(&l));
+                    }
+                }
             }
             index.extend((step as i64).to_le_bytes());
             loss.extend(s.loss.to_le_bytes());
@@ -393,11 +596,21 @@ impl<'g> Trainer<'g> {
             skipped.push(s.skipped as u8);
         }
         let n = steps.len();
-        let shape = vec![n, tc.grad_accum, tc.batch_size, self.cfg.model.block_size];
+        let lead = vec![n, tc.grad_accum, tc.batch_size];
         use safetensors::{tensor::TensorView, Dtype};
+        let (first, second) = match &self.task {
+            Task::Text { model, .. } => {
+                let shape = [lead.clone(), vec![model.cfg.block_size]].concat();
+                (("ids", Dtype::I32, shape.clone()), ("targets", Dtype::I32, shape))
+            }
+            Task::Images { data, .. } => (
+                ("images", Dtype::F32, [lead.clone(), data.shape.to_vec()].concat()),
+                ("labels", Dtype::I32, lead),
+            ),
+        };
         let views = [
-            ("ids", Dtype::I32, shape.clone(), &ids),
-            ("targets", Dtype::I32, shape, &targets),
+            (first.0, first.1, first.2, &a),
+            (second.0, second.1, second.2, &b),
             ("step", Dtype::I64, vec![n], &index),
             ("loss", Dtype::F32, vec![n], &loss),
             ("lr", Dtype::F64, vec![n], &lr),
@@ -418,43 +631,88 @@ impl<'g> Trainer<'g> {
             })
     }
 
-    /// Mean loss over the fixed validation batches (no gradients recorded).
-    pub async fn evaluate_async(&mut self) -> Result<f32> {
-        let (b, t) = (self.cfg.train.batch_size, self.cfg.model.block_size);
-        let mut total = 0.0f64;
-        let n = self.cfg.train.eval_batches;
-        for i in 0..n {
-            let (ids, targets) = batch(
-                &self.data.val,
-                b,
-                t,
-                mix(&[self.cfg.train.seed, u64::MAX, i as u64]),
-            );
-            let ids = Tensor::from_u32(self.gpu, &[b, t], &ids, "ids")?;
-            let targets = Tensor::from_u32(self.gpu, &[b, t], &targets, "targets")?;
-            let mut tape = Tape::new();
-            tape.set_grad_enabled(false);
-            let model = &self.model;
-            let loss = self
-                .gpu
-                .run_async(|rec| {
-                    let l = model.loss(&mut tape, rec, &ids, &targets, None)?;
-                    Ok(tape.value(l)?.clone())
-                })
-                .await?;
-            total += loss.to_vec_f32(self.gpu).await?[0] as f64;
-        }
-        let v = (total / n as f64) as f32;
+    /// The held-out loss (no gradients recorded): a text run's mean over the fixed
+    /// validation batches; an image run's over every held-out image, with its accuracy.
+    pub async fn evaluate_async(&mut self) -> Result<Eval> {
+        let (gpu, b) = (self.gpu, self.cfg.train.batch_size);
+        let eval = match &self.task {
+            Task::Text { model, data, .. } => {
+                let t = model.cfg.block_size;
+                let mut total = 0.0f64;
+                let n = self.cfg.train.eval_batches;
+                for i in 0..n {
+                    let key = mix(&[self.cfg.train.seed, u64::MAX, i as u64]);
+                    let (ids, targets) = batch(&data.val, b, t, key);
+                    let ids = Tensor::from_u32(gpu, &[b, t], &ids, "ids")?;
+                    let targets = Tensor::from_u32(gpu, &[b, t], &targets, "targets")?;
+                    let mut tape = Tape::new();
+                    tape.set_grad_enabled(false);
+                    let loss = gpu
+                        .run_async(|rec| {
+                            let l = model.loss(&mut tape, rec, &ids, &targets, None)?;
+                            Ok(tape.value(l)?.clone())
+                        })
+                        .await?;
+                    total += loss.to_vec_f32(gpu).await?[0] as f64;
+                }
+                Eval {
+                    loss: (total / n as f64) as f32,
+                    accuracy: None,
+                }
+            }
+            Task::Images { model, data } => {
+                let (px, k) = (data.pixels(), data.classes);
+                let [c, h, w] = data.shape;
+                let (mut total, mut correct) = (0.0f64, 0usize);
+                let val = &data.val;
+                for start in (0..val.len()).step_by(b) {
+                    let n = b.min(val.len() - start);
+                    let pixels = &val.pixels[start * px..(start + n) * px];
+                    let labels = &val.labels[start..start + n];
+                    let x = Tensor::from_f32(gpu, &[n, c, h, w], pixels, "images")?;
+                    let y = Tensor::from_u32(gpu, &[n], labels, "labels")?;
+                    let mut tape = Tape::new();
+                    tape.set_grad_enabled(false);
+                    let (logits, stats) = gpu
+                        .run_async(|rec| {
+                            let logits = model.logits(&mut tape, rec, &x)?;
+                            let opts = Default::default();
+                            let l = tape.cross_entropy(rec, logits, &y, opts)?;
+                            Ok((tape.value(logits)?.clone(), tape.value(l)?.clone()))
+                        })
+                        .await?;
+                    total += stats.to_vec_f32(gpu).await?[0] as f64 * n as f64;
+                    let scores = logits.to_vec_f32(gpu).await?;
+                    correct += scores
+                        .chunks(k)
+                        .zip(labels)
+                        .filter(|(row, &l)| argmax(row) == l as usize)
+                        .count();
+                }
+                Eval {
+                    loss: (total / val.len() as f64) as f32,
+                    accuracy: Some(correct as f32 / val.len() as f32),
+                }
+            }
+        };
         match self.history.last_mut() {
-            Some(last) if last.0 == self.step => last.2 = Some(v),
-            _ => self.history.push((self.step, f32::NAN, Some(v))),
+            Some(last) if last.step == self.step => {
+                last.val_loss = Some(eval.loss);
+                last.val_accuracy = eval.accuracy;
+            }
+            _ => self.history.push(Record {
+                step: self.step,
+                loss: f32::NAN,
+                val_loss: Some(eval.loss),
+                val_accuracy: eval.accuracy,
+            }),
         }
-        Ok(v)
+        Ok(eval)
     }
 
     /// The model's weights as SafeTensors bytes, under the names checkpoints use.
     pub async fn model_safetensors(&self) -> Result<Vec<u8>> {
-        let p = &self.model.params;
+        let p = self.task.params();
         let named: Vec<(String, &Tensor)> = p.names.iter().cloned().zip(p.values.iter()).collect();
         checkpoint::safetensors_bytes_async(self.gpu, &named).await
     }
@@ -468,7 +726,7 @@ impl<'g> Trainer<'g> {
     /// Writes a checkpoint of the current step, the metrics and the loss curve.
     pub async fn save_async(&self) -> Result<PathBuf> {
         let gpu = self.gpu;
-        let p = &self.model.params;
+        let p = self.task.params();
         let model = self.model_safetensors().await?;
         let mut opt_named = Vec::new();
         for (n, (m, v)) in p.names.iter().zip(self.opt.state()) {
@@ -480,7 +738,7 @@ impl<'g> Trainer<'g> {
             format: 1,
             config: self.cfg.clone(),
             step: self.step,
-            tokens_seen: self.tokens_seen,
+            tokens_seen: self.items_seen,
             loss_scaler: self.scaler.clone(),
             adamw_step: self.opt.steps(),
             hashes: Default::default(),
@@ -497,7 +755,10 @@ impl<'g> Trainer<'g> {
             &CheckpointFiles {
                 model,
                 optim,
-                tokenizer: Some(self.tokenizer.to_json()?),
+                tokenizer: match &self.task {
+                    Task::Text { tokenizer, .. } => Some(tokenizer.to_json()?),
+                    Task::Images { .. } => None,
+                },
             },
         )
     }
@@ -505,29 +766,41 @@ impl<'g> Trainer<'g> {
     fn write_metrics(&self) -> Result<()> {
         let out = &self.cfg.train.out_dir;
         let mut lines = String::new();
-        for &(step, loss, val) in &self.history {
-            let v = serde_json::json!({ "step": step, "loss": if loss.is_finite() { Some(loss) } else { None }, "val_loss": val });
+        for r in &self.history {
+            let mut v = serde_json::json!({ "step": r.step, "loss": if r.loss.is_finite() { Some(r.loss) } else { None }, "val_loss": r.val_loss });
+            if let Some(a) = r.val_accuracy {
+                v["val_accuracy"] = a.into();
+            }
             lines += &format!("{v}\n");
         }
         checkpoint::write_atomic(&out.join(METRICS), lines.as_bytes())?;
         let train: Vec<(u64, f32)> = self
             .history
             .iter()
-            .filter(|h| h.1.is_finite())
-            .map(|h| (h.0, h.1))
+            .filter(|h| h.loss.is_finite())
+            .map(|h| (h.step, h.loss))
             .collect();
         let val: Vec<(u64, f32)> = self
             .history
             .iter()
-            .filter_map(|h| h.2.map(|v| (h.0, v)))
+            .filter_map(|h| h.val_loss.map(|v| (h.step, v)))
             .collect();
-        let title = format!(
-            "{:?} {}L {}d, {} params",
-            self.cfg.model.arch,
-            self.cfg.model.n_layer,
-            self.cfg.model.n_embd,
-            self.model.params.numel()
-        );
+        let params = self.task.params().numel();
+        let title = match &self.cfg.model {
+            NetConfig::Transformer(m) => {
+                format!("{:?} {}L {}d, {params} params", m.arch, m.n_layer, m.n_embd)
+            }
+            NetConfig::Conv(c) => format!(
+                "conv net {:?} x{}, {params} params{}",
+                c.channels,
+                c.blocks,
+                self.history
+                    .iter()
+                    .rev()
+                    .find_map(|h| h.val_accuracy)
+                    .map_or(String::new(), |a| format!(", val acc {:.1}%", a * 100.0))
+            ),
+        };
         checkpoint::write_atomic(
             &out.join(CURVE),
             curve::svg(&train, &val, &title).as_bytes(),
@@ -555,10 +828,20 @@ impl<'g> Trainer<'g> {
             }
         };
         let f = on_event(Event::Started {
-            params: self.model.params.numel(),
-            vocab: self.vocab_size(),
-            train_tokens: self.data.train.len(),
-            val_tokens: self.data.val.len(),
+            params: self.task.params().numel(),
+            outputs: self.outputs(),
+            train_items: match &self.task {
+                Task::Text { data, .. } => data.train.len(),
+                Task::Images { data, .. } => data.train.len(),
+            },
+            val_items: match &self.task {
+                Task::Text { data, .. } => data.val.len(),
+                Task::Images { data, .. } => data.val.len(),
+            },
+            unit: match &self.task {
+                Task::Text { .. } => "tokens",
+                Task::Images { .. } => "images",
+            },
             start_step,
             steps: tc.steps,
         })?;
@@ -566,20 +849,20 @@ impl<'g> Trainer<'g> {
         let mut first_val_loss = None;
         if start_step == 0 {
             let v = self.evaluate_async().await?;
-            first_val_loss = Some(v);
+            first_val_loss = Some(v.loss);
             let f = on_event(Event::Eval {
                 step: 0,
-                val_loss: v,
+                val_loss: v.loss,
+                val_accuracy: v.accuracy,
             })?;
             flow(f, &mut stop, start_step);
         }
         let mut final_train_loss = f32::NAN;
-        let mut final_val_loss = self
-            .history
-            .iter()
-            .rev()
-            .find_map(|h| h.2)
-            .unwrap_or(f32::NAN);
+        let last = self.history.iter().rev().find(|h| h.val_loss.is_some());
+        let mut final_val = Eval {
+            loss: last.and_then(|h| h.val_loss).unwrap_or(f32::NAN),
+            accuracy: last.and_then(|h| h.val_accuracy),
+        };
         let mut checkpoint = PathBuf::new();
         while self.step < stop {
             let info = self.train_step_async().await?;
@@ -593,10 +876,11 @@ impl<'g> Trainer<'g> {
             let f = on_event(Event::Step(&info))?;
             flow(f, &mut stop, self.step);
             if self.step % tc.eval_interval == 0 || self.step == stop {
-                final_val_loss = self.evaluate_async().await?;
+                final_val = self.evaluate_async().await?;
                 let f = on_event(Event::Eval {
                     step: self.step,
-                    val_loss: final_val_loss,
+                    val_loss: final_val.loss,
+                    val_accuracy: final_val.accuracy,
                 })?;
                 flow(f, &mut stop, self.step);
             }
@@ -610,8 +894,8 @@ impl<'g> Trainer<'g> {
             }
         }
         let seconds = t0.elapsed().as_secs_f64();
-        let tokens = (self.step - start_step) as f64
-            * (tc.batch_size * self.cfg.model.block_size * tc.grad_accum) as f64;
+        let items = (self.step - start_step) as f64
+            * (self.cfg.items_per_batch() * tc.grad_accum) as f64;
         if self.persist && checkpoint.as_os_str().is_empty() {
             checkpoint = checkpoint::resolve(&tc.out_dir)?;
         }
@@ -620,9 +904,10 @@ impl<'g> Trainer<'g> {
             steps: self.step,
             stopped,
             first_val_loss,
-            final_val_loss,
+            final_val_loss: final_val.loss,
+            final_val_accuracy: final_val.accuracy,
             final_train_loss,
-            tokens_per_s: tokens / seconds,
+            items_per_s: items / seconds,
             seconds,
             checkpoint,
         })
@@ -639,16 +924,21 @@ async fn finish(gpu: &Gpu, trace: &mut Option<Trace>, sub: Submission) -> Result
 }
 
 /// Metrics of steps up to `upto` from an earlier run of this directory.
-fn read_history(path: &Path, upto: u64) -> Vec<(u64, f32, Option<f32>)> {
+fn read_history(path: &Path, upto: u64) -> Vec<Record> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Vec::new();
     };
+    let f32_of = |v: &serde_json::Value| v.as_f64().map(|x| x as f32);
     text.lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter_map(|v| {
             let step = v["step"].as_u64()?;
-            let loss = v["loss"].as_f64().map_or(f32::NAN, |x| x as f32);
-            (step <= upto).then_some((step, loss, v["val_loss"].as_f64().map(|x| x as f32)))
+            (step <= upto).then_some(Record {
+                step,
+                loss: f32_of(&v["loss"]).unwrap_or(f32::NAN),
+                val_loss: f32_of(&v["val_loss"]),
+                val_accuracy: f32_of(&v["val_accuracy"]),
+            })
         })
         .collect()
 }
@@ -656,12 +946,16 @@ fn read_history(path: &Path, upto: u64) -> Vec<(u64, f32, Option<f32>)> {
 /// A model and tokenizer loaded from a checkpoint (a run directory or a step directory).
 pub fn load_for_generation(gpu: &Gpu, path: &Path) -> Result<(Transformer, Tokenizer)> {
     let ck: checkpoint::Loaded = checkpoint::load(path)?;
-    let tokenizer = Tokenizer::from_json(ck.tokenizer()?)?;
-    let model = Transformer::from_weights(gpu, &ck.state.config.model, ck.model).map_err(|e| {
-        Error::Checkpoint {
+    let Some(mcfg) = ck.state.config.transformer() else {
+        return Err(Error::Checkpoint {
             path: ck.dir.display().to_string(),
-            detail: e.to_string(),
-        }
+            detail: "holds a conv net, not a text model".into(),
+        });
+    };
+    let tokenizer = Tokenizer::from_json(ck.tokenizer()?)?;
+    let model = Transformer::from_weights(gpu, mcfg, ck.model).map_err(|e| Error::Checkpoint {
+        path: ck.dir.display().to_string(),
+        detail: e.to_string(),
     })?;
     Ok((model, tokenizer))
 }

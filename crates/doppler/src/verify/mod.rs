@@ -17,6 +17,7 @@ pub mod lora;
 pub mod model;
 mod norm;
 mod optim;
+mod pool;
 pub mod quant;
 mod rope;
 mod silu;
@@ -144,6 +145,7 @@ const FAMILIES: &[Family] = &[
         &["pixel_shuffle", "upsample_nearest2d"],
         family!(upsample::checks),
     ),
+    (&["avg_pool2d"], family!(pool::checks)),
 ];
 
 /// Every check whose op name contains `filter` (all when None).
