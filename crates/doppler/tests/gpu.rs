@@ -994,6 +994,170 @@ fn training_steps_match_the_f64_reference_trainer() {
     }
 }
 
+/// A tiny conv-net run's config (2-channel 4x4 images in 3 classes, two stages) and its
+/// images file's text: 16 images of random pixels in 0..=16.
+fn tiny_conv_run(out_dir: &str, images: &str) -> (String, String) {
+    let toml = format!(
+        "[model]\narch = \"convnet\"\nin_channels = 2\nimage_size = 4\nclasses = 3\n\
+         channels = [4, 6]\nblocks = 1\ngroups = 2\n\
+         [data]\nimages = \"{images}\"\npixel_max = 16\nval_fraction = 0.25\n\
+         [train]\nbatch_size = 3\ngrad_accum = 2\nsteps = 8\nlr = 1e-2\nmin_lr = 1e-3\nwarmup = 2\n\
+         weight_decay = 0.1\nbetas = [0.9, 0.95]\ngrad_clip = 0.5\neval_interval = 2\n\
+         checkpoint_interval = 2\nseed = 11\nout_dir = \"{out_dir}\"\n"
+    );
+    let mut rng = Rng::new(77);
+    let csv: String = (0..16)
+        .map(|i| {
+            let px: Vec<String> = (0..32)
+                .map(|_| (rng.next_u64() % 17).to_string())
+                .collect();
+            format!("{},{}\n", px.join(","), i % 3)
+        })
+        .collect();
+    (toml, csv)
+}
+
+/// The conv net's training steps (batches, loss, gradients of the whole classifier,
+/// clipping, AdamW with decay on the kernels only) against the f64 reference model's
+/// loss, its finite-difference gradients and the f64 AdamW, step by step.
+#[test]
+fn conv_training_steps_match_the_f64_reference_trainer() {
+    use doppler::models::convnet::ConvNet;
+    use doppler::optim::warmup_cosine;
+    use doppler::reference::{convnet as rmodel, finite_diff, optim as ropt};
+    use doppler::train::{config::TrainConfig, Trainer};
+    use std::collections::HashMap;
+    let gpu = gpu();
+    let (toml, csv) = tiny_conv_run("-", "-");
+    let cfg = TrainConfig::parse(&toml, "test").unwrap();
+    let mut trainer = Trainer::fresh(gpu, &cfg, &csv).unwrap();
+    let ccfg = match &trainer.cfg.model {
+        doppler::train::config::NetConfig::Conv(c) => c.clone(),
+        _ => unreachable!(),
+    };
+    let tc = trainer.cfg.train.clone();
+    let names = trainer.params().names.clone();
+    let read = |p: &doppler::autograd::ParamStore| -> Vec<Vec<f64>> {
+        p.values
+            .iter()
+            .map(|v| v.read_f32(gpu).unwrap().iter().map(|&x| x as f64).collect())
+            .collect()
+    };
+    let mut w = read(trainer.params());
+    let expected: Vec<bool> = ConvNet::expected(&ccfg).iter().map(|(_, s)| s.len() >= 2).collect();
+    let mut m: Vec<Vec<f64>> = w.iter().map(|x| vec![0.0; x.len()]).collect();
+    let mut v = m.clone();
+    let steps = 4u64;
+    let (mut clipped, mut max_lr) = (0, 0.0f64);
+    for step in 0..steps {
+        let micro: Vec<(Vec<f64>, Vec<u32>)> = (0..tc.grad_accum)
+            .map(|i| {
+                let (px, labels) = trainer.image_batch(step, i).unwrap();
+                (px.iter().map(|&x| x as f64).collect(), labels)
+            })
+            .collect();
+        let loss = |w: &[Vec<f64>]| -> f64 {
+            let map: HashMap<String, Vec<f64>> =
+                names.iter().cloned().zip(w.iter().cloned()).collect();
+            micro
+                .iter()
+                .map(|(px, labels)| rmodel::loss(&ccfg, &map, px, labels))
+                .sum::<f64>()
+                / tc.grad_accum as f64
+        };
+        let want = loss(&w);
+        let got = trainer.train_step().unwrap();
+        assert!(
+            ((got.loss as f64 - want) / want).abs() < 2e-5,
+            "step {}: loss {} on the GPU, {want} in f64",
+            step + 1,
+            got.loss
+        );
+        let grads: Vec<Vec<f64>> = (0..w.len())
+            .map(|i| {
+                finite_diff(
+                    |x| {
+                        let mut w2 = w.clone();
+                        w2[i] = x.to_vec();
+                        loss(&w2)
+                    },
+                    &w[i],
+                )
+            })
+            .collect();
+        let refs: Vec<&[f64]> = grads.iter().map(|g| g.as_slice()).collect();
+        let (norm, factor) = ropt::grad_scale(&refs, tc.grad_clip.map(|c| c as f64), 1.0);
+        clipped += (factor < 1.0) as usize;
+        let lr = warmup_cosine(step, tc.lr, tc.min_lr, tc.warmup, tc.steps);
+        max_lr = max_lr.max(lr);
+        assert!(norm.is_finite());
+        for i in 0..w.len() {
+            let g: Vec<f64> = grads[i].iter().map(|x| x * factor).collect();
+            let wd = if expected[i] { tc.weight_decay } else { 0.0 };
+            ropt::adamw_step(&mut w[i], &g, &mut m[i], &mut v[i], step as i32 + 1, lr, tc.betas, 1e-8, wd);
+        }
+    }
+    assert!(clipped > 0, "clipping never acted; the test would not check it");
+    let got = read(trainer.params());
+    for (i, name) in names.iter().enumerate() {
+        let big = w[i].iter().fold(0.0f64, |a, x| a.max(x.abs()));
+        let diff = got[i]
+            .iter()
+            .zip(&w[i])
+            .fold(0.0f64, |a, (x, y)| a.max((x - y).abs()));
+        eprintln!("{name}: max |GPU - f64| {diff:.2e} (largest {big:.2e})");
+        assert!(
+            diff <= 1e-3 * big,
+            "{name}: GPU and f64 weights differ by {diff:.2e} after {steps} steps (largest {big:.2e}, lr up to {max_lr})"
+        );
+    }
+}
+
+/// A conv-net run stopped at a checkpoint and resumed continues bit for bit: the same
+/// losses and weights as the uninterrupted run; metrics.jsonl has held-out accuracy.
+#[test]
+fn conv_training_resumes_bit_exactly() {
+    use doppler::train::{config::TrainConfig, Trainer};
+    let gpu = gpu();
+    let dir = std::env::temp_dir().join(format!("doppler-conv-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = |name: &str, stops: &[u64]| -> (Vec<f32>, Vec<u8>) {
+        let (toml, csv) = tiny_conv_run(name, "images.csv");
+        std::fs::write(dir.join("images.csv"), csv).unwrap();
+        let path = dir.join(format!("{name}.toml"));
+        std::fs::write(&path, toml).unwrap();
+        let cfg = TrainConfig::load(&path).unwrap();
+        let mut losses = Vec::new();
+        for (k, &stop) in stops.iter().enumerate() {
+            let mut t = Trainer::new(gpu, &cfg, k > 0).unwrap();
+            t.run(stop, &mut |e| {
+                if let doppler::train::Event::Step(s) = e {
+                    losses.push(s.loss);
+                }
+            })
+            .unwrap();
+        }
+        let t = Trainer::new(gpu, &cfg, true).unwrap();
+        (losses, pollster::block_on(t.model_safetensors()).unwrap())
+    };
+    let (a, wa) = run("whole", &[8]);
+    let (b, wb) = run("halves", &[4, 8]);
+    assert_eq!(a.len(), 8);
+    assert_eq!(a, b, "losses of the resumed run");
+    assert!(wa == wb, "weights of the resumed run differ");
+    let metrics = std::fs::read_to_string(dir.join("halves/metrics.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let evals: Vec<u64> = rows
+        .iter()
+        .filter(|r| r["val_accuracy"].is_number())
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(evals, [0, 2, 4, 6, 8], "{metrics}");
+    assert!(dir.join("halves/loss.svg").is_file());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A checkpoint's metrics are on disk before the checkpoint is committed (issue 22): here
 /// the save fails after the step folder is in place (`latest` cannot be replaced), as a
 /// process killed between the two would leave it, and metrics.jsonl already holds every

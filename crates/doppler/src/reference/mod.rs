@@ -5,6 +5,7 @@
 pub mod attention;
 pub mod bias;
 pub mod conv2d;
+pub mod convnet;
 pub mod cross_entropy;
 pub mod dropout;
 pub mod embedding;

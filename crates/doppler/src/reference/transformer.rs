@@ -11,7 +11,7 @@ use crate::ops::norm::NormKind;
 use crate::ops::rope::Pairing;
 
 /// x (R, in) @ w^T (out, in) + b
-fn linear(x: &[f64], w: &[f64], b: Option<&[f64]>, din: usize) -> Vec<f64> {
+pub fn linear(x: &[f64], w: &[f64], b: Option<&[f64]>, din: usize) -> Vec<f64> {
     let dout = w.len() / din;
     x.chunks(din)
         .flat_map(|row| {
