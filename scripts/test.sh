@@ -15,6 +15,8 @@ echo "== all-MiniLM-L6-v2 for the encoder tests (fetched into ~/.cache/doppler i
 export DOPPLER_MINILM="$(bash scripts/fetch_minilm.sh)"
 echo "== Gemma 3 270M (Q4_K_M GGUF) for the Gemma test (fetched into ~/.cache/doppler if missing)"
 export DOPPLER_GEMMA3="$(bash scripts/fetch_gemma3.sh)"
+echo "== the 8x8 digits for the conv-net tests (fetched into data/digits if missing)"
+export DOPPLER_DIGITS="$(bash scripts/fetch_digits.sh)"
 
 echo "== cargo test (naga validation, CPU reference, GPU kernels, CLI, SmolLM2 and Gemma 3 against transformers)"
 cargo test --workspace

@@ -15,7 +15,8 @@ pub struct TrainArgs {
     /// Continue from the newest checkpoint in the config's out_dir.
     #[arg(long)]
     resume: bool,
-    /// Stop after this many steps in this process (the run can be resumed later).
+    /// Stop after this many steps in this process (the run can be resumed later; 0: a
+    /// fresh run writes its initial weights as the step-0 checkpoint).
     #[arg(long)]
     max_steps: Option<u64>,
     /// One JSON object per event on stdout instead of a progress bar.

@@ -1221,3 +1221,131 @@ fn finetune_then_generate_with_the_adapter() {
         "{err}"
     );
 }
+
+/// The digits CSV (scripts/fetch_digits.sh; the README's test command runs it first, and
+/// `DOPPLER_DIGITS` may name the file instead).
+fn digits_path() -> std::path::PathBuf {
+    let p = std::env::var("DOPPLER_DIGITS")
+        .map(Into::into)
+        .unwrap_or_else(|_| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/digits/digits.csv")
+        });
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch_digits.sh (the README's test command does)",
+        p.display()
+    );
+    p
+}
+
+/// configs/digits_cnn.toml, shortened to `steps`, on `images`, writing into `dir/run`.
+fn digits_config(
+    dir: &std::path::Path,
+    images: &std::path::Path,
+    steps: u64,
+) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let shipped =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/digits_cnn.toml");
+    let text = std::fs::read_to_string(shipped).unwrap();
+    let text = text
+        .replace(
+            "\"../data/digits/digits.csv\"",
+            &format!("{:?}", images.display().to_string()),
+        )
+        .replace("\"../runs/digits_cnn\"", "\"run\"")
+        .replace("steps = 500", &format!("steps = {steps}"))
+        .replace(
+            "eval_interval = 100",
+            &format!("eval_interval = {}", steps / 2),
+        )
+        .replace(
+            "checkpoint_interval = 250",
+            &format!("checkpoint_interval = {steps}"),
+        );
+    let path = dir.join("digits.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The shipped digits classifier trains from its config: held-out accuracy well past
+/// chance (10%) after 60 steps, in the summary, the events and metrics.jsonl.
+#[test]
+fn digits_classifier_trains_from_its_config() {
+    let dir = tmp("digits");
+    let cfg = digits_config(&dir, &digits_path(), 60);
+    let (ok, out, err) = doppler(&["train", "--config", cfg.to_str().unwrap(), "--json"]);
+    assert!(ok, "{out}{err}");
+    let events: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(events[0]["event"], "start");
+    assert_eq!(events[0]["classes"], 10);
+    assert_eq!(events[0]["train_images"], 1617);
+    assert_eq!(events[0]["val_images"], 180);
+    let s = &events.last().unwrap()["summary"];
+    let acc = s["final_val_accuracy"].as_f64().unwrap();
+    eprintln!("digits after 60 steps: {s}");
+    assert!(acc > 0.8, "held-out accuracy {acc} after 60 steps");
+    assert!(s["final_val_loss"].as_f64().unwrap() < 0.7 * s["first_val_loss"].as_f64().unwrap());
+    let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    assert!(metrics.contains("\"val_accuracy\""), "{metrics}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Images that do not fit the config, labels outside its classes and a resolution its
+/// stages cannot halve: errors naming the file, the line and the shapes; nothing trained.
+#[test]
+fn bad_images_and_conv_configs_are_named() {
+    let dir = tmp("digits-bad");
+    std::fs::create_dir_all(&dir).unwrap();
+    let row = |n: usize, label: &str| format!("{}{label}\n", "1,".repeat(n));
+    for (csv, want) in [
+        (
+            row(64, "3") + &row(63, "3"),
+            "line 2: 64 values; the config's images are 1x8x8 = 64 pixels, then a label",
+        ),
+        (
+            row(64, "3") + &row(64, "10"),
+            "line 2: label \"10\" is not a class in 0..10",
+        ),
+        (
+            row(64, "3").repeat(3) + &row(192, "1"),
+            "line 4: 193 values",
+        ),
+    ] {
+        let images = dir.join("images.csv");
+        std::fs::write(&images, csv).unwrap();
+        let cfg = digits_config(&dir, &images, 10);
+        let (ok, _, err) = doppler(&["train", "--config", cfg.to_str().unwrap()]);
+        assert!(
+            !ok && err.contains("images.csv") && err.contains(want),
+            "{want}: {err}"
+        );
+        assert!(!dir.join("run").exists());
+    }
+    let images = dir.join("images.csv");
+    std::fs::write(&images, row(64, "1").repeat(20)).unwrap();
+    let cfg = digits_config(&dir, &images, 10);
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    for (from, to, want) in [
+        (
+            "channels = [16, 32]",
+            "channels = [16, 16, 16, 16, 16]",
+            "image_size 8 is not divisible by 2^4 = 16",
+        ),
+        ("groups = 8", "groups = 5", "a multiple of groups 5"),
+        (
+            "classes = 10",
+            "classes = 1",
+            "classes 1 must be at least 2",
+        ),
+        ("in_channels = 1", "in_channel = 1", "in_channel"),
+    ] {
+        std::fs::write(&cfg, text.replace(from, to)).unwrap();
+        let (ok, _, err) = doppler(&["train", "--config", cfg.to_str().unwrap()]);
+        assert!(!ok && err.contains(want), "{to}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -12,15 +12,15 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::gpu::{DType, Recorder, Tensor};
 use crate::ops::attention::{self, AttnOpts, AttnOut};
+use crate::ops::conv2d::{self, Conv2dOpts};
 use crate::ops::cross_entropy::{self as ce, CrossEntropyOpts, CrossEntropyOut, Upstream};
 use crate::ops::gelu::{self, GeluMode};
+use crate::ops::groupnorm::{self, GroupNormOut};
 use crate::ops::matmul::{matmul, matmul_bias, matmul_into, MatmulOpts};
 use crate::ops::norm::{self, NormOut};
+use crate::ops::pool::{self, Pool};
 use crate::ops::quant::RowSplit;
 use crate::ops::rope::{self, Pairing, RopeTable};
-use crate::ops::conv2d::{self, Conv2dOpts};
-use crate::ops::groupnorm::{self, GroupNormOut};
-use crate::ops::pool::{self, Pool};
 use crate::ops::{bias, columns, dropout, elementwise, embedding, silu, upsample};
 
 /// A value on the tape.

@@ -1008,9 +1008,7 @@ fn tiny_conv_run(out_dir: &str, images: &str) -> (String, String) {
     let mut rng = Rng::new(77);
     let csv: String = (0..16)
         .map(|i| {
-            let px: Vec<String> = (0..32)
-                .map(|_| (rng.next_u64() % 17).to_string())
-                .collect();
+            let px: Vec<String> = (0..32).map(|_| (rng.next_u64() % 17).to_string()).collect();
             format!("{},{}\n", px.join(","), i % 3)
         })
         .collect();
@@ -1044,7 +1042,10 @@ fn conv_training_steps_match_the_f64_reference_trainer() {
             .collect()
     };
     let mut w = read(trainer.params());
-    let expected: Vec<bool> = ConvNet::expected(&ccfg).iter().map(|(_, s)| s.len() >= 2).collect();
+    let expected: Vec<bool> = ConvNet::expected(&ccfg)
+        .iter()
+        .map(|(_, s)| s.len() >= 2)
+        .collect();
     let mut m: Vec<Vec<f64>> = w.iter().map(|x| vec![0.0; x.len()]).collect();
     let mut v = m.clone();
     let steps = 4u64;
@@ -1094,10 +1095,23 @@ fn conv_training_steps_match_the_f64_reference_trainer() {
         for i in 0..w.len() {
             let g: Vec<f64> = grads[i].iter().map(|x| x * factor).collect();
             let wd = if expected[i] { tc.weight_decay } else { 0.0 };
-            ropt::adamw_step(&mut w[i], &g, &mut m[i], &mut v[i], step as i32 + 1, lr, tc.betas, 1e-8, wd);
+            ropt::adamw_step(
+                &mut w[i],
+                &g,
+                &mut m[i],
+                &mut v[i],
+                step as i32 + 1,
+                lr,
+                tc.betas,
+                1e-8,
+                wd,
+            );
         }
     }
-    assert!(clipped > 0, "clipping never acted; the test would not check it");
+    assert!(
+        clipped > 0,
+        "clipping never acted; the test would not check it"
+    );
     let got = read(trainer.params());
     for (i, name) in names.iter().enumerate() {
         let big = w[i].iter().fold(0.0f64, |a, x| a.max(x.abs()));
@@ -1147,7 +1161,10 @@ fn conv_training_resumes_bit_exactly() {
     assert_eq!(a, b, "losses of the resumed run");
     assert!(wa == wb, "weights of the resumed run differ");
     let metrics = std::fs::read_to_string(dir.join("halves/metrics.jsonl")).unwrap();
-    let rows: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let rows: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     let evals: Vec<u64> = rows
         .iter()
         .filter(|r| r["val_accuracy"].is_number())

@@ -78,10 +78,16 @@ impl ConvConfig {
         };
         let c = self;
         if !(1..=MAX_WIDTH).contains(&c.in_channels) {
-            return bad(format!("in_channels {} must be in 1..={MAX_WIDTH}", c.in_channels));
+            return bad(format!(
+                "in_channels {} must be in 1..={MAX_WIDTH}",
+                c.in_channels
+            ));
         }
         if !(1..=MAX_EDGE).contains(&c.image_size) {
-            return bad(format!("image_size {} must be in 1..={MAX_EDGE}", c.image_size));
+            return bad(format!(
+                "image_size {} must be in 1..={MAX_EDGE}",
+                c.image_size
+            ));
         }
         if c.classes < 2 || c.classes > 1 << 20 {
             return bad(format!("classes {} must be at least 2", c.classes));
@@ -146,7 +152,11 @@ fn layout(cfg: &ConvConfig) -> Vec<(String, Vec<usize>, Init)> {
     let mut out = Vec::new();
     let conv = |out: &mut Vec<(String, Vec<usize>, Init)>, name: String, cin, cout| {
         let fan = cin * 9;
-        out.push((format!("{name}.weight"), vec![cout, cin, 3, 3], Init::Uniform(fan)));
+        out.push((
+            format!("{name}.weight"),
+            vec![cout, cin, 3, 3],
+            Init::Uniform(fan),
+        ));
         out.push((format!("{name}.bias"), vec![cout], Init::Uniform(fan)));
     };
     let norm = |out: &mut Vec<(String, Vec<usize>, Init)>, name: String, c| {
@@ -169,7 +179,11 @@ fn layout(cfg: &ConvConfig) -> Vec<(String, Vec<usize>, Init)> {
     }
     let last = *ch.last().unwrap_or(&1);
     norm(&mut out, "head_norm".into(), last);
-    out.push(("head.weight".into(), vec![cfg.classes, last], Init::Uniform(last)));
+    out.push((
+        "head.weight".into(),
+        vec![cfg.classes, last],
+        Init::Uniform(last),
+    ));
     out.push(("head.bias".into(), vec![cfg.classes], Init::Uniform(last)));
     out
 }
@@ -248,7 +262,13 @@ impl ConvNet {
     }
 
     /// gelu(group_norm(x)) with the norm's parameters `name`.
-    fn norm_gelu(&self, tape: &mut Tape, rec: &mut Recorder<'_>, x: Var, name: &str) -> Result<Var> {
+    fn norm_gelu(
+        &self,
+        tape: &mut Tape,
+        rec: &mut Recorder<'_>,
+        x: Var,
+        name: &str,
+    ) -> Result<Var> {
         let w = self.p(tape, &format!("{name}.weight"))?;
         let b = self.p(tape, &format!("{name}.bias"))?;
         let y = tape.group_norm(rec, x, w, b, self.cfg.groups, self.cfg.norm_eps)?;

@@ -10,13 +10,23 @@ use crate::ops::conv2d::{conv_params, Conv2dOpts};
 use crate::ops::gelu::GeluMode;
 
 /// Mean cross-entropy of the class scores of `images` (N, C, H, W) against `labels` (N).
-pub fn loss(cfg: &ConvConfig, w: &HashMap<String, Vec<f64>>, images: &[f64], labels: &[u32]) -> f64 {
+pub fn loss(
+    cfg: &ConvConfig,
+    w: &HashMap<String, Vec<f64>>,
+    images: &[f64],
+    labels: &[u32],
+) -> f64 {
     let scores = logits(cfg, w, images, labels.len());
     cross_entropy::cross_entropy(&scores, labels, cfg.classes, None, 0.0).2
 }
 
 /// Class scores (N, classes) of `n` images (N, C, H, W).
-pub fn logits(cfg: &ConvConfig, w: &HashMap<String, Vec<f64>>, images: &[f64], n: usize) -> Vec<f64> {
+pub fn logits(
+    cfg: &ConvConfig,
+    w: &HashMap<String, Vec<f64>>,
+    images: &[f64],
+    n: usize,
+) -> Vec<f64> {
     let g = |name: &str| w[name].as_slice();
     // (values, [N, C, H, W])
     let conv = |x: &(Vec<f64>, [usize; 4]), name: &str, stride: usize| {

@@ -67,9 +67,9 @@ impl ImageSet {
                 )));
             }
             for v in &values[..pixels] {
-                let p: f64 = v.parse().map_err(|_| {
-                    err(format!("line {at}: pixel value {v:?} is not a number"))
-                })?;
+                let p: f64 = v
+                    .parse()
+                    .map_err(|_| err(format!("line {at}: pixel value {v:?} is not a number")))?;
                 if !(0.0..=cfg.pixel_max).contains(&p) {
                     return Err(err(format!(
                         "line {at}: pixel value {v} outside [0, data.pixel_max = {}]",
@@ -118,9 +118,18 @@ impl ImageSet {
 /// The `index`-th batch of `batch` images from `set` under `seed`: images `index * batch`
 /// onwards of a sequence of epochs, each a permutation of the set drawn from
 /// (seed, epoch). (pixels (batch, C, H, W), labels (batch)).
-pub fn batch(set: &Images, pixels: usize, batch: usize, seed: u64, index: u64) -> (Vec<f32>, Vec<u32>) {
+pub fn batch(
+    set: &Images,
+    pixels: usize,
+    batch: usize,
+    seed: u64,
+    index: u64,
+) -> (Vec<f32>, Vec<u32>) {
     let n = set.len() as u64;
-    let mut out = (Vec::with_capacity(batch * pixels), Vec::with_capacity(batch));
+    let mut out = (
+        Vec::with_capacity(batch * pixels),
+        Vec::with_capacity(batch),
+    );
     let mut perm: (u64, Vec<usize>) = (u64::MAX, Vec::new());
     for j in index * batch as u64..(index + 1) * batch as u64 {
         let epoch = j / n;
@@ -128,7 +137,8 @@ pub fn batch(set: &Images, pixels: usize, batch: usize, seed: u64, index: u64) -
             perm = (epoch, permutation(set.len(), mix(&[seed, epoch])));
         }
         let i = perm.1[(j % n) as usize];
-        out.0.extend_from_slice(&set.pixels[i * pixels..(i + 1) * pixels]);
+        out.0
+            .extend_from_slice(&set.pixels[i * pixels..(i + 1) * pixels]);
         out.1.push(set.labels[i]);
     }
     out
@@ -169,7 +179,10 @@ mod tests {
     #[test]
     fn bad_lines_are_named() {
         for (text, want) in [
-            ("0,1,2,3\n", "line 1: 4 values; the config's images are 1x2x2 = 4 pixels"),
+            (
+                "0,1,2,3\n",
+                "line 1: 4 values; the config's images are 1x2x2 = 4 pixels",
+            ),
             ("0,1,2,3,1\n0,1,2,x,1\n", "line 2: pixel value \"x\""),
             ("0,1,2,17,1\n", "outside [0, data.pixel_max = 16]"),
             ("0,1,2,3,3\n", "label \"3\" is not a class in 0..3"),

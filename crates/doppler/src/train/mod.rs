@@ -88,7 +88,13 @@ pub struct Eval {
 fn argmax(row: &[f32]) -> usize {
     row.iter()
         .enumerate()
-        .fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best })
+        .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
+            if v > best.1 {
+                (i, v)
+            } else {
+                best
+            }
+        })
         .0
 }
 
@@ -260,8 +266,7 @@ impl<'g> Trainer<'g> {
                 let DataSpec::Text(d) = &saved.data else {
                     unreachable!("checked by the config")
                 };
-                let data =
-                    Dataset::new(tokenizer.encode(&text)?, d.val_fraction, mcfg.block_size)?;
+                let data = Dataset::new(tokenizer.encode(&text)?, d.val_fraction, mcfg.block_size)?;
                 Task::Text {
                     model,
                     tokenizer,
@@ -431,7 +436,12 @@ impl<'g> Trainer<'g> {
             return Err(self.not_text("batch"));
         };
         let key = mix(&[self.cfg.train.seed, step, micro as u64]);
-        Ok(batch(&data.train, self.cfg.train.batch_size, m.block_size, key))
+        Ok(batch(
+            &data.train,
+            self.cfg.train.batch_size,
+            m.block_size,
+            key,
+        ))
     }
 
     /// The images of micro-batch `micro` at step `step` of an image run: (pixels
@@ -470,7 +480,12 @@ impl<'g> Trainer<'g> {
     }
 
     /// The loss of micro-batch `m` of the current step, recorded on `tape`.
-    fn micro_loss(&self, tape: &mut Tape, rec: &mut Recorder<'_>, m: usize) -> Result<crate::autograd::Var> {
+    fn micro_loss(
+        &self,
+        tape: &mut Tape,
+        rec: &mut Recorder<'_>,
+        m: usize,
+    ) -> Result<crate::autograd::Var> {
         let (gpu, b) = (self.gpu, self.cfg.train.batch_size);
         match &self.task {
             Task::Text { model, .. } => {
@@ -573,7 +588,11 @@ impl<'g> Trainer<'g> {
         let tc = &self.cfg.train;
         let (mut a, mut b) = (Vec::<u8>::new(), Vec::<u8>::new());
         let (mut index, mut loss, mut lr, mut skipped) = (vec![], vec![], vec![], vec![]);
-        let i32s = |v: &[u32]| v.iter().flat_map(|&v| (v as i32).to_le_bytes()).collect::<Vec<u8>>();
+        let i32s = |v: &[u32]| {
+            v.iter()
+                .flat_map(|&v| (v as i32).to_le_bytes())
+                .collect::<Vec<u8>>()
+        };
         for s in steps {
             let step = s.step - 1;
             for m in 0..tc.grad_accum {
@@ -601,10 +620,17 @@ impl<'g> Trainer<'g> {
         let (first, second) = match &self.task {
             Task::Text { model, .. } => {
                 let shape = [lead.clone(), vec![model.cfg.block_size]].concat();
-                (("ids", Dtype::I32, shape.clone()), ("targets", Dtype::I32, shape))
+                (
+                    ("ids", Dtype::I32, shape.clone()),
+                    ("targets", Dtype::I32, shape),
+                )
             }
             Task::Images { data, .. } => (
-                ("images", Dtype::F32, [lead.clone(), data.shape.to_vec()].concat()),
+                (
+                    "images",
+                    Dtype::F32,
+                    [lead.clone(), data.shape.to_vec()].concat(),
+                ),
                 ("labels", Dtype::I32, lead),
             ),
         };
@@ -894,10 +920,15 @@ impl<'g> Trainer<'g> {
             }
         }
         let seconds = t0.elapsed().as_secs_f64();
-        let items = (self.step - start_step) as f64
-            * (self.cfg.items_per_batch() * tc.grad_accum) as f64;
+        let items =
+            (self.step - start_step) as f64 * (self.cfg.items_per_batch() * tc.grad_accum) as f64;
         if self.persist && checkpoint.as_os_str().is_empty() {
-            checkpoint = checkpoint::resolve(&tc.out_dir)?;
+            // A fresh run stopped before its first step (`--max-steps 0`) keeps its
+            // initial weights as the step-0 checkpoint (a replay's starting point).
+            checkpoint = match tc.out_dir.join("latest").is_file() {
+                true => checkpoint::resolve(&tc.out_dir)?,
+                false => self.save_async().await?,
+            };
         }
         Ok(Summary {
             start_step,

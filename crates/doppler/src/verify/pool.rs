@@ -47,9 +47,22 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let (fwd, bwd) = match r {
             Err(e) => (Err(e.clone()), Err(e)),
             Ok(got) => (
-                compare("avg_pool2d", &got[0], &y, Some(&ymag), Tolerance::sum(terms)).map_err(s),
-                compare("avg_pool2d backward", &got[1], &dx, Some(&dmag), Tolerance::sum(terms))
-                    .map_err(s),
+                compare(
+                    "avg_pool2d",
+                    &got[0],
+                    &y,
+                    Some(&ymag),
+                    Tolerance::sum(terms),
+                )
+                .map_err(s),
+                compare(
+                    "avg_pool2d backward",
+                    &got[1],
+                    &dx,
+                    Some(&dmag),
+                    Tolerance::sum(terms),
+                )
+                .map_err(s),
             ),
         };
         let what = format!("{shape:?} k{k:?} s{st:?}");
