@@ -1,5 +1,5 @@
-"""The conv-net classifier in PyTorch: step-for-step parity with Doppler's training, and
-PyTorch's own training speed at a config's shape.
+"""Doppler's conv nets (the classifier and the DDPM U-Net) in PyTorch: step-for-step parity
+with Doppler's training, and PyTorch's own training speed at a config's shape.
 
 Parity: from Doppler's step-0 checkpoint (its initial weights), PyTorch replays the steps
 Doppler took, on the same images, with torch.optim.AdamW and clip_grad_norm_, and compares
@@ -12,18 +12,22 @@ checkpoint there:
     python3 bench/torch_convnet.py parity --from /tmp/from --to RUN \\
         --batches /tmp/batches.safetensors [--device cuda] [--json out.json]
 
-The model is models/convnet.rs written out with torch.nn.functional (conv2d, group_norm,
-exact GELU, avg_pool2d, linear, cross_entropy) over Doppler's parameter names, in f32
-with TF32 off. Each step: the mean cross-entropy of each of grad_accum micro-batches, its
-gradient scaled by 1/grad_accum, clipping to grad_clip, then AdamW (weight decay on conv
-kernels and the head's matrix only, as Doppler's `decayed`). Tolerances: --loss-tol
+The models are models/convnet.rs written out with torch.nn.functional (conv2d,
+group_norm, exact GELU, avg_pool2d, linear, embedding, nearest interpolate, cross_entropy,
+mse_loss) over Doppler's parameter names, in f32 with TF32 off. Each step: the mean loss
+(the classifier's cross-entropy, the U-Net's noise-prediction error on the noisy images,
+steps and noise Doppler drew) of each of grad_accum micro-batches, its gradient scaled by
+1/grad_accum, clipping to grad_clip, then AdamW (weight decay on tensors of two or more
+dimensions only, as Doppler's `decayed`). Tolerances: --loss-tol
 (default 1e-5, relative), --tensor-tol (1e-4 of each tensor's largest magnitude). Exit
 status 1 when a difference is outside them.
 
-Speed: PyTorch eager training steps at the config's shape (batch_size random images),
-f32 (TF32 off) and bf16 autocast, images/s as the median of --steps timed steps:
+Speed: PyTorch eager training steps at a checkpoint's shape and weights (batch_size random
+images, and for the U-Net random steps and noise), f32 (TF32 off) and bf16 autocast,
+images/s as the median of --steps timed steps:
 
-    python3 bench/torch_convnet.py speed --config configs/digits_cnn.toml [--steps 50]
+    doppler train --config configs/digits_cnn.toml --max-steps 0
+    python3 bench/torch_convnet.py speed --checkpoint runs/digits_cnn [--steps 50]
 """
 import argparse
 import json
@@ -31,7 +35,6 @@ import os
 import statistics
 import sys
 import time
-import tomllib
 
 import torch
 import torch.nn.functional as F
@@ -41,28 +44,70 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_parity import load_checkpoint, warmup_cosine  # noqa: E402
 
 
-def forward(cfg, p, x):
-    """Class scores (N, classes) of images x (N, C, H, W) under parameters p."""
-    groups, eps = cfg.get("groups", 8), cfg.get("norm_eps", 1e-5)
+class Net:
+    """models/convnet.rs's layers over the parameters p."""
 
-    def conv(x, name, stride=1):
-        return F.conv2d(x, p[name + ".weight"], p[name + ".bias"], stride=stride, padding=1)
+    def __init__(self, cfg, p):
+        self.cfg, self.p = cfg, p
+        self.groups, self.eps = cfg.get("groups", 8), cfg.get("norm_eps", 1e-5)
 
-    def norm_gelu(x, name):
-        return F.gelu(F.group_norm(x, groups, p[name + ".weight"], p[name + ".bias"], eps))
+    def conv(self, x, name, stride=1):
+        return F.conv2d(x, self.p[name + ".weight"], self.p[name + ".bias"], stride=stride, padding=1)
 
-    x = conv(x, "stem")
-    for s in range(len(cfg["channels"])):
-        if s > 0:
-            x = conv(x, f"down.{s}", stride=2)
-        for b in range(cfg.get("blocks", 1)):
-            pre = f"stages.{s}.{b}"
-            y = conv(norm_gelu(x, pre + ".norm1"), pre + ".conv1")
-            y = conv(norm_gelu(y, pre + ".norm2"), pre + ".conv2")
-            x = x + y
-    x = norm_gelu(x, "head_norm")
-    x = F.avg_pool2d(x, x.shape[-1]).flatten(1)
-    return F.linear(x, p["head.weight"], p["head.bias"])
+    def linear(self, x, name):
+        return F.linear(x, self.p[name + ".weight"], self.p[name + ".bias"])
+
+    def norm_gelu(self, x, name):
+        p = self.p
+        return F.gelu(F.group_norm(x, self.groups, p[name + ".weight"], p[name + ".bias"], self.eps))
+
+    def block(self, x, pre, emb=None):
+        y = self.conv(self.norm_gelu(x, pre + ".norm1"), pre + ".conv1")
+        if emb is not None:
+            y = y + self.linear(emb, pre + ".emb")[:, :, None, None]
+        y = self.conv(self.norm_gelu(y, pre + ".norm2"), pre + ".conv2")
+        return x + y
+
+    def logits(self, x):
+        """The classifier's class scores (N, classes) of images x (N, C, H, W)."""
+        x = self.conv(x, "stem")
+        for s in range(len(self.cfg["channels"])):
+            if s > 0:
+                x = self.conv(x, f"down.{s}", stride=2)
+            for b in range(self.cfg.get("blocks", 1)):
+                x = self.block(x, f"stages.{s}.{b}")
+        x = self.norm_gelu(x, "head_norm")
+        x = F.avg_pool2d(x, x.shape[-1]).flatten(1)
+        return self.linear(x, "head")
+
+    def denoise(self, x, t, k):
+        """The U-Net's predicted noise in x (N, C, H, W) at steps t (N) of classes k (N)."""
+        p = self.p
+        emb = F.embedding(t, p["time_emb.weight"]) + F.embedding(k, p["class_emb.weight"])
+        emb = F.gelu(self.linear(emb, "emb_proj"))
+        levels, blocks = len(self.cfg["channels"]), self.cfg.get("blocks", 1)
+        x, skips = self.conv(x, "stem"), []
+        for l in range(levels):
+            for b in range(blocks):
+                x = self.block(x, f"down.{l}.{b}", emb)
+            skips.append(x)
+            if l + 1 < levels:
+                x = self.conv(x, f"downsample.{l}", stride=2)
+        x = self.block(x, "mid", emb)
+        for l in reversed(range(levels)):
+            x = x + skips[l]
+            for b in range(blocks):
+                x = self.block(x, f"up.{l}.{b}", emb)
+            if l > 0:
+                x = self.conv(F.interpolate(x, scale_factor=2, mode="nearest"), f"upsample.{l}")
+        return self.conv(self.norm_gelu(x, "out_norm"), "out")
+
+    def loss(self, x, y, t=None, noise=None):
+        """The classifier's cross-entropy (x images, y labels), or the U-Net's error (x noisy
+        images, y classes, t steps, noise the target)."""
+        if self.cfg["arch"] == "unet":
+            return F.mse_loss(self.denoise(x, t, y), noise)
+        return F.cross_entropy(self.logits(x), y)
 
 
 def optimizer(params, tcfg):
@@ -81,7 +126,7 @@ def parity(args):
     cfg, state, w, _, _ = load_checkpoint(getattr(args, "from"))
     _, state_to, w_to, m_to, v_to = load_checkpoint(args.to)
     mcfg, tcfg = cfg["model"], cfg["train"]
-    if mcfg.get("arch") != "convnet":
+    if mcfg.get("arch") not in ("convnet", "unet"):
         sys.exit("torch_convnet: the checkpoint does not hold a conv net")
     bt = load_file(args.batches)
     steps = bt["step"].tolist()
@@ -103,7 +148,9 @@ def parity(args):
         for m in range(accum):
             x = bt["images"][i, m].to(dev)
             y = bt["labels"][i, m].to(dev).long()
-            loss = F.cross_entropy(forward(mcfg, params, x), y)
+            t = bt["timesteps"][i, m].to(dev).long() if "timesteps" in bt else None
+            noise = bt["noise"][i, m].to(dev) if "noise" in bt else None
+            loss = Net(mcfg, params).loss(x, y, t, noise)
             (loss / accum).backward()
             total += loss.item()
         if clip is not None:
@@ -141,38 +188,19 @@ def speed(args):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device(args.device)
-    with open(args.config, "rb") as f:
-        cfg = tomllib.load(f)
+    cfg, _, w, _, _ = load_checkpoint(args.checkpoint)
     mcfg, tcfg = cfg["model"], cfg["train"]
     b, c, s = tcfg["batch_size"], mcfg["in_channels"], mcfg["image_size"]
     gen = torch.Generator().manual_seed(0)
-    # Fresh parameters of the right shapes (PyTorch's default init).
-    ch = mcfg["channels"]
-    shapes = {"stem": (ch[0], c)}
-    for i, w in enumerate(ch):
-        if i > 0:
-            shapes[f"down.{i}"] = (w, ch[i - 1])
-        for k in range(mcfg.get("blocks", 1)):
-            shapes[f"stages.{i}.{k}.conv1"] = (w, w)
-            shapes[f"stages.{i}.{k}.conv2"] = (w, w)
-    params = {}
-    for name, (co, ci) in shapes.items():
-        bound = (ci * 9) ** -0.5
-        params[name + ".weight"] = (torch.rand(co, ci, 3, 3, generator=gen) * 2 - 1) * bound
-        params[name + ".bias"] = (torch.rand(co, generator=gen) * 2 - 1) * bound
-    norms = ["head_norm"] + [f"stages.{i}.{k}.norm{j}" for i in range(len(ch))
-                             for k in range(mcfg.get("blocks", 1)) for j in (1, 2)]
-    for n in norms:
-        width = ch[-1] if n == "head_norm" else ch[int(n.split(".")[1])]
-        params[n + ".weight"], params[n + ".bias"] = torch.ones(width), torch.zeros(width)
-    params["head.weight"] = (torch.rand(mcfg["classes"], ch[-1], generator=gen) * 2 - 1) * ch[-1] ** -0.5
-    params["head.bias"] = torch.zeros(mcfg["classes"])
     x = (torch.rand(b, c, s, s, generator=gen) * 2 - 1).to(dev)
     y = torch.randint(0, mcfg["classes"], (b,), generator=gen).to(dev)
+    t = torch.randint(0, mcfg.get("timesteps") or 200, (b,), generator=gen).to(dev)
+    noise = torch.randn(b, c, s, s, generator=gen).to(dev)
     results = {}
     for mode in ["f32", "bf16"]:
-        p = {k: t.clone().to(dev).requires_grad_(True) for k, t in params.items()}
+        p = {k: v.clone().to(dev).requires_grad_(True) for k, v in w.items()}
         opt = optimizer(p, tcfg)
+        net = Net(mcfg, p)
         times = []
         for i in range(args.steps + 5):
             if dev.type == "cuda":
@@ -180,7 +208,7 @@ def speed(args):
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mode == "bf16"):
-                loss = F.cross_entropy(forward(mcfg, p, x), y)
+                loss = net.loss(x, y, t, noise)
             loss.backward()
             if tcfg.get("grad_clip") is not None:
                 torch.nn.utils.clip_grad_norm_(list(p.values()), tcfg["grad_clip"])
@@ -190,10 +218,10 @@ def speed(args):
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
         results[mode] = {"median_ms": med * 1e3, "images_per_s": b / med}
-        print(f"PyTorch eager {mode}: {med * 1e3:.3f} ms a step, {b / med:,.0f} images/s (batch {b})")
+        print(f"PyTorch eager {mode} ({mcfg['arch']}): {med * 1e3:.3f} ms a step, {b / med:,.0f} images/s (batch {b})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": args.config, "torch": torch.__version__, "device": str(dev),
+            json.dump({"checkpoint": args.checkpoint, "torch": torch.__version__, "device": str(dev),
                        "results": results}, f, indent=1)
     return 0
 
@@ -208,7 +236,7 @@ def main():
     p.add_argument("--loss-tol", type=float, default=1e-5)
     p.add_argument("--tensor-tol", type=float, default=1e-4)
     s = sub.add_parser("speed")
-    s.add_argument("--config", required=True)
+    s.add_argument("--checkpoint", required=True, help="a run's checkpoint: its config and weights")
     s.add_argument("--steps", type=int, default=50)
     for q in (p, s):
         q.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -62,8 +62,11 @@ enum Command {
     },
     /// Measure copy bandwidth and matmul throughput.
     Bench(bench::BenchArgs),
-    /// Train a transformer from a TOML config (progress, validation, checkpoints, loss curve).
+    /// Train a transformer or a conv net from a TOML config (progress, validation,
+    /// checkpoints, loss curve).
     Train(train::TrainArgs),
+    /// Draw images of a class from a trained U-Net checkpoint (DDPM), as a PNG grid.
+    Sample(train::SampleArgs),
     /// Fine-tune a pretrained model with LoRA from a TOML config (the base stays frozen in
     /// its encoding; writes a PEFT adapter, metrics.jsonl and loss.svg).
     Finetune(finetune::FinetuneArgs),
@@ -140,6 +143,7 @@ fn run(cli: Cli) -> doppler::Result<ExitCode> {
         Command::Verify { filter, json } => verify(&gpu()?, filter.as_deref(), json),
         Command::Bench(args) => bench::run(&gpu()?, &args),
         Command::Train(args) => train::train(&gpu()?, &args),
+        Command::Sample(args) => train::sample(&gpu()?, &args),
         Command::Finetune(args) => finetune::finetune(&gpu()?, &args),
         Command::Export(args) => export::export_cmd(&gpu()?, &args),
         Command::Generate(args) => generate::generate_cmd(&gpu()?, &args),

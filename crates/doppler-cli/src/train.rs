@@ -1,4 +1,4 @@
-//! `doppler train` and `doppler generate --checkpoint`.
+//! `doppler train` and `doppler sample`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -197,4 +197,130 @@ fn run_until(
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[derive(clap::Args)]
+pub struct SampleArgs {
+    /// A U-Net's run directory or checkpoint (`doppler train` with `arch = "unet"`).
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// The class to draw (0 .. the config's classes).
+    #[arg(long)]
+    class: usize,
+    /// Images to draw.
+    #[arg(short, default_value_t = 16)]
+    n: usize,
+    /// The PNG grid to write (written atomically).
+    #[arg(short, long, default_value = "grid.png")]
+    output: PathBuf,
+    /// Seed of the starting noise and of every step's noise.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Each image's pixels drawn as squares of this many pixels.
+    #[arg(long, default_value_t = 4)]
+    scale: usize,
+    /// One JSON object at the end (output path, grid size, seconds) instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn sample(gpu: &Gpu, args: &SampleArgs) -> doppler::Result<ExitCode> {
+    let bad = |detail: String| doppler::Error::Invalid {
+        op: "sample",
+        detail,
+    };
+    if !(1..=4096).contains(&args.n) || !(1..=64).contains(&args.scale) {
+        return Err(bad(format!(
+            "-n {} must be in 1..=4096 and --scale {} in 1..=64",
+            args.n, args.scale
+        )));
+    }
+    let model = doppler::train::load_conv(gpu, &args.checkpoint)?;
+    let [c, h, w] = model.cfg.image_shape();
+    if c != 1 && c != 3 {
+        return Err(bad(format!(
+            "a PNG grid needs 1 or 3 channels, the model's images have {c}"
+        )));
+    }
+    let t0 = std::time::Instant::now();
+    let bar = match args.json {
+        true => ProgressBar::hidden(),
+        false => ProgressBar::new(model.cfg.steps() as u64).with_style(
+            ProgressStyle::with_template(
+                "{bar:30} step {pos}/{len} [{elapsed_precise} < {eta_precise}]",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ),
+    };
+    let images = pollster::block_on(model.sample_async(
+        gpu,
+        args.class,
+        args.n,
+        args.seed,
+        &mut |done, _| bar.set_position(done as u64),
+    ))?;
+    bar.finish_and_clear();
+    let (png, width, height) = grid_png(&images, args.n, [c, h, w], args.scale)?;
+    doppler::train::checkpoint::write_atomic(&args.output, &png)?;
+    let seconds = t0.elapsed().as_secs_f64();
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({ "output": args.output, "class": args.class, "n": args.n,
+                "width": width, "height": height, "steps": model.cfg.steps(), "seconds": seconds })
+        );
+    } else {
+        eprintln!(
+            "{} images of class {} ({} steps, {seconds:.1} s): {} ({width}x{height})",
+            args.n,
+            args.class,
+            model.cfg.steps(),
+            args.output.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `n` images (N, C, H, W) in [-1, 1] as a PNG: ceil(sqrt(n)) to a row, each pixel a
+/// `scale` x `scale` square, 2-pixel grey gaps. (bytes, width, height)
+fn grid_png(
+    images: &[f32],
+    n: usize,
+    [c, h, w]: [usize; 3],
+    scale: usize,
+) -> doppler::Result<(Vec<u8>, usize, usize)> {
+    let cols = (n as f64).sqrt().ceil() as usize;
+    let rows = n.div_ceil(cols);
+    let gap = 2;
+    let (cw, ch) = (w * scale + gap, h * scale + gap);
+    let (width, height) = (cols * cw + gap, rows * ch + gap);
+    let mut px = vec![128u8; width * height * c];
+    for i in 0..n {
+        let (ox, oy) = (gap + (i % cols) * cw, gap + (i / cols) * ch);
+        for y in 0..h * scale {
+            for x in 0..w * scale {
+                for k in 0..c {
+                    let v = images[((i * c + k) * h + y / scale) * w + x / scale];
+                    let byte = ((v as f64 + 1.0) * 127.5).round().clamp(0.0, 255.0) as u8;
+                    px[((oy + y) * width + ox + x) * c + k] = byte;
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    let mut enc = png::Encoder::new(&mut out, width as u32, height as u32);
+    enc.set_color(if c == 1 {
+        png::ColorType::Grayscale
+    } else {
+        png::ColorType::Rgb
+    });
+    enc.set_depth(png::BitDepth::Eight);
+    let err = |e: png::EncodingError| doppler::Error::Invalid {
+        op: "sample",
+        detail: format!("PNG: {e}"),
+    };
+    let mut writer = enc.write_header().map_err(err)?;
+    writer.write_image_data(&px).map_err(err)?;
+    writer.finish().map_err(err)?;
+    Ok((out, width, height))
 }

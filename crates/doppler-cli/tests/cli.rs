@@ -1349,3 +1349,90 @@ fn bad_images_and_conv_configs_are_named() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// configs/digits_unet.toml, made tiny (two levels of 8 and 16 channels, 10 diffusion
+/// steps, batches of 16, 4 training steps), trains; `doppler sample` draws a PNG grid of
+/// one class from it; a class outside the config's and a classifier checkpoint are
+/// refused by name.
+#[test]
+fn unet_trains_and_samples_a_png_grid() {
+    let dir = tmp("unet");
+    std::fs::create_dir_all(&dir).unwrap();
+    let shipped =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/digits_unet.toml");
+    let text = std::fs::read_to_string(shipped).unwrap();
+    let text = text
+        .replace(
+            "\"../data/digits/digits.csv\"",
+            &format!("{:?}", digits_path().display().to_string()),
+        )
+        .replace("\"../runs/digits_unet\"", "\"run\"")
+        .replace("channels = [32, 64]", "channels = [8, 16]")
+        .replace("timesteps = 200", "timesteps = 10")
+        .replace("batch_size = 128", "batch_size = 16")
+        .replace("steps = 4000", "steps = 4")
+        .replace("eval_interval = 500", "eval_interval = 2")
+        .replace("checkpoint_interval = 1000", "checkpoint_interval = 4");
+    let cfg = dir.join("unet.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let (ok, out, err) = doppler(&["train", "--config", cfg.to_str().unwrap(), "--json"]);
+    assert!(ok, "{out}{err}");
+    let done: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    let s = &done["summary"];
+    assert_eq!(s["steps"], 4);
+    assert!(
+        s["final_val_loss"].as_f64().unwrap().is_finite() && s["final_val_accuracy"].is_null(),
+        "{s}"
+    );
+    let png = dir.join("grid.png");
+    let run = dir.join("run");
+    let (ok, out, err) = doppler(&[
+        "sample",
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--class",
+        "7",
+        "-n",
+        "5",
+        "-o",
+        png.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(ok, "{out}{err}");
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    let be = |i: usize| u32::from_be_bytes(bytes[i..i + 4].try_into().unwrap());
+    // 3 columns x 2 rows of 8x8 images at scale 4 with 2-pixel gaps.
+    assert_eq!((be(16), be(20)), (3 * 34 + 2, 2 * 34 + 2));
+    assert_eq!(bytes[25], 0, "greyscale");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["steps"], 10);
+    let (ok, _, err) = doppler(&[
+        "sample",
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--class",
+        "10",
+    ]);
+    assert!(!ok && err.contains("class 10 of 10"), "{err}");
+    let cls = tmp("unet-classifier");
+    let ccfg = digits_config(&cls, &digits_path(), 2);
+    let (ok, _, err) = doppler(&[
+        "train",
+        "--config",
+        ccfg.to_str().unwrap(),
+        "--max-steps",
+        "0",
+    ]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = doppler(&[
+        "sample",
+        "--checkpoint",
+        cls.join("run").to_str().unwrap(),
+        "--class",
+        "1",
+    ]);
+    assert!(!ok && err.contains("not a Unet"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&cls);
+}

@@ -21,7 +21,7 @@ use crate::ops::norm::{self, NormOut};
 use crate::ops::pool::{self, Pool};
 use crate::ops::quant::RowSplit;
 use crate::ops::rope::{self, Pairing, RopeTable};
-use crate::ops::{bias, columns, dropout, elementwise, embedding, silu, upsample};
+use crate::ops::{bias, columns, dropout, elementwise, embedding, reduce, silu, upsample};
 
 /// A value on the tape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -196,6 +196,13 @@ enum Op {
     AvgPool {
         x: Var,
         pool: Pool,
+    },
+    /// Mean of (pred - target)^2 over every element, target a constant; `diff` is
+    /// pred - target, `n` the element count.
+    MseLoss {
+        pred: Var,
+        diff: Tensor,
+        n: usize,
     },
     /// Mean cross-entropy of logits (..., V) against targets (...); the value is the
     /// (mean, count) pair the kernel writes.
@@ -565,6 +572,25 @@ impl Tape {
         Ok(self.push(y, Op::AvgPool { x, pool }, &[x]))
     }
 
+    /// Mean squared error of `pred` against a constant `target` of its shape, as torch's
+    /// `mse_loss` (mean reduction): a one-element value (the sum in a fixed order).
+    pub fn mse_loss(&mut self, rec: &mut Recorder<'_>, pred: Var, target: &Tensor) -> Result<Var> {
+        let [tp] = self.vals([pred])?;
+        if tp.shape() != target.shape() || tp.numel() == 0 {
+            return Err(Error::Shape {
+                op: "mse_loss",
+                detail: format!("pred {:?} vs target {:?}", tp.shape(), target.shape()),
+            });
+        }
+        let n = tp.numel();
+        let neg = elementwise::scale(rec, target, -1.0)?;
+        let diff = elementwise::add(rec, &tp, &neg)?;
+        let sq = elementwise::mul(rec, &diff, &diff)?;
+        let total = reduce::sum(rec, &sq)?.reshape(&[1])?;
+        let mean = elementwise::scale(rec, &total, (1.0 / n as f64) as f32)?;
+        Ok(self.push(mean, Op::MseLoss { pred, diff, n }, &[pred]))
+    }
+
     /// Mean cross-entropy over non-ignored tokens; the value is (mean, count).
     pub fn cross_entropy(
         &mut self,
@@ -588,7 +614,7 @@ impl Tape {
         ))
     }
 
-    /// Backpropagates from `loss` (a cross-entropy value) with upstream gradient `seed`
+    /// Backpropagates from `loss` (a cross-entropy or MSE value) with upstream gradient `seed`
     /// (1, or the loss scale, or 1 / micro-batches), accumulating into `store`'s gradients.
     /// The tape is consumed: every activation is dropped once no later rule needs it.
     pub fn backward(
@@ -611,14 +637,22 @@ impl Tape {
         store: &mut ParamStore,
         inputs: &[Var],
     ) -> Result<Vec<Tensor>> {
-        if !matches!(self.ops[loss.0], Op::CrossEntropy { .. }) {
-            return Err(Error::Invalid {
+        match &self.ops[loss.0] {
+            Op::CrossEntropy { .. } => {
+                let g = Tensor::from_f32(rec.gpu(), &[1], &[seed], "backward.seed")?;
+                self.walk(rec, loss, g, store, inputs)
+            }
+            // d mean((pred - target)^2) / d pred = 2 (pred - target) / n, times the seed:
+            // the walk starts at pred with it.
+            &Op::MseLoss { pred, ref diff, n } => {
+                let g = elementwise::scale(rec, diff, (2.0 * seed as f64 / n as f64) as f32)?;
+                self.walk(rec, pred, g, store, inputs)
+            }
+            _ => Err(Error::Invalid {
                 op: "backward",
-                detail: "the loss must be a cross-entropy value".into(),
-            });
+                detail: "the loss must be a cross-entropy or MSE value".into(),
+            }),
         }
-        let g = Tensor::from_f32(rec.gpu(), &[1], &[seed], "backward.seed")?;
-        self.walk(rec, loss, g, store, inputs)
     }
 
     /// Backpropagates `upstream` (the gradient of a loss with respect to `out`, its shape)
@@ -896,6 +930,13 @@ impl Tape {
                 Op::AvgPool { x, pool } => {
                     let shape = self.value(x)?.shape().to_vec();
                     contrib.push((x, pool::avg_pool2d_backward(rec, &g, &shape, pool)?));
+                }
+                // Only ever a root: backward_inputs starts the walk at its pred.
+                Op::MseLoss { .. } => {
+                    return Err(Error::Invalid {
+                        op: "backward",
+                        detail: "an MSE loss is only supported as the loss itself".into(),
+                    })
                 }
                 // dlogits = (softmax(logits) - onehot) * g / count
                 Op::CrossEntropy {

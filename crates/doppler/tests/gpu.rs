@@ -994,11 +994,16 @@ fn training_steps_match_the_f64_reference_trainer() {
     }
 }
 
-/// A tiny conv-net run's config (2-channel 4x4 images in 3 classes, two stages) and its
-/// images file's text: 16 images of random pixels in 0..=16.
-fn tiny_conv_run(out_dir: &str, images: &str) -> (String, String) {
+/// A tiny conv-net run's config (`arch` "convnet" or "unet": 2-channel 4x4 images in 3
+/// classes, two stages) and its images file's text: 16 images of random pixels in 0..=16.
+fn tiny_conv_run(arch: &str, out_dir: &str, images: &str) -> (String, String) {
+    let extra = if arch == "unet" {
+        "timesteps = 7\n"
+    } else {
+        ""
+    };
     let toml = format!(
-        "[model]\narch = \"convnet\"\nin_channels = 2\nimage_size = 4\nclasses = 3\n\
+        "[model]\narch = \"{arch}\"\n{extra}in_channels = 2\nimage_size = 4\nclasses = 3\n\
          channels = [4, 6]\nblocks = 1\ngroups = 2\n\
          [data]\nimages = \"{images}\"\npixel_max = 16\nval_fraction = 0.25\n\
          [train]\nbatch_size = 3\ngrad_accum = 2\nsteps = 8\nlr = 1e-2\nmin_lr = 1e-3\nwarmup = 2\n\
@@ -1015,18 +1020,27 @@ fn tiny_conv_run(out_dir: &str, images: &str) -> (String, String) {
     (toml, csv)
 }
 
-/// The conv net's training steps (batches, loss, gradients of the whole classifier,
-/// clipping, AdamW with decay on the kernels only) against the f64 reference model's
-/// loss, its finite-difference gradients and the f64 AdamW, step by step.
+/// The conv nets' training steps (batches, loss, gradients of the whole classifier or
+/// U-Net, clipping, AdamW with decay on the kernels only) against the f64 reference
+/// model's loss, its finite-difference gradients and the f64 AdamW, step by step.
 #[test]
 fn conv_training_steps_match_the_f64_reference_trainer() {
+    conv_steps_against_f64("convnet", 4);
+}
+
+#[test]
+fn unet_training_steps_match_the_f64_reference_trainer() {
+    conv_steps_against_f64("unet", 2);
+}
+
+fn conv_steps_against_f64(arch: &str, steps: u64) {
     use doppler::models::convnet::ConvNet;
     use doppler::optim::warmup_cosine;
     use doppler::reference::{convnet as rmodel, finite_diff, optim as ropt};
     use doppler::train::{config::TrainConfig, Trainer};
     use std::collections::HashMap;
     let gpu = gpu();
-    let (toml, csv) = tiny_conv_run("-", "-");
+    let (toml, csv) = tiny_conv_run(arch, "-", "-");
     let cfg = TrainConfig::parse(&toml, "test").unwrap();
     let mut trainer = Trainer::fresh(gpu, &cfg, &csv).unwrap();
     let ccfg = match &trainer.cfg.model {
@@ -1048,13 +1062,20 @@ fn conv_training_steps_match_the_f64_reference_trainer() {
         .collect();
     let mut m: Vec<Vec<f64>> = w.iter().map(|x| vec![0.0; x.len()]).collect();
     let mut v = m.clone();
-    let steps = 4u64;
+    let wide = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
     let (mut clipped, mut max_lr) = (0, 0.0f64);
     for step in 0..steps {
-        let micro: Vec<(Vec<f64>, Vec<u32>)> = (0..tc.grad_accum)
-            .map(|i| {
-                let (px, labels) = trainer.image_batch(step, i).unwrap();
-                (px.iter().map(|&x| x as f64).collect(), labels)
+        // (images or noisy images, labels or classes, the U-Net's steps and noise)
+        let micro: Vec<(Vec<f64>, Vec<u32>, Vec<u32>, Vec<f64>)> = (0..tc.grad_accum)
+            .map(|i| match arch {
+                "unet" => {
+                    let d = trainer.diffusion_batch(step, i).unwrap();
+                    (wide(&d.noisy), d.classes, d.t, wide(&d.noise))
+                }
+                _ => {
+                    let (px, labels) = trainer.image_batch(step, i).unwrap();
+                    (wide(&px), labels, vec![], vec![])
+                }
             })
             .collect();
         let loss = |w: &[Vec<f64>]| -> f64 {
@@ -1062,7 +1083,10 @@ fn conv_training_steps_match_the_f64_reference_trainer() {
                 names.iter().cloned().zip(w.iter().cloned()).collect();
             micro
                 .iter()
-                .map(|(px, labels)| rmodel::loss(&ccfg, &map, px, labels))
+                .map(|(px, labels, t, noise)| match arch {
+                    "unet" => rmodel::diffusion_loss(&ccfg, &map, px, t, labels, noise),
+                    _ => rmodel::loss(&ccfg, &map, px, labels),
+                })
                 .sum::<f64>()
                 / tc.grad_accum as f64
         };
@@ -1070,7 +1094,7 @@ fn conv_training_steps_match_the_f64_reference_trainer() {
         let got = trainer.train_step().unwrap();
         assert!(
             ((got.loss as f64 - want) / want).abs() < 2e-5,
-            "step {}: loss {} on the GPU, {want} in f64",
+            "{arch} step {}: loss {} on the GPU, {want} in f64",
             step + 1,
             got.loss
         );
@@ -1110,7 +1134,7 @@ fn conv_training_steps_match_the_f64_reference_trainer() {
     }
     assert!(
         clipped > 0,
-        "clipping never acted; the test would not check it"
+        "{arch}: clipping never acted; the test would not check it"
     );
     let got = read(trainer.params());
     for (i, name) in names.iter().enumerate() {
@@ -1119,10 +1143,10 @@ fn conv_training_steps_match_the_f64_reference_trainer() {
             .iter()
             .zip(&w[i])
             .fold(0.0f64, |a, (x, y)| a.max((x - y).abs()));
-        eprintln!("{name}: max |GPU - f64| {diff:.2e} (largest {big:.2e})");
+        eprintln!("{arch} {name}: max |GPU - f64| {diff:.2e} (largest {big:.2e})");
         assert!(
             diff <= 1e-3 * big,
-            "{name}: GPU and f64 weights differ by {diff:.2e} after {steps} steps (largest {big:.2e}, lr up to {max_lr})"
+            "{arch} {name}: GPU and f64 weights differ by {diff:.2e} after {steps} steps (largest {big:.2e}, lr up to {max_lr})"
         );
     }
 }
@@ -1137,7 +1161,7 @@ fn conv_training_resumes_bit_exactly() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let run = |name: &str, stops: &[u64]| -> (Vec<f32>, Vec<u8>) {
-        let (toml, csv) = tiny_conv_run(name, "images.csv");
+        let (toml, csv) = tiny_conv_run("convnet", name, "images.csv");
         std::fs::write(dir.join("images.csv"), csv).unwrap();
         let path = dir.join(format!("{name}.toml"));
         std::fs::write(&path, toml).unwrap();

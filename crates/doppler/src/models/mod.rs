@@ -1,6 +1,6 @@
-//! Model definitions: the training transformer and the conv-net classifier (recorded on
-//! the autograd tape), the Llama-family decoder for inference and the BERT sentence
-//! encoder.
+//! Model definitions: the training transformer and the conv nets (a classifier and a
+//! U-Net denoiser), recorded on the autograd tape; the Llama-family decoder for inference;
+//! the BERT sentence encoder.
 
 pub mod bert;
 pub mod convnet;
@@ -46,4 +46,16 @@ pub(crate) fn store_weights(
         });
     }
     Ok((params, index))
+}
+
+/// Normal draws of standard deviation `std` from the seeded generator (Box-Muller in f64).
+pub fn normals(rng: &mut crate::check::Rng, n: usize, std: f64) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let u1 = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+            let u2 = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+            let r = (-2.0 * (1.0 - u1).ln()).sqrt();
+            (std * r * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+        })
+        .collect()
 }

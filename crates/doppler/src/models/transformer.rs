@@ -303,18 +303,6 @@ fn layout(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Init)> {
     out
 }
 
-/// Standard normal draws from the seeded generator (Box-Muller in f64).
-fn normals(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            let u1 = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-            let u2 = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-            let r = (-2.0 * (1.0 - u1).ln()).sqrt();
-            (std * r * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-        })
-        .collect()
-}
-
 impl Transformer {
     /// Fresh weights from `seed`.
     pub fn new(gpu: &Gpu, cfg: &ModelConfig, seed: u64) -> Result<Transformer> {
@@ -325,7 +313,7 @@ impl Transformer {
             .map(|(name, shape, init)| {
                 let n: usize = shape.iter().product();
                 let data = match init {
-                    Init::Normal(std) => normals(&mut rng, n, std),
+                    Init::Normal(std) => super::normals(&mut rng, n, std),
                     Init::Const(c) => vec![c; n],
                 };
                 (name, shape, data)

@@ -11,7 +11,7 @@ use crate::models::convnet::ConvConfig;
 use crate::models::transformer::ModelConfig;
 
 /// A run's config. Two kinds, told apart by `model.arch`: a transformer ("gpt2", "llama")
-/// trained on text, or a conv net ("convnet") trained on images.
+/// trained on text, or a conv net ("convnet", "unet") trained on images.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainConfig {
@@ -178,7 +178,7 @@ impl TrainConfig {
         };
         let table: toml::Table = toml::from_str(text).map_err(err)?;
         let arch = table.get("model").and_then(|m| m.get("arch"));
-        let cfg = if arch.and_then(|a| a.as_str()) == Some("convnet") {
+        let cfg = if matches!(arch.and_then(|a| a.as_str()), Some("convnet" | "unet")) {
             let s: Sections<ConvConfig, ImageDataConfig> = toml::from_str(text).map_err(err)?;
             TrainConfig {
                 model: NetConfig::Conv(s.model),

@@ -15,7 +15,7 @@ use web_time::Instant;
 use crate::autograd::{ParamStore, Tape};
 use crate::error::{Error, Result};
 use crate::gpu::{Gpu, Recorder, Submission, Tensor, Trace, FLUSH_EVERY};
-use crate::models::convnet::ConvNet;
+use crate::models::convnet::{ConvArch, ConvNet, DiffusionBatch, Schedule};
 use crate::models::transformer::Transformer;
 use crate::optim::{grad_scale, warmup_cosine, AdamW, LossScaler};
 use checkpoint::{CheckpointFiles, RunState};
@@ -465,6 +465,24 @@ impl<'g> Trainer<'g> {
         ))
     }
 
+    /// A U-Net run's DDPM batch of micro-batch `micro` at step `step`: the images of
+    /// [`Trainer::image_batch`] noised at steps and with noise drawn from (the config's
+    /// seed, the step, the micro-batch).
+    pub fn diffusion_batch(&self, step: u64, micro: usize) -> Result<DiffusionBatch> {
+        let Task::Images { model, data } = &self.task else {
+            return Err(self.not_text("diffusion_batch"));
+        };
+        let (x0, classes) = self.image_batch(step, micro)?;
+        let key = mix(&[self.cfg.train.seed, step, micro as u64, 0xd1ff]);
+        Ok(DiffusionBatch::new(
+            &Schedule::new(model.cfg.steps()),
+            &x0,
+            classes,
+            data.pixels(),
+            key,
+        ))
+    }
+
     fn not_text(&self, op: &'static str) -> Error {
         Error::Invalid {
             op,
@@ -495,6 +513,10 @@ impl<'g> Trainer<'g> {
                 let ids = Tensor::from_u32(gpu, &[b, t], &ids, "ids")?;
                 let targets = Tensor::from_u32(gpu, &[b, t], &targets, "targets")?;
                 model.loss(tape, rec, &ids, &targets, Some(drop_seed))
+            }
+            Task::Images { model, data } if model.cfg.arch == ConvArch::Unet => {
+                let batch = self.diffusion_batch(self.step, m)?;
+                model.diffusion_loss(tape, rec, &batch.upload(gpu, data.shape)?)
             }
             Task::Images { model, data } => {
                 let (pixels, labels) = self.image_batch(self.step, m)?;
@@ -581,12 +603,16 @@ impl<'g> Trainer<'g> {
     /// learning rate and skip flag of each, as SafeTensors bytes for a replay elsewhere
     /// (`bench/torch_parity.py`, `bench/torch_convnet.py`): a text run's `ids` and
     /// `targets` I32 (S, grad_accum, batch_size, block_size), an image run's `images` F32
-    /// (S, grad_accum, batch_size, C, H, W) and `labels` I32 (S, grad_accum, batch_size);
+    /// (S, grad_accum, batch_size, C, H, W) and `labels` I32 (S, grad_accum, batch_size)
+    /// (a U-Net's: the noisy images and their classes, with `timesteps` I32 like labels
+    /// and `noise` F32 like images);
     /// `step` I64 (S, the step's index: 0 for the first), `loss` F32 (S), `lr` F64 (S),
     /// `skipped` U8 (S); metadata `matmul` (the products' mode).
     pub fn batches_safetensors(&self, steps: &[StepInfo]) -> Result<Vec<u8>> {
         let tc = &self.cfg.train;
         let (mut a, mut b) = (Vec::<u8>::new(), Vec::<u8>::new());
+        // A U-Net's steps t and noise.
+        let mut extra = (Vec::<u8>::new(), Vec::<u8>::new());
         let (mut index, mut loss, mut lr, mut skipped) = (vec![], vec![], vec![], vec![]);
         let i32s = |v: &[u32]| {
             v.iter()
@@ -601,6 +627,13 @@ impl<'g> Trainer<'g> {
                         let (i, t) = self.batch(step, m)?;
                         a.extend(i32s(&i));
                         b.extend(i32s(&t));
+                    }
+                    Task::Images { model, .. } if model.cfg.arch == ConvArch::Unet => {
+                        let d = self.diffusion_batch(step, m)?;
+                        a.extend(d.noisy.iter().flat_map(|v| v.to_le_bytes()));
+                        b.extend(i32s(&d.classes));
+                        extra.0.extend(i32s(&d.t));
+                        extra.1.extend(d.noise.iter().flat_map(|v| v.to_le_bytes()));
                     }
                     Task::Images { .. } => {
                         let (p, l) = self.image_batch(step, m)?;
@@ -634,17 +667,22 @@ impl<'g> Trainer<'g> {
                 ("labels", Dtype::I32, lead),
             ),
         };
-        let views = [
-            (first.0, first.1, first.2, &a),
-            (second.0, second.1, second.2, &b),
+        let mut views = vec![
+            (first.0, first.1, first.2.clone(), &a),
+            (second.0, second.1, second.2.clone(), &b),
             ("step", Dtype::I64, vec![n], &index),
             ("loss", Dtype::F32, vec![n], &loss),
             ("lr", Dtype::F64, vec![n], &lr),
             ("skipped", Dtype::U8, vec![n], &skipped),
-        ]
-        .into_iter()
-        .map(|(name, dt, shape, bytes)| TensorView::new(dt, shape, bytes).map(|v| (name, v)))
-        .collect::<std::result::Result<Vec<_>, _>>();
+        ];
+        if !extra.0.is_empty() {
+            views.push(("timesteps", Dtype::I32, second.2, &extra.0));
+            views.push(("noise", Dtype::F32, first.2, &extra.1));
+        }
+        let views = views
+            .into_iter()
+            .map(|(name, dt, shape, bytes)| TensorView::new(dt, shape, bytes).map(|v| (name, v)))
+            .collect::<std::result::Result<Vec<_>, _>>();
         let meta = std::collections::HashMap::from([(
             "matmul".to_string(),
             format!("{:?}", self.gpu.matmul).to_lowercase(),
@@ -683,6 +721,33 @@ impl<'g> Trainer<'g> {
                 }
                 Eval {
                     loss: (total / n as f64) as f32,
+                    accuracy: None,
+                }
+            }
+            Task::Images { model, data } if model.cfg.arch == ConvArch::Unet => {
+                // Held-out images noised at steps and with noise fixed by the seed.
+                let sched = Schedule::new(model.cfg.steps());
+                let (px, val) = (data.pixels(), &data.val);
+                let mut total = 0.0f64;
+                for (i, start) in (0..val.len()).step_by(b).enumerate() {
+                    let n = b.min(val.len() - start);
+                    let x0 = &val.pixels[start * px..(start + n) * px];
+                    let classes = val.labels[start..start + n].to_vec();
+                    let key = mix(&[self.cfg.train.seed, u64::MAX, i as u64, 0xd1ff]);
+                    let batch = DiffusionBatch::new(&sched, x0, classes, px, key);
+                    let batch = batch.upload(gpu, data.shape)?;
+                    let mut tape = Tape::new();
+                    tape.set_grad_enabled(false);
+                    let loss = gpu
+                        .run_async(|rec| {
+                            let l = model.diffusion_loss(&mut tape, rec, &batch)?;
+                            Ok(tape.value(l)?.clone())
+                        })
+                        .await?;
+                    total += loss.to_vec_f32(gpu).await?[0] as f64 * n as f64;
+                }
+                Eval {
+                    loss: (total / val.len() as f64) as f32,
                     accuracy: None,
                 }
             }
@@ -817,7 +882,11 @@ impl<'g> Trainer<'g> {
                 format!("{:?} {}L {}d, {params} params", m.arch, m.n_layer, m.n_embd)
             }
             NetConfig::Conv(c) => format!(
-                "conv net {:?} x{}, {params} params{}",
+                "{} {:?} x{}, {params} params{}",
+                match c.arch {
+                    ConvArch::Convnet => "conv net",
+                    ConvArch::Unet => "U-Net",
+                },
                 c.channels,
                 c.blocks,
                 self.history
@@ -972,6 +1041,21 @@ fn read_history(path: &Path, upto: u64) -> Vec<Record> {
             })
         })
         .collect()
+}
+
+/// A conv net loaded from a checkpoint (a run directory or a step directory).
+pub fn load_conv(gpu: &Gpu, path: &Path) -> Result<ConvNet> {
+    let ck: checkpoint::Loaded = checkpoint::load(path)?;
+    let NetConfig::Conv(cfg) = &ck.state.config.model else {
+        return Err(Error::Checkpoint {
+            path: ck.dir.display().to_string(),
+            detail: "holds a transformer, not a conv net".into(),
+        });
+    };
+    ConvNet::from_weights(gpu, cfg, ck.model).map_err(|e| Error::Checkpoint {
+        path: ck.dir.display().to_string(),
+        detail: e.to_string(),
+    })
 }
 
 /// A model and tokenizer loaded from a checkpoint (a run directory or a step directory).
