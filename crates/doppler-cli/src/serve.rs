@@ -1067,8 +1067,9 @@ impl Shape {
 
     /// Log-probabilities in the endpoint's shape (null unless asked for): chat's
     /// `{"content": [{token, logprob, bytes, top_logprobs}]}`, or text completions'
-    /// `{tokens, token_logprobs, top_logprobs, text_offset}`, offsets from `offset`
-    /// bytes into the answer. -inf (a banned token) is written -9999 as OpenAI does.
+    /// `{tokens, token_logprobs, top_logprobs, text_offset}`, offsets in characters from
+    /// `offset` characters into the answer (as OpenAI and vLLM count them: each token's
+    /// text's characters). -inf (a banned token) is written -9999 as OpenAI does.
     fn logprobs_json(&self, lps: &[TokenLogprob], offset: usize) -> Value {
         if !self.logprobs {
             return Value::Null;
@@ -1098,7 +1099,7 @@ impl Shape {
         let mut top = Vec::new();
         let mut offsets = Vec::new();
         for e in lps {
-            let (t, b) = self.token(e.id);
+            let (t, _) = self.token(e.id);
             tokens.push(json!(t));
             token_logprobs.push(json!(lp(e.logprob)));
             let mut m = serde_json::Map::new();
@@ -1108,7 +1109,7 @@ impl Shape {
             }
             top.push(Value::Object(m));
             offsets.push(json!(at));
-            at += b.len();
+            at += t.chars().count();
         }
         json!({ "tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
             "text_offset": offsets })
@@ -1165,7 +1166,7 @@ fn async_stream(
         first: bool,
         pending: std::collections::VecDeque<String>,
         ended: bool,
-        /// Bytes of text sent (text completions' logprob offsets).
+        /// Characters of text sent (text completions' logprob offsets).
         sent: usize,
     }
     let st = St {
@@ -1195,7 +1196,7 @@ fn async_stream(
             match st.rx.recv().await {
                 Some(Event::Text(t, lp)) => {
                     let lps = st.shape.logprobs_json(&lp, st.sent);
-                    st.sent += t.len();
+                    st.sent += t.chars().count();
                     let c = st.shape.chunk(Some(&t), false, None, lps);
                     st.pending.push_back(c.to_string());
                 }
