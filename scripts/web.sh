@@ -12,6 +12,8 @@ cd "$(dirname "$0")/.."
 port="${1:-${PORT:-8080}}"
 bash scripts/setup.sh
 model="$(bash scripts/fetch_model.sh)"
+# The Train tab's digits (its conv-net task).
+bash scripts/fetch_digits.sh > /dev/null
 bash scripts/build_web.sh
 mkdir -p web/models
 ln -sfn "$model" web/models/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -364,19 +364,26 @@ $('chat-system').addEventListener('change', () => {
 // ---------------------------------------------------------------- train
 
 let configLoaded = false;
-let corpus = null; // {name, text}: the shipped corpus once fetched, or the user's file
+let corpus = null; // {name, text}: the shipped corpus or digits once fetched, or the user's file
+// What each task trains: its config and its shipped data.
+const TASKS = {
+  text: { config: 'configs/default.toml', data: 'data/corpus/shakespeare.txt', name: 'shakespeare.txt (shipped)', hint: '' },
+  digits: { config: 'configs/digits_cnn.toml', data: 'data/digits/digits.csv', name: 'digits.csv (fetched)', hint: ' (run bash scripts/fetch_digits.sh)' },
+};
+const task = () => TASKS[$('train-task').value] ?? TASKS.text;
 let trainRun = null;
 let trainAbort = null;
 let weightsUrl = null;
 let tokenizerUrl = null;
 
-async function loadConfig() {
-  if (configLoaded) return;
+async function loadConfig(replace = false) {
+  if (configLoaded && !replace) return;
   configLoaded = true;
+  const path = task().config;
   try {
-    const r = await fetch('configs/default.toml');
-    if (!r.ok) throw new Error(`configs/default.toml: HTTP ${r.status} (serve the page with scripts/web.sh)`);
-    if (!$('train-config').value) $('train-config').value = await r.text();
+    const r = await fetch(path);
+    if (!r.ok) throw new Error(`${path}: HTTP ${r.status} (serve the page with scripts/web.sh)`);
+    if (replace || !$('train-config').value) $('train-config').value = await r.text();
   } catch (e) {
     configLoaded = false;
     showError('loading the default config', e);
@@ -385,12 +392,19 @@ async function loadConfig() {
 
 async function corpusText() {
   if (corpus) return corpus.text;
-  setStatus('Fetching data/corpus/shakespeare.txt…');
-  const r = await fetch('data/corpus/shakespeare.txt');
-  if (!r.ok) throw new Error(`data/corpus/shakespeare.txt: HTTP ${r.status} (serve the page with scripts/web.sh)`);
-  corpus = { name: 'shakespeare.txt (shipped)', text: await r.text() };
+  const { data, name, hint } = task();
+  setStatus(`Fetching ${data}…`);
+  const r = await fetch(data);
+  if (!r.ok) throw new Error(`${data}: HTTP ${r.status}${hint} (serve the page with scripts/web.sh)`);
+  corpus = { name, text: await r.text() };
   return corpus.text;
 }
+
+$('train-task').addEventListener('change', () => {
+  corpus = null;
+  $('train-corpus-name').textContent = task().name;
+  loadConfig(true);
+});
 
 $('train-corpus-file').addEventListener('change', async (ev) => {
   const f = ev.target.files[0];
@@ -399,8 +413,9 @@ $('train-corpus-file').addEventListener('change', async (ev) => {
   $('train-corpus-name').textContent = `${f.name} (${fmtBytes(f.size)})`;
 });
 
-// The loss chart: train loss per step, validation loss at each evaluation.
-const chart = { steps: 0, train: [], val: [], pending: false };
+// The loss chart: train loss per step, validation loss at each evaluation, and for
+// classifiers the validation accuracy (right axis, 0-100%).
+const chart = { steps: 0, train: [], val: [], acc: [], pending: false };
 const SVG = 'http://www.w3.org/2000/svg';
 
 function svg(tag, attrs) {
@@ -447,6 +462,17 @@ function drawChart() {
   nodes.push(line(chart.train, 'train-line'), line(chart.val, 'val-line'));
   for (const [s, v] of chart.val) nodes.push(svg('circle', { cx: x(s), cy: y(v), r: 3, class: 'val-dot' }));
   const legend = [['train loss', 'train-line'], ['validation loss', 'val-line']];
+  if (chart.acc.length) {
+    const ya = (a) => T + (H - T - B) * (1 - a);
+    for (const a of [0, 0.5, 1]) {
+      const t = svg('text', { x: W - R - 4, y: ya(a) + (a === 1 ? 12 : -4), class: 'tick acc-tick', 'text-anchor': 'end' });
+      t.textContent = `${a * 100}%`;
+      nodes.push(t);
+    }
+    nodes.push(svg('polyline', { id: 'acc-line', class: 'acc-line', points: chart.acc.map(([s, a]) => `${x(s).toFixed(1)},${ya(a).toFixed(1)}`).join(' ') }));
+    for (const [s, a] of chart.acc) nodes.push(svg('circle', { cx: x(s), cy: ya(a), r: 3, class: 'acc-dot' }));
+    legend.push(['validation accuracy', 'acc-line']);
+  }
   legend.forEach(([name, cls], i) => {
     const lx = W - R - 150, ly = T + 16 + i * 18;
     nodes.push(svg('line', { x1: lx, x2: lx + 20, y1: ly - 4, y2: ly - 4, class: cls }));
@@ -494,7 +520,7 @@ async function startTraining() {
   $('train-stop').disabled = false;
   $('train-summary').textContent = '';
   $('train-sample-out').textContent = '';
-  Object.assign(chart, { steps: 0, train: [], val: [] });
+  Object.assign(chart, { steps: 0, train: [], val: [], acc: [] });
   redraw();
   trainAbort = new AbortController();
   let lastStep = 0;
@@ -530,6 +556,7 @@ async function startTraining() {
       onEval: (e) => {
         chart.val.push([e.step, e.valLoss]);
         accuracy = e.valAccuracy;
+        if (accuracy != null) chart.acc.push([e.step, accuracy]);
         redraw();
       },
     });
@@ -546,9 +573,12 @@ async function startTraining() {
     weightsUrl = URL.createObjectURL(new Blob([weights], { type: 'application/octet-stream' }));
     setDownload($('train-download'), weightsUrl, 'model.safetensors');
     $('train-download').title = fmtBytes(weights.length);
-    tokenizerUrl = URL.createObjectURL(new Blob([run.tokenizerJson()], { type: 'application/json' }));
-    setDownload($('train-download-tokenizer'), tokenizerUrl, 'tokenizer.json');
-    $('train-sample').disabled = false;
+    if (unit === 'tokens') {
+      // A text model: its tokenizer, and samples of its text.
+      tokenizerUrl = URL.createObjectURL(new Blob([run.tokenizerJson()], { type: 'application/json' }));
+      setDownload($('train-download-tokenizer'), tokenizerUrl, 'tokenizer.json');
+      $('train-sample').disabled = false;
+    }
   } catch (e) {
     $('train-summary').dataset.done = 'error';
     setStatus(`Training failed${lastStep ? ` at step ${lastStep}` : ''}.`);

@@ -1,7 +1,8 @@
 // The demo page (web/index.html) driven as a person would: the adapter tab, an error shown
 // in the page, loading SmolLM2 by URL, a chat reply streamed into the page (screenshot in
 // tests/browser/out/); training with the loss curve, sampling and the weights' download;
-// the Verify tab; and the message without WebGPU.
+// the digits classifier with its accuracy curve; the Verify tab; and the message without
+// WebGPU.
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import { mkdirSync, readFileSync, statSync } from 'node:fs';
@@ -141,6 +142,45 @@ test('demo page: train a tiny model with the loss curve, sample, download; verif
     assert.equal(await page.getAttribute('#verify-summary', 'data-done'), 'pass');
     assert.ok(await page.locator('#verify-table tbody tr.pass').count() > 0);
     assert.equal(await page.locator('#verify-table tbody tr.fail').count(), 0);
+  });
+});
+
+test('demo page: the digits classifier trains with live loss and accuracy curves', async (t) => {
+  mkdirSync(OUT, { recursive: true });
+  await withBrowser(t, { path: '/index.html#train' }, async ({ page }) => {
+    await page.waitForFunction(() => /WebGPU ready/.test(document.getElementById('status').textContent), null, { timeout: MINUTES });
+    await page.waitForFunction(() => document.getElementById('train-config').value.includes('[model]'), null, { timeout: MINUTES });
+    await page.selectOption('#train-task', 'digits');
+    await page.waitForFunction(() => document.getElementById('train-config').value.includes('arch = "convnet"'), null, { timeout: MINUTES });
+    assert.match(await page.textContent('#train-corpus-name'), /digits\.csv/);
+    // 8 steps with an evaluation every 4: the accuracy curve has points at 0, 4 and 8.
+    // Batches of 16 and 36 held-out images: SwiftShader runs these convolutions at ~10
+    // images/s.
+    const cfg = (await page.inputValue('#train-config'))
+      .replace(/^eval_interval = .*$/m, 'eval_interval = 4')
+      .replace(/^batch_size = .*$/m, 'batch_size = 16')
+      .replace(/^val_fraction = .*$/m, 'val_fraction = 0.02');
+    await page.fill('#train-config', cfg);
+    await page.fill('#train-max-steps', '8');
+    const t0 = Date.now();
+    await page.click('#train-start');
+    await page.waitForFunction(() => /^step \d/.test(document.getElementById('train-status').textContent), null, { timeout: 5 * MINUTES });
+    assert.match(await page.textContent('#train-status'), /images\/s/);
+    await page.waitForSelector('#train-summary[data-done]', { timeout: 10 * MINUTES });
+    const summary = await page.textContent('#train-summary');
+    console.log(`digits in the page: ${((Date.now() - t0) / 1000).toFixed(1)} s: ${summary} ${await page.textContent('#train-status')}`);
+    assert.equal(await page.getAttribute('#train-summary', 'data-done'), 'true', summary);
+    assert.match(summary, /Done: 8 steps .* images\/s.*accuracy \d+\.\d+%/);
+    const points = (sel) => page.$eval(sel, (e) => e.getAttribute('points').trim().split(/\s+/).filter(Boolean).length);
+    assert.equal(await points('#train-line'), 8, 'a loss point a step');
+    assert.equal(await points('#acc-line'), 3, 'accuracy at steps 0, 4 and 8');
+    assert.match(await page.textContent('#train-chart'), /validation accuracy/);
+    // A classifier has weights to download, no tokenizer and no text to sample.
+    await page.waitForSelector('#train-download:not(.disabled)');
+    assert.equal(await page.isEnabled('#train-sample'), false);
+    assert.equal(await page.getAttribute('#train-download-tokenizer', 'aria-disabled'), 'true');
+    assert.equal(await page.isVisible('#error'), false);
+    await page.screenshot({ path: join(OUT, 'train-digits.png'), fullPage: true });
   });
 });
 

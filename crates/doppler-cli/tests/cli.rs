@@ -1342,6 +1342,11 @@ fn bad_images_and_conv_configs_are_named() {
             "classes 1 must be at least 2",
         ),
         ("in_channels = 1", "in_channel = 1", "in_channel"),
+        (
+            "channels = [16, 32]\nblocks = 1",
+            "channels = [4096, 4096]\nblocks = 64",
+            "parameters: at most 1073741824",
+        ),
     ] {
         std::fs::write(&cfg, text.replace(from, to)).unwrap();
         let (ok, _, err) = doppler(&["train", "--config", cfg.to_str().unwrap()]);

@@ -47,6 +47,8 @@ use crate::ops::pool::Pool;
 const MAX_EDGE: usize = 4096;
 const MAX_STAGES: usize = 8;
 const MAX_WIDTH: usize = 4096;
+/// Most parameters a config may ask for (4 GiB of f32 weights).
+const MAX_PARAMS: usize = 1 << 30;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -145,6 +147,16 @@ impl ConvConfig {
                 return bad(format!("timesteps {t} must be in 2..=100000"))
             }
             _ => {}
+        }
+        let params: usize = layout(c)
+            .iter()
+            .map(|(_, shape, _)| shape.iter().product::<usize>())
+            .sum();
+        if params > MAX_PARAMS {
+            return bad(format!(
+                "{params} parameters: at most {MAX_PARAMS} (channels {:?}, blocks {})",
+                c.channels, c.blocks
+            ));
         }
         let halvings = c.channels.len() - 1;
         if c.image_size % (1 << halvings) != 0 {

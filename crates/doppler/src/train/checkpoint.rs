@@ -34,7 +34,7 @@ pub struct RunState<C = TrainConfig> {
     /// Optimizer steps taken.
     pub step: u64,
     /// Batches are drawn from (config seed, step, micro-batch): the data position is the
-    /// step; this counts the tokens consumed so far.
+    /// step; this counts the tokens (or a conv net's images) consumed so far.
     pub tokens_seen: u64,
     pub loss_scaler: LossScaler,
     pub adamw_step: u32,

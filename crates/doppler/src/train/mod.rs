@@ -264,7 +264,10 @@ impl<'g> Trainer<'g> {
                 let model =
                     Transformer::from_weights(gpu, mcfg, ck.model.clone()).map_err(ck_err)?;
                 let DataSpec::Text(d) = &saved.data else {
-                    unreachable!("checked by the config")
+                    return Err(Error::Checkpoint {
+                        path: ck.dir.display().to_string(),
+                        detail: "state.json pairs a transformer with image data".into(),
+                    });
                 };
                 let data = Dataset::new(tokenizer.encode(&text)?, d.val_fraction, mcfg.block_size)?;
                 Task::Text {
