@@ -128,6 +128,11 @@ def parity(args):
     mcfg, tcfg = cfg["model"], cfg["train"]
     if mcfg.get("arch") not in ("convnet", "unet"):
         sys.exit("torch_convnet: the checkpoint does not hold a conv net")
+    if state["step"] != 0:
+        # The replay starts a fresh torch AdamW: Doppler's moments are not restored.
+        sys.exit(f"torch_convnet: --from must be a step-0 checkpoint (doppler train --max-steps 0), not step {state['step']}")
+    if bt["skipped"].any():
+        sys.exit("torch_convnet: the dumped steps include skipped (overflowed) steps: replay them with f32 loss scaling")
     bt = load_file(args.batches)
     steps = bt["step"].tolist()
     if not steps or steps[0] != state["step"] or state_to["step"] != steps[-1] + 1:
@@ -157,7 +162,7 @@ def parity(args):
             torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
         opt.step()
         got, want = total / accum, bt["loss"][i].item()
-        rel = abs(got - want) / abs(want)
+        rel = abs(got - want) / max(abs(want), 1e-30)
         worst = max(worst, rel)
         rows.append({"step": step + 1, "doppler": want, "torch": got, "rel": rel})
         print(f"step {step + 1}: Doppler {want:.8f}  PyTorch {got:.8f}  rel {rel:.2e}")

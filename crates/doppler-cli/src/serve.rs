@@ -1099,7 +1099,7 @@ impl Shape {
         let mut top = Vec::new();
         let mut offsets = Vec::new();
         for e in lps {
-            let (t, _) = self.token(e.id);
+            let (t, b) = self.token(e.id);
             tokens.push(json!(t));
             token_logprobs.push(json!(lp(e.logprob)));
             let mut m = serde_json::Map::new();
@@ -1109,7 +1109,9 @@ impl Shape {
             }
             top.push(Value::Object(m));
             offsets.push(json!(at));
-            at += t.chars().count();
+            // The characters this token starts (a character split over byte-level
+            // tokens counts once, at its first byte).
+            at += b.iter().filter(|&&x| x & 0xC0 != 0x80).count();
         }
         json!({ "tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
             "text_offset": offsets })

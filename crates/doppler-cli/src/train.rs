@@ -27,7 +27,8 @@ pub struct TrainArgs {
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Write the batches this process trained on (with each step's loss and learning
-    /// rate) to this SafeTensors file, for a replay in PyTorch: bench/torch_parity.py.
+    /// rate) to this SafeTensors file, for a replay in PyTorch: bench/torch_parity.py
+    /// (transformers), bench/torch_convnet.py (conv nets).
     #[arg(long, value_name = "FILE")]
     dump_batches: Option<PathBuf>,
 }
@@ -240,6 +241,16 @@ pub fn sample(gpu: &Gpu, args: &SampleArgs) -> doppler::Result<ExitCode> {
     if c != 1 && c != 3 {
         return Err(bad(format!(
             "a PNG grid needs 1 or 3 channels, the model's images have {c}"
+        )));
+    }
+    // The grid's size, refused before any sampling work when too large.
+    let cols = (args.n as f64).sqrt().ceil() as usize;
+    let gw = cols * (w * args.scale + 2) + 2;
+    let gh = args.n.div_ceil(cols) * (h * args.scale + 2) + 2;
+    if gw * gh * c > 1 << 28 || gw.max(gh) > 1 << 16 {
+        return Err(bad(format!(
+            "a grid of {} images of {h}x{w} at --scale {} is {gw}x{gh} pixels: at most 65536 a side and 256 MiB",
+            args.n, args.scale
         )));
     }
     let t0 = std::time::Instant::now();

@@ -58,12 +58,15 @@ export class Model {
 
 export interface CheckResult { op: string; shape: string; max_abs: number; max_rel: number; pass: boolean; error: string | null }
 
-export interface TrainStep { type: 'step'; step: number; steps: number; loss: number; lr: number; tokensPerS: number; gradNorm: number | null; skipped: boolean }
-export interface TrainEval { type: 'eval'; step: number; valLoss: number }
-export interface TrainStart { type: 'started'; params: number; vocab: number; trainTokens: number; valTokens: number; startStep: number; steps: number }
+/** itemsPerS: tokens (text) or images (conv nets) a second. */
+export interface TrainStep { type: 'step'; step: number; steps: number; loss: number; lr: number; itemsPerS: number; gradNorm: number | null; skipped: boolean }
+/** valAccuracy: held-out accuracy of a classifier, else null. */
+export interface TrainEval { type: 'eval'; step: number; valLoss: number; valAccuracy: number | null }
+/** outputs: vocabulary size (text) or class count (images); items in `unit`. */
+export interface TrainStart { type: 'started'; params: number; outputs: number; trainItems: number; valItems: number; unit: 'tokens' | 'images'; startStep: number; steps: number }
 
 export interface TrainRun {
-  summary: { steps: number; stopped: boolean; firstValLoss: number | null; finalValLoss: number; finalTrainLoss: number; tokensPerS: number; seconds: number; params: number };
+  summary: { steps: number; stopped: boolean; firstValLoss: number | null; finalValLoss: number; finalValAccuracy: number | null; finalTrainLoss: number; itemsPerS: number; seconds: number; params: number };
   safetensors(): Promise<Uint8Array>;
   tokenizerJson(): string;
   sample(prompt: string, options?: GenerateOptions): TextStream;

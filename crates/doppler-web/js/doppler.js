@@ -339,8 +339,10 @@ export class Model {
 }
 
 /**
- * Trains a model from a TOML config (as `doppler train`) on `corpus` (text). Callbacks:
- * onStart, onStep({step, steps, loss, lr, tokensPerS}), onEval({step, valLoss}); maxSteps
+ * Trains a model from a TOML config (as `doppler train`) on `corpus` (text, or a conv
+ * net's images as CSV). Callbacks:
+ * onStart({params, outputs, trainItems, valItems, unit}), onStep({step, steps, loss, lr,
+ * itemsPerS}), onEval({step, valLoss, valAccuracy}); maxSteps
  * stops early; `stop` (an AbortSignal) ends the run after the current step and keeps it
  * (validation loss taken there, `summary.stopped` true); `signal` (an AbortSignal)
  * abandons it (the promise rejects with "train: aborted"). Resolves to a run: summary,

@@ -116,7 +116,7 @@ impl ConvConfig {
             ));
         }
         if c.classes < 2 || c.classes > 1 << 20 {
-            return bad(format!("classes {} must be at least 2", c.classes));
+            return bad(format!("classes {} must be in 2..=1048576", c.classes));
         }
         if c.channels.is_empty() || c.channels.len() > MAX_STAGES {
             return bad(format!(
@@ -148,14 +148,24 @@ impl ConvConfig {
             }
             _ => {}
         }
-        let params: usize = layout(c)
-            .iter()
-            .map(|(_, shape, _)| shape.iter().product::<usize>())
-            .sum();
-        if params > MAX_PARAMS {
+        // In u64 with checks: on wasm32 a usize product can wrap.
+        let params = layout(c).iter().try_fold(0u64, |sum, (_, shape, _)| {
+            let n = shape
+                .iter()
+                .try_fold(1u64, |a, &d| a.checked_mul(d as u64))?;
+            sum.checked_add(n)
+        });
+        let params = params.unwrap_or(u64::MAX);
+        if params > MAX_PARAMS as u64 {
             return bad(format!(
                 "{params} parameters: at most {MAX_PARAMS} (channels {:?}, blocks {})",
                 c.channels, c.blocks
+            ));
+        }
+        if c.arch == ConvArch::Unet && c.channels.iter().any(|&w| w / c.groups < 2) {
+            return bad(format!(
+                "channels {:?} with groups {}: a U-Net needs at least 2 channels a group (with 1, GroupNorm removes the time and class embedding added per channel)",
+                c.channels, c.groups
             ));
         }
         let halvings = c.channels.len() - 1;

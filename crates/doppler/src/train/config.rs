@@ -409,7 +409,7 @@ out_dir = "runs/x"
             // Fine-tuning configs are `doppler finetune`'s (finetune::config checks them).
             if path.extension().is_some_and(|x| x == "toml") && !name.starts_with("finetune") {
                 let c = TrainConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
-                // Image sets are fetched by a script (scripts/fetch_digits.py), not shipped.
+                // Image sets are fetched by a script (scripts/fetch_digits.sh), not shipped.
                 if matches!(c.data, DataSpec::Text(_)) {
                     assert!(c.data_path().is_file(), "{}", path.display());
                 }

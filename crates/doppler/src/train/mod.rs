@@ -472,8 +472,14 @@ impl<'g> Trainer<'g> {
     /// [`Trainer::image_batch`] noised at steps and with noise drawn from (the config's
     /// seed, the step, the micro-batch).
     pub fn diffusion_batch(&self, step: u64, micro: usize) -> Result<DiffusionBatch> {
-        let Task::Images { model, data } = &self.task else {
-            return Err(self.not_text("diffusion_batch"));
+        let (model, data) = match &self.task {
+            Task::Images { model, data } if model.cfg.arch == ConvArch::Unet => (model, data),
+            _ => {
+                return Err(Error::Invalid {
+                    op: "diffusion_batch",
+                    detail: "this run does not train a U-Net".into(),
+                })
+            }
         };
         let (x0, classes) = self.image_batch(step, micro)?;
         let key = mix(&[self.cfg.train.seed, step, micro as u64, 0xd1ff]);
