@@ -212,6 +212,12 @@ const K3: Conv2dOpts = Conv2dOpts {
     groups: 1,
 };
 
+/// The 3x3 conv that halves the resolution (stride 2).
+const K3_DOWN: Conv2dOpts = Conv2dOpts {
+    stride: (2, 2),
+    ..K3
+};
+
 type Layout = Vec<(String, Vec<usize>, Init)>;
 
 fn conv_layout(out: &mut Layout, name: &str, cin: usize, cout: usize) {
@@ -454,11 +460,7 @@ impl ConvNet {
         let mut x = self.conv(tape, rec, x, "stem", K3)?;
         for s in 0..c.channels.len() {
             if s > 0 {
-                let down = Conv2dOpts {
-                    stride: (2, 2),
-                    ..K3
-                };
-                x = self.conv(tape, rec, x, &format!("down.{s}"), down)?;
+                x = self.conv(tape, rec, x, &format!("down.{s}"), K3_DOWN)?;
             }
             for b in 0..c.blocks {
                 x = self.block(tape, rec, x, &format!("stages.{s}.{b}"), None)?;
@@ -523,11 +525,7 @@ impl ConvNet {
             }
             skips.push(x);
             if l + 1 < levels {
-                let down = Conv2dOpts {
-                    stride: (2, 2),
-                    ..K3
-                };
-                x = self.conv(tape, rec, x, &format!("downsample.{l}"), down)?;
+                x = self.conv(tape, rec, x, &format!("downsample.{l}"), K3_DOWN)?;
             }
         }
         x = self.block(tape, rec, x, "mid", Some(e))?;
