@@ -28,6 +28,12 @@ images/s as the median of --steps timed steps:
 
     doppler train --config configs/digits_cnn.toml --max-steps 0
     python3 bench/torch_convnet.py speed --checkpoint runs/digits_cnn [--steps 50]
+
+Conv: one 3x3 convolution's forward and backward (dx, dw, db), the shape `doppler bench
+kernels` times (N 8, 64 -> 128 channels, 64x64, padding 1), in cuDNN f32 (TF32 off), TF32,
+bf16 and f16 autocast; median ms and TFLOP/s (3 GEMMs of 2 N Cout H W Cin 9 flops):
+
+    python3 bench/torch_convnet.py conv [--shape 8,64,128,64] [--repeat 50]
 """
 import argparse
 import json
@@ -231,6 +237,43 @@ def speed(args):
     return 0
 
 
+def conv(args):
+    dev = torch.device(args.device)
+    n, ci, co, hw = (int(v) for v in args.shape.split(","))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, ci, hw, hw, generator=gen).to(dev).requires_grad_(True)
+    w = (torch.randn(co, ci, 3, 3, generator=gen) * 0.05).to(dev).requires_grad_(True)
+    b = torch.randn(co, generator=gen).to(dev).requires_grad_(True)
+    dy = torch.randn(n, co, hw, hw, generator=gen).to(dev)
+    flops = 3 * 2 * n * co * hw * hw * ci * 9
+    results = {}
+    for mode in ["f32", "tf32", "bf16", "f16"]:
+        torch.backends.cudnn.allow_tf32 = mode == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+        dtype = {"bf16": torch.bfloat16, "f16": torch.float16}.get(mode)
+        times = []
+        for i in range(args.repeat + 5):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                y = F.conv2d(x, w, b, padding=1)
+            torch.autograd.grad(y, (x, w, b), dy.to(y.dtype))
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 5:
+                times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        results[mode] = {"median_ms": med * 1e3, "tflops": flops / med / 1e12}
+        print(f"PyTorch conv2d 3x3 fwd+bwd {mode} {n}x{ci}->{co}x{hw}x{hw}: {med * 1e3:.3f} ms, "
+              f"{flops / med / 1e12:.1f} TFLOP/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, "torch": torch.__version__, "device": str(dev),
+                       "results": results}, f, indent=1)
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -243,11 +286,14 @@ def main():
     s = sub.add_parser("speed")
     s.add_argument("--checkpoint", required=True, help="a run's checkpoint: its config and weights")
     s.add_argument("--steps", type=int, default=50)
-    for q in (p, s):
+    c = sub.add_parser("conv")
+    c.add_argument("--shape", default="8,64,128,64", help="N,Cin,Cout,H=W")
+    c.add_argument("--repeat", type=int, default=50)
+    for q in (p, s, c):
         q.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
         q.add_argument("--json")
     args = ap.parse_args()
-    sys.exit(parity(args) if args.cmd == "parity" else speed(args))
+    sys.exit({"parity": parity, "speed": speed, "conv": conv}[args.cmd](args))
 
 
 if __name__ == "__main__":

@@ -219,18 +219,29 @@ fn kernels(
         padding: (1, 1),
         ..Default::default()
     };
-    let t = time(gpu, args, trace, |rec| {
-        conv2d::conv2d(rec, &x, &w, Some(&b), o)?;
-        conv2d::conv2d_backward(rec, &x, &w, &dy, o, true).map(|_| ())
-    })?;
     let flops = 3.0 * 2.0 * (n * co * hw * hw * ci * 9) as f64;
-    push(
-        "conv2d 3x3 fwd+bwd",
-        format!("{n}x{ci}->{co}x{hw}x{hw}"),
-        t,
-        flops / 1e3,
-        "TFLOP/s",
-    );
+    // The f32 kernel, then the cooperative-matrix one (f16 operands) where the adapter has
+    // it (what `--matmul f16` runs).
+    let mut paths = vec![(conv2d::ConvPath::F32, "conv2d 3x3 fwd+bwd")];
+    if gpu.coop_matmul_possible() {
+        paths.push((
+            conv2d::ConvPath::Coop,
+            "conv2d 3x3 fwd+bwd, f16 operands (cooperative matrices)",
+        ));
+    }
+    for (path, name) in paths {
+        let t = time(gpu, args, trace, |rec| {
+            conv2d::conv2d_on(rec, &x, &w, Some(&b), o, path)?;
+            conv2d::conv2d_backward_on(rec, &x, &w, &dy, o, true, path).map(|_| ())
+        })?;
+        push(
+            name,
+            format!("{n}x{ci}->{co}x{hw}x{hw}"),
+            t,
+            flops / 1e3,
+            "TFLOP/s",
+        );
+    }
 
     // GroupNorm, 32 groups, N=8, C=256, 64x64: forward + backward.
     let (n, c, hw) = if cpu { (2, 64, 16) } else { (8, 256, 64) };

@@ -60,7 +60,7 @@ fn uniform_blocks_match_rust_params() {
 /// never builds (the cooperative product's starts from C and from the bias row, and its
 /// split operands, f16x3; the cooperative quantized product's fusions and block types,
 /// glu_rows' GeGLU, the skinny product's taller tiles, W by rows for dX, x_half scaling
-/// gradients up).
+/// gradients up, the cooperative convolution's three GEMMs).
 const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
     ("matmul_coop", &[("INIT", 1.0)]),
     ("matmul_coop", &[("INIT", 2.0), ("TRANS_B", 1.0)]),
@@ -104,6 +104,10 @@ const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
     ),
     ("quant_coop", &[("TRANS_W", 1.0), ("TYPE", 30.0)]),
     ("quant", &[("SCALE_UP", 1.0)]),
+    // conv2d on cooperative matrices: dx (B gathered from dy), dw (B staged by columns).
+    ("conv2d_coop", &[("MODE", 0.0), ("HAS_BIAS", 1.0)]),
+    ("conv2d_coop", &[("MODE", 1.0)]),
+    ("conv2d_coop", &[("MODE", 2.0)]),
 ];
 
 /// Every entry point goes through naga's SPIR-V writer (what wgpu runs on Vulkan) with its

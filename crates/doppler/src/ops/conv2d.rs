@@ -1,14 +1,16 @@
 //! 2-D convolution (NCHW) with stride, padding, dilation and groups, forward and backward
 //! (dx, dw, db), all as implicit GEMM on one tiled kernel. Shader: `conv2d.wgsl` (the three
-//! GEMMs are spelled out in its header).
+//! GEMMs are spelled out in its header), f32; or `conv2d_coop.wgsl`, the same GEMMs on
+//! cooperative matrices (f16 operands, f32 sums) where products take f16 operands
+//! ([`MatmulMode::F16`]): see [`ConvPath`].
 //!
 //! Derivatives of y = conv(x, w) + b: dx is the transposed convolution of dy with w (a
 //! gather over the (ky, kx) taps that reach each input pixel), dw[co, ci, ky, kx] =
 //! sum over (n, oy, ox) of dy * x at the tap, db[co] = sum over (n, oy, ox) of dy.
 
 use crate::error::{Error, Result};
-use crate::gpu::{Binding::*, DType, Grid, Kernel, Recorder, Tensor};
-use crate::shaders::CONV2D;
+use crate::gpu::{Binding::*, DType, Gpu, Grid, Kernel, MatmulMode, Recorder, Tensor};
+use crate::shaders::{CONV2D, CONV2D_COOP};
 
 #[repr(C)]
 #[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
@@ -40,6 +42,13 @@ static GEMM: Kernel = Kernel::new(
     "conv_gemm",
     &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, Read)],
 );
+// The same GEMMs on cooperative matrices: same bindings.
+static GEMM_COOP: Kernel = Kernel {
+    shader: &CONV2D_COOP,
+    entry: "conv_gemm_coop",
+    storage: &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, Read)],
+    features: wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX.union(wgpu::Features::SHADER_F16),
+};
 static WGRAD_REDUCE: Kernel =
     Kernel::new(&CONV2D, "conv_wgrad_reduce", &[(6, Read), (7, ReadWrite)]);
 static BIAS_GRAD: Kernel = Kernel::new(&CONV2D, "conv_bias_grad", &[(5, Read), (8, ReadWrite)]);
@@ -47,6 +56,48 @@ static BIAS_GRAD: Kernel = Kernel::new(&CONV2D, "conv_bias_grad", &[(5, Read), (
 /// Output tile edge and k-slab depth of `conv_gemm`.
 const TILE: usize = 64;
 const SLAB: usize = 16;
+/// Output tile of `conv_gemm_coop`: rows (M) by columns (P).
+const COOP_TILE: (usize, usize) = (64, 128);
+/// GEMMs with fewer rows or a shorter depth than this stay f32 under [`ConvPath::Auto`]
+/// (a 16 x 16 fragment would be mostly padding: a depthwise conv, a 1-channel stem).
+const COOP_MIN: usize = 16;
+
+/// Which kernel runs a convolution's three GEMMs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ConvPath {
+    /// Cooperative matrices where the GPU's products take f16 operands
+    /// ([`MatmulMode::F16`], `DOPPLER_MATMUL=f16`, `--matmul f16`) and the GEMM has at
+    /// least 16 rows and depth 16; f32 otherwise (also under f16x3, whose products keep
+    /// f32's precision).
+    #[default]
+    Auto,
+    /// `conv2d.wgsl`: f32 arithmetic.
+    F32,
+    /// `conv2d_coop.wgsl`: operands rounded to f16, f32 sums. An error on an adapter
+    /// without cooperative matrices.
+    Coop,
+}
+
+impl ConvPath {
+    /// Whether a GEMM of `rows` x depth `depth` runs on cooperative matrices.
+    fn coop(self, gpu: &Gpu, rows: usize, depth: usize) -> Result<bool> {
+        match self {
+            ConvPath::F32 => Ok(false),
+            ConvPath::Auto => Ok(gpu.matmul == MatmulMode::F16
+                && gpu.coop_matmul_possible()
+                && rows >= COOP_MIN
+                && depth >= COOP_MIN),
+            ConvPath::Coop if gpu.coop_matmul_possible() => Ok(true),
+            ConvPath::Coop => Err(Error::Invalid {
+                op: "conv2d",
+                detail: format!(
+                    "the cooperative-matrix path needs cooperative matrices, f16 and subgroups of 32; adapter {:?} lacks them",
+                    gpu.info.name
+                ),
+            }),
+        }
+    }
+}
 /// Reduction length one dw split covers (a multiple of SLAB).
 const WGRAD_CHUNK: usize = 512;
 
@@ -131,7 +182,9 @@ fn f32s(op: &'static str, ts: &[&Tensor]) -> Result<()> {
     ts.iter().try_for_each(|t| super::expect_f32(op, t))
 }
 
-/// Records one `conv_gemm` of `mode` (0 forward, 1 dx, 2 dw partials), sizing the grid.
+/// Records one `conv_gemm` (or, with `coop`, `conv_gemm_coop`) of `mode` (0 forward, 1 dx,
+/// 2 dw partials), sizing the grid.
+#[allow(clippy::too_many_arguments)]
 fn gemm(
     rec: &mut Recorder<'_>,
     mut p: Params,
@@ -140,14 +193,16 @@ fn gemm(
     cols: usize,
     splits: usize,
     bias: bool,
+    coop: bool,
     t: [&Tensor; 5],
 ) -> Result<()> {
-    p.tiles_p = cols.div_ceil(TILE) as u32;
-    p.tiles_m = m.div_ceil(TILE) as u32;
+    let (tile_m, tile_p) = if coop { COOP_TILE } else { (TILE, TILE) };
+    p.tiles_p = cols.div_ceil(tile_p) as u32;
+    p.tiles_m = m.div_ceil(tile_m) as u32;
     p.splits = splits as u32;
     let workgroups = p.tiles_p as u64 * p.tiles_m as u64 * (p.groups as u64 * splits as u64);
     rec.dispatch(
-        &GEMM,
+        if coop { &GEMM_COOP } else { &GEMM },
         &[("MODE", mode as f64), ("HAS_BIAS", bias as u32 as f64)],
         bytemuck::bytes_of(&p),
         &t,
@@ -155,13 +210,25 @@ fn gemm(
     )
 }
 
-/// y (N, Cout, OH, OW) = conv2d(x, w) + bias.
+/// y (N, Cout, OH, OW) = conv2d(x, w) + bias, on the GPU's path ([`ConvPath::Auto`]).
 pub fn conv2d(
     rec: &mut Recorder<'_>,
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
     o: Conv2dOpts,
+) -> Result<Tensor> {
+    conv2d_on(rec, x, w, bias, o, ConvPath::Auto)
+}
+
+/// [`conv2d`] on a chosen path.
+pub fn conv2d_on(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    o: Conv2dOpts,
+    path: ConvPath,
 ) -> Result<Tensor> {
     f32s("conv2d", &[x, w])?;
     let p = conv_params(x.shape(), w.shape(), &o)?;
@@ -175,6 +242,7 @@ pub fn conv2d(
         }
     }
     let (n, cout, oh, ow) = (p.n as usize, p.cout as usize, p.oh as usize, p.ow as usize);
+    let coop = path.coop(rec.gpu(), cout / o.groups, w.numel() / cout)?;
     let y = Tensor::empty(rec.gpu(), &[n, cout, oh, ow], DType::F32, "conv2d.y")?;
     // Unused bindings get any buffer of the right kind.
     gemm(
@@ -185,6 +253,7 @@ pub fn conv2d(
         n * oh * ow,
         1,
         bias.is_some(),
+        coop,
         [x, w, bias.unwrap_or(w), &y, x],
     )?;
     Ok(y)
@@ -197,7 +266,8 @@ pub struct Conv2dGrads {
     pub db: Option<Tensor>,
 }
 
-/// dx, dw and (with `bias`) db from the forward's x and w and the upstream dy.
+/// dx, dw and (with `bias`) db from the forward's x and w and the upstream dy, on the
+/// GPU's path ([`ConvPath::Auto`]).
 pub fn conv2d_backward(
     rec: &mut Recorder<'_>,
     x: &Tensor,
@@ -205,6 +275,19 @@ pub fn conv2d_backward(
     dy: &Tensor,
     o: Conv2dOpts,
     bias: bool,
+) -> Result<Conv2dGrads> {
+    conv2d_backward_on(rec, x, w, dy, o, bias, ConvPath::Auto)
+}
+
+/// [`conv2d_backward`] on a chosen path (db is always f32).
+pub fn conv2d_backward_on(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    o: Conv2dOpts,
+    bias: bool,
+    path: ConvPath,
 ) -> Result<Conv2dGrads> {
     f32s("conv2d_backward", &[x, w, dy])?;
     let p = conv_params(x.shape(), w.shape(), &o)?;
@@ -218,8 +301,11 @@ pub fn conv2d_backward(
     }
     let g = o.groups;
     let gpu = rec.gpu();
+    let khw = w.numel() / (cout * (cin / g));
+    let coop_dx = path.coop(gpu, cin / g, cout / g * khw)?;
+    let coop_dw = path.coop(gpu, cout / g, n * oh * ow)?;
     let dx = Tensor::empty(gpu, x.shape(), DType::F32, "conv2d.dx")?;
-    gemm(rec, p, 1, cin / g, n * h * wd, 1, false, [x, w, w, &dx, dy])?;
+    gemm(rec, p, 1, cin / g, n * h * wd, 1, false, coop_dx, [x, w, w, &dx, dy])?;
 
     // dw: split the N*OH*OW reduction into fixed chunks, then sum the chunks in order.
     let k = n * oh * ow;
@@ -237,6 +323,7 @@ pub fn conv2d_backward(
         w.numel() / cout,
         splits,
         false,
+        coop_dw,
         [x, w, w, &partial, dy],
     )?;
     pw.splits = splits as u32;

@@ -1,6 +1,7 @@
 //! Every WGSL file, embedded in the binary. One file per op family, named like its
-//! `ops/<name>.rs` (`matmul_coop.wgsl`, `attention_coop.wgsl`, `quant_coop.wgsl`: the
-//! kernels of `ops/matmul.rs`, `ops/attention.rs` and `ops/quant.rs` for adapters with
+//! `ops/<name>.rs` (`matmul_coop.wgsl`, `attention_coop.wgsl`, `quant_coop.wgsl`,
+//! `conv2d_coop.wgsl`: the kernels of `ops/matmul.rs`, `ops/attention.rs`, `ops/quant.rs`
+//! and `ops/conv2d.rs` for adapters with
 //! cooperative matrices, files of their own because they enable that extension;
 //! `quant_blocks.wgsl`: the block decoding both quantized files share, put before each).
 
@@ -31,6 +32,7 @@ shader!(CROSS_ENTROPY, "cross_entropy");
 shader!(EMBEDDING, "embedding");
 shader!(GROUPNORM, "groupnorm");
 shader!(CONV2D, "conv2d");
+shader!(CONV2D_COOP, "conv2d_coop");
 shader!(NORM, "norm");
 shader!(SOFTMAX, "softmax");
 shader!(SILU, "silu");
@@ -58,6 +60,7 @@ pub static ALL: &[&Shader] = &[
     &EMBEDDING,
     &GROUPNORM,
     &CONV2D,
+    &CONV2D_COOP,
     &NORM,
     &SOFTMAX,
     &SILU,

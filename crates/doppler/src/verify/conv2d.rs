@@ -3,7 +3,7 @@
 use super::{push, s, twice, CheckResult};
 use crate::check::{compare, Rng, Tolerance};
 use crate::gpu::{Gpu, Tensor};
-use crate::ops::conv2d::{conv2d, conv2d_backward, conv_params, Conv2dOpts};
+use crate::ops::conv2d::{conv2d_backward_on, conv2d_on, conv_params, Conv2dOpts, ConvPath};
 use crate::reference::{conv2d as cpu, widen};
 
 type Case = (&'static [usize], &'static [usize], Conv2dOpts, bool);
@@ -23,9 +23,11 @@ const fn opts(
 }
 
 /// (x, w, options, bias): 3x3 with a batch and odd sizes; stride, padding and dilation per
-/// axis with groups; depthwise; 1x1; channels spanning several 64-tiles; and a 1x1 on
-/// 2 x 1450 x 1450 pixels (more than 65535 tiles, and a dw reduction of 8213 splits).
-pub const CONV_CASES: [Case; 6] = [
+/// axis with groups; depthwise; 1x1; channels spanning several 64-tiles; two groups of 32
+/// output channels, strided (the cooperative kernel's partial tiles in every mode); and a
+/// 1x1 on 2 x 1450 x 1450 pixels (more than 65535 tiles, and a dw reduction of 8213
+/// splits).
+pub const CONV_CASES: [Case; 7] = [
     (
         &[2, 3, 7, 9],
         &[8, 3, 3, 3],
@@ -57,6 +59,12 @@ pub const CONV_CASES: [Case; 6] = [
         true,
     ),
     (
+        &[3, 48, 9, 17],
+        &[64, 24, 3, 3],
+        opts((2, 2), (1, 1), (1, 1), 2),
+        true,
+    ),
+    (
         &[2, 1, 1450, 1450],
         &[1, 1, 1, 1],
         opts((1, 1), (0, 0), (1, 1), 1),
@@ -64,7 +72,16 @@ pub const CONV_CASES: [Case; 6] = [
     ),
 ];
 
+/// Every case on the f32 kernel, and on cooperative matrices where the adapter has them.
 pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    check_path(gpu, ConvPath::F32, out).await;
+    if gpu.coop_matmul_possible() {
+        check_path(gpu, ConvPath::Coop, out).await;
+    }
+}
+
+async fn check_path(gpu: &Gpu, path: ConvPath, out: &mut Vec<CheckResult>) {
+    let coop = path == ConvPath::Coop;
     for (i, &(xs, ws, o, has_bias)) in CONV_CASES.iter().enumerate() {
         let p = conv_params(xs, ws, &o).expect("valid case");
         let ys = [p.n as usize, p.cout as usize, p.oh as usize, p.ow as usize];
@@ -87,8 +104,8 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let tb = Tensor::from_f32(gpu, &[ws[0]], &b, "b")?;
             let tdy = Tensor::from_f32(gpu, &ys, &dy, "dy")?;
             let mut rec = gpu.recorder("conv2d");
-            let y = conv2d(&mut rec, &tx, &tw, has_bias.then_some(&tb), o)?;
-            let gr = conv2d_backward(&mut rec, &tx, &tw, &tdy, o, has_bias)?;
+            let y = conv2d_on(&mut rec, &tx, &tw, has_bias.then_some(&tb), o, path)?;
+            let gr = conv2d_backward_on(&mut rec, &tx, &tw, &tdy, o, has_bias, path)?;
             rec.submit()?;
             let db = match &gr.db {
                 Some(db) => db.to_vec_f32(gpu).await?,
@@ -129,13 +146,20 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 let k_fwd = cig * ws[2] * ws[3];
                 let k_dx = (ws[0] / o.groups) * ws[2] * ws[3];
                 let k_dw = ys[0] * ys[2] * ys[3];
-                let fwd =
-                    compare("conv2d y", &got[0], &y, Some(&my), Tolerance::dot(k_fwd)).map_err(s);
+                // f16 operands: each product within 2 x 2^-11 of its magnitude, f32 sums
+                // (as matmul's f16 mode).
+                let tol = |k| match coop {
+                    true => Tolerance {
+                        abs: 1e-30,
+                        rel: 1.5e-3,
+                    },
+                    false => Tolerance::dot(k),
+                };
+                let fwd = compare("conv2d y", &got[0], &y, Some(&my), tol(k_fwd)).map_err(s);
                 let bwd = (|| {
-                    let st = compare("conv2d dx", &got[1], &dx, Some(&mdx), Tolerance::dot(k_dx))
-                        .map_err(s)?;
-                    compare("conv2d dw", &got[2], &dw, Some(&mdw), Tolerance::dot(k_dw))
-                        .map_err(s)?;
+                    let st =
+                        compare("conv2d dx", &got[1], &dx, Some(&mdx), tol(k_dx)).map_err(s)?;
+                    compare("conv2d dw", &got[2], &dw, Some(&mdw), tol(k_dw)).map_err(s)?;
                     if has_bias {
                         let mdb: Vec<f64> = (0..ys[1])
                             .map(|c| {
@@ -153,7 +177,14 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 (fwd, bwd)
             }
         };
-        push(out, "conv2d", what.clone(), fwd);
-        push(out, "conv2d backward", what, bwd);
+        let (f, b) = match coop {
+            true => (
+                "conv2d (cooperative, f16 operands)",
+                "conv2d backward (cooperative, f16 operands)",
+            ),
+            false => ("conv2d", "conv2d backward"),
+        };
+        push(out, f, what.clone(), fwd);
+        push(out, b, what, bwd);
     }
 }

@@ -1,0 +1,335 @@
+// conv2d.wgsl's three implicit GEMMs on cooperative matrices (tensor cores), for adapters
+// with EXPERIMENTAL_COOPERATIVE_MATRIX, SHADER_F16 and subgroups of 32: operands rounded to
+// f16 as they are staged, f32 sums (as matmul_coop.wgsl's f16 mode). Same Params, bindings
+// and modes as conv2d.wgsl (whose header spells out A, B and C of each mode):
+//   MODE 0, forward:  C (Cout_g x N*OH*OW) = w (Cout_g x Cin_g*KH*KW) . x gathered
+//   MODE 1, dx:       C (Cin_g x N*H*W)    = w^T (Cin_g x Cout_g*KH*KW) . dy gathered
+//   MODE 2, dw:       partial C (Cout_g x Cin_g*KH*KW) = dy (Cout_g x chunk of N*OH*OW) . x
+//
+// Tiling: a workgroup of 128 threads (4 subgroups of 32) computes a 64 x 128 tile of C
+// (rows m0.., columns p0..), stepping through its k range 32 at a time. Subgroup w owns
+// rows 32 (w / 2) .. + 32 and columns 64 (w % 2) .. + 64: 2 x 4 accumulators of 16 x 16.
+// Each step stages A (64 x 32) row-major and B (32 x 128) as f16 in workgroup memory, rows
+// padded by 8 halves; the next step's values wait in registers meanwhile.
+//   A: thread t holds k = t % 32 of rows t / 32 + 4 r (r < 16); k decoded once a step.
+//   B, modes 0 and 1: thread t holds column t (its pixel decoded once a tile) at the
+//      step's 32 k, walked as (channel, ky, kx) from one decode a step; stored [k][p].
+//   B, mode 2: thread t holds k = t % 32 (an output pixel, decoded once a step) of columns
+//      t / 32 + 4 r (r < 32), whose (channel, ky, kx) offsets are decoded once a tile into
+//      `cols`; stored [p][k] (consecutive threads, consecutive k: pixels next to each other
+//      in x), loaded column-major.
+// The accumulators leave through a 16 x 16 scratch of their subgroup (NCHW scatter, bias,
+// bounds), 16 lanes to a row of 16 consecutive columns.
+// Sums run in a fixed order: the same inputs give the same bits on one device.
+// Grid: linear over tiles_p * tiles_m * (G * splits) workgroups (2-D past 65535).
+
+enable f16;
+enable wgpu_cooperative_matrix;
+
+struct Params {
+    n: u32, cin: u32, h: u32, w: u32,
+    cout: u32, oh: u32, ow: u32, kh: u32,
+    kw: u32, sh: u32, sw: u32, ph: u32,
+    pw: u32, dh: u32, dw: u32, groups: u32,
+    tiles_p: u32, tiles_m: u32, splits: u32, chunk: u32,   // chunk: K per split
+}
+
+override MODE: u32 = 0u;
+override HAS_BIAS: bool = false;
+
+const TM: u32 = 64u;    // tile rows
+const TP: u32 = 128u;   // tile columns
+const BK: u32 = 32u;    // k a step
+const SA: u32 = 40u;    // staged A row stride, halves: [m][k]
+const SB: u32 = 136u;   // staged B row stride (modes 0, 1): [k][p]
+const SBT: u32 = 40u;   // staged B^T row stride (mode 2): [p][k]
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read> wt: array<f32>;
+@group(0) @binding(3) var<storage, read> bias: array<f32>;
+@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+@group(0) @binding(5) var<storage, read> dy: array<f32>;
+
+var<workgroup> sa: array<f16, 2560>;      // TM rows of SA
+var<workgroup> sb: array<f16, 5120>;      // BK rows of SB (4352), or TP rows of SBT
+var<workgroup> scratch: array<f32, 1024>; // 16 x 16 a subgroup
+var<workgroup> cols: array<vec3<i32>, 128>; // mode 2: (x offset of the channel or -1, ky dh - ph, kx dw - pw)
+
+fn cin_g() -> u32 { return p.cin / p.groups; }
+fn cout_g() -> u32 { return p.cout / p.groups; }
+fn khw() -> u32 { return p.kh * p.kw; }
+fn ohw() -> u32 { return p.oh * p.ow; }
+fn hw() -> u32 { return p.h * p.w; }
+
+fn dim_m() -> u32 { return select(cout_g(), cin_g(), MODE == 1u); }
+fn dim_p() -> u32 {
+    if (MODE == 0u) { return p.n * ohw(); }
+    if (MODE == 1u) { return p.n * hw(); }
+    return cin_g() * khw();
+}
+fn dim_k() -> u32 {
+    if (MODE == 0u) { return cin_g() * khw(); }
+    if (MODE == 1u) { return cout_g() * khw(); }
+    return p.n * ohw();
+}
+
+// Column k of A for group g: (offset of row m = 0, stride between rows), or offset -1
+// where k is outside [.., kend). Modes 0 and 1 read w, mode 2 reads dy.
+fn a_col(g: u32, k: u32, kend: u32) -> vec2<i32> {
+    // No early return: coopLoad needs uniform control flow, and naga counts a return on a
+    // thread's own condition, even in a callee, against it.
+    var c = vec2<i32>(0, 0);
+    if (MODE == 0u) {
+        c = vec2<i32>(i32(g * cout_g() * dim_k() + k), i32(dim_k()));
+    } else if (MODE == 1u) {
+        let co = k / khw();
+        c = vec2<i32>(i32((g * cout_g() + co) * cin_g() * khw() + k % khw()), i32(khw()));
+    } else {
+        let b = k / ohw();
+        c = vec2<i32>(i32((b * p.cout + g * cout_g()) * ohw() + k % ohw()), i32(ohw()));
+    }
+    return select(c, vec2<i32>(-1, 0), k >= kend);
+}
+
+fn a_at(i: u32) -> f32 {
+    if (MODE == 2u) { return dy[i]; }
+    return wt[i];
+}
+
+// Element (row m, column k) of C's store for group g, split `split`: NCHW scatter + bias.
+fn store(g: u32, split: u32, m: u32, col: u32, v: f32) {
+    if (m < dim_m() && col < dim_p()) {
+        if (MODE == 0u) {
+            let co = g * cout_g() + m;
+            var r = v;
+            if (HAS_BIAS) { r += bias[co]; }
+            out[((col / ohw()) * p.cout + co) * ohw() + col % ohw()] = r;
+        } else if (MODE == 1u) {
+            out[((col / hw()) * p.cin + g * cin_g() + m) * hw() + col % hw()] = v;
+        } else {
+            out[(split * p.cout + g * cout_g() + m) * dim_p() + col] = v;
+        }
+    }
+}
+
+// An accumulator (rows r0.., columns c0..) through subgroup w's scratch.
+fn put(acc: coop_mat16x16<f32, C>, w: u32, lane: u32, g: u32, split: u32, r0: u32, c0: u32) {
+    coopStoreT(acc, &scratch[w * 256u], 16u);
+    workgroupBarrier();
+    for (var e = 0u; e < 8u; e++) {
+        let i = e * 32u + lane;
+        store(g, split, r0 + i / 16u, c0 + i % 16u, scratch[w * 256u + i]);
+    }
+    workgroupBarrier();
+}
+
+// Step k0's values of A and B for this thread (see the header), zero outside.
+fn fetch(g: u32, k0: u32, kend: u32, m0: u32, tid: u32, col_ok: bool, pix: vec3<u32>,
+         va: ptr<function, array<f32, 16>>, vb: ptr<function, array<f32, 32>>) {
+    let ak = tid % 32u;
+    let am = tid / 32u;
+    let mrows = dim_m();
+    let ac = a_col(g, k0 + ak, kend);
+    for (var r = 0u; r < 16u; r++) {
+        let m = m0 + am + 4u * r;
+        var v = 0.0;
+        if (ac.x >= 0 && m < mrows) {
+            v = a_at(u32(ac.x + i32(m) * ac.y));
+        }
+        (*va)[r] = v;
+    }
+    if (MODE == 2u) {
+        let k = k0 + ak;
+        var xb = -1;
+        var yb = 0;
+        var xo = 0;
+        if (k < kend) {
+            let b = k / ohw();
+            let s = k % ohw();
+            xb = i32(b * p.cin * hw());
+            yb = i32((s / p.ow) * p.sh);
+            xo = i32((s % p.ow) * p.sw);
+        }
+        for (var r = 0u; r < 32u; r++) {
+            let c = cols[am + 4u * r];
+            var v = 0.0;
+            let iy = yb + c.y;
+            let ix = xo + c.z;
+            if (xb >= 0 && c.x >= 0 && iy >= 0 && ix >= 0 && iy < i32(p.h) && ix < i32(p.w)) {
+                v = x[u32(xb + c.x + iy * i32(p.w) + ix)];
+            }
+            (*vb)[r] = v;
+        }
+    } else {
+        // (channel, ky, kx) of k0, then stepped along.
+        var ch = k0 / khw();
+        let r0 = k0 % khw();
+        var ky = r0 / p.kw;
+        var kx = r0 % p.kw;
+        for (var r = 0u; r < 32u; r++) {
+            var v = 0.0;
+            if (col_ok && k0 + r < kend) {
+                if (MODE == 0u) {
+                    let iy = i32(pix.y * p.sh + ky * p.dh) - i32(p.ph);
+                    let ix = i32(pix.z * p.sw + kx * p.dw) - i32(p.pw);
+                    if (iy >= 0 && ix >= 0 && iy < i32(p.h) && ix < i32(p.w)) {
+                        v = x[((pix.x * p.cin + g * cin_g() + ch) * p.h + u32(iy)) * p.w + u32(ix)];
+                    }
+                } else {
+                    let ny = i32(pix.y + p.ph) - i32(ky * p.dh);
+                    let nx = i32(pix.z + p.pw) - i32(kx * p.dw);
+                    if (ny >= 0 && nx >= 0) {
+                        let oy = u32(ny) / p.sh;
+                        let ox = u32(nx) / p.sw;
+                        if (oy * p.sh == u32(ny) && ox * p.sw == u32(nx) && oy < p.oh && ox < p.ow) {
+                            v = dy[((pix.x * p.cout + g * cout_g() + ch) * p.oh + oy) * p.ow + ox];
+                        }
+                    }
+                }
+            }
+            (*vb)[r] = v;
+            kx += 1u;
+            if (kx == p.kw) {
+                kx = 0u;
+                ky += 1u;
+                if (ky == p.kh) {
+                    ky = 0u;
+                    ch += 1u;
+                }
+            }
+        }
+    }
+}
+
+@compute @workgroup_size(128)
+fn conv_gemm_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) tid: u32) {
+    // Lets, not a var: naga takes a return on a var's value as non-uniform (coop ops).
+    let t = wid.x + wid.y * nwg.x;
+    let tp = t % p.tiles_p;
+    let tm = (t / p.tiles_p) % p.tiles_m;
+    let z = t / p.tiles_p / p.tiles_m;
+    if (z >= p.groups * p.splits) { return; }   // uniform per workgroup, before any barrier
+    let g = z / p.splits;
+    let split = z % p.splits;
+    let m0 = tm * TM;
+    let p0 = tp * TP;
+    var kstart = 0u;
+    var kend = dim_k();
+    if (MODE == 2u) {
+        kstart = split * p.chunk;
+        kend = min(kstart + p.chunk, kend);
+    }
+    let w = tid / 32u;
+    let lane = tid % 32u;
+    let wr = (w / 2u) * 32u;   // the subgroup's rows and columns within the tile
+    let wc = (w % 2u) * 64u;
+
+    let ak = tid % 32u;   // A: this thread's k within a step, rows am + 4 r
+    let am = tid / 32u;
+
+    // Modes 0 and 1: this thread's column of B (a pixel), decoded once.
+    let col = p0 + tid;
+    let col_ok = col < dim_p();
+    var pix = vec3<u32>(0u);   // (image, y, x)
+    if (MODE == 0u) {
+        let s = col % ohw();
+        pix = vec3<u32>(col / ohw(), s / p.ow, s % p.ow);
+    } else if (MODE == 1u) {
+        let s = col % hw();
+        pix = vec3<u32>(col / hw(), s / p.w, s % p.w);
+    } else {
+        // Mode 2: the tile's 128 columns (channel, ky, kx), decoded into `cols`.
+        var e = vec3<i32>(-1, 0, 0);
+        if (col_ok) {
+            let ci = col / khw();
+            let r = col % khw();
+            e = vec3<i32>(i32((g * cin_g() + ci) * hw()),
+                          i32((r / p.kw) * p.dh) - i32(p.ph),
+                          i32((r % p.kw) * p.dw) - i32(p.pw));
+        }
+        cols[tid] = e;
+        workgroupBarrier();
+    }
+
+    var va: array<f32, 16>;
+    var vb: array<f32, 32>;
+
+    var c00: coop_mat16x16<f32, C>;
+    var c01: coop_mat16x16<f32, C>;
+    var c02: coop_mat16x16<f32, C>;
+    var c03: coop_mat16x16<f32, C>;
+    var c10: coop_mat16x16<f32, C>;
+    var c11: coop_mat16x16<f32, C>;
+    var c12: coop_mat16x16<f32, C>;
+    var c13: coop_mat16x16<f32, C>;
+    c00 = coop_mat16x16<f32, C>();
+    c01 = coop_mat16x16<f32, C>();
+    c02 = coop_mat16x16<f32, C>();
+    c03 = coop_mat16x16<f32, C>();
+    c10 = coop_mat16x16<f32, C>();
+    c11 = coop_mat16x16<f32, C>();
+    c12 = coop_mat16x16<f32, C>();
+    c13 = coop_mat16x16<f32, C>();
+
+    fetch(g, kstart, kend, m0, tid, col_ok, pix, &va, &vb);
+    for (var k0 = kstart; k0 < kend; k0 += BK) {
+        // Stage them as f16 (the previous step's multiplies are done: barrier at the end),
+        // fetch the next step's, multiply.
+        for (var r = 0u; r < 16u; r++) {
+            sa[(am + 4u * r) * SA + ak] = f16(va[r]);
+        }
+        if (MODE == 2u) {
+            for (var r = 0u; r < 32u; r++) {
+                sb[(am + 4u * r) * SBT + ak] = f16(vb[r]);
+            }
+        } else {
+            for (var r = 0u; r < 32u; r++) {
+                sb[r * SB + tid] = f16(vb[r]);
+            }
+        }
+        workgroupBarrier();
+        if (k0 + BK < kend) {
+            fetch(g, k0 + BK, kend, m0, tid, col_ok, pix, &va, &vb);
+        }
+        for (var kb = 0u; kb < BK; kb += 16u) {
+            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[wr * SA + kb], SA);
+            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[(wr + 16u) * SA + kb], SA);
+            var b0: coop_mat16x16<f16, B>;
+            var b1: coop_mat16x16<f16, B>;
+            var b2: coop_mat16x16<f16, B>;
+            var b3: coop_mat16x16<f16, B>;
+            if (MODE == 2u) {
+                b0 = coopLoad<coop_mat16x16<f16, B>>(&sb[wc * SBT + kb], SBT);
+                b1 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 16u) * SBT + kb], SBT);
+                b2 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 32u) * SBT + kb], SBT);
+                b3 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 48u) * SBT + kb], SBT);
+            } else {
+                b0 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SB + wc], SB);
+                b1 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SB + wc + 16u], SB);
+                b2 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SB + wc + 32u], SB);
+                b3 = coopLoadT<coop_mat16x16<f16, B>>(&sb[kb * SB + wc + 48u], SB);
+            }
+            c00 = coopMultiplyAdd(a0, b0, c00);
+            c01 = coopMultiplyAdd(a0, b1, c01);
+            c02 = coopMultiplyAdd(a0, b2, c02);
+            c03 = coopMultiplyAdd(a0, b3, c03);
+            c10 = coopMultiplyAdd(a1, b0, c10);
+            c11 = coopMultiplyAdd(a1, b1, c11);
+            c12 = coopMultiplyAdd(a1, b2, c12);
+            c13 = coopMultiplyAdd(a1, b3, c13);
+        }
+        workgroupBarrier();
+    }
+    let r0 = m0 + wr;
+    let c0 = p0 + wc;
+    put(c00, w, lane, g, split, r0, c0);
+    put(c01, w, lane, g, split, r0, c0 + 16u);
+    put(c02, w, lane, g, split, r0, c0 + 32u);
+    put(c03, w, lane, g, split, r0, c0 + 48u);
+    put(c10, w, lane, g, split, r0 + 16u, c0);
+    put(c11, w, lane, g, split, r0 + 16u, c0 + 16u);
+    put(c12, w, lane, g, split, r0 + 16u, c0 + 32u);
+    put(c13, w, lane, g, split, r0 + 16u, c0 + 48u);
+}
