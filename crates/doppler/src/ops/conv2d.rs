@@ -51,6 +51,11 @@ static GEMM_COOP: Kernel = Kernel {
 };
 static WGRAD_REDUCE: Kernel =
     Kernel::new(&CONV2D, "conv_wgrad_reduce", &[(6, Read), (7, ReadWrite)]);
+static SPLIT_SUM: Kernel = Kernel::new(
+    &CONV2D,
+    "conv_split_sum",
+    &[(3, Read), (6, Read), (7, ReadWrite)],
+);
 static BIAS_GRAD: Kernel = Kernel::new(&CONV2D, "conv_bias_grad", &[(5, Read), (8, ReadWrite)]);
 
 /// Output tile edge and k-slab depth of `conv_gemm`.
@@ -183,7 +188,7 @@ fn f32s(op: &'static str, ts: &[&Tensor]) -> Result<()> {
 }
 
 /// Records one `conv_gemm` (or, with `coop`, `conv_gemm_coop`) of `mode` (0 forward, 1 dx,
-/// 2 dw partials), sizing the grid.
+/// 2 dw partials) over `splits` chunks of `chunk` k each, sizing the grid.
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     rec: &mut Recorder<'_>,
@@ -191,7 +196,7 @@ fn gemm(
     mode: u32,
     m: usize,
     cols: usize,
-    splits: usize,
+    (splits, chunk): (usize, usize),
     bias: bool,
     coop: bool,
     t: [&Tensor; 5],
@@ -200,6 +205,7 @@ fn gemm(
     p.tiles_p = cols.div_ceil(tile_p) as u32;
     p.tiles_m = m.div_ceil(tile_m) as u32;
     p.splits = splits as u32;
+    p.chunk = chunk as u32;
     let workgroups = p.tiles_p as u64 * p.tiles_m as u64 * (p.groups as u64 * splits as u64);
     rec.dispatch(
         if coop { &GEMM_COOP } else { &GEMM },
@@ -207,6 +213,90 @@ fn gemm(
         bytemuck::bytes_of(&p),
         &t,
         Grid::Linear(workgroups),
+    )
+}
+
+/// Workgroups that keep a GPU busy (a few on each of ~132 cores): a forward or dx GEMM of
+/// fewer tiles than half this splits its k (split-K) to approach it.
+const BUSY: usize = 528;
+/// Each split keeps at least this many k slabs.
+const MIN_SPLIT_SLABS: usize = 4;
+
+/// (splits, k a split) for the forward or dx GEMM: k whole where its tiles fill the GPU,
+/// else up to 8 chunks of whole slabs (`slab`), each at least MIN_SPLIT_SLABS of them. The
+/// shape alone decides, so the sums' order (and bits) never change for a shape.
+fn split_k(tiles: usize, k: usize, slab: usize) -> (usize, usize) {
+    if tiles >= BUSY / 2 {
+        return (1, k);
+    }
+    let want = (BUSY / tiles.max(1)).clamp(1, 8);
+    let chunk = k
+        .div_ceil(want)
+        .next_multiple_of(slab)
+        .max(MIN_SPLIT_SLABS * slab);
+    match k.div_ceil(chunk) {
+        0 | 1 => (1, k),
+        splits => (splits, chunk),
+    }
+}
+
+/// The forward (mode 0) or dx (mode 1) GEMM into `out`, split along k where the output has
+/// few tiles: partial outputs, then `conv_split_sum` adds them in order (and the bias).
+#[allow(clippy::too_many_arguments)]
+fn gemm_out(
+    rec: &mut Recorder<'_>,
+    p: Params,
+    mode: u32,
+    (m, cols, k): (usize, usize, usize),
+    coop: bool,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    out: &Tensor,
+    dy: &Tensor,
+) -> Result<()> {
+    let ((tile_m, tile_p), slab) = if coop {
+        (COOP_TILE, 32)
+    } else {
+        ((TILE, TILE), SLAB)
+    };
+    let tiles = m.div_ceil(tile_m) * cols.div_ceil(tile_p) * p.groups as usize;
+    let (splits, chunk) = split_k(tiles, k, slab);
+    let b = bias.unwrap_or(w);
+    if splits == 1 {
+        return gemm(
+            rec,
+            p,
+            mode,
+            m,
+            cols,
+            (1, k),
+            bias.is_some(),
+            coop,
+            [x, w, b, out, dy],
+        );
+    }
+    let len = out.numel();
+    let partial = Tensor::empty(rec.gpu(), &[splits, len], DType::F32, "conv2d.partial")?;
+    gemm(
+        rec,
+        p,
+        mode,
+        m,
+        cols,
+        (splits, chunk),
+        false,
+        coop,
+        [x, w, b, &partial, dy],
+    )?;
+    let mut ps = p;
+    ps.splits = splits as u32;
+    rec.dispatch(
+        &SPLIT_SUM,
+        &[("MODE", mode as f64), ("HAS_BIAS", bias.is_some() as u32 as f64)],
+        bytemuck::bytes_of(&ps),
+        &[b, &partial, out],
+        Grid::cover(len as u64, 256),
     )
 }
 
@@ -242,20 +332,12 @@ pub fn conv2d_on(
         }
     }
     let (n, cout, oh, ow) = (p.n as usize, p.cout as usize, p.oh as usize, p.ow as usize);
-    let coop = path.coop(rec.gpu(), cout / o.groups, w.numel() / cout)?;
+    let depth = w.numel() / cout;
+    let coop = path.coop(rec.gpu(), cout / o.groups, depth)?;
     let y = Tensor::empty(rec.gpu(), &[n, cout, oh, ow], DType::F32, "conv2d.y")?;
-    // Unused bindings get any buffer of the right kind.
-    gemm(
-        rec,
-        p,
-        0,
-        cout / o.groups,
-        n * oh * ow,
-        1,
-        bias.is_some(),
-        coop,
-        [x, w, bias.unwrap_or(w), &y, x],
-    )?;
+    // Unused bindings get any buffer of the right kind (dy: x).
+    let dims = (cout / o.groups, n * oh * ow, depth);
+    gemm_out(rec, p, 0, dims, coop, x, w, bias, &y, x)?;
     Ok(y)
 }
 
@@ -305,7 +387,8 @@ pub fn conv2d_backward_on(
     let coop_dx = path.coop(gpu, cin / g, cout / g * khw)?;
     let coop_dw = path.coop(gpu, cout / g, n * oh * ow)?;
     let dx = Tensor::empty(gpu, x.shape(), DType::F32, "conv2d.dx")?;
-    gemm(rec, p, 1, cin / g, n * h * wd, 1, false, coop_dx, [x, w, w, &dx, dy])?;
+    let dims = (cin / g, n * h * wd, cout / g * khw);
+    gemm_out(rec, p, 1, dims, coop_dx, x, w, None, &dx, dy)?;
 
     // dw: split the N*OH*OW reduction into fixed chunks, then sum the chunks in order.
     let k = n * oh * ow;
@@ -313,19 +396,18 @@ pub fn conv2d_backward_on(
     let splits = k.div_ceil(chunk);
     let dw_len = w.numel();
     let partial = Tensor::empty(gpu, &[splits, dw_len], DType::F32, "conv2d.dw_partial")?;
-    let mut pw = p;
-    pw.chunk = chunk as u32;
     gemm(
         rec,
-        pw,
+        p,
         2,
         cout / g,
         w.numel() / cout,
-        splits,
+        (splits, chunk),
         false,
         coop_dw,
         [x, w, w, &partial, dy],
     )?;
+    let mut pw = p;
     pw.splits = splits as u32;
     let dw = Tensor::empty(gpu, w.shape(), DType::F32, "conv2d.dw")?;
     rec.dispatch(

@@ -14,6 +14,10 @@
 //       partial[split, g*Cout_g+co, (ci,ky,kx)] = C over the chunk; conv_wgrad_reduce sums
 //       the splits in order. Parallelism grows with N*OH*OW through the splits, and the
 //       partition is fixed by the shape, so the result is the same bits on every run.
+//   Split-K (modes 0 and 1, where the output has few tiles; the host picks): workgroup z's
+//   split covers k in [split * chunk, + chunk) and writes its partial C at split * |out|
+//   of a partials buffer; conv_split_sum adds the splits in order (then the bias). The
+//   partition depends on the shape alone: the same bits on every run.
 //   conv_bias_grad: one workgroup per co, db[co] = sum over n, oy, ox of dy (fixed-order tree).
 // Tiling: 256 threads compute a 64 x 64 tile of C, k-slabs of 16 staged in workgroup memory
 // (k-major, vec4 along M and P); thread (tx, ty) owns rows 4ty..4ty+3, columns 4tx..4tx+3.
@@ -25,7 +29,7 @@ struct Params {
     cout: u32, oh: u32, ow: u32, kh: u32,
     kw: u32, sh: u32, sw: u32, ph: u32,
     pw: u32, dh: u32, dw: u32, groups: u32,
-    tiles_p: u32, tiles_m: u32, splits: u32, chunk: u32,   // chunk: K per split (multiple of 16)
+    tiles_p: u32, tiles_m: u32, splits: u32, chunk: u32,   // chunk: K per split (all K: one)
 }
 
 override MODE: u32 = 0u;
@@ -42,7 +46,7 @@ const BK: u32 = 16u;   // k slab
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read> dy: array<f32>;
 @group(0) @binding(6) var<storage, read> partial: array<f32>;
-@group(0) @binding(7) var<storage, read_write> dw_out: array<f32>;
+@group(0) @binding(7) var<storage, read_write> reduced: array<f32>;
 @group(0) @binding(8) var<storage, read_write> db_out: array<f32>;
 
 var<workgroup> As: array<vec4<f32>, BK * T / 4u>;   // As[k * 16 + m/4][m % 4]
@@ -125,10 +129,10 @@ fn store(g: u32, split: u32, m: u32, col: u32, v: f32) {
     if (MODE == 0u) {
         let co = g * cout_g() + m;
         var r = v;
-        if (HAS_BIAS) { r += bias[co]; }
-        out[((col / ohw()) * p.cout + co) * ohw() + col % ohw()] = r;
+        if (HAS_BIAS && p.splits == 1u) { r += bias[co]; }
+        out[split * p.n * p.cout * ohw() + ((col / ohw()) * p.cout + co) * ohw() + col % ohw()] = r;
     } else if (MODE == 1u) {
-        out[((col / hw()) * p.cin + g * cin_g() + m) * hw() + col % hw()] = v;
+        out[split * p.n * p.cin * hw() + ((col / hw()) * p.cin + g * cin_g() + m) * hw() + col % hw()] = v;
     } else {
         out[(split * p.cout + g * cout_g() + m) * dim_p() + col] = v;
     }
@@ -154,12 +158,8 @@ fn conv_gemm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     let split = z % p.splits;
     let m0 = tm * T;
     let p0 = tp * T;
-    var kstart = 0u;
-    var kend = dim_k();
-    if (MODE == 2u) {
-        kstart = split * p.chunk;
-        kend = min(kstart + p.chunk, kend);
-    }
+    let kstart = split * p.chunk;
+    let kend = min(kstart + p.chunk, dim_k());
 
     // Loads: A slots m = tid/16 + 16r, k = tid%16; B slots k = tid/64 + 4r, column tid%64.
     let a_k = tid % 16u;
@@ -225,7 +225,25 @@ fn conv_wgrad_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     for (var s = 0u; s < p.splits; s++) {
         acc += partial[s * per_split + i];
     }
-    dw_out[i] = acc;
+    reduced[i] = acc;
+}
+
+// Split-K's sum (MODE 0: y, plus the bias; MODE 1: dx): out[i] = sum over splits, in
+// order, of partial[split, i]; one thread per element.
+@compute @workgroup_size(WG)
+fn conv_split_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * WG + lid;
+    let per_split = select(p.n * p.cout * ohw(), p.n * p.cin * hw(), MODE == 1u);
+    if (i >= per_split) { return; }
+    var acc = 0.0;
+    for (var s = 0u; s < p.splits; s++) {
+        acc += partial[s * per_split + i];
+    }
+    if (MODE == 0u && HAS_BIAS) {
+        acc += bias[(i / ohw()) % p.cout];
+    }
+    reduced[i] = acc;
 }
 
 // db[co] = sum over (n, oy, ox) of dy; one workgroup per co, strided sums then a tree.

@@ -13,7 +13,8 @@
 // padded by 8 halves; the next step's values wait in registers meanwhile.
 //   A: thread t holds k = t % 32 of rows t / 32 + 4 r (r < 16); k decoded once a step.
 //   B, modes 0 and 1: thread t holds column t (its pixel decoded once a tile) at the
-//      step's 32 k, walked as (channel, ky, kx) from one decode a step; stored [k][p].
+//      step's 32 k, whose (channel, ky, kx) offsets 32 threads decode into `ktab` a step
+//      ahead (two halves, one a step); stored [k][p].
 //   B, mode 2: thread t holds k = t % 32 (an output pixel, decoded once a step) of columns
 //      t / 32 + 4 r (r < 32), whose (channel, ky, kx) offsets are decoded once a tile into
 //      `cols`; stored [p][k] (consecutive threads, consecutive k: pixels next to each other
@@ -55,6 +56,7 @@ var<workgroup> sa: array<f16, 2560>;      // TM rows of SA
 var<workgroup> sb: array<f16, 5120>;      // BK rows of SB (4352), or TP rows of SBT
 var<workgroup> scratch: array<f32, 1024>; // 16 x 16 a subgroup
 var<workgroup> cols: array<vec3<i32>, 128>; // mode 2: (x offset of the channel or -1, ky dh - ph, kx dw - pw)
+var<workgroup> ktab: array<vec4<i32>, 64>;  // modes 0, 1: two steps' k entries (k_entry)
 
 fn cin_g() -> u32 { return p.cin / p.groups; }
 fn cout_g() -> u32 { return p.cout / p.groups; }
@@ -103,10 +105,10 @@ fn store(g: u32, split: u32, m: u32, col: u32, v: f32) {
         if (MODE == 0u) {
             let co = g * cout_g() + m;
             var r = v;
-            if (HAS_BIAS) { r += bias[co]; }
-            out[((col / ohw()) * p.cout + co) * ohw() + col % ohw()] = r;
+            if (HAS_BIAS && p.splits == 1u) { r += bias[co]; }
+            out[split * p.n * p.cout * ohw() + ((col / ohw()) * p.cout + co) * ohw() + col % ohw()] = r;
         } else if (MODE == 1u) {
-            out[((col / hw()) * p.cin + g * cin_g() + m) * hw() + col % hw()] = v;
+            out[split * p.n * p.cin * hw() + ((col / hw()) * p.cin + g * cin_g() + m) * hw() + col % hw()] = v;
         } else {
             out[(split * p.cout + g * cout_g() + m) * dim_p() + col] = v;
         }
@@ -124,82 +126,108 @@ fn put(acc: coop_mat16x16<f32, C>, w: u32, lane: u32, g: u32, split: u32, r0: u3
     workgroupBarrier();
 }
 
-// Step k0's values of A and B for this thread (see the header), zero outside.
-fn fetch(g: u32, k0: u32, kend: u32, m0: u32, tid: u32, col_ok: bool, pix: vec3<u32>,
-         va: ptr<function, array<f32, 16>>, vb: ptr<function, array<f32, 32>>) {
-    let ak = tid % 32u;
-    let am = tid / 32u;
-    let mrows = dim_m();
-    let ac = a_col(g, k0 + ak, kend);
-    for (var r = 0u; r < 16u; r++) {
-        let m = m0 + am + 4u * r;
-        var v = 0.0;
-        if (ac.x >= 0 && m < mrows) {
-            v = a_at(u32(ac.x + i32(m) * ac.y));
-        }
-        (*va)[r] = v;
+// The (channel, ky, kx) of k for modes 0 and 1 (x: the channel's offset in x, or dy's
+// channel offset in mode 1, -1 past kend; y, z: the tap's offsets along y and x).
+fn k_entry(g: u32, k: u32, kend: u32) -> vec4<i32> {
+    let ch = k / khw();
+    let r = k % khw();
+    let ky = i32((r / p.kw) * p.dh);
+    let kx = i32((r % p.kw) * p.dw);
+    var e = vec4<i32>(i32(ch * hw()), ky - i32(p.ph), kx - i32(p.pw), 0);
+    if (MODE == 1u) {
+        e = vec4<i32>(i32(ch * ohw()), i32(p.ph) - ky, i32(p.pw) - kx, 0);
     }
-    if (MODE == 2u) {
-        let k = k0 + ak;
-        var xb = -1;
-        var yb = 0;
-        var xo = 0;
-        if (k < kend) {
-            let b = k / ohw();
-            let s = k % ohw();
-            xb = i32(b * p.cin * hw());
-            yb = i32((s / p.ow) * p.sh);
-            xo = i32((s % p.ow) * p.sw);
-        }
-        for (var r = 0u; r < 32u; r++) {
-            let c = cols[am + 4u * r];
-            var v = 0.0;
-            let iy = yb + c.y;
-            let ix = xo + c.z;
-            if (xb >= 0 && c.x >= 0 && iy >= 0 && ix >= 0 && iy < i32(p.h) && ix < i32(p.w)) {
-                v = x[u32(xb + c.x + iy * i32(p.w) + ix)];
-            }
-            (*vb)[r] = v;
+    return select(e, vec4<i32>(-1, 0, 0, 0), k >= kend);
+}
+
+// Modes 0 and 1: B's element for this thread's pixel `px` (x: image and group offset, y, z:
+// the pixel's row and column, scaled by the stride in mode 0; w: 1 inside P) at the step
+// table's entry t; zero outside.
+fn gather_b(px: vec4<i32>, t: vec4<i32>) -> f32 {
+    var v = 0.0;
+    if (px.w == 0 || t.x < 0) { return v; }
+    if (MODE == 0u) {
+        let iy = px.y + t.y;
+        let ix = px.z + t.z;
+        if (iy >= 0 && ix >= 0 && iy < i32(p.h) && ix < i32(p.w)) {
+            v = x[u32(px.x + t.x + iy * i32(p.w) + ix)];
         }
     } else {
-        // (channel, ky, kx) of k0, then stepped along.
-        var ch = k0 / khw();
-        let r0 = k0 % khw();
-        var ky = r0 / p.kw;
-        var kx = r0 % p.kw;
-        for (var r = 0u; r < 32u; r++) {
-            var v = 0.0;
-            if (col_ok && k0 + r < kend) {
-                if (MODE == 0u) {
-                    let iy = i32(pix.y * p.sh + ky * p.dh) - i32(p.ph);
-                    let ix = i32(pix.z * p.sw + kx * p.dw) - i32(p.pw);
-                    if (iy >= 0 && ix >= 0 && iy < i32(p.h) && ix < i32(p.w)) {
-                        v = x[((pix.x * p.cin + g * cin_g() + ch) * p.h + u32(iy)) * p.w + u32(ix)];
-                    }
-                } else {
-                    let ny = i32(pix.y + p.ph) - i32(ky * p.dh);
-                    let nx = i32(pix.z + p.pw) - i32(kx * p.dw);
-                    if (ny >= 0 && nx >= 0) {
-                        let oy = u32(ny) / p.sh;
-                        let ox = u32(nx) / p.sw;
-                        if (oy * p.sh == u32(ny) && ox * p.sw == u32(nx) && oy < p.oh && ox < p.ow) {
-                            v = dy[((pix.x * p.cout + g * cout_g() + ch) * p.oh + oy) * p.ow + ox];
-                        }
-                    }
-                }
-            }
-            (*vb)[r] = v;
-            kx += 1u;
-            if (kx == p.kw) {
-                kx = 0u;
-                ky += 1u;
-                if (ky == p.kh) {
-                    ky = 0u;
-                    ch += 1u;
-                }
+        let ny = px.y + t.y;
+        let nx = px.z + t.z;
+        if (ny >= 0 && nx >= 0) {
+            var oy = u32(ny);
+            var ox = u32(nx);
+            var hit = true;
+            if (p.sh != 1u) { oy = oy / p.sh; hit = oy * p.sh == u32(ny); }
+            if (p.sw != 1u) { ox = ox / p.sw; hit = hit && ox * p.sw == u32(nx); }
+            if (hit && oy < p.oh && ox < p.ow) {
+                v = dy[u32(px.x + t.x) + oy * p.ow + ox];
             }
         }
     }
+    return v;
+}
+
+// Mode 2: B's element at the pixel (k) `kp` (x: x's image offset or -1, y, z: the output
+// pixel's row and column times the stride) and the tile's column entry c (`cols`).
+fn gather_bt(kp: vec3<i32>, c: vec3<i32>) -> f32 {
+    var v = 0.0;
+    let iy = kp.y + c.y;
+    let ix = kp.z + c.z;
+    if (kp.x >= 0 && c.x >= 0 && iy >= 0 && ix >= 0 && iy < i32(p.h) && ix < i32(p.w)) {
+        v = x[u32(kp.x + c.x + iy * i32(p.w) + ix)];
+    }
+    return v;
+}
+
+fn a_elem(ac: vec2<i32>, m: u32, mrows: u32) -> f32 {
+    var v = 0.0;
+    if (ac.x >= 0 && m < mrows) {
+        v = a_at(u32(ac.x + i32(m) * ac.y));
+    }
+    return v;
+}
+
+// A's 16 values of this thread at step k0: k = k0 + tid % 32, rows tid / 32 + 4 r, as
+// r = 4 i + j in vec4 i's component j; zero outside.
+fn fetch_a(g: u32, k0: u32, kend: u32, m0: u32, tid: u32, mrows: u32) -> array<vec4<f32>, 4> {
+    var va: array<vec4<f32>, 4>;
+    let ac = a_col(g, k0 + tid % 32u, kend);
+    for (var i = 0u; i < 4u; i++) {
+        let m = m0 + tid / 32u + 16u * i;
+        va[i] = vec4<f32>(a_elem(ac, m, mrows), a_elem(ac, m + 4u, mrows),
+                          a_elem(ac, m + 8u, mrows), a_elem(ac, m + 12u, mrows));
+    }
+    return va;
+}
+
+// B's 32 values of this thread at step k0: modes 0 and 1, its pixel px at the step's k
+// (entries in ktab's half `half`), r = 4 i + j; mode 2, pixel k0 + tid % 32 at the tile's
+// columns tid / 32 + 4 r. Zero outside.
+fn fetch_b(g: u32, k0: u32, kend: u32, tid: u32, px: vec4<i32>, half: u32) -> array<vec4<f32>, 8> {
+    var vb: array<vec4<f32>, 8>;
+    if (MODE == 2u) {
+        let k = k0 + tid % 32u;
+        var kp = vec3<i32>(-1, 0, 0);
+        if (k < kend) {
+            let s = k % ohw();
+            kp = vec3<i32>(i32(k / ohw() * p.cin * hw()), i32((s / p.ow) * p.sh),
+                           i32((s % p.ow) * p.sw));
+        }
+        for (var i = 0u; i < 8u; i++) {
+            let c = tid / 32u + 16u * i;
+            vb[i] = vec4<f32>(gather_bt(kp, cols[c]), gather_bt(kp, cols[c + 4u]),
+                              gather_bt(kp, cols[c + 8u]), gather_bt(kp, cols[c + 12u]));
+        }
+    } else {
+        for (var i = 0u; i < 8u; i++) {
+            let r = half * BK + 4u * i;
+            vb[i] = vec4<f32>(gather_b(px, ktab[r]), gather_b(px, ktab[r + 1u]),
+                              gather_b(px, ktab[r + 2u]), gather_b(px, ktab[r + 3u]));
+        }
+    }
+    return vb;
 }
 
 @compute @workgroup_size(128)
@@ -215,12 +243,8 @@ fn conv_gemm_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     let split = z % p.splits;
     let m0 = tm * TM;
     let p0 = tp * TP;
-    var kstart = 0u;
-    var kend = dim_k();
-    if (MODE == 2u) {
-        kstart = split * p.chunk;
-        kend = min(kstart + p.chunk, kend);
-    }
+    let kstart = split * p.chunk;
+    let kend = min(kstart + p.chunk, dim_k());
     let w = tid / 32u;
     let lane = tid % 32u;
     let wr = (w / 2u) * 32u;   // the subgroup's rows and columns within the tile
@@ -231,18 +255,21 @@ fn conv_gemm_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 
     // Modes 0 and 1: this thread's column of B (a pixel), decoded once.
     let col = p0 + tid;
-    let col_ok = col < dim_p();
-    var pix = vec3<u32>(0u);   // (image, y, x)
+    var px = vec4<i32>(0, 0, 0, i32(col < dim_p()));
     if (MODE == 0u) {
         let s = col % ohw();
-        pix = vec3<u32>(col / ohw(), s / p.ow, s % p.ow);
+        px.x = i32((col / ohw() * p.cin + g * cin_g()) * hw());
+        px.y = i32((s / p.ow) * p.sh);
+        px.z = i32((s % p.ow) * p.sw);
     } else if (MODE == 1u) {
         let s = col % hw();
-        pix = vec3<u32>(col / hw(), s / p.w, s % p.w);
+        px.x = i32((col / hw() * p.cout + g * cout_g()) * ohw());
+        px.y = i32(s / p.w);
+        px.z = i32(s % p.w);
     } else {
         // Mode 2: the tile's 128 columns (channel, ky, kx), decoded into `cols`.
         var e = vec3<i32>(-1, 0, 0);
-        if (col_ok) {
+        if (col < dim_p()) {
             let ci = col / khw();
             let r = col % khw();
             e = vec3<i32>(i32((g * cin_g() + ci) * hw()),
@@ -250,11 +277,16 @@ fn conv_gemm_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
                           i32((r % p.kw) * p.dw) - i32(p.pw));
         }
         cols[tid] = e;
-        workgroupBarrier();
     }
+    if (MODE != 2u && tid < BK) {
+        ktab[tid] = k_entry(g, kstart + tid, kend);
+    }
+    workgroupBarrier();
 
-    var va: array<f32, 16>;
-    var vb: array<f32, 32>;
+    // A's 16 values (rows am + 4 (4 i + j)), B's 32 (k or columns 4 i + j), of the next step.
+    var va: array<vec4<f32>, 4>;
+    var vb: array<vec4<f32>, 8>;
+    let mrows = dim_m();
 
     var c00: coop_mat16x16<f32, C>;
     var c01: coop_mat16x16<f32, C>;
@@ -273,25 +305,47 @@ fn conv_gemm_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     c12 = coop_mat16x16<f32, C>();
     c13 = coop_mat16x16<f32, C>();
 
-    fetch(g, kstart, kend, m0, tid, col_ok, pix, &va, &vb);
-    for (var k0 = kstart; k0 < kend; k0 += BK) {
-        // Stage them as f16 (the previous step's multiplies are done: barrier at the end),
-        // fetch the next step's, multiply.
-        for (var r = 0u; r < 16u; r++) {
-            sa[(am + 4u * r) * SA + ak] = f16(va[r]);
+    // Each step: stage the values fetched as f16 (the previous step's multiplies are done:
+    // barrier at the end), write the next step's k table, fetch the next step's values while
+    // this one's multiply. Loops of 4 or 8 vec4s with no state carried between iterations,
+    // so that the compiler can unroll them and keep the values in registers.
+    var k0 = kstart;
+    var step = 0u;
+    va = fetch_a(g, k0, kend, m0, tid, mrows);
+    vb = fetch_b(g, k0, kend, tid, px, 0u);
+    loop {
+        if (k0 >= kend) { break; }
+        for (var i = 0u; i < 4u; i++) {
+            let m = am + 16u * i;
+            sa[m * SA + ak] = f16(va[i].x);
+            sa[(m + 4u) * SA + ak] = f16(va[i].y);
+            sa[(m + 8u) * SA + ak] = f16(va[i].z);
+            sa[(m + 12u) * SA + ak] = f16(va[i].w);
         }
         if (MODE == 2u) {
-            for (var r = 0u; r < 32u; r++) {
-                sb[(am + 4u * r) * SBT + ak] = f16(vb[r]);
+            for (var i = 0u; i < 8u; i++) {
+                let c = am + 16u * i;
+                sb[c * SBT + ak] = f16(vb[i].x);
+                sb[(c + 4u) * SBT + ak] = f16(vb[i].y);
+                sb[(c + 8u) * SBT + ak] = f16(vb[i].z);
+                sb[(c + 12u) * SBT + ak] = f16(vb[i].w);
             }
         } else {
-            for (var r = 0u; r < 32u; r++) {
-                sb[r * SB + tid] = f16(vb[r]);
+            for (var i = 0u; i < 8u; i++) {
+                sb[(4u * i) * SB + tid] = f16(vb[i].x);
+                sb[(4u * i + 1u) * SB + tid] = f16(vb[i].y);
+                sb[(4u * i + 2u) * SB + tid] = f16(vb[i].z);
+                sb[(4u * i + 3u) * SB + tid] = f16(vb[i].w);
+            }
+            if (tid < BK) {
+                ktab[((step + 1u) % 2u) * BK + tid] = k_entry(g, k0 + BK + tid, kend);
             }
         }
         workgroupBarrier();
-        if (k0 + BK < kend) {
-            fetch(g, k0 + BK, kend, m0, tid, col_ok, pix, &va, &vb);
+        let k1 = k0 + BK;
+        if (k1 < kend) {
+            va = fetch_a(g, k1, kend, m0, tid, mrows);
+            vb = fetch_b(g, k1, kend, tid, px, (step + 1u) % 2u);
         }
         for (var kb = 0u; kb < BK; kb += 16u) {
             let a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[wr * SA + kb], SA);
@@ -321,6 +375,8 @@ fn conv_gemm_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
             c13 = coopMultiplyAdd(a1, b3, c13);
         }
         workgroupBarrier();
+        k0 = k1;
+        step += 1u;
     }
     let r0 = m0 + wr;
     let c0 = p0 + wc;
