@@ -5,7 +5,9 @@
 //! ([`MatmulMode::F16`]): see [`ConvPath`].
 //!
 //! Derivatives of y = conv(x, w) + b: dx is the transposed convolution of dy with w (a
-//! gather over the (ky, kx) taps that reach each input pixel), dw[co, ci, ky, kx] =
+//! gather over the (ky, kx) taps that reach each input pixel; for stride 1, the forward
+//! convolution of dy with w flipped in ky and kx and transposed in (co, ci), padding
+//! d (k - 1) - p, which runs as fast as the forward), dw[co, ci, ky, kx] =
 //! sum over (n, oy, ox) of dy * x at the tap, db[co] = sum over (n, oy, ox) of dy.
 
 use crate::error::{Error, Result};
@@ -56,6 +58,7 @@ static SPLIT_SUM: Kernel = Kernel::new(
     "conv_split_sum",
     &[(3, Read), (6, Read), (7, ReadWrite)],
 );
+static FLIP: Kernel = Kernel::new(&CONV2D, "conv_flip_weights", &[(2, Read), (7, ReadWrite)]);
 static BIAS_GRAD: Kernel = Kernel::new(&CONV2D, "conv_bias_grad", &[(5, Read), (8, ReadWrite)]);
 
 /// Output tile edge and k-slab depth of `conv_gemm`.
@@ -348,6 +351,31 @@ pub struct Conv2dGrads {
     pub db: Option<Tensor>,
 }
 
+/// For a stride-1 convolution whose padding is at most d (k - 1) on each axis: the
+/// parameters of dx as a forward convolution of dy (N, Cout, OH, OW) with w flipped and
+/// transposed (Cin, Cout/groups, KH, KW), padding d (k - 1) - p, and that weight's shape.
+fn flipped(p: &Params, o: &Conv2dOpts) -> Option<(Params, [usize; 4])> {
+    let (kh, kw) = (p.kh as usize, p.kw as usize);
+    let pad = |d: usize, k: usize, pad: usize| (d * (k - 1)).checked_sub(pad);
+    if o.stride != (1, 1) {
+        return None;
+    }
+    let of = Conv2dOpts {
+        stride: (1, 1),
+        padding: (
+            pad(o.dilation.0, kh, o.padding.0)?,
+            pad(o.dilation.1, kw, o.padding.1)?,
+        ),
+        dilation: o.dilation,
+        groups: o.groups,
+    };
+    let (cin, cout) = (p.cin as usize, p.cout as usize);
+    let wf = [cin, cout / o.groups, kh, kw];
+    let dy = [p.n as usize, cout, p.oh as usize, p.ow as usize];
+    let pf = conv_params(&dy, &wf, &of).ok()?;
+    (pf.oh == p.h && pf.ow == p.w).then_some((pf, wf))
+}
+
 /// dx, dw and (with `bias`) db from the forward's x and w and the upstream dy, on the
 /// GPU's path ([`ConvPath::Auto`]).
 pub fn conv2d_backward(
@@ -388,7 +416,22 @@ pub fn conv2d_backward_on(
     let coop_dw = path.coop(gpu, cout / g, n * oh * ow)?;
     let dx = Tensor::empty(gpu, x.shape(), DType::F32, "conv2d.dx")?;
     let dims = (cin / g, n * h * wd, cout / g * khw);
-    gemm_out(rec, p, 1, dims, coop_dx, x, w, None, &dx, dy)?;
+    match flipped(&p, &o) {
+        // Stride 1: dx = conv(dy, w flipped), the forward's gather (the dx gather's
+        // stride tests and weight layout ran ~2x slower on the H200).
+        Some((pf, wf_shape)) => {
+            let wf = Tensor::empty(gpu, &wf_shape, DType::F32, "conv2d.w_flipped")?;
+            rec.dispatch(
+                &FLIP,
+                &[],
+                bytemuck::bytes_of(&p),
+                &[w, &wf],
+                Grid::cover(w.numel() as u64, 256),
+            )?;
+            gemm_out(rec, pf, 0, dims, coop_dx, dy, &wf, None, &dx, dy)?;
+        }
+        None => gemm_out(rec, p, 1, dims, coop_dx, x, w, None, &dx, dy)?,
+    }
 
     // dw: split the N*OH*OW reduction into fixed chunks, then sum the chunks in order.
     let k = n * oh * ow;

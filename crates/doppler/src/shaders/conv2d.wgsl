@@ -5,7 +5,8 @@
 //   MODE 0, forward:  M = Cout_g, P = N*OH*OW, K = Cin_g*KH*KW
 //       A(co, (ci,ky,kx)) = w[g*Cout_g+co, ci, ky, kx]; B((ci,ky,kx), (n,oy,ox)) = x[n, g*Cin_g+ci, iy, ix]
 //       y[n, g*Cout_g+co, oy, ox] = C + bias
-//   MODE 1, dx:       M = Cin_g, P = N*H*W, K = Cout_g*KH*KW
+//   MODE 1, dx (strided convs; conv2d.rs runs a stride-1 dx as MODE 0 over dy with
+//   w flipped, conv_flip_weights):   M = Cin_g, P = N*H*W, K = Cout_g*KH*KW
 //       A(ci, (co,ky,kx)) = w[g*Cout_g+co, ci, ky, kx]
 //       B((co,ky,kx), (n,iy,ix)) = dy[n, g*Cout_g+co, oy, ox] where oy = (iy + ph - ky*dh) / sh
 //       divides exactly and is in range (likewise ox), else 0. A gather: no atomics.
@@ -244,6 +245,24 @@ fn conv_split_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
         acc += bias[(i / ohw()) % p.cout];
     }
     reduced[i] = acc;
+}
+
+// A stride-1 dx as the forward convolution of dy with w flipped and transposed (conv2d.rs):
+// wf (Cin, Cout_g, KH, KW), wf[g*Cin_g + ci, co, ky, kx] = w[g*Cout_g + co, ci, KH-1-ky, KW-1-kx].
+// One thread per element of wf.
+@compute @workgroup_size(WG)
+fn conv_flip_weights(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (i >= p.cout * cin_g() * khw()) { return; }
+    let r = i % khw();
+    let co = (i / khw()) % cout_g();
+    let cf = i / khw() / cout_g();
+    let g = cf / cin_g();
+    let ci = cf % cin_g();
+    let ky = p.kh - 1u - r / p.kw;
+    let kx = p.kw - 1u - r % p.kw;
+    reduced[i] = wt[((g * cout_g() + co) * cin_g() + ci) * khw() + ky * p.kw + kx];
 }
 
 // db[co] = sum over (n, oy, ox) of dy; one workgroup per co, strided sums then a tree.

@@ -23,11 +23,12 @@ const fn opts(
 }
 
 /// (x, w, options, bias): 3x3 with a batch and odd sizes; stride, padding and dilation per
-/// axis with groups; depthwise; 1x1; channels spanning several 64-tiles; two groups of 32
+/// axis with groups; depthwise; 1x1; channels spanning several 64-tiles; stride 1 with
+/// dilation and groups (dx as a forward convolution with flipped weights); two groups of 32
 /// output channels, strided (the cooperative kernel's partial tiles in every mode); and a
 /// 1x1 on 2 x 1450 x 1450 pixels (more than 65535 tiles, and a dw reduction of 8213
 /// splits).
-pub const CONV_CASES: [Case; 7] = [
+pub const CONV_CASES: [Case; 8] = [
     (
         &[2, 3, 7, 9],
         &[8, 3, 3, 3],
@@ -56,6 +57,12 @@ pub const CONV_CASES: [Case; 7] = [
         &[2, 70, 5, 5],
         &[130, 70, 3, 3],
         opts((1, 1), (1, 1), (1, 1), 1),
+        true,
+    ),
+    (
+        &[2, 6, 10, 9],
+        &[4, 3, 3, 2],
+        opts((1, 1), (2, 1), (2, 1), 2),
         true,
     ),
     (
