@@ -37,6 +37,20 @@ pub struct Params {
     pub tiles_m: u32,
     pub splits: u32,
     pub chunk: u32,
+    /// A strided dx's residue class (polyphase, [`conv2d_backward`]): dx rows ry + sh j
+    /// and columns rx + sw i, from taps ky0 + sh t (t < ty) and kx0 + sw t (t < tx),
+    /// read at rows r0y + j, columns r0x + i of the class's output (th x tw).
+    pub ry: u32,
+    pub rx: u32,
+    pub ky0: u32,
+    pub kx0: u32,
+    pub ty: u32,
+    pub tx: u32,
+    pub r0y: u32,
+    pub r0x: u32,
+    pub th: u32,
+    pub tw: u32,
+    pub _pad: [u32; 2],
 }
 
 static GEMM: Kernel = Kernel::new(
@@ -59,6 +73,9 @@ static SPLIT_SUM: Kernel = Kernel::new(
     &[(3, Read), (6, Read), (7, ReadWrite)],
 );
 static FLIP: Kernel = Kernel::new(&CONV2D, "conv_flip_weights", &[(2, Read), (7, ReadWrite)]);
+static SUB_WEIGHTS: Kernel =
+    Kernel::new(&CONV2D, "conv_sub_weights", &[(2, Read), (7, ReadWrite)]);
+static INTERLEAVE: Kernel = Kernel::new(&CONV2D, "conv_interleave", &[(6, Read), (7, ReadWrite)]);
 static BIAS_GRAD: Kernel = Kernel::new(&CONV2D, "conv_bias_grad", &[(5, Read), (8, ReadWrite)]);
 
 /// Output tile edge and k-slab depth of `conv_gemm`.
@@ -351,6 +368,60 @@ pub struct Conv2dGrads {
     pub db: Option<Tensor>,
 }
 
+/// One residue class (cy, cx) of a strided dx: its taps as a stride-1 kernel
+/// (`conv_sub_weights`), the forward GEMM over dy, `conv_interleave` into dx.
+#[allow(clippy::too_many_arguments)]
+fn dx_class(
+    rec: &mut Recorder<'_>,
+    p: &Params,
+    o: &Conv2dOpts,
+    w: &Tensor,
+    dy: &Tensor,
+    dx: &Tensor,
+    (cy, cx): (&Phase, &Phase),
+    path: ConvPath,
+) -> Result<()> {
+    let g = o.groups;
+    let (n, cin, cout) = (p.n as usize, p.cin as usize, p.cout as usize);
+    let ws_shape = [cin, cout / g, cy.taps, cx.taps];
+    let ws = Tensor::empty(rec.gpu(), &ws_shape, DType::F32, "conv2d.w_class")?;
+    let mut pc = *p;
+    (pc.ry, pc.rx, pc.ky0, pc.kx0) = (cy.r as u32, cx.r as u32, cy.k0 as u32, cx.k0 as u32);
+    (pc.ty, pc.tx, pc.r0y, pc.r0x) = (
+        cy.taps as u32,
+        cx.taps as u32,
+        cy.r0 as u32,
+        cx.r0 as u32,
+    );
+    rec.dispatch(
+        &SUB_WEIGHTS,
+        &[],
+        bytemuck::bytes_of(&pc),
+        &[w, &ws],
+        Grid::cover(ws.numel() as u64, 256),
+    )?;
+    let of = Conv2dOpts {
+        stride: (1, 1),
+        padding: (cy.pad, cx.pad),
+        dilation: (1, 1),
+        groups: g,
+    };
+    let pf = conv_params(dy.shape(), &ws_shape, &of)?;
+    let (th, tw) = (pf.oh as usize, pf.ow as usize);
+    let class = Tensor::empty(rec.gpu(), &[n, cin, th, tw], DType::F32, "conv2d.dx_class")?;
+    let depth = cout / g * cy.taps * cx.taps;
+    let coop = path.coop(rec.gpu(), cin / g, depth)?;
+    gemm_out(rec, pf, 0, (cin / g, n * th * tw, depth), coop, dy, &ws, None, &class, dy)?;
+    (pc.th, pc.tw) = (th as u32, tw as u32);
+    rec.dispatch(
+        &INTERLEAVE,
+        &[],
+        bytemuck::bytes_of(&pc),
+        &[&class, dx],
+        Grid::cover((n * cin * cy.len * cx.len) as u64, 256),
+    )
+}
+
 /// For a stride-1 convolution whose padding is at most d (k - 1) on each axis: the
 /// parameters of dx as a forward convolution of dy (N, Cout, OH, OW) with w flipped and
 /// transposed (Cin, Cout/groups, KH, KW), padding d (k - 1) - p, and that weight's shape.
@@ -374,6 +445,49 @@ fn flipped(p: &Params, o: &Conv2dOpts) -> Option<(Params, [usize; 4])> {
     let dy = [p.n as usize, cout, p.oh as usize, p.ow as usize];
     let pf = conv_params(&dy, &wf, &of).ok()?;
     (pf.oh == p.h && pf.ow == p.w).then_some((pf, wf))
+}
+
+/// One residue class along an axis of a strided dx: the rows r + s j (j < len) of dx take
+/// the taps k0 + s t (t < taps) alone, a stride-1 convolution of dy with those taps
+/// (flipped) at padding `pad`, whose output row r0 + j is dx's row r + s j.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Phase {
+    r: usize,
+    k0: usize,
+    taps: usize,
+    pad: usize,
+    r0: usize,
+    len: usize,
+}
+
+/// The `s` classes along an axis of x's `size` (dy's `out`), kernel `k`, stride `s`,
+/// padding `pad`, dilation 1; None where a class has no pixel or no tap (the dx gather
+/// then).
+fn phases(size: usize, out: usize, k: usize, s: usize, pad: usize) -> Option<Vec<Phase>> {
+    (0..s)
+        .map(|r| {
+            let len = size.checked_sub(r).filter(|&v| v > 0)?.div_ceil(s);
+            let at = |ky: usize| r as i64 + pad as i64 - ky as i64;
+            let k0 = (0..k).find(|&ky| at(ky).rem_euclid(s as i64) == 0)?;
+            let taps = (k - k0).div_ceil(s);
+            // Output row r' of the class's convolution reads dy rows r' - q + u (u < taps),
+            // which are dx row j's when r' = j + q + e0 - (taps - 1): the least padding q
+            // for which that is a row of the output for every j.
+            let e0 = at(k0) / s as i64;
+            (0..=out + len + k).find_map(|q| {
+                let r0 = q as i64 + e0 - (taps as i64 - 1);
+                let rows = (out + 2 * q + 1).checked_sub(taps)?;
+                (r0 >= 0 && r0 as usize + len <= rows).then_some(Phase {
+                    r,
+                    k0,
+                    taps,
+                    pad: q,
+                    r0: r0 as usize,
+                    len,
+                })
+            })
+        })
+        .collect()
 }
 
 /// dx, dw and (with `bias`) db from the forward's x and w and the upstream dy, on the
@@ -430,7 +544,24 @@ pub fn conv2d_backward_on(
             )?;
             gemm_out(rec, pf, 0, dims, coop_dx, dy, &wf, None, &dx, dy)?;
         }
-        None => gemm_out(rec, p, 1, dims, coop_dx, x, w, None, &dx, dy)?,
+        None => {
+            let classes = match o.dilation == (1, 1) {
+                true => phases(h, oh, p.kh as usize, o.stride.0, o.padding.0)
+                    .zip(phases(wd, ow, p.kw as usize, o.stride.1, o.padding.1)),
+                false => None,
+            };
+            match classes {
+                // Strided: each residue class of dx's pixels (ry, rx) as the forward
+                // convolution of dy with the taps that reach it, interleaved into dx (the
+                // gather's stride tests skip (s^2 - 1) / s^2 of its products).
+                Some((ys, xs)) => {
+                    for (cy, cx) in ys.iter().flat_map(|y| xs.iter().map(move |x| (y, x))) {
+                        dx_class(rec, &p, &o, w, dy, &dx, (cy, cx), path)?;
+                    }
+                }
+                None => gemm_out(rec, p, 1, dims, coop_dx, x, w, None, &dx, dy)?,
+            }
+        }
     }
 
     // dw: split the N*OH*OW reduction into fixed chunks, then sum the chunks in order.
@@ -475,4 +606,22 @@ pub fn conv2d_backward_on(
         None
     };
     Ok(Conv2dGrads { dx, dw, db })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strided_dx_classes() {
+        // 3x3, stride 2, padding 1 over 32 rows (16 out): even rows take the middle tap,
+        // odd rows the outer two, each at padding 0 and 1.
+        let c = phases(32, 16, 3, 2, 1).unwrap();
+        assert_eq!(c[0], Phase { r: 0, k0: 1, taps: 1, pad: 0, r0: 0, len: 16 });
+        assert_eq!(c[1], Phase { r: 1, k0: 0, taps: 2, pad: 1, r0: 1, len: 16 });
+        // A 1x1 stride-2 kernel reaches no odd row: no classes.
+        assert_eq!(phases(8, 4, 1, 2, 0), None);
+        // Fewer rows than the stride: a class without pixels.
+        assert_eq!(phases(1, 1, 3, 2, 1), None);
+    }
 }

@@ -5,8 +5,10 @@
 //   MODE 0, forward:  M = Cout_g, P = N*OH*OW, K = Cin_g*KH*KW
 //       A(co, (ci,ky,kx)) = w[g*Cout_g+co, ci, ky, kx]; B((ci,ky,kx), (n,oy,ox)) = x[n, g*Cin_g+ci, iy, ix]
 //       y[n, g*Cout_g+co, oy, ox] = C + bias
-//   MODE 1, dx (strided convs; conv2d.rs runs a stride-1 dx as MODE 0 over dy with
-//   w flipped, conv_flip_weights):   M = Cin_g, P = N*H*W, K = Cout_g*KH*KW
+//   MODE 1, dx (conv2d.rs runs a stride-1 dx as MODE 0 over dy with w flipped,
+//   conv_flip_weights, and most strided ones as MODE 0 a residue class of dx's pixels,
+//   conv_sub_weights + conv_interleave; this gather is the rest):
+//                     M = Cin_g, P = N*H*W, K = Cout_g*KH*KW
 //       A(ci, (co,ky,kx)) = w[g*Cout_g+co, ci, ky, kx]
 //       B((co,ky,kx), (n,iy,ix)) = dy[n, g*Cout_g+co, oy, ox] where oy = (iy + ph - ky*dh) / sh
 //       divides exactly and is in range (likewise ox), else 0. A gather: no atomics.
@@ -31,6 +33,9 @@ struct Params {
     kw: u32, sh: u32, sw: u32, ph: u32,
     pw: u32, dh: u32, dw: u32, groups: u32,
     tiles_p: u32, tiles_m: u32, splits: u32, chunk: u32,   // chunk: K per split (all K: one)
+    ry: u32, rx: u32, ky0: u32, kx0: u32,   // a strided dx\'s residue class (conv2d.rs)
+    ty: u32, tx: u32, r0y: u32, r0x: u32,
+    th: u32, tw: u32, pad0: u32, pad1: u32,
 }
 
 override MODE: u32 = 0u;
@@ -263,6 +268,42 @@ fn conv_flip_weights(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     let ky = p.kh - 1u - r / p.kw;
     let kx = p.kw - 1u - r % p.kw;
     reduced[i] = wt[((g * cout_g() + co) * cin_g() + ci) * khw() + ky * p.kw + kx];
+}
+
+// A strided dx by residue classes (polyphase, conv2d.rs): the class (ry, rx)'s taps as a
+// stride-1 kernel, flipped and transposed: ws (Cin, Cout_g, ty, tx),
+// ws[g*Cin_g + ci, co, u, v] = w[g*Cout_g + co, ci, ky0 + (ty-1-u) sh, kx0 + (tx-1-v) sw].
+@compute @workgroup_size(WG)
+fn conv_sub_weights(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                    @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * WG + lid;
+    let taps = p.ty * p.tx;
+    if (i >= p.cin * cout_g() * taps) { return; }
+    let v = i % p.tx;
+    let u = (i / p.tx) % p.ty;
+    let co = (i / taps) % cout_g();
+    let cf = i / taps / cout_g();
+    let g = cf / cin_g();
+    let ci = cf % cin_g();
+    let ky = p.ky0 + (p.ty - 1u - u) * p.sh;
+    let kx = p.kx0 + (p.tx - 1u - v) * p.sw;
+    reduced[i] = wt[((g * cout_g() + co) * cin_g() + ci) * khw() + ky * p.kw + kx];
+}
+
+// dx[n, c, ry + sh j, rx + sw i] = class[n, c, r0y + j, r0x + i] over the class's j, i
+// (class: N x Cin x th x tw, bound as `partial`).
+@compute @workgroup_size(WG)
+fn conv_interleave(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                   @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * WG + lid;
+    let hj = (p.h - p.ry + p.sh - 1u) / p.sh;
+    let wj = (p.w - p.rx + p.sw - 1u) / p.sw;
+    if (i >= p.n * p.cin * hj * wj) { return; }
+    let c = i % wj;
+    let j = (i / wj) % hj;
+    let nc = i / wj / hj;
+    reduced[(nc * p.h + p.ry + p.sh * j) * p.w + p.rx + p.sw * c] =
+        partial[(nc * p.th + p.r0y + j) * p.tw + p.r0x + c];
 }
 
 // db[co] = sum over (n, oy, ox) of dy; one workgroup per co, strided sums then a tree.

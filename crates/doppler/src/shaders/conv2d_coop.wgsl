@@ -33,6 +33,9 @@ struct Params {
     kw: u32, sh: u32, sw: u32, ph: u32,
     pw: u32, dh: u32, dw: u32, groups: u32,
     tiles_p: u32, tiles_m: u32, splits: u32, chunk: u32,   // chunk: K per split
+    ry: u32, rx: u32, ky0: u32, kx0: u32,   // a strided dx\'s residue class (conv2d.rs)
+    ty: u32, tx: u32, r0y: u32, r0x: u32,
+    th: u32, tw: u32, pad0: u32, pad1: u32,
 }
 
 override MODE: u32 = 0u;

@@ -24,11 +24,13 @@ const fn opts(
 
 /// (x, w, options, bias): 3x3 with a batch and odd sizes; stride, padding and dilation per
 /// axis with groups; depthwise; 1x1; channels spanning several 64-tiles; stride 1 with
-/// dilation and groups (dx as a forward convolution with flipped weights); two groups of 32
+/// dilation and groups (dx as a forward convolution with flipped weights); strided 4x4 and
+/// 5x3 kernels (dx by residue classes), a strided 1x1 (a class without taps: the dx
+/// gather); two groups of 32
 /// output channels, strided (the cooperative kernel's partial tiles in every mode); and a
 /// 1x1 on 2 x 1450 x 1450 pixels (more than 65535 tiles, and a dw reduction of 8213
 /// splits).
-pub const CONV_CASES: [Case; 8] = [
+pub const CONV_CASES: [Case; 11] = [
     (
         &[2, 3, 7, 9],
         &[8, 3, 3, 3],
@@ -64,6 +66,24 @@ pub const CONV_CASES: [Case; 8] = [
         &[4, 3, 3, 2],
         opts((1, 1), (2, 1), (2, 1), 2),
         true,
+    ),
+    (
+        &[2, 3, 9, 10],
+        &[4, 3, 4, 4],
+        opts((2, 2), (1, 1), (1, 1), 1),
+        false,
+    ),
+    (
+        &[1, 4, 11, 13],
+        &[5, 4, 5, 3],
+        opts((3, 2), (2, 1), (1, 1), 1),
+        true,
+    ),
+    (
+        &[2, 5, 7, 8],
+        &[6, 5, 1, 1],
+        opts((2, 2), (0, 0), (1, 1), 1),
+        false,
     ),
     (
         &[3, 48, 9, 17],
