@@ -589,7 +589,7 @@ impl ConvNet {
         let sched = Schedule::new(c.steps());
         let [ci, h, w] = c.image_shape();
         let mut rng = Rng::new(seed);
-        let mut x: Vec<f64> = super::normals(&mut rng, n * ci * h * w, 1.0)
+        let mut x: Vec<f64> = super::normals_keyed(rng.next_u64(), n * ci * h * w)
             .into_iter()
             .map(f64::from)
             .collect();
@@ -614,7 +614,7 @@ impl ConvNet {
             let scale = 1.0 / (1.0 - beta).sqrt();
             let sigma = sched.posterior_std(t);
             let z = if t > 0 {
-                super::normals(&mut rng, x.len(), 1.0)
+                super::normals_keyed(rng.next_u64(), x.len())
             } else {
                 vec![0.0; x.len()]
             };
@@ -681,14 +681,21 @@ impl DiffusionBatch {
         let t: Vec<u32> = (0..n)
             .map(|_| (rng.next_u64() % sched.betas.len() as u64) as u32)
             .collect();
-        let noise = super::normals(&mut rng, n * pixels, 1.0);
+        let noise = super::normals_keyed(rng.next_u64(), n * pixels);
+        // sqrt(alpha_bar) and sqrt(1 - alpha_bar) of each image's step.
+        let coef: Vec<(f64, f64)> = (t.iter())
+            .map(|&s| {
+                let a = sched.alpha_bar[s as usize];
+                (a.sqrt(), (1.0 - a).sqrt())
+            })
+            .collect();
         let noisy = x0
             .iter()
             .zip(&noise)
             .enumerate()
             .map(|(i, (&x, &e))| {
-                let a = sched.alpha_bar[t[i / pixels] as usize];
-                (a.sqrt() * x as f64 + (1.0 - a).sqrt() * e as f64) as f32
+                let (ca, cn) = coef[i / pixels];
+                (ca * x as f64 + cn * e as f64) as f32
             })
             .collect();
         DiffusionBatch {

@@ -48,6 +48,39 @@ pub(crate) fn store_weights(
     Ok((params, index))
 }
 
+/// `n` standard normal draws from `key`, in chunks of NORMALS_CHUNK each drawn from its own
+/// generator (seeded from `key` and the chunk's index), so that threads draw them at once
+/// (natively; in order on wasm32): the same values for any thread count. A DDPM batch of
+/// 64 x 3 x 32 x 32 took ~9 ms a step drawn in one thread on the H200's host.
+pub fn normals_keyed(key: u64, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n];
+    let fill = |c: usize, chunk: &mut [f32]| {
+        let mut rng = crate::check::Rng::new(crate::train::data::mix(&[key, c as u64]));
+        chunk.copy_from_slice(&normals(&mut rng, chunk.len(), 1.0));
+    };
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let threads = std::thread::available_parallelism().map_or(1, |t| t.get().min(8));
+        let chunks: Vec<(usize, &mut [f32])> = out.chunks_mut(NORMALS_CHUNK).enumerate().collect();
+        let per = chunks.len().div_ceil(threads).max(1);
+        let mut chunks = chunks;
+        std::thread::scope(|s| {
+            while !chunks.is_empty() {
+                let mine: Vec<(usize, &mut [f32])> = chunks.drain(..per.min(chunks.len())).collect();
+                s.spawn(move || mine.into_iter().for_each(|(c, ch)| fill(c, ch)));
+            }
+        });
+    }
+    #[cfg(target_arch = "wasm32")]
+    out.chunks_mut(NORMALS_CHUNK)
+        .enumerate()
+        .for_each(|(c, ch)| fill(c, ch));
+    out
+}
+
+/// Values a generator of [`normals_keyed`] draws.
+const NORMALS_CHUNK: usize = 16384;
+
 /// Normal draws of standard deviation `std` from the seeded generator (Box-Muller in f64).
 pub fn normals(rng: &mut crate::check::Rng, n: usize, std: f64) -> Vec<f32> {
     (0..n)
