@@ -332,6 +332,29 @@ def test_json_mode_and_json_schema_parse(client):
         assert e.value.body["param"] == "response_format" and word in e.value.body["message"]
 
 
+def test_a_shared_system_prompt_is_computed_once(client, server):
+    """Requests whose prompts start with the same system prompt share its KV pages: the
+    usage reports the cached prompt tokens (OpenAI's prompt_tokens_details.cached_tokens,
+    whole pages of 16), the metrics count them, and the answer is the one computed
+    without them (the first time the same request ran, before anything was cached)."""
+    system = "You answer in one short sentence and never use lists. " * 4
+    def ask(user):
+        r = client.chat.completions.create(
+            model="smollm2", max_tokens=4, temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": user}])
+        details = r.usage.prompt_tokens_details
+        return r.choices[0].message.content, r.usage.prompt_tokens, details.cached_tokens
+    first, n, cached0 = ask("Name a colour.")
+    assert n > 48 and cached0 % 16 == 0
+    other, _, cached = ask("Count to three.")
+    assert cached >= 32 and cached % 16 == 0, cached
+    again, _, cached = ask("Name a colour.")
+    assert cached >= 48 and again == first
+    _, metrics = raw(server, "GET", "/metrics")
+    m = re.search(r"^doppler_prompt_tokens_cached_total (\d+)$", metrics, re.M)
+    assert m and int(m.group(1)) >= 80, metrics
+
+
 def test_load_every_answer_equals_the_request_alone():
     """16 concurrent streams, 64 requests (chat and text, greedy and seeded, every 10th
     cancelled after its first chunk): each finished answer, text and log-probabilities, is

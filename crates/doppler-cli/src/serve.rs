@@ -90,9 +90,11 @@ const BODY_LIMIT: usize = 8 << 20;
 
 /// What the worker sends back for a request.
 enum Event {
-    /// The prompt was accepted: its tokens.
+    /// The prompt was accepted: its tokens, and how many of them came from pages of a
+    /// prompt prefix cached earlier.
     Started {
         prompt_tokens: usize,
+        cached_tokens: usize,
     },
     /// Text and the log-probabilities of its tokens (when asked for).
     Text(String, Vec<TokenLogprob>),
@@ -125,6 +127,8 @@ struct Stats {
     active: AtomicUsize,
     requests: AtomicU64,
     prompt_tokens: AtomicU64,
+    /// Prompt tokens whose KV pages came from the prefix cache (continuous batching).
+    cached_tokens: AtomicU64,
     completion_tokens: AtomicU64,
     /// The last request's decode rate (tokens/s, f64 bits).
     decode_tok_s: AtomicU64,
@@ -428,6 +432,7 @@ async fn metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
          # HELP doppler_active_sequences Sequences being generated.\n# TYPE doppler_active_sequences gauge\ndoppler_active_sequences {}\n\
          # HELP doppler_requests_total Requests answered by the model.\n# TYPE doppler_requests_total counter\ndoppler_requests_total {}\n\
          # HELP doppler_prompt_tokens_total Prompt tokens processed.\n# TYPE doppler_prompt_tokens_total counter\ndoppler_prompt_tokens_total {}\n\
+         # HELP doppler_prompt_tokens_cached_total Prompt tokens whose KV pages a cached prefix held (not computed again).\n# TYPE doppler_prompt_tokens_cached_total counter\ndoppler_prompt_tokens_cached_total {}\n\
          # HELP doppler_completion_tokens_total Tokens generated.\n# TYPE doppler_completion_tokens_total counter\ndoppler_completion_tokens_total {}\n\
          # HELP doppler_decode_tokens_per_second The last request's decode rate.\n# TYPE doppler_decode_tokens_per_second gauge\ndoppler_decode_tokens_per_second {rate}\n\
          # HELP doppler_kv_tokens_in_use Tokens the running requests hold in the KV cache.\n# TYPE doppler_kv_tokens_in_use gauge\ndoppler_kv_tokens_in_use {}\n\
@@ -439,6 +444,7 @@ async fn metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
         active,
         s.requests.load(Ordering::SeqCst),
         s.prompt_tokens.load(Ordering::SeqCst),
+        s.cached_tokens.load(Ordering::SeqCst),
         s.completion_tokens.load(Ordering::SeqCst),
         s.kv_tokens.load(Ordering::SeqCst),
         app.ctx,
@@ -960,7 +966,10 @@ async fn respond(
     }
     // The first event says whether the prompt was taken (an error is still an HTTP error).
     let prompt_tokens = match rx.recv().await {
-        Some(Event::Started { prompt_tokens }) => prompt_tokens,
+        Some(Event::Started {
+            prompt_tokens,
+            cached_tokens,
+        }) => (prompt_tokens, cached_tokens),
         Some(Event::Failed(e)) => return e.into_response(),
         _ => return no_answer(),
     };
@@ -1146,9 +1155,11 @@ impl Shape {
     }
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
+/// OpenAI's usage object; `prompt` is (prompt tokens, of which cached).
+fn usage((prompt, cached): (usize, usize), completion: usize) -> Value {
     json!({ "prompt_tokens": prompt, "completion_tokens": completion,
-        "total_tokens": prompt + completion })
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": { "cached_tokens": cached } })
 }
 
 /// The SSE stream of a request: a first chunk (chat: the role), one chunk a piece of text,
@@ -1157,13 +1168,13 @@ fn usage(prompt: usize, completion: usize) -> Value {
 fn async_stream(
     rx: tmpsc::UnboundedReceiver<Event>,
     shape: Shape,
-    prompt_tokens: usize,
+    prompt_tokens: (usize, usize),
     include_usage: bool,
 ) -> impl futures_util::Stream<Item = Result<SseEvent, std::convert::Infallible>> {
     struct St {
         rx: tmpsc::UnboundedReceiver<Event>,
         shape: Shape,
-        prompt_tokens: usize,
+        prompt_tokens: (usize, usize),
         include_usage: bool,
         first: bool,
         pending: std::collections::VecDeque<String>,
@@ -1358,6 +1369,7 @@ fn generate_job(
     };
     let started = Event::Started {
         prompt_tokens: ids.len(),
+        cached_tokens: 0,
     };
     events.send(started).ok()?;
     stats.kv_tokens.store(ids.len(), Ordering::SeqCst);
@@ -1484,7 +1496,7 @@ fn batch_loop(
             let Some(job) = waiting.pop_front() else {
                 break;
             };
-            if let Some(r) = start(model, &mut batch, job, ctx, trie) {
+            if let Some(r) = start(model, &mut batch, job, ctx, trie, stats) {
                 running.push(r);
             }
         }
@@ -1653,14 +1665,17 @@ fn gone() -> Error {
     }
 }
 
-/// A waiting request into a running one: rendered, checked, a sequence for it, its
-/// `Started` event sent; None when it ended there (an error answered, or its client gone).
+/// A waiting request into a running one: rendered, checked, a sequence for it (holding
+/// the cached pages of its prompt's longest cached prefix, [`Batch::add_prefixed`]; only
+/// the rest of the prompt runs), its `Started` event sent; None when it ended there (an
+/// error answered, or its client gone).
 fn start(
     model: &Model,
     batch: &mut Batch<'_>,
     job: Job,
     ctx: usize,
     trie: &mut Option<Arc<TokenTrie>>,
+    stats: &Stats,
 ) -> Option<Running> {
     let Job { ask, events, slot } = job;
     if events.is_closed() {
@@ -1683,18 +1698,25 @@ fn start(
         &stop_tokens,
         trie,
     );
-    events
-        .send(Event::Started {
-            prompt_tokens: ids.len(),
-        })
-        .ok()?;
+    let (seq, cached) = batch.add_prefixed(&ids);
+    stats
+        .cached_tokens
+        .fetch_add(cached as u64, Ordering::SeqCst);
+    let sent = events.send(Event::Started {
+        prompt_tokens: ids.len(),
+        cached_tokens: cached,
+    });
+    if sent.is_err() {
+        batch.remove(seq);
+        return None;
+    }
     Some(Running {
-        seq: batch.add(),
+        seq,
         events,
         slot,
         sampler,
         prompt_tokens: ids.len(),
-        todo: ids,
+        todo: ids[cached..].to_vec(),
         stream: TextStream::new(ask.stop),
         stop_tokens,
         max_tokens,

@@ -494,3 +494,76 @@ fn batched_sequences_match_transformers_and_are_batch_invariant() {
     assert_eq!(b.pages_in_use(), 0);
     assert!(Batch::new(gpu, m, 4, KvType::Q8_0).is_err());
 }
+
+/// Shared prompt prefixes (`Batch::add_prefixed`): a sequence whose prompt starts with
+/// whole pages another sequence filled holds those pages and runs only the rest, and its
+/// logits, through two greedy tokens, are the same bits as computing the whole prompt
+/// itself; cached pages outlive their sequence until the pool needs them, and nothing is
+/// held afterwards.
+#[test]
+fn shared_prefix_pages_give_the_same_bits() {
+    use doppler::infer::batch::Batch;
+    use doppler::ops::kvcache::{KvType, PAGE};
+    let (gpu, m) = (gpu(), model());
+    let prompts: Vec<&Value> = fixture()["prompts"].as_array().unwrap().iter().collect();
+    let argmax = |l: &[f32]| Sampler::new(SamplerConfig::greedy()).sample(l, &[]);
+    // 40 tokens of the fixture's prompts, then two endings.
+    let mut long: Vec<u32> = Vec::new();
+    while long.len() < 40 {
+        for p in &prompts {
+            long.extend(ids(&p["ids"]));
+        }
+    }
+    long.truncate(40);
+    let mut second = long[..37].to_vec();
+    second.extend(&ids(&prompts[1]["ids"])[..3]);
+    let bits = |v: &[Vec<f32>]| -> Vec<Vec<u32>> {
+        v.iter().map(|l| l.iter().map(|x| x.to_bits()).collect()).collect()
+    };
+    // A prompt's logits and 2 greedy tokens' after it, and the tokens it held from the
+    // cache.
+    let run = |b: &mut Batch, prompt: &[u32]| -> (Vec<Vec<f32>>, usize) {
+        let (id, held) = b.add_prefixed(prompt);
+        let mut out = vec![b.step(gpu, &[(id, &prompt[held..])]).unwrap().remove(0)];
+        for _ in 0..2 {
+            let next = argmax(out.last().unwrap());
+            out.push(b.step(gpu, &[(id, &[next])]).unwrap().remove(0));
+        }
+        b.remove(id);
+        (out, held)
+    };
+    let mut fresh = Batch::new(gpu, m, 64, KvType::F32).unwrap();
+    let (want, held) = run(&mut fresh, &second);
+    assert_eq!(held, 0, "an empty cache holds nothing");
+
+    let mut b = Batch::new(gpu, m, 64, KvType::F32).unwrap();
+    let (first, held) = run(&mut b, &long);
+    assert_eq!(held, 0);
+    assert!(b.cached_pages() >= 2, "the first prompt's whole pages are cached");
+    assert_eq!(b.pages_in_use(), 0, "cached pages nobody holds are not in use");
+    let (got, held) = run(&mut b, &second);
+    assert_eq!(held, 2 * PAGE, "the 37 common tokens hold two whole pages");
+    assert_eq!(bits(&got), bits(&want), "shared pages changed the logits");
+    // The first prompt again, now whole from the cache but its last token's page.
+    let (again, held) = run(&mut b, &long);
+    assert_eq!(held, 2 * PAGE);
+    assert_eq!(bits(&again), bits(&first));
+    // While one sequence holds the pages, another shares them at once.
+    let (a, _) = b.add_prefixed(&long);
+    let (c, held) = b.add_prefixed(&second);
+    assert_eq!(held, 2 * PAGE);
+    assert_eq!(b.pages_in_use(), 2);
+    b.remove(a);
+    b.remove(c);
+    assert_eq!((b.pages_in_use(), b.sequences()), (0, 0));
+    // A pool too small to keep them: the cached pages are taken for new tokens.
+    let mut small = Batch::new(gpu, m, 3, KvType::F32).unwrap();
+    let (_, held) = run(&mut small, &long);
+    assert_eq!(held, 0);
+    let other: Vec<u32> = long.iter().map(|&t| t + 1).collect();
+    run(&mut small, &other);
+    let (got, held) = run(&mut small, &second);
+    assert!(held < 2 * PAGE, "evicted pages are not shared");
+    assert_eq!(bits(&got), bits(&want));
+    assert_eq!(small.pages_in_use(), 0);
+}

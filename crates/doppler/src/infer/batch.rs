@@ -6,8 +6,17 @@
 //! memory follows the tokens held. Every row of a step runs the same kernels in the same
 //! order whatever the other rows are: a sequence's logits are the same bits alone or
 //! beside others (batch invariance; `tests/gpu.rs`, `tests/smollm2.rs` check it).
+//!
+//! Shared prefixes: a page a sequence has filled is kept in a cache under the chain of
+//! its tokens (its own and every page's before it). A new sequence started with
+//! [`Batch::add_prefixed`] takes the cached pages its prompt's first whole pages match,
+//! token for token, and runs only the rest: a system prompt is computed once. A page
+//! holds the keys and values of its tokens alone, and those depend only on the tokens up
+//! to them, which the chain fixes; with batch invariance the shared pages are the bits
+//! the sequence would have computed itself. A cached page nobody holds stays cached until
+//! the pool needs it (free pages are taken first, then the longest-unused cached ones).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use crate::error::{Error, Result};
 use crate::gpu::{DType, Gpu, Tensor, FLUSH_EVERY};
@@ -21,14 +30,41 @@ pub type SeqId = u64;
 struct Seq {
     pages: Vec<u32>,
     len: usize,
+    /// The tokens held (len of them).
+    toks: Vec<u32>,
+    /// The chain keys of its whole pages so far (see [`chain`]).
+    keys: Vec<u64>,
+}
+
+/// A cached page: its tokens and the key of the page before it (None for a first page).
+struct Cached {
+    page: u32,
+    toks: Vec<u32>,
+    parent: Option<u64>,
+}
+
+/// The key of a whole page of tokens `toks` after the page keyed `parent`.
+fn chain(parent: Option<u64>, toks: &[u32]) -> u64 {
+    let mut words = Vec::with_capacity(toks.len() + 2);
+    words.push(parent.map_or(0x5eed, |k| k));
+    words.push(parent.is_some() as u64);
+    words.extend(toks.iter().map(|&t| t as u64));
+    crate::train::data::mix(&words)
 }
 
 /// Sequences in one paged KV pool.
 pub struct Batch<'m> {
     pub model: &'m Model,
     pool: KvCache,
-    /// Free pages, the lowest last (taken first).
-    free: Vec<u32>,
+    /// Free pages not in the cache, taken lowest first.
+    free: BTreeSet<u32>,
+    /// Cached pages nobody holds, the longest unused first (taken when `free` is empty).
+    idle: VecDeque<u32>,
+    /// Sequences holding each page.
+    refs: Vec<u32>,
+    /// Whole pages by chain key, and each page's key while it is cached.
+    cache: HashMap<u64, Cached>,
+    page_key: Vec<Option<u64>>,
     seqs: BTreeMap<SeqId, Seq>,
     next: SeqId,
     pages: usize,
@@ -61,7 +97,11 @@ impl<'m> Batch<'m> {
         Ok(Batch {
             model,
             pool,
-            free: (0..pages as u32).rev().collect(),
+            free: (0..pages as u32).collect(),
+            idle: VecDeque::new(),
+            refs: vec![0; pages],
+            cache: HashMap::new(),
+            page_key: vec![None; pages],
             seqs: BTreeMap::new(),
             next: 0,
             pages,
@@ -70,7 +110,34 @@ impl<'m> Batch<'m> {
 
     /// Pages in use by sequences.
     pub fn pages_in_use(&self) -> usize {
-        self.pages - self.free.len()
+        self.pages - self.available()
+    }
+
+    /// Pages a sequence can take: free ones and cached ones nobody holds.
+    fn available(&self) -> usize {
+        self.free.len() + self.idle.len()
+    }
+
+    /// Whole pages in the prefix cache (held or not).
+    pub fn cached_pages(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// A page for new tokens: a free one, else the longest-unused cached one (out of the
+    /// cache). The caller has checked [`Batch::available`].
+    fn take_page(&mut self) -> u32 {
+        let p = match self.free.pop_first() {
+            Some(p) => p,
+            None => {
+                let p = self.idle.pop_front().expect("counted");
+                if let Some(k) = self.page_key[p as usize].take() {
+                    self.cache.remove(&k);
+                }
+                p
+            }
+        };
+        self.refs[p as usize] = 1;
+        p
     }
 
     pub fn pages(&self) -> usize {
@@ -99,7 +166,7 @@ impl<'m> Batch<'m> {
         let have = id
             .and_then(|i| self.seqs.get(&i))
             .map_or(0, |s| s.pages.len());
-        (len + n).div_ceil(PAGE).saturating_sub(have) + others <= self.free.len()
+        (len + n).div_ceil(PAGE).saturating_sub(have) + others <= self.available()
     }
 
     /// Pages a step adding `n` tokens to `id` (None: a new sequence) takes from the pool.
@@ -113,22 +180,89 @@ impl<'m> Batch<'m> {
 
     /// A new, empty sequence.
     pub fn add(&mut self) -> SeqId {
+        self.add_prefixed(&[]).0
+    }
+
+    /// A new sequence for `prompt`, holding the cached pages that its first whole pages
+    /// match token for token (at most up to the prompt's last token, which a step must
+    /// still run for its logits), and how many of the prompt's tokens those hold: feed it
+    /// `prompt[that..]`.
+    pub fn add_prefixed(&mut self, prompt: &[u32]) -> (SeqId, usize) {
+        let mut pages = Vec::new();
+        let mut keys = Vec::new();
+        for toks in prompt[..prompt.len().saturating_sub(1)].chunks_exact(PAGE) {
+            let parent = keys.last().copied();
+            let key = chain(parent, toks);
+            match self.cache.get(&key) {
+                Some(c) if c.toks == toks && c.parent == parent => {
+                    pages.push(c.page);
+                    keys.push(key);
+                }
+                _ => break,
+            }
+        }
+        for &p in &pages {
+            if self.refs[p as usize] == 0 {
+                self.idle.retain(|&q| q != p);
+            }
+            self.refs[p as usize] += 1;
+        }
+        let len = pages.len() * PAGE;
         let id = self.next;
         self.next += 1;
         self.seqs.insert(
             id,
             Seq {
-                pages: Vec::new(),
-                len: 0,
+                pages,
+                len,
+                toks: prompt[..len].to_vec(),
+                keys,
             },
         );
-        id
+        (id, len)
     }
 
-    /// Forgets `id`; its pages go back to the pool.
+    /// Forgets `id`; pages nobody else holds go back to the pool (cached ones stay
+    /// cached until the pool needs them).
     pub fn remove(&mut self, id: SeqId) {
         if let Some(s) = self.seqs.remove(&id) {
-            self.free.extend(s.pages.into_iter().rev());
+            for p in s.pages {
+                let r = &mut self.refs[p as usize];
+                *r -= 1;
+                if *r == 0 {
+                    match self.page_key[p as usize] {
+                        Some(_) => self.idle.push_back(p),
+                        None => {
+                            self.free.insert(p);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Puts `id`'s pages that are whole and not yet keyed into the cache (unless a page
+    /// of the same tokens is there already).
+    fn cache_whole_pages(&mut self, id: SeqId) {
+        let s = self.seqs.get_mut(&id).expect("checked");
+        while (s.keys.len() + 1) * PAGE <= s.len {
+            let i = s.keys.len();
+            let toks = &s.toks[i * PAGE..(i + 1) * PAGE];
+            let parent = s.keys.last().copied();
+            let key = chain(parent, toks);
+            let page = s.pages[i];
+            if !self.cache.contains_key(&key) && self.page_key[page as usize].is_none() {
+                self.cache.insert(
+                    key,
+                    Cached {
+                        page,
+                        toks: toks.to_vec(),
+                        parent,
+                    },
+                );
+                self.page_key[page as usize] = Some(key);
+            }
+            s.keys.push(key);
         }
     }
 
@@ -181,16 +315,17 @@ impl<'m> Batch<'m> {
         if feeds.is_empty() {
             return Ok(Vec::new());
         }
-        if need > self.free.len() {
+        if need > self.available() {
             return Err(bad(format!(
                 "the KV pool has {} free pages of {PAGE} tokens, the step needs {need}",
-                self.free.len()
+                self.available()
             )));
         }
         for &(id, toks) in feeds {
-            let s = self.seqs.get_mut(&id).expect("checked");
-            while s.pages.len() * PAGE < s.len + toks.len() {
-                s.pages.push(self.free.pop().expect("counted"));
+            let want = (self.seqs[&id].len + toks.len()).div_ceil(PAGE);
+            while self.seqs[&id].pages.len() < want {
+                let p = self.take_page();
+                self.seqs.get_mut(&id).expect("checked").pages.push(p);
             }
         }
         let mut ids = Vec::new();
@@ -222,7 +357,10 @@ impl<'m> Batch<'m> {
         }
         let all = logits.to_vec_f32(gpu).await?;
         for &(id, toks) in feeds {
-            self.seqs.get_mut(&id).expect("checked").len += toks.len();
+            let s = self.seqs.get_mut(&id).expect("checked");
+            s.len += toks.len();
+            s.toks.extend_from_slice(toks);
+            self.cache_whole_pages(id);
         }
         Ok(all.chunks(vocab).map(<[f32]>::to_vec).collect())
     }
