@@ -28,6 +28,10 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
+PREAMBLE = ("The lighthouse keeper kept a log of every ship that passed the rocks, "
+            "the weather at dawn and dusk, and the colour of the sea. ")
+
+
 def one(url, model, prompt, max_tokens, seed, key):
     """One streamed completion: (ttft_s, [gaps between tokens_s], tokens, ok)."""
     u = urllib.parse.urlparse(url)
@@ -80,7 +84,12 @@ def level(args, n):
                 if not todo:
                     return
                 i = todo.pop()
-            f, g, t, ok = one(args.url, args.model, args.prompt, args.max_tokens, i, args.key)
+            prompt = args.prompt
+            if args.preamble:
+                # The same preamble for every request (a shared system prompt), then the
+                # request's own words.
+                prompt = PREAMBLE * args.preamble + f"Entry {i}: " + args.prompt
+            f, g, t, ok = one(args.url, args.model, prompt, args.max_tokens, i, args.key)
             with lock:
                 if ok:
                     done += 1
@@ -115,6 +124,9 @@ def main():
     ap.add_argument("--requests", type=int, default=0, help="per level (0: 2 x concurrency)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt", default="Once upon a time, in a small village by the sea,")
+    ap.add_argument("--preamble", type=int, default=0,
+                    help="prefix every prompt with this many copies of a ~25-word sentence, "
+                         "the same for all requests (a shared prefix), then its own words")
     ap.add_argument("--deadline", type=float, default=120, help="seconds a level, at most")
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args()
@@ -134,8 +146,8 @@ def main():
         out.append(r)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "max_tokens": args.max_tokens, "levels": out}, f,
-                      indent=1)
+            json.dump({"model": args.model, "max_tokens": args.max_tokens,
+                       "preamble": args.preamble, "levels": out}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,10 @@ pub struct ServeArgs {
     /// KV pages for all of them). 1: one at a time on the one-sequence path.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1024))]
     parallel: u16,
+    /// Compute every prompt whole: no KV pages of a cached prompt prefix shared between
+    /// requests (continuous batching shares them by default).
+    #[arg(long)]
+    no_prefix_cache: bool,
     /// Require `Authorization: Bearer KEY` on every /v1 request.
     #[arg(long, env = "DOPPLER_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -234,7 +238,8 @@ pub fn serve_cmd(gpu: &Gpu, args: &ServeArgs) -> doppler::Result<ExitCode> {
         n => {
             let pages = n * ctx.div_ceil(PAGE);
             match Batch::new(gpu, &model, pages, ty) {
-                Ok(b) => {
+                Ok(mut b) => {
+                    b.set_prefix_cache(!args.no_prefix_cache);
                     tracing::info!(
                         "continuous batching: {n} requests at once, KV pool of {pages} pages of {PAGE} tokens ({} {}, {:.1} MiB)",
                         ty.name(),

@@ -68,6 +68,8 @@ pub struct Batch<'m> {
     seqs: BTreeMap<SeqId, Seq>,
     next: SeqId,
     pages: usize,
+    /// Whether add_prefixed shares cached pages (on unless turned off).
+    share: bool,
 }
 
 impl<'m> Batch<'m> {
@@ -105,6 +107,7 @@ impl<'m> Batch<'m> {
             seqs: BTreeMap::new(),
             next: 0,
             pages,
+            share: true,
         })
     }
 
@@ -116,6 +119,12 @@ impl<'m> Batch<'m> {
     /// Pages a sequence can take: free ones and cached ones nobody holds.
     fn available(&self) -> usize {
         self.free.len() + self.idle.len()
+    }
+
+    /// Whether [`Batch::add_prefixed`] shares cached pages (default on; off, every prompt
+    /// is computed whole).
+    pub fn set_prefix_cache(&mut self, on: bool) {
+        self.share = on;
     }
 
     /// Whole pages in the prefix cache (held or not).
@@ -190,7 +199,8 @@ impl<'m> Batch<'m> {
     pub fn add_prefixed(&mut self, prompt: &[u32]) -> (SeqId, usize) {
         let mut pages = Vec::new();
         let mut keys = Vec::new();
-        for toks in prompt[..prompt.len().saturating_sub(1)].chunks_exact(PAGE) {
+        let shareable = if self.share { prompt.len().saturating_sub(1) } else { 0 };
+        for toks in prompt[..shareable].chunks_exact(PAGE) {
             let parent = keys.last().copied();
             let key = chain(parent, toks);
             match self.cache.get(&key) {
