@@ -518,7 +518,9 @@ fn shared_prefix_pages_give_the_same_bits() {
     let mut second = long[..37].to_vec();
     second.extend(&ids(&prompts[1]["ids"])[..3]);
     let bits = |v: &[Vec<f32>]| -> Vec<Vec<u32>> {
-        v.iter().map(|l| l.iter().map(|x| x.to_bits()).collect()).collect()
+        v.iter()
+            .map(|l| l.iter().map(|x| x.to_bits()).collect())
+            .collect()
     };
     // A prompt's logits and 2 greedy tokens' after it, and the tokens it held from the
     // cache.
@@ -539,8 +541,15 @@ fn shared_prefix_pages_give_the_same_bits() {
     let mut b = Batch::new(gpu, m, 64, KvType::F32).unwrap();
     let (first, held) = run(&mut b, &long);
     assert_eq!(held, 0);
-    assert!(b.cached_pages() >= 2, "the first prompt's whole pages are cached");
-    assert_eq!(b.pages_in_use(), 0, "cached pages nobody holds are not in use");
+    assert!(
+        b.cached_pages() >= 2,
+        "the first prompt's whole pages are cached"
+    );
+    assert_eq!(
+        b.pages_in_use(),
+        0,
+        "cached pages nobody holds are not in use"
+    );
     let (got, held) = run(&mut b, &second);
     assert_eq!(held, 2 * PAGE, "the 37 common tokens hold two whole pages");
     assert_eq!(bits(&got), bits(&want), "shared pages changed the logits");

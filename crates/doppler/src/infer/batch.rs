@@ -199,7 +199,11 @@ impl<'m> Batch<'m> {
     pub fn add_prefixed(&mut self, prompt: &[u32]) -> (SeqId, usize) {
         let mut pages = Vec::new();
         let mut keys = Vec::new();
-        let shareable = if self.share { prompt.len().saturating_sub(1) } else { 0 };
+        let shareable = if self.share {
+            prompt.len().saturating_sub(1)
+        } else {
+            0
+        };
         for toks in prompt[..shareable].chunks_exact(PAGE) {
             let parent = keys.last().copied();
             let key = chain(parent, toks);

@@ -66,7 +66,8 @@ pub fn normals_keyed(key: u64, n: usize) -> Vec<f32> {
         let mut chunks = chunks;
         std::thread::scope(|s| {
             while !chunks.is_empty() {
-                let mine: Vec<(usize, &mut [f32])> = chunks.drain(..per.min(chunks.len())).collect();
+                let mine: Vec<(usize, &mut [f32])> =
+                    chunks.drain(..per.min(chunks.len())).collect();
                 s.spawn(move || mine.into_iter().for_each(|(c, ch)| fill(c, ch)));
             }
         });

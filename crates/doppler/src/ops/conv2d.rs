@@ -80,8 +80,7 @@ static SPLIT_SUM: Kernel = Kernel::new(
     &[(3, Read), (6, Read), (7, ReadWrite)],
 );
 static FLIP: Kernel = Kernel::new(&CONV2D, "conv_flip_weights", &[(2, Read), (7, ReadWrite)]);
-static SUB_WEIGHTS: Kernel =
-    Kernel::new(&CONV2D, "conv_sub_weights", &[(2, Read), (7, ReadWrite)]);
+static SUB_WEIGHTS: Kernel = Kernel::new(&CONV2D, "conv_sub_weights", &[(2, Read), (7, ReadWrite)]);
 static INTERLEAVE: Kernel = Kernel::new(&CONV2D, "conv_interleave", &[(6, Read), (7, ReadWrite)]);
 static BIAS_GRAD: Kernel = Kernel::new(&CONV2D, "conv_bias_grad", &[(5, Read), (8, ReadWrite)]);
 
@@ -321,7 +320,10 @@ fn gemm_out(
     ps.splits = splits as u32;
     rec.dispatch(
         &SPLIT_SUM,
-        &[("MODE", mode as f64), ("HAS_BIAS", bias.is_some() as u32 as f64)],
+        &[
+            ("MODE", mode as f64),
+            ("HAS_BIAS", bias.is_some() as u32 as f64),
+        ],
         bytemuck::bytes_of(&ps),
         &[b, &partial, out],
         Grid::cover(len as u64, 256),
@@ -395,12 +397,7 @@ fn dx_class(
     let ws = Tensor::empty(rec.gpu(), &ws_shape, DType::F32, "conv2d.w_class")?;
     let mut pc = *p;
     (pc.ry, pc.rx, pc.ky0, pc.kx0) = (cy.r as u32, cx.r as u32, cy.k0 as u32, cx.k0 as u32);
-    (pc.ty, pc.tx, pc.r0y, pc.r0x) = (
-        cy.taps as u32,
-        cx.taps as u32,
-        cy.r0 as u32,
-        cx.r0 as u32,
-    );
+    (pc.ty, pc.tx, pc.r0y, pc.r0x) = (cy.taps as u32, cx.taps as u32, cy.r0 as u32, cx.r0 as u32);
     rec.dispatch(
         &SUB_WEIGHTS,
         &[],
@@ -419,7 +416,18 @@ fn dx_class(
     let class = Tensor::empty(rec.gpu(), &[n, cin, th, tw], DType::F32, "conv2d.dx_class")?;
     let depth = cout / g * cy.taps * cx.taps;
     let coop = path.coop(rec.gpu(), cin / g, depth)?;
-    gemm_out(rec, pf, 0, (cin / g, n * th * tw, depth), coop, dy, &ws, None, &class, dy)?;
+    gemm_out(
+        rec,
+        pf,
+        0,
+        (cin / g, n * th * tw, depth),
+        coop,
+        dy,
+        &ws,
+        None,
+        &class,
+        dy,
+    )?;
     (pc.th, pc.tw) = (th as u32, tw as u32);
     rec.dispatch(
         &INTERLEAVE,
@@ -554,8 +562,13 @@ pub fn conv2d_backward_on(
         }
         None => {
             let classes = match o.dilation == (1, 1) {
-                true => phases(h, oh, p.kh as usize, o.stride.0, o.padding.0)
-                    .zip(phases(wd, ow, p.kw as usize, o.stride.1, o.padding.1)),
+                true => phases(h, oh, p.kh as usize, o.stride.0, o.padding.0).zip(phases(
+                    wd,
+                    ow,
+                    p.kw as usize,
+                    o.stride.1,
+                    o.padding.1,
+                )),
                 false => None,
             };
             match classes {
@@ -625,8 +638,28 @@ mod tests {
         // 3x3, stride 2, padding 1 over 32 rows (16 out): even rows take the middle tap,
         // odd rows the outer two, each at padding 0 and 1.
         let c = phases(32, 16, 3, 2, 1).unwrap();
-        assert_eq!(c[0], Phase { r: 0, k0: 1, taps: 1, pad: 0, r0: 0, len: 16 });
-        assert_eq!(c[1], Phase { r: 1, k0: 0, taps: 2, pad: 1, r0: 1, len: 16 });
+        assert_eq!(
+            c[0],
+            Phase {
+                r: 0,
+                k0: 1,
+                taps: 1,
+                pad: 0,
+                r0: 0,
+                len: 16
+            }
+        );
+        assert_eq!(
+            c[1],
+            Phase {
+                r: 1,
+                k0: 0,
+                taps: 2,
+                pad: 1,
+                r0: 1,
+                len: 16
+            }
+        );
         // A 1x1 stride-2 kernel reaches no odd row: no classes.
         assert_eq!(phases(8, 4, 1, 2, 0), None);
         // Fewer rows than the stride: a class without pixels.
