@@ -131,7 +131,8 @@ struct Stats {
     active: AtomicUsize,
     requests: AtomicU64,
     prompt_tokens: AtomicU64,
-    /// Prompt tokens whose KV pages came from the prefix cache (continuous batching).
+    /// Of prompt_tokens, those whose KV pages came from the prefix cache (continuous
+    /// batching; counted, like prompt_tokens, when a request finishes).
     cached_tokens: AtomicU64,
     completion_tokens: AtomicU64,
     /// The last request's decode rate (tokens/s, f64 bits).
@@ -1456,6 +1457,8 @@ struct Running {
     stop_tokens: Vec<u32>,
     max_tokens: usize,
     prompt_tokens: usize,
+    /// Of those, tokens whose pages came from the prefix cache.
+    cached_tokens: usize,
     started: Instant,
 }
 
@@ -1501,7 +1504,7 @@ fn batch_loop(
             let Some(job) = waiting.pop_front() else {
                 break;
             };
-            if let Some(r) = start(model, &mut batch, job, ctx, trie, stats) {
+            if let Some(r) = start(model, &mut batch, job, ctx, trie) {
                 running.push(r);
             }
         }
@@ -1680,7 +1683,6 @@ fn start(
     job: Job,
     ctx: usize,
     trie: &mut Option<Arc<TokenTrie>>,
-    stats: &Stats,
 ) -> Option<Running> {
     let Job { ask, events, slot } = job;
     if events.is_closed() {
@@ -1704,9 +1706,6 @@ fn start(
         trie,
     );
     let (seq, cached) = batch.add_prefixed(&ids);
-    stats
-        .cached_tokens
-        .fetch_add(cached as u64, Ordering::SeqCst);
     let sent = events.send(Event::Started {
         prompt_tokens: ids.len(),
         cached_tokens: cached,
@@ -1721,6 +1720,7 @@ fn start(
         slot,
         sampler,
         prompt_tokens: ids.len(),
+        cached_tokens: cached,
         todo: ids[cached..].to_vec(),
         stream: TextStream::new(ask.stop),
         stop_tokens,
@@ -1762,6 +1762,7 @@ fn finish(batch: &mut Batch<'_>, r: Running, end: End, stats: &Stats) {
         slot,
         mut stream,
         prompt_tokens,
+        cached_tokens,
         started,
         ..
     } = r;
@@ -1782,6 +1783,9 @@ fn finish(batch: &mut Batch<'_>, r: Running, end: End, stats: &Stats) {
             stats
                 .prompt_tokens
                 .fetch_add(prompt_tokens as u64, Ordering::SeqCst);
+            stats
+                .cached_tokens
+                .fetch_add(cached_tokens as u64, Ordering::SeqCst);
             stats
                 .completion_tokens
                 .fetch_add(completion_tokens as u64, Ordering::SeqCst);

@@ -14,9 +14,11 @@
 //! holds the keys and values of its tokens alone, and those depend only on the tokens up
 //! to them, which the chain fixes; with batch invariance the shared pages are the bits
 //! the sequence would have computed itself. A cached page nobody holds stays cached until
-//! the pool needs it (free pages are taken first, then the longest-unused cached ones).
+//! the pool needs it (free pages are taken first, then the cached ones let go longest ago,
+//! a prefix's last pages before its first). Pages are cached after the step that fills
+//! them: two prompts started in the same step do not share.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::error::{Error, Result};
 use crate::gpu::{DType, Gpu, Tensor, FLUSH_EVERY};
@@ -58,8 +60,11 @@ pub struct Batch<'m> {
     pool: KvCache,
     /// Free pages not in the cache, taken lowest first.
     free: BTreeSet<u32>,
-    /// Cached pages nobody holds, the longest unused first (taken when `free` is empty).
-    idle: VecDeque<u32>,
+    /// Cached pages nobody holds by when they were let go, the oldest first (taken when
+    /// `free` is empty); each such page's stamp.
+    idle: BTreeMap<u64, u32>,
+    idle_stamp: Vec<Option<u64>>,
+    stamp: u64,
     /// Sequences holding each page.
     refs: Vec<u32>,
     /// Whole pages by chain key, and each page's key while it is cached.
@@ -100,7 +105,9 @@ impl<'m> Batch<'m> {
             model,
             pool,
             free: (0..pages as u32).collect(),
-            idle: VecDeque::new(),
+            idle: BTreeMap::new(),
+            idle_stamp: vec![None; pages],
+            stamp: 0,
             refs: vec![0; pages],
             cache: HashMap::new(),
             page_key: vec![None; pages],
@@ -132,13 +139,14 @@ impl<'m> Batch<'m> {
         self.cache.len()
     }
 
-    /// A page for new tokens: a free one, else the longest-unused cached one (out of the
-    /// cache). The caller has checked [`Batch::available`].
+    /// A page for new tokens: a free one, else the cached one let go longest ago (out of
+    /// the cache). The caller has checked [`Batch::available`].
     fn take_page(&mut self) -> u32 {
         let p = match self.free.pop_first() {
             Some(p) => p,
             None => {
-                let p = self.idle.pop_front().expect("counted");
+                let (_, p) = self.idle.pop_first().expect("counted");
+                self.idle_stamp[p as usize] = None;
                 if let Some(k) = self.page_key[p as usize].take() {
                     self.cache.remove(&k);
                 }
@@ -193,7 +201,8 @@ impl<'m> Batch<'m> {
     }
 
     /// A new sequence for `prompt`, holding the cached pages that its first whole pages
-    /// match token for token (at most up to the prompt's last token, which a step must
+    /// match (each page's tokens compared, the pages before it by their 64-bit chain key;
+    /// at most up to the prompt's last token, which a step must
     /// still run for its logits), and how many of the prompt's tokens those hold: feed it
     /// `prompt[that..]`.
     pub fn add_prefixed(&mut self, prompt: &[u32]) -> (SeqId, usize) {
@@ -216,8 +225,8 @@ impl<'m> Batch<'m> {
             }
         }
         for &p in &pages {
-            if self.refs[p as usize] == 0 {
-                self.idle.retain(|&q| q != p);
+            if let Some(t) = self.idle_stamp[p as usize].take() {
+                self.idle.remove(&t);
             }
             self.refs[p as usize] += 1;
         }
@@ -237,15 +246,20 @@ impl<'m> Batch<'m> {
     }
 
     /// Forgets `id`; pages nobody else holds go back to the pool (cached ones stay
-    /// cached until the pool needs them).
+    /// cached until the pool needs them, a prefix's last pages taken before its first:
+    /// a prefix stays reachable, page 0 on, as long as any of it is).
     pub fn remove(&mut self, id: SeqId) {
         if let Some(s) = self.seqs.remove(&id) {
-            for p in s.pages {
+            for p in s.pages.into_iter().rev() {
                 let r = &mut self.refs[p as usize];
                 *r -= 1;
                 if *r == 0 {
                     match self.page_key[p as usize] {
-                        Some(_) => self.idle.push_back(p),
+                        Some(_) => {
+                            self.idle.insert(self.stamp, p);
+                            self.idle_stamp[p as usize] = Some(self.stamp);
+                            self.stamp += 1;
+                        }
                         None => {
                             self.free.insert(p);
                         }
@@ -258,6 +272,9 @@ impl<'m> Batch<'m> {
     /// Puts `id`'s pages that are whole and not yet keyed into the cache (unless a page
     /// of the same tokens is there already).
     fn cache_whole_pages(&mut self, id: SeqId) {
+        if !self.share {
+            return;
+        }
         let s = self.seqs.get_mut(&id).expect("checked");
         while (s.keys.len() + 1) * PAGE <= s.len {
             let i = s.keys.len();
@@ -331,7 +348,7 @@ impl<'m> Batch<'m> {
         }
         if need > self.available() {
             return Err(bad(format!(
-                "the KV pool has {} free pages of {PAGE} tokens, the step needs {need}",
+                "the KV pool has {} pages of {PAGE} tokens free (or cached and unheld), the step needs {need}",
                 self.available()
             )));
         }

@@ -56,26 +56,30 @@ pub fn normals_keyed(key: u64, n: usize) -> Vec<f32> {
     let mut out = vec![0f32; n];
     let fill = |c: usize, chunk: &mut [f32]| {
         let mut rng = crate::check::Rng::new(crate::train::data::mix(&[key, c as u64]));
-        chunk.copy_from_slice(&normals(&mut rng, chunk.len(), 1.0));
+        chunk
+            .iter_mut()
+            .for_each(|v| *v = normal(&mut rng, 1.0) as f32);
     };
+    let chunks: Vec<(usize, &mut [f32])> = out.chunks_mut(NORMALS_CHUNK).enumerate().collect();
+    // More than one chunk: on threads (natively), each taking a run of them.
     #[cfg(not(target_arch = "wasm32"))]
-    {
-        let threads = std::thread::available_parallelism().map_or(1, |t| t.get().min(8));
-        let chunks: Vec<(usize, &mut [f32])> = out.chunks_mut(NORMALS_CHUNK).enumerate().collect();
-        let per = chunks.len().div_ceil(threads).max(1);
-        let mut chunks = chunks;
-        std::thread::scope(|s| {
-            while !chunks.is_empty() {
-                let mine: Vec<(usize, &mut [f32])> =
-                    chunks.drain(..per.min(chunks.len())).collect();
-                s.spawn(move || mine.into_iter().for_each(|(c, ch)| fill(c, ch)));
-            }
-        });
-    }
-    #[cfg(target_arch = "wasm32")]
-    out.chunks_mut(NORMALS_CHUNK)
-        .enumerate()
-        .for_each(|(c, ch)| fill(c, ch));
+    let chunks = match chunks.len() {
+        0 | 1 => chunks,
+        _ => {
+            let threads = std::thread::available_parallelism().map_or(1, |t| t.get().min(8));
+            let per = chunks.len().div_ceil(threads).max(1);
+            let mut rest = chunks;
+            std::thread::scope(|s| {
+                while !rest.is_empty() {
+                    let mine: Vec<(usize, &mut [f32])> =
+                        rest.drain(..per.min(rest.len())).collect();
+                    s.spawn(move || mine.into_iter().for_each(|(c, ch)| fill(c, ch)));
+                }
+            });
+            rest
+        }
+    };
+    chunks.into_iter().for_each(|(c, ch)| fill(c, ch));
     out
 }
 
@@ -84,12 +88,13 @@ const NORMALS_CHUNK: usize = 16384;
 
 /// Normal draws of standard deviation `std` from the seeded generator (Box-Muller in f64).
 pub fn normals(rng: &mut crate::check::Rng, n: usize, std: f64) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            let u1 = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-            let u2 = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-            let r = (-2.0 * (1.0 - u1).ln()).sqrt();
-            (std * r * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-        })
-        .collect()
+    (0..n).map(|_| normal(rng, std) as f32).collect()
+}
+
+/// One normal draw of standard deviation `std` (Box-Muller in f64, the cosine half).
+fn normal(rng: &mut crate::check::Rng, std: f64) -> f64 {
+    let u1 = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+    let u2 = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+    let r = (-2.0 * (1.0 - u1).ln()).sqrt();
+    std * r * (2.0 * std::f64::consts::PI * u2).cos()
 }

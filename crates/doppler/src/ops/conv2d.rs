@@ -1,8 +1,9 @@
 //! 2-D convolution (NCHW) with stride, padding, dilation and groups, forward and backward
-//! (dx, dw, db), all as implicit GEMM on one tiled kernel. Shader: `conv2d.wgsl` (the three
-//! GEMMs are spelled out in its header), f32; or `conv2d_coop.wgsl`, the same GEMMs on
-//! cooperative matrices (f16 operands, f32 sums) where products take f16 operands
-//! ([`MatmulMode::F16`]): see [`ConvPath`].
+//! (dx, dw, db), as implicit GEMMs (no im2col buffer). Shaders: `conv2d.wgsl` (the three
+//! GEMMs are spelled out in its header, f32; and the small kernels around them), or
+//! `conv2d_coop.wgsl`, the same GEMMs on cooperative matrices (f16 operands, f32 sums)
+//! where products take f16 operands ([`MatmulMode::F16`]): see [`ConvPath`]. f16 operands
+//! have f16's range: train with a dynamic loss scale there, as for the f16 products.
 //!
 //! Derivatives of y = conv(x, w) + b: dx is the transposed convolution of dy with w (a
 //! gather over the (ky, kx) taps that reach each input pixel), dw[co, ci, ky, kx] =

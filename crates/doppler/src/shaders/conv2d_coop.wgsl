@@ -14,7 +14,9 @@
 //   A: thread t holds k = t % 32 of rows t / 32 + 4 r (r < 16); k decoded once a step.
 //   B, modes 0 and 1: thread t holds column t (its pixel decoded once a tile) at the
 //      step's 32 k, whose (channel, ky, kx) offsets 32 threads decode into `ktab` a step
-//      ahead (two halves, one a step); stored [k][p].
+//      ahead (two halves, one a step: the first step's values are fetched before the
+//      loop with no barrier after them, so the table of the second must not overwrite
+//      the first's); stored [k][p].
 //   B, mode 2: thread t holds k = t % 32 (an output pixel, decoded once a step) of columns
 //      t / 32 + 4 r (r < 32), whose (channel, ky, kx) offsets are decoded once a tile into
 //      `cols`; stored [p][k] (consecutive threads, consecutive k: pixels next to each other
