@@ -73,8 +73,6 @@ static GEMM_COOP: Kernel = Kernel {
     storage: &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (5, Read)],
     features: wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX.union(wgpu::Features::SHADER_F16),
 };
-static WGRAD_REDUCE: Kernel =
-    Kernel::new(&CONV2D, "conv_wgrad_reduce", &[(6, Read), (7, ReadWrite)]);
 static SPLIT_SUM: Kernel = Kernel::new(
     &CONV2D,
     "conv_split_sum",
@@ -268,8 +266,10 @@ fn split_k(tiles: usize, k: usize, slab: usize) -> (usize, usize) {
     }
 }
 
-/// The forward (mode 0) or dx (mode 1) GEMM into `out`, split along k where the output has
-/// few tiles: partial outputs, then `conv_split_sum` adds them in order (and the bias).
+/// The GEMM of `mode` (0 forward, 1 dx, 2 dw) into `out`, split along k (forward and dx
+/// where the output has few tiles, [`split_k`]; dw always, in chunks of WGRAD_CHUNK of its
+/// N*OH*OW reduction): partial outputs, then `conv_split_sum` adds them in order (and the
+/// bias).
 #[allow(clippy::too_many_arguments)]
 fn gemm_out(
     rec: &mut Recorder<'_>,
@@ -289,7 +289,13 @@ fn gemm_out(
         ((TILE, TILE), SLAB)
     };
     let tiles = m.div_ceil(tile_m) * cols.div_ceil(tile_p) * p.groups as usize;
-    let (splits, chunk) = split_k(tiles, k, slab);
+    let (splits, chunk) = match mode {
+        2 => {
+            let chunk = k.min(WGRAD_CHUNK).next_multiple_of(SLAB);
+            (k.div_ceil(chunk), chunk)
+        }
+        _ => split_k(tiles, k, slab),
+    };
     let b = bias.unwrap_or(w);
     if splits == 1 {
         return gemm(
@@ -586,33 +592,9 @@ pub fn conv2d_backward_on(
         }
     }
 
-    // dw: split the N*OH*OW reduction into fixed chunks, then sum the chunks in order.
-    let k = n * oh * ow;
-    let chunk = k.min(WGRAD_CHUNK).next_multiple_of(SLAB);
-    let splits = k.div_ceil(chunk);
-    let dw_len = w.numel();
-    let partial = Tensor::empty(gpu, &[splits, dw_len], DType::F32, "conv2d.dw_partial")?;
-    gemm(
-        rec,
-        p,
-        2,
-        cout / g,
-        w.numel() / cout,
-        (splits, chunk),
-        false,
-        coop_dw,
-        [x, w, w, &partial, dy],
-    )?;
-    let mut pw = p;
-    pw.splits = splits as u32;
     let dw = Tensor::empty(gpu, w.shape(), DType::F32, "conv2d.dw")?;
-    rec.dispatch(
-        &WGRAD_REDUCE,
-        &[],
-        bytemuck::bytes_of(&pw),
-        &[&partial, &dw],
-        Grid::cover(dw_len as u64, 256),
-    )?;
+    let dims = (cout / g, w.numel() / cout, n * oh * ow);
+    gemm_out(rec, p, 2, dims, coop_dw, x, w, None, &dw, dy)?;
 
     let db = if bias {
         let db = Tensor::empty(gpu, &[cout], DType::F32, "conv2d.db")?;

@@ -14,7 +14,7 @@
 //       divides exactly and is in range (likewise ox), else 0. A gather: no atomics.
 //   MODE 2, dw:       M = Cout_g, P = Cin_g*KH*KW, K = N*OH*OW, split into `splits` chunks
 //       A(co, (n,oy,ox)) = dy[n, g*Cout_g+co, oy, ox]; B((n,oy,ox), (ci,ky,kx)) = x[n, g*Cin_g+ci, iy, ix]
-//       partial[split, g*Cout_g+co, (ci,ky,kx)] = C over the chunk; conv_wgrad_reduce sums
+//       partial[split, g*Cout_g+co, (ci,ky,kx)] = C over the chunk; conv_split_sum sums
 //       the splits in order. Parallelism grows with N*OH*OW through the splits, and the
 //       partition is fixed by the shape, so the result is the same bits on every run.
 //   Split-K (modes 0 and 1, where the output has few tiles; the host picks): workgroup z's
@@ -27,30 +27,11 @@
 // The next slab is fetched into registers while the current one is multiplied.
 // Grid: linear over tiles_p * tiles_m * (G * splits) workgroups (2-D past 65535).
 
-struct Params {
-    n: u32, cin: u32, h: u32, w: u32,
-    cout: u32, oh: u32, ow: u32, kh: u32,
-    kw: u32, sh: u32, sw: u32, ph: u32,
-    pw: u32, dh: u32, dw: u32, groups: u32,
-    tiles_p: u32, tiles_m: u32, splits: u32, chunk: u32,   // chunk: K per split (all K: one)
-    ry: u32, rx: u32, ky0: u32, kx0: u32,   // a strided dx\'s residue class (conv2d.rs)
-    ty: u32, tx: u32, r0y: u32, r0x: u32,
-    th: u32, tw: u32, pad0: u32, pad1: u32,
-}
-
-override MODE: u32 = 0u;
-override HAS_BIAS: bool = false;
-override WG: u32 = 256u;   // conv_bias_grad, conv_wgrad_reduce
+override WG: u32 = 256u;   // the kernels after conv_gemm
 
 const T: u32 = 64u;    // tile edge
 const BK: u32 = 16u;   // k slab
 
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read> wt: array<f32>;
-@group(0) @binding(3) var<storage, read> bias: array<f32>;
-@group(0) @binding(4) var<storage, read_write> out: array<f32>;
-@group(0) @binding(5) var<storage, read> dy: array<f32>;
 @group(0) @binding(6) var<storage, read> partial: array<f32>;
 @group(0) @binding(7) var<storage, read_write> reduced: array<f32>;
 @group(0) @binding(8) var<storage, read_write> db_out: array<f32>;
@@ -58,24 +39,6 @@ const BK: u32 = 16u;   // k slab
 var<workgroup> As: array<vec4<f32>, BK * T / 4u>;   // As[k * 16 + m/4][m % 4]
 var<workgroup> Bs: array<vec4<f32>, BK * T / 4u>;   // Bs[k * 16 + p/4][p % 4]
 var<workgroup> red: array<f32, WG>;
-
-fn cin_g() -> u32 { return p.cin / p.groups; }
-fn cout_g() -> u32 { return p.cout / p.groups; }
-fn khw() -> u32 { return p.kh * p.kw; }
-fn ohw() -> u32 { return p.oh * p.ow; }
-fn hw() -> u32 { return p.h * p.w; }
-
-fn dim_m() -> u32 { return select(cout_g(), cin_g(), MODE == 1u); }
-fn dim_p() -> u32 {
-    if (MODE == 0u) { return p.n * ohw(); }
-    if (MODE == 1u) { return p.n * hw(); }
-    return cin_g() * khw();
-}
-fn dim_k() -> u32 {
-    if (MODE == 0u) { return cin_g() * khw(); }
-    if (MODE == 1u) { return cout_g() * khw(); }
-    return p.n * ohw();
-}
 
 // Element (m, k) of A for group g; 0 outside.
 fn fetch_a(g: u32, m: u32, k: u32, kend: u32) -> f32 {
@@ -128,20 +91,6 @@ fn fetch_b(g: u32, k: u32, kend: u32, col: u32, cd: vec3<u32>) -> f32 {
     let ix = i32((s % p.ow) * p.sw + cd.z * p.dw) - i32(p.pw);
     if (iy < 0 || ix < 0 || iy >= i32(p.h) || ix >= i32(p.w)) { return 0.0; }
     return x[((b * p.cin + g * cin_g() + cd.x) * p.h + u32(iy)) * p.w + u32(ix)];
-}
-
-fn store(g: u32, split: u32, m: u32, col: u32, v: f32) {
-    if (m >= dim_m() || col >= dim_p()) { return; }
-    if (MODE == 0u) {
-        let co = g * cout_g() + m;
-        var r = v;
-        if (HAS_BIAS && p.splits == 1u) { r += bias[co]; }
-        out[split * p.n * p.cout * ohw() + ((col / ohw()) * p.cout + co) * ohw() + col % ohw()] = r;
-    } else if (MODE == 1u) {
-        out[split * p.n * p.cin * hw() + ((col / hw()) * p.cin + g * cin_g() + m) * hw() + col % hw()] = v;
-    } else {
-        out[(split * p.cout + g * cout_g() + m) * dim_p() + col] = v;
-    }
 }
 
 fn store_row(g: u32, split: u32, m: u32, c0: u32, v: vec4<f32>) {
@@ -220,27 +169,15 @@ fn conv_gemm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     store_row(g, split, mr + 3u, pc, c3);
 }
 
-// dw[co, j] = sum over splits, in order, of partial[split, co, j]; one thread per element.
-@compute @workgroup_size(WG)
-fn conv_wgrad_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                     @builtin(local_invocation_index) lid: u32) {
-    let i = (wid.x + wid.y * nwg.x) * WG + lid;
-    let per_split = p.cout * cin_g() * khw();
-    if (i >= per_split) { return; }
-    var acc = 0.0;
-    for (var s = 0u; s < p.splits; s++) {
-        acc += partial[s * per_split + i];
-    }
-    reduced[i] = acc;
-}
-
-// Split-K's sum (MODE 0: y, plus the bias; MODE 1: dx): out[i] = sum over splits, in
-// order, of partial[split, i]; one thread per element.
+// Split-K's sum (MODE 0: y, plus the bias; MODE 1: dx; MODE 2: dw): reduced[i] = sum
+// over splits, in order, of partial[split, i]; one thread per element.
 @compute @workgroup_size(WG)
 fn conv_split_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                   @builtin(local_invocation_index) lid: u32) {
     let i = (wid.x + wid.y * nwg.x) * WG + lid;
-    let per_split = select(p.n * p.cout * ohw(), p.n * p.cin * hw(), MODE == 1u);
+    var per_split = p.n * p.cout * ohw();
+    if (MODE == 1u) { per_split = p.n * p.cin * hw(); }
+    if (MODE == 2u) { per_split = p.cout * cin_g() * khw(); }
     if (i >= per_split) { return; }
     var acc = 0.0;
     for (var s = 0u; s < p.splits; s++) {

@@ -1,7 +1,8 @@
 // conv2d.wgsl's three implicit GEMMs on cooperative matrices (tensor cores), for adapters
 // with EXPERIMENTAL_COOPERATIVE_MATRIX, SHADER_F16 and subgroups of 32: operands rounded to
-// f16 as they are staged, f32 sums (as matmul_coop.wgsl's f16 mode). Same Params, bindings
-// and modes as conv2d.wgsl (whose header spells out A, B and C of each mode):
+// f16 as they are staged, f32 sums (as matmul_coop.wgsl's f16 mode). Same Params, bindings,
+// store (conv2d_gemm.wgsl, the prelude of both) and modes as conv2d.wgsl (whose header
+// spells out A, B and C of each mode):
 //   MODE 0, forward:  C (Cout_g x N*OH*OW) = w (Cout_g x Cin_g*KH*KW) . x gathered
 //   MODE 1, dx:       C (Cin_g x N*H*W)    = w^T (Cin_g x Cout_g*KH*KW) . dy gathered
 //   MODE 2, dw:       partial C (Cout_g x Cin_g*KH*KW) = dy (Cout_g x chunk of N*OH*OW) . x
@@ -29,20 +30,6 @@
 enable f16;
 enable wgpu_cooperative_matrix;
 
-struct Params {
-    n: u32, cin: u32, h: u32, w: u32,
-    cout: u32, oh: u32, ow: u32, kh: u32,
-    kw: u32, sh: u32, sw: u32, ph: u32,
-    pw: u32, dh: u32, dw: u32, groups: u32,
-    tiles_p: u32, tiles_m: u32, splits: u32, chunk: u32,   // chunk: K per split
-    ry: u32, rx: u32, ky0: u32, kx0: u32,   // a strided dx\'s residue class (conv2d.rs)
-    ty: u32, tx: u32, r0y: u32, r0x: u32,
-    th: u32, tw: u32, pad0: u32, pad1: u32,
-}
-
-override MODE: u32 = 0u;
-override HAS_BIAS: bool = false;
-
 const TM: u32 = 64u;    // tile rows
 const TP: u32 = 128u;   // tile columns
 const BK: u32 = 32u;    // k a step
@@ -50,36 +37,12 @@ const SA: u32 = 40u;    // staged A row stride, halves: [m][k]
 const SB: u32 = 136u;   // staged B row stride (modes 0, 1): [k][p]
 const SBT: u32 = 40u;   // staged B^T row stride (mode 2): [p][k]
 
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read> wt: array<f32>;
-@group(0) @binding(3) var<storage, read> bias: array<f32>;
-@group(0) @binding(4) var<storage, read_write> out: array<f32>;
-@group(0) @binding(5) var<storage, read> dy: array<f32>;
-
 var<workgroup> sa: array<f16, 2560>;      // TM rows of SA
 var<workgroup> sb: array<f16, 5120>;      // BK rows of SB (4352), or TP rows of SBT
 var<workgroup> scratch: array<f32, 1024>; // 16 x 16 a subgroup
 var<workgroup> cols: array<vec3<i32>, 128>; // mode 2: (x offset of the channel or -1, ky dh - ph, kx dw - pw)
 var<workgroup> ktab: array<vec4<i32>, 64>;  // modes 0, 1: two steps' k entries (k_entry)
 
-fn cin_g() -> u32 { return p.cin / p.groups; }
-fn cout_g() -> u32 { return p.cout / p.groups; }
-fn khw() -> u32 { return p.kh * p.kw; }
-fn ohw() -> u32 { return p.oh * p.ow; }
-fn hw() -> u32 { return p.h * p.w; }
-
-fn dim_m() -> u32 { return select(cout_g(), cin_g(), MODE == 1u); }
-fn dim_p() -> u32 {
-    if (MODE == 0u) { return p.n * ohw(); }
-    if (MODE == 1u) { return p.n * hw(); }
-    return cin_g() * khw();
-}
-fn dim_k() -> u32 {
-    if (MODE == 0u) { return cin_g() * khw(); }
-    if (MODE == 1u) { return cout_g() * khw(); }
-    return p.n * ohw();
-}
 
 // Column k of A for group g: (offset of row m = 0, stride between rows), or offset -1
 // where k is outside [.., kend). Modes 0 and 1 read w, mode 2 reads dy.
@@ -102,22 +65,6 @@ fn a_col(g: u32, k: u32, kend: u32) -> vec2<i32> {
 fn a_at(i: u32) -> f32 {
     if (MODE == 2u) { return dy[i]; }
     return wt[i];
-}
-
-// Element (row m, column k) of C's store for group g, split `split`: NCHW scatter + bias.
-fn store(g: u32, split: u32, m: u32, col: u32, v: f32) {
-    if (m < dim_m() && col < dim_p()) {
-        if (MODE == 0u) {
-            let co = g * cout_g() + m;
-            var r = v;
-            if (HAS_BIAS && p.splits == 1u) { r += bias[co]; }
-            out[split * p.n * p.cout * ohw() + ((col / ohw()) * p.cout + co) * ohw() + col % ohw()] = r;
-        } else if (MODE == 1u) {
-            out[split * p.n * p.cin * hw() + ((col / hw()) * p.cin + g * cin_g() + m) * hw() + col % hw()] = v;
-        } else {
-            out[(split * p.cout + g * cout_g() + m) * dim_p() + col] = v;
-        }
-    }
 }
 
 // An accumulator (rows r0.., columns c0..) through subgroup w's scratch.

@@ -3,7 +3,8 @@
 //! `conv2d_coop.wgsl`: the kernels of `ops/matmul.rs`, `ops/attention.rs`, `ops/quant.rs`
 //! and `ops/conv2d.rs` for adapters with
 //! cooperative matrices, files of their own because they enable that extension;
-//! `quant_blocks.wgsl`: the block decoding both quantized files share, put before each).
+//! `quant_blocks.wgsl`: the block decoding both quantized files share, put before each;
+//! `conv2d_gemm.wgsl`: what both conv2d files share, likewise).
 
 use crate::gpu::Shader;
 
@@ -22,6 +23,9 @@ macro_rules! shader {
 
 /// GGUF block decoding (`quant_blocks.wgsl`), the prelude of both quantized-product files.
 const QUANT_BLOCKS: &str = include_str!("quant_blocks.wgsl");
+/// The convolution GEMMs' parameters, bindings, dimensions and store (`conv2d_gemm.wgsl`),
+/// the prelude of both conv2d files.
+const CONV2D_GEMM: &str = include_str!("conv2d_gemm.wgsl");
 
 shader!(ELEMENTWISE, "elementwise");
 shader!(REDUCE, "reduce");
@@ -31,8 +35,8 @@ shader!(GELU, "gelu");
 shader!(CROSS_ENTROPY, "cross_entropy");
 shader!(EMBEDDING, "embedding");
 shader!(GROUPNORM, "groupnorm");
-shader!(CONV2D, "conv2d");
-shader!(CONV2D_COOP, "conv2d_coop");
+shader!(CONV2D, "conv2d", CONV2D_GEMM);
+shader!(CONV2D_COOP, "conv2d_coop", CONV2D_GEMM);
 shader!(NORM, "norm");
 shader!(SOFTMAX, "softmax");
 shader!(SILU, "silu");
