@@ -96,6 +96,11 @@ pub struct BenchArgs {
     /// for all rows), as tokens/s and the weights' read rate against the decode floor's.
     #[arg(long, value_delimiter = ',')]
     rows: Vec<usize>,
+    /// generate: also decode this many sequences together (e.g. 1,8,32,64), as `doppler
+    /// serve` runs them: tokens/s, where a step's time goes (recording, GPU and readback,
+    /// sampling at temperature 0.8) and its kernels.
+    #[arg(long, value_delimiter = ',')]
+    streams: Vec<usize>,
     /// train, finetune: sequences per step (default 8) and their length (default 1024;
     /// finetune 512).
     #[arg(long)]
@@ -570,6 +575,7 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
             json: args.json,
             cache_type: args.cache_type,
             rows: args.rows.clone(),
+            streams: args.streams.clone(),
         };
         return crate::bench_generate::run(gpu, &g);
     }

@@ -26,6 +26,8 @@ pub struct GenBenchArgs {
     pub cache_type: crate::generate::CacheType,
     /// Row counts whose forward passes are timed too (`--rows`).
     pub rows: Vec<usize>,
+    /// Numbers of sequences decoded together in continuous-batching steps (`--streams`).
+    pub streams: Vec<usize>,
 }
 
 pub(crate) struct Synthetic {
@@ -213,6 +215,113 @@ fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
+/// Decode steps timed per `--streams` count.
+const STREAM_STEPS: usize = 24;
+
+/// `n` sequences decoded together as `doppler serve` runs them (`infer::batch`): each
+/// prefilled with its own prompt of `--prompt` tokens (a sequence a step, 512 rows at a
+/// time), then STREAM_STEPS steps of one row each, every row's token sampled at
+/// temperature 0.8 from its own seed (the plain draw over the whole vocabulary, OpenAI's
+/// defaults otherwise) on the sampling threads `serve` uses. Host times per step (record,
+/// GPU + readback, sampling), then a few steps timed on the GPU whole and one dispatch by
+/// dispatch.
+fn streams(gpu: &Gpu, llama: &Llama, args: &GenBenchArgs, n: usize) -> doppler::Result<serde_json::Value> {
+    use doppler::infer::batch::{Batch, StepTiming};
+    use doppler::infer::sample::{sample_rows, Sampler, SamplerConfig};
+    let v = llama.cfg.vocab_size;
+    let whole = 4;
+    let per_seq = args.prompt + STREAM_STEPS + whole + 4;
+    let pages = n * per_seq.div_ceil(doppler::ops::kvcache::PAGE);
+    let mut b = Batch::new(gpu, llama, pages, args.cache_type.kv_type(gpu))?;
+    let mut seqs = Vec::new();
+    let mut samplers = Vec::new();
+    let mut hist: Vec<Vec<u32>> = Vec::new();
+    for s in 0..n {
+        let id = b.add();
+        let prompt: Vec<u32> = (0..args.prompt.max(1))
+            .map(|i| ((i * 7919 + s * 104_729) % v) as u32)
+            .collect();
+        let mut last = Vec::new();
+        for chunk in prompt.chunks(doppler::infer::PREFILL_CHUNK) {
+            last = b.step(gpu, &[(id, chunk)])?.pop().unwrap_or_default();
+        }
+        let mut sampler = Sampler::new(SamplerConfig {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: s as u64,
+            ..Default::default()
+        });
+        let first = sampler.sample(&last, &prompt);
+        seqs.push(id);
+        samplers.push(sampler);
+        hist.push(vec![first]);
+    }
+    let mut step = |b: &mut Batch<'_>, timing: StepTiming| -> doppler::Result<(f64, f64)> {
+        b.set_timing(timing);
+        let feeds: Vec<(u64, Vec<u32>)> = seqs
+            .iter()
+            .zip(&hist)
+            .map(|(&id, h)| (id, vec![*h.last().expect("a token")]))
+            .collect();
+        let feeds: Vec<(u64, &[u32])> = feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
+        let t0 = Instant::now();
+        let logits = b.step(gpu, &feeds)?;
+        let t1 = Instant::now();
+        let mut jobs: Vec<_> = samplers
+            .iter_mut()
+            .zip(&hist)
+            .zip(&logits)
+            .map(|((s, h), l)| (s, h.as_slice(), l.as_slice()))
+            .collect();
+        let picks = sample_rows(&mut jobs);
+        for (h, (t, _)) in hist.iter_mut().zip(picks) {
+            h.push(t);
+        }
+        Ok((
+            (t1 - t0).as_secs_f64() * 1e3,
+            t1.elapsed().as_secs_f64() * 1e3,
+        ))
+    };
+    step(&mut b, StepTiming::Off)?; // warm-up
+    let (mut total, mut record, mut wait, mut sample) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..STREAM_STEPS {
+        let t0 = Instant::now();
+        let (_, s_ms) = step(&mut b, StepTiming::Off)?;
+        total.push(t0.elapsed().as_secs_f64() * 1e3);
+        let t = b.last_times();
+        record.push(t.record_ms);
+        wait.push(t.wait_ms);
+        sample.push(s_ms);
+    }
+    let mut gpu_ms = Vec::new();
+    for _ in 0..whole {
+        step(&mut b, StepTiming::Whole)?;
+        gpu_ms.extend(b.last_times().trace.events.iter().map(|e| e.dur_ns / 1e6));
+    }
+    step(&mut b, StepTiming::EachDispatch)?;
+    let kernels: Vec<serde_json::Value> = b
+        .last_times()
+        .trace
+        .by_kernel()
+        .iter()
+        .map(|k| serde_json::json!({ "kernel": k.name, "ms": k.total_ns / 1e6, "dispatches": k.count }))
+        .collect();
+    let p50 = pct(&total, 0.5);
+    Ok(serde_json::json!({
+        "streams": n,
+        "tok_s": n as f64 / p50 * 1e3,
+        "step_ms_p50": p50,
+        "step_ms_p95": pct(&total, 0.95),
+        "record_ms_p50": pct(&record, 0.5),
+        "gpu_and_readback_ms_p50": pct(&wait, 0.5),
+        "sampling_ms_p50": pct(&sample, 0.5),
+        "gpu_ms_p50": (!gpu_ms.is_empty()).then(|| pct(&gpu_ms, 0.5)),
+        "kernels": kernels,
+    }))
+}
+
 pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
     if let Some(&bad) = args.rows.iter().find(|&&m| m == 0 || m > args.prompt) {
         return Err(doppler::Error::Invalid {
@@ -223,8 +332,18 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
             ),
         });
     }
+    if args.streams.contains(&0) {
+        return Err(doppler::Error::Invalid {
+            op: "bench generate",
+            detail: "--streams 0: each count of sequences must be at least 1".into(),
+        });
+    }
     // Room for the timed loop, then 16 steps timed on the GPU and 4 profiled ones.
-    let ctx = args.prompt + args.gen + 24;
+    let mut ctx = args.prompt + args.gen + 24;
+    if !args.streams.is_empty() {
+        // --streams: the prompt, the first sampled token and every step's.
+        ctx = ctx.max(args.prompt + STREAM_STEPS + 16);
+    }
     let t0 = Instant::now();
     let (llama, label): (Llama, String) = match &args.model {
         Some(p) => (
@@ -427,6 +546,11 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
             })
         })
         .collect();
+    let streams_json = args
+        .streams
+        .iter()
+        .map(|&n| streams(gpu, &llama, args, n))
+        .collect::<doppler::Result<Vec<_>>>()?;
     let n = per_token.len().max(1) as f64;
     let decode_s: f64 = per_token.iter().sum::<f64>() / 1e3;
     let p50 = pct(&per_token, 0.5);
@@ -464,6 +588,7 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
         "floor_kernels": floor_kernels,
         "prefill_kernels": prefill_kernels,
         "rows": by_rows,
+        "streams": streams_json,
     });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&result).unwrap());

@@ -238,7 +238,7 @@ pub fn serve_cmd(gpu: &Gpu, args: &ServeArgs) -> doppler::Result<ExitCode> {
         1 => None,
         n => {
             let pages = n * ctx.div_ceil(PAGE);
-            match Batch::new(gpu, &model, pages, ty) {
+            match Batch::new(gpu, &model.llama, pages, ty) {
                 Ok(mut b) => {
                     b.set_prefix_cache(!args.no_prefix_cache);
                     tracing::info!(
@@ -335,7 +335,7 @@ pub fn serve_cmd(gpu: &Gpu, args: &ServeArgs) -> doppler::Result<ExitCode> {
     }
     let mut trie = None;
     match (batch, &mut session) {
-        (Some(b), _) => batch_loop(gpu, b, rx, &stats, parallel, ctx, &mut trie),
+        (Some(b), _) => batch_loop(gpu, &model, b, rx, &stats, parallel, ctx, &mut trie),
         (None, Some(session)) => {
             for job in rx {
                 run_job(gpu, &model, session, job, &stats, &mut trie);
@@ -1477,6 +1477,7 @@ enum End {
 /// lose their client, giving their pages back. Blocks on the queue when nothing runs.
 fn batch_loop(
     gpu: &Gpu,
+    model: &Model,
     mut batch: Batch<'_>,
     rx: mpsc::Receiver<Job>,
     stats: &Stats,
@@ -1484,7 +1485,6 @@ fn batch_loop(
     ctx: usize,
     trie: &mut Option<Arc<TokenTrie>>,
 ) {
-    let model = batch.model;
     let tk = &model.tokenizer;
     let mut waiting = std::collections::VecDeque::new();
     let mut running: Vec<Running> = Vec::new();
@@ -1594,9 +1594,12 @@ fn batch_loop(
                 (chosen as f64 / ms.max(1e-6) * 1e3).to_bits(),
                 Ordering::SeqCst,
             );
+            let t = batch.last_times();
             tracing::debug!(
-                "step: {} rows, {chosen} tokens chosen, {gpu_ms:.2} ms forward + {:.2} ms sampling and streaming",
+                "step: {} rows, {chosen} tokens chosen, {gpu_ms:.2} ms forward ({:.2} recording, {:.2} GPU and readback) + {:.2} ms sampling and streaming",
                 feeds_rows,
+                t.record_ms,
+                t.wait_ms,
                 ms - gpu_ms
             );
         }
@@ -1637,33 +1640,7 @@ fn sample_rows(
             jobs.push((sampler, stream.tokens(), &logits[li]));
         }
     }
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(16);
-    if jobs.len() < 4 || threads < 2 {
-        return jobs
-            .into_iter()
-            .map(|(s, h, l)| (s.sample(l, h), s.take_logprob()))
-            .collect();
-    }
-    let per = jobs.len().div_ceil(threads);
-    std::thread::scope(|sc| {
-        let handles: Vec<_> = jobs
-            .chunks_mut(per)
-            .map(|chunk| {
-                sc.spawn(move || {
-                    chunk
-                        .iter_mut()
-                        .map(|(s, h, l)| (s.sample(l, h), s.take_logprob()))
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().expect("a sampling thread panicked"))
-            .collect()
-    })
+    doppler::infer::sample::sample_rows(&mut jobs)
 }
 
 fn gone() -> Error {

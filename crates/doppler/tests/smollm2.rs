@@ -415,7 +415,7 @@ fn batched_sequences_match_transformers_and_are_batch_invariant() {
     let argmax = |l: &[f32]| Sampler::new(SamplerConfig::greedy()).sample(l, &[]);
     // Alone: each prompt in one step, then greedy tokens one a step.
     let alone = |pi: usize, steps: usize| -> Vec<Vec<f32>> {
-        let mut b = Batch::new(gpu, m, 64, KvType::F32).unwrap();
+        let mut b = Batch::new(gpu, &m.llama, 64, KvType::F32).unwrap();
         let id = b.add();
         let mut out = vec![b
             .step(gpu, &[(id, &ids(&prompts[pi]["ids"]))])
@@ -441,7 +441,7 @@ fn batched_sequences_match_transformers_and_are_batch_invariant() {
     check_top(1, 0, &a1[0], &prompts[1]["top_logits"], LOGIT_TOL);
     // Together: prompt 0 starts; next step prompt 1's prompt joins while 0 decodes; a
     // third sequence (prompt 2) comes and goes in between.
-    let mut b = Batch::new(gpu, m, 64, KvType::F32).unwrap();
+    let mut b = Batch::new(gpu, &m.llama, 64, KvType::F32).unwrap();
     let (s0, s1, s2) = (b.add(), b.add(), b.add());
     let p = |i: usize| ids(&prompts[i.min(prompts.len() - 1)]["ids"]);
     let mut got0 = b.step(gpu, &[(s0, &p(0))]).unwrap();
@@ -492,7 +492,7 @@ fn batched_sequences_match_transformers_and_are_batch_invariant() {
         .contains("vocabulary"));
     assert!(b.step(gpu, &[(s, &vec![1; 64 * 16 + 1])]).is_err());
     assert_eq!(b.pages_in_use(), 0);
-    assert!(Batch::new(gpu, m, 4, KvType::Q8_0).is_err());
+    assert!(Batch::new(gpu, &m.llama, 4, KvType::Q8_0).is_err());
 }
 
 /// Shared prompt prefixes (`Batch::add_prefixed`): a sequence whose prompt starts with
@@ -532,11 +532,11 @@ fn shared_prefix_pages_give_the_same_bits() {
         b.remove(id);
         (out, held)
     };
-    let mut fresh = Batch::new(gpu, m, 64, KvType::F32).unwrap();
+    let mut fresh = Batch::new(gpu, &m.llama, 64, KvType::F32).unwrap();
     let (want, held) = run(&mut fresh, &second);
     assert_eq!(held, 0, "an empty cache holds nothing");
 
-    let mut b = Batch::new(gpu, m, 64, KvType::F32).unwrap();
+    let mut b = Batch::new(gpu, &m.llama, 64, KvType::F32).unwrap();
     let (_, held) = run(&mut b, &long);
     assert_eq!(held, 0);
     assert!(
@@ -560,7 +560,7 @@ fn shared_prefix_pages_give_the_same_bits() {
     b.remove(c);
     assert_eq!((b.pages_in_use(), b.sequences()), (0, 0));
     // A pool too small to keep them: the cached pages are taken for new tokens.
-    let mut small = Batch::new(gpu, m, 3, KvType::F32).unwrap();
+    let mut small = Batch::new(gpu, &m.llama, 3, KvType::F32).unwrap();
     let (_, held) = run(&mut small, &long);
     assert_eq!(held, 0);
     let other: Vec<u32> = long.iter().map(|&t| t + 1).collect();

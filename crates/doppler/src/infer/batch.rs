@@ -20,11 +20,12 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use crate::error::{Error, Result};
-use crate::gpu::{DType, Gpu, Tensor, FLUSH_EVERY};
-use crate::ops::kvcache::{paged_pool, KvCache, KvType, PagedRows, PAGE};
+use web_time::Instant;
 
-use super::Model;
+use crate::error::{Error, Result};
+use crate::gpu::{DType, Gpu, Tensor, Trace, FLUSH_EVERY};
+use crate::models::llama::Llama;
+use crate::ops::kvcache::{paged_pool, KvCache, KvType, PagedRows, PAGE};
 
 /// A sequence's handle in a [`Batch`].
 pub type SeqId = u64;
@@ -54,9 +55,36 @@ fn chain(parent: Option<u64>, toks: &[u32]) -> u64 {
     crate::train::data::mix(&words)
 }
 
+/// How a step's GPU work is timed ([`Batch::set_timing`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepTiming {
+    /// Host times only.
+    Off,
+    /// Also the GPU time of the whole forward pass (timestamps around it).
+    Whole,
+    /// Also every dispatch's GPU time (each in its own pass: slower, for proportions).
+    EachDispatch,
+}
+
+/// Where the last [`Batch::step_async`] spent its time.
+#[derive(Clone, Debug, Default)]
+pub struct StepTimes {
+    /// Rows of the forward pass.
+    pub rows: usize,
+    /// Recording and submitting the forward pass (host).
+    pub record_ms: f64,
+    /// From the submission to the logits on the host (the GPU's work and the readback).
+    pub wait_ms: f64,
+    /// The step, start to end.
+    pub total_ms: f64,
+    /// The GPU's timestamps ([`StepTiming::Whole`]: one event; `EachDispatch`: one a
+    /// dispatch; empty when off or where the adapter has no timestamps).
+    pub trace: Trace,
+}
+
 /// Sequences in one paged KV pool.
 pub struct Batch<'m> {
-    pub model: &'m Model,
+    pub llama: &'m Llama,
     pool: KvCache,
     /// Free pages not in the cache, taken lowest first.
     free: BTreeSet<u32>,
@@ -75,13 +103,15 @@ pub struct Batch<'m> {
     pages: usize,
     /// Whether add_prefixed shares cached pages (on unless turned off).
     share: bool,
+    timing: StepTiming,
+    last: StepTimes,
 }
 
 impl<'m> Batch<'m> {
     /// A pool of `pages` pages of [`PAGE`] tokens of type `ty`. Refuses models
     /// [`crate::models::llama::Llama::paged_unsupported`] names.
-    pub fn new(gpu: &Gpu, model: &'m Model, pages: usize, ty: KvType) -> Result<Batch<'m>> {
-        if let Some(why) = model.llama.paged_unsupported() {
+    pub fn new(gpu: &Gpu, llama: &'m Llama, pages: usize, ty: KvType) -> Result<Batch<'m>> {
+        if let Some(why) = llama.paged_unsupported() {
             return Err(Error::Invalid {
                 op: "batch",
                 detail: format!("continuous batching does not run a model with {why}"),
@@ -99,10 +129,10 @@ impl<'m> Batch<'m> {
                 detail: format!("{pages} pages"),
             });
         }
-        let c = &model.llama.cfg;
+        let c = &llama.cfg;
         let pool = paged_pool(gpu, c.n_layer, pages, c.n_kv_head, c.head_dim, ty)?;
         Ok(Batch {
-            model,
+            llama,
             pool,
             free: (0..pages as u32).collect(),
             idle: BTreeMap::new(),
@@ -115,7 +145,19 @@ impl<'m> Batch<'m> {
             next: 0,
             pages,
             share: true,
+            timing: StepTiming::Off,
+            last: StepTimes::default(),
         })
+    }
+
+    /// How the following steps are timed (off unless set).
+    pub fn set_timing(&mut self, timing: StepTiming) {
+        self.timing = timing;
+    }
+
+    /// Where the last step spent its time.
+    pub fn last_times(&self) -> &StepTimes {
+        &self.last
     }
 
     /// Pages in use by sequences.
@@ -313,7 +355,8 @@ impl<'m> Batch<'m> {
         gpu: &Gpu,
         feeds: &[(SeqId, &[u32])],
     ) -> Result<Vec<Vec<f32>>> {
-        let llama = &self.model.llama;
+        let t0 = Instant::now();
+        let llama = self.llama;
         let (vocab, ctx) = (llama.cfg.vocab_size, llama.max_context);
         let bad = |detail: String| Error::Invalid {
             op: "batch",
@@ -373,26 +416,40 @@ impl<'m> Batch<'m> {
         let rows = PagedRows::new(gpu, &list)?;
         let ids_t = Tensor::from_u32(gpu, &[ids.len()], &ids, "batch.ids")?;
         let last_t = Tensor::from_u32(gpu, &[last.len()], &last, "batch.last")?;
-        let pool = &self.pool;
-        let many = ids.len() > 1;
-        let logits = gpu
-            .run_async(|rec| {
-                if many {
-                    rec.set_flush_every(FLUSH_EVERY);
-                }
-                llama.forward_paged(rec, &ids_t, pool, &rows, &last_t)
-            })
-            .await?;
+        let mut rec = match self.timing {
+            StepTiming::Off => gpu.recorder("batch"),
+            StepTiming::Whole => gpu.timed_recorder("batch"),
+            StepTiming::EachDispatch => gpu.profiling_recorder("batch"),
+        };
+        if ids.len() > 1 {
+            rec.set_flush_every(FLUSH_EVERY); // (no-op when timed)
+        }
+        let logits = llama.forward_paged(&mut rec, &ids_t, &self.pool, &rows, &last_t)?;
+        let sub = rec.submit()?;
+        let recorded = Instant::now();
         if logits.dtype() != DType::F32 {
             return Err(bad("logits are not f32".into()));
         }
         let all = logits.to_vec_f32(gpu).await?;
+        // The GPU is done: index checks (an error here, before the logits are used) and
+        // timestamps.
+        let trace = sub.finish(gpu).await?;
+        let done = Instant::now();
+        self.last = StepTimes {
+            rows: ids.len(),
+            record_ms: (recorded - t0).as_secs_f64() * 1e3,
+            wait_ms: (done - recorded).as_secs_f64() * 1e3,
+            total_ms: 0.0,
+            trace,
+        };
         for &(id, toks) in feeds {
             let s = self.seqs.get_mut(&id).expect("checked");
             s.len += toks.len();
             s.toks.extend_from_slice(toks);
             self.cache_whole_pages(id);
         }
-        Ok(all.chunks(vocab).map(<[f32]>::to_vec).collect())
+        let out = all.chunks(vocab).map(<[f32]>::to_vec).collect();
+        self.last.total_ms = t0.elapsed().as_secs_f64() * 1e3;
+        Ok(out)
     }
 }

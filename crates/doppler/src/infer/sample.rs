@@ -390,6 +390,33 @@ impl Sampler {
     }
 }
 
+/// Each job's next token (a sampler, the tokens so far, the logits) and its
+/// log-probability ([`Sampler::take_logprob`]), on up to 16 threads when there are 4 jobs
+/// or more. Each sampler draws from its own state: the same choices whatever the threads.
+pub fn sample_rows(jobs: &mut [(&mut Sampler, &[u32], &[f32])]) -> Vec<(u32, Option<TokenLogprob>)> {
+    let one = |(s, h, l): &mut (&mut Sampler, &[u32], &[f32])| (s.sample(l, h), s.take_logprob());
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(16);
+        if jobs.len() >= 4 && threads >= 2 {
+            let per = jobs.len().div_ceil(threads);
+            return std::thread::scope(|sc| {
+                let handles: Vec<_> = jobs
+                    .chunks_mut(per)
+                    .map(|chunk| sc.spawn(move || chunk.iter_mut().map(one).collect::<Vec<_>>()))
+                    .collect();
+                handles
+                    .into_iter()
+                    .flat_map(|h| h.join().expect("a sampling thread panicked"))
+                    .collect()
+            });
+        }
+    }
+    jobs.iter_mut().map(one).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
