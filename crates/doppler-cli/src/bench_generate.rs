@@ -225,7 +225,12 @@ const STREAM_STEPS: usize = 24;
 /// defaults otherwise) on the sampling threads `serve` uses. Host times per step (record,
 /// GPU + readback, sampling), then a few steps timed on the GPU whole and one dispatch by
 /// dispatch.
-fn streams(gpu: &Gpu, llama: &Llama, args: &GenBenchArgs, n: usize) -> doppler::Result<serde_json::Value> {
+fn streams(
+    gpu: &Gpu,
+    llama: &Llama,
+    args: &GenBenchArgs,
+    n: usize,
+) -> doppler::Result<serde_json::Value> {
     use doppler::infer::batch::{Batch, StepTiming};
     use doppler::infer::sample::{sample_rows, Sampler, SamplerConfig};
     let v = llama.cfg.vocab_size;

@@ -230,33 +230,82 @@ impl Sampler {
         id
     }
 
-    /// A draw over every finite logit at the temperature, in id order, without copying
-    /// them: the same arithmetic, in the same order, as the general path below takes when
-    /// nothing cuts or changes the candidates (so the same token).
-    fn draw_all(&mut self, logits: &[f32]) -> u32 {
-        let m = logits
-            .iter()
-            .filter(|v| v.is_finite())
-            .fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-        if m == f64::NEG_INFINITY {
-            return 0;
+    /// A draw over all of `logits` (all finite) at the temperature, in id order, without
+    /// copying them; where one is not finite, the general path (which drops it).
+    fn draw_all(&mut self, logits: &[f32]) -> Option<u32> {
+        let mut m = f32::NEG_INFINITY;
+        let mut finite = true;
+        for &x in logits {
+            m = if x > m { x } else { m }; // (a form that vectorizes)
+            finite &= x.is_finite();
         }
-        let t = self.cfg.temperature as f64;
-        let w = |x: f32| ((x as f64 - m) / t).exp();
-        let z: f64 = logits.iter().filter(|v| v.is_finite()).map(|&x| w(x)).sum();
-        let r = self.uniform() * z;
-        let mut acc = 0.0;
-        let mut last = 0;
-        for (i, &x) in logits.iter().enumerate() {
-            if x.is_finite() {
-                acc += w(x);
-                last = i;
-                if r < acc {
-                    return i as u32;
+        if !finite || logits.is_empty() {
+            return None;
+        }
+        Some(self.draw(logits, m) as u32)
+    }
+
+    /// A draw from `xs` (finite, largest `m`): index i with probability proportional to
+    /// exp((x_i - m) / T). The weights in f32 ([`exp_neg`] of (x - m) (1 / T)), summed in
+    /// f64 a chunk at a time (chunks of [`DRAW_CHUNK`], each in eight running sums; then
+    /// the chunks' sums in order); the draw r = u z finds its chunk from the sums and its
+    /// index inside that chunk by a running sum of that chunk's weights, worked out again:
+    /// about one exp a value. Where rounding leaves r past the running sum, the chunk's
+    /// last index with weight.
+    fn draw(&mut self, xs: &[f32], m: f32) -> usize {
+        let inv = 1.0 / self.cfg.temperature;
+        let weight = |x: f32| exp_neg((x - m) * inv);
+        let chunk_sum = |c: &[f32]| -> f64 {
+            let mut w = [0f32; DRAW_CHUNK];
+            for (w, &x) in w.iter_mut().zip(c) {
+                *w = weight(x);
+            }
+            // Eight running sums (w past the chunk's end is 0), then theirs.
+            let mut lanes = [0f64; 8];
+            for e in w.chunks_exact(8) {
+                for (l, &v) in lanes.iter_mut().zip(e) {
+                    *l += v as f64;
                 }
             }
+            ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+                + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+        };
+        let sums: Vec<f64> = xs.chunks(DRAW_CHUNK).map(chunk_sum).collect();
+        let z: f64 = sums.iter().sum();
+        let r = self.uniform() * z;
+        let mut acc = 0.0;
+        // The last chunk with weight, and its last index with weight: where rounding
+        // leaves r at or past the sum.
+        let mut fallback = 0;
+        for (c, &s) in sums.iter().enumerate() {
+            let base = c * DRAW_CHUNK;
+            let part = &xs[base..(base + DRAW_CHUNK).min(xs.len())];
+            if s > 0.0 {
+                fallback = c;
+            }
+            if r < acc + s {
+                let local = r - acc;
+                let mut run = 0.0;
+                let mut last = None;
+                for (i, &x) in part.iter().enumerate() {
+                    let w = weight(x) as f64;
+                    if w > 0.0 {
+                        run += w;
+                        last = Some(i);
+                        if local < run {
+                            return base + i;
+                        }
+                    }
+                }
+                if let Some(i) = last {
+                    return base + i;
+                }
+            }
+            acc += s;
         }
-        last as u32
+        let base = fallback * DRAW_CHUNK;
+        let part = &xs[base..(base + DRAW_CHUNK).min(xs.len())];
+        base + part.iter().rposition(|&x| weight(x) > 0.0).unwrap_or(0)
     }
 
     fn choose(&mut self, logits: &[f32], history: &[u32]) -> u32 {
@@ -271,7 +320,9 @@ impl Sampler {
             && c.min_p == 0.0
             && c.temperature > 0.0;
         if plain {
-            return self.draw_all(logits);
+            if let Some(id) = self.draw_all(logits) {
+                return id;
+            }
         }
         let mut mask = None;
         if let Some(con) = &mut self.constraint {
@@ -374,26 +425,18 @@ impl Sampler {
             cand.retain(|x| x.1 as f64 >= cut);
         }
         // The draw, in the candidates' order.
-        let m = max(&cand);
-        let t = c.temperature as f64;
-        let w: Vec<f64> = cand.iter().map(|x| ((x.1 as f64 - m) / t).exp()).collect();
-        let z: f64 = w.iter().sum();
-        let r = self.uniform() * z;
-        let mut acc = 0.0;
-        for (i, q) in w.iter().enumerate() {
-            acc += q;
-            if r < acc {
-                return cand[i].0;
-            }
-        }
-        cand[cand.len() - 1].0
+        let xs: Vec<f32> = cand.iter().map(|e| e.1).collect();
+        let m = xs.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        cand[self.draw(&xs, m)].0
     }
 }
 
 /// Each job's next token (a sampler, the tokens so far, the logits) and its
 /// log-probability ([`Sampler::take_logprob`]), on up to 16 threads when there are 4 jobs
 /// or more. Each sampler draws from its own state: the same choices whatever the threads.
-pub fn sample_rows(jobs: &mut [(&mut Sampler, &[u32], &[f32])]) -> Vec<(u32, Option<TokenLogprob>)> {
+pub fn sample_rows(
+    jobs: &mut [(&mut Sampler, &[u32], &[f32])],
+) -> Vec<(u32, Option<TokenLogprob>)> {
     let one = |(s, h, l): &mut (&mut Sampler, &[u32], &[f32])| (s.sample(l, h), s.take_logprob());
     #[cfg(not(target_arch = "wasm32"))]
     {
@@ -415,6 +458,36 @@ pub fn sample_rows(jobs: &mut [(&mut Sampler, &[u32], &[f32])]) -> Vec<(u32, Opt
         }
     }
     jobs.iter_mut().map(one).collect()
+}
+
+/// Values a sampler's draw weighs a chunk at a time ([`Sampler::draw`]).
+const DRAW_CHUNK: usize = 1024;
+
+/// exp(x) for x <= 0 in plain f32 arithmetic (no libm, nothing the compiler may fuse):
+/// the same bits on every machine, and loops of it vectorize. x = n ln 2 + r with n
+/// rounded to nearest by the 1.5 * 2^23 shift and |r| <= ln2 / 2 (ln 2 in two parts), a
+/// degree-6 polynomial for e^r, 2^n from the exponent bits. Within 3e-7 of exp (relative)
+/// on (-87, 0]; 0 from -87 down (and for -inf and NaN), 1 at 0.
+pub fn exp_neg(x: f32) -> f32 {
+    const SHIFT: f32 = 12_582_912.0; // 1.5 * 2^23
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75; // ln 2's first 16 significant bits
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let xc = if x > -87.0 { x } else { -87.0 }; // (NaN: -87)
+    let t = xc * LOG2E + SHIFT; // SHIFT + n, n in [-126, 0]
+    let n = t - SHIFT;
+    let r = (xc - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let e = (t.to_bits() as i32 - SHIFT.to_bits() as i32 + 127) as u32;
+    let v = p * f32::from_bits(e << 23);
+    if x > -87.0 {
+        v
+    } else {
+        0.0
+    }
 }
 
 #[cfg(test)]
@@ -590,6 +663,55 @@ mod tests {
     }
 
     #[test]
+    fn exp_neg_is_exp() {
+        let mut worst = 0f64;
+        for i in 0..=870_000 {
+            let x = -(i as f32) * 1e-4;
+            let want = (x as f64).exp();
+            let got = exp_neg(x) as f64;
+            if x > -86.9 {
+                worst = worst.max((got - want).abs() / want);
+            }
+        }
+        assert!(worst < 3e-7, "worst relative error {worst}");
+        assert_eq!(exp_neg(0.0), 1.0);
+        assert_eq!(exp_neg(-100.0), 0.0);
+        assert_eq!(exp_neg(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_neg(f32::NAN), 0.0);
+    }
+
+    #[test]
+    fn the_draw_follows_the_distribution() {
+        // 3000 logits, four of them likely: the frequencies of 20000 draws at temperature
+        // 0.5 match the softmax within a few standard deviations, across chunk borders.
+        let mut l = vec![-30.0f32; 3000];
+        for (i, v) in [(3, 2.0f32), (1023, 1.5), (1024, 1.0), (2999, 0.0)] {
+            l[i] = v;
+        }
+        let t = 0.5f64;
+        let z: f64 = l.iter().map(|&x| ((x as f64 - 2.0) / t).exp()).sum();
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: t as f32,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 3,
+            ..Default::default()
+        });
+        let n = 20000;
+        let mut counts = std::collections::HashMap::new();
+        for _ in 0..n {
+            *counts.entry(s.sample(&l, &[])).or_insert(0usize) += 1;
+        }
+        for i in [3usize, 1023, 1024, 2999] {
+            let p = ((l[i] as f64 - 2.0) / t).exp() / z;
+            let got = *counts.get(&(i as u32)).unwrap_or(&0) as f64 / n as f64;
+            let sd = (p * (1.0 - p) / n as f64).sqrt();
+            assert!((got - p).abs() < 5.0 * sd + 1e-4, "token {i}: {got} vs {p}");
+        }
+    }
+
+    #[test]
     fn the_plain_draw_is_the_general_one() {
         // No cut and no change: the copy-free draw and the general path (forced by a zero
         // bias) choose the same tokens from the same seed.
@@ -612,9 +734,14 @@ mod tests {
             logit_bias: vec![(5, 0.0)],
             ..cfg
         });
+        // All finite: the plain draw runs; with a NaN and -inf both take the general path.
+        for l in [&logits, &l] {
+            let ta: Vec<u32> = (0..500).map(|_| a.sample(l, &[])).collect();
+            let tb: Vec<u32> = (0..500).map(|_| b.sample(l, &[])).collect();
+            assert_eq!(ta, tb);
+            assert!(ta.iter().collect::<std::collections::HashSet<_>>().len() > 50);
+        }
         let ta: Vec<u32> = (0..500).map(|_| a.sample(&l, &[])).collect();
-        let tb: Vec<u32> = (0..500).map(|_| b.sample(&l, &[])).collect();
-        assert_eq!(ta, tb);
         assert!(!ta.contains(&17) && !ta.contains(&2999));
     }
 }
