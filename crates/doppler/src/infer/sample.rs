@@ -233,13 +233,24 @@ impl Sampler {
     /// A draw over all of `logits` (all finite) at the temperature, in id order, without
     /// copying them; where one is not finite, the general path (which drops it).
     fn draw_all(&mut self, logits: &[f32]) -> Option<u32> {
-        let mut m = f32::NEG_INFINITY;
-        let mut finite = true;
-        for &x in logits {
-            m = if x > m { x } else { m }; // (a form that vectorizes)
-            finite &= x.is_finite();
+        // Eight lanes of maxima, and of x * 0 (NaN where x is infinite or NaN): loops
+        // that vectorize.
+        let mut top = [f32::NEG_INFINITY; 8];
+        let mut zero = [0f32; 8];
+        let eights = logits.chunks_exact(8);
+        let rest = eights.remainder();
+        for e in eights {
+            for j in 0..8 {
+                top[j] = if e[j] > top[j] { e[j] } else { top[j] };
+                zero[j] += e[j] * 0.0;
+            }
         }
-        if !finite || logits.is_empty() {
+        for (j, &x) in rest.iter().enumerate() {
+            top[j] = if x > top[j] { x } else { top[j] };
+            zero[j] += x * 0.0;
+        }
+        let m = top.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        if logits.is_empty() || zero.iter().any(|z| *z != 0.0) {
             return None;
         }
         Some(self.draw(logits, m) as u32)
