@@ -215,6 +215,15 @@ fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
+fn mix_bits(mut h: u64, v: &[f32]) -> u64 {
+    for x in v {
+        for b in x.to_bits().to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    h
+}
+
 /// Decode steps timed per `--streams` count.
 const STREAM_STEPS: usize = 24;
 
@@ -241,6 +250,9 @@ fn streams(
     let mut seqs = Vec::new();
     let mut samplers = Vec::new();
     let mut hist: Vec<Vec<u32>> = Vec::new();
+    // FNV-1a over the bits of every prompt's last logits and the first step's: the same
+    // figure from two builds means the same bits.
+    let mut check = 0xcbf2_9ce4_8422_2325u64;
     for s in 0..n {
         let id = b.add();
         let prompt: Vec<u32> = (0..args.prompt.max(1))
@@ -250,6 +262,7 @@ fn streams(
         for chunk in prompt.chunks(doppler::infer::PREFILL_CHUNK) {
             last = b.step(gpu, &[(id, chunk)])?.pop().unwrap_or_default();
         }
+        check = mix_bits(check, &last);
         let mut sampler = Sampler::new(SamplerConfig {
             temperature: 0.8,
             top_k: 0,
@@ -263,6 +276,7 @@ fn streams(
         samplers.push(sampler);
         hist.push(vec![first]);
     }
+    let mut first = true;
     let mut step = |b: &mut Batch<'_>, timing: StepTiming| -> doppler::Result<(f64, f64)> {
         b.set_timing(timing);
         let feeds: Vec<(u64, Vec<u32>)> = seqs
@@ -274,6 +288,12 @@ fn streams(
         let t0 = Instant::now();
         let logits = b.step(gpu, &feeds)?;
         let t1 = Instant::now();
+        if first {
+            first = false;
+            for l in &logits {
+                check = mix_bits(check, l);
+            }
+        }
         let mut jobs: Vec<_> = samplers
             .iter_mut()
             .zip(&hist)
@@ -316,6 +336,7 @@ fn streams(
     let p50 = pct(&total, 0.5);
     Ok(serde_json::json!({
         "streams": n,
+        "logits_check": format!("{check:016x}"),
         "tok_s": n as f64 / p50 * 1e3,
         "step_ms_p50": p50,
         "step_ms_p95": pct(&total, 0.95),

@@ -923,6 +923,7 @@ impl Llama {
             let gate_up = Next {
                 w: &l.gate_up,
                 norm: Some(&l.ffn_norm),
+                eps,
             };
             // One token over many keys: the attention's key ranges are merged inside the
             // o product, or into its 8-bit x (one dispatch fewer a layer).
@@ -952,6 +953,7 @@ impl Llama {
             let down = Next {
                 w: &l.down,
                 norm: None,
+                eps,
             };
             let (g, g8) = qmatmul_chain(rec, &x, &l.gate_up, fuse, Some(down))?;
             // (A head split by rows rounds its x itself, part by part.)
@@ -959,10 +961,12 @@ impl Llama {
                 Some(n) => n.qkv.single().map(|w| Next {
                     w,
                     norm: Some(&n.attn_norm),
+                    eps,
                 }),
                 None => self.output.single().map(|w| Next {
                     w,
                     norm: Some(&self.out_norm),
+                    eps,
                 }),
             };
             let fuse = Fuse {
@@ -1037,12 +1041,16 @@ impl Llama {
         if c.gemma() {
             x = scale(rec, &x, (c.n_embd as f32).sqrt())?;
         }
+        // x's f16 halves for the next product where the product before made them with its
+        // split-K sum (on cooperative matrices: `ops::quant::qmatmul_chain`).
+        let mut xh = None;
         for (li, l) in self.layers.iter().enumerate() {
             let qkv = l.qkv.product(
                 rec,
                 &x,
                 Fuse {
                     norm: Some((&l.attn_norm, eps)),
+                    x8: xh.as_ref(),
                     ..inv
                 },
             )?;
@@ -1058,32 +1066,38 @@ impl Llama {
                 kv_attend_paged(rec, &q, &pool.k[li], &pool.v[li], rows)?.reshape(&[m, hq * d])?;
             if let (Some(post_attn), Some(post_ffn)) = (&l.post_attn_norm, &l.post_ffn_norm) {
                 x = self.post_normed(rec, l, (post_attn, post_ffn), &x, &a, inv)?;
+                xh = None;
                 continue;
             }
-            x = qmatmul_fused(
-                rec,
-                &a,
-                &l.o,
-                Fuse {
-                    residual: Some(&x),
-                    ..inv
-                },
-            )?;
+            let gate_up = Next {
+                w: &l.gate_up,
+                norm: Some(&l.ffn_norm),
+                eps,
+            };
+            let fuse = Fuse {
+                residual: Some(&x),
+                ..inv
+            };
+            (x, xh) = qmatmul_chain(rec, &a, &l.o, fuse, Some(gate_up))?;
             let fuse = Fuse {
                 norm: Some((&l.ffn_norm, eps)),
                 swiglu: true,
+                x8: xh.as_ref(),
                 ..inv
             };
             let g = qmatmul_fused(rec, &x, &l.gate_up, fuse)?;
-            x = qmatmul_fused(
-                rec,
-                &g,
-                &l.down,
-                Fuse {
-                    residual: Some(&x),
-                    ..inv
-                },
-            )?;
+            let next = self.layers.get(li + 1).and_then(|n| {
+                n.qkv.single().map(|w| Next {
+                    w,
+                    norm: Some(&n.attn_norm),
+                    eps,
+                })
+            });
+            let fuse = Fuse {
+                residual: Some(&x),
+                ..inv
+            };
+            (x, xh) = qmatmul_chain(rec, &g, &l.down, fuse, next)?;
         }
         let last = crate::ops::embedding::embedding(rec, &x, out_rows)?; // (S, E)
         let mut logits = self.output.product(

@@ -171,6 +171,21 @@ static SPLITK_SUM: Kernel = Kernel::new(
     "splitk_sum",
     &[(2, ReadWrite), (3, Read), (6, Read)],
 );
+// splitk_sum with the residual and x_half with a norm in one pass: the rows' factors (2),
+// the residual (6), the partials as vec4s (7), the norm weight (8), the halves (14) and
+// y (15) out.
+static X_HALF_SUM: Kernel = Kernel::new(
+    &QUANT,
+    "x_half_sum",
+    &[
+        (2, ReadWrite),
+        (6, Read),
+        (7, Read),
+        (8, Read),
+        (14, ReadWrite),
+        (15, ReadWrite),
+    ],
+);
 
 /// Workgroups the tiled product aims for when its output has few tiles (two per core of a
 /// large GPU: the H200 has 132), by splitting k into slices of at least
@@ -654,11 +669,28 @@ pub struct X8 {
     pub(crate) q: Tensor,
     pub(crate) cols: usize,
     pub(crate) norm: Option<Tensor>,
+    /// Some((the rows' factors, the norm's epsilon)): `q` holds `x_half`'s f16 halves for
+    /// the cooperative product (the invariant products' chain, [`qmatmul_chain`]), not
+    /// XQ8 groups.
+    pub(crate) half: Option<(Tensor, f32)>,
 }
 
 impl X8 {
     /// Whether a product of W with `norm` (its weight) takes this x.
     fn check(&self, op: &'static str, w: &QMatrix, norm: Option<&Tensor>) -> Result<()> {
+        if self.half.is_some() {
+            return Err(Error::Invalid {
+                op,
+                detail:
+                    "x rounded to f16 halves for a cooperative product, given to a decode product"
+                        .into(),
+            });
+        }
+        self.check_any(op, w, norm)
+    }
+
+    /// [`X8::check`] for either kind.
+    fn check_any(&self, op: &'static str, w: &QMatrix, norm: Option<&Tensor>) -> Result<()> {
         let same_norm = match (&self.norm, norm) {
             (None, None) => true,
             (Some(a), Some(b)) => a.same_buffer(b),
@@ -687,6 +719,8 @@ impl X8 {
 pub struct Next<'a> {
     pub w: &'a QMatrix,
     pub norm: Option<&'a Tensor>,
+    /// The norm's epsilon (f16 halves are made after the whole norm).
+    pub eps: f32,
 }
 
 /// Widest attention output (heads x head size) [`qmatvec_merged`] takes: its workgroups
@@ -797,6 +831,7 @@ pub fn qmatvec_parts(
         q: super::kvcache::attend_merge_x8(rec, parts)?,
         cols: width,
         norm: None,
+        half: None,
     };
     let y = Tensor::empty(rec.gpu(), &[1, w.rows], DType::F32, "qmatvec_parts.y")?;
     let y8 = qmatvec1_x8(rec, &xq, w, &w.params(1), &y, fuse, path, next)?;
@@ -880,6 +915,7 @@ fn qmatvec1_x8(
             )?,
             cols: outs,
             norm: nx.norm.cloned(),
+            half: None,
         }),
         None => None,
     };
@@ -1002,7 +1038,8 @@ pub fn qmatmul_chain(
     let bind = [&w.raw, &y, x, nw, res, x, nw, &w.raw];
     if fuse.invariant {
         if invariant_on_coop(rec.gpu(), w.cols) {
-            qmatmul_coop(rec, x, w, fuse, &y)?;
+            let half = qmatmul_coop(rec, x, w, fuse, &y, next)?;
+            return Ok((y, half));
         } else {
             let (cm, grid) = matvec_grid(&c, m, w.rows, 8);
             rec.dispatch(&QMATVEC, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
@@ -1010,7 +1047,7 @@ pub fn qmatmul_chain(
         return Ok((y, None));
     }
     if uses_coop(rec.gpu(), m, w.rows, w.cols) {
-        qmatmul_coop(rec, x, w, fuse, &y)?;
+        qmatmul_coop(rec, x, w, fuse, &y, None)?;
         return Ok((y, None));
     }
     if let Some(split) = batch_split(m, w.ty, w.rows, w.cols) {
@@ -1120,14 +1157,18 @@ pub fn x_half_scaled(
 /// norm) rounded to f16 by `x_half` (rows that f16 cannot hold scaled down by a power of
 /// two, and back after), then `qmatmul_coop` into `y` (with fuse's residual), over slices
 /// of k summed in order by `splitk_sum` where the output has few tiles; SwiGLU/GeGLU: the
-/// product with gate and up into an (m, 2n) tensor, then `glu_rows`.
+/// product with gate and up into an (m, 2n) tensor, then `glu_rows`. x's halves come from
+/// `fuse.x8` where the product before made them. With `next` (a cooperative product
+/// with a norm that takes y) and a residual over split k: `x_half_sum` sums the slices
+/// and makes y's halves for `next` in one pass, returned.
 fn qmatmul_coop(
     rec: &mut Recorder<'_>,
     x: &Tensor,
     w: &QMatrix,
     fuse: Fuse<'_>,
     y: &Tensor,
-) -> Result<()> {
+    next: Option<Next<'_>>,
+) -> Result<Option<X8>> {
     let gpu = rec.gpu();
     let m = x.numel() / w.cols;
     let outs = if fuse.swiglu { w.rows / 2 } else { w.rows };
@@ -1137,7 +1178,21 @@ fn qmatmul_coop(
         k: w.cols as u32,
         ..Default::default()
     };
-    let (xh, rowf) = x_half(rec, x, w.cols, fuse.norm)?;
+    let (xh, rowf) = match fuse.x8 {
+        Some(h) => {
+            h.check_any("qmatmul_coop", w, fuse.norm.map(|n| n.0))?;
+            match (&h.half, fuse.norm) {
+                (Some((rowf, eps)), Some((_, e))) if *eps == e => (h.q.clone(), rowf.clone()),
+                _ => {
+                    return Err(Error::Invalid {
+                        op: "qmatmul_coop",
+                        detail: "x rounded for another kind of product or norm".into(),
+                    })
+                }
+            }
+        }
+        None => x_half(rec, x, w.cols, fuse.norm)?,
+    };
     // Few rows: tiles of 16, 32 or 64 rows (SK_R 1, 2, 4), W decoded once per tile.
     // Invariant products: always tiles of 16 rows, k split as for one tile of rows
     // (nothing depends on m).
@@ -1175,7 +1230,8 @@ fn qmatmul_coop(
         pg.n = outs as u32;
         let cg = [("GEGLU", fuse.geglu as u32 as f64)];
         let grid = Grid::cover((m * outs) as u64, 256);
-        return rec.dispatch(&GLU_ROWS, &cg, bytemuck::bytes_of(&pg), &[y, &gu], grid);
+        rec.dispatch(&GLU_ROWS, &cg, bytemuck::bytes_of(&pg), &[y, &gu], grid)?;
+        return Ok(None);
     }
     let splits = match fuse.invariant {
         true => split_k_to(COOP_SPLITK_TARGET, gn, w.cols),
@@ -1185,7 +1241,8 @@ fn qmatmul_coop(
     if splits == 1 {
         let grid = Grid::Xyz([gn as u32, gm as u32, 1]);
         let bind = [&w.raw, y, &xh, &rowf, res, &w.raw];
-        return rec.dispatch(kernel, c, bytemuck::bytes_of(&p), &bind, grid);
+        rec.dispatch(kernel, c, bytemuck::bytes_of(&p), &bind, grid)?;
+        return Ok(None);
     }
     // Partial tiles of k's slices, then their sum (+ the residual) in order.
     let part = Tensor::empty(gpu, &[splits, m, outs], DType::F32, "qmatmul_coop.part")?;
@@ -1195,18 +1252,93 @@ fn qmatmul_coop(
     let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
     let bind = [&w.raw, &part, &xh, &rowf, res, &w.raw];
     rec.dispatch(kernel, cs, bytemuck::bytes_of(&p), &bind, grid)?;
-    let mut ps = w.params(m);
-    ps.n = outs as u32;
-    ps.splits = splits as u32;
-    let cr = [c[1]];
-    let grid = Grid::cover((m * outs) as u64, 256);
+    match (fuse.residual, next) {
+        (
+            Some(r),
+            Some(Next {
+                w: nw,
+                norm: Some(nwt),
+                eps,
+            }),
+        ) if nw.cols == outs && outs % 4 == 0 && invariant_on_coop(gpu, nw.cols) => {
+            let (xh, rowf) = x_half_sum(rec, &part, r, y, (nwt, eps), m, outs, splits)?;
+            Ok(Some(X8 {
+                q: xh,
+                cols: outs,
+                norm: Some(nwt.clone()),
+                half: Some((rowf, eps)),
+            }))
+        }
+        _ => {
+            splitk_sum(rec, &part, fuse.residual, y, m, outs, splits)?;
+            Ok(None)
+        }
+    }
+}
+
+/// y (m, n) = (residual +) the sum of `part` (splits, m, n) over its slices, in order
+/// (`quant.wgsl`'s `splitk_sum`).
+pub(crate) fn splitk_sum(
+    rec: &mut Recorder<'_>,
+    part: &Tensor,
+    residual: Option<&Tensor>,
+    y: &Tensor,
+    m: usize,
+    n: usize,
+    splits: usize,
+) -> Result<()> {
+    let ps = Params {
+        n: n as u32,
+        m: m as u32,
+        splits: splits as u32,
+        ..Default::default()
+    };
+    let cr = [("RESIDUAL", residual.is_some() as u32 as f64)];
+    let grid = Grid::cover((m * n) as u64, 256);
+    let res = residual.unwrap_or(part);
     rec.dispatch(
         &SPLITK_SUM,
         &cr,
         bytemuck::bytes_of(&ps),
-        &[y, &part, res],
+        &[y, part, res],
         grid,
     )
+}
+
+/// [`splitk_sum`] with a residual, then y's rows normalised by `norm` (weight, epsilon)
+/// and rounded to f16 as [`x_half`] makes them, in one pass (`quant.wgsl`'s
+/// `x_half_sum`): y and x_half's (halves, rows' factors), the same bits as the two.
+/// n a multiple of 4.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn x_half_sum(
+    rec: &mut Recorder<'_>,
+    part: &Tensor,
+    residual: &Tensor,
+    y: &Tensor,
+    norm: (&Tensor, f32),
+    m: usize,
+    n: usize,
+    splits: usize,
+) -> Result<(Tensor, Tensor)> {
+    let gpu = rec.gpu();
+    let xh = Tensor::empty(gpu, &[m, n / 2], DType::U32, "x_half.xh")?;
+    let rowf = Tensor::empty(gpu, &[m], DType::F32, "x_half.rowf")?;
+    let p = Params {
+        m: m as u32,
+        k: n as u32,
+        eps: norm.1.to_bits(),
+        splits: splits as u32,
+        ..Default::default()
+    };
+    let bind = [&rowf, residual, part, norm.0, &xh, y];
+    rec.dispatch(
+        &X_HALF_SUM,
+        &[],
+        bytemuck::bytes_of(&p),
+        &bind,
+        Grid::Linear(m as u64),
+    )?;
+    Ok((xh, rowf))
 }
 
 /// dy (.., rows) @ W (rows, cols) -> (.., cols): the product with W as stored (the
@@ -1368,6 +1500,7 @@ pub(crate) fn quantize_x8(
         q: xq,
         cols,
         norm: norm.map(|n| n.0.clone()),
+        half: None,
     })
 }
 

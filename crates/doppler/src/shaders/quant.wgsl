@@ -1374,6 +1374,56 @@ fn x_half(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     }
 }
 
+// x_half_sum: a cooperative product's split-K sum with its residual (splitk_sum with
+// RESIDUAL) and that row into f16 for the next product (x_half with NORM) in one pass, a
+// workgroup a row: y = res + the SPLITK partials (xv4: (p.splits, m, k) as vec4s) in
+// slice order, stored to y_out; then y times rsqrt(mean(y^2) + eps) and the norm weight,
+// scaled and rounded as x_half does (the factor to dst, the halves to xq_out). The same
+// arithmetic in the same order as splitk_sum then x_half: the same bits. (Its own loops:
+// a function reading y_out would bind it for x_half too.) Grid: m workgroups (2-D past
+// 65535).
+@group(0) @binding(15) var<storage, read_write> y_out: array<vec4<f32>>;
+
+@compute @workgroup_size(256)
+fn x_half_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_index) lid: u32) {
+    let r = wid.x + wid.y * nwg.x;
+    if (r >= p.m) {
+        return;
+    }
+    let mk4 = p.m * p.k / 4u;
+    var ss = 0.0;
+    for (var c = lid * 4u; c < p.k; c += 1024u) {
+        let i = r * p.k + c;
+        var acc = vec4<f32>(0.0);
+        for (var z = 0u; z < p.splits; z++) {
+            acc += xv4[z * mk4 + i / 4u];
+        }
+        let y = vec4<f32>(res[i], res[i + 1u], res[i + 2u], res[i + 3u]) + acc;
+        y_out[i / 4u] = y;   // (read back below by this thread alone)
+        ss += dot(y, y);
+    }
+    let f = rstd(x_half_reduce(lid, ss, false));
+    var big = 0.0;
+    for (var c = lid * 4u; c < p.k; c += 1024u) {
+        let a = abs(y_out[(r * p.k + c) / 4u] * f * nwv4[c / 4u]);
+        big = max(big, max(max(a.x, a.y), max(a.z, a.w)));
+    }
+    let top = x_half_reduce(lid, big, true);
+    let e = i32((bitcast<u32>(top) >> 23u) & 0xffu) - 127;
+    let s = clamp(e - 14, 0, 125);
+    let down = exp2(f32(-s));
+    for (var c = lid * 4u; c < p.k; c += 1024u) {
+        let v = y_out[(r * p.k + c) / 4u] * f * nwv4[c / 4u] * down;
+        let o = (r * p.k + c) / 2u;
+        xq_out[o] = pack2x16float(v.xy);
+        xq_out[o + 1u] = pack2x16float(v.zw);
+    }
+    if (lid == 0u) {
+        dst[r] = exp2(f32(s));
+    }
+}
+
 const MM_T: u32 = 64u;
 const MM_BK: u32 = 16u;
 var<workgroup> mm_x: array<array<f32, 64>, 16>;   // [k][row of x]

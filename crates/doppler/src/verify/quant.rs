@@ -1059,7 +1059,13 @@ pub(super) async fn chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let nd = Tensor::from_f32(gpu, &[e], &ndv, "nd")?;
         let (ys, x8s) = gpu
             .run_async(|rec| {
-                let next = |i: usize, norm| Some(Next { w: &w[i], norm });
+                let next = |i: usize, norm| {
+                    Some(Next {
+                        w: &w[i],
+                        norm,
+                        eps,
+                    })
+                };
                 // Link by link: the chained product, and the same on the same input rounding
                 // its own x.
                 let fa = Fuse {
@@ -1111,7 +1117,7 @@ pub(super) async fn chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 let mut x8s = Vec::new();
                 for (x8, y, wl, swiglu, norm, wn) in links {
                     let own = quantize_x8(rec, y, wn.cols, norm.map(|n| (n, eps)))?;
-                    let expect = chain_rounds(gpu, wl, swiglu, Next { w: wn, norm });
+                    let expect = chain_rounds(gpu, wl, swiglu, Next { w: wn, norm, eps });
                     match (x8, expect) {
                         (Some(x8), true) => x8s.push((x8, own)),
                         (None, false) => {}
@@ -1380,6 +1386,173 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             format!(
                 "x [{m}, {cols}] @ ({rows}, {cols})^T {name}{how}, rows {alone:?} alone the same bits{}",
                 if coop { ", cooperative (f16)" } else { "" }
+            ),
+            res,
+        );
+    }
+}
+
+/// The invariant products' chain (batched serving, [`qmatmul_chain`] with
+/// [`Fuse::invariant`]): a product with a residual over split k that also makes its
+/// output's f16 halves for the next product (its norm's, in one pass with the split sum:
+/// `x_half_sum`), then that next product on them, against the two products each rounding
+/// their own x: y and the next product's output the same bits, at 1, 5 and 37 rows. On
+/// adapters without the cooperative products nothing is chained (the check then says so).
+pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    use crate::ops::quant::{
+        invariant_on_coop, qmatmul_fused, splitk_sum, x_half, x_half_sum, Fuse,
+    };
+    // The kernel alone (any adapter): x_half_sum against splitk_sum then x_half, every
+    // output the same bits; rows of 576, 1000 and 4096 (one to four values a thread).
+    for (ci, (m, n, splits)) in [(1usize, 576usize, 3usize), (37, 1000, 7), (5, 4096, 2)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut rng = Rng::new(6400 + ci as u64);
+        let partv = rng.vec(splits * m * n);
+        let resv: Vec<f32> = rng.vec(m * n).iter().map(|v| v * 40.0).collect();
+        let nw: Vec<f32> = (0..n).map(|_| 0.5 + rng.uniform()).collect();
+        let eps = 1e-6f32;
+        let r = twice("x_half_sum", async || {
+            let part = Tensor::from_f32(gpu, &[splits, m, n], &partv, "part")?;
+            let res = Tensor::from_f32(gpu, &[m, n], &resv, "res")?;
+            let nwt = Tensor::from_f32(gpu, &[n], &nw, "nw")?;
+            let ya = Tensor::empty(gpu, &[m, n], crate::gpu::DType::F32, "ya")?;
+            let yb = Tensor::empty(gpu, &[m, n], crate::gpu::DType::F32, "yb")?;
+            let ((ha, fa), (hb, fb)) = gpu
+                .run_async(|rec| {
+                    let a = x_half_sum(rec, &part, &res, &ya, (&nwt, eps), m, n, splits)?;
+                    splitk_sum(rec, &part, Some(&res), &yb, m, n, splits)?;
+                    let b = x_half(rec, &yb, n, Some((&nwt, eps)))?;
+                    Ok((a, b))
+                })
+                .await?;
+            let bits = |v: Vec<u32>| v.into_iter().map(f32::from_bits).collect::<Vec<f32>>();
+            Ok(vec![
+                ya.to_vec_f32(gpu).await?,
+                yb.to_vec_f32(gpu).await?,
+                bits(ha.to_vec_u32(gpu).await?),
+                bits(hb.to_vec_u32(gpu).await?),
+                fa.to_vec_f32(gpu).await?,
+                fb.to_vec_f32(gpu).await?,
+            ])
+        })
+        .await;
+        let res = r.and_then(|got| {
+            for (what, k) in [("y", 0), ("halves", 2), ("rows' factors", 4)] {
+                let (a, b) = (&got[k], &got[k + 1]);
+                if let Some(j) = (0..a.len()).find(|&j| a[j].to_bits() != b[j].to_bits()) {
+                    return Err(format!(
+                        "{what}, element {j}: {} fused, {} apart",
+                        a[j], b[j]
+                    ));
+                }
+            }
+            Ok(Stats::default())
+        });
+        push(
+            out,
+            "qmatmul chain",
+            format!("x_half_sum: {splits} partials of [{m}, {n}] + residual, norm, f16 halves: the same bits as splitk_sum then x_half"),
+            res,
+        );
+    }
+    // SmolLM2's o (576 -> 576, residual) then gate/up (576 -> 2 x 1536 with the norm, SwiGLU).
+    let (e, f) = (576usize, 3072usize);
+    let (t1, t2) = ("Q4_1", "Q4_1");
+    let eps = 1e-5f32;
+    for (ci, m) in [1usize, 5, 37].into_iter().enumerate() {
+        let mut rng = Rng::new(6300 + ci as u64);
+        let raw1 = random_blocks(t1, e * e, &mut rng);
+        let raw2 = random_blocks(t2, f * e, &mut rng);
+        let xv = rng.vec(m * e);
+        let resv = rng.vec(m * e);
+        let nw: Vec<f32> = (0..e).map(|_| 0.5 + rng.uniform()).collect();
+        let r = twice("qmatmul chain", async || {
+            let ty1 = GgmlType::from_name(t1).expect("known type");
+            let ty2 = GgmlType::from_name(t2).expect("known type");
+            let w1 = QMatrix::new(gpu, "w1", &raw1, ty1, e, e)?;
+            let w2 = QMatrix::new(gpu, "w2", &raw2, ty2, f, e)?;
+            let xt = Tensor::from_f32(gpu, &[m, e], &xv, "x")?;
+            let rt = Tensor::from_f32(gpu, &[m, e], &resv, "res")?;
+            let nwt = Tensor::from_f32(gpu, &[e], &nw, "nw")?;
+            let first = Fuse {
+                residual: Some(&rt),
+                invariant: true,
+                ..Default::default()
+            };
+            let second = Fuse {
+                norm: Some((&nwt, eps)),
+                swiglu: true,
+                invariant: true,
+                ..Default::default()
+            };
+            let next = Next {
+                w: &w2,
+                norm: Some(&nwt),
+                eps,
+            };
+            let (a1, a2, made) = gpu
+                .run_async(|rec| {
+                    let (y, h) = qmatmul_chain(rec, &xt, &w1, first, Some(next))?;
+                    let made = h.is_some();
+                    let z = qmatmul_fused(
+                        rec,
+                        &y,
+                        &w2,
+                        Fuse {
+                            x8: h.as_ref(),
+                            ..second
+                        },
+                    )?;
+                    Ok((y, z, made))
+                })
+                .await?;
+            let (b1, b2) = gpu
+                .run_async(|rec| {
+                    let y = qmatmul_fused(rec, &xt, &w1, first)?;
+                    let z = qmatmul_fused(rec, &y, &w2, second)?;
+                    Ok((y, z))
+                })
+                .await?;
+            Ok(vec![
+                a1.to_vec_f32(gpu).await?,
+                a2.to_vec_f32(gpu).await?,
+                b1.to_vec_f32(gpu).await?,
+                b2.to_vec_f32(gpu).await?,
+                vec![made as u32 as f32],
+            ])
+        })
+        .await;
+        let coop = invariant_on_coop(gpu, e);
+        let res = r.and_then(|got| {
+            let (a1, a2, b1, b2) = (&got[0], &got[1], &got[2], &got[3]);
+            let made = got[4][0] == 1.0;
+            if made != coop {
+                return Err(format!(
+                    "halves made: {made}, cooperative products here: {coop}"
+                ));
+            }
+            for (what, a, b) in [("y", a1, b1), ("the next product", a2, b2)] {
+                if let Some(j) = (0..a.len()).find(|&j| a[j].to_bits() != b[j].to_bits()) {
+                    return Err(format!(
+                        "{what}, element {j}: {} chained, {} each on its own x",
+                        a[j], b[j]
+                    ));
+                }
+            }
+            Ok(Stats::default())
+        });
+        push(
+            out,
+            "qmatmul chain",
+            format!(
+                "x [{m}, {e}] @ ({e}, {e})^T {t1} + residual, then norm + SwiGLU ({f}, {e}) {t2}: {}",
+                if coop {
+                    "halves made with the split sum, the same bits"
+                } else {
+                    "no cooperative products here: nothing chained"
+                }
             ),
             res,
         );
