@@ -576,6 +576,51 @@ fn bench_generate_times_batches_of_rows() {
     assert!(!ok && err.contains("--rows 17"), "{err}");
 }
 
+/// `bench generate --streams`: sequences decoded together as `serve` runs them, each
+/// step's time split into recording, GPU + readback and sampling; the logits' checksum
+/// the same in two runs; a count of 0 refused by name.
+#[test]
+fn bench_generate_times_streams() {
+    let (gguf, _) = tiny_model("bench-streams-model", "llama");
+    let m = gguf.to_str().unwrap();
+    let args = [
+        "bench", "generate", "-m", m, "--prompt", "20", "--gen", "2", "--json",
+    ];
+    let run = || {
+        let (ok, out, err) = doppler(&[&args[..], &["--streams", "1,3"]].concat());
+        assert!(ok, "{err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let (a, b) = (run(), run());
+    let streams = a["streams"].as_array().unwrap();
+    assert_eq!(streams.len(), 2, "{a}");
+    for (s, want) in streams.iter().zip([1, 3]) {
+        assert_eq!(s["streams"], want);
+        for k in [
+            "tok_s",
+            "step_ms_p50",
+            "record_ms_p50",
+            "gpu_and_readback_ms_p50",
+        ] {
+            assert!(s[k].as_f64().unwrap() > 0.0, "{k}: {s}");
+        }
+        assert!(s["sampling_ms_p50"].as_f64().unwrap() >= 0.0, "{s}");
+        assert!(!s["kernels"].as_array().unwrap().is_empty(), "{s}");
+    }
+    for i in 0..2 {
+        assert_eq!(
+            a["streams"][i]["logits_check"], b["streams"][i]["logits_check"],
+            "the same prompts, other logits"
+        );
+    }
+    assert_ne!(
+        a["streams"][0]["logits_check"],
+        a["streams"][1]["logits_check"]
+    );
+    let (ok, _, err) = doppler(&[&args[..], &["--streams", "0"]].concat());
+    assert!(!ok && err.contains("--streams 0"), "{err}");
+}
+
 #[test]
 fn generate_from_a_model_file_is_seeded_and_reports_json() {
     let (gguf, _) = tiny_model("gen-model", "llama");

@@ -422,11 +422,7 @@ impl<'m> Batch<'m> {
             StepTiming::EachDispatch => gpu.profiling_recorder("batch"),
         };
         if ids.len() > 1 {
-            let every = std::env::var("DOPPLER_BATCH_FLUSH")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(FLUSH_EVERY);
-            rec.set_flush_every(every); // (no-op when timed)
+            rec.set_flush_every(FLUSH_EVERY); // (no-op when timed)
         }
         let logits = llama.forward_paged(&mut rec, &ids_t, &self.pool, &rows, &last_t)?;
         let sub = rec.submit()?;
