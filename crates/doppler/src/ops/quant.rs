@@ -204,6 +204,12 @@ fn split_k(tiles: usize, k: usize) -> usize {
 /// 52.4 ms a prefill unsplit, 41.5 split to reach 512 workgroups, 48.8 to reach 1024).
 const COOP_SPLITK_TARGET: usize = 512;
 
+/// Workgroups an invariant cooperative product keeps at least when it takes tiles of more
+/// than 16 rows (one for each of the H200's 132 SMs: at 264 the 8B's gate/up product, 224
+/// workgroups of 32 rows, stayed at 16-row tiles and its 32-row step took 23.8 ms, not
+/// 16.7).
+const INVARIANT_BUSY: usize = 132;
+
 fn split_k_to(target: usize, tiles: usize, k: usize) -> usize {
     if tiles * 2 >= target {
         return 1;
@@ -656,7 +662,8 @@ pub struct Fuse<'a> {
     /// The same kernel and order of sums whatever the number of rows of x, so that each
     /// row's result is the same bits alone or beside other rows (batched serving's batch
     /// invariance): where cooperative products run ([`invariant_on_coop`]) the cooperative
-    /// product in tiles of 16 rows, k split by W's shape alone (x rounded to f16 as there);
+    /// skinny product (tiles of 16 to 64 rows, each row's sums the same at every tile
+    /// size), k split by W's shape alone (x rounded to f16 as there);
     /// elsewhere the
     /// matrix-vector kernel at 8 rows of x a workgroup (x read as f32).
     pub invariant: bool,
@@ -1194,18 +1201,33 @@ fn qmatmul_coop(
         None => x_half(rec, x, w.cols, fuse.norm)?,
     };
     // Few rows: tiles of 16, 32 or 64 rows (SK_R 1, 2, 4), W decoded once per tile.
-    // Invariant products: always tiles of 16 rows, k split as for one tile of rows
-    // (nothing depends on m).
+    // Invariant products: the skinny kernel at any m, k split as for one tile of rows (by
+    // W's shape alone), and the largest tiles that still keep INVARIANT_BUSY workgroups
+    // (a row's sums are the same at every SK_R: the same fragments in the same order, so
+    // the choice may follow m). On the H200: the 8B's 64-row step 47.5 -> 21.2 ms with
+    // tiles of 64, while SmolLM2's narrow products (20 to 40 workgroups a tile of rows)
+    // ran slower on fewer workgroups (its 64-row step 3.29 -> 3.93 ms).
     let skinny = m <= SKINNY_MAX_ROWS || fuse.invariant;
+    let gn = w.rows.div_ceil(COOP_TILE);
+    let most = m.div_ceil(16).next_power_of_two().min(4);
     let sk_r = match fuse.invariant {
-        true => 1,
-        false => m.div_ceil(16).next_power_of_two().min(4),
+        true => {
+            let splits = match fuse.swiglu {
+                true => 1,
+                false => split_k_to(COOP_SPLITK_TARGET, gn, w.cols),
+            };
+            [4, 2]
+                .into_iter()
+                .find(|&r| r <= most && gn * m.div_ceil(16 * r) * splits >= INVARIANT_BUSY)
+                .unwrap_or(1)
+        }
+        false => most,
     };
     let (kernel, tile_m) = match skinny {
         true => (&QMATMUL_COOP_SKINNY, 16 * sk_r),
         false => (&QMATMUL_COOP, COOP_TILE),
     };
-    let (gn, gm) = (w.rows.div_ceil(COOP_TILE), m.div_ceil(tile_m));
+    let gm = m.div_ceil(tile_m);
     let sk = ("SK_R", sk_r as f64);
     let c = [
         ("TYPE", w.ty.0 as f64),
