@@ -264,7 +264,8 @@ impl Sampler {
     /// about one exp a value. Where rounding leaves r past the running sum, the chunk's
     /// last index with weight.
     fn draw(&mut self, xs: &[f32], m: f32) -> usize {
-        let inv = 1.0 / self.cfg.temperature;
+        // (Held finite: at a temperature below f32's range, 0 x inf would be NaN.)
+        let inv = (1.0 / self.cfg.temperature).min(f32::MAX);
         let weight = |x: f32| exp_neg((x - m) * inv);
         let chunk_sum = |c: &[f32]| -> f64 {
             let mut w = [0f32; DRAW_CHUNK];
@@ -689,6 +690,15 @@ mod tests {
         assert_eq!(exp_neg(-100.0), 0.0);
         assert_eq!(exp_neg(f32::NEG_INFINITY), 0.0);
         assert_eq!(exp_neg(f32::NAN), 0.0);
+        // A temperature whose inverse is past f32's range still picks the most likely.
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: 1e-40,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&[0.5, 3.0, -1.0, 2.9], &[]), 1);
     }
 
     #[test]
