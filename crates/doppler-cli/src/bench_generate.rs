@@ -386,6 +386,12 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
     };
     gpu.wait()?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    if let (false, Some(why)) = (args.streams.is_empty(), llama.paged_unsupported()) {
+        return Err(doppler::Error::Invalid {
+            op: "bench generate",
+            detail: format!("--streams: continuous batching does not run a model with {why}"),
+        });
+    }
     let v = llama.cfg.vocab_size;
     let prompt: Vec<u32> = (0..args.prompt).map(|i| (i * 7919 % v) as u32).collect();
     let kv_type = args.cache_type.kv_type(gpu);

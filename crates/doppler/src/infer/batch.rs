@@ -71,7 +71,8 @@ pub enum StepTiming {
 pub struct StepTimes {
     /// Rows of the forward pass.
     pub rows: usize,
-    /// Recording and submitting the forward pass (host).
+    /// The step's checks, pages and uploads, then recording and submitting its forward
+    /// pass (host).
     pub record_ms: f64,
     /// From the submission to the logits on the host (the GPU's work and the readback).
     pub wait_ms: f64,

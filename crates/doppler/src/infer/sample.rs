@@ -264,6 +264,10 @@ impl Sampler {
     /// about one exp a value. Where rounding leaves r past the running sum, the chunk's
     /// last index with weight.
     fn draw(&mut self, xs: &[f32], m: f32) -> usize {
+        if m == f32::INFINITY {
+            // (A penalty or bias can push a logit past f32's range: the first such wins.)
+            return xs.iter().position(|&x| x == m).unwrap_or(0);
+        }
         // (Held finite: at a temperature below f32's range, 0 x inf would be NaN.)
         let inv = (1.0 / self.cfg.temperature).min(f32::MAX);
         let weight = |x: f32| exp_neg((x - m) * inv);
@@ -479,13 +483,14 @@ const DRAW_CHUNK: usize = 1024;
 /// the same bits on every machine, and loops of it vectorize. x = n ln 2 + r with n
 /// rounded to nearest by the 1.5 * 2^23 shift and |r| <= ln2 / 2 (ln 2 in two parts), a
 /// degree-6 polynomial for e^r, 2^n from the exponent bits. Within 3e-7 of exp (relative)
-/// on (-87, 0]; 0 from -87 down (and for -inf and NaN), 1 at 0.
+/// on (-87, 0]; 0 from -87 down (and for -inf and NaN), 1 at 0 and above.
 pub fn exp_neg(x: f32) -> f32 {
     const SHIFT: f32 = 12_582_912.0; // 1.5 * 2^23
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75; // ln 2's first 16 significant bits
     const LN2_LO: f32 = 1.428_606_8e-6;
     let xc = if x > -87.0 { x } else { -87.0 }; // (NaN: -87)
+    let xc = if xc < 0.0 { xc } else { 0.0 }; // (above 0: 1)
     let t = xc * LOG2E + SHIFT; // SHIFT + n, n in [-126, 0]
     let n = t - SHIFT;
     let r = (xc - n * LN2_HI) - n * LN2_LO;
@@ -699,6 +704,17 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(s.sample(&[0.5, 3.0, -1.0, 2.9], &[]), 1);
+        // A penalty that pushes a logit past f32's range: that token, not the first.
+        let mut s = Sampler::new(SamplerConfig {
+            temperature: 0.7,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repeat_penalty: 1e-40,
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&[-1.0, 0.5, 3.0, 2.0], &[2]), 2);
+        assert_eq!(exp_neg(5.0), 1.0);
     }
 
     #[test]

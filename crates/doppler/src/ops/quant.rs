@@ -657,7 +657,8 @@ pub struct Fuse<'a> {
     pub geglu: bool,
     /// x already rounded for this product by the one that made it ([`qmatmul_chain`]),
     /// with `norm`'s weight: used instead of rounding x again where the product rounds x
-    /// ([`decode_rounds_x`]; x is read otherwise).
+    /// ([`decode_rounds_x`], or f16 halves for the invariant cooperative product; x is
+    /// read otherwise).
     pub x8: Option<&'a X8>,
     /// The same kernel and order of sums whatever the number of rows of x, so that each
     /// row's result is the same bits alone or beside other rows (batched serving's batch
@@ -669,9 +670,12 @@ pub struct Fuse<'a> {
     pub invariant: bool,
 }
 
-/// One row of x rounded to 8 bits for the XQ8 decode products (`quant.wgsl`'s layout:
-/// groups of 16 columns), after multiplying by a norm's weight (`norm`: the groups' sums
-/// of squares are kept for the norm's factor, which the product applies) or not.
+/// x rounded for the product that takes it, by the one that made it: one row rounded to 8
+/// bits for the XQ8 decode products (`quant.wgsl`'s layout: groups of 16 columns), after
+/// multiplying by a norm's weight (`norm`: the groups' sums of squares are kept for the
+/// norm's factor, which the product applies) or not; or (`half`) every row's f16 halves
+/// and factors as `x_half` makes them, the whole norm applied, for the invariant
+/// cooperative product.
 pub struct X8 {
     pub(crate) q: Tensor,
     pub(crate) cols: usize,
@@ -981,8 +985,10 @@ pub fn qmatmul_fused(
 /// [`qmatmul_fused`] whose output is also rounded for `next` (the product that takes it,
 /// with its norm's weight), when both are one-row decode products that round x
 /// ([`decode_rounds_x`]): the rounding is then done by this product's workgroups, not by
-/// a dispatch of its own before `next` (pass it as `next`'s `Fuse::x8`). The rounded row
-/// is the same, bit for bit, as `next` would make.
+/// a dispatch of its own before `next` (pass it as `next`'s `Fuse::x8`); and when both
+/// are invariant cooperative products and this one adds a residual over split k: its
+/// output's f16 halves come from the split sum's pass (`x_half_sum`). Either is the
+/// same, bit for bit, as `next` would make.
 pub fn qmatmul_chain(
     rec: &mut Recorder<'_>,
     x: &Tensor,
@@ -1097,15 +1103,7 @@ pub fn qmatmul_chain(
                 let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
                 let bind = [&w.raw, &part, x, nw, res, x, nw];
                 rec.dispatch(&QMATMUL, &cs, bytemuck::bytes_of(&p), &bind, grid)?;
-                let cr = [c[2]];
-                let grid = Grid::cover((m * outs) as u64, 256);
-                rec.dispatch(
-                    &SPLITK_SUM,
-                    &cr,
-                    bytemuck::bytes_of(&p),
-                    &[&y, &part, res],
-                    grid,
-                )?;
+                splitk_sum(rec, &part, fuse.residual, &y, m, outs, splits)?;
             }
         }
     }
@@ -1189,11 +1187,17 @@ fn qmatmul_coop(
         Some(h) => {
             h.check_any("qmatmul_coop", w, fuse.norm.map(|n| n.0))?;
             match (&h.half, fuse.norm) {
-                (Some((rowf, eps)), Some((_, e))) if *eps == e => (h.q.clone(), rowf.clone()),
+                (Some((rowf, eps)), Some((_, e)))
+                    if *eps == e && rowf.numel() == m && h.q.numel() * 2 == m * w.cols =>
+                {
+                    (h.q.clone(), rowf.clone())
+                }
                 _ => {
                     return Err(Error::Invalid {
                         op: "qmatmul_coop",
-                        detail: "x rounded for another kind of product or norm".into(),
+                        detail: format!(
+                            "x rounded for another kind of product, norm or number of rows (here {m} rows)"
+                        ),
                     })
                 }
             }
@@ -1454,20 +1458,7 @@ fn qmatmul_t_coop(rec: &mut Recorder<'_>, dy: &Tensor, w: &QMatrix, y: &Tensor) 
     let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
     let bind = [&w.raw, &part, &xh, &rowf, dy, &w.raw];
     rec.dispatch(&QMATMUL_COOP, &c, bytemuck::bytes_of(&p), &bind, grid)?;
-    let ps = Params {
-        n: w.cols as u32,
-        m: m as u32,
-        splits: splits as u32,
-        ..Default::default()
-    };
-    let grid = Grid::cover((m * w.cols) as u64, 256);
-    rec.dispatch(
-        &SPLITK_SUM,
-        &[("RESIDUAL", 0.0)],
-        bytemuck::bytes_of(&ps),
-        &[y, &part, dy],
-        grid,
-    )
+    splitk_sum(rec, &part, None, y, m, w.cols, splits)
 }
 
 /// Types whose decode products ([`Path::Decode`]) round x to 8 bits (`quant.wgsl`'s XQ8:

@@ -125,7 +125,10 @@ const FAMILIES: &[Family] = &[
     (&["qmatmul decode"], family!(quant::decode_checks)),
     (&["qmatmul batch"], family!(quant::batch_checks)),
     (&["qmatmul invariant"], family!(quant::invariant_checks)),
-    (&["qmatmul chain"], family!(quant::invariant_chain_checks)),
+    (
+        &["qmatmul invariant chain"],
+        family!(quant::invariant_chain_checks),
+    ),
     (&["qmatmul_chain"], family!(quant::chain_checks)),
     (&["row_split"], family!(quant::split_checks)),
     (&["kv_attend"], family!(kvcache::checks)),

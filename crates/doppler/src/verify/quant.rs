@@ -1452,7 +1452,7 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
         });
         push(
             out,
-            "qmatmul chain",
+            "qmatmul invariant chain",
             format!("x_half_sum: {splits} partials of [{m}, {n}] + residual, norm, f16 halves: the same bits as splitk_sum then x_half"),
             res,
         );
@@ -1468,7 +1468,7 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
         let xv = rng.vec(m * e);
         let resv = rng.vec(m * e);
         let nw: Vec<f32> = (0..e).map(|_| 0.5 + rng.uniform()).collect();
-        let r = twice("qmatmul chain", async || {
+        let r = twice("qmatmul invariant chain", async || {
             let ty1 = GgmlType::from_name(t1).expect("known type");
             let ty2 = GgmlType::from_name(t2).expect("known type");
             let w1 = QMatrix::new(gpu, "w1", &raw1, ty1, e, e)?;
@@ -1545,7 +1545,7 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
         });
         push(
             out,
-            "qmatmul chain",
+            "qmatmul invariant chain",
             format!(
                 "x [{m}, {e}] @ ({e}, {e})^T {t1} + residual, then norm + SwiGLU ({f}, {e}) {t2}: {}",
                 if coop {
