@@ -69,15 +69,11 @@ pub enum StepTiming {
 /// Where the last [`Batch::step_async`] spent its time.
 #[derive(Clone, Debug, Default)]
 pub struct StepTimes {
-    /// Rows of the forward pass.
-    pub rows: usize,
     /// The step's checks, pages and uploads, then recording and submitting its forward
     /// pass (host).
     pub record_ms: f64,
     /// From the submission to the logits on the host (the GPU's work and the readback).
     pub wait_ms: f64,
-    /// The step, start to end.
-    pub total_ms: f64,
     /// The GPU's timestamps ([`StepTiming::Whole`]: one event; `EachDispatch`: one a
     /// dispatch; empty when off or where the adapter has no timestamps).
     pub trace: Trace,
@@ -438,10 +434,8 @@ impl<'m> Batch<'m> {
         let trace = sub.finish(gpu).await?;
         let done = Instant::now();
         self.last = StepTimes {
-            rows: ids.len(),
             record_ms: (recorded - t0).as_secs_f64() * 1e3,
             wait_ms: (done - recorded).as_secs_f64() * 1e3,
-            total_ms: 0.0,
             trace,
         };
         for &(id, toks) in feeds {
@@ -450,11 +444,9 @@ impl<'m> Batch<'m> {
             s.toks.extend_from_slice(toks);
             self.cache_whole_pages(id);
         }
-        let out = bytes
+        Ok(bytes
             .chunks(vocab * 4)
             .map(bytemuck::pod_collect_to_vec::<u8, f32>)
-            .collect();
-        self.last.total_ms = t0.elapsed().as_secs_f64() * 1e3;
-        Ok(out)
+            .collect())
     }
 }
