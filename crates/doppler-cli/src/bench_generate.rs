@@ -231,9 +231,10 @@ const STREAM_STEPS: usize = 24;
 /// prefilled with its own prompt of `--prompt` tokens (a sequence a step, 512 rows at a
 /// time), then STREAM_STEPS steps of one row each, every row's token sampled at
 /// temperature 0.8 from its own seed (the plain draw over the whole vocabulary, OpenAI's
-/// defaults otherwise) on the sampling threads `serve` uses. Host times per step (record,
-/// GPU + readback, sampling), then a few steps timed on the GPU whole and one dispatch by
-/// dispatch.
+/// defaults otherwise) on the sampling threads `serve` uses, pipelined as `serve` runs
+/// them (the next step recorded while the GPU runs one). Host times per step (the whole
+/// step; recording the next, overlapped; submission to logits; sampling), then a few steps
+/// (not pipelined) timed on the GPU whole and one dispatch by dispatch.
 fn streams(
     gpu: &Gpu,
     llama: &Llama,
@@ -276,53 +277,67 @@ fn streams(
         samplers.push(sampler);
         hist.push(vec![first]);
     }
-    let mut first = true;
-    // A step, then its rows sampled: the sampling's ms.
-    let mut step = |b: &mut Batch<'_>, timing: StepTiming| -> doppler::Result<f64> {
-        b.set_timing(timing);
-        let feeds: Vec<(u64, Vec<u32>)> = seqs
-            .iter()
-            .zip(&hist)
-            .map(|(&id, h)| (id, vec![*h.last().expect("a token")]))
-            .collect();
-        let feeds: Vec<(u64, &[u32])> = feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
-        let logits = b.step(gpu, &feeds)?;
+    // Each sequence's last token as its feed.
+    let feeds_of = |hist: &[Vec<u32>]| -> Vec<(u64, [u32; 1])> {
+        seqs.iter()
+            .zip(hist)
+            .map(|(&id, h)| (id, [*h.last().expect("a token")]))
+            .collect()
+    };
+    // Each row's token chosen from its logits; the sampling's ms.
+    let choose = |samplers: &mut [Sampler], hist: &mut [Vec<u32>], logits: &[Vec<f32>]| {
         let t1 = Instant::now();
-        if first {
-            first = false;
-            for l in &logits {
-                check = mix_bits(check, l);
-            }
-        }
         let mut jobs: Vec<_> = samplers
             .iter_mut()
-            .zip(&hist)
-            .zip(&logits)
+            .zip(hist.iter())
+            .zip(logits)
             .map(|((s, h), l)| (s, h.as_slice(), l.as_slice()))
             .collect();
         let picks = sample_rows(&mut jobs);
         for (h, (t, _)) in hist.iter_mut().zip(picks) {
             h.push(t);
         }
-        Ok(t1.elapsed().as_secs_f64() * 1e3)
+        t1.elapsed().as_secs_f64() * 1e3
     };
-    step(&mut b, StepTiming::Off)?; // warm-up
+    // A step recorded, run and waited for in one (not pipelined), then its rows sampled.
+    let step = |b: &mut Batch<'_>,
+                timing: StepTiming,
+                samplers: &mut [Sampler],
+                hist: &mut [Vec<u32>]|
+     -> doppler::Result<Vec<Vec<f32>>> {
+        b.set_timing(timing);
+        let feeds = feeds_of(hist);
+        let feeds: Vec<(u64, &[u32])> = feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
+        let logits = b.step(gpu, &feeds)?;
+        choose(samplers, hist, &logits);
+        Ok(logits)
+    };
+    for l in step(&mut b, StepTiming::Off, &mut samplers, &mut hist)? {
+        check = mix_bits(check, &l);
+    }
+    // Pipelined as serve runs them: the next step recorded while the GPU runs this one.
+    let plan: Vec<(u64, usize)> = seqs.iter().map(|&id| (id, 1)).collect();
     let (mut total, mut record, mut wait, mut sample) = (vec![], vec![], vec![], vec![]);
+    let mut ahead = b.record(gpu, &plan)?;
     for _ in 0..STREAM_STEPS {
         let t0 = Instant::now();
-        let s_ms = step(&mut b, StepTiming::Off)?;
+        let feeds = feeds_of(&hist);
+        let feeds: Vec<(u64, &[u32])> = feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
+        let flight = b.submit(gpu, ahead, &feeds)?;
+        ahead = b.record(gpu, &plan)?;
+        record.push(ahead.record_ms());
+        let logits = pollster::block_on(b.wait(gpu, flight))?;
+        wait.push(b.last_times().wait_ms);
+        sample.push(choose(&mut samplers, &mut hist, &logits));
         total.push(t0.elapsed().as_secs_f64() * 1e3);
-        let t = b.last_times();
-        record.push(t.record_ms);
-        wait.push(t.wait_ms);
-        sample.push(s_ms);
     }
+    drop(ahead);
     let mut gpu_ms = Vec::new();
     for _ in 0..whole {
-        step(&mut b, StepTiming::Whole)?;
+        step(&mut b, StepTiming::Whole, &mut samplers, &mut hist)?;
         gpu_ms.extend(b.last_times().trace.events.iter().map(|e| e.dur_ns / 1e6));
     }
-    step(&mut b, StepTiming::EachDispatch)?;
+    step(&mut b, StepTiming::EachDispatch, &mut samplers, &mut hist)?;
     let kernels: Vec<serde_json::Value> = b
         .last_times()
         .trace

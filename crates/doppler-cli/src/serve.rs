@@ -39,7 +39,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Args;
 use doppler::gpu::Gpu;
-use doppler::infer::batch::{Batch, SeqId};
+use doppler::infer::batch::{Ahead, Batch, SeqId};
 use doppler::infer::chat::Message;
 use doppler::infer::grammar::{Grammar, JsonConstraint, TokenTrie};
 use doppler::infer::sample::{Sampler, SamplerConfig, TokenLogprob};
@@ -1471,10 +1471,20 @@ enum End {
 }
 
 /// The continuous-batching worker: takes waiting requests while fewer than `parallel` run
-/// (each with its sampler and text stream), then steps every running one together
-/// ([`Batch::step`]: a chunk of a prompt, or the token chosen last), samples each whose
-/// row was its last, streams its text, and ends those that stop, reach their length or
-/// lose their client, giving their pages back. Blocks on the queue when nothing runs.
+/// (each with its sampler and text stream), then steps every running one together (a
+/// chunk of a prompt, or the token chosen last), samples each whose row was its last,
+/// streams its text, and ends those that stop, reach their length or lose their client,
+/// giving their pages back. Blocks on the queue when nothing runs.
+///
+/// Steps are pipelined: while the GPU runs one, the worker takes new requests and records
+/// the next ([`Batch::record`]) for the rows it will need (each decoding request's next
+/// token unless it reaches its length, prompts' next chunks); once this step's tokens are
+/// chosen, that step is submitted with them. A request that ends on what nobody could
+/// foresee (a stop token or string, its client gone) still has its row in the recorded
+/// step: the row runs once more, its output unused (no other row's result depends on it),
+/// and its pages go back after that step. Where the recorded rows are not what the
+/// requests need, the step is recorded again.
+#[allow(clippy::too_many_arguments)]
 fn batch_loop(
     gpu: &Gpu,
     model: &Model,
@@ -1488,13 +1498,14 @@ fn batch_loop(
     let tk = &model.tokenizer;
     let mut waiting = std::collections::VecDeque::new();
     let mut running: Vec<Running> = Vec::new();
-    loop {
-        if running.is_empty() && waiting.is_empty() {
-            match rx.recv() {
-                Ok(j) => waiting.push_back(j),
-                Err(_) => return,
-            }
-        }
+    // The next step, recorded while the GPU ran the last one.
+    let mut ahead: Option<Ahead<'_>> = None;
+    // Ended requests the recorded step has rows for: (sequence, the tokens of its rows).
+    let mut zombies: Vec<(SeqId, Vec<u32>)> = Vec::new();
+    let admit = |waiting: &mut std::collections::VecDeque<Job>,
+                 running: &mut Vec<Running>,
+                 batch: &mut Batch<'_>,
+                 trie: &mut Option<Arc<TokenTrie>>| {
         while let Ok(j) = rx.try_recv() {
             waiting.push_back(j);
         }
@@ -1504,40 +1515,90 @@ fn batch_loop(
             let Some(job) = waiting.pop_front() else {
                 break;
             };
-            if let Some(r) = start(model, &mut batch, job, ctx, trie) {
+            if let Some(r) = start(model, batch, job, ctx, trie) {
                 running.push(r);
             }
         }
+    };
+    loop {
+        let t0 = Instant::now();
+        if ahead.is_none() {
+            if running.is_empty() && waiting.is_empty() {
+                match rx.recv() {
+                    Ok(j) => waiting.push_back(j),
+                    Err(_) => return,
+                }
+            }
+            admit(&mut waiting, &mut running, &mut batch, trie);
+        }
         stats.active.store(running.len(), Ordering::SeqCst);
         if running.is_empty() {
+            ahead = None;
+            for (seq, _) in zombies.drain(..) {
+                batch.remove(seq);
+            }
             continue;
         }
-        // One row for each request decoding; prompts' chunks from what is left.
-        let mut budget = STEP_PROMPT_ROWS;
-        let mut take: Vec<usize> = running
-            .iter()
-            .map(|r| (r.todo.len() == 1) as usize)
-            .collect();
-        for (i, r) in running.iter().enumerate() {
-            if r.todo.len() > 1 && budget > 0 {
-                take[i] = r.todo.len().min(budget);
-                budget -= take[i];
+        // This step's rows: the recorded step's where they are what the requests need
+        // (in its order, with its rows of ended requests), else recorded now.
+        let take = step_rows(running.iter().map(|r| r.todo.len()));
+        let fed = ahead
+            .take()
+            .and_then(|a| ahead_feeds(&a, &running, &take, &zombies).map(|f| (a, f)));
+        let (recorded, feeds) = match fed {
+            Some((a, f)) => (Ok(a), f),
+            None => {
+                for (seq, _) in zombies.drain(..) {
+                    batch.remove(seq);
+                }
+                let feeds: Vec<(SeqId, Vec<u32>)> = running
+                    .iter()
+                    .zip(&take)
+                    .filter(|(_, &n)| n > 0)
+                    .map(|(r, &n)| (r.seq, r.todo[..n].to_vec()))
+                    .collect();
+                let plan: Vec<(SeqId, usize)> =
+                    feeds.iter().map(|(id, t)| (*id, t.len())).collect();
+                (batch.record(gpu, &plan), feeds)
             }
-        }
-        let feeds: Vec<(SeqId, &[u32])> = running
-            .iter()
-            .zip(&take)
-            .filter(|(_, &n)| n > 0)
-            .map(|(r, &n)| (r.seq, &r.todo[..n]))
-            .collect();
+        };
+        let feed_refs: Vec<(SeqId, &[u32])> =
+            feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
         let feeds_rows: usize = feeds.iter().map(|f| f.1.len()).sum();
-        let t0 = Instant::now();
-        let result = batch.step(gpu, &feeds);
+        let t_submit = Instant::now();
+        let result = recorded.and_then(|a| batch.submit(gpu, a, &feed_refs));
+        // The ended requests this step ran rows for: their pages go back after it.
+        let spent: Vec<SeqId> = zombies.drain(..).map(|z| z.0).collect();
+        let result = match result {
+            Ok(flight) => {
+                // While the GPU runs the step: new requests, then the next step recorded.
+                admit(&mut waiting, &mut running, &mut batch, trie);
+                let next = next_rows(&running, &take, &batch, ctx);
+                let plan: Vec<(SeqId, usize)> = running
+                    .iter()
+                    .zip(step_rows(next.into_iter()))
+                    .filter(|(_, n)| *n > 0)
+                    .map(|(r, n)| (r.seq, n))
+                    .collect();
+                if !plan.is_empty() {
+                    match batch.record(gpu, &plan) {
+                        Ok(a) => ahead = Some(a),
+                        Err(e) => tracing::debug!("the next step was not recorded ahead: {e}"),
+                    }
+                }
+                pollster::block_on(batch.wait(gpu, flight))
+            }
+            Err(e) => Err(e),
+        };
+        for seq in spent {
+            batch.remove(seq);
+        }
         let mut ends: Vec<(usize, End)> = Vec::new();
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!("batched step failed: {e}");
+                ahead = None;
                 for i in 0..running.len() {
                     let err = ApiError::server(
                         StatusCode::INTERNAL_SERVER_ERROR,
@@ -1548,28 +1609,36 @@ fn batch_loop(
                 Vec::new()
             }
         };
-        let gpu_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let gpu_ms = t_submit.elapsed().as_secs_f64() * 1e3;
         // The requests whose rows ran their last pending token (the others have more of
-        // their prompt to run): (index in running, index in logits).
+        // their prompt to run): (index in running, index in logits: the feeds' order,
+        // which rows of ended requests may interleave).
+        let row_of: std::collections::HashMap<SeqId, usize> = feeds
+            .iter()
+            .enumerate()
+            .map(|(li, (id, _))| (*id, li))
+            .collect();
         let mut due = Vec::new();
-        let mut li = 0;
         for (i, r) in running.iter_mut().enumerate() {
-            if logits.is_empty() || take[i] == 0 {
+            let n = take.get(i).copied().unwrap_or(0);
+            if logits.is_empty() || n == 0 {
                 continue;
             }
-            r.todo.drain(..take[i]);
+            r.todo.drain(..n);
             if r.todo.is_empty() {
-                due.push((i, li));
+                due.push((i, row_of[&r.seq]));
             }
-            li += 1;
         }
         let picks = sample_rows(&mut running, &due, &logits);
         let chosen = picks.len();
+        // The token chosen for each request that ended on it (its row in the next step).
+        let mut last_pick: Vec<Option<u32>> = vec![None; running.len()];
         for (&(i, _), (next, logprob)) in due.iter().zip(picks) {
             let r = &mut running[i];
             if r.stop_tokens.contains(&next) {
                 // The stop token counts, as every sampled one does.
                 ends.push((i, End::Finished("stop", r.stream.tokens().len() + 1)));
+                last_pick[i] = Some(next);
                 continue;
             }
             let events = &r.events;
@@ -1585,8 +1654,12 @@ fn batch_loop(
                 Ok(false) if n >= r.max_tokens || batch.len(r.seq).unwrap_or(ctx) + 1 > ctx => {
                     ends.push((i, End::Finished("length", n)))
                 }
-                Ok(false) => r.todo.push(next),
+                Ok(false) => {
+                    r.todo.push(next);
+                    continue;
+                }
             }
+            last_pick[i] = Some(next);
         }
         if chosen > 0 {
             let ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -1596,11 +1669,12 @@ fn batch_loop(
             );
             let t = batch.last_times();
             tracing::debug!(
-                "step: {} rows, {chosen} tokens chosen, {gpu_ms:.2} ms forward ({:.2} recording, {:.2} GPU and readback) + {:.2} ms sampling and streaming",
+                "step: {} rows, {chosen} tokens chosen, {ms:.2} ms: {:.2} submitting to logits ({:.2} recording the next step meanwhile), then {:.2} sampling and streaming; its own recording {:.2}",
                 feeds_rows,
+                gpu_ms,
+                ahead.as_ref().map_or(0.0, |a| a.record_ms()),
+                ms - gpu_ms - (t_submit - t0).as_secs_f64() * 1e3,
                 t.record_ms,
-                t.wait_ms,
-                ms - gpu_ms
             );
         }
         // Requests whose client left while they ran.
@@ -1611,14 +1685,105 @@ fn batch_loop(
         }
         ends.sort_by_key(|e| std::cmp::Reverse(e.0));
         for (i, end) in ends {
-            let r = running.swap_remove(i);
-            finish(&mut batch, r, end, stats);
+            let r = running.remove(i);
+            // Its row in the recorded step, if any: the tokens it would have run.
+            let row = ahead
+                .as_ref()
+                .and_then(|a| a.plan().find(|&(id, _)| id == r.seq))
+                .map(|(_, n)| n);
+            match row {
+                Some(n) => {
+                    let toks: Vec<u32> =
+                        r.todo.iter().copied().chain(last_pick[i]).take(n).collect();
+                    if toks.len() == n {
+                        zombies.push((r.seq, toks));
+                    } else {
+                        ahead = None;
+                        batch.remove(r.seq);
+                    }
+                }
+                None => batch.remove(r.seq),
+            }
+            finish(r, end, stats);
+        }
+        if ahead.is_none() {
+            for (seq, _) in zombies.drain(..) {
+                batch.remove(seq);
+            }
         }
         let held: usize = running.iter().filter_map(|r| batch.len(r.seq)).sum();
         stats.kv_tokens.store(held, Ordering::SeqCst);
         stats.kv_pages.store(batch.pages_in_use(), Ordering::SeqCst);
         stats.active.store(running.len(), Ordering::SeqCst);
     }
+}
+
+/// Rows each request runs in a step, from the tokens each has to run: one for each
+/// decoding request (one token), then prompts' chunks from STEP_PROMPT_ROWS in order.
+fn step_rows(todo: impl Iterator<Item = usize>) -> Vec<usize> {
+    let todo: Vec<usize> = todo.collect();
+    let mut budget = STEP_PROMPT_ROWS;
+    let mut take: Vec<usize> = todo.iter().map(|&t| (t == 1) as usize).collect();
+    for (i, &t) in todo.iter().enumerate() {
+        if t > 1 && budget > 0 {
+            take[i] = t.min(budget);
+            budget -= take[i];
+        }
+    }
+    take
+}
+
+/// The tokens each running request will have to run after a step of `take` rows: the
+/// rest of its prompt; one chosen token where its row was its last, unless it then
+/// reaches its length (its stop tokens and strings cannot be foreseen).
+fn next_rows(running: &[Running], take: &[usize], batch: &Batch<'_>, ctx: usize) -> Vec<usize> {
+    running
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let n = take.get(i).copied().unwrap_or(0);
+            let left = r.todo.len() - n;
+            if n == 0 || left > 0 {
+                return left;
+            }
+            // (batch.len already counts the step's tokens: they were submitted.)
+            let ends = r.stream.tokens().len() + 1 >= r.max_tokens
+                || batch.len(r.seq).unwrap_or(ctx) + 1 > ctx;
+            (!ends) as usize
+        })
+        .collect()
+}
+
+/// The feeds of the recorded step `a` (in its order) where its rows are the ones the
+/// running requests need (`take`) plus rows of ended ones (`zombies`), else None.
+fn ahead_feeds(
+    a: &Ahead<'_>,
+    running: &[Running],
+    take: &[usize],
+    zombies: &[(SeqId, Vec<u32>)],
+) -> Option<Vec<(SeqId, Vec<u32>)>> {
+    let want: std::collections::HashMap<SeqId, &[u32]> = running
+        .iter()
+        .zip(take)
+        .filter(|(_, &n)| n > 0)
+        .map(|(r, &n)| (r.seq, &r.todo[..n]))
+        .collect();
+    let mut feeds = Vec::new();
+    let mut found = 0;
+    for (id, n) in a.plan() {
+        let toks = match want.get(&id) {
+            Some(t) => {
+                found += 1;
+                *t
+            }
+            None => zombies.iter().find(|z| z.0 == id)?.1.as_slice(),
+        };
+        if toks.len() != n {
+            return None;
+        }
+        feeds.push((id, toks.to_vec()));
+    }
+    (found == want.len()).then_some(feeds)
 }
 
 /// The next token of each request in `due` (index in `running`, index in `logits`) and
@@ -1730,11 +1895,10 @@ fn make_sampler(
     sampler
 }
 
-/// A running request's end: the rest of its text, its pages back, its place in the queue
-/// given back, then its last event.
-fn finish(batch: &mut Batch<'_>, r: Running, end: End, stats: &Stats) {
+/// A running request's end: the rest of its text, its place in the queue given back, then
+/// its last event (the caller gives its pages back).
+fn finish(r: Running, end: End, stats: &Stats) {
     let Running {
-        seq,
         events,
         slot,
         mut stream,
@@ -1743,7 +1907,6 @@ fn finish(batch: &mut Batch<'_>, r: Running, end: End, stats: &Stats) {
         started,
         ..
     } = r;
-    batch.remove(seq);
     let last = match end {
         End::Gone => {
             tracing::info!("request cancelled: the client went away");

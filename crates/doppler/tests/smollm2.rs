@@ -495,6 +495,80 @@ fn batched_sequences_match_transformers_and_are_batch_invariant() {
     assert!(Batch::new(gpu, &m.llama, 4, KvType::Q8_0).is_err());
 }
 
+/// Pipelined steps (`Batch::record` while the step before runs, then `submit` with the
+/// tokens, then `wait`), as `doppler serve` runs them: each sequence's logits are the same
+/// bits as stepping it alone; a row kept for a sequence that ended (its output unused)
+/// changes nobody's; a recorded step is refused for other feeds or a sequence changed
+/// since; an unsubmitted one runs nothing and leaves no page held once its sequences go.
+#[test]
+fn pipelined_steps_give_the_same_bits() {
+    use doppler::infer::batch::Batch;
+    use doppler::ops::kvcache::KvType;
+    let (gpu, m) = (gpu(), model());
+    let prompts: Vec<&Value> = fixture()["prompts"].as_array().unwrap().iter().collect();
+    let argmax = |l: &[f32]| Sampler::new(SamplerConfig::greedy()).sample(l, &[]);
+    let p = |i: usize| ids(&prompts[i.min(prompts.len() - 1)]["ids"]);
+    let bits = |l: &[f32]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let alone = |pi: usize, steps: usize| -> Vec<Vec<u32>> {
+        let mut b = Batch::new(gpu, &m.llama, 64, KvType::F32).unwrap();
+        let id = b.add();
+        let mut out = vec![b.step(gpu, &[(id, &p(pi))]).unwrap().remove(0)];
+        for _ in 0..steps {
+            let next = argmax(out.last().unwrap());
+            out.push(b.step(gpu, &[(id, &[next])]).unwrap().remove(0));
+        }
+        out.iter().map(|l| bits(l)).collect()
+    };
+    let (a0, a1) = (alone(0, 3), alone(1, 3));
+    let mut b = Batch::new(gpu, &m.llama, 64, KvType::F32).unwrap();
+    let (s0, s1, s2) = (b.add(), b.add(), b.add());
+    let first = b
+        .step(gpu, &[(s0, &p(0)), (s1, &p(1)), (s2, &p(2))])
+        .unwrap();
+    let mut last = vec![first[0].clone(), first[1].clone(), first[2].clone()];
+    assert_eq!(bits(&last[0]), a0[0]);
+    assert_eq!(bits(&last[1]), a1[0]);
+    // s2 "ends" after the first pipelined step but keeps its row in the step recorded
+    // meanwhile (fed its last token), then goes.
+    let mut plan = vec![(s0, 1), (s1, 1), (s2, 1)];
+    let mut ahead = b.record(gpu, &plan).unwrap();
+    for k in 1..=3 {
+        let toks: Vec<[u32; 1]> = last.iter().map(|l| [argmax(l)]).collect();
+        let feeds: Vec<(u64, &[u32])> = plan
+            .iter()
+            .zip(&toks)
+            .map(|(&(id, _), t)| (id, t.as_slice()))
+            .collect();
+        let flight = b.submit(gpu, ahead, &feeds).unwrap();
+        let next_plan = if k == 1 {
+            plan.clone()
+        } else {
+            vec![(s0, 1), (s1, 1)]
+        };
+        ahead = b.record(gpu, &next_plan).unwrap();
+        let got = pollster::block_on(b.wait(gpu, flight)).unwrap();
+        assert_eq!(bits(&got[0]), a0[k], "sequence 0, pipelined step {k}");
+        assert_eq!(bits(&got[1]), a1[k], "sequence 1, pipelined step {k}");
+        if k == 2 {
+            b.remove(s2);
+        }
+        plan = next_plan;
+        last = got;
+    }
+    // Refused: other feeds than recorded; a sequence changed since the recording.
+    let t = [argmax(&last[0])];
+    let err = b.submit(gpu, ahead, &[(s0, &t)]).err().unwrap();
+    assert!(err.to_string().contains("recorded for"), "{err}");
+    let ahead = b.record(gpu, &[(s0, 1)]).unwrap();
+    b.step(gpu, &[(s0, &t)]).unwrap();
+    let err = b.submit(gpu, ahead, &[(s0, &t)]).err().unwrap();
+    assert!(err.to_string().contains("recorded at"), "{err}");
+    drop(b.record(gpu, &[(s0, 1), (s1, 1)]).unwrap());
+    b.remove(s0);
+    b.remove(s1);
+    assert_eq!((b.pages_in_use(), b.sequences()), (0, 0));
+}
+
 /// Shared prompt prefixes (`Batch::add_prefixed`): a sequence whose prompt starts with
 /// whole pages another sequence filled holds those pages and runs only the rest, and its
 /// logits, and the next greedy token's, are the same bits as computing the whole prompt

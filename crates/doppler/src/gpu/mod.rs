@@ -12,7 +12,7 @@ pub mod trace;
 
 pub use pipeline::{Binding, Kernel, PipelineCache, Shader};
 pub use pool::{BufferPool, PoolStats};
-pub use recorder::{Grid, Readback, Recorder, Submission, FLUSH_EVERY};
+pub use recorder::{Encoded, Grid, Readback, Recorder, Submission, FLUSH_EVERY};
 pub use tensor::{DType, Tensor};
 pub use trace::{Trace, TraceEvent};
 

@@ -86,6 +86,8 @@ struct IndexCheck {
     flag: Tensor,
     ids: Tensor,
     limit: u32,
+    /// The flag staged at the end of the submission ([`Recorder::encode`]).
+    staged: Option<Readback>,
 }
 
 /// GPU timestamps a recorder takes.
@@ -441,21 +443,35 @@ impl<'g> Recorder<'g> {
             flag: flag.clone(),
             ids: ids.clone(),
             limit,
+            staged: None,
         });
         Ok(flag)
     }
 
     /// Encodes everything recorded into one command buffer and submits it.
     pub fn submit(self) -> Result<Submission> {
+        self.encode()?.submit()
+    }
+
+    /// Encodes everything recorded into one command buffer without submitting it: the
+    /// CPU's part of a recording (bind groups, encoding) done ahead, while the GPU runs
+    /// earlier work; [`Encoded::submit`] then writes its parameters and submits it. Buffers
+    /// the recording writes with `queue.write_buffer` before that (token ids) reach its
+    /// commands: queued writes precede the next submission.
+    pub fn encode(mut self) -> Result<Encoded<'g>> {
         let gpu = self.gpu;
-        let mut keep: Vec<Arc<PooledBuffer>> = Vec::new();
-        // Held until the submit: the shared parameter buffer must carry this recorder's
-        // parameters when its commands run (queue order), not another recorder's.
-        let mut binds = gpu.binds.lock().unwrap();
-        if !self.uniforms.is_empty() {
-            let u = binds.uniform(gpu, self.uniforms.len() as u64)?;
-            gpu.queue.write_buffer(&u, 0, &self.uniforms);
+        // Index checks' flags are staged in the same command buffer: reading them back
+        // takes no submission of its own.
+        for i in 0..self.checks.len() {
+            let flag = self.checks[i].flag.clone();
+            self.checks[i].staged = Some(self.read_later(&flag)?);
         }
+        let mut binds = gpu.binds.lock().unwrap();
+        let uniform = if self.uniforms.is_empty() {
+            None
+        } else {
+            Some(binds.uniform(gpu, self.uniforms.len() as u64)?)
+        };
         let n_dispatch = self.dispatches() as u32;
         let queries = match self.timing {
             _ if n_dispatch == 0 => None,
@@ -480,7 +496,8 @@ impl<'g> Recorder<'g> {
                 _ => None,
             })
             .collect();
-        let (cb, mut err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
+        drop(binds);
+        let (cb, err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
             encode_commands(
                 gpu,
                 &self.label,
@@ -489,21 +506,69 @@ impl<'g> Recorder<'g> {
                 queries.as_ref().map(|q| (q, self.timing)),
             )
         });
+        if let Some(message) = err {
+            return Err(Error::Device(format!("{}: {message}", self.label)));
+        }
+        Ok(Encoded {
+            gpu,
+            cb,
+            uniform,
+            queries,
+            n_dispatch,
+            rec: self,
+        })
+    }
+}
+
+/// A recording encoded into a command buffer, not yet submitted ([`Recorder::encode`]).
+/// Dropped unsubmitted, it runs nothing and its buffers go back to the pool.
+pub struct Encoded<'g> {
+    gpu: &'g Gpu,
+    cb: wgpu::CommandBuffer,
+    /// The parameter buffer its bind groups use (the shared one when it was encoded).
+    uniform: Option<wgpu::Buffer>,
+    queries: Option<Queries>,
+    n_dispatch: u32,
+    rec: Recorder<'g>,
+}
+
+impl<'g> Encoded<'g> {
+    /// Number of dispatches encoded.
+    pub fn dispatches(&self) -> usize {
+        self.n_dispatch as usize
+    }
+
+    /// Writes the parameters and submits the command buffer.
+    pub fn submit(self) -> Result<Submission> {
+        let Encoded {
+            gpu,
+            cb,
+            uniform,
+            queries,
+            n_dispatch,
+            rec,
+        } = self;
+        // Held until the submit: the parameter buffer must carry this recording's
+        // parameters when its commands run (queue order), not another recording's.
+        let binds = gpu.binds.lock().unwrap();
+        if let Some(u) = &uniform {
+            gpu.queue.write_buffer(u, 0, &rec.uniforms);
+        }
         let mut submitted = None;
-        let ((), submit_err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
+        let ((), err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
             let index = gpu.queue.submit([cb]);
-            for r in &self.readbacks {
+            for r in &rec.readbacks {
                 *r.lock().unwrap() = Some(index.clone());
             }
             submitted = Some(index);
         });
-        err = err.or(submit_err);
         drop(binds);
         if let Some(message) = err {
-            return Err(Error::Device(format!("{}: {message}", self.label)));
+            return Err(Error::Device(format!("{}: {message}", rec.label)));
         }
         // Release buffers once the GPU is done with this submission.
-        for c in &self.cmds {
+        let mut keep: Vec<Arc<PooledBuffer>> = Vec::new();
+        for c in &rec.cmds {
             match c {
                 Cmd::Dispatch { tensors, .. } => {
                     keep.extend(tensors.iter().map(|t| t.pooled().clone()))
@@ -522,10 +587,10 @@ impl<'g> Recorder<'g> {
         gpu.pool.retire(done, keep);
         gpu.poll();
         gpu.check_errors()?;
-        let names = if self.timing == Timing::Whole {
-            vec![(Arc::from(self.label.as_str()), [0; 3])]
+        let names = if rec.timing == Timing::Whole {
+            vec![(Arc::from(rec.label.as_str()), [0; 3])]
         } else {
-            self.cmds
+            rec.cmds
                 .iter()
                 .filter_map(|c| match c {
                     Cmd::Dispatch { pipe, grid, .. } => Some((pipe.name.clone(), *grid)),
@@ -537,7 +602,7 @@ impl<'g> Recorder<'g> {
             queries,
             names,
             dispatches: n_dispatch as usize,
-            checks: self.checks,
+            checks: rec.checks,
             index: submitted,
         })
     }
@@ -736,7 +801,10 @@ impl Submission {
     /// profiling or timed one on an adapter with timestamp queries).
     pub async fn finish(self, gpu: &Gpu) -> Result<Trace> {
         for c in &self.checks {
-            let flag = c.flag.to_vec_u32(gpu).await?;
+            let flag = match &c.staged {
+                Some(r) => r.u32s(gpu).await?,
+                None => c.flag.to_vec_u32(gpu).await?,
+            };
             if flag[0] > 0 {
                 let position = (u32::MAX - flag[1]) as usize;
                 let ids = c.ids.to_vec_u32(gpu).await?;

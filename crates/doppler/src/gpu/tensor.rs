@@ -155,6 +155,30 @@ impl Tensor {
         Self::from_bytes(gpu, shape, DType::U32, bytemuck::cast_slice(data), label)
     }
 
+    /// Overwrites a u32 tensor's contents (a queued write: it reaches the commands of the
+    /// next submission and later ones).
+    pub fn write_u32(&self, gpu: &Gpu, data: &[u32]) -> Result<()> {
+        if self.dtype != DType::U32 {
+            return Err(Error::DType {
+                op: "write_u32",
+                got: self.dtype,
+                expected: "u32",
+            });
+        }
+        if data.len() != self.numel() {
+            return Err(Error::UploadSize {
+                label: self.label.to_string(),
+                got: data.len(),
+                expected: self.numel(),
+            });
+        }
+        if !data.is_empty() {
+            gpu.queue
+                .write_buffer(&self.buf.buffer, 0, bytemuck::cast_slice(data));
+        }
+        Ok(())
+    }
+
     pub fn shape(&self) -> &[usize] {
         self.shape.as_slice()
     }

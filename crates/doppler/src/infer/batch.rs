@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use web_time::Instant;
 
 use crate::error::{Error, Result};
-use crate::gpu::{DType, Gpu, Tensor, Trace, FLUSH_EVERY};
+use crate::gpu::{DType, Encoded, Gpu, Readback, Submission, Tensor, Trace, FLUSH_EVERY};
 use crate::models::llama::Llama;
 use crate::ops::kvcache::{paged_pool, KvCache, KvType, PagedRows, PAGE};
 
@@ -347,44 +347,77 @@ impl<'m> Batch<'m> {
     /// taken as needed. An error before anything is taken where the pool has too few, a
     /// token is past the vocabulary, or a sequence would pass the model's context; a
     /// failed forward pass leaves the sequences' lengths as they were.
+    /// ([`Batch::record`], [`Batch::submit`] and [`Batch::wait`] in one.)
     pub async fn step_async(
         &mut self,
         gpu: &Gpu,
         feeds: &[(SeqId, &[u32])],
     ) -> Result<Vec<Vec<f32>>> {
+        if feeds.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.check_tokens(feeds)?;
+        let plan: Vec<(SeqId, usize)> = feeds.iter().map(|&(id, t)| (id, t.len())).collect();
+        // The tokens are known: uploaded first, so that a long step (a prompt) can be
+        // submitted in parts as it records.
+        let ids: Vec<u32> = feeds.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+        let ahead = self.record_with(gpu, &plan, Some(&ids))?;
+        let flight = self.submit(gpu, ahead, feeds)?;
+        self.wait(gpu, flight).await
+    }
+
+    fn check_tokens(&self, feeds: &[(SeqId, &[u32])]) -> Result<()> {
+        let vocab = self.llama.cfg.vocab_size;
+        for &(_, toks) in feeds {
+            if let Some(&t) = toks.iter().find(|&&t| t as usize >= vocab) {
+                return Err(bad(format!("token {t} is past the vocabulary of {vocab}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a step of `plan` (each sequence's number of new tokens, a sequence at most
+    /// once) before its tokens are known: the host's part of a step (pages, uploads,
+    /// recording, encoding), done while the GPU runs the step before. Pages are taken as
+    /// needed (they stay with their sequences if the step is dropped unsubmitted). An error,
+    /// before anything is taken, where the pool has too few pages or a sequence would pass
+    /// the model's context. Run it with [`Batch::submit`] while the sequences hold the
+    /// lengths they had here.
+    pub fn record<'g>(&mut self, gpu: &'g Gpu, plan: &[(SeqId, usize)]) -> Result<Ahead<'g>> {
+        self.record_with(gpu, plan, None)
+    }
+
+    /// [`Batch::record`]; with `known` token ids uploaded now and a step of many rows
+    /// submitted in parts as it records (then [`Batch::submit`] takes only those ids).
+    fn record_with<'g>(
+        &mut self,
+        gpu: &'g Gpu,
+        plan: &[(SeqId, usize)],
+        known: Option<&[u32]>,
+    ) -> Result<Ahead<'g>> {
         let t0 = Instant::now();
         let llama = self.llama;
-        let (vocab, ctx) = (llama.cfg.vocab_size, llama.max_context);
-        let bad = |detail: String| Error::Invalid {
-            op: "batch",
-            detail,
-        };
+        let ctx = llama.max_context;
         let mut need = 0;
-        let mut seen = std::collections::BTreeSet::new();
-        for &(id, toks) in feeds {
+        let mut seen = BTreeSet::new();
+        if plan.is_empty() {
+            return Err(bad("a step of no sequences".into()));
+        }
+        for &(id, n) in plan {
             let s = self
                 .seqs
                 .get(&id)
                 .ok_or_else(|| bad(format!("no sequence {id}")))?;
-            if toks.is_empty() || !seen.insert(id) {
+            if n == 0 || !seen.insert(id) {
                 return Err(bad(format!("sequence {id}: no tokens, or twice in a step")));
             }
-            if let Some(&t) = toks.iter().find(|&&t| t as usize >= vocab) {
-                return Err(bad(format!("token {t} is past the vocabulary of {vocab}")));
-            }
-            if s.len + toks.len() > ctx {
+            if s.len + n > ctx {
                 return Err(bad(format!(
-                    "sequence {id}: {} + {} tokens pass the context of {ctx}",
-                    s.len,
-                    toks.len()
+                    "sequence {id}: {} + {n} tokens pass the context of {ctx}",
+                    s.len
                 )));
             }
-            need += (s.len + toks.len())
-                .div_ceil(PAGE)
-                .saturating_sub(s.pages.len());
-        }
-        if feeds.is_empty() {
-            return Ok(Vec::new());
+            need += (s.len + n).div_ceil(PAGE).saturating_sub(s.pages.len());
         }
         if need > self.available() {
             return Err(bad(format!(
@@ -392,61 +425,218 @@ impl<'m> Batch<'m> {
                 self.available()
             )));
         }
-        for &(id, toks) in feeds {
-            let want = (self.seqs[&id].len + toks.len()).div_ceil(PAGE);
+        for &(id, n) in plan {
+            let want = (self.seqs[&id].len + n).div_ceil(PAGE);
             while self.seqs[&id].pages.len() < want {
                 let p = self.take_page();
                 self.seqs.get_mut(&id).expect("checked").pages.push(p);
             }
         }
-        let mut ids = Vec::new();
         let mut list = Vec::new();
         let mut last = Vec::new();
-        for &(id, toks) in feeds {
+        let mut held = Vec::with_capacity(plan.len());
+        for &(id, n) in plan {
             let s = &self.seqs[&id];
-            for (i, &t) in toks.iter().enumerate() {
-                ids.push(t);
+            for i in 0..n {
                 list.push((s.len + i, s.pages.as_slice()));
             }
-            last.push((ids.len() - 1) as u32);
+            last.push((list.len() - 1) as u32);
+            held.push((id, s.len, n));
         }
         let rows = PagedRows::new(gpu, &list)?;
-        let ids_t = Tensor::from_u32(gpu, &[ids.len()], &ids, "batch.ids")?;
+        // The token ids are written at the submission, unless known now.
+        let ids = match known {
+            Some(k) if k.len() == list.len() => Tensor::from_u32(gpu, &[k.len()], k, "batch.ids")?,
+            Some(k) => {
+                return Err(bad(format!(
+                    "{} token ids for {} rows",
+                    k.len(),
+                    list.len()
+                )));
+            }
+            None => Tensor::empty(gpu, &[list.len()], DType::U32, "batch.ids")?,
+        };
         let last_t = Tensor::from_u32(gpu, &[last.len()], &last, "batch.last")?;
         let mut rec = match self.timing {
             StepTiming::Off => gpu.recorder("batch"),
             StepTiming::Whole => gpu.timed_recorder("batch"),
             StepTiming::EachDispatch => gpu.profiling_recorder("batch"),
         };
-        if ids.len() > 1 {
+        if known.is_some() && list.len() > 1 {
             rec.set_flush_every(FLUSH_EVERY); // (no-op when timed)
         }
-        let logits = llama.forward_paged(&mut rec, &ids_t, &self.pool, &rows, &last_t)?;
-        let sub = rec.submit()?;
-        let recorded = Instant::now();
+        let logits = llama.forward_paged(&mut rec, &ids, &self.pool, &rows, &last_t)?;
         if logits.dtype() != DType::F32 {
             return Err(bad("logits are not f32".into()));
         }
-        // Rows straight from the bytes read back (one copy fewer than through a flat Vec).
-        let bytes = logits.read_bytes(gpu).await?;
-        // The GPU is done: index checks (an error here, before the logits are used) and
-        // timestamps.
-        let trace = sub.finish(gpu).await?;
-        let done = Instant::now();
-        self.last = StepTimes {
-            record_ms: (recorded - t0).as_secs_f64() * 1e3,
-            wait_ms: (done - recorded).as_secs_f64() * 1e3,
-            trace,
-        };
+        let read = rec.read_later(&logits)?;
+        let enc = rec.encode()?;
+        Ok(Ahead {
+            plan: held,
+            known: known.map(|k| k.to_vec()),
+            ids,
+            enc,
+            logits: read,
+            record_ms: t0.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    /// Submits a recorded step with its tokens (`feeds`: the plan's sequences in its
+    /// order, each with its number of tokens) and appends them to the sequences. An error,
+    /// with nothing submitted or changed, where the feeds are not the plan, a token is past
+    /// the vocabulary, or a sequence changed since the recording. Wait for the logits with
+    /// [`Batch::wait`] (another step may be recorded meanwhile).
+    pub fn submit<'g>(
+        &mut self,
+        gpu: &'g Gpu,
+        ahead: Ahead<'g>,
+        feeds: &[(SeqId, &[u32])],
+    ) -> Result<InFlight> {
+        let t0 = Instant::now();
+        if !ahead.matches(feeds) {
+            return Err(bad(format!(
+                "the step was recorded for {:?} (sequence, tokens), fed {:?}",
+                ahead.plan().collect::<Vec<_>>(),
+                feeds
+                    .iter()
+                    .map(|(id, t)| (*id, t.len()))
+                    .collect::<Vec<_>>()
+            )));
+        }
+        for &(id, len, _) in &ahead.plan {
+            match self.seqs.get(&id) {
+                Some(s) if s.len == len => {}
+                Some(s) => {
+                    return Err(bad(format!(
+                        "sequence {id} holds {} tokens, the step was recorded at {len}",
+                        s.len
+                    )))
+                }
+                None => return Err(bad(format!("no sequence {id}"))),
+            }
+        }
+        self.check_tokens(feeds)?;
+        let ids: Vec<u32> = feeds.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+        match &ahead.known {
+            None => ahead.ids.write_u32(gpu, &ids)?,
+            Some(k) if *k == ids => {}
+            Some(_) => return Err(bad("the step was recorded with other tokens".into())),
+        }
+        let sub = ahead.enc.submit()?;
         for &(id, toks) in feeds {
             let s = self.seqs.get_mut(&id).expect("checked");
             s.len += toks.len();
             s.toks.extend_from_slice(toks);
-            self.cache_whole_pages(id);
+        }
+        Ok(InFlight {
+            feeds: ahead.plan.iter().map(|&(id, _, n)| (id, n)).collect(),
+            sub,
+            logits: ahead.logits,
+            record_ms: ahead.record_ms,
+            submit_ms: t0.elapsed().as_secs_f64() * 1e3,
+            submitted: Instant::now(),
+        })
+    }
+
+    /// The logits (V) after each fed sequence's last token of a submitted step, in the
+    /// plan's order; its whole pages go into the prefix cache. Where the step failed, its
+    /// sequences are as they were before it.
+    pub async fn wait(&mut self, gpu: &Gpu, flight: InFlight) -> Result<Vec<Vec<f32>>> {
+        let vocab = self.llama.cfg.vocab_size;
+        let InFlight {
+            feeds,
+            sub,
+            logits,
+            record_ms,
+            submit_ms,
+            submitted,
+        } = flight;
+        let done = async {
+            // Rows straight from the bytes read back (one copy fewer than through a Vec).
+            let bytes = logits.bytes(gpu).await?;
+            // The GPU is done: index checks (an error here, before the logits are used) and
+            // timestamps.
+            let trace = sub.finish(gpu).await?;
+            Ok::<_, Error>((bytes, trace))
+        }
+        .await;
+        let (bytes, trace) = match done {
+            Ok(d) => d,
+            Err(e) => {
+                for &(id, n) in &feeds {
+                    if let Some(s) = self.seqs.get_mut(&id) {
+                        s.len -= n;
+                        s.toks.truncate(s.len);
+                    }
+                }
+                return Err(e);
+            }
+        };
+        self.last = StepTimes {
+            record_ms: record_ms + submit_ms,
+            wait_ms: submitted.elapsed().as_secs_f64() * 1e3,
+            trace,
+        };
+        for &(id, _) in &feeds {
+            if self.seqs.contains_key(&id) {
+                self.cache_whole_pages(id);
+            }
         }
         Ok(bytes
             .chunks(vocab * 4)
             .map(bytemuck::pod_collect_to_vec::<u8, f32>)
             .collect())
     }
+}
+
+fn bad(detail: String) -> Error {
+    Error::Invalid {
+        op: "batch",
+        detail,
+    }
+}
+
+/// A step recorded ahead of its tokens ([`Batch::record`]); dropped unsubmitted, it runs
+/// nothing.
+pub struct Ahead<'g> {
+    /// (sequence, its length when recorded, its new tokens).
+    plan: Vec<(SeqId, usize, usize)>,
+    /// The token ids where they were uploaded with the recording.
+    known: Option<Vec<u32>>,
+    ids: Tensor,
+    enc: Encoded<'g>,
+    logits: Readback,
+    record_ms: f64,
+}
+
+impl Ahead<'_> {
+    /// The sequences and their numbers of new tokens, in the step's order.
+    pub fn plan(&self) -> impl Iterator<Item = (SeqId, usize)> + '_ {
+        self.plan.iter().map(|&(id, _, n)| (id, n))
+    }
+
+    /// Whether `feeds` are the plan (the same sequences in the same order, as many tokens).
+    pub fn matches(&self, feeds: &[(SeqId, &[u32])]) -> bool {
+        self.plan.len() == feeds.len()
+            && self
+                .plan
+                .iter()
+                .zip(feeds)
+                .all(|(&(id, _, n), &(fid, t))| id == fid && n == t.len())
+    }
+
+    /// Host time its recording took.
+    pub fn record_ms(&self) -> f64 {
+        self.record_ms
+    }
+}
+
+/// A submitted step ([`Batch::submit`]) whose logits [`Batch::wait`] returns.
+pub struct InFlight {
+    feeds: Vec<(SeqId, usize)>,
+    sub: Submission,
+    logits: Readback,
+    record_ms: f64,
+    submit_ms: f64,
+    submitted: Instant,
 }
