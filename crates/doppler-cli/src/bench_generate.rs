@@ -242,7 +242,7 @@ fn streams(
     n: usize,
 ) -> doppler::Result<serde_json::Value> {
     use doppler::infer::batch::{Batch, StepTiming};
-    use doppler::infer::sample::{sample_rows, Sampler, SamplerConfig};
+    use doppler::infer::sample::{Row, Sampler, SamplerConfig, SamplingPool};
     let v = llama.cfg.vocab_size;
     let whole = 4;
     let per_seq = args.prompt + STREAM_STEPS + whole + 4;
@@ -285,39 +285,58 @@ fn streams(
             .collect()
     };
     // Each row's token chosen from its logits; the sampling's ms.
-    let choose = |samplers: &mut [Sampler], hist: &mut [Vec<u32>], logits: &[Vec<f32>]| {
+    let pool = SamplingPool::new();
+    let choose = |samplers: &mut Vec<Sampler>, hist: &mut Vec<Vec<u32>>, logits: Vec<Vec<f32>>| {
         let t1 = Instant::now();
-        let mut jobs: Vec<_> = samplers
-            .iter_mut()
-            .zip(hist.iter())
+        let rows = samplers
+            .drain(..)
+            .zip(hist.drain(..))
             .zip(logits)
-            .map(|((s, h), l)| (s, h.as_slice(), l.as_slice()))
+            .map(|((sampler, history), logits)| Row {
+                sampler,
+                history,
+                logits,
+            })
             .collect();
-        let picks = sample_rows(&mut jobs);
-        for (h, (t, _)) in hist.iter_mut().zip(picks) {
-            h.push(t);
+        for p in pool.sample(rows) {
+            samplers.push(p.sampler);
+            let mut h = p.history;
+            h.push(p.token);
+            hist.push(h);
         }
         t1.elapsed().as_secs_f64() * 1e3
     };
-    // A step recorded, run and waited for in one (not pipelined), then its rows sampled.
+    // A step recorded, run and waited for in one (not pipelined), then its rows sampled;
+    // its logits' bits mixed into `check` when given.
     let step = |b: &mut Batch<'_>,
                 timing: StepTiming,
-                samplers: &mut [Sampler],
-                hist: &mut [Vec<u32>]|
-     -> doppler::Result<Vec<Vec<f32>>> {
+                samplers: &mut Vec<Sampler>,
+                hist: &mut Vec<Vec<u32>>,
+                check: Option<&mut u64>|
+     -> doppler::Result<()> {
         b.set_timing(timing);
         let feeds = feeds_of(hist);
         let feeds: Vec<(u64, &[u32])> = feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
         let logits = b.step(gpu, &feeds)?;
-        choose(samplers, hist, &logits);
-        Ok(logits)
+        if let Some(c) = check {
+            for l in &logits {
+                *c = mix_bits(*c, l);
+            }
+        }
+        choose(samplers, hist, logits);
+        Ok(())
     };
-    for l in step(&mut b, StepTiming::Off, &mut samplers, &mut hist)? {
-        check = mix_bits(check, &l);
-    }
+    step(
+        &mut b,
+        StepTiming::Off,
+        &mut samplers,
+        &mut hist,
+        Some(&mut check),
+    )?;
     // Pipelined as serve runs them: the next step recorded while the GPU runs this one.
     let plan: Vec<(u64, usize)> = seqs.iter().map(|&id| (id, 1)).collect();
     let (mut total, mut record, mut wait, mut sample) = (vec![], vec![], vec![], vec![]);
+    let mut submit = vec![];
     let mut ahead = b.record(gpu, &plan)?;
     for _ in 0..STREAM_STEPS {
         let t0 = Instant::now();
@@ -328,16 +347,23 @@ fn streams(
         record.push(ahead.record_ms());
         let logits = pollster::block_on(b.wait(gpu, flight))?;
         wait.push(b.last_times().wait_ms);
-        sample.push(choose(&mut samplers, &mut hist, &logits));
+        submit.push(b.last_times().submit_ms);
+        sample.push(choose(&mut samplers, &mut hist, logits));
         total.push(t0.elapsed().as_secs_f64() * 1e3);
     }
     drop(ahead);
     let mut gpu_ms = Vec::new();
     for _ in 0..whole {
-        step(&mut b, StepTiming::Whole, &mut samplers, &mut hist)?;
+        step(&mut b, StepTiming::Whole, &mut samplers, &mut hist, None)?;
         gpu_ms.extend(b.last_times().trace.events.iter().map(|e| e.dur_ns / 1e6));
     }
-    step(&mut b, StepTiming::EachDispatch, &mut samplers, &mut hist)?;
+    step(
+        &mut b,
+        StepTiming::EachDispatch,
+        &mut samplers,
+        &mut hist,
+        None,
+    )?;
     let kernels: Vec<serde_json::Value> = b
         .last_times()
         .trace
@@ -353,6 +379,7 @@ fn streams(
         "step_ms_p50": p50,
         "step_ms_p95": pct(&total, 0.95),
         "record_ms_p50": pct(&record, 0.5),
+        "submit_ms_p50": pct(&submit, 0.5),
         "gpu_and_readback_ms_p50": pct(&wait, 0.5),
         "sampling_ms_p50": pct(&sample, 0.5),
         "gpu_ms_p50": (!gpu_ms.is_empty()).then(|| pct(&gpu_ms, 0.5)),

@@ -42,7 +42,7 @@ use doppler::gpu::Gpu;
 use doppler::infer::batch::{Ahead, Batch, SeqId};
 use doppler::infer::chat::Message;
 use doppler::infer::grammar::{Grammar, JsonConstraint, TokenTrie};
-use doppler::infer::sample::{Sampler, SamplerConfig, TokenLogprob};
+use doppler::infer::sample::{Row, Sampler, SamplerConfig, SamplingPool, TokenLogprob};
 use doppler::infer::{GenOptions, Model, Session, StopReason, TextStream};
 use doppler::ops::kvcache::PAGE;
 use doppler::Error;
@@ -1450,7 +1450,8 @@ struct Running {
     seq: SeqId,
     events: tmpsc::UnboundedSender<Event>,
     slot: Slot,
-    sampler: Sampler,
+    /// (None only while the sampling pool has it.)
+    sampler: Option<Sampler>,
     /// Tokens still to run: what is left of the prompt, or the last token chosen.
     todo: Vec<u32>,
     stream: TextStream,
@@ -1502,6 +1503,7 @@ fn batch_loop(
     let mut ahead: Option<Ahead<'_>> = None;
     // Ended requests the recorded step has rows for: (sequence, the tokens of its rows).
     let mut zombies: Vec<(SeqId, Vec<u32>)> = Vec::new();
+    let pool = SamplingPool::new();
     let admit = |waiting: &mut std::collections::VecDeque<Job>,
                  running: &mut Vec<Running>,
                  batch: &mut Batch<'_>,
@@ -1565,7 +1567,6 @@ fn batch_loop(
         let feed_refs: Vec<(SeqId, &[u32])> =
             feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
         let feeds_rows: usize = feeds.iter().map(|f| f.1.len()).sum();
-        let t_submit = Instant::now();
         let result = recorded.and_then(|a| batch.submit(gpu, a, &feed_refs));
         // The ended requests this step ran rows for: their pages go back after it.
         let spent: Vec<SeqId> = zombies.drain(..).map(|z| z.0).collect();
@@ -1594,7 +1595,7 @@ fn batch_loop(
             batch.remove(seq);
         }
         let mut ends: Vec<(usize, End)> = Vec::new();
-        let logits = match result {
+        let mut logits = match result {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!("batched step failed: {e}");
@@ -1609,7 +1610,7 @@ fn batch_loop(
                 Vec::new()
             }
         };
-        let gpu_ms = t_submit.elapsed().as_secs_f64() * 1e3;
+        let t_waited = Instant::now();
         // The requests whose rows ran their last pending token (the others have more of
         // their prompt to run): (index in running, index in logits: the feeds' order,
         // which rows of ended requests may interleave).
@@ -1629,7 +1630,7 @@ fn batch_loop(
                 due.push((i, row_of[&r.seq]));
             }
         }
-        let picks = sample_rows(&mut running, &due, &logits);
+        let picks = sample_rows(&pool, &mut running, &due, &mut logits);
         let chosen = picks.len();
         // The token chosen for each request that ended on it (its row in the next step).
         let mut last_pick: Vec<Option<u32>> = vec![None; running.len()];
@@ -1669,12 +1670,12 @@ fn batch_loop(
             );
             let t = batch.last_times();
             tracing::debug!(
-                "step: {} rows, {chosen} tokens chosen, {ms:.2} ms: {:.2} submitting to logits ({:.2} recording the next step meanwhile), then {:.2} sampling and streaming; its own recording {:.2}",
+                "step: {} rows, {chosen} tokens chosen, {ms:.2} ms: submitting {:.2}, then to the logits {:.2} (the next step recorded meanwhile: {:.2}), then sampling and streaming {:.2}",
                 feeds_rows,
-                gpu_ms,
+                t.submit_ms,
+                t.wait_ms,
                 ahead.as_ref().map_or(0.0, |a| a.record_ms()),
-                ms - gpu_ms - (t_submit - t0).as_secs_f64() * 1e3,
-                t.record_ms,
+                t_waited.elapsed().as_secs_f64() * 1e3,
             );
         }
         // Requests whose client left while they ran.
@@ -1786,26 +1787,30 @@ fn ahead_feeds(
     (found == want.len()).then_some(feeds)
 }
 
-/// The next token of each request in `due` (index in `running`, index in `logits`) and
-/// its log-probability, sampled on several threads when there are many (each request's
-/// sampler is its own: the same choices whatever the threads).
+/// The next token of each request in `due` (index in `running`, index in `logits`, whose
+/// rows it takes) and its log-probability, sampled on the pool's threads when there are
+/// many (each request's sampler is its own: the same choices whatever the threads).
 fn sample_rows(
+    pool: &SamplingPool,
     running: &mut [Running],
     due: &[(usize, usize)],
-    logits: &[Vec<f32>],
+    logits: &mut [Vec<f32>],
 ) -> Vec<(u32, Option<TokenLogprob>)> {
-    let mut jobs: Vec<(&mut Sampler, &[u32], &[f32])> = Vec::with_capacity(due.len());
-    let mut d = due.iter().peekable();
-    for (i, r) in running.iter_mut().enumerate() {
-        if let Some(&&(_, li)) = d.peek().filter(|e| e.0 == i) {
-            d.next();
-            let Running {
-                sampler, stream, ..
-            } = r;
-            jobs.push((sampler, stream.tokens(), &logits[li]));
-        }
-    }
-    doppler::infer::sample::sample_rows(&mut jobs)
+    let rows = due
+        .iter()
+        .map(|&(i, li)| Row {
+            sampler: running[i].sampler.take().expect("a sampler between steps"),
+            history: running[i].stream.tokens().to_vec(),
+            logits: std::mem::take(&mut logits[li]),
+        })
+        .collect();
+    due.iter()
+        .zip(pool.sample(rows))
+        .map(|(&(i, _), p)| {
+            running[i].sampler = Some(p.sampler);
+            (p.token, p.logprob)
+        })
+        .collect()
 }
 
 fn gone() -> Error {
@@ -1860,7 +1865,7 @@ fn start(
         seq,
         events,
         slot,
-        sampler,
+        sampler: Some(sampler),
         prompt_tokens: ids.len(),
         cached_tokens: cached,
         todo: ids[cached..].to_vec(),

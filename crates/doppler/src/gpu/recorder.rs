@@ -141,6 +141,11 @@ pub struct Readback {
 
 impl Readback {
     pub async fn bytes(&self, gpu: &Gpu) -> Result<Vec<u8>> {
+        self.map(gpu, |b| b.to_vec()).await
+    }
+
+    /// `f` of the bytes where they lie, mapped (no copy of them first).
+    pub async fn map<T>(&self, gpu: &Gpu, f: impl FnOnce(&[u8]) -> T) -> Result<T> {
         let err = |reason: String| Error::Readback {
             label: self.label.to_string(),
             reason,
@@ -161,7 +166,7 @@ impl Readback {
                 .buffer
                 .get_mapped_range(0..size)
                 .map_err(|e| err(e.to_string()))?;
-            view[..self.bytes as usize].to_vec()
+            f(&view[..self.bytes as usize])
         };
         self.staging.buffer.unmap();
         Ok(out)

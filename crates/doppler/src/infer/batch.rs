@@ -66,12 +66,14 @@ pub enum StepTiming {
     EachDispatch,
 }
 
-/// Where the last [`Batch::step_async`] spent its time.
+/// Where the last step ([`Batch::wait`]) spent its time.
 #[derive(Clone, Debug, Default)]
 pub struct StepTimes {
-    /// The step's checks, pages and uploads, then recording and submitting its forward
-    /// pass (host).
+    /// [`Batch::record`]: the step's checks, pages and uploads, recording and encoding its
+    /// forward pass (host; a step's part submitted as it recorded included).
     pub record_ms: f64,
+    /// [`Batch::submit`]: the checks, the token ids and parameters written, the submission.
+    pub submit_ms: f64,
     /// From the submission to the logits on the host (the GPU's work and the readback).
     pub wait_ms: f64,
     /// The GPU's timestamps ([`StepTiming::Whole`]: one event; `EachDispatch`: one a
@@ -552,15 +554,21 @@ impl<'m> Batch<'m> {
             submitted,
         } = flight;
         let done = async {
-            // Rows straight from the bytes read back (one copy fewer than through a Vec).
-            let bytes = logits.bytes(gpu).await?;
+            // Rows straight from the mapped bytes (one copy).
+            let rows = logits
+                .map(gpu, |b| {
+                    b.chunks(vocab * 4)
+                        .map(bytemuck::pod_collect_to_vec::<u8, f32>)
+                        .collect::<Vec<_>>()
+                })
+                .await?;
             // The GPU is done: index checks (an error here, before the logits are used) and
             // timestamps.
             let trace = sub.finish(gpu).await?;
-            Ok::<_, Error>((bytes, trace))
+            Ok::<_, Error>((rows, trace))
         }
         .await;
-        let (bytes, trace) = match done {
+        let (rows, trace) = match done {
             Ok(d) => d,
             Err(e) => {
                 for &(id, n) in &feeds {
@@ -573,7 +581,8 @@ impl<'m> Batch<'m> {
             }
         };
         self.last = StepTimes {
-            record_ms: record_ms + submit_ms,
+            record_ms,
+            submit_ms,
             wait_ms: submitted.elapsed().as_secs_f64() * 1e3,
             trace,
         };
@@ -582,10 +591,7 @@ impl<'m> Batch<'m> {
                 self.cache_whole_pages(id);
             }
         }
-        Ok(bytes
-            .chunks(vocab * 4)
-            .map(bytemuck::pod_collect_to_vec::<u8, f32>)
-            .collect())
+        Ok(rows)
     }
 }
 
