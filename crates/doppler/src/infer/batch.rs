@@ -2,6 +2,12 @@
 //! at a time ([`Batch::step_async`]: each sequence's new tokens, a prompt's or one
 //! decoded token, as rows of one forward pass, [`Llama::forward_paged`]).
 //!
+//! A step in three parts, so that the host's work on the next overlaps the GPU's on this
+//! one: [`Batch::record`] (pages, uploads, the forward pass recorded and encoded, for a
+//! plan of sequences and row counts, before the tokens are known), [`Batch::submit`]
+//! (the tokens written, the step submitted, the sequences grown), [`Batch::wait`] (the
+//! logits). `doppler serve` records step n + 1 while the GPU runs step n.
+//!
 //! Pages of [`PAGE`] tokens come from one pool and go back when a sequence is removed, so
 //! memory follows the tokens held. Every row of a step runs the same kernels in the same
 //! order whatever the other rows are: a sequence's logits are the same bits alone or
