@@ -337,6 +337,8 @@ fn streams(
     let plan: Vec<(u64, usize)> = seqs.iter().map(|&id| (id, 1)).collect();
     let (mut total, mut record, mut wait, mut sample) = (vec![], vec![], vec![], vec![]);
     let mut submit = vec![];
+    // The pipelined steps' logits, hashed (each row's FNV-1a, then those).
+    let mut piped = 0xcbf2_9ce4_8422_2325u64;
     let mut ahead = b.record(gpu, &plan)?;
     for _ in 0..STREAM_STEPS {
         let t0 = Instant::now();
@@ -348,8 +350,18 @@ fn streams(
         let logits = pollster::block_on(b.wait(gpu, flight))?;
         wait.push(b.last_times().wait_ms);
         submit.push(b.last_times().submit_ms);
+        // The rows' hashes (their time taken out of the step's).
+        let th = Instant::now();
+        let sums: Vec<u64> = logits.iter().map(|l| mix_bits(0, l)).collect();
+        let hash_ms = th.elapsed().as_secs_f64() * 1e3;
         sample.push(choose(&mut samplers, &mut hist, logits));
-        total.push(t0.elapsed().as_secs_f64() * 1e3);
+        total.push(t0.elapsed().as_secs_f64() * 1e3 - hash_ms);
+        for h in sums {
+            piped = mix_bits(
+                piped,
+                &[f32::from_bits(h as u32), f32::from_bits((h >> 32) as u32)],
+            );
+        }
     }
     drop(ahead);
     let mut gpu_ms = Vec::new();
@@ -375,6 +387,7 @@ fn streams(
     Ok(serde_json::json!({
         "streams": n,
         "logits_check": format!("{check:016x}"),
+        "logits_check_pipelined": format!("{piped:016x}"),
         "tok_s": n as f64 / p50 * 1e3,
         "step_ms_p50": p50,
         "step_ms_p95": pct(&total, 0.95),

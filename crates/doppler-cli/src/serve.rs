@@ -1477,10 +1477,12 @@ enum End {
 /// streams its text, and ends those that stop, reach their length or lose their client,
 /// giving their pages back. Blocks on the queue when nothing runs.
 ///
-/// Steps are pipelined: while the GPU runs one, the worker takes new requests and records
-/// the next ([`Batch::record`]) for the rows it will need (each decoding request's next
-/// token unless it reaches its length, prompts' next chunks); once this step's tokens are
-/// chosen, that step is submitted with them. A request that ends on what nobody could
+/// Steps are pipelined: while the GPU runs one, the worker takes new requests and, where
+/// the next step will be one of decoding rows only, records it ([`Batch::record`]) for
+/// the rows it will need (each decoding request's next token unless it reaches its
+/// length); once this step's tokens are chosen, that step is submitted with them. (A
+/// step with a prompt's chunk is recorded once its tokens are known, and submitted in
+/// parts as it records.) A request that ends on what nobody could
 /// foresee (a stop token or string, its client gone) still has its row in the recorded
 /// step: the row runs once more, its output unused (no other row's result depends on it),
 /// and its pages go back after that step. Where the recorded rows are not what the
@@ -1523,7 +1525,6 @@ fn batch_loop(
         }
     };
     loop {
-        let t0 = Instant::now();
         if ahead.is_none() {
             if running.is_empty() && waiting.is_empty() {
                 match rx.recv() {
@@ -1533,6 +1534,7 @@ fn batch_loop(
             }
             admit(&mut waiting, &mut running, &mut batch, trie);
         }
+        let t0 = Instant::now();
         stats.active.store(running.len(), Ordering::SeqCst);
         if running.is_empty() {
             ahead = None;
@@ -1559,9 +1561,10 @@ fn batch_loop(
                     .filter(|(_, &n)| n > 0)
                     .map(|(r, &n)| (r.seq, r.todo[..n].to_vec()))
                     .collect();
-                let plan: Vec<(SeqId, usize)> =
-                    feeds.iter().map(|(id, t)| (*id, t.len())).collect();
-                (batch.record(gpu, &plan), feeds)
+                let refs: Vec<(SeqId, &[u32])> =
+                    feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
+                // (The tokens known: a prompt's long step starts on the GPU as it records.)
+                (batch.record_tokens(gpu, &refs), feeds)
             }
         };
         let feed_refs: Vec<(SeqId, &[u32])> =
@@ -1581,7 +1584,11 @@ fn batch_loop(
                     .filter(|(_, n)| *n > 0)
                     .map(|(r, n)| (r.seq, n))
                     .collect();
-                if !plan.is_empty() {
+                // Only steps of one row a request (decoding) are recorded ahead: a prompt's
+                // chunk recorded whole, beside the running step's temporaries, would hold
+                // two steps' worth of its activations at once; it is recorded when its
+                // tokens are known, submitted in parts as it records.
+                if !plan.is_empty() && plan.iter().all(|&(_, n)| n == 1) {
                     match batch.record(gpu, &plan) {
                         Ok(a) => ahead = Some(a),
                         Err(e) => tracing::debug!("the next step was not recorded ahead: {e}"),
@@ -1736,12 +1743,16 @@ fn step_rows(todo: impl Iterator<Item = usize>) -> Vec<usize> {
 
 /// The tokens each running request will have to run after a step of `take` rows: the
 /// rest of its prompt; one chosen token where its row was its last, unless it then
-/// reaches its length (its stop tokens and strings cannot be foreseen).
+/// reaches its length (its stop tokens and strings cannot be foreseen); none where its
+/// client has left.
 fn next_rows(running: &[Running], take: &[usize], batch: &Batch<'_>, ctx: usize) -> Vec<usize> {
     running
         .iter()
         .enumerate()
         .map(|(i, r)| {
+            if r.events.is_closed() {
+                return 0; // (its client left: it ends after this step)
+            }
             let n = take.get(i).copied().unwrap_or(0);
             let left = r.todo.len() - n;
             if n == 0 || left > 0 {

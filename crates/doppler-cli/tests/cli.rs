@@ -600,6 +600,7 @@ fn bench_generate_times_streams() {
             "tok_s",
             "step_ms_p50",
             "record_ms_p50",
+            "submit_ms_p50",
             "gpu_and_readback_ms_p50",
         ] {
             assert!(s[k].as_f64().unwrap() > 0.0, "{k}: {s}");
@@ -608,10 +609,12 @@ fn bench_generate_times_streams() {
         assert!(!s["kernels"].as_array().unwrap().is_empty(), "{s}");
     }
     for i in 0..2 {
-        assert_eq!(
-            a["streams"][i]["logits_check"], b["streams"][i]["logits_check"],
-            "the same prompts, other logits"
-        );
+        for k in ["logits_check", "logits_check_pipelined"] {
+            assert_eq!(
+                a["streams"][i][k], b["streams"][i][k],
+                "{k}: the same prompts and seeds, other logits"
+            );
+        }
     }
     assert_ne!(
         a["streams"][0]["logits_check"],

@@ -498,8 +498,9 @@ fn batched_sequences_match_transformers_and_are_batch_invariant() {
 /// Pipelined steps (`Batch::record` while the step before runs, then `submit` with the
 /// tokens, then `wait`), as `doppler serve` runs them: each sequence's logits are the same
 /// bits as stepping it alone; a row kept for a sequence that ended (its output unused)
-/// changes nobody's; a recorded step is refused for other feeds or a sequence changed
-/// since; an unsubmitted one runs nothing and leaves no page held once its sequences go.
+/// changes nobody's; a recorded step is refused for other feeds, a sequence changed
+/// since, or while another is in flight; an unsubmitted one runs nothing and leaves no
+/// page held once its sequences go.
 #[test]
 fn pipelined_steps_give_the_same_bits() {
     use doppler::infer::batch::Batch;
@@ -546,6 +547,12 @@ fn pipelined_steps_give_the_same_bits() {
             vec![(s0, 1), (s1, 1)]
         };
         ahead = b.record(gpu, &next_plan).unwrap();
+        if k == 1 {
+            // One step in flight at a time.
+            let extra = b.record(gpu, &[(s0, 1)]).unwrap();
+            let err = b.submit(gpu, extra, &[(s0, &toks[0])]).err().unwrap();
+            assert!(err.to_string().contains("already submitted"), "{err}");
+        }
         let got = pollster::block_on(b.wait(gpu, flight)).unwrap();
         assert_eq!(bits(&got[0]), a0[k], "sequence 0, pipelined step {k}");
         assert_eq!(bits(&got[1]), a1[k], "sequence 1, pipelined step {k}");

@@ -224,8 +224,8 @@ impl<'g> Recorder<'g> {
     }
 
     /// Submits the commands recorded so far and goes on recording (no-op for recorders with
-    /// timestamps). Index checks stay with the recorder until [`Recorder::submit`]: its
-    /// submission, the last, reports them.
+    /// timestamps). Index checks stay with the recorder until [`Recorder::encode`] stages
+    /// their flags in the last submission, which reports them.
     pub fn flush(&mut self) -> Result<()> {
         if self.timing != Timing::Off || self.cmds.is_empty() {
             return Ok(());

@@ -80,7 +80,8 @@ pub struct StepTimes {
     pub record_ms: f64,
     /// [`Batch::submit`]: the checks, the token ids and parameters written, the submission.
     pub submit_ms: f64,
-    /// From the submission to the logits on the host (the GPU's work and the readback).
+    /// From the submission to the logits on the host: the GPU's work and the readback, and
+    /// whatever the caller did before waiting (a pipelined loop records the next step).
     pub wait_ms: f64,
     /// The GPU's timestamps ([`StepTiming::Whole`]: one event; `EachDispatch`: one a
     /// dispatch; empty when off or where the adapter has no timestamps).
@@ -110,6 +111,8 @@ pub struct Batch<'m> {
     share: bool,
     timing: StepTiming,
     last: StepTimes,
+    /// A step is submitted and not yet waited for (one at a time).
+    in_flight: bool,
 }
 
 impl<'m> Batch<'m> {
@@ -152,6 +155,7 @@ impl<'m> Batch<'m> {
             share: true,
             timing: StepTiming::Off,
             last: StepTimes::default(),
+            in_flight: false,
         })
     }
 
@@ -364,12 +368,7 @@ impl<'m> Batch<'m> {
         if feeds.is_empty() {
             return Ok(Vec::new());
         }
-        self.check_tokens(feeds)?;
-        let plan: Vec<(SeqId, usize)> = feeds.iter().map(|&(id, t)| (id, t.len())).collect();
-        // The tokens are known: uploaded first, so that a long step (a prompt) can be
-        // submitted in parts as it records.
-        let ids: Vec<u32> = feeds.iter().flat_map(|(_, t)| t.iter().copied()).collect();
-        let ahead = self.record_with(gpu, &plan, Some(&ids))?;
+        let ahead = self.record_tokens(gpu, feeds)?;
         let flight = self.submit(gpu, ahead, feeds)?;
         self.wait(gpu, flight).await
     }
@@ -395,8 +394,24 @@ impl<'m> Batch<'m> {
         self.record_with(gpu, plan, None)
     }
 
+    /// [`Batch::record`] of a step whose tokens are known (`feeds`, submitted with the
+    /// same): they are uploaded first, so that a step of many rows (a prompt) is submitted
+    /// in parts as it records (the GPU starts sooner, and fewer temporaries are held at
+    /// once). An error where a token is past the vocabulary.
+    pub fn record_tokens<'g>(
+        &mut self,
+        gpu: &'g Gpu,
+        feeds: &[(SeqId, &[u32])],
+    ) -> Result<Ahead<'g>> {
+        self.check_tokens(feeds)?;
+        let plan: Vec<(SeqId, usize)> = feeds.iter().map(|&(id, t)| (id, t.len())).collect();
+        let ids: Vec<u32> = feeds.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+        self.record_with(gpu, &plan, Some(&ids))
+    }
+
     /// [`Batch::record`]; with `known` token ids uploaded now and a step of many rows
-    /// submitted in parts as it records (then [`Batch::submit`] takes only those ids).
+    /// submitted in parts as it records (then [`Batch::submit`] takes only those ids:
+    /// [`Batch::record_tokens`]).
     fn record_with<'g>(
         &mut self,
         gpu: &'g Gpu,
@@ -492,8 +507,9 @@ impl<'m> Batch<'m> {
     /// Submits a recorded step with its tokens (`feeds`: the plan's sequences in its
     /// order, each with its number of tokens) and appends them to the sequences. An error,
     /// with nothing submitted or changed, where the feeds are not the plan, a token is past
-    /// the vocabulary, or a sequence changed since the recording. Wait for the logits with
-    /// [`Batch::wait`] (another step may be recorded meanwhile).
+    /// the vocabulary, a sequence changed since the recording, or another step is
+    /// submitted and not yet waited for. Wait for the logits with [`Batch::wait`] (another
+    /// step may be recorded meanwhile, not submitted).
     pub fn submit<'g>(
         &mut self,
         gpu: &'g Gpu,
@@ -501,6 +517,11 @@ impl<'m> Batch<'m> {
         feeds: &[(SeqId, &[u32])],
     ) -> Result<InFlight> {
         let t0 = Instant::now();
+        if self.in_flight {
+            return Err(bad(
+                "a step is already submitted: wait for it before submitting the next".into(),
+            ));
+        }
         if !ahead.matches(feeds) {
             return Err(bad(format!(
                 "the step was recorded for {:?} (sequence, tokens), fed {:?}",
@@ -531,6 +552,7 @@ impl<'m> Batch<'m> {
             Some(_) => return Err(bad("the step was recorded with other tokens".into())),
         }
         let sub = ahead.enc.submit()?;
+        self.in_flight = true;
         for &(id, toks) in feeds {
             let s = self.seqs.get_mut(&id).expect("checked");
             s.len += toks.len();
@@ -559,6 +581,7 @@ impl<'m> Batch<'m> {
             submit_ms,
             submitted,
         } = flight;
+        self.in_flight = false;
         let done = async {
             // Rows straight from the mapped bytes (one copy).
             let rows = logits
@@ -643,7 +666,8 @@ impl Ahead<'_> {
     }
 }
 
-/// A submitted step ([`Batch::submit`]) whose logits [`Batch::wait`] returns.
+/// A submitted step ([`Batch::submit`]) whose logits [`Batch::wait`] returns. Wait for
+/// it: until then its batch refuses to submit another.
 pub struct InFlight {
     feeds: Vec<(SeqId, usize)>,
     sub: Submission,
