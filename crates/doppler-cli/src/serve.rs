@@ -1809,10 +1809,17 @@ fn sample_rows(
 ) -> Vec<(u32, Option<TokenLogprob>)> {
     let rows = due
         .iter()
-        .map(|&(i, li)| Row {
-            sampler: running[i].sampler.take().expect("a sampler between steps"),
-            history: running[i].stream.tokens().to_vec(),
-            logits: std::mem::take(&mut logits[li]),
+        .map(|&(i, li)| {
+            let sampler = running[i].sampler.take().expect("a sampler between steps");
+            // The tokens so far, as far back as the sampler looks (its repeat penalty's
+            // window), not the whole text every step.
+            let h = running[i].stream.tokens();
+            let history = h[h.len().saturating_sub(sampler.cfg.repeat_last_n)..].to_vec();
+            Row {
+                sampler,
+                history,
+                logits: std::mem::take(&mut logits[li]),
+            }
         })
         .collect();
     due.iter()
