@@ -1549,8 +1549,8 @@ fn batch_loop(
         let fed = ahead
             .take()
             .and_then(|a| ahead_feeds(&a, &running, &take, &zombies).map(|f| (a, f)));
-        let (recorded, feeds) = match fed {
-            Some((a, f)) => (Ok(a), f),
+        let (ahead_now, feeds) = match fed {
+            Some((a, f)) => (Some(a), f),
             None => {
                 for (seq, _) in zombies.drain(..) {
                     batch.remove(seq);
@@ -1561,14 +1561,17 @@ fn batch_loop(
                     .filter(|(_, &n)| n > 0)
                     .map(|(r, &n)| (r.seq, r.todo[..n].to_vec()))
                     .collect();
-                let refs: Vec<(SeqId, &[u32])> =
-                    feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
-                // (The tokens known: a prompt's long step starts on the GPU as it records.)
-                (batch.record_tokens(gpu, &refs), feeds)
+                (None, feeds)
             }
         };
         let feed_refs: Vec<(SeqId, &[u32])> =
             feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
+        // (Recorded now, the tokens known: a prompt's long step starts on the GPU as it
+        // records.)
+        let recorded = match ahead_now {
+            Some(a) => Ok(a),
+            None => batch.record_tokens(gpu, &feed_refs),
+        };
         let feeds_rows: usize = feeds.iter().map(|f| f.1.len()).sum();
         let result = recorded.and_then(|a| batch.submit(gpu, a, &feed_refs));
         // The ended requests this step ran rows for: their pages go back after it.

@@ -86,8 +86,6 @@ struct IndexCheck {
     flag: Tensor,
     ids: Tensor,
     limit: u32,
-    /// The flag staged at the end of the submission ([`Recorder::encode`]).
-    staged: Option<Readback>,
 }
 
 /// GPU timestamps a recorder takes.
@@ -448,7 +446,6 @@ impl<'g> Recorder<'g> {
             flag: flag.clone(),
             ids: ids.clone(),
             limit,
-            staged: None,
         });
         Ok(flag)
     }
@@ -467,10 +464,11 @@ impl<'g> Recorder<'g> {
         let gpu = self.gpu;
         // Index checks' flags are staged in the same command buffer: reading them back
         // takes no submission of its own.
-        for i in 0..self.checks.len() {
-            let flag = self.checks[i].flag.clone();
-            self.checks[i].staged = Some(self.read_later(&flag)?);
-        }
+        let flags: Vec<Tensor> = self.checks.iter().map(|c| c.flag.clone()).collect();
+        let staged = flags
+            .iter()
+            .map(|f| self.read_later(f))
+            .collect::<Result<Vec<_>>>()?;
         let mut binds = gpu.binds.lock().unwrap();
         let uniform = if self.uniforms.is_empty() {
             None
@@ -520,6 +518,7 @@ impl<'g> Recorder<'g> {
             uniform,
             queries,
             n_dispatch,
+            staged,
             rec: self,
         })
     }
@@ -534,15 +533,12 @@ pub struct Encoded<'g> {
     uniform: Option<wgpu::Buffer>,
     queries: Option<Queries>,
     n_dispatch: u32,
+    /// Each index check's flag, staged at the end of the command buffer.
+    staged: Vec<Readback>,
     rec: Recorder<'g>,
 }
 
 impl<'g> Encoded<'g> {
-    /// Number of dispatches encoded.
-    pub fn dispatches(&self) -> usize {
-        self.n_dispatch as usize
-    }
-
     /// Writes the parameters and submits the command buffer.
     pub fn submit(self) -> Result<Submission> {
         let Encoded {
@@ -551,6 +547,7 @@ impl<'g> Encoded<'g> {
             uniform,
             queries,
             n_dispatch,
+            staged,
             rec,
         } = self;
         // Held until the submit: the parameter buffer must carry this recording's
@@ -607,7 +604,7 @@ impl<'g> Encoded<'g> {
             queries,
             names,
             dispatches: n_dispatch as usize,
-            checks: rec.checks,
+            checks: rec.checks.into_iter().zip(staged).collect(),
             index: submitted,
         })
     }
@@ -784,7 +781,8 @@ pub struct Submission {
     /// label (`Timing::Whole`, grid zeros).
     names: Vec<(Arc<str>, [u32; 3])>,
     dispatches: usize,
-    checks: Vec<IndexCheck>,
+    /// Each check with its staged flag.
+    checks: Vec<(IndexCheck, Readback)>,
     /// The queue's index of it.
     index: Option<wgpu::SubmissionIndex>,
 }
@@ -805,11 +803,8 @@ impl Submission {
     /// per-dispatch GPU times, or the whole submission's (empty unless the recorder was a
     /// profiling or timed one on an adapter with timestamp queries).
     pub async fn finish(self, gpu: &Gpu) -> Result<Trace> {
-        for c in &self.checks {
-            let flag = match &c.staged {
-                Some(r) => r.u32s(gpu).await?,
-                None => c.flag.to_vec_u32(gpu).await?,
-            };
+        for (c, staged) in &self.checks {
+            let flag = staged.u32s(gpu).await?;
             if flag[0] > 0 {
                 let position = (u32::MAX - flag[1]) as usize;
                 let ids = c.ids.to_vec_u32(gpu).await?;
