@@ -44,12 +44,13 @@ use crate::formats::{FileData, LocalFuture};
 use crate::gpu::{DType, Gpu, Recorder, Tensor};
 use crate::ops::elementwise::{add, scale, softcap};
 use crate::ops::kvcache::{
-    self, kv_attend, kv_attend_paged, kv_attend_parts, rope_store, KvCache, KvType, PagedRows,
-    RopeStore, RING_STEP,
+    self, kv_attend, kv_attend_paged, kv_attend_parts, rope_store, rope_store_split, KvCache,
+    KvType, PagedRows, RopeStore, RING_STEP,
 };
 use crate::ops::norm::{rms_norm, rms_norm_heads};
 use crate::ops::quant::{
-    qmatmul_chain, qmatmul_fused, qmatmul_rope_store, qmatvec_parts, Fuse, Next, QMatrix, RowSplit,
+    qmatmul_chain, qmatmul_fused, qmatmul_rope_store, qmatmul_unsummed, qmatvec_parts, Fuse, Next,
+    QMatrix, RowSplit,
 };
 use crate::ops::rope::{inv_freq, Pairing, RopeTable};
 
@@ -1045,23 +1046,28 @@ impl Llama {
         // split-K sum (on cooperative matrices: `ops::quant::qmatmul_chain`).
         let mut xh = None;
         for (li, l) in self.layers.iter().enumerate() {
-            let qkv = l.qkv.product(
-                rec,
-                &x,
-                Fuse {
-                    norm: Some((&l.attn_norm, eps)),
-                    x8: xh.as_ref(),
-                    ..inv
-                },
-            )?;
-            if let Some(w) = &l.qk_norm {
-                rms_norm_heads(rec, &qkv, w, hq, c.n_kv_head, eps, false)?;
-            }
+            let fuse = Fuse {
+                norm: Some((&l.attn_norm, eps)),
+                x8: xh.as_ref(),
+                ..inv
+            };
+            // q/k/v's partial sums over k (where the product splits k) go to rope_store,
+            // which sums them: one dispatch fewer a layer.
+            let (qkv, splits) = match (l.qkv.single(), &l.qk_norm) {
+                (Some(w), None) => qmatmul_unsummed(rec, &x, w, fuse)?,
+                _ => {
+                    let qkv = l.qkv.product(rec, &x, fuse)?;
+                    if let Some(w) = &l.qk_norm {
+                        rms_norm_heads(rec, &qkv, w, hq, c.n_kv_head, eps, false)?;
+                    }
+                    (qkv, 1)
+                }
+            };
             let to = RopeStore {
                 paged: Some(rows),
                 ..self.rope_store_of(li, pool, 0)
             };
-            let q = rope_store(rec, &qkv, &to)?;
+            let q = rope_store_split(rec, &qkv, splits, &to)?;
             let a =
                 kv_attend_paged(rec, &q, &pool.k[li], &pool.v[li], rows)?.reshape(&[m, hq * d])?;
             if let (Some(post_attn), Some(post_ffn)) = (&l.post_attn_norm, &l.post_ffn_norm) {
@@ -1085,7 +1091,13 @@ impl Llama {
                 x8: xh.as_ref(),
                 ..inv
             };
-            let g = qmatmul_fused(rec, &x, &l.gate_up, fuse)?;
+            // The down product's f16 halves made with SwiGLU (`glu_half`) where it takes them.
+            let down = Next {
+                w: &l.down,
+                norm: None,
+                eps,
+            };
+            let (g, gh) = qmatmul_chain(rec, &x, &l.gate_up, fuse, Some(down))?;
             let next = self.layers.get(li + 1).and_then(|n| {
                 n.qkv.single().map(|w| Next {
                     w,
@@ -1095,6 +1107,7 @@ impl Llama {
             });
             let fuse = Fuse {
                 residual: Some(&x),
+                x8: gh.as_ref(),
                 ..inv
             };
             (x, xh) = qmatmul_chain(rec, &g, &l.down, fuse, next)?;

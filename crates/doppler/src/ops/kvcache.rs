@@ -25,7 +25,9 @@ pub struct Params {
     pub window: u32,
     /// The cache's rows: token j is in row j % ring.
     pub ring: u32,
-    pub _pad: [u32; 2],
+    /// rope_store of the unsummed partials: slices of k the projections come in.
+    pub splits: u32,
+    pub _pad: u32,
 }
 
 static STORE: Kernel = Kernel::new(&KVCACHE, "kv_store", &[(5, Read), (6, ReadWrite)]);
@@ -323,7 +325,8 @@ fn params(
         row: (hkv * d) as u32,
         window: window.unwrap_or(0) as u32,
         ring: tmax as u32,
-        _pad: [0; 2],
+        splits: 1,
+        _pad: 0,
     })
 }
 
@@ -598,7 +601,8 @@ fn parts_params(parts: &AttnParts, op: &'static str) -> Result<Params> {
         row: (h * d) as u32,
         window: 0,
         ring: (ns * SPLIT) as u32,
-        _pad: [0; 2],
+        splits: 1,
+        _pad: 0,
     })
 }
 
@@ -680,15 +684,34 @@ impl RopeStore<'_> {
 /// caches and returns q (T, Hq, D). One dispatch for what `bias_add`, `rope` twice and
 /// `kv_store` twice do.
 pub fn rope_store(rec: &mut Recorder<'_>, qkv: &Tensor, to: &RopeStore<'_>) -> Result<Tensor> {
+    rope_store_split(rec, qkv, 1, to)
+}
+
+/// [`rope_store`] of projections that come as the partial products over `splits` slices
+/// of k (`qkv` (splits, T, (Hq + 2 Hkv) D), [`crate::ops::quant::qmatmul_unsummed`]),
+/// summed in slice order as `splitk_sum` sums them: the same bits as that sum then
+/// [`rope_store`], one dispatch instead of two. `splits` 1: `qkv` (T, ..) as it is.
+pub fn rope_store_split(
+    rec: &mut Recorder<'_>,
+    qkv: &Tensor,
+    splits: usize,
+    to: &RopeStore<'_>,
+) -> Result<Tensor> {
     expect_f32("rope_store", qkv)?;
-    let sh = qkv.shape();
-    if sh.len() != 2 {
-        return Err(Error::Shape {
-            op: "rope_store",
-            detail: format!("qkv {sh:?}, expected (T, (Hq + 2 Hkv) D)"),
-        });
-    }
-    let p = to.params("rope_store", sh[0], sh[1])?;
+    let sh = match (splits, qkv.shape()) {
+        (1, [t, w]) => [*t, *w],
+        (s, [z, t, w]) if s > 1 && *z == s => [*t, *w],
+        (_, sh) => {
+            return Err(Error::Shape {
+                op: "rope_store",
+                detail: format!(
+                    "qkv {sh:?} in {splits} slices of k, expected (T, (Hq + 2 Hkv) D), or (slices, T, ..) for more than one"
+                ),
+            })
+        }
+    };
+    let mut p = to.params("rope_store", sh[0], sh[1])?;
+    p.splits = splits as u32;
     let (t, hq, d) = (sh[0], to.hq, p.d as usize);
     let q = Tensor::empty(rec.gpu(), &[t, hq, d], DType::F32, "rope_store.q")?;
     let [c16, c8] = kv_consts("rope_store", &[to.k_cache, to.v_cache])?;
@@ -701,6 +724,7 @@ pub fn rope_store(rec: &mut Recorder<'_>, qkv: &Tensor, to: &RopeStore<'_>) -> R
         c16,
         c8,
         ("PAGED", to.paged.is_some() as u32 as f64),
+        ("SPLIT_SRC", (splits > 1) as u32 as f64),
     ];
     // One RoPE pair a thread, two for f16 caches (whole words); q8_0: q's pairs, then
     // a block of 32 of each k and v head a thread.

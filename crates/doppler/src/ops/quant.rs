@@ -166,6 +166,13 @@ const COOP_TILE: usize = 128;
 
 // act(gate) * up from the cooperative product's (m, 2n) output: y (2), the product (3).
 static GLU_ROWS: Kernel = Kernel::new(&QUANT, "glu_rows", &[(2, ReadWrite), (3, Read)]);
+// glu_rows and x_half (no norm) in one pass: the rows' factors (2), the product (3), the
+// halves (14) and act(gate) * up (15) out.
+static GLU_HALF: Kernel = Kernel::new(
+    &QUANT,
+    "glu_half",
+    &[(2, ReadWrite), (3, Read), (14, ReadWrite), (15, ReadWrite)],
+);
 static SPLITK_SUM: Kernel = Kernel::new(
     &QUANT,
     "splitk_sum",
@@ -987,8 +994,9 @@ pub fn qmatmul_fused(
 /// ([`decode_rounds_x`]): the rounding is then done by this product's workgroups, not by
 /// a dispatch of its own before `next` (pass it as `next`'s `Fuse::x8`); and when both
 /// are invariant cooperative products and this one adds a residual over split k: its
-/// output's f16 halves come from the split sum's pass (`x_half_sum`). Either is the
-/// same, bit for bit, as `next` would make.
+/// output's f16 halves come from the split sum's pass (`x_half_sum`), or this one is
+/// SwiGLU/GeGLU and `next` takes no norm (the down product): from the GLU's pass
+/// (`glu_half`). Either is the same, bit for bit, as `next` would make.
 pub fn qmatmul_chain(
     rec: &mut Recorder<'_>,
     x: &Tensor,
@@ -996,6 +1004,47 @@ pub fn qmatmul_chain(
     fuse: Fuse<'_>,
     next: Option<Next<'_>>,
 ) -> Result<(Tensor, Option<X8>)> {
+    match qmatmul_out(rec, x, w, fuse, next, false)? {
+        Coop::Done(y, y8) => Ok((y, y8)),
+        Coop::Parts(..) => unreachable!("partials only where asked for"),
+    }
+}
+
+/// x (m, cols) @ W^T as the invariant cooperative product leaves it before its split-K
+/// sum: the partial products over slices of k (splits, m, rows of W) and the number of
+/// slices, to be summed in slice order by the kernel that takes them (`rope_store_split`
+/// sums q/k/v's, one dispatch fewer than `splitk_sum` first); where k is not split, or the
+/// product is not the invariant cooperative one without a residual or SwiGLU, the product
+/// (m, rows) and 1.
+pub fn qmatmul_unsummed(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &QMatrix,
+    fuse: Fuse<'_>,
+) -> Result<(Tensor, usize)> {
+    let keep = fuse.invariant && fuse.residual.is_none() && !fuse.swiglu;
+    Ok(match qmatmul_out(rec, x, w, fuse, None, keep)? {
+        Coop::Done(y, _) => (y, 1),
+        Coop::Parts(part, splits) => (part, splits),
+    })
+}
+
+/// What a product hands back: y (with x rounded for the next product, where made), or
+/// the unsummed partials over slices of k and their number ([`qmatmul_unsummed`]).
+enum Coop {
+    Done(Tensor, Option<X8>),
+    Parts(Tensor, usize),
+}
+
+/// [`qmatmul_chain`], or with `keep_parts` [`qmatmul_unsummed`].
+fn qmatmul_out(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &QMatrix,
+    fuse: Fuse<'_>,
+    next: Option<Next<'_>>,
+    keep_parts: bool,
+) -> Result<Coop> {
     super::expect_f32("qmatmul", x)?;
     let sh = x.shape();
     let err = |why: String| Error::Shape {
@@ -1051,23 +1100,21 @@ pub fn qmatmul_chain(
     let bind = [&w.raw, &y, x, nw, res, x, nw, &w.raw];
     if fuse.invariant {
         if invariant_on_coop(rec.gpu(), w.cols) {
-            let half = qmatmul_coop(rec, x, w, fuse, &y, next)?;
-            return Ok((y, half));
+            return qmatmul_coop(rec, x, w, fuse, y, next, keep_parts);
         } else {
             let (cm, grid) = matvec_grid(&c, m, w.rows, 8);
             rec.dispatch(&QMATVEC, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         }
-        return Ok((y, None));
+        return Ok(Coop::Done(y, None));
     }
     if uses_coop(rec.gpu(), m, w.rows, w.cols) {
-        qmatmul_coop(rec, x, w, fuse, &y, None)?;
-        return Ok((y, None));
+        return qmatmul_coop(rec, x, w, fuse, y, None, false);
     }
     if let Some(split) = batch_split(m, w.ty, w.rows, w.cols) {
         let xq = rounded_x(rec, "qmatmul", x, w, fuse.norm, fuse.x8)?;
         let xq = xq.get();
         qmatvec_x8rows(rec, xq, w, &p, &y, fuse, split)?;
-        return Ok((y, None));
+        return Ok(Coop::Done(y, None));
     }
     match Path::of(m, w) {
         Path::Decode { split } => {
@@ -1075,7 +1122,7 @@ pub fn qmatmul_chain(
                 let xq = rounded_x(rec, "qmatmul", x, w, fuse.norm, fuse.x8)?;
                 let xq = xq.get();
                 let y8 = qmatvec1_x8(rec, xq, w, &p, &y, fuse, split, next)?;
-                return Ok((y, y8));
+                return Ok(Coop::Done(y, y8));
             }
             let c1 = [c[0], c[1], c[2], c[3], c[4], ("MV1_SPLIT", split as f64)];
             let grid = Grid::Linear(w.rows.div_ceil(Path::rows(split, 256, 4)) as u64);
@@ -1107,7 +1154,7 @@ pub fn qmatmul_chain(
             }
         }
     }
-    Ok((y, None))
+    Ok(Coop::Done(y, None))
 }
 
 /// Rows of x (.., k) (after `norm`'s RMSNorm) as f16 for the cooperative product, each
@@ -1165,15 +1212,18 @@ pub fn x_half_scaled(
 /// product with gate and up into an (m, 2n) tensor, then `glu_rows`. x's halves come from
 /// `fuse.x8` where the product before made them. With `next` (a cooperative product
 /// with a norm that takes y) and a residual over split k: `x_half_sum` sums the slices
-/// and makes y's halves for `next` in one pass, returned.
+/// and makes y's halves for `next` in one pass, returned; with `next` without a norm
+/// after SwiGLU/GeGLU: `glu_half` makes them with the GLU. With `keep_parts` (no
+/// residual) the slices come back unsummed ([`qmatmul_unsummed`]).
 fn qmatmul_coop(
     rec: &mut Recorder<'_>,
     x: &Tensor,
     w: &QMatrix,
     fuse: Fuse<'_>,
-    y: &Tensor,
+    y: Tensor,
     next: Option<Next<'_>>,
-) -> Result<Option<X8>> {
+    keep_parts: bool,
+) -> Result<Coop> {
     let gpu = rec.gpu();
     let m = x.numel() / w.cols;
     let outs = if fuse.swiglu { w.rows / 2 } else { w.rows };
@@ -1189,6 +1239,12 @@ fn qmatmul_coop(
             match (&h.half, fuse.norm) {
                 (Some((rowf, eps)), Some((_, e)))
                     if *eps == e && rowf.numel() == m && h.q.numel() * 2 == m * w.cols =>
+                {
+                    (h.q.clone(), rowf.clone())
+                }
+                // Halves made without a norm (`glu_half`), for a product without one.
+                (Some((rowf, _)), None)
+                    if h.norm.is_none() && rowf.numel() == m && h.q.numel() * 2 == m * w.cols =>
                 {
                     (h.q.clone(), rowf.clone())
                 }
@@ -1252,12 +1308,26 @@ fn qmatmul_coop(
         let cg = [c[0], sk];
         let cg = if skinny { &cg[..] } else { &cg[..1] };
         rec.dispatch(kernel, cg, bytemuck::bytes_of(&p), &bind, grid)?;
-        let mut pg = w.params(m);
-        pg.n = outs as u32;
-        let cg = [("GEGLU", fuse.geglu as u32 as f64)];
-        let grid = Grid::cover((m * outs) as u64, 256);
-        rec.dispatch(&GLU_ROWS, &cg, bytemuck::bytes_of(&pg), &[y, &gu], grid)?;
-        return Ok(None);
+        // The next product (no norm: the down product) takes y's halves, made here.
+        let halves = next.is_some_and(|nx| {
+            nx.norm.is_none()
+                && nx.w.cols == outs
+                && outs % 4 == 0
+                && fuse.invariant
+                && invariant_on_coop(gpu, nx.w.cols)
+        });
+        if halves {
+            let (xh, rowf) = glu_half(rec, &gu, &y, m, outs, fuse.geglu)?;
+            let half = X8 {
+                q: xh,
+                cols: outs,
+                norm: None,
+                half: Some((rowf, 0.0)),
+            };
+            return Ok(Coop::Done(y, Some(half)));
+        }
+        glu_rows(rec, &gu, &y, m, outs, fuse.geglu)?;
+        return Ok(Coop::Done(y, None));
     }
     let splits = match fuse.invariant {
         true => split_k_to(COOP_SPLITK_TARGET, gn, w.cols),
@@ -1266,9 +1336,9 @@ fn qmatmul_coop(
     let res = fuse.residual.unwrap_or(x);
     if splits == 1 {
         let grid = Grid::Xyz([gn as u32, gm as u32, 1]);
-        let bind = [&w.raw, y, &xh, &rowf, res, &w.raw];
+        let bind = [&w.raw, &y, &xh, &rowf, res, &w.raw];
         rec.dispatch(kernel, c, bytemuck::bytes_of(&p), &bind, grid)?;
-        return Ok(None);
+        return Ok(Coop::Done(y, None));
     }
     // Partial tiles of k's slices, then their sum (+ the residual) in order.
     let part = Tensor::empty(gpu, &[splits, m, outs], DType::F32, "qmatmul_coop.part")?;
@@ -1278,6 +1348,9 @@ fn qmatmul_coop(
     let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
     let bind = [&w.raw, &part, &xh, &rowf, res, &w.raw];
     rec.dispatch(kernel, cs, bytemuck::bytes_of(&p), &bind, grid)?;
+    if keep_parts && fuse.residual.is_none() {
+        return Ok(Coop::Parts(part, splits));
+    }
     match (fuse.residual, next) {
         (
             Some(r),
@@ -1287,17 +1360,18 @@ fn qmatmul_coop(
                 eps,
             }),
         ) if nw.cols == outs && outs % 4 == 0 && invariant_on_coop(gpu, nw.cols) => {
-            let (xh, rowf) = x_half_sum(rec, &part, r, y, (nwt, eps), m, outs, splits)?;
-            Ok(Some(X8 {
+            let (xh, rowf) = x_half_sum(rec, &part, r, &y, (nwt, eps), m, outs, splits)?;
+            let half = X8 {
                 q: xh,
                 cols: outs,
                 norm: Some(nwt.clone()),
                 half: Some((rowf, eps)),
-            }))
+            };
+            Ok(Coop::Done(y, Some(half)))
         }
         _ => {
-            splitk_sum(rec, &part, fuse.residual, y, m, outs, splits)?;
-            Ok(None)
+            splitk_sum(rec, &part, fuse.residual, &y, m, outs, splits)?;
+            Ok(Coop::Done(y, None))
         }
     }
 }
@@ -1329,6 +1403,66 @@ pub(crate) fn splitk_sum(
         &[y, part, res],
         grid,
     )
+}
+
+/// y (m, n) = act(gate) * up from `gu` (m, 2n), the cooperative product's [gate | up]
+/// rows: silu, or GeGLU's gelu with `geglu` (`quant.wgsl`'s `glu_rows`).
+pub(crate) fn glu_rows(
+    rec: &mut Recorder<'_>,
+    gu: &Tensor,
+    y: &Tensor,
+    m: usize,
+    n: usize,
+    geglu: bool,
+) -> Result<()> {
+    let p = Params {
+        m: m as u32,
+        n: n as u32,
+        ..Default::default()
+    };
+    let grid = Grid::cover((m * n) as u64, 256);
+    let c = [("GEGLU", geglu as u32 as f64)];
+    rec.dispatch(&GLU_ROWS, &c, bytemuck::bytes_of(&p), &[y, gu], grid)
+}
+
+/// [`glu_rows`] and y's f16 halves and rows' factors as
+/// [`x_half`] makes them without a norm, in one pass (`quant.wgsl`'s `glu_half`): the
+/// same bits as the two. n a multiple of 4.
+pub(crate) fn glu_half(
+    rec: &mut Recorder<'_>,
+    gu: &Tensor,
+    y: &Tensor,
+    m: usize,
+    n: usize,
+    geglu: bool,
+) -> Result<(Tensor, Tensor)> {
+    let gpu = rec.gpu();
+    if n % 4 != 0 || gu.numel() != 2 * m * n || y.numel() != m * n {
+        return Err(Error::Shape {
+            op: "glu_half",
+            detail: format!(
+                "[gate | up] {:?} into y {:?} for {m} rows of {n} (a multiple of 4)",
+                gu.shape(),
+                y.shape()
+            ),
+        });
+    }
+    let xh = Tensor::empty(gpu, &[m, n / 2], DType::U32, "x_half.xh")?;
+    let rowf = Tensor::empty(gpu, &[m], DType::F32, "x_half.rowf")?;
+    let p = Params {
+        m: m as u32,
+        k: n as u32,
+        n: n as u32,
+        ..Default::default()
+    };
+    rec.dispatch(
+        &GLU_HALF,
+        &[("GEGLU", geglu as u32 as f64)],
+        bytemuck::bytes_of(&p),
+        &[&rowf, gu, &xh, y],
+        Grid::Linear(m as u64),
+    )?;
+    Ok((xh, rowf))
 }
 
 /// [`splitk_sum`] with a residual, then y's rows normalised by `norm` (weight, epsilon)

@@ -55,7 +55,7 @@ struct Params {
     row: u32,     // hkv * d (kv_store)
     window: u32,  // 0: every earlier key
     ring: u32,    // the cache's rows
-    _pad0: u32,
+    splits: u32,  // rope_store with SPLIT_SRC: slices of k src holds
     _pad1: u32,
 }
 
@@ -625,14 +625,31 @@ struct Pair {
     b: f32,
 }
 
+// SPLIT_SRC: src holds the cooperative product's partials over p.splits slices of k,
+// (p.splits, T, width), summed here in slice order as quant.wgsl's splitk_sum sums them
+// (the same bits as that sum, then rope_store).
+override SPLIT_SRC: bool = false;
+
+// The projections' value i of the (T, width) rows, n = T width.
+fn src_at(i: u32, n: u32) -> f32 {
+    if (!SPLIT_SRC) {
+        return src[i];
+    }
+    var acc = 0.0;
+    for (var z = 0u; z < p.splits; z++) {
+        acc += src[z * n + i];
+    }
+    return acc;
+}
+
 fn rope_pair(t: u32, slot: u32, k: u32) -> Pair {
     let half = p.d / 2u;
     let width = (p.hq + 2u * p.hkv) * p.d;
     let off = slot * p.d;                // within the token's row
     let i = select(k, 2u * k, INTERLEAVED);
     let j = select(k + half, 2u * k + 1u, INTERLEAVED);
-    var a = src[t * width + off + i];
-    var b = src[t * width + off + j];
+    var a = src_at(t * width + off + i, p.t * width);
+    var b = src_at(t * width + off + j, p.t * width);
     if (HAS_BIAS) {
         a += bias[off + i];
         b += bias[off + j];

@@ -1337,6 +1337,20 @@ fn x_half_reduce(lid: u32, v: f32, take_max: bool) -> f32 {
     return t;
 }
 
+// The power of two s >= lo (at most 125) that brings a row whose largest |y| is `top`
+// under 2^15 (y 2^-s): e + 1 - 15 for top's exponent e.
+fn half_shift(top: f32, lo: i32) -> i32 {
+    let e = i32((bitcast<u32>(top) >> 23u) & 0xffu) - 127;
+    return clamp(e - 14, lo, 125);
+}
+
+// Four values of row r from column c (a multiple of 4) as two words of f16 halves.
+fn put_halves(r: u32, c: u32, v: vec4<f32>) {
+    let o = (r * p.k + c) / 2u;
+    xq_out[o] = pack2x16float(v.xy);
+    xq_out[o + 1u] = pack2x16float(v.zw);
+}
+
 @compute @workgroup_size(256)
 fn x_half(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
           @builtin(local_invocation_index) lid: u32) {
@@ -1358,16 +1372,10 @@ fn x_half(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
         let a = abs(x_half_y(r, c, f));
         big = max(big, max(max(a.x, a.y), max(a.z, a.w)));
     }
-    let top = x_half_reduce(lid, big, true);
-    // |y| < 2^(e + 1), e the exponent of the largest: s = e + 1 - 15 where positive.
-    let e = i32((bitcast<u32>(top) >> 23u) & 0xffu) - 127;
-    let s = clamp(e - 14, select(0, -100, SCALE_UP), 125);
+    let s = half_shift(x_half_reduce(lid, big, true), select(0, -100, SCALE_UP));
     let down = exp2(f32(-s));
     for (var c = lid * 4u; c < p.k; c += 1024u) {
-        let v = x_half_y(r, c, f) * down;
-        let o = (r * p.k + c) / 2u;
-        xq_out[o] = pack2x16float(v.xy);
-        xq_out[o + 1u] = pack2x16float(v.zw);
+        put_halves(r, c, x_half_y(r, c, f) * down);
     }
     if (lid == 0u) {
         dst[r] = exp2(f32(s));
@@ -1409,15 +1417,43 @@ fn x_half_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         let a = abs(y_out[(r * p.k + c) / 4u] * f * nwv4[c / 4u]);
         big = max(big, max(max(a.x, a.y), max(a.z, a.w)));
     }
-    let top = x_half_reduce(lid, big, true);
-    let e = i32((bitcast<u32>(top) >> 23u) & 0xffu) - 127;
-    let s = clamp(e - 14, 0, 125);
+    let s = half_shift(x_half_reduce(lid, big, true), 0);
     let down = exp2(f32(-s));
     for (var c = lid * 4u; c < p.k; c += 1024u) {
-        let v = y_out[(r * p.k + c) / 4u] * f * nwv4[c / 4u] * down;
-        let o = (r * p.k + c) / 2u;
-        xq_out[o] = pack2x16float(v.xy);
-        xq_out[o + 1u] = pack2x16float(v.zw);
+        put_halves(r, c, y_out[(r * p.k + c) / 4u] * f * nwv4[c / 4u] * down);
+    }
+    if (lid == 0u) {
+        dst[r] = exp2(f32(s));
+    }
+}
+
+// glu_half: glu_rows then x_half without NORM in one pass, a workgroup a row: g =
+// act(gate) * up from x (m, 2n), the cooperative product's [gate | up] row (as glu_rows
+// reads it; n is p.k here), stored to y_out; then g scaled and rounded to f16 as x_half
+// makes it (the factor to dst, the halves to xq_out) for the product that takes g (the
+// down product). The same arithmetic in the same order as glu_rows then x_half: the
+// same bits. n a multiple of 4. Grid: m workgroups (2-D past 65535).
+@compute @workgroup_size(256)
+fn glu_half(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_index) lid: u32) {
+    let r = wid.x + wid.y * nwg.x;
+    if (r >= p.m) {
+        return;
+    }
+    var big = 0.0;
+    for (var c = lid * 4u; c < p.k; c += 1024u) {
+        let gi = 2u * r * p.k + c;   // gate's columns; up's are p.k further
+        let ui = gi + p.k;
+        let g = vec4<f32>(gate_act(x[gi]) * x[ui], gate_act(x[gi + 1u]) * x[ui + 1u],
+                          gate_act(x[gi + 2u]) * x[ui + 2u], gate_act(x[gi + 3u]) * x[ui + 3u]);
+        y_out[(r * p.k + c) / 4u] = g;   // (read back below by this thread alone)
+        let a = abs(g);
+        big = max(big, max(max(a.x, a.y), max(a.z, a.w)));
+    }
+    let s = half_shift(x_half_reduce(lid, big, true), 0);
+    let down = exp2(f32(-s));
+    for (var c = lid * 4u; c < p.k; c += 1024u) {
+        put_halves(r, c, y_out[(r * p.k + c) / 4u] * down);
     }
     if (lid == 0u) {
         dst[r] = exp2(f32(s));

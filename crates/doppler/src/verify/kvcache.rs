@@ -218,8 +218,24 @@ async fn check_case(
 
 /// rope_store against the f64 RoPE reference: biases added, q and k turned, k and v in the
 /// caches at pos..pos+T; both pairings, an odd token count at an offset.
+/// A cache of `ty` holding (rows, Hkv, D) zeros.
+fn zero_cache(
+    gpu: &Gpu,
+    ty: KvType,
+    [rows, hkv, d]: [usize; 3],
+    name: &str,
+) -> crate::Result<Tensor> {
+    let n = rows * hkv * d;
+    match ty {
+        KvType::F16 => Tensor::from_f16(gpu, &[rows, hkv, d], &vec![half::f16::ZERO; n], name),
+        KvType::F32 => Tensor::from_f32(gpu, &[rows, hkv, d], &vec![0.0; n], name),
+        KvType::Q8_0 => Tensor::from_u32(gpu, &[rows, hkv, d * 9 / 32], &vec![0; n * 9 / 32], name),
+    }
+}
+
 pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    use crate::ops::kvcache::rope_store;
+    use crate::ops::kvcache::{rope_store, rope_store_split};
+    use crate::ops::quant::splitk_sum;
     use crate::ops::rope::{Pairing, RopeTable};
     let (t, hq, hkv) = (5usize, 4usize, 2usize);
     // (pairing, cache type, head size, rows, position, window): both pairings into f32,
@@ -242,23 +258,7 @@ pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let table = RopeTable::new(gpu, pos + t, d, 10000.0)?;
             let x = Tensor::from_f32(gpu, &[t, width], &qkv, "qkv")?;
             let b = Tensor::from_f32(gpu, &[width], &bias, "bias")?;
-            let zeros = |name| match ty {
-                KvType::F16 => Tensor::from_f16(
-                    gpu,
-                    &[rows, hkv, d],
-                    &vec![half::f16::ZERO; rows * hkv * d],
-                    name,
-                ),
-                KvType::F32 => {
-                    Tensor::from_f32(gpu, &[rows, hkv, d], &vec![0.0; rows * hkv * d], name)
-                }
-                KvType::Q8_0 => Tensor::from_u32(
-                    gpu,
-                    &[rows, hkv, d * 9 / 32],
-                    &vec![0; rows * hkv * d * 9 / 32],
-                    name,
-                ),
-            };
+            let zeros = |name| zero_cache(gpu, ty, [rows, hkv, d], name);
             let (kc, vc) = (zeros("k")?, zeros("v")?);
             let to = RopeStore {
                 bias: Some(&b),
@@ -335,6 +335,74 @@ pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             out,
             "rope_store",
             format!("T {t} at {pos}, Hq {hq}/Hkv {hkv}, D {d}, {pairing:?}, {rows} rows {}, window {window:?}", ty.name()),
+            res,
+        );
+        // The projections as 3 partial products over slices of k (the invariant
+        // cooperative product's, `qmatmul_unsummed`), summed by rope_store_split: q and
+        // both caches the same bits as splitk_sum then rope_store. Some partials -0.0.
+        let splits = 3;
+        // (Values of every exponent and full mantissas: sums in another order differ.)
+        let mut parts: Vec<f32> = rng
+            .vec(splits * t * width)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * 7.3 * (1 << (i % 5)) as f32)
+            .collect();
+        for v in parts.iter_mut().step_by(7) {
+            *v = -0.0;
+        }
+        let r = twice("rope_store", async || {
+            let table = RopeTable::new(gpu, pos + t, d, 10000.0)?;
+            let pt = Tensor::from_f32(gpu, &[splits, t, width], &parts, "qkv parts")?;
+            let b = Tensor::from_f32(gpu, &[width], &bias, "bias")?;
+            let mut got = Vec::new();
+            for split in [true, false] {
+                let zeros = |name| zero_cache(gpu, ty, [rows, hkv, d], name);
+                let (kc, vc) = (zeros("k")?, zeros("v")?);
+                let to = RopeStore {
+                    bias: Some(&b),
+                    table: &table,
+                    pairing,
+                    hq,
+                    k_cache: &kc,
+                    v_cache: &vc,
+                    pos,
+                    window,
+                    paged: None,
+                };
+                let q = gpu
+                    .run_async(|rec| match split {
+                        true => rope_store_split(rec, &pt, splits, &to),
+                        false => {
+                            let y = Tensor::empty(gpu, &[t, width], crate::gpu::DType::F32, "y")?;
+                            splitk_sum(rec, &pt, None, &y, t, width, splits)?;
+                            rope_store(rec, &y, &to)
+                        }
+                    })
+                    .await?;
+                let bits = |b: Vec<u8>| -> Vec<f32> {
+                    b.chunks_exact(4)
+                        .map(|w| f32::from_bits(u32::from_le_bytes([w[0], w[1], w[2], w[3]])))
+                        .collect()
+                };
+                got.push(q.to_vec_f32(gpu).await?);
+                got.push(bits(kc.read_bytes(gpu).await?));
+                got.push(bits(vc.read_bytes(gpu).await?));
+            }
+            Ok(got)
+        })
+        .await;
+        let res = r.and_then(|got| {
+            for (what, k) in [("q", 0), ("the k cache", 1), ("the v cache", 2)] {
+                let ways = ("summed inside", "summed first");
+                crate::verify::same_bits_as(what, &got[k], &got[k + 3], ways)?;
+            }
+            Ok(crate::verify::Stats::default())
+        });
+        push(
+            out,
+            "rope_store",
+            format!("{splits} slices of k summed inside (T {t} at {pos}, D {d}, {pairing:?}, {}, window {window:?}): the same bits as splitk_sum then rope_store", ty.name()),
             res,
         );
     }

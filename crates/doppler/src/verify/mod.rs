@@ -188,6 +188,31 @@ pub fn run_families(gpu: &Gpu, filter: Option<&str>) -> Vec<CheckResult> {
     pollster::block_on(run_families_async(gpu, filter))
 }
 
+/// `a` and `b`, an output made two ways (`ways`: how each was made), must be the same
+/// bits: else where they first differ.
+pub(crate) fn same_bits_as(
+    what: &str,
+    a: &[f32],
+    b: &[f32],
+    ways: (&str, &str),
+) -> Result<(), String> {
+    let bits = |x: &[f32], j: usize| x.get(j).map(|v| v.to_bits());
+    let show = |x: &[f32], j: usize| match x.get(j) {
+        Some(v) => format!("{v} ({:#010x})", v.to_bits()),
+        None => "nothing".into(),
+    };
+    match (0..a.len().max(b.len())).find(|&j| bits(a, j) != bits(b, j)) {
+        Some(j) => Err(format!(
+            "{what}, element {j}: {} {}, {} {}",
+            show(a, j),
+            ways.0,
+            show(b, j),
+            ways.1
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Runs `f` twice; the results must be the same bits. Returns the first run's outputs.
 pub(crate) async fn twice<F>(op: &str, f: F) -> Result<Vec<Vec<f32>>, String>
 where

@@ -3,7 +3,7 @@
 
 use half::{bf16, f16};
 
-use super::{push, s, twice, CheckResult};
+use super::{push, s, same_bits_as, twice, CheckResult};
 use crate::check::{compare, Rng, Stats, Tolerance};
 use crate::formats::gguf::GgmlType;
 use crate::gpu::{Gpu, Tensor};
@@ -1400,7 +1400,8 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// adapters without the cooperative products nothing is chained (the check then says so).
 pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::quant::{
-        invariant_on_coop, qmatmul_fused, splitk_sum, x_half, x_half_sum, Fuse,
+        glu_half, glu_rows, invariant_on_coop, qmatmul_fused, qmatmul_unsummed, splitk_sum, x_half,
+        x_half_sum, Fuse,
     };
     // The kernel alone (any adapter): x_half_sum against splitk_sum then x_half, every
     // output the same bits; rows of 576, 1000 and 4096 (one to four values a thread).
@@ -1409,7 +1410,13 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
         .enumerate()
     {
         let mut rng = Rng::new(6400 + ci as u64);
-        let partv = rng.vec(splits * m * n);
+        // (Values of several exponents and full mantissas: sums in another order differ.)
+        let partv: Vec<f32> = rng
+            .vec(splits * m * n)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * 7.3 * (1 << (i % 5)) as f32)
+            .collect();
         let resv: Vec<f32> = rng.vec(m * n).iter().map(|v| v * 40.0).collect();
         let nw: Vec<f32> = (0..n).map(|_| 0.5 + rng.uniform()).collect();
         let eps = 1e-6f32;
@@ -1440,13 +1447,7 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
         .await;
         let res = r.and_then(|got| {
             for (what, k) in [("y", 0), ("halves", 2), ("rows' factors", 4)] {
-                let (a, b) = (&got[k], &got[k + 1]);
-                if let Some(j) = (0..a.len()).find(|&j| a[j].to_bits() != b[j].to_bits()) {
-                    return Err(format!(
-                        "{what}, element {j}: {} fused, {} apart",
-                        a[j], b[j]
-                    ));
-                }
+                same_bits_as(what, &got[k], &got[k + 1], ("fused", "apart"))?;
             }
             Ok(Stats::default())
         });
@@ -1454,6 +1455,188 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
             out,
             "qmatmul invariant chain",
             format!("x_half_sum: {splits} partials of [{m}, {n}] + residual, norm, f16 halves: the same bits as splitk_sum then x_half"),
+            res,
+        );
+    }
+    // glu_half alone (any adapter): against glu_rows then x_half without a norm, every
+    // output the same bits; silu and GeGLU's gelu, rows of 1536, 1000 and 4096, values
+    // large enough in some rows that the halves are scaled down.
+    for (ci, (m, n, geglu)) in [
+        (1usize, 1536usize, false),
+        (37, 1000, true),
+        (5, 4096, false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut rng = Rng::new(6500 + ci as u64);
+        let guv: Vec<f32> = rng
+            .vec(2 * m * n)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                if (i / (2 * n)) % 3 == 1 {
+                    v * 900.0
+                } else {
+                    v * 4.0
+                }
+            })
+            .collect();
+        let r = twice("glu_half", async || {
+            let gu = Tensor::from_f32(gpu, &[m, 2 * n], &guv, "gate_up")?;
+            let ya = Tensor::empty(gpu, &[m, n], crate::gpu::DType::F32, "ya")?;
+            let yb = Tensor::empty(gpu, &[m, n], crate::gpu::DType::F32, "yb")?;
+            let ((ha, fa), (hb, fb)) = gpu
+                .run_async(|rec| {
+                    let a = glu_half(rec, &gu, &ya, m, n, geglu)?;
+                    glu_rows(rec, &gu, &yb, m, n, geglu)?;
+                    let b = x_half(rec, &yb, n, None)?;
+                    Ok((a, b))
+                })
+                .await?;
+            let bits = |v: Vec<u32>| v.into_iter().map(f32::from_bits).collect::<Vec<f32>>();
+            Ok(vec![
+                ya.to_vec_f32(gpu).await?,
+                yb.to_vec_f32(gpu).await?,
+                bits(ha.to_vec_u32(gpu).await?),
+                bits(hb.to_vec_u32(gpu).await?),
+                fa.to_vec_f32(gpu).await?,
+                fb.to_vec_f32(gpu).await?,
+            ])
+        })
+        .await;
+        let res = r.and_then(|got| {
+            if got[4].iter().all(|&f| f == 1.0) && m > 1 {
+                return Err("no row was scaled down: the case misses what it checks".into());
+            }
+            for (what, k) in [("y", 0), ("halves", 2), ("rows' factors", 4)] {
+                same_bits_as(what, &got[k], &got[k + 1], ("fused", "apart"))?;
+            }
+            Ok(Stats::default())
+        });
+        push(
+            out,
+            "qmatmul invariant chain",
+            format!(
+                "glu_half: [{m}, 2 x {n}] {}, f16 halves: the same bits as glu_rows then x_half",
+                if geglu { "GeGLU" } else { "SwiGLU" }
+            ),
+            res,
+        );
+    }
+    // SmolLM2's gate/up (576 -> 2 x 1536, norm + SwiGLU) then down (1536 -> 576, residual):
+    // the down product's halves made with SwiGLU (glu_half) against it rounding its own x;
+    // and q/k/v (576 -> 960, norm) left unsummed over its slices of k, then summed as
+    // splitk_sum sums, against the product.
+    let (e, f, qkv_rows) = (576usize, 3072usize, 960usize);
+    let eps = 1e-5f32;
+    for (ci, m) in [1usize, 5, 37].into_iter().enumerate() {
+        let mut rng = Rng::new(6600 + ci as u64);
+        let raw1 = random_blocks("Q4_1", f * e, &mut rng);
+        let raw2 = random_blocks("Q4_1", e * (f / 2), &mut rng);
+        let raw3 = random_blocks("Q4_1", qkv_rows * e, &mut rng);
+        let xv = rng.vec(m * e);
+        let resv = rng.vec(m * e);
+        let nw: Vec<f32> = (0..e).map(|_| 0.5 + rng.uniform()).collect();
+        let r = twice("qmatmul invariant chain", async || {
+            let ty = GgmlType::from_name("Q4_1").expect("known type");
+            let w1 = QMatrix::new(gpu, "gate_up", &raw1, ty, f, e)?;
+            let w2 = QMatrix::new(gpu, "down", &raw2, ty, e, f / 2)?;
+            let w3 = QMatrix::new(gpu, "qkv", &raw3, ty, qkv_rows, e)?;
+            let xt = Tensor::from_f32(gpu, &[m, e], &xv, "x")?;
+            let rt = Tensor::from_f32(gpu, &[m, e], &resv, "res")?;
+            let nwt = Tensor::from_f32(gpu, &[e], &nw, "nw")?;
+            let first = Fuse {
+                norm: Some((&nwt, eps)),
+                swiglu: true,
+                invariant: true,
+                ..Default::default()
+            };
+            let second = Fuse {
+                residual: Some(&rt),
+                invariant: true,
+                ..Default::default()
+            };
+            let qkv = Fuse {
+                norm: Some((&nwt, eps)),
+                invariant: true,
+                ..Default::default()
+            };
+            let down = Next {
+                w: &w2,
+                norm: None,
+                eps,
+            };
+            let (a1, a2, a3, made, splits) = gpu
+                .run_async(|rec| {
+                    let (g, h) = qmatmul_chain(rec, &xt, &w1, first, Some(down))?;
+                    let made = h.is_some();
+                    let z = qmatmul_fused(
+                        rec,
+                        &g,
+                        &w2,
+                        Fuse {
+                            x8: h.as_ref(),
+                            ..second
+                        },
+                    )?;
+                    let (part, splits) = qmatmul_unsummed(rec, &xt, &w3, qkv)?;
+                    let y = match splits {
+                        1 => part,
+                        _ => {
+                            let y =
+                                Tensor::empty(gpu, &[m, qkv_rows], crate::gpu::DType::F32, "qkv")?;
+                            splitk_sum(rec, &part, None, &y, m, qkv_rows, splits)?;
+                            y
+                        }
+                    };
+                    Ok((g, z, y, made, splits))
+                })
+                .await?;
+            let (b1, b2, b3) = gpu
+                .run_async(|rec| {
+                    let g = qmatmul_fused(rec, &xt, &w1, first)?;
+                    let z = qmatmul_fused(rec, &g, &w2, second)?;
+                    let y = qmatmul_fused(rec, &xt, &w3, qkv)?;
+                    Ok((g, z, y))
+                })
+                .await?;
+            Ok(vec![
+                a1.to_vec_f32(gpu).await?,
+                a2.to_vec_f32(gpu).await?,
+                a3.to_vec_f32(gpu).await?,
+                b1.to_vec_f32(gpu).await?,
+                b2.to_vec_f32(gpu).await?,
+                b3.to_vec_f32(gpu).await?,
+                vec![made as u32 as f32, splits as f32],
+            ])
+        })
+        .await;
+        let coop = invariant_on_coop(gpu, e);
+        let res = r.and_then(|got| {
+            let (made, splits) = (got[6][0] == 1.0, got[6][1]);
+            if made != coop || (splits > 1.0) != coop {
+                return Err(format!(
+                    "halves made: {made}, q/k/v in {splits} slices; cooperative products here: {coop}"
+                ));
+            }
+            for (what, k) in [("SwiGLU", 0), ("the down product", 1), ("q/k/v", 2)] {
+                same_bits_as(what, &got[k], &got[k + 3], ("chained", "on its own"))?;
+            }
+            Ok(Stats::default())
+        });
+        push(
+            out,
+            "qmatmul invariant chain",
+            format!(
+                "x [{m}, {e}] norm + SwiGLU ({f}, {e}) then + residual ({e}, {}); q/k/v ({qkv_rows}, {e}) unsummed: {}",
+                f / 2,
+                if coop {
+                    "halves made with SwiGLU, q/k/v summed after, the same bits"
+                } else {
+                    "no cooperative products here: nothing chained or split"
+                }
+            ),
             res,
         );
     }
@@ -1534,12 +1717,7 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
                 ));
             }
             for (what, a, b) in [("y", a1, b1), ("the next product", a2, b2)] {
-                if let Some(j) = (0..a.len()).find(|&j| a[j].to_bits() != b[j].to_bits()) {
-                    return Err(format!(
-                        "{what}, element {j}: {} chained, {} each on its own x",
-                        a[j], b[j]
-                    ));
-                }
+                same_bits_as(what, a, b, ("chained", "each on its own x"))?;
             }
             Ok(Stats::default())
         });
