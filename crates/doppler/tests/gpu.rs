@@ -229,6 +229,22 @@ fn recorder_flushing_as_it_records_gives_the_same_results() {
 }
 
 #[test]
+fn a_readback_whose_reader_panics_is_unmapped() {
+    // The closure reading the mapped bytes panics: the staging buffer must still be
+    // unmapped (a mapped buffer cannot be mapped again, nor used by a submission).
+    let gpu = gpu();
+    let x = Tensor::from_u32(gpu, &[4], &[7, 8, 9, 10], "x").unwrap();
+    let mut rec = gpu.recorder("readback");
+    let rb = rec.read_later(&x).unwrap();
+    rec.submit().unwrap().wait(gpu).unwrap();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        pollster::block_on(rb.map(gpu, |_| -> u32 { panic!("reader fails") }))
+    }));
+    assert!(panicked.is_err());
+    assert_eq!(rb.read_u32(gpu).unwrap(), vec![7, 8, 9, 10]);
+}
+
+#[test]
 fn pipelines_are_built_once_per_key() {
     let gpu = Gpu::new_blocking(&GpuOptions::from_env()).unwrap();
     let a = Tensor::from_f32(&gpu, &[8, 8], &[1.0; 64], "a").unwrap();

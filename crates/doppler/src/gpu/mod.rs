@@ -587,12 +587,12 @@ pub(crate) fn scoped<T>(
 /// browser runs it from its event loop; natively nothing does unless the device is polled,
 /// so there the future waits on the device: for submission `until` when given (later
 /// submissions keep running), else for everything submitted.
-pub(crate) async fn map_read(
+pub(crate) async fn map_read<'b>(
     gpu: &Gpu,
-    buffer: &wgpu::Buffer,
+    buffer: &'b wgpu::Buffer,
     size: u64,
     until: Option<wgpu::SubmissionIndex>,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<Unmap<'b>, String> {
     let state = Arc::new(Mutex::new(MapState::default()));
     let s = state.clone();
     buffer.map_async(wgpu::MapMode::Read, 0..size, move |r| {
@@ -607,7 +607,18 @@ pub(crate) async fn map_read(
         device: gpu.device.clone(),
         until,
     }
-    .await
+    .await?;
+    Ok(Unmap(buffer))
+}
+
+/// A buffer [`map_read`] mapped, unmapped when this is dropped: also where reading its bytes
+/// fails or panics, so that no buffer goes back to the pool (and into a submission) mapped.
+pub(crate) struct Unmap<'b>(pub(crate) &'b wgpu::Buffer);
+
+impl Drop for Unmap<'_> {
+    fn drop(&mut self) {
+        self.0.unmap();
+    }
 }
 
 #[derive(Default)]

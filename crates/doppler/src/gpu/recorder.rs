@@ -155,19 +155,14 @@ impl Readback {
             .clone()
             .ok_or_else(|| err("read before its recorder was submitted".into()))?;
         let size = self.bytes.next_multiple_of(4);
-        super::map_read(gpu, &self.staging.buffer, size, Some(index))
+        let mapped = super::map_read(gpu, &self.staging.buffer, size, Some(index))
             .await
             .map_err(err)?;
-        let out = {
-            let view = self
-                .staging
-                .buffer
-                .get_mapped_range(0..size)
-                .map_err(|e| err(e.to_string()))?;
-            f(&view[..self.bytes as usize])
-        };
-        self.staging.buffer.unmap();
-        Ok(out)
+        let view = mapped
+            .0
+            .get_mapped_range(0..size)
+            .map_err(|e| err(e.to_string()))?;
+        Ok(f(&view[..self.bytes as usize]))
     }
 
     pub async fn u32s(&self, gpu: &Gpu) -> Result<Vec<u32>> {
@@ -822,19 +817,17 @@ impl Submission {
         };
         let mut ticks: Vec<u64> = Vec::new();
         for buf in &q.readback {
-            super::map_read(gpu, buf, buf.size(), None)
+            let mapped = super::map_read(gpu, buf, buf.size(), None)
                 .await
                 .map_err(|reason| Error::Readback {
                     label: "timestamps".into(),
                     reason,
                 })?;
-            let view = buf.get_mapped_range(..).map_err(|e| Error::Readback {
+            let view = mapped.0.get_mapped_range(..).map_err(|e| Error::Readback {
                 label: "timestamps".into(),
                 reason: e.to_string(),
             })?;
             ticks.extend_from_slice(bytemuck::cast_slice(&view));
-            drop(view);
-            buf.unmap();
         }
         let period = gpu.queue.get_timestamp_period() as f64;
         let t0 = ticks.first().copied().unwrap_or(0);
