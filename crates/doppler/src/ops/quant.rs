@@ -681,13 +681,13 @@ pub struct Fuse<'a> {
 /// bits for the XQ8 decode products (`quant.wgsl`'s layout: groups of 16 columns), after
 /// multiplying by a norm's weight (`norm`: the groups' sums of squares are kept for the
 /// norm's factor, which the product applies) or not; or (`half`) every row's f16 halves
-/// and factors as `x_half` makes them, the whole norm applied, for the invariant
-/// cooperative product.
+/// and factors as `x_half` makes them (the whole norm applied where `norm` is set), for the
+/// invariant cooperative product.
 pub struct X8 {
     pub(crate) q: Tensor,
     pub(crate) cols: usize,
     pub(crate) norm: Option<Tensor>,
-    /// Some((the rows' factors, the norm's epsilon)): `q` holds `x_half`'s f16 halves for
+    /// Some((the rows' factors, the norm's epsilon; 0 without a norm)): `q` holds `x_half`'s f16 halves for
     /// the cooperative product (the invariant products' chain, [`qmatmul_chain`]), not
     /// XQ8 groups.
     pub(crate) half: Option<(Tensor, f32)>,

@@ -24,6 +24,8 @@
 //              pos..pos+T. RoPE as rope.wgsl: (x_i, x_j) -> (x_i c - x_j s, x_i s + x_j c)
 //              for pair k, j = i + 1 (INTERLEAVED) or i + D/2, (c, s) from the table
 //              (positions, D/2) at binding 8. One thread per pair; cover T (Hq + 2Hkv) D/2.
+//              SPLIT_SRC: qkv comes as p.splits partial sums over slices of k,
+//              (splits, T, ..), added in slice order as it is read.
 // Windows and rings: with p.window > 0 the query at position i sees only keys j with
 // i - j < window (sliding-window attention); every kernel keeps token j in the cache's row
 // j % p.ring (p.ring = its rows), so a cache of window - 1 + T rows or more holds all a

@@ -216,8 +216,6 @@ async fn check_case(
     push(out, "kv_attend", what, res);
 }
 
-/// rope_store against the f64 RoPE reference: biases added, q and k turned, k and v in the
-/// caches at pos..pos+T; both pairings, an odd token count at an offset.
 /// A cache of `ty` holding (rows, Hkv, D) zeros.
 fn zero_cache(
     gpu: &Gpu,
@@ -233,6 +231,9 @@ fn zero_cache(
     }
 }
 
+/// rope_store against the f64 RoPE reference: biases added, q and k turned, k and v in the
+/// caches at pos..pos+T; both pairings, an odd token count at an offset. And
+/// rope_store_split (partial sums over slices of k) against splitk_sum then rope_store.
 pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::kvcache::{rope_store, rope_store_split};
     use crate::ops::quant::splitk_sum;
@@ -339,7 +340,9 @@ pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         );
         // The projections as 3 partial products over slices of k (the invariant
         // cooperative product's, `qmatmul_unsummed`), summed by rope_store_split: q and
-        // both caches the same bits as splitk_sum then rope_store. Some partials -0.0.
+        // both caches the same bits as splitk_sum then rope_store. Without a bias, and with
+        // some elements -0.0 in every slice (their sum is +0.0 from 0.0 + -0.0: a sum that
+        // started from the first slice would keep -0.0).
         let splits = 3;
         // (Values of every exponent and full mantissas: sums in another order differ.)
         let mut parts: Vec<f32> = rng
@@ -348,19 +351,20 @@ pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             .enumerate()
             .map(|(i, v)| v * 7.3 * (1 << (i % 5)) as f32)
             .collect();
-        for v in parts.iter_mut().step_by(7) {
-            *v = -0.0;
+        for z in 0..splits {
+            for i in (0..t * width).step_by(7) {
+                parts[z * t * width + i] = -0.0;
+            }
         }
         let r = twice("rope_store", async || {
             let table = RopeTable::new(gpu, pos + t, d, 10000.0)?;
             let pt = Tensor::from_f32(gpu, &[splits, t, width], &parts, "qkv parts")?;
-            let b = Tensor::from_f32(gpu, &[width], &bias, "bias")?;
             let mut got = Vec::new();
             for split in [true, false] {
                 let zeros = |name| zero_cache(gpu, ty, [rows, hkv, d], name);
                 let (kc, vc) = (zeros("k")?, zeros("v")?);
                 let to = RopeStore {
-                    bias: Some(&b),
+                    bias: None,
                     table: &table,
                     pairing,
                     hq,

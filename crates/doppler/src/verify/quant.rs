@@ -1393,16 +1393,21 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 }
 
 /// The invariant products' chain (batched serving, [`qmatmul_chain`] with
-/// [`Fuse::invariant`]): a product with a residual over split k that also makes its
-/// output's f16 halves for the next product (its norm's, in one pass with the split sum:
-/// `x_half_sum`), then that next product on them, against the two products each rounding
-/// their own x: y and the next product's output the same bits, at 1, 5 and 37 rows. On
-/// adapters without the cooperative products nothing is chained (the check then says so).
+/// [`Fuse::invariant`]): the fused kernels alone against the pairs they replace, the same
+/// bits on any adapter (`x_half_sum`: a split sum with its residual and the next norm's f16
+/// halves; `glu_half`: SwiGLU / GeGLU and the down product's halves); then on cooperative
+/// matrices the chains against each product rounding its own x, at 1, 5 and 37 rows: o
+/// then gate/up (halves from the split sum), gate/up then down (halves from the GLU), and
+/// q/k/v's unsummed partials into `rope_store_split` against the product into
+/// `rope_store`. On adapters without the cooperative products nothing is chained (the
+/// checks then say so).
 pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    use crate::ops::kvcache::{rope_store, rope_store_split, RopeStore};
     use crate::ops::quant::{
         glu_half, glu_rows, invariant_on_coop, qmatmul_fused, qmatmul_unsummed, splitk_sum, x_half,
         x_half_sum, Fuse,
     };
+    use crate::ops::rope::{Pairing, RopeTable};
     // The kernel alone (any adapter): x_half_sum against splitk_sum then x_half, every
     // output the same bits; rows of 576, 1000 and 4096 (one to four values a thread).
     for (ci, (m, n, splits)) in [(1usize, 576usize, 3usize), (37, 1000, 7), (5, 4096, 2)]
@@ -1567,6 +1572,25 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
                 norm: None,
                 eps,
             };
+            // q/k/v's partials into rope_store_split, against the product into rope_store:
+            // SmolLM2's heads (9 + 2 x 3 of 64), f16 caches, positions 0..m.
+            let table = RopeTable::new(gpu, m, 64, 10000.0)?;
+            let cache = |name| {
+                let z = vec![half::f16::ZERO; m * 3 * 64];
+                Tensor::from_f16(gpu, &[m, 3, 64], &z, name)
+            };
+            let (ka, va, kb, vb) = (cache("ka")?, cache("va")?, cache("kb")?, cache("vb")?);
+            let into = |k, v| RopeStore {
+                bias: None,
+                table: &table,
+                pairing: Pairing::Interleaved,
+                hq: 9,
+                k_cache: k,
+                v_cache: v,
+                pos: 0,
+                window: None,
+                paged: None,
+            };
             let (a1, a2, a3, made, splits) = gpu
                 .run_async(|rec| {
                     let (g, h) = qmatmul_chain(rec, &xt, &w1, first, Some(down))?;
@@ -1581,16 +1605,8 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
                         },
                     )?;
                     let (part, splits) = qmatmul_unsummed(rec, &xt, &w3, qkv)?;
-                    let y = match splits {
-                        1 => part,
-                        _ => {
-                            let y =
-                                Tensor::empty(gpu, &[m, qkv_rows], crate::gpu::DType::F32, "qkv")?;
-                            splitk_sum(rec, &part, None, &y, m, qkv_rows, splits)?;
-                            y
-                        }
-                    };
-                    Ok((g, z, y, made, splits))
+                    let q = rope_store_split(rec, &part, splits, &into(&ka, &va))?;
+                    Ok((g, z, q, made, splits))
                 })
                 .await?;
             let (b1, b2, b3) = gpu
@@ -1598,10 +1614,11 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
                     let g = qmatmul_fused(rec, &xt, &w1, first)?;
                     let z = qmatmul_fused(rec, &g, &w2, second)?;
                     let y = qmatmul_fused(rec, &xt, &w3, qkv)?;
-                    Ok((g, z, y))
+                    let q = rope_store(rec, &y, &into(&kb, &vb))?;
+                    Ok((g, z, q))
                 })
                 .await?;
-            Ok(vec![
+            let mut got = vec![
                 a1.to_vec_f32(gpu).await?,
                 a2.to_vec_f32(gpu).await?,
                 a3.to_vec_f32(gpu).await?,
@@ -1609,7 +1626,17 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
                 b2.to_vec_f32(gpu).await?,
                 b3.to_vec_f32(gpu).await?,
                 vec![made as u32 as f32, splits as f32],
-            ])
+            ];
+            for c in [&ka, &va, &kb, &vb] {
+                got.push(
+                    c.to_vec_f16(gpu)
+                        .await?
+                        .iter()
+                        .map(|h| f32::from_bits(h.to_bits() as u32))
+                        .collect(),
+                );
+            }
+            Ok(got)
         })
         .await;
         let coop = invariant_on_coop(gpu, e);
@@ -1620,8 +1647,11 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
                     "halves made: {made}, q/k/v in {splits} slices; cooperative products here: {coop}"
                 ));
             }
-            for (what, k) in [("SwiGLU", 0), ("the down product", 1), ("q/k/v", 2)] {
+            for (what, k) in [("SwiGLU", 0), ("the down product", 1), ("q", 2)] {
                 same_bits_as(what, &got[k], &got[k + 3], ("chained", "on its own"))?;
+            }
+            for (what, k) in [("the k cache", 7), ("the v cache", 8)] {
+                same_bits_as(what, &got[k], &got[k + 2], ("summed inside", "summed first"))?;
             }
             Ok(Stats::default())
         });
@@ -1632,7 +1662,7 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
                 "x [{m}, {e}] norm + SwiGLU ({f}, {e}) then + residual ({e}, {}); q/k/v ({qkv_rows}, {e}) unsummed: {}",
                 f / 2,
                 if coop {
-                    "halves made with SwiGLU, q/k/v summed after, the same bits"
+                    "halves made with SwiGLU, q/k/v summed in rope_store, the same bits"
                 } else {
                     "no cooperative products here: nothing chained or split"
                 }
