@@ -201,19 +201,66 @@ impl Sampler {
             && self.logprobs.is_none()
     }
 
+    /// Whether the choices are plain draws over the whole vocabulary: no constraint, bias,
+    /// penalty or cut, a temperature above 0.
+    fn plain_draw(&self) -> bool {
+        let c = &self.cfg;
+        self.constraint.is_none()
+            && c.logit_bias.is_empty()
+            && c.presence_penalty == 0.0
+            && c.frequency_penalty == 0.0
+            && c.repeat_penalty == 1.0
+            && c.top_k == 0
+            && c.top_p >= 1.0
+            && c.min_p == 0.0
+            && c.temperature > 0.0
+    }
+
+    /// How the GPU makes this sampler's next choice (`ops::sample::sample_rows`: the same
+    /// token [`Sampler::sample`] would choose from the same logits) where it can: the plain
+    /// greedy choice, or the plain draw (its random number taken now, as `sample` takes
+    /// it); None where the host must choose. Pass the token chosen to [`Sampler::accept`].
+    pub fn gpu_pick(&mut self) -> Option<crate::ops::sample::Pick> {
+        use crate::ops::sample::Pick;
+        if self.plain_greedy() {
+            return Some(Pick::Greedy);
+        }
+        if self.plain_draw() && self.logprobs.is_none() {
+            let inv = self.inverse_temperature();
+            return Some(Pick::Draw {
+                inv,
+                r: self.next_u64(),
+            });
+        }
+        None
+    }
+
+    /// A token chosen for this sampler elsewhere ([`Sampler::gpu_pick`]), counted as its
+    /// own choices are.
+    pub fn accept(&mut self, id: u32) {
+        if let Some(c) = &mut self.constraint {
+            c.accept(id);
+        }
+        *self.counts.entry(id).or_insert(0) += 1;
+    }
+
     /// The last choice's log-probabilities (with [`Sampler::with_logprobs`]).
     pub fn take_logprob(&mut self) -> Option<TokenLogprob> {
         self.last.take()
     }
 
-    /// splitmix64: a uniform draw in [0, 1) with 53 bits.
-    fn uniform(&mut self) -> f64 {
+    /// splitmix64: the draw's random number.
+    fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.state;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
+        z ^ (z >> 31)
+    }
+
+    /// The inverse temperature a draw takes ([`draw_index`]): 1 / T, held finite, flushed.
+    pub fn inverse_temperature(&self) -> f32 {
+        flush((1.0 / self.cfg.temperature).min(f32::MAX))
     }
 
     /// The next token given `logits` (V) and the tokens so far. Non-finite logits are
@@ -223,122 +270,23 @@ impl Sampler {
         if let Some(top) = self.logprobs {
             self.last = Some(logprobs(logits, id, top));
         }
-        if let Some(c) = &mut self.constraint {
-            c.accept(id);
-        }
-        *self.counts.entry(id).or_insert(0) += 1;
+        self.accept(id);
         id
     }
 
-    /// A draw over all of `logits` (all finite) at the temperature, in id order, without
-    /// copying them; where one is not finite, the general path (which drops it).
-    fn draw_all(&mut self, logits: &[f32]) -> Option<u32> {
-        // Eight lanes of maxima, and of x * 0 (NaN where x is infinite or NaN): loops
-        // that vectorize.
-        let mut top = [f32::NEG_INFINITY; 8];
-        let mut zero = [0f32; 8];
-        let eights = logits.chunks_exact(8);
-        let rest = eights.remainder();
-        for e in eights {
-            for j in 0..8 {
-                top[j] = if e[j] > top[j] { e[j] } else { top[j] };
-                zero[j] += e[j] * 0.0;
-            }
+    /// A draw from `xs` at the temperature ([`draw_index`]); where a penalty or bias pushed a
+    /// logit to +inf, the first such.
+    fn draw(&mut self, xs: &[f32]) -> usize {
+        if let Some(i) = xs.iter().position(|&x| x == f32::INFINITY) {
+            return i;
         }
-        for (j, &x) in rest.iter().enumerate() {
-            top[j] = if x > top[j] { x } else { top[j] };
-            zero[j] += x * 0.0;
-        }
-        let m = top.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        if logits.is_empty() || zero.iter().any(|z| *z != 0.0) {
-            return None;
-        }
-        Some(self.draw(logits, m) as u32)
-    }
-
-    /// A draw from `xs` (finite, largest `m`): index i with probability proportional to
-    /// exp((x_i - m) / T). The weights in f32 ([`exp_neg`] of (x - m) (1 / T)), summed in
-    /// f64 a chunk at a time (chunks of [`DRAW_CHUNK`], each in eight running sums; then
-    /// the chunks' sums in order); the draw r = u z finds its chunk from the sums and its
-    /// index inside that chunk by a running sum of that chunk's weights, worked out again:
-    /// about one exp a value. Where rounding leaves r past the running sum, the chunk's
-    /// last index with weight.
-    fn draw(&mut self, xs: &[f32], m: f32) -> usize {
-        if m == f32::INFINITY {
-            // (A penalty or bias can push a logit past f32's range: the first such wins.)
-            return xs.iter().position(|&x| x == m).unwrap_or(0);
-        }
-        // (Held finite: at a temperature below f32's range, 0 x inf would be NaN.)
-        let inv = (1.0 / self.cfg.temperature).min(f32::MAX);
-        let weight = |x: f32| exp_neg((x - m) * inv);
-        let chunk_sum = |c: &[f32]| -> f64 {
-            let mut w = [0f32; DRAW_CHUNK];
-            for (w, &x) in w.iter_mut().zip(c) {
-                *w = weight(x);
-            }
-            // Eight running sums (w past the chunk's end is 0), then theirs.
-            let mut lanes = [0f64; 8];
-            for e in w.chunks_exact(8) {
-                for (l, &v) in lanes.iter_mut().zip(e) {
-                    *l += v as f64;
-                }
-            }
-            ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
-                + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
-        };
-        let sums: Vec<f64> = xs.chunks(DRAW_CHUNK).map(chunk_sum).collect();
-        let z: f64 = sums.iter().sum();
-        let r = self.uniform() * z;
-        let mut acc = 0.0;
-        // The last chunk with weight, and its last index with weight: where rounding
-        // leaves r at or past the sum.
-        let mut fallback = 0;
-        for (c, &s) in sums.iter().enumerate() {
-            let base = c * DRAW_CHUNK;
-            let part = &xs[base..(base + DRAW_CHUNK).min(xs.len())];
-            if s > 0.0 {
-                fallback = c;
-            }
-            if r < acc + s {
-                let local = r - acc;
-                let mut run = 0.0;
-                let mut last = None;
-                for (i, &x) in part.iter().enumerate() {
-                    let w = weight(x) as f64;
-                    if w > 0.0 {
-                        run += w;
-                        last = Some(i);
-                        if local < run {
-                            return base + i;
-                        }
-                    }
-                }
-                if let Some(i) = last {
-                    return base + i;
-                }
-            }
-            acc += s;
-        }
-        let base = fallback * DRAW_CHUNK;
-        let part = &xs[base..(base + DRAW_CHUNK).min(xs.len())];
-        base + part.iter().rposition(|&x| weight(x) > 0.0).unwrap_or(0)
+        draw_index(xs, self.inverse_temperature(), self.next_u64())
     }
 
     fn choose(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        let c = &self.cfg;
-        let plain = self.constraint.is_none()
-            && c.logit_bias.is_empty()
-            && c.presence_penalty == 0.0
-            && c.frequency_penalty == 0.0
-            && c.repeat_penalty == 1.0
-            && c.top_k == 0
-            && c.top_p >= 1.0
-            && c.min_p == 0.0
-            && c.temperature > 0.0;
-        if plain {
-            if let Some(id) = self.draw_all(logits) {
-                return id;
-            }
+        if self.plain_draw() {
+            // (Non-finite logits weigh nothing: the general path's choice, without copies.)
+            return draw_index(logits, self.inverse_temperature(), self.next_u64()) as u32;
         }
         let mut mask = None;
         if let Some(con) = &mut self.constraint {
@@ -442,8 +390,7 @@ impl Sampler {
         }
         // The draw, in the candidates' order.
         let xs: Vec<f32> = cand.iter().map(|e| e.1).collect();
-        let m = xs.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        cand[self.draw(&xs, m)].0
+        cand[self.draw(&xs)].0
     }
 }
 
@@ -570,35 +517,150 @@ impl SamplingPool {
     }
 }
 
-/// Values a sampler's draw weighs a chunk at a time ([`Sampler::draw`]).
-const DRAW_CHUNK: usize = 1024;
+// The draw, in integer arithmetic from the logits' f32 differences on, so that every
+// machine and every GPU (`ops::sample`, `sample.wgsl`) choose the same token from the same
+// logits and random number. Index i is drawn with probability w_i / sum w, where w_i =
+// [`draw_weight`] ~ 2^31 e^((x_i - m) / T) (m the largest finite logit), a fixed-point
+// number from three tables: within ~1e-6 (relative) of the exact weight, 0 for non-finite
+// logits and for those more than ~21.5 T below m (weight under 2^-31 of the largest's).
+// The sum is exact (u64), the target floor(r sum / 2^64) for a 64-bit random r, the
+// token the first index whose running sum passes it.
 
-/// exp(x) for x <= 0 in plain f32 arithmetic (no libm, nothing the compiler may fuse):
-/// the same bits on every machine, and loops of it vectorize. x = n ln 2 + r with n
-/// rounded to nearest by the 1.5 * 2^23 shift and |r| <= ln2 / 2 (ln 2 in two parts), a
-/// degree-6 polynomial for e^r, 2^n from the exponent bits. Within 3e-7 of exp (relative)
-/// on (-87, 0]; 0 from -87 down (and for -inf and NaN), 1 at 0 and above.
-pub fn exp_neg(x: f32) -> f32 {
-    const SHIFT: f32 = 12_582_912.0; // 1.5 * 2^23
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75; // ln 2's first 16 significant bits
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    let xc = if x > -87.0 { x } else { -87.0 }; // (NaN: -87)
-    let xc = if xc < 0.0 { xc } else { 0.0 }; // (above 0: 1)
-    let t = xc * LOG2E + SHIFT; // SHIFT + n, n in [-126, 0]
-    let n = t - SHIFT;
-    let r = (xc - n * LN2_HI) - n * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    let e = (t.to_bits() as i32 - SHIFT.to_bits() as i32 + 127) as u32;
-    let v = p * f32::from_bits(e << 23);
-    if x > -87.0 {
-        v
-    } else {
+/// Entries of [`draw_table`]: e^(-h / 32) for h < 737 (bits 15.. of the weight's n), then
+/// e^(-j 2^-15) for j < 1024 (bits 5..15), then e^(-l 2^-20) for l < 32 (bits 0..5).
+pub const DRAW_TABLE_LEN: usize = DRAW_MID + 1024 + 32;
+const DRAW_MID: usize = 737;
+const DRAW_LOW: usize = DRAW_MID + 1024;
+
+/// x as the draw reads it: 0 where it is subnormal (GPUs may flush those to 0, so every
+/// machine does here).
+pub fn flush(x: f32) -> f32 {
+    if x.to_bits() & 0x7f80_0000 == 0 {
         0.0
+    } else {
+        x
     }
+}
+
+fn finite(x: f32) -> bool {
+    x.to_bits() & 0x7f80_0000 != 0x7f80_0000
+}
+
+/// The draw's tables, 2^31 e^-y rounded, as [`DRAW_TABLE_LEN`] says; computed once in plain
+/// f64 arithmetic (no libm: the same bits on every machine).
+pub fn draw_table() -> &'static [u32] {
+    static TABLE: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        let at = |y: f64| (exp_neg_f64(y) * 2_147_483_648.0).round() as u32;
+        let mut t = Vec::with_capacity(DRAW_TABLE_LEN);
+        t.extend((0..DRAW_MID).map(|h| at(h as f64 / 32.0)));
+        t.extend((0..1024).map(|j| at(j as f64 / 32768.0)));
+        t.extend((0..32).map(|l| at(l as f64 / 1_048_576.0)));
+        t
+    })
+}
+
+/// e^-y for y >= 0 in plain f64 arithmetic: y = k ln 2 + r, |r| <= ln 2 / 2, a Taylor series
+/// of e^-r to 22 terms, times 2^-k.
+fn exp_neg_f64(y: f64) -> f64 {
+    const LN2_HI: f64 = 0.693_147_180_369_123_8; // ln 2's first 32 bits
+    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
+    let k = (y / std::f64::consts::LN_2 + 0.5).floor();
+    let r = (y - k * LN2_HI) - k * LN2_LO;
+    let (mut term, mut sum) = (1.0f64, 1.0f64);
+    for i in 1..=22 {
+        term = term * -r / i as f64;
+        sum += term;
+    }
+    let mut v = sum;
+    for _ in 0..k as u32 {
+        v *= 0.5;
+    }
+    v
+}
+
+/// (a b) / 2^31 for a, b <= 2^31.
+fn mul31(a: u32, b: u32) -> u32 {
+    ((a as u64 * b as u64) >> 31) as u32
+}
+
+/// The largest finite logit (flushed), or None.
+pub fn draw_max(xs: &[f32]) -> Option<f32> {
+    xs.iter()
+        .filter(|&&x| finite(x))
+        .map(|&x| flush(x))
+        .fold(None, |m, x| match m {
+            Some(m) if m >= x => Some(m),
+            _ => Some(x),
+        })
+}
+
+/// The draw's weight of logit x where the largest finite one is m, at the inverse
+/// temperature `inv` ([`Sampler::inverse_temperature`]): y = (x - m) inv (each step
+/// flushed), held at -23 or above, n = -y 2^20 truncated, then the tables' entries of
+/// n's bits multiplied in fixed point. 0 for a non-finite x.
+pub fn draw_weight(x: f32, m: f32, inv: f32) -> u32 {
+    if !finite(x) {
+        return 0;
+    }
+    let y = match inv == 0.0 {
+        true => 0.0,
+        false => flush(flush(flush(x) - m) * inv),
+    };
+    if y.is_nan() || y <= -23.0 {
+        // (Held at -23: the weight there, computed once.)
+        return draw_floor_weight();
+    }
+    weight_at((-(y * 1_048_576.0)) as u32)
+}
+
+/// The weight of every logit at or more than 23 T below the largest (0 with these tables).
+fn draw_floor_weight() -> u32 {
+    static W: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *W.get_or_init(|| weight_at((23.0f32 * 1_048_576.0) as u32))
+}
+
+/// 2^31 e^(-n 2^-20) from the tables: n's bits 15.., 5..15 and 0..5 looked up, multiplied
+/// in fixed point in that order.
+fn weight_at(n: u32) -> u32 {
+    let t = draw_table();
+    mul31(
+        mul31(
+            t[(n >> 15) as usize],
+            t[DRAW_MID + ((n >> 5) & 1023) as usize],
+        ),
+        t[DRAW_LOW + (n & 31) as usize],
+    )
+}
+
+/// The index a draw from `xs` picks with the random number `r` (see above); 0 where no
+/// logit is finite.
+pub fn draw_index(xs: &[f32], inv: f32, r: u64) -> usize {
+    let Some(m) = draw_max(xs) else {
+        return 0;
+    };
+    // Sums a chunk at a time; the target's chunk walked again.
+    const CHUNK: usize = 256;
+    let sums: Vec<u64> = xs
+        .chunks(CHUNK)
+        .map(|c| c.iter().map(|&x| draw_weight(x, m, inv) as u64).sum())
+        .collect();
+    let total: u64 = sums.iter().sum();
+    let target = ((r as u128 * total as u128) >> 64) as u64;
+    let mut run = 0u64;
+    for (c, &sum) in sums.iter().enumerate() {
+        if run + sum <= target {
+            run += sum;
+            continue;
+        }
+        for (i, &x) in xs[c * CHUNK..].iter().enumerate() {
+            run += draw_weight(x, m, inv) as u64;
+            if run > target {
+                return c * CHUNK + i;
+            }
+        }
+    }
+    unreachable!("the running sum reaches the total, past the target")
 }
 
 #[cfg(test)]
@@ -824,22 +886,41 @@ mod tests {
     }
 
     #[test]
-    fn exp_neg_is_exp() {
+    fn the_draw_weights_are_exp() {
+        // The tables within one unit of 2^31 e^-y; the weights within 2e-6 of
+        // e^((x - m) / T) relative (2^-31 absolute), 0 for non-finite logits.
+        let t = draw_table();
+        assert_eq!(t.len(), DRAW_TABLE_LEN);
+        let check = |k: usize, y: f64| {
+            let want = 2_147_483_648.0 * (-y).exp();
+            assert!(
+                (t[k] as f64 - want).abs() <= 1.0,
+                "entry {k}: {} vs {want}",
+                t[k]
+            );
+        };
+        (0..DRAW_MID).for_each(|h| check(h, h as f64 / 32.0));
+        (0..1024).for_each(|j| check(DRAW_MID + j, j as f64 / 32768.0));
+        (0..32).for_each(|l| check(DRAW_LOW + l, l as f64 / 1_048_576.0));
         let mut worst = 0f64;
-        for i in 0..=870_000 {
-            let x = -(i as f32) * 1e-4;
-            let want = (x as f64).exp();
-            let got = exp_neg(x) as f64;
-            if x > -86.9 {
-                worst = worst.max((got - want).abs() / want);
-            }
+        for i in 0..200_000 {
+            let x = 3.0 - i as f32 * 1.3e-4;
+            let inv = 1.0 / 0.7f32;
+            let want = ((x as f64 - 3.0) * inv as f64).exp();
+            let got = draw_weight(x, 3.0, inv) as f64 / 2_147_483_648.0;
+            worst = worst.max((got - want).abs() / want.max(1e-3));
         }
-        assert!(worst < 3e-7, "worst relative error {worst}");
-        assert_eq!(exp_neg(0.0), 1.0);
-        assert_eq!(exp_neg(-100.0), 0.0);
-        assert_eq!(exp_neg(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp_neg(f32::NAN), 0.0);
-        assert_eq!(exp_neg(5.0), 1.0);
+        assert!(worst < 2e-6, "worst {worst}");
+        assert_eq!(draw_weight(3.0, 3.0, 5.0), 1 << 31);
+        assert_eq!(draw_weight(f32::NAN, 3.0, 1.0), 0);
+        assert_eq!(draw_weight(f32::INFINITY, 3.0, 1.0), 0);
+        assert_eq!(draw_weight(-1e30, 3.0, 1.0), 0);
+        // No temperature (its inverse flushed to 0): every finite logit weighs the same.
+        assert_eq!(draw_weight(-1e30, 3.0, 0.0), 1 << 31);
+        // Subnormal inputs read as 0.
+        assert_eq!(draw_weight(1e-40, 0.0, 1.0), 1 << 31);
+        assert_eq!(draw_max(&[f32::NAN, f32::NEG_INFINITY]), None);
+        assert_eq!(draw_index(&[f32::NAN, f32::INFINITY], 1.0, 123), 0);
     }
 
     #[test]

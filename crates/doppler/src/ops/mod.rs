@@ -18,6 +18,7 @@ pub mod pool;
 pub mod quant;
 pub mod reduce;
 pub mod rope;
+pub mod sample;
 pub mod silu;
 pub mod softmax;
 pub mod upsample;
@@ -64,5 +65,6 @@ pub fn param_sizes() -> Vec<(&'static str, usize)> {
         ("quant_coop", std::mem::size_of::<quant::CoopParams>()),
         ("kvcache", std::mem::size_of::<kvcache::Params>()),
         ("columns", std::mem::size_of::<columns::Params>()),
+        ("sample", std::mem::size_of::<sample::Params>()),
     ]
 }

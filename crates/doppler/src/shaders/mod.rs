@@ -52,6 +52,7 @@ shader!(QUANT, "quant", QUANT_BLOCKS);
 shader!(QUANT_COOP, "quant_coop", QUANT_BLOCKS);
 shader!(KVCACHE, "kvcache");
 shader!(COLUMNS, "columns");
+shader!(SAMPLE, "sample");
 
 /// All shaders, for validation and listing.
 pub static ALL: &[&Shader] = &[
@@ -80,4 +81,5 @@ pub static ALL: &[&Shader] = &[
     &QUANT_COOP,
     &COLUMNS,
     &KVCACHE,
+    &SAMPLE,
 ];

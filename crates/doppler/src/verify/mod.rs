@@ -20,6 +20,7 @@ mod optim;
 mod pool;
 pub mod quant;
 mod rope;
+mod sample;
 mod silu;
 mod softmax;
 mod upsample;
@@ -132,6 +133,7 @@ const FAMILIES: &[Family] = &[
     (&["qmatmul_chain"], family!(quant::chain_checks)),
     (&["row_split"], family!(quant::split_checks)),
     (&["kv_attend"], family!(kvcache::checks)),
+    (&["sample_rows"], family!(sample::checks)),
     (&["rope_store"], family!(kvcache::rope_store_checks)),
     (&["kv_paged"], family!(kvcache::paged_checks)),
     (
