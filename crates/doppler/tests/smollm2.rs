@@ -576,6 +576,132 @@ fn pipelined_steps_give_the_same_bits() {
     assert_eq!((b.pages_in_use(), b.sequences()), (0, 0));
 }
 
+/// Tokens chosen on the GPU (`Batch::record_picking`): a greedy sequence and a seeded draw
+/// get the tokens their CPU samplers choose from the logits of each sequence run alone;
+/// a sequence the host samples (log-probabilities asked) gets its logits, the same bits;
+/// a step recorded with picking is refused without its picks or with picks that do not
+/// match, and `wait` refuses it.
+#[test]
+fn tokens_chosen_on_the_gpu_are_the_samplers() {
+    use doppler::infer::batch::{Batch, Chosen};
+    use doppler::ops::kvcache::KvType;
+    use doppler::ops::sample::Pick;
+    let (gpu, m) = (gpu(), model());
+    let prompts: Vec<&Value> = fixture()["prompts"].as_array().unwrap().iter().collect();
+    let p = |i: usize| ids(&prompts[i.min(prompts.len() - 1)]["ids"]);
+    let cfg = |i: usize| SamplerConfig {
+        temperature: [0.0, 0.8, 1.3][i],
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: 5 + i as u64,
+        ..Default::default()
+    };
+    let sampler = |i: usize| match i {
+        2 => Sampler::new(cfg(i)).with_logprobs(1),
+        _ => Sampler::new(cfg(i)),
+    };
+    let steps = 4;
+    // Alone, sampled on the CPU: the tokens, and the logits' bits.
+    let alone = |i: usize| -> (Vec<u32>, Vec<Vec<u32>>) {
+        let mut b = Batch::new(gpu, &m.llama, 64, KvType::F32).unwrap();
+        let id = b.add();
+        let mut s = sampler(i);
+        let mut l = b.step(gpu, &[(id, &p(i))]).unwrap().remove(0);
+        let (mut toks, mut bits) = (Vec::new(), Vec::new());
+        for _ in 0..steps {
+            bits.push(l.iter().map(|x| x.to_bits()).collect());
+            let t = s.sample(&l, &[]);
+            toks.push(t);
+            l = b.step(gpu, &[(id, &[t])]).unwrap().remove(0);
+        }
+        (toks, bits)
+    };
+    let want: Vec<_> = (0..3).map(alone).collect();
+    let mut b = Batch::new(gpu, &m.llama, 64, KvType::F32).unwrap();
+    let seqs = [b.add(), b.add(), b.add()];
+    let mut samplers: Vec<Sampler> = (0..3).map(sampler).collect();
+    assert!(
+        samplers[2].gpu_pick().is_none(),
+        "log-probabilities: the host's"
+    );
+    let host = [false, false, true];
+    let mut feeds: Vec<Vec<u32>> = (0..3).map(p).collect();
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); 3];
+    for step in 0..steps {
+        let refs: Vec<(u64, &[u32])> = seqs
+            .iter()
+            .zip(&feeds)
+            .map(|(&id, f)| (id, f.as_slice()))
+            .collect();
+        let ahead = b.record_tokens_picking(gpu, &refs, &host).unwrap();
+        let picks: Vec<Pick> = samplers
+            .iter_mut()
+            .map(|s| s.gpu_pick().unwrap_or(Pick::Host))
+            .collect();
+        let flight = b.submit_picking(gpu, ahead, &refs, &picks).unwrap();
+        let out = pollster::block_on(b.wait_chosen(gpu, flight)).unwrap();
+        for i in 0..3 {
+            let t = match &out[i] {
+                Chosen::Token(t) => {
+                    samplers[i].accept(*t);
+                    *t
+                }
+                Chosen::Logits(l) => {
+                    let bits: Vec<u32> = l.iter().map(|x| x.to_bits()).collect();
+                    assert_eq!(bits, want[i].1[step], "sequence {i}'s logits, step {step}");
+                    samplers[i].sample(l, &[])
+                }
+            };
+            assert_eq!(matches!(out[i], Chosen::Logits(_)), host[i]);
+            got[i].push(t);
+            feeds[i] = vec![t];
+        }
+    }
+    for i in 0..3 {
+        assert_eq!(got[i], want[i].0, "sequence {i}'s tokens");
+    }
+    assert!(
+        got[1]
+            .iter()
+            .collect::<std::collections::HashSet<_>>()
+            .len()
+            > 1
+            || steps < 3
+    );
+    // Refusals.
+    let refs: Vec<(u64, &[u32])> = seqs
+        .iter()
+        .zip(&feeds)
+        .map(|(&id, f)| (id, f.as_slice()))
+        .collect();
+    let plan: Vec<(u64, usize)> = seqs.iter().map(|&id| (id, 1)).collect();
+    let ahead = b.record_picking(gpu, &plan, &host).unwrap();
+    let err = b.submit(gpu, ahead, &refs).err().unwrap();
+    assert!(err.to_string().contains("its picks"), "{err}");
+    let ahead = b.record_picking(gpu, &plan, &host).unwrap();
+    let err = b
+        .submit_picking(
+            gpu,
+            ahead,
+            &refs,
+            &[Pick::Greedy, Pick::Greedy, Pick::Greedy],
+        )
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("host choosing rows"), "{err}");
+    let ahead = b.record_picking(gpu, &plan, &host).unwrap();
+    let flight = b
+        .submit_picking(gpu, ahead, &refs, &[Pick::Greedy, Pick::Greedy, Pick::Host])
+        .unwrap();
+    let err = pollster::block_on(b.wait(gpu, flight)).err().unwrap();
+    assert!(err.to_string().contains("wait_chosen"), "{err}");
+    for id in seqs {
+        b.remove(id);
+    }
+    assert_eq!((b.pages_in_use(), b.sequences()), (0, 0));
+}
+
 /// Shared prompt prefixes (`Batch::add_prefixed`): a sequence whose prompt starts with
 /// whole pages another sequence filled holds those pages and runs only the rest, and its
 /// logits, and the next greedy token's, are the same bits as computing the whole prompt

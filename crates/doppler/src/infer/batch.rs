@@ -32,6 +32,7 @@ use crate::error::{Error, Result};
 use crate::gpu::{DType, Encoded, Gpu, Readback, Submission, Tensor, Trace, FLUSH_EVERY};
 use crate::models::llama::Llama;
 use crate::ops::kvcache::{paged_pool, KvCache, KvType, PagedRows, PAGE};
+use crate::ops::sample::{draw_tables, sample_rows, Pick};
 
 /// A sequence's handle in a [`Batch`].
 pub type SeqId = u64;
@@ -113,6 +114,16 @@ pub struct Batch<'m> {
     last: StepTimes,
     /// A step is submitted and not yet waited for (one at a time).
     in_flight: bool,
+    /// The draw's tables for tokens chosen on the GPU ([`Batch::record_picking`]).
+    tables: Tensor,
+}
+
+/// A fed sequence's outcome of a step recorded with [`Batch::record_picking`]: the token the
+/// GPU chose, or (a row the host chooses) its logits (V).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Chosen {
+    Token(u32),
+    Logits(Vec<f32>),
 }
 
 impl<'m> Batch<'m> {
@@ -156,6 +167,7 @@ impl<'m> Batch<'m> {
             timing: StepTiming::Off,
             last: StepTimes::default(),
             in_flight: false,
+            tables: draw_tables(gpu)?,
         })
     }
 
@@ -391,7 +403,34 @@ impl<'m> Batch<'m> {
     /// the model's context. Run it with [`Batch::submit`] while the sequences hold the
     /// lengths they had here.
     pub fn record<'g>(&mut self, gpu: &'g Gpu, plan: &[(SeqId, usize)]) -> Result<Ahead<'g>> {
-        self.record_with(gpu, plan, None)
+        self.record_with(gpu, plan, None, None)
+    }
+
+    /// [`Batch::record`] of a step whose tokens the GPU chooses (`ops::sample`: the CPU
+    /// sampler's greedy choice or plain draw, the same token) for each sequence except
+    /// those `host` marks (one flag a plan entry), whose logits come back instead: only a
+    /// token a row is read back for the others. Submit it with [`Batch::submit_picking`],
+    /// wait with [`Batch::wait_chosen`].
+    pub fn record_picking<'g>(
+        &mut self,
+        gpu: &'g Gpu,
+        plan: &[(SeqId, usize)],
+        host: &[bool],
+    ) -> Result<Ahead<'g>> {
+        self.record_with(gpu, plan, None, Some(host))
+    }
+
+    /// [`Batch::record_tokens`] with the GPU choosing tokens ([`Batch::record_picking`]).
+    pub fn record_tokens_picking<'g>(
+        &mut self,
+        gpu: &'g Gpu,
+        feeds: &[(SeqId, &[u32])],
+        host: &[bool],
+    ) -> Result<Ahead<'g>> {
+        self.check_tokens(feeds)?;
+        let plan: Vec<(SeqId, usize)> = feeds.iter().map(|&(id, t)| (id, t.len())).collect();
+        let ids: Vec<u32> = feeds.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+        self.record_with(gpu, &plan, Some(&ids), Some(host))
     }
 
     /// [`Batch::record`] of a step whose tokens are known (`feeds`, submitted with the
@@ -406,19 +445,30 @@ impl<'m> Batch<'m> {
         self.check_tokens(feeds)?;
         let plan: Vec<(SeqId, usize)> = feeds.iter().map(|&(id, t)| (id, t.len())).collect();
         let ids: Vec<u32> = feeds.iter().flat_map(|(_, t)| t.iter().copied()).collect();
-        self.record_with(gpu, &plan, Some(&ids))
+        self.record_with(gpu, &plan, Some(&ids), None)
     }
 
     /// [`Batch::record`]; with `known` token ids uploaded now and a step of many rows
     /// submitted in parts as it records (then [`Batch::submit`] takes only those ids:
-    /// [`Batch::record_tokens`]).
+    /// [`Batch::record_tokens`]); with `host`, tokens chosen on the GPU but for the rows
+    /// it marks ([`Batch::record_picking`]).
     fn record_with<'g>(
         &mut self,
         gpu: &'g Gpu,
         plan: &[(SeqId, usize)],
         known: Option<&[u32]>,
+        host: Option<&[bool]>,
     ) -> Result<Ahead<'g>> {
         let t0 = Instant::now();
+        if let Some(h) = host {
+            if h.len() != plan.len() {
+                return Err(bad(format!(
+                    "{} host flags for a plan of {} sequences",
+                    h.len(),
+                    plan.len()
+                )));
+            }
+        }
         let llama = self.llama;
         let ctx = llama.max_context;
         let mut need = 0;
@@ -492,7 +542,34 @@ impl<'m> Batch<'m> {
         if logits.dtype() != DType::F32 {
             return Err(bad("logits are not f32".into()));
         }
-        let read = rec.read_later(&logits)?;
+        let (read, picking) = match host {
+            None => (Some(rec.read_later(&logits)?), None),
+            Some(host) => {
+                // The choices (the host's rows skipped), then the host's rows' logits
+                // gathered into one tensor.
+                let vocab = llama.cfg.vocab_size;
+                let how = Tensor::empty(gpu, &[plan.len(), 4], DType::U32, "batch.how")?;
+                let chosen = sample_rows(&mut rec, &logits, &how, &self.tables)?;
+                let rows: Vec<usize> = (0..host.len()).filter(|&r| host[r]).collect();
+                let read = match rows.len() {
+                    0 => None,
+                    n if n == host.len() => Some(rec.read_later(&logits)?),
+                    n => {
+                        let some = Tensor::empty(gpu, &[n, vocab], DType::F32, "batch.host")?;
+                        for (j, &r) in rows.iter().enumerate() {
+                            rec.copy_elements(&logits, r * vocab, &some, j * vocab, vocab)?;
+                        }
+                        Some(rec.read_later(&some)?)
+                    }
+                };
+                let picking = Picking {
+                    host: host.to_vec(),
+                    how,
+                    chosen: rec.read_later(&chosen)?,
+                };
+                (read, Some(picking))
+            }
+        };
         let enc = rec.encode()?;
         Ok(Ahead {
             plan: held,
@@ -500,6 +577,7 @@ impl<'m> Batch<'m> {
             ids,
             enc,
             logits: read,
+            picking,
             record_ms: t0.elapsed().as_secs_f64() * 1e3,
         })
     }
@@ -516,7 +594,57 @@ impl<'m> Batch<'m> {
         ahead: Ahead<'g>,
         feeds: &[(SeqId, &[u32])],
     ) -> Result<InFlight> {
+        self.submit_with(gpu, ahead, feeds, None)
+    }
+
+    /// [`Batch::submit`] of a step recorded with [`Batch::record_picking`]: `picks` says how
+    /// the GPU chooses each fed sequence's token (from [`crate::infer::sample::Sampler::gpu_pick`];
+    /// [`Pick::Host`] exactly for the rows recorded as the host's; a row whose choice will
+    /// not be used may take [`Pick::Greedy`]).
+    pub fn submit_picking<'g>(
+        &mut self,
+        gpu: &'g Gpu,
+        ahead: Ahead<'g>,
+        feeds: &[(SeqId, &[u32])],
+        picks: &[Pick],
+    ) -> Result<InFlight> {
+        self.submit_with(gpu, ahead, feeds, Some(picks))
+    }
+
+    fn submit_with<'g>(
+        &mut self,
+        gpu: &'g Gpu,
+        ahead: Ahead<'g>,
+        feeds: &[(SeqId, &[u32])],
+        picks: Option<&[Pick]>,
+    ) -> Result<InFlight> {
         let t0 = Instant::now();
+        match (&ahead.picking, picks) {
+            (None, None) => {}
+            (Some(pk), Some(picks))
+                if picks.len() == pk.host.len()
+                    && picks
+                        .iter()
+                        .zip(&pk.host)
+                        .all(|(p, &h)| (*p == Pick::Host) == h) => {}
+            (Some(pk), Some(picks)) => {
+                return Err(bad(format!(
+                    "picks {picks:?} for a step recorded with the host choosing rows {:?}",
+                    pk.host
+                )))
+            }
+            (Some(_), None) => {
+                return Err(bad(
+                    "the step was recorded for the GPU to choose tokens: submit it with its picks"
+                        .into(),
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(bad(
+                    "picks for a step recorded without them (record_picking)".into(),
+                ))
+            }
+        }
         if self.in_flight {
             return Err(bad(
                 "a step is already submitted: wait for it before submitting the next".into(),
@@ -554,6 +682,10 @@ impl<'m> Batch<'m> {
             Some(k) if *k == ids => {}
             Some(_) => return Err(bad("the step was recorded with other tokens".into())),
         }
+        if let (Some(pk), Some(picks)) = (&ahead.picking, picks) {
+            let words: Vec<u32> = picks.iter().flat_map(|p| p.words()).collect();
+            pk.how.write_u32(gpu, &words)?;
+        }
         let sub = ahead.enc.submit()?;
         self.in_flight = true;
         for &(id, toks) in feeds {
@@ -565,6 +697,7 @@ impl<'m> Batch<'m> {
             feeds: ahead.plan.iter().map(|&(id, _, n)| (id, n)).collect(),
             sub,
             logits: ahead.logits,
+            picking: ahead.picking.map(|p| (p.host, p.chosen)),
             record_ms: ahead.record_ms,
             submit_ms: t0.elapsed().as_secs_f64() * 1e3,
             submitted: Instant::now(),
@@ -573,34 +706,83 @@ impl<'m> Batch<'m> {
 
     /// The logits (V) after each fed sequence's last token of a submitted step, in the
     /// plan's order; its whole pages go into the prefix cache. Where the step failed, its
-    /// sequences are as they were before it.
+    /// sequences are as they were before it. (A step recorded with picking: [`Batch::wait_chosen`].)
     pub async fn wait(&mut self, gpu: &Gpu, flight: InFlight) -> Result<Vec<Vec<f32>>> {
+        let picked = flight.picking.is_some();
+        let (_, rows) = self.wait_chosen_inner(gpu, flight).await?;
+        match picked {
+            // (The step ran; its choices are dropped.)
+            true => Err(bad(
+                "the step chose its tokens on the GPU: wait for it with wait_chosen".into(),
+            )),
+            false => Ok(rows),
+        }
+    }
+
+    /// Each fed sequence's outcome of a step recorded with [`Batch::record_picking`], in the
+    /// plan's order: the token the GPU chose, or the logits of a row the host chooses (a
+    /// step recorded without picking: every row's logits). As [`Batch::wait`] otherwise.
+    pub async fn wait_chosen(&mut self, gpu: &Gpu, flight: InFlight) -> Result<Vec<Chosen>> {
+        let host: Option<Vec<bool>> = flight.picking.as_ref().map(|p| p.0.clone());
+        let (chosen, rows) = self.wait_chosen_inner(gpu, flight).await?;
+        let Some(host) = host else {
+            return Ok(rows.into_iter().map(Chosen::Logits).collect());
+        };
+        let chosen = chosen.expect("picked");
+        let mut rows = rows.into_iter();
+        host.iter()
+            .zip(chosen)
+            .map(|(&h, t)| match h {
+                true => rows
+                    .next()
+                    .map(Chosen::Logits)
+                    .ok_or_else(|| bad("a host row's logits missing".into())),
+                false => Ok(Chosen::Token(t)),
+            })
+            .collect()
+    }
+
+    /// The chosen ids (picking) and the logits read back (all rows, or the host's rows).
+    async fn wait_chosen_inner(
+        &mut self,
+        gpu: &Gpu,
+        flight: InFlight,
+    ) -> Result<(Option<Vec<u32>>, Vec<Vec<f32>>)> {
         let vocab = self.llama.cfg.vocab_size;
         let InFlight {
             feeds,
             sub,
             logits,
+            picking,
             record_ms,
             submit_ms,
             submitted,
         } = flight;
         self.in_flight = false;
         let done = async {
+            let chosen = match &picking {
+                Some((_, ids)) => Some(ids.u32s(gpu).await?),
+                None => None,
+            };
             // Rows straight from the mapped bytes (one copy).
-            let rows = logits
-                .map(gpu, |b| {
-                    b.chunks(vocab * 4)
-                        .map(bytemuck::pod_collect_to_vec::<u8, f32>)
-                        .collect::<Vec<_>>()
-                })
-                .await?;
+            let rows = match &logits {
+                Some(l) => {
+                    l.map(gpu, |b| {
+                        b.chunks(vocab * 4)
+                            .map(bytemuck::pod_collect_to_vec::<u8, f32>)
+                            .collect::<Vec<_>>()
+                    })
+                    .await?
+                }
+                None => Vec::new(),
+            };
             // The GPU is done: index checks (an error here, before the logits are used) and
             // timestamps.
             let trace = sub.finish(gpu).await?;
-            Ok::<_, Error>((rows, trace))
+            Ok::<_, Error>((chosen, rows, trace))
         }
         .await;
-        let (rows, trace) = match done {
+        let (chosen, rows, trace) = match done {
             Ok(d) => d,
             Err(e) => {
                 for &(id, n) in &feeds {
@@ -623,7 +805,7 @@ impl<'m> Batch<'m> {
                 self.cache_whole_pages(id);
             }
         }
-        Ok(rows)
+        Ok((chosen, rows))
     }
 }
 
@@ -643,8 +825,18 @@ pub struct Ahead<'g> {
     known: Option<Vec<u32>>,
     ids: Tensor,
     enc: Encoded<'g>,
-    logits: Readback,
+    /// Every row's logits, or with picking the host's rows' (None where it has none).
+    logits: Option<Readback>,
+    picking: Option<Picking>,
     record_ms: f64,
+}
+
+/// A step's tokens chosen on the GPU ([`Batch::record_picking`]): which rows the host
+/// chooses, the picks' words (written at the submission), the chosen ids' readback.
+struct Picking {
+    host: Vec<bool>,
+    how: Tensor,
+    chosen: Readback,
 }
 
 impl Ahead<'_> {
@@ -674,7 +866,9 @@ impl Ahead<'_> {
 pub struct InFlight {
     feeds: Vec<(SeqId, usize)>,
     sub: Submission,
-    logits: Readback,
+    logits: Option<Readback>,
+    /// With picking: the host's rows and the chosen ids.
+    picking: Option<(Vec<bool>, Readback)>,
     record_ms: f64,
     submit_ms: f64,
     submitted: Instant,
