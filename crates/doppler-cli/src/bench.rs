@@ -98,9 +98,14 @@ pub struct BenchArgs {
     rows: Vec<usize>,
     /// generate: also decode this many sequences together (e.g. 1,8,32,64), as `doppler
     /// serve` runs them: tokens/s, where a step's time goes (recording, GPU and readback,
-    /// sampling at temperature 0.8) and its kernels.
+    /// sampling at temperature 0.8: on the GPU, as serve does for such requests) and its
+    /// kernels.
     #[arg(long, value_delimiter = ',')]
     streams: Vec<usize>,
+    /// generate --streams: sample each row on the host from its logits (as serve does for
+    /// requests with log-probabilities, penalties or a grammar) instead of on the GPU.
+    #[arg(long)]
+    host_sampling: bool,
     /// train, finetune: sequences per step (default 8) and their length (default 1024;
     /// finetune 512).
     #[arg(long)]
@@ -576,6 +581,7 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
             cache_type: args.cache_type,
             rows: args.rows.clone(),
             streams: args.streams.clone(),
+            host_sampling: args.host_sampling,
         };
         return crate::bench_generate::run(gpu, &g);
     }

@@ -28,6 +28,8 @@ pub struct GenBenchArgs {
     pub rows: Vec<usize>,
     /// Numbers of sequences decoded together in continuous-batching steps (`--streams`).
     pub streams: Vec<usize>,
+    /// `--streams`: every row sampled on the host from its logits, not on the GPU.
+    pub host_sampling: bool,
 }
 
 pub(crate) struct Synthetic {
@@ -231,18 +233,21 @@ const STREAM_STEPS: usize = 24;
 /// prefilled with its own prompt of `--prompt` tokens (a sequence a step, 512 rows at a
 /// time), then STREAM_STEPS steps of one row each, every row's token sampled at
 /// temperature 0.8 from its own seed (the plain draw over the whole vocabulary, OpenAI's
-/// defaults otherwise) on the sampling threads `serve` uses, pipelined as `serve` runs
-/// them (the next step recorded while the GPU runs one). Host times per step (the whole
-/// step; recording the next, overlapped; submission to logits; sampling), then a few steps
-/// (not pipelined) timed on the GPU whole and one dispatch by dispatch.
+/// defaults otherwise) on the GPU as `serve` samples such requests (`--host-sampling`: on
+/// the sampling threads from each row's logits), pipelined as `serve` runs them (the next
+/// step recorded while the GPU runs one). Host times per step (the whole step; recording
+/// the next, overlapped; submission to tokens or logits; sampling or taking the GPU's
+/// tokens), then a few steps (not pipelined) timed on the GPU whole and one dispatch by
+/// dispatch.
 fn streams(
     gpu: &Gpu,
     llama: &Llama,
     args: &GenBenchArgs,
     n: usize,
 ) -> doppler::Result<serde_json::Value> {
-    use doppler::infer::batch::{Batch, StepTiming};
+    use doppler::infer::batch::{Batch, Chosen, StepTiming};
     use doppler::infer::sample::{Row, Sampler, SamplerConfig, SamplingPool};
+    use doppler::ops::sample::Pick;
     let v = llama.cfg.vocab_size;
     let whole = 4;
     let per_seq = args.prompt + STREAM_STEPS + whole + 4;
@@ -335,32 +340,56 @@ fn streams(
     )?;
     // Pipelined as serve runs them: the next step recorded while the GPU runs this one.
     let plan: Vec<(u64, usize)> = seqs.iter().map(|&id| (id, 1)).collect();
+    let host = vec![args.host_sampling; n];
     let (mut total, mut record, mut wait, mut sample) = (vec![], vec![], vec![], vec![]);
     let mut submit = vec![];
-    // The pipelined steps' logits, hashed (each row's FNV-1a, then those).
+    // The pipelined steps' tokens, hashed: the same figure from two builds (and with
+    // --host-sampling or not) means the same choices.
     let mut piped = 0xcbf2_9ce4_8422_2325u64;
-    let mut ahead = b.record(gpu, &plan)?;
+    let mut ahead = b.record_picking(gpu, &plan, &host)?;
     for _ in 0..STREAM_STEPS {
         let t0 = Instant::now();
         let feeds = feeds_of(&hist);
         let feeds: Vec<(u64, &[u32])> = feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
-        let flight = b.submit(gpu, ahead, &feeds)?;
-        ahead = b.record(gpu, &plan)?;
+        let picks: Vec<Pick> = samplers
+            .iter_mut()
+            .map(|s| match args.host_sampling {
+                true => Pick::Host,
+                false => s.gpu_pick().expect("a plain draw"),
+            })
+            .collect();
+        let flight = b.submit_picking(gpu, ahead, &feeds, &picks)?;
+        ahead = b.record_picking(gpu, &plan, &host)?;
         record.push(ahead.record_ms());
-        let logits = pollster::block_on(b.wait(gpu, flight))?;
+        let out = pollster::block_on(b.wait_chosen(gpu, flight))?;
         wait.push(b.last_times().wait_ms);
         submit.push(b.last_times().submit_ms);
-        // The rows' hashes (their time taken out of the step's).
-        let th = Instant::now();
-        let sums: Vec<u64> = logits.iter().map(|l| mix_bits(0, l)).collect();
-        let hash_ms = th.elapsed().as_secs_f64() * 1e3;
-        sample.push(choose(&mut samplers, &mut hist, logits));
-        total.push(t0.elapsed().as_secs_f64() * 1e3 - hash_ms);
-        for h in sums {
-            piped = mix_bits(
-                piped,
-                &[f32::from_bits(h as u32), f32::from_bits((h >> 32) as u32)],
-            );
+        let t1 = Instant::now();
+        match args.host_sampling {
+            true => {
+                let logits = out
+                    .into_iter()
+                    .map(|c| match c {
+                        Chosen::Logits(l) => l,
+                        Chosen::Token(_) => unreachable!("every row the host's"),
+                    })
+                    .collect();
+                choose(&mut samplers, &mut hist, logits);
+            }
+            false => {
+                for ((c, s), h) in out.into_iter().zip(&mut samplers).zip(&mut hist) {
+                    let Chosen::Token(t) = c else {
+                        unreachable!("every row the GPU's")
+                    };
+                    s.accept(t);
+                    h.push(t);
+                }
+            }
+        }
+        sample.push(t1.elapsed().as_secs_f64() * 1e3);
+        total.push(t0.elapsed().as_secs_f64() * 1e3);
+        for h in &hist {
+            piped = mix_bits(piped, &[f32::from_bits(*h.last().expect("a token"))]);
         }
     }
     drop(ahead);
@@ -387,7 +416,8 @@ fn streams(
     Ok(serde_json::json!({
         "streams": n,
         "logits_check": format!("{check:016x}"),
-        "logits_check_pipelined": format!("{piped:016x}"),
+        "tokens_check_pipelined": format!("{piped:016x}"),
+        "sampling": if args.host_sampling { "host" } else { "gpu" },
         "tok_s": n as f64 / p50 * 1e3,
         "step_ms_p50": p50,
         "step_ms_p95": pct(&total, 0.95),

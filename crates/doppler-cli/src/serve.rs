@@ -39,12 +39,13 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Args;
 use doppler::gpu::Gpu;
-use doppler::infer::batch::{Ahead, Batch, SeqId};
+use doppler::infer::batch::{Ahead, Batch, Chosen, SeqId};
 use doppler::infer::chat::Message;
 use doppler::infer::grammar::{Grammar, JsonConstraint, TokenTrie};
 use doppler::infer::sample::{Row, Sampler, SamplerConfig, SamplingPool, TokenLogprob};
 use doppler::infer::{GenOptions, Model, Session, StopReason, TextStream};
 use doppler::ops::kvcache::PAGE;
+use doppler::ops::sample::Pick;
 use doppler::Error;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -1570,10 +1571,16 @@ fn batch_loop(
         // records.)
         let recorded = match ahead_now {
             Some(a) => Ok(a),
-            None => batch.record_tokens(gpu, &feed_refs),
+            None => {
+                let host = host_rows(&running, feeds.iter().map(|f| f.0));
+                batch.record_tokens_picking(gpu, &feed_refs, &host)
+            }
         };
         let feeds_rows: usize = feeds.iter().map(|f| f.1.len()).sum();
-        let result = recorded.and_then(|a| batch.submit(gpu, a, &feed_refs));
+        let result = recorded.and_then(|a| {
+            let picks = step_picks(&a, &mut running, &take, &feeds);
+            batch.submit_picking(gpu, a, &feed_refs, &picks)
+        });
         // The ended requests this step ran rows for: their pages go back after it.
         let spent: Vec<SeqId> = zombies.drain(..).map(|z| z.0).collect();
         let result = match result {
@@ -1592,12 +1599,13 @@ fn batch_loop(
                 // two steps' worth of its activations at once; it is recorded when its
                 // tokens are known, submitted in parts as it records.
                 if !plan.is_empty() && plan.iter().all(|&(_, n)| n == 1) {
-                    match batch.record(gpu, &plan) {
+                    let host = host_rows(&running, plan.iter().map(|p| p.0));
+                    match batch.record_picking(gpu, &plan, &host) {
                         Ok(a) => ahead = Some(a),
                         Err(e) => tracing::debug!("the next step was not recorded ahead: {e}"),
                     }
                 }
-                pollster::block_on(batch.wait(gpu, flight))
+                pollster::block_on(batch.wait_chosen(gpu, flight))
             }
             Err(e) => Err(e),
         };
@@ -1605,7 +1613,7 @@ fn batch_loop(
             batch.remove(seq);
         }
         let mut ends: Vec<(usize, End)> = Vec::new();
-        let mut logits = match result {
+        let mut chosen = match result {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!("batched step failed: {e}");
@@ -1632,7 +1640,7 @@ fn batch_loop(
         let mut due = Vec::new();
         for (i, r) in running.iter_mut().enumerate() {
             let n = take.get(i).copied().unwrap_or(0);
-            if logits.is_empty() || n == 0 {
+            if chosen.is_empty() || n == 0 {
                 continue;
             }
             r.todo.drain(..n);
@@ -1640,7 +1648,7 @@ fn batch_loop(
                 due.push((i, row_of[&r.seq]));
             }
         }
-        let picks = sample_rows(&pool, &mut running, &due, &mut logits);
+        let picks = sample_rows(&pool, &mut running, &due, &mut chosen);
         let chosen = picks.len();
         // The token chosen for each request that ended on it (its row in the next step).
         let mut last_pick: Vec<Option<u32>> = vec![None; running.len()];
@@ -1801,36 +1809,92 @@ fn ahead_feeds(
     (found == want.len()).then_some(feeds)
 }
 
-/// The next token of each request in `due` (index in `running`, index in `logits`, whose
-/// rows it takes) and its log-probability, sampled on the pool's threads when there are
-/// many (each request's sampler is its own: the same choices whatever the threads).
+/// For each sequence of a step (in its order), whether the host chooses its token (its
+/// sampler is not one the GPU can run: log-probabilities, penalties, a grammar, a cut).
+/// Rows of other sequences (ended requests') the GPU takes.
+fn host_rows(running: &[Running], seqs: impl Iterator<Item = SeqId>) -> Vec<bool> {
+    seqs.map(|id| {
+        running
+            .iter()
+            .find(|r| r.seq == id)
+            .and_then(|r| r.sampler.as_ref())
+            .is_some_and(|s| !s.gpu_pickable())
+    })
+    .collect()
+}
+
+/// How the GPU chooses each row's token of the step `a` (feeds in its order): the host's
+/// rows as recorded; a request whose row is its last pending token (a token will be
+/// chosen) from its sampler, which takes its random number now; any other row (a prompt's
+/// chunk with more to come, an ended request's) greedily, its choice unused.
+fn step_picks(
+    a: &Ahead<'_>,
+    running: &mut [Running],
+    take: &[usize],
+    feeds: &[(SeqId, Vec<u32>)],
+) -> Vec<Pick> {
+    let host = a.host_rows().unwrap_or(&[]);
+    feeds
+        .iter()
+        .enumerate()
+        .map(|(k, (id, _))| {
+            if host.get(k).copied().unwrap_or(true) {
+                return Pick::Host;
+            }
+            let at = running.iter().position(|r| r.seq == *id);
+            let due = at.filter(|&i| {
+                take.get(i)
+                    .is_some_and(|&n| n > 0 && n == running[i].todo.len())
+            });
+            due.and_then(|i| running[i].sampler.as_mut())
+                .and_then(|s| s.gpu_pick())
+                .unwrap_or(Pick::Greedy)
+        })
+        .collect()
+}
+
+/// The next token of each request in `due` (index in `running`, index in `chosen`, its
+/// row) and its log-probability: the GPU's choice where it made it (handed to the sampler),
+/// else sampled from the row's logits on the pool's threads when there are many (each
+/// request's sampler is its own: the same choices whatever the threads).
 fn sample_rows(
     pool: &SamplingPool,
     running: &mut [Running],
     due: &[(usize, usize)],
-    logits: &mut [Vec<f32>],
+    chosen: &mut [Chosen],
 ) -> Vec<(u32, Option<TokenLogprob>)> {
-    let rows = due
-        .iter()
-        .map(|&(i, li)| {
-            let sampler = running[i].sampler.take().expect("a sampler between steps");
-            // The tokens so far, as far back as the sampler looks (its repeat penalty's
-            // window), not the whole text every step.
-            let h = running[i].stream.tokens();
-            let history = h[h.len().saturating_sub(sampler.cfg.repeat_last_n)..].to_vec();
-            Row {
-                sampler,
-                history,
-                logits: std::mem::take(&mut logits[li]),
+    let mut out: Vec<Option<(u32, Option<TokenLogprob>)>> = vec![None; due.len()];
+    let mut rows = Vec::new();
+    let mut at = Vec::new();
+    for (k, &(i, li)) in due.iter().enumerate() {
+        match &mut chosen[li] {
+            Chosen::Token(t) => {
+                if let Some(s) = running[i].sampler.as_mut() {
+                    s.accept(*t);
+                }
+                out[k] = Some((*t, None));
             }
-        })
-        .collect();
-    due.iter()
-        .zip(pool.sample(rows))
-        .map(|(&(i, _), p)| {
-            running[i].sampler = Some(p.sampler);
-            (p.token, p.logprob)
-        })
+            Chosen::Logits(l) => {
+                let sampler = running[i].sampler.take().expect("a sampler between steps");
+                // The tokens so far, as far back as the sampler looks (its repeat
+                // penalty's window), not the whole text every step.
+                let h = running[i].stream.tokens();
+                let history = h[h.len().saturating_sub(sampler.cfg.repeat_last_n)..].to_vec();
+                rows.push(Row {
+                    sampler,
+                    history,
+                    logits: std::mem::take(l),
+                });
+                at.push(k);
+            }
+        }
+    }
+    for (k, p) in at.into_iter().zip(pool.sample(rows)) {
+        running[due[k].0].sampler = Some(p.sampler);
+        out[k] = Some((p.token, p.logprob));
+    }
+    out.into_iter()
+        .map(|o| o.expect("every due row chosen"))
         .collect()
 }
 

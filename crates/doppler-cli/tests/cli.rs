@@ -578,7 +578,9 @@ fn bench_generate_times_batches_of_rows() {
 
 /// `bench generate --streams`: sequences decoded together as `serve` runs them, each
 /// step's time split into recording, GPU + readback and sampling; the logits' checksum
-/// the same in two runs; a count of 0 refused by name.
+/// the same in two runs, and the pipelined steps' tokens the same in two runs and with
+/// every row sampled on the host (`--host-sampling`) instead of the GPU; a count of 0
+/// refused by name.
 #[test]
 fn bench_generate_times_streams() {
     let (gguf, _) = tiny_model("bench-streams-model", "llama");
@@ -586,12 +588,12 @@ fn bench_generate_times_streams() {
     let args = [
         "bench", "generate", "-m", m, "--prompt", "20", "--gen", "2", "--json",
     ];
-    let run = || {
-        let (ok, out, err) = doppler(&[&args[..], &["--streams", "1,3"]].concat());
+    let run = |more: &[&str]| {
+        let (ok, out, err) = doppler(&[&args[..], &["--streams", "1,3"], more].concat());
         assert!(ok, "{err}");
         serde_json::from_str::<serde_json::Value>(&out).unwrap()
     };
-    let (a, b) = (run(), run());
+    let (a, b, host) = (run(&[]), run(&[]), run(&["--host-sampling"]));
     let streams = a["streams"].as_array().unwrap();
     assert_eq!(streams.len(), 2, "{a}");
     for (s, want) in streams.iter().zip([1, 3]) {
@@ -609,12 +611,16 @@ fn bench_generate_times_streams() {
         assert!(!s["kernels"].as_array().unwrap().is_empty(), "{s}");
     }
     for i in 0..2 {
-        for k in ["logits_check", "logits_check_pipelined"] {
-            assert_eq!(
-                a["streams"][i][k], b["streams"][i][k],
-                "{k}: the same prompts and seeds, other logits"
-            );
+        for k in ["logits_check", "tokens_check_pipelined"] {
+            for other in [&b, &host] {
+                assert_eq!(
+                    a["streams"][i][k], other["streams"][i][k],
+                    "{k}: the same prompts and seeds, other logits or tokens"
+                );
+            }
         }
+        assert_eq!(a["streams"][i]["sampling"], "gpu");
+        assert_eq!(host["streams"][i]["sampling"], "host");
     }
     assert_ne!(
         a["streams"][0]["logits_check"],

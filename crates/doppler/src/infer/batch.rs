@@ -6,7 +6,10 @@
 //! one: [`Batch::record`] (pages, uploads, the forward pass recorded and encoded, for a
 //! plan of sequences and row counts, before the tokens are known), [`Batch::submit`]
 //! (the tokens written, the step submitted, the sequences grown), [`Batch::wait`] (the
-//! logits). `doppler serve` records step n + 1 while the GPU runs step n.
+//! logits). `doppler serve` records step n + 1 while the GPU runs step n. With
+//! [`Batch::record_picking`] / [`Batch::submit_picking`] / [`Batch::wait_chosen`] the GPU
+//! also chooses each row's next token (`ops::sample`, the host sampler's choice) and only
+//! the tokens come back, with the logits of the rows the host samples.
 //!
 //! Pages of [`PAGE`] tokens come from one pool and go back when a sequence is removed, so
 //! memory follows the tokens held. Every row of a step runs the same kernels in the same
@@ -853,6 +856,11 @@ impl Ahead<'_> {
                 .iter()
                 .zip(feeds)
                 .all(|(&(id, _, n), &(fid, t))| id == fid && n == t.len())
+    }
+
+    /// With picking ([`Batch::record_picking`]): which rows the host chooses.
+    pub fn host_rows(&self) -> Option<&[bool]> {
+        self.picking.as_ref().map(|p| p.host.as_slice())
     }
 
     /// Host time its recording took.

@@ -216,6 +216,11 @@ impl Sampler {
             && c.temperature > 0.0
     }
 
+    /// Whether the GPU can make this sampler's choices ([`Sampler::gpu_pick`]).
+    pub fn gpu_pickable(&self) -> bool {
+        self.plain_greedy() || (self.plain_draw() && self.logprobs.is_none())
+    }
+
     /// How the GPU makes this sampler's next choice (`ops::sample::sample_rows`: the same
     /// token [`Sampler::sample`] would choose from the same logits) where it can: the plain
     /// greedy choice, or the plain draw (its random number taken now, as `sample` takes
