@@ -1479,9 +1479,11 @@ enum End {
 /// giving their pages back. Blocks on the queue when nothing runs.
 ///
 /// Steps are pipelined: while the GPU runs one, the worker takes new requests and, where
-/// the next step will be one of decoding rows only, records it ([`Batch::record`]) for
-/// the rows it will need (each decoding request's next token unless it reaches its
-/// length); once this step's tokens are chosen, that step is submitted with them. (A
+/// the next step will be one of decoding rows only, records it ([`Batch::record_picking`])
+/// for the rows it will need (each decoding request's next token unless it reaches its
+/// length); once this step's tokens are chosen (on the GPU at the step's end for plain
+/// samplers, [`Sampler::gpu_pickable`]; from the logits on the host for the others),
+/// that step is submitted with them ([`Batch::submit_picking`]). (A
 /// step with a prompt's chunk is recorded once its tokens are known, and submitted in
 /// parts as it records.) A request that ends on what nobody could
 /// foresee (a stop token or string, its client gone) still has its row in the recorded
@@ -1630,7 +1632,7 @@ fn batch_loop(
         };
         let t_waited = Instant::now();
         // The requests whose rows ran their last pending token (the others have more of
-        // their prompt to run): (index in running, index in logits: the feeds' order,
+        // their prompt to run): (index in running, index in chosen: the feeds' order,
         // which rows of ended requests may interleave).
         let row_of: std::collections::HashMap<SeqId, usize> = feeds
             .iter()

@@ -454,7 +454,8 @@ impl<'m> Batch<'m> {
     /// [`Batch::record`]; with `known` token ids uploaded now and a step of many rows
     /// submitted in parts as it records (then [`Batch::submit`] takes only those ids:
     /// [`Batch::record_tokens`]); with `host`, tokens chosen on the GPU but for the rows
-    /// it marks ([`Batch::record_picking`]).
+    /// it marks ([`Batch::record_picking`]): the choosing and what follows it stay in the
+    /// last part, submitted with the picks.
     fn record_with<'g>(
         &mut self,
         gpu: &'g Gpu,
@@ -552,6 +553,10 @@ impl<'m> Batch<'m> {
                 // gathered into one tensor.
                 let vocab = llama.cfg.vocab_size;
                 let how = Tensor::empty(gpu, &[plan.len(), 4], DType::U32, "batch.how")?;
+                // The picks are written at the submission: nothing from here on may be
+                // submitted before it (a step recorded with its tokens known is otherwise
+                // submitted in parts as it records).
+                rec.set_flush_every(0);
                 let chosen = sample_rows(&mut rec, &logits, &how, &self.tables)?;
                 let rows: Vec<usize> = (0..host.len()).filter(|&r| host[r]).collect();
                 let read = match rows.len() {
