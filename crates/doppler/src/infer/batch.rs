@@ -430,10 +430,7 @@ impl<'m> Batch<'m> {
         feeds: &[(SeqId, &[u32])],
         host: &[bool],
     ) -> Result<Ahead<'g>> {
-        self.check_tokens(feeds)?;
-        let plan: Vec<(SeqId, usize)> = feeds.iter().map(|&(id, t)| (id, t.len())).collect();
-        let ids: Vec<u32> = feeds.iter().flat_map(|(_, t)| t.iter().copied()).collect();
-        self.record_with(gpu, &plan, Some(&ids), Some(host))
+        self.record_known(gpu, feeds, Some(host))
     }
 
     /// [`Batch::record`] of a step whose tokens are known (`feeds`, submitted with the
@@ -445,10 +442,20 @@ impl<'m> Batch<'m> {
         gpu: &'g Gpu,
         feeds: &[(SeqId, &[u32])],
     ) -> Result<Ahead<'g>> {
+        self.record_known(gpu, feeds, None)
+    }
+
+    /// [`Batch::record_with`] of `feeds`' tokens, checked and uploaded now.
+    fn record_known<'g>(
+        &mut self,
+        gpu: &'g Gpu,
+        feeds: &[(SeqId, &[u32])],
+        host: Option<&[bool]>,
+    ) -> Result<Ahead<'g>> {
         self.check_tokens(feeds)?;
         let plan: Vec<(SeqId, usize)> = feeds.iter().map(|&(id, t)| (id, t.len())).collect();
         let ids: Vec<u32> = feeds.iter().flat_map(|(_, t)| t.iter().copied()).collect();
-        self.record_with(gpu, &plan, Some(&ids), None)
+        self.record_with(gpu, &plan, Some(&ids), host)
     }
 
     /// [`Batch::record`]; with `known` token ids uploaded now and a step of many rows

@@ -1170,6 +1170,15 @@ pub fn x_half(
     x_half_scaled(rec, x, k, norm, false)
 }
 
+/// What `x_half` and the kernels that make its halves write: (m, k / 2) words of two f16
+/// halves, and each row's factor.
+fn halves_out(gpu: &Gpu, m: usize, k: usize) -> Result<(Tensor, Tensor)> {
+    Ok((
+        Tensor::empty(gpu, &[m, k / 2], DType::U32, "x_half.xh")?,
+        Tensor::empty(gpu, &[m], DType::F32, "x_half.rowf")?,
+    ))
+}
+
 /// [`x_half`], with `scale_up` rows whose values are small scaled up too (by a power of two,
 /// the largest |value| to [2^14, 2^15)): gradients, which may sit in f16's subnormals.
 pub fn x_half_scaled(
@@ -1181,8 +1190,7 @@ pub fn x_half_scaled(
 ) -> Result<(Tensor, Tensor)> {
     let m = x.numel() / k;
     let gpu = rec.gpu();
-    let xh = Tensor::empty(gpu, &[m, k / 2], DType::U32, "x_half.xh")?;
-    let rowf = Tensor::empty(gpu, &[m], DType::F32, "x_half.rowf")?;
+    let (xh, rowf) = halves_out(gpu, m, k)?;
     let p = Params {
         m: m as u32,
         k: k as u32,
@@ -1447,8 +1455,7 @@ pub(crate) fn glu_half(
             ),
         });
     }
-    let xh = Tensor::empty(gpu, &[m, n / 2], DType::U32, "x_half.xh")?;
-    let rowf = Tensor::empty(gpu, &[m], DType::F32, "x_half.rowf")?;
+    let (xh, rowf) = halves_out(gpu, m, n)?;
     let p = Params {
         m: m as u32,
         k: n as u32,
@@ -1481,8 +1488,7 @@ pub(crate) fn x_half_sum(
     splits: usize,
 ) -> Result<(Tensor, Tensor)> {
     let gpu = rec.gpu();
-    let xh = Tensor::empty(gpu, &[m, n / 2], DType::U32, "x_half.xh")?;
-    let rowf = Tensor::empty(gpu, &[m], DType::F32, "x_half.rowf")?;
+    let (xh, rowf) = halves_out(gpu, m, n)?;
     let p = Params {
         m: m as u32,
         k: n as u32,

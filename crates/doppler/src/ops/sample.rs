@@ -32,7 +32,7 @@ pub enum Pick {
     /// The draw at inverse temperature `inv` ([`crate::infer::sample::Sampler::inverse_temperature`])
     /// with the random number `r`.
     Draw { inv: f32, r: u64 },
-    /// Not chosen here (the host takes the row's logits); its id is left as it was.
+    /// Not chosen here (the host takes the row's logits); its id is 0.
     Host,
 }
 
@@ -53,8 +53,7 @@ pub fn draw_tables(gpu: &Gpu) -> Result<Tensor> {
 }
 
 /// ids (rows) u32: row r of `logits` (rows, V) chosen as `how` (u32 (rows, 4), each row
-/// [`Pick::words`]) says, with `tables` from [`draw_tables`]. Rows picked by the host keep
-/// the ids' former values (the ids are zeros when made here).
+/// [`Pick::words`]) says, with `tables` from [`draw_tables`]; 0 for rows the host picks.
 pub fn sample_rows(
     rec: &mut Recorder<'_>,
     logits: &Tensor,
@@ -88,7 +87,7 @@ pub fn sample_rows(
             ),
         });
     }
-    let ids = Tensor::from_u32(rec.gpu(), &[rows], &vec![0; rows], "sample.ids")?;
+    let ids = Tensor::empty(rec.gpu(), &[rows], DType::U32, "sample.ids")?;
     let p = Params {
         rows: rows as u32,
         vocab: vocab as u32,

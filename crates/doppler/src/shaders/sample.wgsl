@@ -12,7 +12,7 @@
 //                 n = -y 2^20 truncated, three table entries of n's bits multiplied as
 //                 (a b) >> 31 in that order), the weights' exact sum S (64-bit integers),
 //                 the target floor(r S / 2^64), the token the first index whose running sum
-//                 passes it; mode 2: nothing written (the host chooses that row).
+//                 passes it; mode 2: 0 written (the host chooses that row).
 //                 One workgroup of 256 threads a row, thread t the t-th run of ceil(V / 256)
 //                 logits; sums are exact, so the chunking changes nothing.
 
@@ -126,6 +126,9 @@ fn sample_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     }
     let h = how[row];
     if (h.x == 2u) {
+        if (lid == 0u) {
+            ids[row] = 0u;   // (the host chooses this row)
+        }
         return;
     }
     let per = (p.vocab + 255u) / 256u;

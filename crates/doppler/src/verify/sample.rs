@@ -45,6 +45,25 @@ fn rows(rng: &mut Rng, n: usize, vocab: usize) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// The GPU's tokens for `rows` rows of `vocab` logits (`flat`), chosen as `how` says (four
+/// words a row), as f32 for [`twice`].
+async fn gpu_ids(
+    gpu: &Gpu,
+    flat: &[f32],
+    rows: usize,
+    vocab: usize,
+    how: &[u32],
+) -> crate::Result<Vec<Vec<f32>>> {
+    let lt = Tensor::from_f32(gpu, &[rows, vocab], flat, "logits")?;
+    let ht = Tensor::from_u32(gpu, &[rows, 4], how, "how")?;
+    let tables = draw_tables(gpu)?;
+    let ids = gpu
+        .run_async(|rec| sample_rows(rec, &lt, &ht, &tables))
+        .await?;
+    let ids = ids.to_vec_u32(gpu).await?;
+    Ok(vec![ids.into_iter().map(|v| v as f32).collect()])
+}
+
 pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     // (rows, vocabulary): a vocabulary smaller than the workgroup, an odd one, SmolLM2's.
     for (ci, (n, vocab)) in [(23usize, 5usize), (37, 1001), (16, 49152)]
@@ -74,18 +93,7 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let how: Vec<u32> = picks.iter().flat_map(|p| p.words()).collect();
         let flat: Vec<f32> = logits.concat();
         let r = twice("sample_rows", async || {
-            let lt = Tensor::from_f32(gpu, &[n, vocab], &flat, "logits")?;
-            let ht = Tensor::from_u32(gpu, &[n, 4], &how, "how")?;
-            let tables = draw_tables(gpu)?;
-            let ids = gpu
-                .run_async(|rec| sample_rows(rec, &lt, &ht, &tables))
-                .await?;
-            Ok(vec![ids
-                .to_vec_u32(gpu)
-                .await?
-                .into_iter()
-                .map(|v| v as f32)
-                .collect()])
+            gpu_ids(gpu, &flat, n, vocab, &how).await
         })
         .await;
         let res = r.and_then(|got| {
@@ -144,18 +152,7 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     let flat: Vec<f32> = draws.iter().flat_map(|_| row.iter().copied()).collect();
     let nd = draws.len();
     let r = twice("sample_rows", async || {
-        let lt = Tensor::from_f32(gpu, &[nd, vocab], &flat, "logits")?;
-        let ht = Tensor::from_u32(gpu, &[nd, 4], &how, "how")?;
-        let tables = draw_tables(gpu)?;
-        let ids = gpu
-            .run_async(|rec| sample_rows(rec, &lt, &ht, &tables))
-            .await?;
-        Ok(vec![ids
-            .to_vec_u32(gpu)
-            .await?
-            .into_iter()
-            .map(|v| v as f32)
-            .collect()])
+        gpu_ids(gpu, &flat, nd, vocab, &how).await
     })
     .await;
     let res = r.and_then(|got| {
@@ -199,18 +196,7 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         .collect();
     let flat: Vec<f32> = (0..steps).flat_map(|_| row.iter().copied()).collect();
     let r = twice("sample_rows", async || {
-        let lt = Tensor::from_f32(gpu, &[steps, vocab], &flat, "logits")?;
-        let ht = Tensor::from_u32(gpu, &[steps, 4], &how, "how")?;
-        let tables = draw_tables(gpu)?;
-        let ids = gpu
-            .run_async(|rec| sample_rows(rec, &lt, &ht, &tables))
-            .await?;
-        Ok(vec![ids
-            .to_vec_u32(gpu)
-            .await?
-            .into_iter()
-            .map(|v| v as f32)
-            .collect()])
+        gpu_ids(gpu, &flat, steps, vocab, &how).await
     })
     .await;
     let res = r.and_then(|got| {
