@@ -234,11 +234,13 @@ const STREAM_STEPS: usize = 24;
 /// time), then STREAM_STEPS steps of one row each, every row's token sampled at
 /// temperature 0.8 from its own seed (the plain draw over the whole vocabulary, OpenAI's
 /// defaults otherwise) on the GPU as `serve` samples such requests (`--host-sampling`: on
-/// the sampling threads from each row's logits), pipelined as `serve` runs them (the next
-/// step recorded while the GPU runs one). Host times per step (the whole step; recording
-/// the next, overlapped; submission to tokens or logits; sampling or taking the GPU's
-/// tokens), then a few steps (not pipelined) timed on the GPU whole and one dispatch by
-/// dispatch.
+/// the sampling threads from each row's logits), as `serve` runs them: chained (each
+/// step's tokens copied on the GPU from the choices of the step before, and the step
+/// submitted while that one runs), or with host sampling pipelined (the next step recorded
+/// while the GPU runs one). Host times per step (the whole step; recording the next,
+/// overlapped; submission to tokens or logits, which for a chained step includes the
+/// step before's GPU time; sampling or taking the GPU's tokens), then a few steps (not
+/// pipelined) timed on the GPU whole and one dispatch by dispatch.
 fn streams(
     gpu: &Gpu,
     llama: &Llama,
@@ -346,53 +348,84 @@ fn streams(
     // The pipelined steps' tokens, hashed: the same figure from two builds (and with
     // --host-sampling or not) means the same choices.
     let mut piped = 0xcbf2_9ce4_8422_2325u64;
-    let mut ahead = b.record_picking(gpu, &plan, &host)?;
-    for _ in 0..STREAM_STEPS {
-        let t0 = Instant::now();
+    if !args.host_sampling {
+        // Chained as serve runs them: each step's tokens are the choices of the step
+        // before, copied on the GPU, and it is submitted while that one runs.
         let feeds = feeds_of(&hist);
         let feeds: Vec<(u64, &[u32])> = feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
-        let picks: Vec<Pick> = samplers
-            .iter_mut()
-            .map(|s| match args.host_sampling {
-                true => Pick::Host,
-                false => s.gpu_pick().expect("a plain draw"),
-            })
-            .collect();
-        let flight = b.submit_picking(gpu, ahead, &feeds, &picks)?;
-        ahead = b.record_picking(gpu, &plan, &host)?;
-        record.push(ahead.record_ms());
-        let out = pollster::block_on(b.wait_chosen(gpu, flight))?;
-        wait.push(b.last_times().wait_ms);
-        submit.push(b.last_times().submit_ms);
-        let t1 = Instant::now();
-        match args.host_sampling {
-            true => {
-                let logits = out
-                    .into_iter()
-                    .map(|c| match c {
-                        Chosen::Logits(l) => l,
-                        Chosen::Token(_) => unreachable!("every row the host's"),
-                    })
-                    .collect();
-                choose(&mut samplers, &mut hist, logits);
-            }
-            false => {
-                for ((c, s), h) in out.into_iter().zip(&mut samplers).zip(&mut hist) {
-                    let Chosen::Token(t) = c else {
-                        unreachable!("every row the GPU's")
-                    };
-                    s.accept(t);
-                    h.push(t);
+        let picks = |samplers: &mut Vec<Sampler>| -> Vec<Pick> {
+            samplers
+                .iter_mut()
+                .map(|s| s.gpu_pick().expect("a plain draw"))
+                .collect()
+        };
+        let first = b.record_picking(gpu, &plan, &host)?;
+        let p = picks(&mut samplers);
+        let mut flight = b.submit_picking(gpu, first, &feeds, &p)?;
+        for i in 0..STREAM_STEPS {
+            let t0 = Instant::now();
+            let next = match i + 1 < STREAM_STEPS {
+                true => {
+                    let a = b.record_chained(gpu, &flight, &seqs)?;
+                    record.push(a.record_ms());
+                    let p = picks(&mut samplers);
+                    Some(b.submit_chained(gpu, a, &p)?)
                 }
+                false => None,
+            };
+            let out = pollster::block_on(b.wait_chosen(gpu, flight))?;
+            wait.push(b.last_times().wait_ms);
+            submit.push(b.last_times().submit_ms);
+            let t1 = Instant::now();
+            for ((c, s), h) in out.into_iter().zip(&mut samplers).zip(&mut hist) {
+                let Chosen::Token(t) = c else {
+                    unreachable!("every row the GPU's")
+                };
+                s.accept(t);
+                h.push(t);
             }
-        }
-        sample.push(t1.elapsed().as_secs_f64() * 1e3);
-        total.push(t0.elapsed().as_secs_f64() * 1e3);
-        for h in &hist {
-            piped = mix_bits(piped, &[f32::from_bits(*h.last().expect("a token"))]);
+            sample.push(t1.elapsed().as_secs_f64() * 1e3);
+            total.push(t0.elapsed().as_secs_f64() * 1e3);
+            for h in &hist {
+                piped = mix_bits(piped, &[f32::from_bits(*h.last().expect("a token"))]);
+            }
+            match next {
+                Some(f) => flight = f,
+                None => break,
+            }
         }
     }
-    drop(ahead);
+    if args.host_sampling {
+        // Pipelined as serve runs requests the host samples: the next step recorded while
+        // the GPU runs this one, submitted once this one's tokens are sampled.
+        let mut ahead = b.record_picking(gpu, &plan, &host)?;
+        for _ in 0..STREAM_STEPS {
+            let t0 = Instant::now();
+            let feeds = feeds_of(&hist);
+            let feeds: Vec<(u64, &[u32])> =
+                feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
+            let flight = b.submit_picking(gpu, ahead, &feeds, &vec![Pick::Host; n])?;
+            ahead = b.record_picking(gpu, &plan, &host)?;
+            record.push(ahead.record_ms());
+            let out = pollster::block_on(b.wait_chosen(gpu, flight))?;
+            wait.push(b.last_times().wait_ms);
+            submit.push(b.last_times().submit_ms);
+            let t1 = Instant::now();
+            let logits = out
+                .into_iter()
+                .map(|c| match c {
+                    Chosen::Logits(l) => l,
+                    Chosen::Token(_) => unreachable!("every row the host's"),
+                })
+                .collect();
+            choose(&mut samplers, &mut hist, logits);
+            sample.push(t1.elapsed().as_secs_f64() * 1e3);
+            total.push(t0.elapsed().as_secs_f64() * 1e3);
+            for h in &hist {
+                piped = mix_bits(piped, &[f32::from_bits(*h.last().expect("a token"))]);
+            }
+        }
+    }
     let mut gpu_ms = Vec::new();
     for _ in 0..whole {
         step(&mut b, StepTiming::Whole, &mut samplers, &mut hist, None)?;

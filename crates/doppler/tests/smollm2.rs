@@ -702,6 +702,149 @@ fn tokens_chosen_on_the_gpu_are_the_samplers() {
     assert_eq!((b.pages_in_use(), b.sequences()), (0, 0));
 }
 
+/// Chained steps (`Batch::record_chained` / `submit_chained`): each step's tokens are the
+/// GPU's choices of the step before, copied on the GPU, and the step is submitted while
+/// that one runs. The tokens are the CPU samplers' from each sequence alone, with rows
+/// dropped (an ended request) and reordered between steps; a page filled by chained
+/// tokens is cached under those tokens; two steps in flight refuse what would break them,
+/// and a step waited for out of order undoes both.
+#[test]
+fn chained_steps_give_the_samplers_tokens() {
+    use doppler::infer::batch::{Batch, Chosen, InFlight};
+    use doppler::ops::kvcache::{KvType, PAGE};
+    use doppler::ops::sample::Pick;
+    let (gpu, m) = (gpu(), model());
+    let prompts: Vec<&Value> = fixture()["prompts"].as_array().unwrap().iter().collect();
+    // The first prompt 2 * PAGE - 3 tokens: three chained tokens fill its second page.
+    let mut long: Vec<u32> = Vec::new();
+    while long.len() < 2 * PAGE - 3 {
+        for p in &prompts {
+            long.extend(ids(&p["ids"]));
+        }
+    }
+    long.truncate(2 * PAGE - 3);
+    let p = |i: usize| match i {
+        0 => long.clone(),
+        _ => ids(&prompts[i.min(prompts.len() - 1)]["ids"]),
+    };
+    let cfg = |i: usize| SamplerConfig {
+        temperature: [0.0, 0.8, 1.3][i],
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: 11 + i as u64,
+        ..Default::default()
+    };
+    let steps = 5;
+    // Alone, sampled on the CPU.
+    let alone = |i: usize| -> Vec<u32> {
+        let mut b = Batch::new(gpu, &m.llama, 64, KvType::F32).unwrap();
+        let id = b.add();
+        let mut s = Sampler::new(cfg(i));
+        let mut l = b.step(gpu, &[(id, &p(i))]).unwrap().remove(0);
+        let mut toks = Vec::new();
+        for _ in 0..steps {
+            let t = s.sample(&l, &[]);
+            toks.push(t);
+            l = b.step(gpu, &[(id, &[t])]).unwrap().remove(0);
+        }
+        toks
+    };
+    let want: Vec<Vec<u32>> = (0..3).map(alone).collect();
+    let mut b = Batch::new(gpu, &m.llama, 64, KvType::F32).unwrap();
+    let seqs = [b.add(), b.add(), b.add()];
+    let mut samplers: Vec<Sampler> = (0..3).map(|i| Sampler::new(cfg(i))).collect();
+    let prompts3: Vec<Vec<u32>> = (0..3).map(p).collect();
+    let refs: Vec<(u64, &[u32])> = seqs
+        .iter()
+        .zip(&prompts3)
+        .map(|(&id, f)| (id, f.as_slice()))
+        .collect();
+    let ahead = b.record_tokens_picking(gpu, &refs, &[false; 3]).unwrap();
+    let picks: Vec<Pick> = samplers.iter_mut().map(|s| s.gpu_pick().unwrap()).collect();
+    let mut flight = b.submit_picking(gpu, ahead, &refs, &picks).unwrap();
+    // Each step's sequences in its order: sequence 2's last token is chosen in step 2 (it
+    // ends), and steps 3 and 4 take the other two in reverse order.
+    let order = |k: usize| -> Vec<usize> {
+        match k {
+            0..=2 => vec![0, 1, 2],
+            _ => vec![1, 0],
+        }
+    };
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); 3];
+    for k in 0..steps {
+        let next: Option<InFlight> = (k + 1 < steps).then(|| {
+            let o = order(k + 1);
+            let ids: Vec<u64> = o.iter().map(|&i| seqs[i]).collect();
+            let a = b.record_chained(gpu, &flight, &ids).unwrap();
+            let picks: Vec<Pick> = o.iter().map(|&i| samplers[i].gpu_pick().unwrap()).collect();
+            b.submit_chained(gpu, a, &picks).unwrap()
+        });
+        if k == 1 {
+            // Two steps in flight: no plain step, no step chained on the older one.
+            let one: Vec<(u64, &[u32])> = vec![(seqs[0], &[1u32])];
+            let a = b.record_tokens_picking(gpu, &one, &[false]).unwrap();
+            let err = b
+                .submit_picking(gpu, a, &one, &[Pick::Greedy])
+                .err()
+                .unwrap();
+            assert!(err.to_string().contains("already submitted"), "{err}");
+            let err = b.record_chained(gpu, &flight, &[seqs[0]]).err().unwrap();
+            assert!(err.to_string().contains("newest"), "{err}");
+        }
+        let out = pollster::block_on(b.wait_chosen(gpu, flight)).unwrap();
+        for (&i, c) in order(k).iter().zip(out) {
+            let Chosen::Token(t) = c else {
+                panic!("every row the GPU's")
+            };
+            samplers[i].accept(t);
+            got[i].push(t);
+        }
+        if k == 2 {
+            b.remove(seqs[2]);
+        }
+        match next {
+            Some(f) => flight = f,
+            None => break,
+        }
+    }
+    assert_eq!(got[0], want[0], "sequence 0's tokens");
+    assert_eq!(got[1], want[1], "sequence 1's tokens");
+    assert_eq!(got[2], want[2][..3], "sequence 2's tokens");
+    // Sequence 0's second page was filled by its first three chosen tokens, fed chained:
+    // it is cached under them.
+    let mut text = long.clone();
+    text.extend(&got[0]);
+    let (id, shared) = b.add_prefixed(&text);
+    assert_eq!(
+        shared,
+        2 * PAGE,
+        "pages shared by the tokens chained steps fed"
+    );
+    b.remove(id);
+    // Waited for out of order: both steps undone.
+    let len0 = b.len(seqs[0]).unwrap();
+    let t: Vec<(u64, &[u32])> = vec![(seqs[0], &got[0][steps - 1..])];
+    let a = b.record_tokens_picking(gpu, &t, &[false]).unwrap();
+    let f1 = b.submit_picking(gpu, a, &t, &[Pick::Greedy]).unwrap();
+    let a = b.record_chained(gpu, &f1, &[seqs[0]]).unwrap();
+    let f2 = b.submit_chained(gpu, a, &[Pick::Greedy]).unwrap();
+    assert_eq!(b.len(seqs[0]), Some(len0 + 2));
+    let err = pollster::block_on(b.wait_chosen(gpu, f2)).err().unwrap();
+    assert!(err.to_string().contains("order"), "{err}");
+    let err = pollster::block_on(b.wait_chosen(gpu, f1)).err().unwrap();
+    assert!(err.to_string().contains("undone"), "{err}");
+    assert_eq!(b.len(seqs[0]), Some(len0));
+    // The batch goes on.
+    let a = b.record_tokens_picking(gpu, &t, &[false]).unwrap();
+    let f = b.submit_picking(gpu, a, &t, &[Pick::Greedy]).unwrap();
+    pollster::block_on(b.wait_chosen(gpu, f)).unwrap();
+    for id in &seqs[..2] {
+        b.remove(*id);
+    }
+    assert_eq!((b.pages_in_use(), b.sequences()), (0, 0));
+}
+
 /// Shared prompt prefixes (`Batch::add_prefixed`): a sequence whose prompt starts with
 /// whole pages another sequence filled holds those pages and runs only the rest, and its
 /// logits, and the next greedy token's, are the same bits as computing the whole prompt

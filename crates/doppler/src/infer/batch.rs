@@ -9,7 +9,11 @@
 //! logits). `doppler serve` records step n + 1 while the GPU runs step n. With
 //! [`Batch::record_picking`] / [`Batch::submit_picking`] / [`Batch::wait_chosen`] the GPU
 //! also chooses each row's next token (`ops::sample`, the host sampler's choice) and only
-//! the tokens come back, with the logits of the rows the host samples.
+//! the tokens come back, with the logits of the rows the host samples. With
+//! [`Batch::record_chained`] / [`Batch::submit_chained`] a step of one row a sequence takes
+//! its tokens from the choices of the step still running before it (copied on the GPU),
+//! so it is submitted before those are read back: two steps in flight, the GPU never
+//! waiting for the host between them.
 //!
 //! Pages of [`PAGE`] tokens come from one pool and go back when a sequence is removed, so
 //! memory follows the tokens held. Every row of a step runs the same kernels in the same
@@ -27,7 +31,7 @@
 //! a prefix's last pages before its first). Pages are cached after the step that fills
 //! them: two prompts started in the same step do not share.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use web_time::Instant;
 
@@ -47,6 +51,19 @@ struct Seq {
     toks: Vec<u32>,
     /// The chain keys of its whole pages so far (see [`chain`]).
     keys: Vec<u64>,
+    /// Of `len`, tokens of steps submitted and not yet waited for (their pages are not
+    /// cached before; a chained step's token is known only once the step before is).
+    unsettled: usize,
+}
+
+/// A step submitted and not yet waited for.
+struct Flying {
+    step: u64,
+    feeds: Vec<(SeqId, usize)>,
+    /// The tokens of the step chained on this one ([`Batch::submit_chained`]): (sequence,
+    /// position in its tokens, this step's row whose choice it is), filled in when this
+    /// step's choices come back.
+    fills: Vec<(SeqId, usize, usize)>,
 }
 
 /// A cached page: its tokens and the key of the page before it (None for a first page).
@@ -115,8 +132,13 @@ pub struct Batch<'m> {
     share: bool,
     timing: StepTiming,
     last: StepTimes,
-    /// A step is submitted and not yet waited for (one at a time).
-    in_flight: bool,
+    /// Steps submitted and not yet waited for, oldest first (two at most: a step and the
+    /// one chained on it).
+    flights: VecDeque<Flying>,
+    /// Ids given to submitted steps so far.
+    submitted: u64,
+    /// Steps up to this id that were in flight when a step failed (rolled back).
+    failed_through: Option<u64>,
     /// The draw's tables for tokens chosen on the GPU ([`Batch::record_picking`]).
     tables: Tensor,
 }
@@ -169,7 +191,9 @@ impl<'m> Batch<'m> {
             share: true,
             timing: StepTiming::Off,
             last: StepTimes::default(),
-            in_flight: false,
+            flights: VecDeque::new(),
+            submitted: 0,
+            failed_through: None,
             tables: draw_tables(gpu)?,
         })
     }
@@ -306,6 +330,7 @@ impl<'m> Batch<'m> {
                 len,
                 toks: prompt[..len].to_vec(),
                 keys,
+                unsettled: 0,
             },
         );
         (id, len)
@@ -342,7 +367,7 @@ impl<'m> Batch<'m> {
             return;
         }
         let s = self.seqs.get_mut(&id).expect("checked");
-        while (s.keys.len() + 1) * PAGE <= s.len {
+        while (s.keys.len() + 1) * PAGE <= s.len - s.unsettled {
             let i = s.keys.len();
             let toks = &s.toks[i * PAGE..(i + 1) * PAGE];
             let parent = s.keys.last().copied();
@@ -406,7 +431,7 @@ impl<'m> Batch<'m> {
     /// the model's context. Run it with [`Batch::submit`] while the sequences hold the
     /// lengths they had here.
     pub fn record<'g>(&mut self, gpu: &'g Gpu, plan: &[(SeqId, usize)]) -> Result<Ahead<'g>> {
-        self.record_with(gpu, plan, None, None)
+        self.record_with(gpu, plan, None, None, None)
     }
 
     /// [`Batch::record`] of a step whose tokens the GPU chooses (`ops::sample`: the CPU
@@ -420,7 +445,58 @@ impl<'m> Batch<'m> {
         plan: &[(SeqId, usize)],
         host: &[bool],
     ) -> Result<Ahead<'g>> {
-        self.record_with(gpu, plan, None, Some(host))
+        self.record_with(gpu, plan, None, Some(host), None)
+    }
+
+    /// A step of one row for each of `seqs` whose tokens are the ones the GPU chooses for
+    /// the same sequences in `prev` (submitted, not yet waited for: the newest step in
+    /// flight), copied on the GPU at the step's start; every row's next token chosen on the
+    /// GPU too ([`Batch::record_picking`]). Submit it with [`Batch::submit_chained`] while
+    /// `prev` runs, then wait for both in order: the GPU goes from one step to the next
+    /// without waiting for the host. An error where a sequence is not one whose token
+    /// `prev` chooses on the GPU.
+    pub fn record_chained<'g>(
+        &mut self,
+        gpu: &'g Gpu,
+        prev: &InFlight,
+        seqs: &[SeqId],
+    ) -> Result<Ahead<'g>> {
+        if self.flights.back().map(|f| f.step) != Some(prev.step) {
+            return Err(bad(
+                "a chained step follows the newest step in flight".into()
+            ));
+        }
+        let Some((host, _, chosen)) = &prev.picking else {
+            return Err(bad(
+                "a chained step follows a step whose tokens the GPU chooses (record_picking)"
+                    .into(),
+            ));
+        };
+        let mut rows = Vec::with_capacity(seqs.len());
+        for &id in seqs {
+            match prev.feeds.iter().position(|f| f.0 == id) {
+                Some(k) if !host[k] => rows.push(k),
+                Some(_) => {
+                    return Err(bad(format!(
+                        "sequence {id}: the host chooses its token in the step before"
+                    )))
+                }
+                None => return Err(bad(format!("sequence {id} is not in the step before"))),
+            }
+        }
+        let plan: Vec<(SeqId, usize)> = seqs.iter().map(|&id| (id, 1)).collect();
+        let chain = Chain {
+            from: prev.step,
+            chosen: chosen.clone(),
+            rows,
+        };
+        self.record_with(
+            gpu,
+            &plan,
+            None,
+            Some(&vec![false; seqs.len()]),
+            Some(chain),
+        )
     }
 
     /// [`Batch::record_tokens`] with the GPU choosing tokens ([`Batch::record_picking`]).
@@ -455,20 +531,22 @@ impl<'m> Batch<'m> {
         self.check_tokens(feeds)?;
         let plan: Vec<(SeqId, usize)> = feeds.iter().map(|&(id, t)| (id, t.len())).collect();
         let ids: Vec<u32> = feeds.iter().flat_map(|(_, t)| t.iter().copied()).collect();
-        self.record_with(gpu, &plan, Some(&ids), host)
+        self.record_with(gpu, &plan, Some(&ids), host, None)
     }
 
     /// [`Batch::record`]; with `known` token ids uploaded now and a step of many rows
     /// submitted in parts as it records (then [`Batch::submit`] takes only those ids:
     /// [`Batch::record_tokens`]); with `host`, tokens chosen on the GPU but for the rows
     /// it marks ([`Batch::record_picking`]): the choosing and what follows it stay in the
-    /// last part, submitted with the picks.
+    /// last part, submitted with the picks; with `chain`, the token ids copied from the
+    /// choices of the step before ([`Batch::record_chained`]).
     fn record_with<'g>(
         &mut self,
         gpu: &'g Gpu,
         plan: &[(SeqId, usize)],
         known: Option<&[u32]>,
         host: Option<&[bool]>,
+        chain: Option<Chain>,
     ) -> Result<Ahead<'g>> {
         let t0 = Instant::now();
         if let Some(h) = host {
@@ -549,6 +627,18 @@ impl<'m> Batch<'m> {
         if known.is_some() && list.len() > 1 {
             rec.set_flush_every(FLUSH_EVERY); // (no-op when timed)
         }
+        if let Some(c) = &chain {
+            // ids[j] = chosen[rows[j]]: a copy a run of consecutive rows.
+            let mut j = 0;
+            while j < c.rows.len() {
+                let mut n = 1;
+                while j + n < c.rows.len() && c.rows[j + n] == c.rows[j] + n {
+                    n += 1;
+                }
+                rec.copy_elements(&c.chosen, c.rows[j], &ids, j, n)?;
+                j += n;
+            }
+        }
         let logits = llama.forward_paged(&mut rec, &ids, &self.pool, &rows, &last_t)?;
         if logits.dtype() != DType::F32 {
             return Err(bad("logits are not f32".into()));
@@ -581,6 +671,7 @@ impl<'m> Batch<'m> {
                     host: host.to_vec(),
                     how,
                     chosen: rec.read_later(&chosen)?,
+                    chosen_t: chosen,
                 };
                 (read, Some(picking))
             }
@@ -593,6 +684,7 @@ impl<'m> Batch<'m> {
             enc,
             logits: read,
             picking,
+            chain,
             record_ms: t0.elapsed().as_secs_f64() * 1e3,
         })
     }
@@ -609,7 +701,7 @@ impl<'m> Batch<'m> {
         ahead: Ahead<'g>,
         feeds: &[(SeqId, &[u32])],
     ) -> Result<InFlight> {
-        self.submit_with(gpu, ahead, feeds, None)
+        self.submit_with(gpu, ahead, Some(feeds), None)
     }
 
     /// [`Batch::submit`] of a step recorded with [`Batch::record_picking`]: `picks` says how
@@ -623,14 +715,28 @@ impl<'m> Batch<'m> {
         feeds: &[(SeqId, &[u32])],
         picks: &[Pick],
     ) -> Result<InFlight> {
-        self.submit_with(gpu, ahead, feeds, Some(picks))
+        self.submit_with(gpu, ahead, Some(feeds), Some(picks))
     }
 
+    /// Submits a step recorded with [`Batch::record_chained`] while the step it follows is
+    /// in flight (the only one): its sequences grow by a token each, known once that step
+    /// is waited for. `picks` as [`Batch::submit_picking`]'s (none the host's). Wait for
+    /// the step before first, then this one ([`Batch::wait_chosen`]).
+    pub fn submit_chained<'g>(
+        &mut self,
+        gpu: &'g Gpu,
+        ahead: Ahead<'g>,
+        picks: &[Pick],
+    ) -> Result<InFlight> {
+        self.submit_with(gpu, ahead, None, Some(picks))
+    }
+
+    /// `feeds` None: a chained step.
     fn submit_with<'g>(
         &mut self,
         gpu: &'g Gpu,
         ahead: Ahead<'g>,
-        feeds: &[(SeqId, &[u32])],
+        feeds: Option<&[(SeqId, &[u32])]>,
         picks: Option<&[Pick]>,
     ) -> Result<InFlight> {
         let t0 = Instant::now();
@@ -660,12 +766,34 @@ impl<'m> Batch<'m> {
                 ))
             }
         }
-        if self.in_flight {
-            return Err(bad(
-                "a step is already submitted: wait for it before submitting the next".into(),
-            ));
+        match (&ahead.chain, feeds) {
+            (None, Some(_)) if !self.flights.is_empty() => {
+                return Err(bad(
+                    "a step is already submitted: wait for it before submitting the next".into(),
+                ))
+            }
+            (None, Some(_)) => {}
+            (Some(c), None) => {
+                if self.flights.len() != 1 || self.flights[0].step != c.from {
+                    return Err(bad(
+                        "a chained step is submitted while the step it follows is the only one in flight"
+                            .into(),
+                    ));
+                }
+            }
+            (Some(_), Some(_)) => {
+                return Err(bad(
+                    "the step was recorded chained: submit it with submit_chained".into(),
+                ))
+            }
+            (None, None) => {
+                return Err(bad(
+                    "the step was not recorded chained (record_chained)".into()
+                ))
+            }
         }
-        if !ahead.matches(feeds) {
+        let feeds = feeds.unwrap_or(&[]);
+        if ahead.chain.is_none() && !ahead.matches(feeds) {
             return Err(bad(format!(
                 "the step was recorded for {:?} (sequence, tokens), fed {:?}",
                 ahead.plan().collect::<Vec<_>>(),
@@ -689,6 +817,8 @@ impl<'m> Batch<'m> {
         }
         let ids: Vec<u32> = feeds.iter().flat_map(|(_, t)| t.iter().copied()).collect();
         match &ahead.known {
+            // (copied from the step before on the GPU)
+            None if ahead.chain.is_some() => {}
             None => {
                 self.check_tokens(feeds)?;
                 ahead.ids.write_u32(gpu, &ids)?
@@ -702,17 +832,42 @@ impl<'m> Batch<'m> {
             pk.how.write_u32(gpu, &words)?;
         }
         let sub = ahead.enc.submit()?;
-        self.in_flight = true;
-        for &(id, toks) in feeds {
-            let s = self.seqs.get_mut(&id).expect("checked");
-            s.len += toks.len();
-            s.toks.extend_from_slice(toks);
+        let step = self.submitted;
+        self.submitted += 1;
+        match &ahead.chain {
+            None => {
+                for &(id, toks) in feeds {
+                    let s = self.seqs.get_mut(&id).expect("checked");
+                    s.len += toks.len();
+                    s.unsettled += toks.len();
+                    s.toks.extend_from_slice(toks);
+                }
+            }
+            Some(c) => {
+                // Each token is the step before's choice, filled in when it comes back.
+                let mut fills = Vec::with_capacity(c.rows.len());
+                for (&(id, len, _), &k) in ahead.plan.iter().zip(&c.rows) {
+                    let s = self.seqs.get_mut(&id).expect("checked");
+                    s.len += 1;
+                    s.unsettled += 1;
+                    s.toks.push(u32::MAX);
+                    fills.push((id, len, k));
+                }
+                self.flights[0].fills = fills;
+            }
         }
+        let feeds: Vec<(SeqId, usize)> = ahead.plan.iter().map(|&(id, _, n)| (id, n)).collect();
+        self.flights.push_back(Flying {
+            step,
+            feeds: feeds.clone(),
+            fills: Vec::new(),
+        });
         Ok(InFlight {
-            feeds: ahead.plan.iter().map(|&(id, _, n)| (id, n)).collect(),
+            step,
+            feeds,
             sub,
             logits: ahead.logits,
-            picking: ahead.picking.map(|p| (p.host, p.chosen)),
+            picking: ahead.picking.map(|p| (p.host, p.chosen, p.chosen_t)),
             record_ms: ahead.record_ms,
             submit_ms: t0.elapsed().as_secs_f64() * 1e3,
             submitted: Instant::now(),
@@ -765,6 +920,7 @@ impl<'m> Batch<'m> {
     ) -> Result<(Option<Vec<u32>>, Vec<Vec<f32>>)> {
         let vocab = self.llama.cfg.vocab_size;
         let InFlight {
+            step,
             feeds,
             sub,
             logits,
@@ -773,10 +929,26 @@ impl<'m> Batch<'m> {
             submit_ms,
             submitted,
         } = flight;
-        self.in_flight = false;
+        let flying = match self.flights.front() {
+            Some(f) if f.step == step => self.flights.pop_front().expect("checked"),
+            _ if self.failed_through.is_some_and(|t| step <= t) => {
+                return Err(bad(
+                    "a step before this one failed, and this one was undone with it".into(),
+                ))
+            }
+            _ => {
+                // (Every step in flight is undone: the order is broken.)
+                if let Some(f) = self.flights.pop_front() {
+                    self.undo(f);
+                }
+                return Err(bad(
+                    "steps are waited for in the order they were submitted".into()
+                ));
+            }
+        };
         let done = async {
             let chosen = match &picking {
-                Some((_, ids)) => Some(ids.u32s(gpu).await?),
+                Some((_, ids, _)) => Some(ids.u32s(gpu).await?),
                 None => None,
             };
             // Rows straight from the mapped bytes (one copy).
@@ -800,15 +972,22 @@ impl<'m> Batch<'m> {
         let (chosen, rows, trace) = match done {
             Ok(d) => d,
             Err(e) => {
-                for &(id, n) in &feeds {
-                    if let Some(s) = self.seqs.get_mut(&id) {
-                        s.len -= n;
-                        s.toks.truncate(s.len);
-                    }
-                }
+                self.undo(flying);
                 return Err(e);
             }
         };
+        for &(id, n) in &feeds {
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.unsettled -= n;
+            }
+        }
+        if let Some(ch) = &chosen {
+            for &(id, pos, k) in &flying.fills {
+                if let Some(t) = self.seqs.get_mut(&id).and_then(|s| s.toks.get_mut(pos)) {
+                    *t = ch[k];
+                }
+            }
+        }
         self.last = StepTimes {
             record_ms,
             submit_ms,
@@ -821,6 +1000,25 @@ impl<'m> Batch<'m> {
             }
         }
         Ok((chosen, rows))
+    }
+}
+
+impl Batch<'_> {
+    /// Undoes a failed step `first` (taken from the flights) and every step in flight
+    /// after it (chained on it): their sequences are as they were before them.
+    fn undo(&mut self, first: Flying) {
+        let mut all = vec![first];
+        all.extend(self.flights.drain(..));
+        self.failed_through = all.last().map(|f| f.step);
+        for f in &all {
+            for &(id, n) in &f.feeds {
+                if let Some(s) = self.seqs.get_mut(&id) {
+                    s.len -= n;
+                    s.unsettled -= n;
+                    s.toks.truncate(s.len);
+                }
+            }
+        }
     }
 }
 
@@ -843,7 +1041,17 @@ pub struct Ahead<'g> {
     /// Every row's logits, or with picking the host's rows' (None where it has none).
     logits: Option<Readback>,
     picking: Option<Picking>,
+    /// Where the token ids come from the step before ([`Batch::record_chained`]).
+    chain: Option<Chain>,
     record_ms: f64,
+}
+
+/// A chained step's tokens: the choices of step `from` (`chosen`, one a row of its plan),
+/// row `rows[j]`'s for this step's row j.
+struct Chain {
+    from: u64,
+    chosen: Tensor,
+    rows: Vec<usize>,
 }
 
 /// A step's tokens chosen on the GPU ([`Batch::record_picking`]): which rows the host
@@ -852,6 +1060,8 @@ struct Picking {
     host: Vec<bool>,
     how: Tensor,
     chosen: Readback,
+    /// The choices on the GPU (what a chained step copies its tokens from).
+    chosen_t: Tensor,
 }
 
 impl Ahead<'_> {
@@ -884,11 +1094,12 @@ impl Ahead<'_> {
 /// A submitted step ([`Batch::submit`]) whose logits [`Batch::wait`] returns. Wait for
 /// it: until then its batch refuses to submit another.
 pub struct InFlight {
+    step: u64,
     feeds: Vec<(SeqId, usize)>,
     sub: Submission,
     logits: Option<Readback>,
-    /// With picking: the host's rows and the chosen ids.
-    picking: Option<(Vec<bool>, Readback)>,
+    /// With picking: the host's rows, the chosen ids' readback and the ids on the GPU.
+    picking: Option<(Vec<bool>, Readback, Tensor)>,
     record_ms: f64,
     submit_ms: f64,
     submitted: Instant,
