@@ -356,9 +356,11 @@ def test_a_shared_system_prompt_is_computed_once(client, server):
 
 
 def test_load_every_answer_equals_the_request_alone():
-    """16 concurrent streams, 64 requests (chat and text, greedy and seeded, every 10th
-    cancelled after its first chunk): each finished answer, text and log-probabilities, is
-    bit for bit the same request's answer when it runs alone; afterwards nothing is held."""
+    """16 concurrent streams, 64 requests (chat and text, greedy and seeded, stop strings,
+    every 10th cancelled after its first chunk; three in four plain, whose tokens the GPU
+    chooses and whose steps are chained, one in four with log-probabilities, sampled on
+    the host): each finished answer, text and log-probabilities, is bit for bit the same
+    request's answer when it runs alone; steps were chained; afterwards nothing is held."""
     proc, host, port = start("--queue", "64")
     try:
         c = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="-", max_retries=0,
@@ -366,15 +368,21 @@ def test_load_every_answer_equals_the_request_alone():
         prompts = ["Count to five.", "Name a colour.", "One, two,", "Hello in Spanish:"]
 
         # Short prompts and answers: lavapipe runs a request in about a second.
+        # Worker w runs requests 4w .. 4w + 3 in turn, so the requests running together
+        # mostly share i % 4: rounds of plain requests (chained steps) and one round with
+        # log-probabilities (the host samples; no chaining while one runs).
         def ask(i):
-            a = dict(model="smollm2", max_tokens=1 + i % 3, logprobs=True,
-                     temperature=0 if i % 2 else 0.8, seed=i)
+            a = dict(model="smollm2", max_tokens=2 + i % 5, seed=i,
+                     temperature=0.8 if i % 8 < 4 else 0)
             if i % 4 == 1:
                 a["messages"] = [{"role": "system", "content": "Be brief."},
                                  {"role": "user", "content": prompts[i % 4]}]
             else:
                 a["prompt"] = prompts[i % 4]
-                a["logprobs"] = 1
+            if i % 4 == 2:
+                a["stop"] = [","]
+            if i % 4 == 3:
+                a.update(max_tokens=1 + i % 3, logprobs=1, temperature=0 if i % 8 < 4 else 0.8)
             return a
 
         def run(i, cancel=False):
@@ -422,6 +430,8 @@ def test_load_every_answer_equals_the_request_alone():
         _, metrics = raw((host, port), "GET", "/metrics", headers={"Authorization": ""})
         for name in ("queue_depth", "active_sequences", "kv_tokens_in_use", "kv_pages_in_use"):
             assert re.search(rf"^doppler_{name} 0$", metrics, re.M), (name, metrics)
+        chained = re.search(r"^doppler_chained_steps_total (\d+)$", metrics, re.M)
+        assert chained and int(chained.group(1)) > 0, metrics
     finally:
         proc.kill()
         proc.wait()

@@ -39,7 +39,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Args;
 use doppler::gpu::Gpu;
-use doppler::infer::batch::{Ahead, Batch, Chosen, SeqId};
+use doppler::infer::batch::{Ahead, Batch, Chosen, InFlight, SeqId};
 use doppler::infer::chat::Message;
 use doppler::infer::grammar::{Grammar, JsonConstraint, TokenTrie};
 use doppler::infer::sample::{Row, Sampler, SamplerConfig, SamplingPool, TokenLogprob};
@@ -142,6 +142,10 @@ struct Stats {
     kv_tokens: AtomicUsize,
     /// Pages of the batched KV pool in use (0 without one).
     kv_pages: AtomicUsize,
+    /// Batched steps submitted, and of those, steps chained on the one before (their
+    /// tokens that step's choices on the GPU).
+    steps: AtomicU64,
+    chained_steps: AtomicU64,
 }
 
 struct App {
@@ -446,7 +450,9 @@ async fn metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
          # HELP doppler_kv_tokens_capacity Tokens a request may hold (-c).\n# TYPE doppler_kv_tokens_capacity gauge\ndoppler_kv_tokens_capacity {}\n\
          # HELP doppler_kv_pages_in_use Pages of the KV pool in use (continuous batching).\n# TYPE doppler_kv_pages_in_use gauge\ndoppler_kv_pages_in_use {}\n\
          # HELP doppler_kv_pages_total Pages of the KV pool.\n# TYPE doppler_kv_pages_total gauge\ndoppler_kv_pages_total {}\n\
-         # HELP doppler_parallel Requests generated at once.\n# TYPE doppler_parallel gauge\ndoppler_parallel {}\n",
+         # HELP doppler_parallel Requests generated at once.\n# TYPE doppler_parallel gauge\ndoppler_parallel {}\n\
+         # HELP doppler_steps_total Batched decode steps run (continuous batching).\n# TYPE doppler_steps_total counter\ndoppler_steps_total {}\n\
+         # HELP doppler_chained_steps_total Of those, steps submitted before the step they follow was read back (its tokens chosen on the GPU).\n# TYPE doppler_chained_steps_total counter\ndoppler_chained_steps_total {}\n",
         waiting,
         active,
         s.requests.load(Ordering::SeqCst),
@@ -458,6 +464,8 @@ async fn metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
         s.kv_pages.load(Ordering::SeqCst),
         app.pages,
         app.parallel,
+        s.steps.load(Ordering::SeqCst),
+        s.chained_steps.load(Ordering::SeqCst),
     )
     .into_response()
 }
@@ -1462,6 +1470,8 @@ struct Running {
     /// Of those, tokens whose pages came from the prefix cache.
     cached_tokens: usize,
     started: Instant,
+    /// The token chosen last where the request ended on it (its row in the next step).
+    last_pick: Option<u32>,
 }
 
 /// Why a running request ends.
@@ -1478,18 +1488,23 @@ enum End {
 /// streams its text, and ends those that stop, reach their length or lose their client,
 /// giving their pages back. Blocks on the queue when nothing runs.
 ///
-/// Steps are pipelined: while the GPU runs one, the worker takes new requests and, where
-/// the next step will be one of decoding rows only, records it ([`Batch::record_picking`])
-/// for the rows it will need (each decoding request's next token unless it reaches its
-/// length); once this step's tokens are chosen (on the GPU at the step's end for plain
-/// samplers, [`Sampler::gpu_pickable`]; from the logits on the host for the others),
-/// that step is submitted with them ([`Batch::submit_picking`]). (A
-/// step with a prompt's chunk is recorded once its tokens are known, and submitted in
-/// parts as it records.) A request that ends on what nobody could
-/// foresee (a stop token or string, its client gone) still has its row in the recorded
-/// step: the row runs once more, its output unused (no other row's result depends on it),
-/// and its pages go back after that step. Where the recorded rows are not what the
-/// requests need, the step is recorded again.
+/// Steps overlap the host's work. While the GPU runs a step, the worker takes new
+/// requests and prepares the next step. Where every running request has its next token
+/// chosen on the GPU in the running step ([`Sampler::gpu_pickable`]: greedy, or a plain
+/// draw) and goes on, the next step is chained on it ([`Batch::record_chained`] /
+/// [`Batch::submit_chained`]): its tokens are that step's choices, copied on the GPU, and
+/// it is submitted at once, so two steps are in flight and the GPU goes from one to the
+/// next without waiting for the host. Otherwise, where the next step will be one of
+/// decoding rows only, it is recorded ([`Batch::record_picking`]) for the rows the
+/// requests will need (each decoding request's next token unless it reaches its length)
+/// and submitted once this step's tokens are chosen (on the GPU for plain samplers; from
+/// the logits on the host for the others) with them ([`Batch::submit_picking`]). (A step
+/// with a prompt's chunk is recorded once its tokens are known, and submitted in parts as
+/// it records.) A request that ends on what nobody could foresee (a stop token or string,
+/// its client gone) still has its row in the next step: the row runs once more, its output
+/// unused (no other row's result depends on it). Its pages go back at once when that step
+/// is already submitted (later steps run after it on the GPU), else after that step.
+/// Where the recorded rows are not what the requests need, the step is recorded again.
 #[allow(clippy::too_many_arguments)]
 fn batch_loop(
     gpu: &Gpu,
@@ -1504,7 +1519,9 @@ fn batch_loop(
     let tk = &model.tokenizer;
     let mut waiting = std::collections::VecDeque::new();
     let mut running: Vec<Running> = Vec::new();
-    // The next step, recorded while the GPU ran the last one.
+    // Steps submitted and not yet waited for, oldest first (two where one is chained).
+    let mut sent: std::collections::VecDeque<Sent> = std::collections::VecDeque::new();
+    // The next step, recorded (not submitted) while the GPU ran the last one.
     let mut ahead: Option<Ahead<'_>> = None;
     // Ended requests the recorded step has rows for: (sequence, the tokens of its rows).
     let mut zombies: Vec<(SeqId, Vec<u32>)> = Vec::new();
@@ -1527,175 +1544,257 @@ fn batch_loop(
             }
         }
     };
+    // Every running request ended with a server error.
+    let fail_all = |running: &[Running], e: &doppler::Error| -> Vec<(usize, End)> {
+        tracing::error!("batched step failed: {e}");
+        (0..running.len())
+            .map(|i| {
+                let err = ApiError::server(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("generation failed: {e}"),
+                );
+                (i, End::Failed(err))
+            })
+            .collect()
+    };
     loop {
-        if ahead.is_none() {
-            if running.is_empty() && waiting.is_empty() {
-                match rx.recv() {
-                    Ok(j) => waiting.push_back(j),
-                    Err(_) => return,
-                }
-            }
-            admit(&mut waiting, &mut running, &mut batch, trie);
-        }
         let t0 = Instant::now();
-        stats.active.store(running.len(), Ordering::SeqCst);
-        if running.is_empty() {
-            ahead = None;
-            for (seq, _) in zombies.drain(..) {
-                batch.remove(seq);
+        let mut ends: Vec<(usize, End)> = Vec::new();
+        if sent.is_empty() {
+            if ahead.is_none() {
+                if running.is_empty() && waiting.is_empty() {
+                    match rx.recv() {
+                        Ok(j) => waiting.push_back(j),
+                        Err(_) => return,
+                    }
+                }
+                admit(&mut waiting, &mut running, &mut batch, trie);
             }
-            continue;
-        }
-        // This step's rows: the recorded step's where they are what the requests need
-        // (in its order, with its rows of ended requests), else recorded now.
-        let take = step_rows(running.iter().map(|r| r.todo.len()));
-        let fed = ahead
-            .take()
-            .and_then(|a| ahead_feeds(&a, &running, &take, &zombies).map(|f| (a, f)));
-        let (ahead_now, feeds) = match fed {
-            Some((a, f)) => (Some(a), f),
-            None => {
+            stats.active.store(running.len(), Ordering::SeqCst);
+            if running.is_empty() {
+                ahead = None;
                 for (seq, _) in zombies.drain(..) {
                     batch.remove(seq);
                 }
-                let feeds: Vec<(SeqId, Vec<u32>)> = running
-                    .iter()
-                    .zip(&take)
-                    .filter(|(_, &n)| n > 0)
-                    .map(|(r, &n)| (r.seq, r.todo[..n].to_vec()))
-                    .collect();
-                (None, feeds)
+                continue;
             }
-        };
-        let feed_refs: Vec<(SeqId, &[u32])> =
-            feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
-        // (Recorded now, the tokens known: a prompt's long step starts on the GPU as it
-        // records.)
-        let recorded = match ahead_now {
-            Some(a) => Ok(a),
-            None => {
-                let host = host_rows(&running, feeds.iter().map(|f| f.0));
-                batch.record_tokens_picking(gpu, &feed_refs, &host)
+            // This step's rows: the recorded step's where they are what the requests need
+            // (in its order, with its rows of ended requests), else recorded now.
+            let take = step_rows(running.iter().map(|r| r.todo.len()));
+            let fed = ahead
+                .take()
+                .and_then(|a| ahead_feeds(&a, &running, &take, &zombies).map(|f| (a, f)));
+            let (ahead_now, feeds) = match fed {
+                Some((a, f)) => (Some(a), f),
+                None => {
+                    for (seq, _) in zombies.drain(..) {
+                        batch.remove(seq);
+                    }
+                    let feeds: Vec<(SeqId, Vec<u32>)> = running
+                        .iter()
+                        .zip(&take)
+                        .filter(|(_, &n)| n > 0)
+                        .map(|(r, &n)| (r.seq, r.todo[..n].to_vec()))
+                        .collect();
+                    (None, feeds)
+                }
+            };
+            let feed_refs: Vec<(SeqId, &[u32])> =
+                feeds.iter().map(|(id, t)| (*id, t.as_slice())).collect();
+            // (Recorded now, the tokens known: a prompt's long step starts on the GPU as
+            // it records.)
+            let recorded = match ahead_now {
+                Some(a) => Ok(a),
+                None => {
+                    let host = host_rows(&running, feeds.iter().map(|f| f.0));
+                    batch.record_tokens_picking(gpu, &feed_refs, &host)
+                }
+            };
+            let result = recorded.and_then(|a| {
+                let picks = step_picks(&a, &mut running, &take, &feeds);
+                batch.submit_picking(gpu, a, &feed_refs, &picks)
+            });
+            // The ended requests this step runs rows for: their pages go back after it.
+            let spent: Vec<SeqId> = zombies.drain(..).map(|z| z.0).collect();
+            match result {
+                Ok(flight) => {
+                    // The tokens are on their way: a request whose row was its last
+                    // pending token is due a choice.
+                    let mut due = Vec::new();
+                    for (r, &n) in running.iter_mut().zip(&take) {
+                        if n > 0 {
+                            r.todo.drain(..n);
+                            if r.todo.is_empty() {
+                                due.push(r.seq);
+                            }
+                        }
+                    }
+                    stats.steps.fetch_add(1, Ordering::SeqCst);
+                    sent.push_back(Sent {
+                        flight,
+                        feeds: feeds.iter().map(|(id, t)| (*id, t.len())).collect(),
+                        due,
+                        spent,
+                    });
+                }
+                Err(e) => {
+                    for seq in spent {
+                        batch.remove(seq);
+                    }
+                    ends = fail_all(&running, &e);
+                }
             }
-        };
-        let feeds_rows: usize = feeds.iter().map(|f| f.1.len()).sum();
-        let result = recorded.and_then(|a| {
-            let picks = step_picks(&a, &mut running, &take, &feeds);
-            batch.submit_picking(gpu, a, &feed_refs, &picks)
-        });
-        // The ended requests this step ran rows for: their pages go back after it.
-        let spent: Vec<SeqId> = zombies.drain(..).map(|z| z.0).collect();
-        let result = match result {
-            Ok(flight) => {
-                // While the GPU runs the step: new requests, then the next step recorded.
-                admit(&mut waiting, &mut running, &mut batch, trie);
-                let next = next_rows(&running, &take, &batch, ctx);
-                let plan: Vec<(SeqId, usize)> = running
-                    .iter()
-                    .zip(step_rows(next.into_iter()))
-                    .filter(|(_, n)| *n > 0)
-                    .map(|(r, n)| (r.seq, n))
-                    .collect();
-                // Only steps of one row a request (decoding) are recorded ahead: a prompt's
-                // chunk recorded whole, beside the running step's temporaries, would hold
-                // two steps' worth of its activations at once; it is recorded when its
-                // tokens are known, submitted in parts as it records.
-                if !plan.is_empty() && plan.iter().all(|&(_, n)| n == 1) {
+        }
+        if sent.len() == 1 {
+            // While the GPU runs the step: new requests, then the next step chained on it,
+            // or recorded to be submitted once its tokens are chosen.
+            admit(&mut waiting, &mut running, &mut batch, trie);
+            let last = &sent[0];
+            let next = next_rows(&running, last, &batch, ctx);
+            let plan: Vec<(SeqId, usize)> = running
+                .iter()
+                .zip(step_rows(next.iter().copied()))
+                .filter(|(_, n)| *n > 0)
+                .map(|(r, n)| (r.seq, n))
+                .collect();
+            let chained = match chain_plan(&running, last, &next) {
+                None => None,
+                Some(seqs) => match batch.record_chained(gpu, &last.flight, &seqs) {
+                    Ok(a) => {
+                        // (The draws' random numbers are taken only once the step is
+                        // recorded: they are the requests' next, as unchained.)
+                        let picks: Vec<Pick> = seqs
+                            .iter()
+                            .map(|id| {
+                                running
+                                    .iter_mut()
+                                    .find(|r| r.seq == *id)
+                                    .and_then(|r| r.sampler.as_mut())
+                                    .and_then(|s| s.gpu_pick())
+                                    .unwrap_or(Pick::Greedy)
+                            })
+                            .collect();
+                        match batch.submit_chained(gpu, a, &picks) {
+                            Ok(flight) => Some(Sent {
+                                flight,
+                                feeds: seqs.iter().map(|&s| (s, 1)).collect(),
+                                due: seqs,
+                                spent: Vec::new(),
+                            }),
+                            Err(e) => {
+                                // (Its draws are spent: the requests cannot go on as
+                                // they would have.)
+                                ends = fail_all(&running, &e);
+                                None
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        tracing::debug!("the next step was not chained: {e}");
+                        None
+                    }
+                },
+            };
+            match chained {
+                Some(s) => {
+                    stats.steps.fetch_add(1, Ordering::SeqCst);
+                    stats.chained_steps.fetch_add(1, Ordering::SeqCst);
+                    sent.push_back(s)
+                }
+                // Only steps of one row a request (decoding) are recorded ahead: a
+                // prompt's chunk recorded whole, beside the running step's temporaries,
+                // would hold two steps' worth of its activations at once; it is recorded
+                // when its tokens are known, submitted in parts as it records.
+                None if ends.is_empty()
+                    && !plan.is_empty()
+                    && plan.iter().all(|&(_, n)| n == 1) =>
+                {
                     let host = host_rows(&running, plan.iter().map(|p| p.0));
                     match batch.record_picking(gpu, &plan, &host) {
                         Ok(a) => ahead = Some(a),
                         Err(e) => tracing::debug!("the next step was not recorded ahead: {e}"),
                     }
                 }
-                pollster::block_on(batch.wait_chosen(gpu, flight))
-            }
-            Err(e) => Err(e),
-        };
-        for seq in spent {
-            batch.remove(seq);
-        }
-        let mut ends: Vec<(usize, End)> = Vec::new();
-        let mut chosen = match result {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::error!("batched step failed: {e}");
-                ahead = None;
-                for i in 0..running.len() {
-                    let err = ApiError::server(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        format!("generation failed: {e}"),
-                    );
-                    ends.push((i, End::Failed(err)));
-                }
-                Vec::new()
-            }
-        };
-        let t_waited = Instant::now();
-        // The requests whose rows ran their last pending token (the others have more of
-        // their prompt to run): (index in running, index in chosen: the feeds' order,
-        // which rows of ended requests may interleave).
-        let row_of: std::collections::HashMap<SeqId, usize> = feeds
-            .iter()
-            .enumerate()
-            .map(|(li, (id, _))| (*id, li))
-            .collect();
-        let mut due = Vec::new();
-        for (i, r) in running.iter_mut().enumerate() {
-            let n = take.get(i).copied().unwrap_or(0);
-            if chosen.is_empty() || n == 0 {
-                continue;
-            }
-            r.todo.drain(..n);
-            if r.todo.is_empty() {
-                due.push((i, row_of[&r.seq]));
+                None => {}
             }
         }
-        let picks = sample_rows(&pool, &mut running, &due, &mut chosen);
-        let chosen = picks.len();
-        // The token chosen for each request that ended on it (its row in the next step).
-        let mut last_pick: Vec<Option<u32>> = vec![None; running.len()];
-        for (&(i, _), (next, logprob)) in due.iter().zip(picks) {
-            let r = &mut running[i];
-            if r.stop_tokens.contains(&next) {
-                // The stop token counts, as every sampled one does.
-                ends.push((i, End::Finished("stop", r.stream.tokens().len() + 1)));
-                last_pick[i] = Some(next);
-                continue;
+        // The oldest step's outcome.
+        let (mut rows, mut n_chosen) = (0, 0);
+        if let Some(w) = sent.pop_front() {
+            rows = w.feeds.iter().map(|f| f.1).sum();
+            let result = pollster::block_on(batch.wait_chosen(gpu, w.flight));
+            for seq in w.spent {
+                batch.remove(seq);
             }
-            let events = &r.events;
-            let pushed = r.stream.push(tk, next, logprob, &mut |p| {
-                events
-                    .send(Event::Text(p.text.to_string(), p.logprobs.to_vec()))
-                    .map_err(|_| gone())
-            });
-            let n = r.stream.tokens().len();
-            match pushed {
-                Err(_) => ends.push((i, End::Gone)),
-                Ok(true) => ends.push((i, End::Finished("stop", n))),
-                Ok(false) if n >= r.max_tokens || batch.len(r.seq).unwrap_or(ctx) + 1 > ctx => {
-                    ends.push((i, End::Finished("length", n)))
+            match result {
+                Ok(mut chosen) if ends.is_empty() => {
+                    // The requests due a token in it: (index in running, row in chosen).
+                    let due: Vec<(usize, usize)> = w
+                        .feeds
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, (id, _))| w.due.contains(id))
+                        .filter_map(|(li, (id, _))| {
+                            running.iter().position(|r| r.seq == *id).map(|i| (i, li))
+                        })
+                        .collect();
+                    let picks = sample_rows(&pool, &mut running, &due, &mut chosen);
+                    n_chosen = picks.len();
+                    // Sequences whose next token the step still in flight already runs.
+                    let fed = |seq: SeqId| sent.front().is_some_and(|s| s.due.contains(&seq));
+                    for (&(i, _), (next, logprob)) in due.iter().zip(picks) {
+                        let r = &mut running[i];
+                        if r.stop_tokens.contains(&next) {
+                            // The stop token counts, as every sampled one does.
+                            ends.push((i, End::Finished("stop", r.stream.tokens().len() + 1)));
+                            r.last_pick = Some(next);
+                            continue;
+                        }
+                        let events = &r.events;
+                        let pushed = r.stream.push(tk, next, logprob, &mut |p| {
+                            events
+                                .send(Event::Text(p.text.to_string(), p.logprobs.to_vec()))
+                                .map_err(|_| gone())
+                        });
+                        let n = r.stream.tokens().len();
+                        // (Tokens held as of this step: not the one in flight after it.)
+                        let held = batch.len(r.seq).unwrap_or(ctx) - fed(r.seq) as usize;
+                        match pushed {
+                            Err(_) => ends.push((i, End::Gone)),
+                            Ok(true) => ends.push((i, End::Finished("stop", n))),
+                            Ok(false) if n >= r.max_tokens || held + 1 > ctx => {
+                                ends.push((i, End::Finished("length", n)))
+                            }
+                            Ok(false) => {
+                                if !fed(r.seq) {
+                                    r.todo.push(next);
+                                }
+                                continue;
+                            }
+                        }
+                        r.last_pick = Some(next);
+                    }
                 }
-                Ok(false) => {
-                    r.todo.push(next);
-                    continue;
-                }
+                Ok(_) => {}
+                Err(e) => ends = fail_all(&running, &e),
             }
-            last_pick[i] = Some(next);
         }
-        if chosen > 0 {
+        if n_chosen > 0 {
             let ms = t0.elapsed().as_secs_f64() * 1e3;
             stats.decode_tok_s.store(
-                (chosen as f64 / ms.max(1e-6) * 1e3).to_bits(),
+                (n_chosen as f64 / ms.max(1e-6) * 1e3).to_bits(),
                 Ordering::SeqCst,
             );
             let t = batch.last_times();
             tracing::debug!(
-                "step: {} rows, {chosen} tokens chosen, {ms:.2} ms: submitting {:.2}, then to the logits {:.2} (the next step recorded meanwhile: {:.2}), then sampling and streaming {:.2}",
-                feeds_rows,
+                "step: {rows} rows, {n_chosen} sequences, {ms:.2} ms: submitting {:.2}, then to its outcome {:.2}; {}",
                 t.submit_ms,
                 t.wait_ms,
-                ahead.as_ref().map_or(0.0, |a| a.record_ms()),
-                t_waited.elapsed().as_secs_f64() * 1e3,
+                match (&ahead, sent.front()) {
+                    (_, Some(_)) => "the next step chained on it".to_string(),
+                    (Some(a), None) => format!("the next step recorded meanwhile: {:.2}", a.record_ms()),
+                    (None, None) => "no step ahead".to_string(),
+                },
             );
         }
         // Requests whose client left while they ran.
@@ -1705,6 +1804,7 @@ fn batch_loop(
             }
         }
         ends.sort_by_key(|e| std::cmp::Reverse(e.0));
+        ends.dedup_by_key(|e| e.0);
         for (i, end) in ends {
             let r = running.remove(i);
             // Its row in the recorded step, if any: the tokens it would have run.
@@ -1715,7 +1815,7 @@ fn batch_loop(
             match row {
                 Some(n) => {
                     let toks: Vec<u32> =
-                        r.todo.iter().copied().chain(last_pick[i]).take(n).collect();
+                        r.todo.iter().copied().chain(r.last_pick).take(n).collect();
                     if toks.len() == n {
                         zombies.push((r.seq, toks));
                     } else {
@@ -1723,6 +1823,8 @@ fn batch_loop(
                         batch.remove(r.seq);
                     }
                 }
+                // (A row in a step already submitted runs before anything later that
+                // takes its pages.)
                 None => batch.remove(r.seq),
             }
             finish(r, end, stats);
@@ -1737,6 +1839,17 @@ fn batch_loop(
         stats.kv_pages.store(batch.pages_in_use(), Ordering::SeqCst);
         stats.active.store(running.len(), Ordering::SeqCst);
     }
+}
+
+/// A step the worker submitted and has not yet waited for.
+struct Sent {
+    flight: InFlight,
+    /// Its sequences in its order, with their rows.
+    feeds: Vec<(SeqId, usize)>,
+    /// The sequences whose row was their last pending token: a token is chosen for each.
+    due: Vec<SeqId>,
+    /// Ended requests' sequences it ran rows for: their pages go back after it.
+    spent: Vec<SeqId>,
 }
 
 /// Rows each request runs in a step, from the tokens each has to run: one for each
@@ -1754,22 +1867,19 @@ fn step_rows(todo: impl Iterator<Item = usize>) -> Vec<usize> {
     take
 }
 
-/// The tokens each running request will have to run after a step of `take` rows: the
-/// rest of its prompt; one chosen token where its row was its last, unless it then
-/// reaches its length (its stop tokens and strings cannot be foreseen); none where its
-/// client has left.
-fn next_rows(running: &[Running], take: &[usize], batch: &Batch<'_>, ctx: usize) -> Vec<usize> {
+/// The tokens each running request will have to run after the step `last` (submitted,
+/// its rows taken off the requests' pending tokens): the rest of its prompt; one chosen
+/// token where `last` chooses one for it, unless it then reaches its length (its stop
+/// tokens and strings cannot be foreseen); none where its client has left.
+fn next_rows(running: &[Running], last: &Sent, batch: &Batch<'_>, ctx: usize) -> Vec<usize> {
     running
         .iter()
-        .enumerate()
-        .map(|(i, r)| {
+        .map(|r| {
             if r.events.is_closed() {
                 return 0; // (its client left: it ends after this step)
             }
-            let n = take.get(i).copied().unwrap_or(0);
-            let left = r.todo.len() - n;
-            if n == 0 || left > 0 {
-                return left;
+            if !last.due.contains(&r.seq) {
+                return r.todo.len();
             }
             // (batch.len already counts the step's tokens: they were submitted.)
             let ends = r.stream.tokens().len() + 1 >= r.max_tokens
@@ -1777,6 +1887,24 @@ fn next_rows(running: &[Running], take: &[usize], batch: &Batch<'_>, ctx: usize)
             (!ends) as usize
         })
         .collect()
+}
+
+/// The sequences of a step chained on `last` ([`Batch::record_chained`]): every request
+/// that goes on (`next`: its rows in the next step) is due the token `last` chooses on
+/// the GPU, one row each; else (or with none) None.
+fn chain_plan(running: &[Running], last: &Sent, next: &[usize]) -> Option<Vec<SeqId>> {
+    let mut seqs = Vec::new();
+    for (r, &n) in running.iter().zip(next) {
+        if n == 0 {
+            continue;
+        }
+        let pickable = r.sampler.as_ref().is_some_and(|s| s.gpu_pickable());
+        if n != 1 || !pickable || !last.due.contains(&r.seq) {
+            return None;
+        }
+        seqs.push(r.seq);
+    }
+    (!seqs.is_empty()).then_some(seqs)
 }
 
 /// The feeds of the recorded step `a` (in its order) where its rows are the ones the
@@ -1960,6 +2088,7 @@ fn start(
         stop_tokens,
         max_tokens,
         started: Instant::now(),
+        last_pick: None,
     })
 }
 
