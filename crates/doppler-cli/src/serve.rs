@@ -451,7 +451,7 @@ async fn metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
          # HELP doppler_kv_pages_in_use Pages of the KV pool in use (continuous batching).\n# TYPE doppler_kv_pages_in_use gauge\ndoppler_kv_pages_in_use {}\n\
          # HELP doppler_kv_pages_total Pages of the KV pool.\n# TYPE doppler_kv_pages_total gauge\ndoppler_kv_pages_total {}\n\
          # HELP doppler_parallel Requests generated at once.\n# TYPE doppler_parallel gauge\ndoppler_parallel {}\n\
-         # HELP doppler_steps_total Batched decode steps run (continuous batching).\n# TYPE doppler_steps_total counter\ndoppler_steps_total {}\n\
+         # HELP doppler_steps_total Batched steps submitted (continuous batching: decoding rows and prompt chunks).\n# TYPE doppler_steps_total counter\ndoppler_steps_total {}\n\
          # HELP doppler_chained_steps_total Of those, steps submitted before the step they follow was read back (its tokens chosen on the GPU).\n# TYPE doppler_chained_steps_total counter\ndoppler_chained_steps_total {}\n",
         waiting,
         active,
@@ -1776,7 +1776,11 @@ fn batch_loop(
                     }
                 }
                 Ok(_) => {}
-                Err(e) => ends = fail_all(&running, &e),
+                Err(e) => {
+                    // (A step chained on it was undone with it: nothing of it to wait for.)
+                    sent.clear();
+                    ends = fail_all(&running, &e);
+                }
             }
         }
         if n_chosen > 0 {
