@@ -366,7 +366,7 @@ fn streams(
             let t0 = Instant::now();
             let next = match i + 1 < STREAM_STEPS {
                 true => {
-                    let a = b.record_chained(gpu, &flight, &seqs)?;
+                    let a = b.record_chained(gpu, &flight, &seqs, &[], &[])?;
                     record.push(a.record_ms());
                     let p = picks(&mut samplers);
                     Some(b.submit_chained(gpu, a, &p)?)

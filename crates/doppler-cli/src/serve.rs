@@ -1659,41 +1659,51 @@ fn batch_loop(
                 .collect();
             let chained = match chain_plan(&running, last, &next) {
                 None => None,
-                Some(seqs) => match batch.record_chained(gpu, &last.flight, &seqs) {
-                    Ok(a) => {
-                        // (The draws' random numbers are taken only once the step is
-                        // recorded: they are the requests' next, as unchained.)
-                        let picks: Vec<Pick> = seqs
-                            .iter()
-                            .map(|id| {
-                                running
-                                    .iter_mut()
-                                    .find(|r| r.seq == *id)
-                                    .and_then(|r| r.sampler.as_mut())
-                                    .and_then(|s| s.gpu_pick())
-                                    .unwrap_or(Pick::Greedy)
-                            })
-                            .collect();
-                        match batch.submit_chained(gpu, a, &picks) {
-                            Ok(flight) => Some(Sent {
-                                flight,
-                                feeds: seqs.iter().map(|&s| (s, 1)).collect(),
-                                due: seqs,
-                                spent: Vec::new(),
-                            }),
-                            Err(e) => {
-                                // (Its draws are spent: the requests cannot go on as
-                                // they would have.)
-                                ends = fail_all(&running, &e);
-                                None
+                Some((seqs, known)) => {
+                    let known_refs: Vec<(SeqId, &[u32])> =
+                        known.iter().map(|(id, t)| (*id, t.as_slice())).collect();
+                    let host = host_rows(&running, known.iter().map(|k| k.0));
+                    match batch.record_chained(gpu, &last.flight, &seqs, &known_refs, &host) {
+                        Ok(a) => {
+                            // (The draws' random numbers are taken only once the step is
+                            // recorded: they are the requests' next, as unchained.)
+                            let picks = chained_picks(&mut running, &seqs, &known, &host);
+                            match batch.submit_chained(gpu, a, &picks) {
+                                Ok(flight) => {
+                                    // The known rows are on their way too.
+                                    let mut due = seqs.clone();
+                                    for (id, t) in &known {
+                                        if let Some(r) = running.iter_mut().find(|r| r.seq == *id) {
+                                            r.todo.drain(..t.len());
+                                            if r.todo.is_empty() {
+                                                due.push(*id);
+                                            }
+                                        }
+                                    }
+                                    let mut feeds: Vec<(SeqId, usize)> =
+                                        seqs.iter().map(|&s| (s, 1)).collect();
+                                    feeds.extend(known.iter().map(|(id, t)| (*id, t.len())));
+                                    Some(Sent {
+                                        flight,
+                                        feeds,
+                                        due,
+                                        spent: Vec::new(),
+                                    })
+                                }
+                                Err(e) => {
+                                    // (Its draws are spent: the requests cannot go on as
+                                    // they would have.)
+                                    ends = fail_all(&running, &e);
+                                    None
+                                }
                             }
                         }
+                        Err(e) => {
+                            tracing::debug!("the next step was not chained: {e}");
+                            None
+                        }
                     }
-                    Err(e) => {
-                        tracing::debug!("the next step was not chained: {e}");
-                        None
-                    }
-                },
+                }
             };
             match chained {
                 Some(s) => {
@@ -1809,6 +1819,7 @@ fn batch_loop(
         }
         ends.sort_by_key(|e| std::cmp::Reverse(e.0));
         ends.dedup_by_key(|e| e.0);
+        let mut ended = Vec::with_capacity(ends.len());
         for (i, end) in ends {
             let r = running.remove(i);
             // Its row in the recorded step, if any: the tokens it would have run.
@@ -1831,17 +1842,22 @@ fn batch_loop(
                 // takes its pages.)
                 None => batch.remove(r.seq),
             }
-            finish(r, end, stats);
+            ended.push((r, end));
         }
         if ahead.is_none() {
             for (seq, _) in zombies.drain(..) {
                 batch.remove(seq);
             }
         }
+        // The gauges before the ended requests' last events: a client that reads /metrics
+        // once answered finds its request gone from them.
         let held: usize = running.iter().filter_map(|r| batch.len(r.seq)).sum();
         stats.kv_tokens.store(held, Ordering::SeqCst);
         stats.kv_pages.store(batch.pages_in_use(), Ordering::SeqCst);
         stats.active.store(running.len(), Ordering::SeqCst);
+        for (r, end) in ended {
+            finish(r, end, stats);
+        }
     }
 }
 
@@ -1893,22 +1909,68 @@ fn next_rows(running: &[Running], last: &Sent, batch: &Batch<'_>, ctx: usize) ->
         .collect()
 }
 
-/// The sequences of a step chained on `last` ([`Batch::record_chained`]): every request
-/// that goes on (`next`: its rows in the next step) is due the token `last` chooses on
-/// the GPU, one row each; else (or with none) None.
-fn chain_plan(running: &[Running], last: &Sent, next: &[usize]) -> Option<Vec<SeqId>> {
+/// The rows of a step chained on `last` ([`Batch::record_chained`]): the requests that go
+/// on (`next`: their pending tokens after `last`) as the next step takes them
+/// ([`step_rows`]), those due the token `last` chooses on the GPU chained (one row each),
+/// the others' rows known (the rest of a prompt, in chunks; a request just started). None
+/// where one is due a token the host chooses in `last` (unknown until read back), or
+/// where nothing goes on.
+#[allow(clippy::type_complexity)]
+fn chain_plan(
+    running: &[Running],
+    last: &Sent,
+    next: &[usize],
+) -> Option<(Vec<SeqId>, Vec<(SeqId, Vec<u32>)>)> {
     let mut seqs = Vec::new();
-    for (r, &n) in running.iter().zip(next) {
+    let mut known = Vec::new();
+    for (r, n) in running.iter().zip(step_rows(next.iter().copied())) {
         if n == 0 {
             continue;
         }
-        let pickable = r.sampler.as_ref().is_some_and(|s| s.gpu_pickable());
-        if n != 1 || !pickable || !last.due.contains(&r.seq) {
-            return None;
+        if last.due.contains(&r.seq) {
+            let pickable = r.sampler.as_ref().is_some_and(|s| s.gpu_pickable());
+            if n != 1 || !pickable {
+                return None;
+            }
+            seqs.push(r.seq);
+        } else {
+            known.push((r.seq, r.todo.get(..n)?.to_vec()));
         }
-        seqs.push(r.seq);
     }
-    (!seqs.is_empty()).then_some(seqs)
+    (!seqs.is_empty() || !known.is_empty()).then_some((seqs, known))
+}
+
+/// How the GPU chooses each row's token of a chained step (`seqs`' rows, then `known`'s
+/// with their `host` flags): a chained row's sampler (due a token: its random number taken
+/// now); a known row's as [`step_picks`]' (its sampler where it is its last pending token,
+/// the host's where flagged, else greedily, unused).
+fn chained_picks(
+    running: &mut [Running],
+    seqs: &[SeqId],
+    known: &[(SeqId, Vec<u32>)],
+    host: &[bool],
+) -> Vec<Pick> {
+    let pick = |running: &mut [Running], id: SeqId| {
+        running
+            .iter_mut()
+            .find(|r| r.seq == id)
+            .and_then(|r| r.sampler.as_mut())
+            .and_then(|s| s.gpu_pick())
+            .unwrap_or(Pick::Greedy)
+    };
+    let mut picks: Vec<Pick> = seqs.iter().map(|&id| pick(running, id)).collect();
+    for ((id, t), &h) in known.iter().zip(host) {
+        let last = running
+            .iter()
+            .find(|r| r.seq == *id)
+            .is_some_and(|r| r.todo.len() == t.len());
+        picks.push(match (h, last) {
+            (true, _) => Pick::Host,
+            (false, true) => pick(running, *id),
+            (false, false) => Pick::Greedy,
+        });
+    }
+    picks
 }
 
 /// The feeds of the recorded step `a` (in its order) where its rows are the ones the

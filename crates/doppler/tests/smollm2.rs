@@ -705,7 +705,8 @@ fn tokens_chosen_on_the_gpu_are_the_samplers() {
 /// Chained steps (`Batch::record_chained` / `submit_chained`): each step's tokens are the
 /// GPU's choices of the step before, copied on the GPU, and the step is submitted while
 /// that one runs. The tokens are the CPU samplers' from each sequence alone, with rows
-/// dropped (an ended request) and reordered between steps; a page filled by chained
+/// dropped (an ended request) and reordered between steps, and a prompt starting in a
+/// chained step beside the chained rows (its tokens known); a page filled by chained
 /// tokens is cached under those tokens; two steps in flight refuse what would break them,
 /// and a step waited for out of order undoes both.
 #[test]
@@ -728,7 +729,7 @@ fn chained_steps_give_the_samplers_tokens() {
         _ => ids(&prompts[i.min(prompts.len() - 1)]["ids"]),
     };
     let cfg = |i: usize| SamplerConfig {
-        temperature: [0.0, 0.8, 1.3][i],
+        temperature: [0.0, 0.8, 1.3, 0.6][i],
         top_k: 0,
         top_p: 1.0,
         min_p: 0.0,
@@ -750,10 +751,10 @@ fn chained_steps_give_the_samplers_tokens() {
         }
         toks
     };
-    let want: Vec<Vec<u32>> = (0..3).map(alone).collect();
+    let want: Vec<Vec<u32>> = (0..4).map(alone).collect();
     let mut b = Batch::new(gpu, &m.llama, 64, KvType::F32).unwrap();
-    let seqs = [b.add(), b.add(), b.add()];
-    let mut samplers: Vec<Sampler> = (0..3).map(|i| Sampler::new(cfg(i))).collect();
+    let seqs = [b.add(), b.add(), b.add(), b.add()];
+    let mut samplers: Vec<Sampler> = (0..4).map(|i| Sampler::new(cfg(i))).collect();
     let prompts3: Vec<Vec<u32>> = (0..3).map(p).collect();
     let refs: Vec<(u64, &[u32])> = seqs
         .iter()
@@ -761,22 +762,34 @@ fn chained_steps_give_the_samplers_tokens() {
         .map(|(&id, f)| (id, f.as_slice()))
         .collect();
     let ahead = b.record_tokens_picking(gpu, &refs, &[false; 3]).unwrap();
-    let picks: Vec<Pick> = samplers.iter_mut().map(|s| s.gpu_pick().unwrap()).collect();
+    let picks: Vec<Pick> = samplers[..3]
+        .iter_mut()
+        .map(|s| s.gpu_pick().unwrap())
+        .collect();
     let mut flight = b.submit_picking(gpu, ahead, &refs, &picks).unwrap();
     // Each step's sequences in its order: sequence 2's last token is chosen in step 2 (it
-    // ends), and steps 3 and 4 take the other two in reverse order.
+    // ends), steps 3 and 4 take 0 and 1 in reverse order; sequence 3's prompt runs in step
+    // 3 (known tokens, after the chained rows), its first token chained in step 4.
     let order = |k: usize| -> Vec<usize> {
         match k {
             0..=2 => vec![0, 1, 2],
-            _ => vec![1, 0],
+            3 => vec![1, 0, 3],
+            _ => vec![3, 1, 0],
         }
     };
-    let mut got: Vec<Vec<u32>> = vec![Vec::new(); 3];
+    let p3 = p(3);
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); 4];
     for k in 0..steps {
         let next: Option<InFlight> = (k + 1 < steps).then(|| {
             let o = order(k + 1);
-            let ids: Vec<u64> = o.iter().map(|&i| seqs[i]).collect();
-            let a = b.record_chained(gpu, &flight, &ids).unwrap();
+            let (chained, known): (Vec<u64>, Vec<(u64, &[u32])>) = match k + 1 {
+                3 => (vec![seqs[1], seqs[0]], vec![(seqs[3], p3.as_slice())]),
+                _ => (o.iter().map(|&i| seqs[i]).collect(), Vec::new()),
+            };
+            let host = vec![false; known.len()];
+            let a = b
+                .record_chained(gpu, &flight, &chained, &known, &host)
+                .unwrap();
             let picks: Vec<Pick> = o.iter().map(|&i| samplers[i].gpu_pick().unwrap()).collect();
             b.submit_chained(gpu, a, &picks).unwrap()
         });
@@ -789,7 +802,10 @@ fn chained_steps_give_the_samplers_tokens() {
                 .err()
                 .unwrap();
             assert!(err.to_string().contains("already submitted"), "{err}");
-            let err = b.record_chained(gpu, &flight, &[seqs[0]]).err().unwrap();
+            let err = b
+                .record_chained(gpu, &flight, &[seqs[0]], &[], &[])
+                .err()
+                .unwrap();
             assert!(err.to_string().contains("newest"), "{err}");
         }
         let out = pollster::block_on(b.wait_chosen(gpu, flight)).unwrap();
@@ -811,6 +827,7 @@ fn chained_steps_give_the_samplers_tokens() {
     assert_eq!(got[0], want[0], "sequence 0's tokens");
     assert_eq!(got[1], want[1], "sequence 1's tokens");
     assert_eq!(got[2], want[2][..3], "sequence 2's tokens");
+    assert_eq!(got[3], want[3][..2], "sequence 3's tokens");
     // Sequence 0's second page was filled by its first three chosen tokens, fed chained:
     // it is cached under them.
     let mut text = long.clone();
@@ -827,7 +844,7 @@ fn chained_steps_give_the_samplers_tokens() {
     let t: Vec<(u64, &[u32])> = vec![(seqs[0], &got[0][steps - 1..])];
     let a = b.record_tokens_picking(gpu, &t, &[false]).unwrap();
     let f1 = b.submit_picking(gpu, a, &t, &[Pick::Greedy]).unwrap();
-    let a = b.record_chained(gpu, &f1, &[seqs[0]]).unwrap();
+    let a = b.record_chained(gpu, &f1, &[seqs[0]], &[], &[]).unwrap();
     let f2 = b.submit_chained(gpu, a, &[Pick::Greedy]).unwrap();
     assert_eq!(b.len(seqs[0]), Some(len0 + 2));
     let err = pollster::block_on(b.wait_chosen(gpu, f2)).err().unwrap();
@@ -839,8 +856,8 @@ fn chained_steps_give_the_samplers_tokens() {
     let a = b.record_tokens_picking(gpu, &t, &[false]).unwrap();
     let f = b.submit_picking(gpu, a, &t, &[Pick::Greedy]).unwrap();
     pollster::block_on(b.wait_chosen(gpu, f)).unwrap();
-    for id in &seqs[..2] {
-        b.remove(*id);
+    for id in [seqs[0], seqs[1], seqs[3]] {
+        b.remove(id);
     }
     assert_eq!((b.pages_in_use(), b.sequences()), (0, 0));
 }

@@ -453,20 +453,33 @@ impl<'m> Batch<'m> {
     /// flight), copied on the GPU at the step's start; every row's next token chosen on the
     /// GPU too ([`Batch::record_picking`]). Submit it with [`Batch::submit_chained`] while
     /// `prev` runs, then wait for both in order: the GPU goes from one step to the next
-    /// without waiting for the host. An error where a sequence is not one whose token
-    /// `prev` chooses on the GPU.
+    /// without waiting for the host. Beside them, rows whose tokens are known (`known`: a
+    /// prompt's chunk, a token the host chose), uploaded now, with `host` flags for those
+    /// as [`Batch::record_picking`]'s; the step's rows are `seqs`' then `known`'s. An error
+    /// where a sequence is not one whose token `prev` chooses on the GPU, is twice in the
+    /// step, or a known token is past the vocabulary.
     pub fn record_chained<'g>(
         &mut self,
         gpu: &'g Gpu,
         prev: &InFlight,
         seqs: &[SeqId],
+        known: &[(SeqId, &[u32])],
+        host: &[bool],
     ) -> Result<Ahead<'g>> {
+        if host.len() != known.len() {
+            return Err(bad(format!(
+                "{} host flags for {} known feeds",
+                host.len(),
+                known.len()
+            )));
+        }
+        self.check_tokens(known)?;
         if self.flights.back().map(|f| f.step) != Some(prev.step) {
             return Err(bad(
                 "a chained step follows the newest step in flight".into()
             ));
         }
-        let Some((host, _, chosen)) = &prev.picking else {
+        let Some((prev_host, _, chosen)) = &prev.picking else {
             return Err(bad(
                 "a chained step follows a step whose tokens the GPU chooses (record_picking)"
                     .into(),
@@ -475,7 +488,7 @@ impl<'m> Batch<'m> {
         let mut rows = Vec::with_capacity(seqs.len());
         for &id in seqs {
             match prev.feeds.iter().position(|f| f.0 == id) {
-                Some(k) if !host[k] => rows.push(k),
+                Some(k) if !prev_host[k] => rows.push(k),
                 Some(_) => {
                     return Err(bad(format!(
                         "sequence {id}: the host chooses its token in the step before"
@@ -484,19 +497,19 @@ impl<'m> Batch<'m> {
                 None => return Err(bad(format!("sequence {id} is not in the step before"))),
             }
         }
-        let plan: Vec<(SeqId, usize)> = seqs.iter().map(|&id| (id, 1)).collect();
+        let mut plan: Vec<(SeqId, usize)> = seqs.iter().map(|&id| (id, 1)).collect();
+        plan.extend(known.iter().map(|&(id, t)| (id, t.len())));
+        // The chained rows' ids are copied over the zeros on the GPU.
+        let mut ids = vec![0u32; seqs.len()];
+        ids.extend(known.iter().flat_map(|(_, t)| t.iter().copied()));
+        let mut flags = vec![false; seqs.len()];
+        flags.extend_from_slice(host);
         let chain = Chain {
             from: prev.step,
             chosen: chosen.clone(),
             rows,
         };
-        self.record_with(
-            gpu,
-            &plan,
-            None,
-            Some(&vec![false; seqs.len()]),
-            Some(chain),
-        )
+        self.record_with(gpu, &plan, Some(&ids), Some(&flags), Some(chain))
     }
 
     /// [`Batch::record_tokens`] with the GPU choosing tokens ([`Batch::record_picking`]).
@@ -624,7 +637,8 @@ impl<'m> Batch<'m> {
             StepTiming::Whole => gpu.timed_recorder("batch"),
             StepTiming::EachDispatch => gpu.profiling_recorder("batch"),
         };
-        if known.is_some() && list.len() > 1 {
+        // (A chained step is submitted whole: its copies must follow the step before.)
+        if known.is_some() && chain.is_none() && list.len() > 1 {
             rec.set_flush_every(FLUSH_EVERY); // (no-op when timed)
         }
         if let Some(c) = &chain {
@@ -817,8 +831,8 @@ impl<'m> Batch<'m> {
         }
         let ids: Vec<u32> = feeds.iter().flat_map(|(_, t)| t.iter().copied()).collect();
         match &ahead.known {
-            // (copied from the step before on the GPU)
-            None if ahead.chain.is_some() => {}
+            // (copied from the step before on the GPU, and uploaded when recorded)
+            _ if ahead.chain.is_some() => {}
             None => {
                 self.check_tokens(feeds)?;
                 ahead.ids.write_u32(gpu, &ids)?
@@ -844,7 +858,8 @@ impl<'m> Batch<'m> {
                 }
             }
             Some(c) => {
-                // Each token is the step before's choice, filled in when it comes back.
+                // The chained rows' tokens are the step before's choices, filled in when
+                // they come back; the known rows' are known.
                 let mut fills = Vec::with_capacity(c.rows.len());
                 for (&(id, len, _), &k) in ahead.plan.iter().zip(&c.rows) {
                     let s = self.seqs.get_mut(&id).expect("checked");
@@ -854,6 +869,15 @@ impl<'m> Batch<'m> {
                     fills.push((id, len, k));
                 }
                 self.flights[0].fills = fills;
+                let known = ahead.known.as_deref().unwrap_or(&[]);
+                let mut at = c.rows.len();
+                for &(id, _, n) in &ahead.plan[c.rows.len()..] {
+                    let s = self.seqs.get_mut(&id).expect("checked");
+                    s.len += n;
+                    s.unsettled += n;
+                    s.toks.extend_from_slice(&known[at..at + n]);
+                    at += n;
+                }
             }
         }
         let feeds: Vec<(SeqId, usize)> = ahead.plan.iter().map(|&(id, _, n)| (id, n)).collect();
