@@ -1489,12 +1489,13 @@ enum End {
 /// giving their pages back. Blocks on the queue when nothing runs.
 ///
 /// Steps overlap the host's work. While the GPU runs a step, the worker takes new
-/// requests and prepares the next step. Where every running request has its next token
-/// chosen on the GPU in the running step ([`Sampler::gpu_pickable`]: greedy, or a plain
-/// draw) and goes on, the next step is chained on it ([`Batch::record_chained`] /
-/// [`Batch::submit_chained`]): its tokens are that step's choices, copied on the GPU, and
-/// it is submitted at once, so two steps are in flight and the GPU goes from one to the
-/// next without waiting for the host. Otherwise, where the next step will be one of
+/// requests and prepares the next step. Where no running request is due a token the host
+/// chooses in the running step (those due one choose on the GPU, [`Sampler::gpu_pickable`]:
+/// greedy, or a plain draw), the next step is chained on it ([`Batch::record_chained`] /
+/// [`Batch::submit_chained`]): the tokens of those due are that step's choices, copied on
+/// the GPU, the others' rows (a prompt's chunk) known, and it is submitted at once, so two
+/// steps are in flight and the GPU goes from one to the next without waiting for the host
+/// (a chained step is recorded whole, prompt rows included). Otherwise, where the next step will be one of
 /// decoding rows only, it is recorded ([`Batch::record_picking`]) for the rows the
 /// requests will need (each decoding request's next token unless it reaches its length)
 /// and submitted once this step's tokens are chosen (on the GPU for plain samplers; from
