@@ -372,7 +372,7 @@ def test_load_every_answer_equals_the_request_alone():
         # mostly share i % 4: rounds of plain requests (chained steps) and one round with
         # log-probabilities (the host samples; no chaining while one runs).
         def ask(i):
-            a = dict(model="smollm2", max_tokens=2 + i % 5, seed=i,
+            a = dict(model="smollm2", max_tokens=2 + i % 3, seed=i,
                      temperature=0.8 if i % 8 < 4 else 0)
             if i % 4 == 1:
                 a["messages"] = [{"role": "system", "content": "Be brief."},
