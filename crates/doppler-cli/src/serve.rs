@@ -1611,30 +1611,20 @@ fn batch_loop(
                     batch.record_tokens_picking(gpu, &feed_refs, &host)
                 }
             };
+            let drains: Vec<(SeqId, usize)> = feeds.iter().map(|(id, t)| (*id, t.len())).collect();
             let result = recorded.and_then(|a| {
-                let picks = step_picks(&a, &mut running, &take, &feeds);
+                let picks = row_picks(&mut running, &drains, a.host_rows().unwrap_or(&[]));
                 batch.submit_picking(gpu, a, &feed_refs, &picks)
             });
             // The ended requests this step runs rows for: their pages go back after it.
             let spent: Vec<SeqId> = zombies.drain(..).map(|z| z.0).collect();
             match result {
                 Ok(flight) => {
-                    // The tokens are on their way: a request whose row was its last
-                    // pending token is due a choice.
-                    let mut due = Vec::new();
-                    for (r, &n) in running.iter_mut().zip(&take) {
-                        if n > 0 {
-                            r.todo.drain(..n);
-                            if r.todo.is_empty() {
-                                due.push(r.seq);
-                            }
-                        }
-                    }
                     stats.steps.fetch_add(1, Ordering::SeqCst);
                     sent.push_back(Sent {
                         flight,
-                        feeds: feeds.iter().map(|(id, t)| (*id, t.len())).collect(),
-                        due,
+                        due: take_pending(&mut running, &drains),
+                        feeds: drains,
                         spent,
                     });
                 }
@@ -1651,46 +1641,39 @@ fn batch_loop(
             // or recorded to be submitted once its tokens are chosen.
             admit(&mut waiting, &mut running, &mut batch, trie);
             let last = &sent[0];
-            let next = next_rows(&running, last, &batch, ctx);
+            let rows = step_rows(next_rows(&running, last, &batch, ctx).into_iter());
             let plan: Vec<(SeqId, usize)> = running
                 .iter()
-                .zip(step_rows(next.iter().copied()))
-                .filter(|(_, n)| *n > 0)
-                .map(|(r, n)| (r.seq, n))
+                .zip(&rows)
+                .filter(|(_, &n)| n > 0)
+                .map(|(r, &n)| (r.seq, n))
                 .collect();
-            let chained = match chain_plan(&running, last, &next) {
+            let chained = match chain_plan(&running, last, &rows) {
                 None => None,
                 Some((seqs, known)) => {
                     let known_refs: Vec<(SeqId, &[u32])> =
                         known.iter().map(|(id, t)| (*id, t.as_slice())).collect();
                     let host = host_rows(&running, known.iter().map(|k| k.0));
+                    // Pending tokens each row takes (none for a chained row).
+                    let drains: Vec<(SeqId, usize)> = seqs
+                        .iter()
+                        .map(|&id| (id, 0))
+                        .chain(known.iter().map(|(id, t)| (*id, t.len())))
+                        .collect();
                     match batch.record_chained(gpu, &last.flight, &seqs, &known_refs, &host) {
                         Ok(a) => {
                             // (The draws' random numbers are taken only once the step is
                             // recorded: they are the requests' next, as unchained.)
-                            let picks = chained_picks(&mut running, &seqs, &known, &host);
+                            let mut flags = vec![false; seqs.len()];
+                            flags.extend_from_slice(&host);
+                            let picks = row_picks(&mut running, &drains, &flags);
                             match batch.submit_chained(gpu, a, &picks) {
-                                Ok(flight) => {
-                                    // The known rows are on their way too.
-                                    let mut due = seqs.clone();
-                                    for (id, t) in &known {
-                                        if let Some(r) = running.iter_mut().find(|r| r.seq == *id) {
-                                            r.todo.drain(..t.len());
-                                            if r.todo.is_empty() {
-                                                due.push(*id);
-                                            }
-                                        }
-                                    }
-                                    let mut feeds: Vec<(SeqId, usize)> =
-                                        seqs.iter().map(|&s| (s, 1)).collect();
-                                    feeds.extend(known.iter().map(|(id, t)| (*id, t.len())));
-                                    Some(Sent {
-                                        flight,
-                                        feeds,
-                                        due,
-                                        spent: Vec::new(),
-                                    })
-                                }
+                                Ok(flight) => Some(Sent {
+                                    flight,
+                                    due: take_pending(&mut running, &drains),
+                                    feeds: drains.iter().map(|&(id, n)| (id, n.max(1))).collect(),
+                                    spent: Vec::new(),
+                                }),
                                 Err(e) => {
                                     // (Its draws are spent: the requests cannot go on as
                                     // they would have.)
@@ -1911,8 +1894,8 @@ fn next_rows(running: &[Running], last: &Sent, batch: &Batch<'_>, ctx: usize) ->
 }
 
 /// The rows of a step chained on `last` ([`Batch::record_chained`]): the requests that go
-/// on (`next`: their pending tokens after `last`) as the next step takes them
-/// ([`step_rows`]), those due the token `last` chooses on the GPU chained (one row each),
+/// on (`rows`: their rows in the next step, [`step_rows`] of their pending tokens after
+/// `last`), those due the token `last` chooses on the GPU chained (one row each),
 /// the others' rows known (the rest of a prompt, in chunks; a request just started). None
 /// where one is due a token the host chooses in `last` (unknown until read back), or
 /// where nothing goes on.
@@ -1920,11 +1903,11 @@ fn next_rows(running: &[Running], last: &Sent, batch: &Batch<'_>, ctx: usize) ->
 fn chain_plan(
     running: &[Running],
     last: &Sent,
-    next: &[usize],
+    rows: &[usize],
 ) -> Option<(Vec<SeqId>, Vec<(SeqId, Vec<u32>)>)> {
     let mut seqs = Vec::new();
     let mut known = Vec::new();
-    for (r, n) in running.iter().zip(step_rows(next.iter().copied())) {
+    for (r, &n) in running.iter().zip(rows) {
         if n == 0 {
             continue;
         }
@@ -1939,39 +1922,6 @@ fn chain_plan(
         }
     }
     (!seqs.is_empty() || !known.is_empty()).then_some((seqs, known))
-}
-
-/// How the GPU chooses each row's token of a chained step (`seqs`' rows, then `known`'s
-/// with their `host` flags): a chained row's sampler (due a token: its random number taken
-/// now); a known row's as [`step_picks`]' (its sampler where it is its last pending token,
-/// the host's where flagged, else greedily, unused).
-fn chained_picks(
-    running: &mut [Running],
-    seqs: &[SeqId],
-    known: &[(SeqId, Vec<u32>)],
-    host: &[bool],
-) -> Vec<Pick> {
-    let pick = |running: &mut [Running], id: SeqId| {
-        running
-            .iter_mut()
-            .find(|r| r.seq == id)
-            .and_then(|r| r.sampler.as_mut())
-            .and_then(|s| s.gpu_pick())
-            .unwrap_or(Pick::Greedy)
-    };
-    let mut picks: Vec<Pick> = seqs.iter().map(|&id| pick(running, id)).collect();
-    for ((id, t), &h) in known.iter().zip(host) {
-        let last = running
-            .iter()
-            .find(|r| r.seq == *id)
-            .is_some_and(|r| r.todo.len() == t.len());
-        picks.push(match (h, last) {
-            (true, _) => Pick::Host,
-            (false, true) => pick(running, *id),
-            (false, false) => Pick::Greedy,
-        });
-    }
-    picks
 }
 
 /// The feeds of the recorded step `a` (in its order) where its rows are the ones the
@@ -2020,34 +1970,42 @@ fn host_rows(running: &[Running], seqs: impl Iterator<Item = SeqId>) -> Vec<bool
     .collect()
 }
 
-/// How the GPU chooses each row's token of the step `a` (feeds in its order): the host's
-/// rows as recorded; a request whose row is its last pending token (a token will be
-/// chosen) from its sampler, which takes its random number now; any other row (a prompt's
-/// chunk with more to come, an ended request's) greedily, its choice unused.
-fn step_picks(
-    a: &Ahead<'_>,
-    running: &mut [Running],
-    take: &[usize],
-    feeds: &[(SeqId, Vec<u32>)],
-) -> Vec<Pick> {
-    let host = a.host_rows().unwrap_or(&[]);
-    feeds
+/// How the GPU chooses each row's token of a step (`drains`: each row's sequence and the
+/// pending tokens it takes, 0 for a row chained on the step before; `host`: the rows the
+/// host chooses, as recorded): a request whose row takes its last pending token (a token
+/// will be chosen) from its sampler, which takes its random number now; any other row (a
+/// prompt's chunk with more to come, an ended request's) greedily, its choice unused.
+fn row_picks(running: &mut [Running], drains: &[(SeqId, usize)], host: &[bool]) -> Vec<Pick> {
+    drains
         .iter()
         .enumerate()
-        .map(|(k, (id, _))| {
+        .map(|(k, &(id, n))| {
             if host.get(k).copied().unwrap_or(true) {
                 return Pick::Host;
             }
-            let at = running.iter().position(|r| r.seq == *id);
-            let due = at.filter(|&i| {
-                take.get(i)
-                    .is_some_and(|&n| n > 0 && n == running[i].todo.len())
-            });
-            due.and_then(|i| running[i].sampler.as_mut())
+            running
+                .iter_mut()
+                .find(|r| r.seq == id && r.todo.len() == n)
+                .and_then(|r| r.sampler.as_mut())
                 .and_then(|s| s.gpu_pick())
                 .unwrap_or(Pick::Greedy)
         })
         .collect()
+}
+
+/// A submitted step's rows taken off their requests' pending tokens (`drains` as
+/// [`row_picks`]'); the requests whose last pending token it runs, due a choice.
+fn take_pending(running: &mut [Running], drains: &[(SeqId, usize)]) -> Vec<SeqId> {
+    let mut due = Vec::new();
+    for &(id, n) in drains {
+        if let Some(r) = running.iter_mut().find(|r| r.seq == id) {
+            r.todo.drain(..n);
+            if r.todo.is_empty() {
+                due.push(id);
+            }
+        }
+    }
+    due
 }
 
 /// The next token of each request in `due` (index in `running`, index in `chosen`, its

@@ -848,37 +848,29 @@ impl<'m> Batch<'m> {
         let sub = ahead.enc.submit()?;
         let step = self.submitted;
         self.submitted += 1;
-        match &ahead.chain {
-            None => {
-                for &(id, toks) in feeds {
-                    let s = self.seqs.get_mut(&id).expect("checked");
-                    s.len += toks.len();
-                    s.unsettled += toks.len();
-                    s.toks.extend_from_slice(toks);
-                }
-            }
-            Some(c) => {
-                // The chained rows' tokens are the step before's choices, filled in when
-                // they come back; the known rows' are known.
-                let mut fills = Vec::with_capacity(c.rows.len());
-                for (&(id, len, _), &k) in ahead.plan.iter().zip(&c.rows) {
-                    let s = self.seqs.get_mut(&id).expect("checked");
-                    s.len += 1;
-                    s.unsettled += 1;
+        // The tokens appended: known ones (fed, or uploaded when recorded), and for a
+        // chained row the step before's choice, filled in when it comes back.
+        let (chained, toks) = match &ahead.chain {
+            None => (&[][..], &ids[..]),
+            Some(c) => (&c.rows[..], ahead.known.as_deref().unwrap_or(&[])),
+        };
+        let mut fills = Vec::with_capacity(chained.len());
+        let mut at = 0;
+        for (j, &(id, len, n)) in ahead.plan.iter().enumerate() {
+            let s = self.seqs.get_mut(&id).expect("checked");
+            match chained.get(j) {
+                Some(&k) => {
                     s.toks.push(u32::MAX);
                     fills.push((id, len, k));
                 }
-                self.flights[0].fills = fills;
-                let known = ahead.known.as_deref().unwrap_or(&[]);
-                let mut at = c.rows.len();
-                for &(id, _, n) in &ahead.plan[c.rows.len()..] {
-                    let s = self.seqs.get_mut(&id).expect("checked");
-                    s.len += n;
-                    s.unsettled += n;
-                    s.toks.extend_from_slice(&known[at..at + n]);
-                    at += n;
-                }
+                None => s.toks.extend_from_slice(&toks[at..at + n]),
             }
+            s.len += n;
+            s.unsettled += n;
+            at += n;
+        }
+        if ahead.chain.is_some() {
+            self.flights[0].fills = fills;
         }
         let feeds: Vec<(SeqId, usize)> = ahead.plan.iter().map(|&(id, _, n)| (id, n)).collect();
         self.flights.push_back(Flying {
