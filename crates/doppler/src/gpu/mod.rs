@@ -2,6 +2,8 @@
 //! recorder, the pipeline cache and timing traces.
 
 mod binds;
+#[cfg(not(target_arch = "wasm32"))]
+mod coop_emulate;
 mod pipeline;
 mod pool;
 mod recorder;
@@ -55,6 +57,10 @@ pub struct GpuOptions {
     /// [`crate::ops::kvcache::prompt_on_coop`]). Default on; `DOPPLER_QUANT_COOP=off`
     /// keeps both f32 (the f32 tiled kernels, ~4x slower on the H200).
     pub quant_coop: bool,
+    /// Cooperative matrices emulated in plain WGSL where the adapter lacks them
+    /// (`DOPPLER_EMULATE_COOP=on`; native only; see `gpu/coop_emulate.rs`): for testing
+    /// the cooperative-matrix kernels on lavapipe, far slower than their f32 forms.
+    pub emulate_coop: bool,
 }
 
 impl Default for GpuOptions {
@@ -65,6 +71,7 @@ impl Default for GpuOptions {
             shader_checks: ShaderChecks::default(),
             matmul: MatmulMode::default(),
             quant_coop: true,
+            emulate_coop: false,
         }
     }
 }
@@ -136,6 +143,14 @@ impl GpuOptions {
                     true
                 }
             },
+            emulate_coop: match get("DOPPLER_EMULATE_COOP").as_deref() {
+                None | Some("off") => false,
+                Some("on") => true,
+                Some(other) => {
+                    tracing::warn!("DOPPLER_EMULATE_COOP={other:?} is not on or off: off");
+                    false
+                }
+            },
         }
     }
 }
@@ -186,8 +201,12 @@ fn type_rank(t: wgpu::DeviceType) -> u32 {
 }
 
 /// Whether `matmul_coop.wgsl` can run: cooperative matrices, f16, and subgroups of
-/// exactly 32 invocations (its layout of subgroups in the workgroup).
-fn coop_possible(features: wgpu::Features, info: &wgpu::AdapterInfo) -> bool {
+/// exactly 32 invocations (its layout of subgroups in the workgroup); or, `emulated`,
+/// f16 alone (see [`GpuOptions::emulate_coop`]).
+fn coop_possible(features: wgpu::Features, info: &wgpu::AdapterInfo, emulated: bool) -> bool {
+    if emulated {
+        return features.contains(wgpu::Features::SHADER_F16);
+    }
     features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16)
         && info.subgroup_min_size == 32
         && info.subgroup_max_size == 32
@@ -213,6 +232,9 @@ pub struct Gpu {
     /// (`quant_coop.wgsl`): [`GpuOptions::quant_coop`] where possible
     /// ([`Gpu::coop_matmul_possible`]).
     pub quant_coop: bool,
+    /// Whether the cooperative-matrix kernels run emulated ([`GpuOptions::emulate_coop`]
+    /// asked for, and the adapter lacks cooperative matrices).
+    pub coop_emulated: bool,
     /// Bind groups and the shared parameter buffer (see `binds.rs`); held while a
     /// recorder writes its parameters and submits.
     pub(crate) binds: Mutex<binds::Binds>,
@@ -262,15 +284,22 @@ impl Gpu {
             sink.lock().unwrap().push(e.to_string());
         }));
         tracing::info!(adapter = %info.name, backend = ?info.backend, "opened GPU");
+        let coop_emulated = opts.emulate_coop
+            && !cfg!(target_arch = "wasm32")
+            && !features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+            && features.contains(wgpu::Features::SHADER_F16);
+        if coop_emulated {
+            tracing::warn!(adapter = %info.name, "cooperative matrices emulated (DOPPLER_EMULATE_COOP): for tests, slow");
+        }
         let matmul = match opts.matmul {
             MatmulMode::F32 => MatmulMode::F32,
-            m if coop_possible(features, &info) => m,
+            m if coop_possible(features, &info, coop_emulated) => m,
             m => {
                 tracing::warn!(adapter = %info.name, "{} matrix products asked for, but the adapter lacks cooperative matrices, f16 or subgroups of 32: products stay f32", m.name());
                 MatmulMode::F32
             }
         };
-        let quant_coop = opts.quant_coop && coop_possible(features, &info);
+        let quant_coop = opts.quant_coop && coop_possible(features, &info, coop_emulated);
         Ok(Gpu {
             pool: BufferPool::new(),
             pipelines: PipelineCache::new(),
@@ -286,6 +315,7 @@ impl Gpu {
             },
             matmul,
             quant_coop,
+            coop_emulated,
             binds: Mutex::new(binds::Binds::default()),
             errors,
         })
@@ -358,7 +388,7 @@ impl Gpu {
     /// Whether this adapter can run the cooperative-matrix products (see [`MatmulMode`]),
     /// asked for or not.
     pub fn coop_matmul_possible(&self) -> bool {
-        coop_possible(self.features, &self.info)
+        coop_possible(self.features, &self.info, self.coop_emulated)
     }
 
     /// Blocking [`Gpu::new`] for native programs.

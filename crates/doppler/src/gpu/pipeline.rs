@@ -185,7 +185,16 @@ impl PipelineCache {
         if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
             return Ok(p.clone());
         }
-        let missing = kernel.features - gpu.features;
+        let emulated = gpu.coop_emulated
+            && kernel
+                .features
+                .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
+        let missing = match emulated {
+            true => {
+                kernel.features - gpu.features - wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
+            }
+            false => kernel.features - gpu.features,
+        };
         if !missing.is_empty() {
             return Err(Error::MissingFeature {
                 op: kernel.entry,
@@ -201,7 +210,9 @@ impl PipelineCache {
         // Cooperative-matrix kernels on Vulkan: a module per pipeline, constants applied
         // (gpu/spirv.rs says why); others: the shader's module, shared.
         #[cfg(not(target_arch = "wasm32"))]
-        let (module, constants) = if super::spirv::wanted(gpu, kernel) {
+        let (module, constants) = if emulated {
+            (self.emulated_module(gpu, kernel.shader)?, constants)
+        } else if super::spirv::wanted(gpu, kernel) {
             let text = shader_source(kernel.shader)?;
             let m = super::spirv::module(gpu, kernel, &text, constants, &name)?;
             (m, &[][..])
@@ -283,12 +294,38 @@ impl PipelineCache {
     }
 
     fn module(&self, gpu: &Gpu, shader: &'static Shader) -> Result<wgpu::ShaderModule> {
+        self.module_of(gpu, shader, shader_source(shader)?)
+    }
+
+    /// The module of a cooperative-matrix shader with its matrices emulated
+    /// (`coop_emulate.rs`).
+    #[cfg(not(target_arch = "wasm32"))]
+    fn emulated_module(&self, gpu: &Gpu, shader: &'static Shader) -> Result<wgpu::ShaderModule> {
+        if let Some(m) = self.modules.lock().unwrap().get(shader.name) {
+            return Ok(m.clone());
+        }
+        let text = super::coop_emulate::rewrite(&shader_source(shader)?).map_err(|message| {
+            Error::Shader {
+                shader: shader.name.to_string(),
+                message: format!("emulating cooperative matrices: {message}"),
+            }
+        })?;
+        self.module_of(gpu, shader, text.into())
+    }
+
+    /// `shader`'s module from `text`, built once (cached by the shader's name).
+    fn module_of(
+        &self,
+        gpu: &Gpu,
+        shader: &'static Shader,
+        text: std::borrow::Cow<'static, str>,
+    ) -> Result<wgpu::ShaderModule> {
         if let Some(m) = self.modules.lock().unwrap().get(shader.name) {
             return Ok(m.clone());
         }
         let desc = wgpu::ShaderModuleDescriptor {
             label: Some(shader.name),
-            source: wgpu::ShaderSource::Wgsl(shader_source(shader)?),
+            source: wgpu::ShaderSource::Wgsl(text),
         };
         let (module, err) = super::scoped(&gpu.device, wgpu::ErrorFilter::Validation, || {
             let checks = match gpu.shader_checks {
