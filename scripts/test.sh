@@ -37,5 +37,5 @@ if ! command -v node >/dev/null; then
 fi
 (cd tests/browser && DOPPLER_BIN="$PWD/../../target/debug/doppler" node --test --test-concurrency=1)
 
-echo "== fuzzing: each parser target for 30 s (crates/doppler-fuzz; seed corpus in fuzz/corpus)"
-cargo run --quiet -p doppler-fuzz -- run --seconds "${DOPPLER_FUZZ_SECONDS:-30}"
+echo "== fuzzing: each parser target for 20 s (crates/doppler-fuzz; seed corpus in fuzz/corpus)"
+cargo run --quiet -p doppler-fuzz -- run --seconds "${DOPPLER_FUZZ_SECONDS:-20}"

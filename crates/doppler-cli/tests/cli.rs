@@ -48,6 +48,36 @@ fn verify_passes_and_reports_json() {
     assert_eq!(v["checks"][0]["pass"], true);
 }
 
+/// The cooperative-matrix kernels, which only GPUs with tensor cores run, checked here
+/// with their matrices emulated (`DOPPLER_EMULATE_COOP`, gpu/coop_emulate.rs): the batch-
+/// invariant products and their fused chains (serving's path), with the skinny kernel's
+/// longest step and gate/up split over k (non-default layouts, `SkinnyLayout`).
+#[test]
+fn cooperative_kernels_pass_verify_emulated() {
+    let out = Command::new(env!("CARGO_BIN_EXE_doppler"))
+        .args(["verify", "--filter", "qmatmul invariant", "--json"])
+        .env("DOPPLER_EMULATE_COOP", "on")
+        .env("DOPPLER_SKINNY_BK", "128")
+        .env("DOPPLER_INVARIANT_SPLITS", "1024,16,glu")
+        .output()
+        .expect("run doppler");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["failed"], 0, "{stdout}");
+    let checks = v["checks"].as_array().unwrap();
+    assert!(checks.len() >= 18, "{stdout}");
+    let coop = checks
+        .iter()
+        .filter(|c| c["shape"].as_str().unwrap().contains("cooperative (f16)"))
+        .count();
+    // The four products ran on the (emulated) cooperative kernels, not the f32 ones.
+    assert_eq!(coop, 4, "{stdout}");
+}
+
 #[test]
 fn verify_with_no_matching_check_fails() {
     let (ok, _, err) = doppler(&["verify", "--filter", "no-such-op"]);

@@ -59,7 +59,7 @@ fn uniform_blocks_match_rust_params() {
 /// Override values besides the defaults that select code of their own in shaders lavapipe
 /// never builds (the cooperative product's starts from C and from the bias row, and its
 /// split operands, f16x3; the cooperative quantized product's fusions and block types,
-/// glu_rows' GeGLU, the skinny product's taller tiles, W by rows for dX, x_half scaling
+/// glu_rows' GeGLU, the skinny product's taller tiles and longer steps, W by rows for dX, x_half scaling
 /// gradients up, the cooperative convolution's three GEMMs).
 const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
     ("matmul_coop", &[("INIT", 1.0)]),
@@ -96,6 +96,15 @@ const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
         &[("SK_R", 4.0), ("SPLITK", 1.0), ("TYPE", 14.0)],
     ),
     ("quant_coop", &[("SK_R", 4.0), ("TYPE", 1.0)]),
+    // ... and its longer steps of k (SkinnyLayout::bk), raw runs and decoded slots.
+    (
+        "quant_coop",
+        &[("SK_R", 4.0), ("SK_BK", 128.0), ("TYPE", 12.0)],
+    ),
+    (
+        "quant_coop",
+        &[("SK_BK", 64.0), ("SPLITK", 1.0), ("TYPE", 8.0)],
+    ),
     // qmatmul_t on cooperative matrices: W staged by rows (runs decoded, and 4 values).
     ("quant_coop", &[("TRANS_W", 1.0), ("TYPE", 12.0)]),
     (

@@ -218,13 +218,94 @@ const COOP_SPLITK_TARGET: usize = 512;
 const INVARIANT_BUSY: usize = 132;
 
 fn split_k_to(target: usize, tiles: usize, k: usize) -> usize {
+    split_k_max(target, tiles, k, MAX_SPLITS)
+}
+
+/// [`split_k_to`] with at most `max` slices.
+fn split_k_max(target: usize, tiles: usize, k: usize, max: usize) -> usize {
     if tiles * 2 >= target {
         return 1;
     }
     target
         .div_ceil(tiles)
         .min(k / SLICE_MIN_COLS)
-        .clamp(1, MAX_SPLITS)
+        .clamp(1, max.max(1))
+}
+
+/// How the skinny cooperative product (`qmatmul_coop_skinny`, batched decode steps) is
+/// laid out, for measuring the choices on a GPU: k a step (`DOPPLER_SKINNY_BK`: 32, 64
+/// or 128; default 32) and, for invariant products, the workgroups split k aims for and
+/// the most slices (`DOPPLER_INVARIANT_SPLITS=TARGET,MAX[,glu]`; default 512,8, as
+/// [`COOP_SPLITK_TARGET`] and [`MAX_SPLITS`]; `glu`: the gate/up product split too). Read once a process. Results are the same
+/// bits at every step size; the split changes an invariant product's slices of k (the
+/// same for every batch size, so still batch-invariant).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SkinnyLayout {
+    pub bk: usize,
+    pub split_target: usize,
+    pub split_max: usize,
+    /// Whether an invariant gate/up product (SwiGLU / GeGLU) splits k too, its slices
+    /// summed where the GLU is applied (`glu_rows`, `glu_half`).
+    pub split_glu: bool,
+}
+
+impl Default for SkinnyLayout {
+    fn default() -> Self {
+        SkinnyLayout {
+            bk: 32,
+            split_target: COOP_SPLITK_TARGET,
+            split_max: MAX_SPLITS,
+            split_glu: false,
+        }
+    }
+}
+
+impl SkinnyLayout {
+    /// From the environment (see the type), warning about and ignoring bad values.
+    pub fn from_env() -> SkinnyLayout {
+        let bk = std::env::var("DOPPLER_SKINNY_BK").ok();
+        let splits = std::env::var("DOPPLER_INVARIANT_SPLITS").ok();
+        SkinnyLayout::parse(bk.as_deref(), splits.as_deref())
+    }
+
+    /// From the two variables' values (see the type).
+    pub fn parse(bk: Option<&str>, splits: Option<&str>) -> SkinnyLayout {
+        let mut l = SkinnyLayout::default();
+        if let Some(v) = bk {
+            match v.trim().parse() {
+                Ok(bk @ (32 | 64 | 128)) => l.bk = bk,
+                _ => tracing::warn!("DOPPLER_SKINNY_BK={v:?} is not 32, 64 or 128: 32"),
+            }
+        }
+        if let Some(v) = splits {
+            let parts: Vec<&str> = v.split(',').map(str::trim).collect();
+            let parsed = match parts[..] {
+                [t, m] => Some((t.parse().ok(), m.parse().ok(), false)),
+                [t, m, "glu"] => Some((t.parse().ok(), m.parse().ok(), true)),
+                _ => None,
+            };
+            match parsed {
+                Some((Some(t), Some(m), glu)) if t >= 1 && (1..=64).contains(&m) => {
+                    (l.split_target, l.split_max, l.split_glu) = (t, m, glu)
+                }
+                _ => tracing::warn!(
+                    "DOPPLER_INVARIANT_SPLITS={v:?} is not TARGET,MAX[,glu] (MAX 1 to 64): 512,8"
+                ),
+            }
+        }
+        l
+    }
+
+    /// This process's layout ([`SkinnyLayout::from_env`], read once).
+    pub fn get() -> SkinnyLayout {
+        static LAYOUT: std::sync::OnceLock<SkinnyLayout> = std::sync::OnceLock::new();
+        *LAYOUT.get_or_init(SkinnyLayout::from_env)
+    }
+
+    /// Slices of k of an invariant product of `gn` tiles of 128 columns over `k`.
+    fn invariant_splits(&self, gn: usize, k: usize) -> usize {
+        split_k_max(self.split_target, gn, k, self.split_max)
+    }
 }
 
 /// Rows of x up to which [`qmatmul`] runs the matrix-vector kernel (it reads W once per 8
@@ -1276,13 +1357,14 @@ fn qmatmul_coop(
     // tiles of 64, while SmolLM2's narrow products (20 to 40 workgroups a tile of rows)
     // ran slower on fewer workgroups (its 64-row step 3.29 -> 3.93 ms).
     let skinny = m <= SKINNY_MAX_ROWS || fuse.invariant;
+    let layout = SkinnyLayout::get();
     let gn = w.rows.div_ceil(COOP_TILE);
     let most = m.div_ceil(16).next_power_of_two().min(4);
     let sk_r = match fuse.invariant {
         true => {
-            let splits = match fuse.swiglu {
+            let splits = match fuse.swiglu && !layout.split_glu {
                 true => 1,
-                false => split_k_to(COOP_SPLITK_TARGET, gn, w.cols),
+                false => layout.invariant_splits(gn, w.cols),
             };
             [4, 2]
                 .into_iter()
@@ -1297,10 +1379,12 @@ fn qmatmul_coop(
     };
     let gm = m.div_ceil(tile_m);
     let sk = ("SK_R", sk_r as f64);
+    let bk = ("SK_BK", layout.bk as f64);
     let c = [
         ("TYPE", w.ty.0 as f64),
         ("RESIDUAL", fuse.residual.is_some() as u32 as f64),
         sk,
+        bk,
     ];
     let c = match skinny {
         true => &c[..],
@@ -1308,12 +1392,24 @@ fn qmatmul_coop(
     };
     if fuse.swiglu {
         // The product (m, 2n) whole tiles straight out, then act(gate) * up: through the
-        // product's scratch instead, the 8B's gate/up took 69 ms a prefill, not 43.
-        let gu = Tensor::empty(gpu, &[m, w.rows], DType::F32, "qmatmul_coop.gate_up")?;
+        // product's scratch instead, the 8B's gate/up took 69 ms a prefill, not 43. An
+        // invariant one may split k (SkinnyLayout::split_glu): its slices' partial tiles
+        // (splits, m, 2n) are summed where the GLU is applied.
+        let splits = match fuse.invariant && layout.split_glu {
+            true => layout.invariant_splits(gn, w.cols),
+            false => 1,
+        };
+        let gu = Tensor::empty(
+            gpu,
+            &[splits, m, w.rows],
+            DType::F32,
+            "qmatmul_coop.gate_up",
+        )?;
         p.n = w.rows as u32;
-        let grid = Grid::Xyz([gn as u32, gm as u32, 1]);
+        p.splits = splits as u32;
+        let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
         let bind = [&w.raw, &gu, &xh, &rowf, x, &w.raw];
-        let cg = [c[0], sk];
+        let cg = [c[0], sk, bk, ("SPLITK", (splits > 1) as u32 as f64)];
         let cg = if skinny { &cg[..] } else { &cg[..1] };
         rec.dispatch(kernel, cg, bytemuck::bytes_of(&p), &bind, grid)?;
         // The next product (no norm: the down product) takes y's halves, made here.
@@ -1325,7 +1421,7 @@ fn qmatmul_coop(
                 && invariant_on_coop(gpu, nx.w.cols)
         });
         if halves {
-            let (xh, rowf) = glu_half(rec, &gu, &y, m, outs, fuse.geglu)?;
+            let (xh, rowf) = glu_half(rec, &gu, &y, m, outs, fuse.geglu, splits)?;
             let half = X8 {
                 q: xh,
                 cols: outs,
@@ -1334,11 +1430,11 @@ fn qmatmul_coop(
             };
             return Ok(Coop::Done(y, Some(half)));
         }
-        glu_rows(rec, &gu, &y, m, outs, fuse.geglu)?;
+        glu_rows(rec, &gu, &y, m, outs, fuse.geglu, splits)?;
         return Ok(Coop::Done(y, None));
     }
     let splits = match fuse.invariant {
-        true => split_k_to(COOP_SPLITK_TARGET, gn, w.cols),
+        true => layout.invariant_splits(gn, w.cols),
         false => split_k_to(COOP_SPLITK_TARGET, gn * gm, w.cols),
     };
     let res = fuse.residual.unwrap_or(x);
@@ -1351,7 +1447,7 @@ fn qmatmul_coop(
     // Partial tiles of k's slices, then their sum (+ the residual) in order.
     let part = Tensor::empty(gpu, &[splits, m, outs], DType::F32, "qmatmul_coop.part")?;
     p.splits = splits as u32;
-    let cs = [c[0], ("SPLITK", 1.0), sk];
+    let cs = [c[0], ("SPLITK", 1.0), sk, bk];
     let cs = if skinny { &cs[..] } else { &cs[..2] };
     let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
     let bind = [&w.raw, &part, &xh, &rowf, res, &w.raw];
@@ -1414,7 +1510,8 @@ pub(crate) fn splitk_sum(
 }
 
 /// y (m, n) = act(gate) * up from `gu` (m, 2n), the cooperative product's [gate | up]
-/// rows: silu, or GeGLU's gelu with `geglu` (`quant.wgsl`'s `glu_rows`).
+/// rows (or `splits` > 1 partials of them, (splits, m, 2n), summed in order): silu, or
+/// GeGLU's gelu with `geglu` (`quant.wgsl`'s `glu_rows`).
 pub(crate) fn glu_rows(
     rec: &mut Recorder<'_>,
     gu: &Tensor,
@@ -1422,10 +1519,22 @@ pub(crate) fn glu_rows(
     m: usize,
     n: usize,
     geglu: bool,
+    splits: usize,
 ) -> Result<()> {
+    if gu.numel() != splits.max(1) * 2 * m * n || y.numel() != m * n {
+        return Err(Error::Shape {
+            op: "glu_rows",
+            detail: format!(
+                "[gate | up] {:?} ({splits} slices) into y {:?} for {m} rows of {n}",
+                gu.shape(),
+                y.shape()
+            ),
+        });
+    }
     let p = Params {
         m: m as u32,
         n: n as u32,
+        splits: splits as u32,
         ..Default::default()
     };
     let grid = Grid::cover((m * n) as u64, 256);
@@ -1443,13 +1552,14 @@ pub(crate) fn glu_half(
     m: usize,
     n: usize,
     geglu: bool,
+    splits: usize,
 ) -> Result<(Tensor, Tensor)> {
     let gpu = rec.gpu();
-    if n % 4 != 0 || gu.numel() != 2 * m * n || y.numel() != m * n {
+    if n % 4 != 0 || gu.numel() != splits.max(1) * 2 * m * n || y.numel() != m * n {
         return Err(Error::Shape {
             op: "glu_half",
             detail: format!(
-                "[gate | up] {:?} into y {:?} for {m} rows of {n} (a multiple of 4)",
+                "[gate | up] {:?} ({splits} slices) into y {:?} for {m} rows of {n} (a multiple of 4)",
                 gu.shape(),
                 y.shape()
             ),
@@ -1460,6 +1570,7 @@ pub(crate) fn glu_half(
         m: m as u32,
         k: n as u32,
         n: n as u32,
+        splits: splits as u32,
         ..Default::default()
     };
     rec.dispatch(
@@ -1963,7 +2074,32 @@ fn matvec_grid(
 
 #[cfg(test)]
 mod tests {
-    use super::{split_k, split_k_to, COOP_SPLITK_TARGET};
+    use super::{split_k, split_k_to, SkinnyLayout, COOP_SPLITK_TARGET};
+
+    #[test]
+    fn skinny_layouts_parse_and_default_to_the_measured_one() {
+        let d = SkinnyLayout::parse(None, None);
+        assert_eq!(d, SkinnyLayout::default());
+        // The default invariant split is the cooperative product's.
+        for (gn, k) in [(224, 4096), (32, 14336), (48, 4096), (5, 576), (24, 576)] {
+            assert_eq!(
+                d.invariant_splits(gn, k),
+                split_k_to(COOP_SPLITK_TARGET, gn, k)
+            );
+        }
+        let l = SkinnyLayout::parse(Some("128"), Some("2048, 32, glu"));
+        assert_eq!(
+            (l.bk, l.split_target, l.split_max, l.split_glu),
+            (128, 2048, 32, true)
+        );
+        assert_eq!(l.invariant_splits(224, 4096), 10);
+        let l = SkinnyLayout::parse(Some("64"), Some("1024,4"));
+        assert_eq!((l.bk, l.split_max, l.split_glu), (64, 4, false));
+        // Bad values: the default, not a panic.
+        for (bk, sp) in [("48", "1,0"), ("x", "512"), ("", "1,2,3"), ("256", "0,8")] {
+            assert_eq!(SkinnyLayout::parse(Some(bk), Some(sp)), d, "{bk} {sp}");
+        }
+    }
 
     #[test]
     fn split_k_fills_a_large_gpu_only_when_tiles_are_few() {

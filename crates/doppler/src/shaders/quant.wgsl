@@ -1429,7 +1429,7 @@ fn x_half_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 
 // glu_half: glu_rows then x_half without NORM in one pass, a workgroup a row: g =
 // act(gate) * up from x (m, 2n), the cooperative product's [gate | up] row (as glu_rows
-// reads it; n is p.k here), stored to y_out; then g scaled and rounded to f16 as x_half
+// reads it, summing p.splits partials where split: gu_at; n is p.k here), stored to y_out; then g scaled and rounded to f16 as x_half
 // makes it (the factor to dst, the halves to xq_out) for the product that takes g (the
 // down product). The same arithmetic in the same order as glu_rows then x_half: the
 // same bits. n a multiple of 4. Grid: m workgroups (2-D past 65535).
@@ -1444,8 +1444,11 @@ fn glu_half(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     for (var c = lid * 4u; c < p.k; c += 1024u) {
         let gi = 2u * r * p.k + c;   // gate's columns; up's are p.k further
         let ui = gi + p.k;
-        let g = vec4<f32>(gate_act(x[gi]) * x[ui], gate_act(x[gi + 1u]) * x[ui + 1u],
-                          gate_act(x[gi + 2u]) * x[ui + 2u], gate_act(x[gi + 3u]) * x[ui + 3u]);
+        let n = p.k;
+        let g = vec4<f32>(gate_act(gu_at(gi, n)) * gu_at(ui, n),
+                          gate_act(gu_at(gi + 1u, n)) * gu_at(ui + 1u, n),
+                          gate_act(gu_at(gi + 2u, n)) * gu_at(ui + 2u, n),
+                          gate_act(gu_at(gi + 3u, n)) * gu_at(ui + 3u, n));
         y_out[(r * p.k + c) / 4u] = g;   // (read back below by this thread alone)
         let a = abs(g);
         big = max(big, max(max(a.x, a.y), max(a.z, a.w)));
@@ -1659,8 +1662,8 @@ fn qmatmul_t(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
 
 // dst[r, j] = act(x[r, j]) * x[r, n + j] (quant_blocks.wgsl's gate_act: silu, or GEGLU's
 // gelu), x (m, 2n) the product with W's 2n rows [gate; up]: the cooperative product's
-// SwiGLU / GeGLU, done after it (its tiles go straight to x). i < m n; cover m n, 256 a
-// workgroup.
+// SwiGLU / GeGLU, done after it (its tiles go straight to x, or p.splits partial tiles
+// summed here: gu_at). i < m n; cover m n, 256 a workgroup.
 @compute @workgroup_size(256)
 fn glu_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
             @builtin(local_invocation_index) lid: u32) {
@@ -1670,7 +1673,23 @@ fn glu_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     }
     let r = i / p.n;
     let j = i % p.n;
-    dst[i] = gate_act(x[2u * r * p.n + j]) * x[(2u * r + 1u) * p.n + j];
+    let gi = 2u * r * p.n + j;
+    dst[i] = gate_act(gu_at(gi, p.n)) * gu_at(gi + p.n, p.n);
+}
+
+// Element i of the cooperative product's [gate | up] rows (m, 2n) in x: summed over its
+// p.splits SPLITK partials (splits, m, 2n) in slice order as splitk_sum sums them, where
+// there are more than one (glu_rows and glu_half with a split gate/up product).
+fn gu_at(i: u32, n: u32) -> f32 {
+    if (p.splits <= 1u) {
+        return x[i];
+    }
+    let mn = 2u * p.m * n;
+    var acc = 0.0;
+    for (var z = 0u; z < p.splits; z++) {
+        acc += x[z * mn + i];
+    }
+    return acc;
 }
 
 // dst[i] = (res[i] +) the sum of qmatmul's SPLITK partials x (p.splits, m, n) in slice

@@ -395,12 +395,51 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
 // The same product with tiles of 16 SK_R rows (SK_R = 1, 2 or 4) by 128 columns, so that
 // W is decoded once per 16 SK_R rows of x, not once per 128 (most of them padding at
 // these m): subgroup w owns columns 32 w .. + 32 of the tile and all its rows, SK_R x 2
-// accumulators. Each step stages xh's 16 SK_R x 32 (SK_R slots a thread) and W's
-// 128 x 32 as qmatmul_coop does. Every tile goes out through `put` (rowf, RESIDUAL,
-// SPLITK as there). Per output, the same sums in the same order as qmatmul_coop with
-// the same slices of k.
+// accumulators. Each step stages xh's 16 SK_R x SK_BK and W's 128 x SK_BK (SK_BK = 32,
+// 64 or 128 k a step: with more, more of W's bytes are in flight a thread and fewer
+// barriers a product) as qmatmul_coop does, thread t decoding row t of W's tile (RAW
+// types: SK_BK / 32 runs of it). Every tile goes out through `put` (rowf, RESIDUAL,
+// SPLITK as there). Per output, the same sums in the same order as qmatmul_coop with the
+// same slices of k, at any SK_BK (16 k a product, in order; k past the end adds zeros).
 //                                   grid (ceil(n / 128), ceil(m / (16 SK_R)), splits)
 override SK_R: u32 = 1u;
+override SK_BK: u32 = 32u;
+override SKQ: u32 = SK_BK / 4u;        // slots (4 k) of a staged row
+override SKS: u32 = SK_BK / 4u + 2u;   // stride of a staged row (SK_BK + 8 halves, in vec4s)
+
+var<workgroup> ska: array<vec4<f16>, 64u * SKS>;    // xh [m][k]: 16 SK_R rows of SKS
+var<workgroup> skb: array<vec4<f16>, 128u * SKS>;   // W [n][k]: 128 rows of SKS
+
+// Slot q of a skinny step at k0: 4 consecutive k of one row of x (zero outside).
+fn skinny_a(q: u32, m0: u32, k0: u32, kz: u32) -> vec4<f16> {
+    let m = m0 + q / SKQ;
+    let kk = k0 + (q % SKQ) * 4u;
+    if (m < p.m && kk < kz) {
+        return xh[(m * p.k + kk) / 4u];
+    }
+    return vec4<f16>(0.0);
+}
+
+// The same for W's rows (types decoded as fetched, value4).
+fn skinny_b(q: u32, n0: u32, k0: u32, kz: u32) -> vec4<f16> {
+    let n = n0 + q / SKQ;
+    let kk = k0 + (q % SKQ) * 4u;
+    if (n < p.n && kk < kz) {
+        return vec4<f16>(value4(n * p.k + kk));
+    }
+    return vec4<f16>(0.0);
+}
+
+fn skinny_stash(q: u32) -> u32 {
+    return (q / SKQ) * SKS + q % SKQ;
+}
+
+// Run j (32 values) of thread t's row of W, staged at k0, decoded into its place.
+fn skinny_raw(tid: u32, j: u32, k0: u32, r: array<vec4<u32>, RAW_V4>) {
+    for (var e = 0u; e < 8u; e++) {
+        skb[tid * SKS + 8u * j + e] = vec4<f16>(raw_value4(r, e, ((k0 + 32u * j) % 256u) / 32u));
+    }
+}
 
 @compute @workgroup_size(128)
 fn qmatmul_coop_skinny(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
@@ -409,13 +448,14 @@ fn qmatmul_coop_skinny(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
     var kb0 = 0u;
     var kz = p.k;
     if (SPLITK) {
-        let per = (p.k + p.splits * BK - 1u) / (p.splits * BK) * BK;
+        let per = (p.k + p.splits * SK_BK - 1u) / (p.splits * SK_BK) * SK_BK;
         kb0 = min(p.k, wid.z * per);
         kz = min(p.k, kb0 + per);
     }
     let w = tid / 32u;
     let lane = tid % 32u;
     let wc = w * 32u;   // the subgroup's columns within the tile
+    let na = SK_R * SKQ / 8u;   // x's slots a thread a step (1 .. 16)
 
     var c00: coop_mat16x16<f32, C>;
     var c01: coop_mat16x16<f32, C>;
@@ -434,66 +474,90 @@ fn qmatmul_coop_skinny(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
     c30 = coop_mat16x16<f32, C>();
     c31 = coop_mat16x16<f32, C>();
 
-    var pa: array<vec4<f16>, 4>;
-    var pb: array<vec4<f16>, 8>;
-    var raw: array<vec4<u32>, RAW_V4>;
-    for (var i = 0u; i < SK_R; i++) {
-        pa[i] = fetch_a(tid + 128u * i, m0, kb0, kz);
+    // The next step's values in registers: x's slots, and W's (runs of raw words, or
+    // SKQ decoded slots).
+    var pa: array<vec4<f16>, 16>;
+    var pb: array<vec4<f16>, 32>;
+    var raw0: array<vec4<u32>, RAW_V4>;
+    var raw1: array<vec4<u32>, RAW_V4>;
+    var raw2: array<vec4<u32>, RAW_V4>;
+    var raw3: array<vec4<u32>, RAW_V4>;
+    for (var i = 0u; i < na; i++) {
+        pa[i] = skinny_a(tid + 128u * i, m0, kb0, kz);
     }
     if (RAW) {
-        raw = fetch_w_raw(n0 + tid, kb0, kz);
+        raw0 = fetch_w_raw(n0 + tid, kb0, kz);
+        if (SK_BK > 32u) {
+            raw1 = fetch_w_raw(n0 + tid, kb0 + 32u, kz);
+        }
+        if (SK_BK > 64u) {
+            raw2 = fetch_w_raw(n0 + tid, kb0 + 64u, kz);
+            raw3 = fetch_w_raw(n0 + tid, kb0 + 96u, kz);
+        }
     } else {
-        for (var i = 0u; i < 8u; i++) {
-            pb[i] = fetch_b(tid + 128u * i, n0, kb0, kz);
+        for (var i = 0u; i < SKQ; i++) {
+            pb[i] = skinny_b(tid + 128u * i, n0, kb0, kz);
         }
     }
-    for (var k0 = kb0; k0 < kz; k0 += BK) {
-        for (var i = 0u; i < SK_R; i++) {
-            sa[stash(tid + 128u * i)] = pa[i];
+    for (var k0 = kb0; k0 < kz; k0 += SK_BK) {
+        for (var i = 0u; i < na; i++) {
+            ska[skinny_stash(tid + 128u * i)] = pa[i];
         }
         if (RAW) {
-            for (var e = 0u; e < 8u; e++) {
-                sb[tid * SK + e] = vec4<f16>(raw_value4(raw, e, (k0 % 256u) / 32u));
+            skinny_raw(tid, 0u, k0, raw0);
+            if (SK_BK > 32u) {
+                skinny_raw(tid, 1u, k0, raw1);
+            }
+            if (SK_BK > 64u) {
+                skinny_raw(tid, 2u, k0, raw2);
+                skinny_raw(tid, 3u, k0, raw3);
             }
         } else {
-            for (var i = 0u; i < 8u; i++) {
-                sb[stash(tid + 128u * i)] = pb[i];
+            for (var i = 0u; i < SKQ; i++) {
+                skb[skinny_stash(tid + 128u * i)] = pb[i];
             }
         }
         workgroupBarrier();
-        let k1 = k0 + BK;
+        let k1 = k0 + SK_BK;
         if (k1 < kz) {
-            for (var i = 0u; i < SK_R; i++) {
-                pa[i] = fetch_a(tid + 128u * i, m0, k1, kz);
+            for (var i = 0u; i < na; i++) {
+                pa[i] = skinny_a(tid + 128u * i, m0, k1, kz);
             }
             if (RAW) {
-                raw = fetch_w_raw(n0 + tid, k1, kz);
+                raw0 = fetch_w_raw(n0 + tid, k1, kz);
+                if (SK_BK > 32u) {
+                    raw1 = fetch_w_raw(n0 + tid, k1 + 32u, kz);
+                }
+                if (SK_BK > 64u) {
+                    raw2 = fetch_w_raw(n0 + tid, k1 + 64u, kz);
+                    raw3 = fetch_w_raw(n0 + tid, k1 + 96u, kz);
+                }
             } else {
-                for (var i = 0u; i < 8u; i++) {
-                    pb[i] = fetch_b(tid + 128u * i, n0, k1, kz);
+                for (var i = 0u; i < SKQ; i++) {
+                    pb[i] = skinny_b(tid + 128u * i, n0, k1, kz);
                 }
             }
         }
-        for (var kb = 0u; kb < BK / 4u; kb += 4u) {   // 16 k a pass, in vec4s
+        for (var kb = 0u; kb < SKQ; kb += 4u) {   // 16 k a pass, in vec4s
             var b0: coop_mat16x16<f16, B>;
             var b1: coop_mat16x16<f16, B>;
-            b0 = coopLoad<coop_mat16x16<f16, B>>(&sb[wc * SK + kb], SK);
-            b1 = coopLoad<coop_mat16x16<f16, B>>(&sb[(wc + 16u) * SK + kb], SK);
+            b0 = coopLoad<coop_mat16x16<f16, B>>(&skb[wc * SKS + kb], SKS);
+            b1 = coopLoad<coop_mat16x16<f16, B>>(&skb[(wc + 16u) * SKS + kb], SKS);
             var a0: coop_mat16x16<f16, A>;
-            a0 = coopLoadT<coop_mat16x16<f16, A>>(&sa[kb], SK);
+            a0 = coopLoadT<coop_mat16x16<f16, A>>(&ska[kb], SKS);
             c00 = coopMultiplyAdd(a0, b0, c00);
             c01 = coopMultiplyAdd(a0, b1, c01);
             if (SK_R > 1u) {
                 var a1: coop_mat16x16<f16, A>;
-                a1 = coopLoadT<coop_mat16x16<f16, A>>(&sa[16u * SK + kb], SK);
+                a1 = coopLoadT<coop_mat16x16<f16, A>>(&ska[16u * SKS + kb], SKS);
                 c10 = coopMultiplyAdd(a1, b0, c10);
                 c11 = coopMultiplyAdd(a1, b1, c11);
             }
             if (SK_R > 2u) {
                 var a2: coop_mat16x16<f16, A>;
                 var a3: coop_mat16x16<f16, A>;
-                a2 = coopLoadT<coop_mat16x16<f16, A>>(&sa[32u * SK + kb], SK);
-                a3 = coopLoadT<coop_mat16x16<f16, A>>(&sa[48u * SK + kb], SK);
+                a2 = coopLoadT<coop_mat16x16<f16, A>>(&ska[32u * SKS + kb], SKS);
+                a3 = coopLoadT<coop_mat16x16<f16, A>>(&ska[48u * SKS + kb], SKS);
                 c20 = coopMultiplyAdd(a2, b0, c20);
                 c21 = coopMultiplyAdd(a2, b1, c21);
                 c30 = coopMultiplyAdd(a3, b0, c30);

@@ -1465,18 +1465,22 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
     }
     // glu_half alone (any adapter): against glu_rows then x_half without a norm, every
     // output the same bits; silu and GeGLU's gelu, rows of 1536, 1000 and 4096, values
-    // large enough in some rows that the halves are scaled down.
-    for (ci, (m, n, geglu)) in [
-        (1usize, 1536usize, false),
-        (37, 1000, true),
-        (5, 4096, false),
+    // large enough in some rows that the halves are scaled down. Split (3 partials of
+    // gate/up, as a split invariant gate/up product leaves them): glu_rows also against
+    // splitk_sum then glu_rows.
+    for (ci, (m, n, geglu, splits)) in [
+        (1usize, 1536usize, false, 1usize),
+        (37, 1000, true, 1),
+        (5, 4096, false, 1),
+        (37, 1000, false, 3),
+        (1, 1536, true, 3),
     ]
     .into_iter()
     .enumerate()
     {
         let mut rng = Rng::new(6500 + ci as u64);
         let guv: Vec<f32> = rng
-            .vec(2 * m * n)
+            .vec(splits * 2 * m * n)
             .iter()
             .enumerate()
             .map(|(i, v)| {
@@ -1488,14 +1492,23 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
             })
             .collect();
         let r = twice("glu_half", async || {
-            let gu = Tensor::from_f32(gpu, &[m, 2 * n], &guv, "gate_up")?;
+            let gu = Tensor::from_f32(gpu, &[splits, m, 2 * n], &guv, "gate_up")?;
             let ya = Tensor::empty(gpu, &[m, n], crate::gpu::DType::F32, "ya")?;
             let yb = Tensor::empty(gpu, &[m, n], crate::gpu::DType::F32, "yb")?;
+            let yc = Tensor::empty(gpu, &[m, n], crate::gpu::DType::F32, "yc")?;
+            let summed = Tensor::empty(gpu, &[m, 2 * n], crate::gpu::DType::F32, "summed")?;
             let ((ha, fa), (hb, fb)) = gpu
                 .run_async(|rec| {
-                    let a = glu_half(rec, &gu, &ya, m, n, geglu)?;
-                    glu_rows(rec, &gu, &yb, m, n, geglu)?;
+                    let a = glu_half(rec, &gu, &ya, m, n, geglu, splits)?;
+                    glu_rows(rec, &gu, &yb, m, n, geglu, splits)?;
                     let b = x_half(rec, &yb, n, None)?;
+                    match splits {
+                        1 => glu_rows(rec, &gu, &yc, m, n, geglu, 1)?,
+                        _ => {
+                            splitk_sum(rec, &gu, None, &summed, m, 2 * n, splits)?;
+                            glu_rows(rec, &summed, &yc, m, n, geglu, 1)?;
+                        }
+                    }
                     Ok((a, b))
                 })
                 .await?;
@@ -1507,6 +1520,7 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
                 bits(hb.to_vec_u32(gpu).await?),
                 fa.to_vec_f32(gpu).await?,
                 fb.to_vec_f32(gpu).await?,
+                yc.to_vec_f32(gpu).await?,
             ])
         })
         .await;
@@ -1517,13 +1531,18 @@ pub(super) async fn invariant_chain_checks(gpu: &Gpu, out: &mut Vec<CheckResult>
             for (what, k) in [("y", 0), ("halves", 2), ("rows' factors", 4)] {
                 same_bits_as(what, &got[k], &got[k + 1], ("fused", "apart"))?;
             }
+            same_bits_as("y", &got[1], &got[6], ("from partials", "summed first"))?;
             Ok(Stats::default())
         });
+        let parts = match splits {
+            1 => String::new(),
+            s => format!(" from {s} partials (and against splitk_sum then glu_rows)"),
+        };
         push(
             out,
             "qmatmul invariant chain",
             format!(
-                "glu_half: [{m}, 2 x {n}] {}, f16 halves: the same bits as glu_rows then x_half",
+                "glu_half: [{m}, 2 x {n}] {}{parts}, f16 halves: the same bits as glu_rows then x_half",
                 if geglu { "GeGLU" } else { "SwiGLU" }
             ),
             res,
