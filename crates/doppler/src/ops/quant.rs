@@ -308,6 +308,18 @@ impl SkinnyLayout {
     }
 }
 
+/// k a step of `qmatmul_coop_skinny` with tiles of 16 `sk_r` rows: `want` (32, 64 or 128)
+/// or the largest below it whose staging fits in `limit` bytes of workgroup memory (the
+/// H200 has 48 KiB: 128 k with 64-row tiles takes 59 KiB). Any step gives the same bits
+/// (slices of k in whole 32s), so it may follow the tile.
+fn skinny_bk(want: usize, sk_r: usize, limit: u32) -> usize {
+    let bytes = |bk: usize| (16 * sk_r + 128) * (bk / 4 + 2) * 8 + 4096;
+    [128, 64]
+        .into_iter()
+        .find(|&bk| bk <= want && bytes(bk) <= limit as usize)
+        .unwrap_or(32)
+}
+
 /// Rows of x up to which [`qmatmul`] runs the matrix-vector kernel (it reads W once per 8
 /// rows; the tiled kernel computes 64-row tiles).
 pub const MATVEC_MAX_ROWS: usize = 32;
@@ -1379,7 +1391,14 @@ fn qmatmul_coop(
     };
     let gm = m.div_ceil(tile_m);
     let sk = ("SK_R", sk_r as f64);
-    let bk = ("SK_BK", layout.bk as f64);
+    let bk = (
+        "SK_BK",
+        skinny_bk(
+            layout.bk,
+            sk_r,
+            gpu.limits.max_compute_workgroup_storage_size,
+        ) as f64,
+    );
     let c = [
         ("TYPE", w.ty.0 as f64),
         ("RESIDUAL", fuse.residual.is_some() as u32 as f64),
@@ -2074,7 +2093,18 @@ fn matvec_grid(
 
 #[cfg(test)]
 mod tests {
-    use super::{split_k, split_k_to, SkinnyLayout, COOP_SPLITK_TARGET};
+    use super::{skinny_bk, split_k, split_k_to, SkinnyLayout, COOP_SPLITK_TARGET};
+
+    #[test]
+    fn skinny_steps_fit_the_workgroup_memory() {
+        let h200 = 48 * 1024;
+        assert_eq!(skinny_bk(128, 1, h200), 128);
+        assert_eq!(skinny_bk(128, 2, h200), 128);
+        assert_eq!(skinny_bk(128, 4, h200), 64);
+        assert_eq!(skinny_bk(64, 4, h200), 64);
+        assert_eq!(skinny_bk(32, 1, h200), 32);
+        assert_eq!(skinny_bk(128, 4, 16 * 1024), 32);
+    }
 
     #[test]
     fn skinny_layouts_parse_and_default_to_the_measured_one() {

@@ -397,7 +397,8 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
 // these m): subgroup w owns columns 32 w .. + 32 of the tile and all its rows, SK_R x 2
 // accumulators. Each step stages xh's 16 SK_R x SK_BK and W's 128 x SK_BK (SK_BK = 32,
 // 64 or 128 k a step: with more, more of W's bytes are in flight a thread and fewer
-// barriers a product) as qmatmul_coop does, thread t decoding row t of W's tile (RAW
+// barriers a product; workgroup memory (16 SK_R + 128) (SK_BK + 8) halves + 4 KiB) as
+// qmatmul_coop does, thread t decoding row t of W's tile (RAW
 // types: SK_BK / 32 runs of it). Every tile goes out through `put` (rowf, RESIDUAL,
 // SPLITK as there). Per output, the same sums in the same order as qmatmul_coop with the
 // same slices of k, at any SK_BK (16 k a product, in order; k past the end adds zeros).
@@ -407,7 +408,7 @@ override SK_BK: u32 = 32u;
 override SKQ: u32 = SK_BK / 4u;        // slots (4 k) of a staged row
 override SKS: u32 = SK_BK / 4u + 2u;   // stride of a staged row (SK_BK + 8 halves, in vec4s)
 
-var<workgroup> ska: array<vec4<f16>, 64u * SKS>;    // xh [m][k]: 16 SK_R rows of SKS
+var<workgroup> ska: array<vec4<f16>, 16u * SK_R * SKS>;   // xh [m][k]: 16 SK_R rows of SKS
 var<workgroup> skb: array<vec4<f16>, 128u * SKS>;   // W [n][k]: 128 rows of SKS
 
 // Slot q of a skinny step at k0: 4 consecutive k of one row of x (zero outside).
@@ -448,7 +449,9 @@ fn qmatmul_coop_skinny(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
     var kb0 = 0u;
     var kz = p.k;
     if (SPLITK) {
-        let per = (p.k + p.splits * SK_BK - 1u) / (p.splits * SK_BK) * SK_BK;
+        // Slices in whole 32s of k (BK), as qmatmul_coop's, whatever SK_BK: the same
+        // slices, so the same sums, at every step size.
+        let per = (p.k + p.splits * BK - 1u) / (p.splits * BK) * BK;
         kb0 = min(p.k, wid.z * per);
         kz = min(p.k, kb0 + per);
     }
