@@ -51,7 +51,8 @@ fn verify_passes_and_reports_json() {
 /// The cooperative-matrix kernels, which only GPUs with tensor cores run, checked here
 /// with their matrices emulated (`DOPPLER_EMULATE_COOP`, gpu/coop_emulate.rs): the batch-
 /// invariant products and their fused chains (serving's path), with the skinny kernel's
-/// longest step and gate/up split over k (non-default layouts, `SkinnyLayout`).
+/// longest step the workgroup memory takes (128 k asked; lavapipe's 32 KiB take 64) and
+/// gate/up split over k (non-default layouts, `SkinnyLayout`).
 #[test]
 fn cooperative_kernels_pass_verify_emulated() {
     let out = Command::new(env!("CARGO_BIN_EXE_doppler"))
