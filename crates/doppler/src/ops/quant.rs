@@ -236,9 +236,11 @@ fn split_k_max(target: usize, tiles: usize, k: usize, max: usize) -> usize {
 /// laid out, for measuring the choices on a GPU: k a step (`DOPPLER_SKINNY_BK`: 32, 64
 /// or 128; default 32) and, for invariant products, the workgroups split k aims for and
 /// the most slices (`DOPPLER_INVARIANT_SPLITS=TARGET,MAX[,glu]`; default 512,8, as
-/// [`COOP_SPLITK_TARGET`] and [`MAX_SPLITS`]; `glu`: the gate/up product split too). Read once a process. Results are the same
-/// bits at every step size; the split changes an invariant product's slices of k (the
-/// same for every batch size, so still batch-invariant).
+/// [`COOP_SPLITK_TARGET`] and [`MAX_SPLITS`]; `glu`: the gate/up product split too).
+/// Read once a process. Results are the same bits at every step size; the split changes
+/// an invariant product's slices of k (the same for every batch size, so still
+/// batch-invariant). On an H100 no other layout beat the defaults (docs/benchmarks.md,
+/// session 30).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SkinnyLayout {
     pub bk: usize,
@@ -1428,8 +1430,12 @@ fn qmatmul_coop(
         p.splits = splits as u32;
         let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
         let bind = [&w.raw, &gu, &xh, &rowf, x, &w.raw];
-        let cg = [c[0], sk, bk, ("SPLITK", (splits > 1) as u32 as f64)];
-        let cg = if skinny { &cg[..] } else { &cg[..1] };
+        let cg = [c[0], sk, bk, ("SPLITK", 1.0)];
+        let cg = match (skinny, splits > 1) {
+            (true, true) => &cg[..],
+            (true, false) => &cg[..3],
+            (false, _) => &cg[..1],
+        };
         rec.dispatch(kernel, cg, bytemuck::bytes_of(&p), &bind, grid)?;
         // The next product (no norm: the down product) takes y's halves, made here.
         let halves = next.is_some_and(|nx| {
