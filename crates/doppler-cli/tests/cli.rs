@@ -3,8 +3,14 @@
 use std::process::Command;
 
 fn doppler(args: &[&str]) -> (bool, String, String) {
+    doppler_env(args, &[])
+}
+
+/// `doppler` with environment variables set.
+fn doppler_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_doppler"))
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .expect("run doppler");
     (
@@ -55,18 +61,15 @@ fn verify_passes_and_reports_json() {
 /// gate/up split over k (non-default layouts, `SkinnyLayout`).
 #[test]
 fn cooperative_kernels_pass_verify_emulated() {
-    let out = Command::new(env!("CARGO_BIN_EXE_doppler"))
-        .args(["verify", "--filter", "qmatmul invariant", "--json"])
-        .env("DOPPLER_EMULATE_COOP", "on")
-        .env("DOPPLER_SKINNY_BK", "128")
-        .env("DOPPLER_INVARIANT_SPLITS", "1024,16,glu")
-        .output()
-        .expect("run doppler");
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
+    let (ok, stdout, stderr) = doppler_env(
+        &["verify", "--filter", "qmatmul invariant", "--json"],
+        &[
+            ("DOPPLER_EMULATE_COOP", "on"),
+            ("DOPPLER_SKINNY_BK", "128"),
+            ("DOPPLER_INVARIANT_SPLITS", "1024,16,glu"),
+        ],
     );
-    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(ok, "{stdout}{stderr}");
     let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(v["failed"], 0, "{stdout}");
     let checks = v["checks"].as_array().unwrap();
@@ -888,16 +891,11 @@ fn logs_are_plain_text_off_a_terminal_and_a_missing_shader_dir_is_named() {
 #[test]
 fn kernels_through_the_passthrough_spirv_path_pass_verify() {
     for op in ["softmax", "embedding"] {
-        let out = Command::new(env!("CARGO_BIN_EXE_doppler"))
-            .args(["verify", "--filter", op, "-vv"])
-            .env("DOPPLER_PASSTHROUGH", "all")
-            .output()
-            .expect("run doppler");
-        let (stdout, err) = (
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr),
+        let (ok, stdout, err) = doppler_env(
+            &["verify", "--filter", op, "-vv"],
+            &[("DOPPLER_PASSTHROUGH", "all")],
         );
-        assert!(out.status.success(), "{op}: {stdout}\n{err}");
+        assert!(ok, "{op}: {stdout}\n{err}");
         assert!(stdout.contains(" 0 failed"), "{op}: {stdout}");
         assert!(
             err.contains("passthrough module"),

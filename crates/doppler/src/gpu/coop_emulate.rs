@@ -1,12 +1,12 @@
 //! Cooperative matrices emulated in plain WGSL, so that the cooperative-matrix kernels
 //! (`matmul_coop.wgsl`, `quant_coop.wgsl`, `attention_coop.wgsl`, `conv2d_coop.wgsl`) run
-//! and are checked on adapters without them (lavapipe, in CI). Test use only: it is slow
-//! (every invocation holds and multiplies whole 16 x 16 matrices) and chosen only with
+//! and are checked on adapters without them (lavapipe, in CI). Test use only: slow to
+//! compile (every load, store and multiply-add unrolled) and chosen only with
 //! `DOPPLER_EMULATE_COOP=on` ([`super::GpuOptions::emulate_coop`]).
 //!
 //! The kernel's WGSL is rewritten as text before naga sees it:
-//! - `coop_mat16x16<T, R>` becomes a struct holding the 256 elements, row r column c at
-//!   `v[16 r + c]` (A is 16 x 16 of M x K, B of K x N, C of M x N);
+//! - `coop_mat16x16<T, R>` becomes a struct holding the lane's fragment of it (below) as
+//!   f32 values (A is 16 x 16 of M x K, B of K x N, C of M x N);
 //! - `coopLoad` / `coopLoadT` (naga 30: `T` is row-major) from `&name[i]` become calls of a
 //!   function made for that variable: element (r, c) at component `i' + r s' + c`
 //!   (row-major) or `i' + c s' + r` (column-major), where for an array of `vec4`s the
@@ -165,7 +165,7 @@ fn fragment(role: &str) -> Option<Vec<(String, String)>> {
     })
 }
 
-/// The struct standing for/// The struct standing for `coop_mat16x16<scalar, role>`.
+/// The struct standing for `coop_mat16x16<scalar, role>`.
 fn struct_name(scalar: &str, role: &str) -> String {
     format!("CoopM_{scalar}_{role}")
 }
@@ -266,7 +266,7 @@ fn calls(
                     found.stores.insert((name.clone(), row_major));
                     format!("coop_st_{name}_{order}({v}, {index}, {stride})")
                 }
-                _ => unreachable!("loads have a type"),
+                (None, None) => return Err(format!("{word} without a matrix type")),
             }
         };
         out.push_str(&call);

@@ -135,22 +135,22 @@ impl GpuOptions {
                     MatmulMode::F32
                 }),
             },
-            quant_coop: match get("DOPPLER_QUANT_COOP").as_deref() {
-                None | Some("on") => true,
-                Some("off") => false,
-                Some(other) => {
-                    tracing::warn!("DOPPLER_QUANT_COOP={other:?} is not on or off: on");
-                    true
-                }
-            },
-            emulate_coop: match get("DOPPLER_EMULATE_COOP").as_deref() {
-                None | Some("off") => false,
-                Some("on") => true,
-                Some(other) => {
-                    tracing::warn!("DOPPLER_EMULATE_COOP={other:?} is not on or off: off");
-                    false
-                }
-            },
+            quant_coop: on_off("DOPPLER_QUANT_COOP", get("DOPPLER_QUANT_COOP"), true),
+            emulate_coop: on_off("DOPPLER_EMULATE_COOP", get("DOPPLER_EMULATE_COOP"), false),
+        }
+    }
+}
+
+/// A variable's `on` / `off` (unset: `default`; anything else: a warning, `default`).
+fn on_off(name: &str, value: Option<String>, default: bool) -> bool {
+    match value.as_deref() {
+        None => default,
+        Some("on") => true,
+        Some("off") => false,
+        Some(other) => {
+            let d = if default { "on" } else { "off" };
+            tracing::warn!("{name}={other:?} is not on or off: {d}");
+            default
         }
     }
 }

@@ -189,12 +189,11 @@ impl PipelineCache {
             && kernel
                 .features
                 .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
-        let missing = match emulated {
-            true => {
-                kernel.features - gpu.features - wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
-            }
-            false => kernel.features - gpu.features,
+        let emulates = match emulated {
+            true => wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX,
+            false => wgpu::Features::empty(),
         };
+        let missing = kernel.features - gpu.features - emulates;
         if !missing.is_empty() {
             return Err(Error::MissingFeature {
                 op: kernel.entry,
