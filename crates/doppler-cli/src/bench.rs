@@ -31,6 +31,11 @@ pub enum Which {
     /// the previous one's output (a barrier between them) or all independent; wall-clock
     /// µs per dispatch (the floor under a decode step of N dispatches).
     Launch,
+    /// Quantized products x (M, K) @ W^T, W (N, K) in GGUF blocks (random), as serving's
+    /// batch-invariant product and as the default path: GPU ms a product, W's bytes a
+    /// second against a plain read of the same bytes (`sum_words`), TFLOP/s. Not part of
+    /// `all`.
+    Qmatmul,
 }
 
 #[derive(Args)]
@@ -49,6 +54,11 @@ pub struct BenchArgs {
     /// products of a GPT-2-124M training step (B8 T1024).
     #[arg(long)]
     shape: Vec<String>,
+    /// qmatmul shapes TYPE:MxNxK, optionally with ":glu" (W holds gate and up, N rows in
+    /// all: SwiGLU after the product), e.g. q4_k:32x28672x4096:glu; repeatable (default:
+    /// the products of a Llama-3-8B Q4_K layer at 32 rows).
+    #[arg(long)]
+    qshape: Vec<String>,
     /// Matmul slab depths to try (8, 16); repeatable.
     #[arg(long, default_values_t = [16u32])]
     bk: Vec<u32>,
@@ -133,6 +143,9 @@ struct Row {
     /// Throughput from the GPU time where measured, else from the wall time.
     value: f64,
     unit: &'static str,
+    /// qmatmul: the product's arithmetic rate from the same time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tflop_s: Option<f64>,
 }
 
 fn is_cpu(gpu: &Gpu) -> bool {
@@ -212,6 +225,7 @@ fn kernels(
             gpu_ms: g,
             value: work / t / 1e6,
             unit,
+            tflop_s: None,
         });
     };
 
@@ -467,6 +481,7 @@ fn train(
         gpu_ms,
         value: tokens_per_s / 1e3,
         unit: "K tok/s",
+        tflop_s: None,
     });
     if !args.json {
         eprintln!(
@@ -549,6 +564,7 @@ fn train_config(
         gpu_ms: None,
         value: items / (med / 1e3) / 1e3,
         unit,
+        tflop_s: None,
     });
     if !args.json {
         print_kernels(&tr);
@@ -628,6 +644,7 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
             gpu_ms: None,
             value: bytes / wall / 1e6,
             unit: "GB/s",
+            tflop_s: None,
         });
         let (wall, g) = time(gpu, args, &mut trace, |rec| {
             elementwise::scale_into(rec, &src, 1.0, &dst)
@@ -640,6 +657,7 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
             gpu_ms: g,
             value: bytes / t / 1e6,
             unit: "GB/s",
+            tflop_s: None,
         });
     }
     if matches!(args.which, Which::All | Which::Matmul) {
@@ -711,6 +729,7 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
                     gpu_ms: g,
                     value: flops / t / 1e9,
                     unit: "TFLOP/s",
+                    tflop_s: None,
                 });
             }
         }
@@ -718,7 +737,155 @@ pub fn run(gpu: &Gpu, args: &BenchArgs) -> doppler::Result<ExitCode> {
     if matches!(args.which, Which::All | Which::Kernels) {
         kernels(gpu, args, &mut trace, &mut rows)?;
     }
+    if args.which == Which::Qmatmul {
+        qmatmul(gpu, args, &mut trace, &mut rows)?;
+    }
     report(gpu, args, &rows, &trace)
+}
+
+/// One quantized product to time (`--qshape`).
+struct QCase {
+    ty: &'static str,
+    m: usize,
+    n: usize,
+    k: usize,
+    glu: bool,
+}
+
+/// `--qshape`: "TYPE:MxNxK[:glu]".
+fn parse_qshape(spec: &str) -> doppler::Result<QCase> {
+    use doppler::formats::gguf::GgmlType;
+    let bad = |why: &str| doppler::Error::Invalid {
+        op: "bench qmatmul",
+        detail: format!(
+            "--qshape {spec:?}: {why} (expected TYPE:MxNxK[:glu], e.g. q4_k:32x28672x4096:glu)"
+        ),
+    };
+    let parts: Vec<&str> = spec.split(':').collect();
+    if parts.len() < 2 || parts.len() > 3 {
+        return Err(bad("wrong number of fields"));
+    }
+    let ty = QTYPES
+        .iter()
+        .find(|t| t.eq_ignore_ascii_case(parts[0]))
+        .copied()
+        .ok_or_else(|| {
+            bad(&format!(
+                "type {:?} is not one of {}",
+                parts[0],
+                QTYPES.join(", ")
+            ))
+        })?;
+    let dims: Vec<usize> = parts[1]
+        .split('x')
+        .map(|d| d.parse().map_err(|_| bad("dimensions are not numbers")))
+        .collect::<doppler::Result<_>>()?;
+    let [m, n, k] = dims[..] else {
+        return Err(bad("three dimensions are needed"));
+    };
+    let glu = match parts.get(2) {
+        None => false,
+        Some(&"glu") => true,
+        Some(_) => return Err(bad("the only flag is glu")),
+    };
+    let per = GgmlType::from_name(ty)
+        .and_then(|t| t.block())
+        .map_or(1, |b| b.0 as usize);
+    if m == 0 || n == 0 || k == 0 || k % per != 0 || k % 4 != 0 || (glu && n % 2 != 0) {
+        return Err(bad(&format!(
+            "dimensions must be positive, K whole {ty} blocks of {per} and a multiple of 4, N even with glu"
+        )));
+    }
+    Ok(QCase { ty, m, n, k, glu })
+}
+
+/// The block types `bench qmatmul` times.
+const QTYPES: [&str; 10] = [
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16",
+];
+
+/// Each `--qshape` as serving's batch-invariant product (x rounded to f16, the skinny
+/// cooperative kernel where the adapter has cooperative matrices, its split-k sum or GLU
+/// pass) and as the default path, then W's bytes read by `sum_words` alone: the rate a
+/// product reading each weight once could reach.
+fn qmatmul(
+    gpu: &Gpu,
+    args: &BenchArgs,
+    trace: &mut doppler::gpu::Trace,
+    rows: &mut Vec<Row>,
+) -> doppler::Result<()> {
+    use doppler::formats::gguf::GgmlType;
+    use doppler::gpu::DType;
+    use doppler::ops::{quant, reduce};
+    let specs = if args.qshape.is_empty() {
+        // Llama-3-8B's layer at 32 rows: q/k/v, o, gate/up, down.
+        [
+            "32x6144x4096",
+            "32x4096x4096",
+            "32x28672x4096:glu",
+            "32x4096x14336",
+        ]
+        .map(|s| format!("q4_k:{s}"))
+        .to_vec()
+    } else {
+        args.qshape.clone()
+    };
+    for spec in &specs {
+        let QCase { ty, m, n, k, glu } = parse_qshape(spec)?;
+        let mut rng = Rng::new(5);
+        let blocks = doppler::verify::quant::random_blocks(ty, n * k, &mut rng);
+        let gty = GgmlType::from_name(ty).expect("listed type");
+        let w = quant::QMatrix::new(gpu, "bench.w", &blocks, gty, n, k)?;
+        let x = Tensor::from_f32(gpu, &[m, k], &rng.vec(m * k), "bench.x")?;
+        let bytes = w.file_bytes() as f64;
+        let flops = 2.0 * (m * n * k) as f64;
+        let shape = format!("{ty} {m}x{n}x{k}{}", if glu { " glu" } else { "" });
+        for invariant in [true, false] {
+            let fuse = quant::Fuse {
+                swiglu: glu,
+                invariant,
+                ..Default::default()
+            };
+            let (wall, g) = time(gpu, args, trace, |rec| {
+                quant::qmatmul_fused(rec, &x, &w, fuse).map(drop)
+            })?;
+            let t = g.unwrap_or(wall);
+            rows.push(Row {
+                name: format!(
+                    "qmatmul, {}",
+                    if invariant {
+                        "invariant"
+                    } else {
+                        "default path"
+                    }
+                ),
+                shape: shape.clone(),
+                wall_ms: wall,
+                gpu_ms: g,
+                value: bytes / t / 1e6,
+                unit: "GB/s of W",
+                tflop_s: Some(flops / t / 1e9),
+            });
+        }
+        // W's bytes (whole 16-byte words) read and summed, nothing else.
+        let dep = Tensor::from_u32(gpu, &[1], &[0], "bench.dep")?;
+        let out = Tensor::empty(gpu, &[reduce::WORDS_GROUPS], DType::U32, "bench.sum")?;
+        let read = (w.raw.byte_size().min(w.file_bytes()) / 16 * 16).max(16);
+        let (wall, g) = time(gpu, args, trace, |rec| {
+            reduce::sum_words_into(rec, (&w.raw, read), None, &dep, &out).map(drop)
+        })?;
+        let t = g.unwrap_or(wall);
+        rows.push(Row {
+            name: "W read alone (sum_words)".into(),
+            shape,
+            wall_ms: wall,
+            gpu_ms: g,
+            value: read as f64 / t / 1e6,
+            unit: "GB/s of W",
+            tflop_s: None,
+        });
+    }
+    Ok(())
 }
 
 /// One product to time: C (M x N) = op(A) @ op(B) with inner size K.
@@ -835,6 +1002,7 @@ fn launch(gpu: &Gpu, args: &BenchArgs, rows: &mut Vec<Row>) -> doppler::Result<(
             gpu_ms,
             value: gpu_ms.unwrap_or(ms) * 1e3,
             unit: "µs",
+            tflop_s: None,
         });
     }
     Ok(())
@@ -874,8 +1042,11 @@ fn report(
         );
         for r in rows {
             let g = r.gpu_ms.map_or("-".to_string(), |g| format!("{g:.4}"));
+            let rate = r
+                .tflop_s
+                .map_or(String::new(), |f| format!(" ({f:.1} TFLOP/s)"));
             println!(
-                "{:<30} {:<26} {:>10.4} {:>10} {:>9.3} {}",
+                "{:<30} {:<26} {:>10.4} {:>10} {:>9.3} {}{rate}",
                 r.name, r.shape, r.wall_ms, g, r.value, r.unit
             );
         }

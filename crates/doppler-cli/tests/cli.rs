@@ -231,6 +231,51 @@ fn bench_matmul_shapes_and_their_errors() {
     }
 }
 
+#[test]
+fn bench_qmatmul_times_products_and_refuses_bad_shapes() {
+    let (ok, out, err) = doppler(&[
+        "bench",
+        "qmatmul",
+        "--json",
+        "--qshape",
+        "q4_k:3x64x256:glu",
+        "--qshape",
+        "Q8_0:1x40x64",
+        "--repeat",
+        "1",
+        "--batch",
+        "1",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v["results"].as_array().unwrap();
+    // Each shape: the invariant product, the default path, W read alone.
+    assert_eq!(rows.len(), 6, "{out}");
+    assert_eq!(rows[0]["shape"], "Q4_K 3x64x256 glu", "{out}");
+    assert_eq!(rows[4]["shape"], "Q8_0 1x40x64", "{out}");
+    for r in rows {
+        assert!(r["value"].as_f64().unwrap() > 0.0, "{out}");
+        assert_eq!(r["unit"], "GB/s of W", "{out}");
+    }
+    assert!(rows[0]["tflop_s"].as_f64().unwrap() > 0.0, "{out}");
+    assert!(rows[2].get("tflop_s").is_none(), "{out}");
+    for bad in [
+        "q4_k:3x64",
+        "q3_k:3x64x256",
+        "q4_k:3x64x100",
+        "q4_k:3x63x256:glu",
+        "q4_k:0x64x256",
+        "q4_k:3x64x256:tb",
+        "q4_k",
+    ] {
+        let (ok, _, err) = doppler(&["bench", "qmatmul", "--qshape", bad]);
+        assert!(
+            !ok && err.contains(&format!("--qshape {bad:?}")),
+            "{bad}: {err}"
+        );
+    }
+}
+
 /// A tiny run in a fresh directory: corpus, config (char tokenizer, 1 layer, 8 steps).
 fn tiny_run(dir: &std::path::Path, arch: &str) -> std::path::PathBuf {
     tiny_run_with(dir, arch, "")
