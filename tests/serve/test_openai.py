@@ -119,6 +119,17 @@ def test_greedy_completion_equals_doppler_generate(client):
     assert r.choices[0].text == want["text"]
     assert r.usage.completion_tokens == want["generated_tokens"] + (want["stop"] == "token")
     assert r.usage.prompt_tokens == want["prompt_tokens"]
+    # The generated ids as a prompt of token ids (OpenAI's `prompt: [int]`, one prompt in
+    # a list too): taken as given, the same continuation as their text.
+    ids = want["tokens"]
+    by_text = client.completions.create(model="smollm2", prompt=want["text"], max_tokens=6,
+                                        temperature=0)
+    assert by_text.usage.prompt_tokens == len(ids)
+    for prompt in (ids, [ids]):
+        by_ids = client.completions.create(model="smollm2", prompt=prompt, max_tokens=6,
+                                           temperature=0)
+        assert by_ids.usage.prompt_tokens == len(ids)
+        assert by_ids.choices[0].text == by_text.choices[0].text
 
 
 def test_seeded_sampling_repeats(client):
@@ -162,6 +173,11 @@ def test_errors_are_openai_error_objects(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2", prompt="word " * 400, max_tokens=2)
     assert e.value.body["code"] == "context_length_exceeded"
+    # Token ids outside the vocabulary; two prompts in one request.
+    for prompt in ([1, -1], [1, 49152], [[1], [2]], ["a", "b"]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="smollm2", prompt=prompt, max_tokens=2)
+        assert e.value.body["param"] == "prompt", prompt
     # Bodies no client sends: not JSON, a wrong type, an unknown field, 9 MB.
     for body in [b"{not json", json.dumps({"messages": "hi"}).encode(),
                  json.dumps({"messages": HELLO, "frobnicate": 1}).encode()]:

@@ -122,6 +122,8 @@ struct Job {
 enum Prompt {
     Chat(Vec<Message>),
     Text(String),
+    /// Token ids as given (`prompt: [1, 2, 3]`), not tokenized again.
+    Tokens(Vec<i64>),
 }
 
 /// Counters for /metrics.
@@ -510,6 +512,17 @@ impl OneOrMany {
     }
 }
 
+/// /v1/completions' prompt as OpenAI takes it: a string, token ids, or a list of either
+/// (one prompt a request here).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptIn {
+    Text(String),
+    Tokens(Vec<i64>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<i64>>),
+}
+
 #[derive(Deserialize)]
 struct StreamOptions {
     include_usage: Option<bool>,
@@ -522,7 +535,7 @@ struct StreamOptions {
 struct Request {
     model: Option<String>,
     messages: Option<Vec<InMessage>>,
-    prompt: Option<OneOrMany>,
+    prompt: Option<PromptIn>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
     max_tokens: Option<i64>,
@@ -721,17 +734,26 @@ fn check(app: &App, r: Request, chat: bool) -> Result<Checked, ApiError> {
                 "messages: use /v1/chat/completions",
             ));
         }
-        let texts = match r.prompt {
-            Some(p) => p.into_vec(),
-            None => return Err(ApiError::bad("prompt", "prompt: required")),
-        };
-        if texts.len() != 1 {
-            return Err(ApiError::bad(
+        let one = |n: usize| match n {
+            1 => Ok(()),
+            _ => Err(ApiError::bad(
                 "prompt",
-                "prompt: exactly one prompt a request",
-            ));
+                format!("prompt: exactly one prompt a request (got {n})"),
+            )),
+        };
+        match r.prompt {
+            Some(PromptIn::Text(t)) => Prompt::Text(t),
+            Some(PromptIn::Tokens(ids)) => Prompt::Tokens(ids),
+            Some(PromptIn::Texts(mut v)) => {
+                one(v.len())?;
+                Prompt::Text(v.pop().unwrap_or_default())
+            }
+            Some(PromptIn::TokenLists(mut v)) => {
+                one(v.len())?;
+                Prompt::Tokens(v.pop().unwrap_or_default())
+            }
+            None => return Err(ApiError::bad("prompt", "prompt: required")),
         }
-        Prompt::Text(texts.into_iter().next().unwrap_or_default())
     };
     let max = r.max_completion_tokens.or(r.max_tokens);
     let param = match r.max_completion_tokens {
@@ -1304,19 +1326,40 @@ struct Ask {
     grammar: Option<Arc<Grammar>>,
 }
 
+/// `text` as the model's token ids (`special`: special tokens' text as those tokens).
+fn tokenize(model: &Model, text: &str, special: bool, param: &str) -> Result<Vec<u32>, ApiError> {
+    model
+        .prompt_ids(text, special, true)
+        .map_err(|e| ApiError::bad(param, format!("tokenizing the prompt: {e}")))
+}
+
 /// A request's prompt rendered (chat template) and tokenized, checked against the context
 /// `ctx`: its token ids and how many tokens it may generate.
 fn prepare(model: &Model, ask: &Ask, ctx: usize) -> Result<(Vec<u32>, usize), ApiError> {
-    let (text, special, param) = match &ask.prompt {
+    let vocab = model.llama.cfg.vocab_size;
+    let (mut ids, param) = match &ask.prompt {
+        Prompt::Tokens(given) => {
+            let mut ids = Vec::with_capacity(given.len());
+            for &t in given {
+                if t < 0 || t as u64 >= vocab as u64 {
+                    return Err(ApiError::bad(
+                        "prompt",
+                        format!("prompt: token id {t} is not in the model's vocabulary of {vocab}"),
+                    ));
+                }
+                ids.push(t as u32);
+            }
+            (ids, "prompt")
+        }
         Prompt::Chat(msgs) => match &model.template {
-            Some(t) => (t.render(msgs, true), true, "messages"),
+            Some(t) => (
+                tokenize(model, &t.render(msgs, true), true, "messages")?,
+                "messages",
+            ),
             None => return Err(ApiError::bad("messages", "this model has no chat template")),
         },
-        Prompt::Text(t) => (t.clone(), false, "prompt"),
+        Prompt::Text(t) => (tokenize(model, t, false, "prompt")?, "prompt"),
     };
-    let mut ids = model
-        .prompt_ids(&text, special, true)
-        .map_err(|e| ApiError::bad(param, format!("tokenizing the prompt: {e}")))?;
     if ids.is_empty() {
         ids.extend(model.tokenizer.bos.or(model.tokenizer.eos));
     }
@@ -1326,7 +1369,6 @@ fn prepare(model: &Model, ask: &Ask, ctx: usize) -> Result<(Vec<u32>, usize), Ap
             format!("{param}: empty, and this model has no BOS or EOS token to start from"),
         ));
     }
-    let vocab = model.llama.cfg.vocab_size;
     if let Some(&t) = ids.iter().find(|&&t| t as usize >= vocab) {
         return Err(ApiError::bad(
             param,
