@@ -306,8 +306,25 @@ fn lane_set(text: &str) -> Result<String, String> {
 }
 
 /// The kernel's WGSL with its cooperative matrices emulated (see the module's doc), or
-/// what could not be rewritten.
+/// what could not be rewritten. The text as written is validated first, with the
+/// cooperative capability, as a driver that has it would (e.g. cooperative operations
+/// in control flow that differs between a subgroup's invocations are refused there, and
+/// would not be once rewritten).
 pub(crate) fn rewrite(text: &str) -> Result<String, String> {
+    let module = naga::front::wgsl::parse_str(text).map_err(|e| e.emit_to_string(text))?;
+    naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::all(),
+    )
+    .subgroup_stages(naga::valid::ShaderStages::COMPUTE)
+    .subgroup_operations(naga::valid::SubgroupOperationSet::all())
+    .validate(&module)
+    .map_err(|e| {
+        format!(
+            "as written (with cooperative matrices): {}",
+            e.emit_to_string(text)
+        )
+    })?;
     // Line comments out (they name the builtins too).
     let text: String = text
         .lines()
@@ -425,6 +442,30 @@ pub(crate) fn rewrite(text: &str) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shader_the_hardware_would_refuse_is_refused() {
+        // Cooperative operations under a branch on the invocation's index: valid once
+        // rewritten (plain loads and sums), invalid as written.
+        let text = "enable f16;\nenable wgpu_cooperative_matrix;\n\
+            var<workgroup> sa: array<f16, 256>;\n\
+            @compute @workgroup_size(64)\n\
+            fn k(@builtin(local_invocation_index) tid: u32) {\n\
+                var c = coop_mat16x16<f32, C>();\n\
+                if (tid < 32u) {\n\
+                    let a = coopLoad<coop_mat16x16<f16, A>>(&sa[0], 16u);\n\
+                    let b = coopLoad<coop_mat16x16<f16, B>>(&sa[0], 16u);\n\
+                    c = coopMultiplyAdd(a, b, c);\n\
+                }\n\
+            }\n";
+        let err = rewrite(text).unwrap_err();
+        assert!(
+            err.contains("as written") && err.contains("niform"),
+            "{err}"
+        );
+        let uniform = text.replace("if (tid < 32u)", "if (true)");
+        rewrite(&uniform).unwrap_or_else(|e| panic!("{e}"));
+    }
 
     #[test]
     fn every_coop_shader_rewrites_and_validates() {
