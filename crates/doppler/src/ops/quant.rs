@@ -234,16 +234,20 @@ fn split_k_max(target: usize, tiles: usize, k: usize, max: usize) -> usize {
 
 /// How the skinny cooperative product (`qmatmul_coop_skinny`, batched decode steps) is
 /// laid out, for measuring the choices on a GPU: k a step (`DOPPLER_SKINNY_BK`: 32, 64
-/// or 128; default 32) and, for invariant products, the workgroups split k aims for and
+/// or 128; default 32), the tile's columns (`DOPPLER_SKINNY_N`: 32, 64 or 128, one thread
+/// a column; default 128; below 128 the step stays at 32 k) and, for invariant products, the workgroups split k aims for and
 /// the most slices (`DOPPLER_INVARIANT_SPLITS=TARGET,MAX[,glu]`; default 512,8, as
 /// [`COOP_SPLITK_TARGET`] and [`MAX_SPLITS`]; `glu`: the gate/up product split too).
-/// Read once a process. Results are the same bits at every step size; the split changes
+/// Read once a process. Results are the same bits at every step size and tile width
+/// (the split is still chosen by 128-column tiles); the split changes
 /// an invariant product's slices of k (the same for every batch size, so still
 /// batch-invariant). On an H100 no other layout beat the defaults (docs/benchmarks.md,
 /// session 30).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SkinnyLayout {
     pub bk: usize,
+    /// Columns of W a workgroup (threads).
+    pub n: usize,
     pub split_target: usize,
     pub split_max: usize,
     /// Whether an invariant gate/up product (SwiGLU / GeGLU) splits k too, its slices
@@ -255,6 +259,7 @@ impl Default for SkinnyLayout {
     fn default() -> Self {
         SkinnyLayout {
             bk: 32,
+            n: COOP_TILE,
             split_target: COOP_SPLITK_TARGET,
             split_max: MAX_SPLITS,
             split_glu: false,
@@ -267,7 +272,14 @@ impl SkinnyLayout {
     pub fn from_env() -> SkinnyLayout {
         let bk = std::env::var("DOPPLER_SKINNY_BK").ok();
         let splits = std::env::var("DOPPLER_INVARIANT_SPLITS").ok();
-        SkinnyLayout::parse(bk.as_deref(), splits.as_deref())
+        let mut l = SkinnyLayout::parse(bk.as_deref(), splits.as_deref());
+        if let Ok(v) = std::env::var("DOPPLER_SKINNY_N") {
+            match v.trim().parse() {
+                Ok(n @ (32 | 64 | 128)) => l.n = n,
+                _ => tracing::warn!("DOPPLER_SKINNY_N={v:?} is not 32, 64 or 128: 128"),
+            }
+        }
+        l
     }
 
     /// From the two variables' values (see the type).
@@ -1392,20 +1404,30 @@ fn qmatmul_coop(
         false => (&QMATMUL_COOP, COOP_TILE),
     };
     let gm = m.div_ceil(tile_m);
+    // Workgroups along W's rows: tiles of `layout.n` columns (skinny) or 128.
+    let gx = match skinny {
+        true => w.rows.div_ceil(layout.n),
+        false => gn,
+    };
     let sk = ("SK_R", sk_r as f64);
     let bk = (
         "SK_BK",
-        skinny_bk(
-            layout.bk,
-            sk_r,
-            gpu.limits.max_compute_workgroup_storage_size,
-        ) as f64,
+        match layout.n {
+            COOP_TILE => skinny_bk(
+                layout.bk,
+                sk_r,
+                gpu.limits.max_compute_workgroup_storage_size,
+            ),
+            _ => 32,
+        } as f64,
     );
+    let skn = ("SK_N", layout.n as f64);
     let c = [
         ("TYPE", w.ty.0 as f64),
         ("RESIDUAL", fuse.residual.is_some() as u32 as f64),
         sk,
         bk,
+        skn,
     ];
     let c = match skinny {
         true => &c[..],
@@ -1428,12 +1450,12 @@ fn qmatmul_coop(
         )?;
         p.n = w.rows as u32;
         p.splits = splits as u32;
-        let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
+        let grid = Grid::Xyz([gx as u32, gm as u32, splits as u32]);
         let bind = [&w.raw, &gu, &xh, &rowf, x, &w.raw];
-        let cg = [c[0], sk, bk, ("SPLITK", 1.0)];
+        let cg = [c[0], sk, bk, skn, ("SPLITK", 1.0)];
         let cg = match (skinny, splits > 1) {
             (true, true) => &cg[..],
-            (true, false) => &cg[..3],
+            (true, false) => &cg[..4],
             (false, _) => &cg[..1],
         };
         rec.dispatch(kernel, cg, bytemuck::bytes_of(&p), &bind, grid)?;
@@ -1464,7 +1486,7 @@ fn qmatmul_coop(
     };
     let res = fuse.residual.unwrap_or(x);
     if splits == 1 {
-        let grid = Grid::Xyz([gn as u32, gm as u32, 1]);
+        let grid = Grid::Xyz([gx as u32, gm as u32, 1]);
         let bind = [&w.raw, &y, &xh, &rowf, res, &w.raw];
         rec.dispatch(kernel, c, bytemuck::bytes_of(&p), &bind, grid)?;
         return Ok(Coop::Done(y, None));
@@ -1472,9 +1494,9 @@ fn qmatmul_coop(
     // Partial tiles of k's slices, then their sum (+ the residual) in order.
     let part = Tensor::empty(gpu, &[splits, m, outs], DType::F32, "qmatmul_coop.part")?;
     p.splits = splits as u32;
-    let cs = [c[0], ("SPLITK", 1.0), sk, bk];
+    let cs = [c[0], ("SPLITK", 1.0), sk, bk, skn];
     let cs = if skinny { &cs[..] } else { &cs[..2] };
-    let grid = Grid::Xyz([gn as u32, gm as u32, splits as u32]);
+    let grid = Grid::Xyz([gx as u32, gm as u32, splits as u32]);
     let bind = [&w.raw, &part, &xh, &rowf, res, &w.raw];
     rec.dispatch(kernel, cs, bytemuck::bytes_of(&p), &bind, grid)?;
     if keep_parts && fuse.residual.is_none() {

@@ -392,24 +392,26 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
 }
 
 // ---- qmatmul_coop_skinny: few rows of x (batched decode steps, 2 .. 64) ----
-// The same product with tiles of 16 SK_R rows (SK_R = 1, 2 or 4) by 128 columns, so that
-// W is decoded once per 16 SK_R rows of x, not once per 128 (most of them padding at
-// these m): subgroup w owns columns 32 w .. + 32 of the tile and all its rows, SK_R x 2
-// accumulators. Each step stages xh's 16 SK_R x SK_BK and W's 128 x SK_BK (SK_BK = 32,
-// 64 or 128 k a step: with more, more of W's bytes are in flight a thread and fewer
-// barriers a product; workgroup memory (16 SK_R + 128) (SK_BK + 8) halves + 4 KiB) as
-// qmatmul_coop does, thread t decoding row t of W's tile (RAW
-// types: SK_BK / 32 runs of it). Every tile goes out through `put` (rowf, RESIDUAL,
-// SPLITK as there). Per output, the same sums in the same order as qmatmul_coop with the
-// same slices of k, at any SK_BK (16 k a product, in order; k past the end adds zeros).
-//                                   grid (ceil(n / 128), ceil(m / (16 SK_R)), splits)
+// The same product with tiles of 16 SK_R rows (SK_R = 1, 2 or 4) by SK_N columns (32, 64
+// or 128; SK_N threads, SK_N / 32 subgroups), so that W is decoded once per 16 SK_R rows
+// of x, not once per 128 (most of them padding at these m): subgroup w owns columns
+// 32 w .. + 32 of the tile and all its rows, SK_R x 2 accumulators. Each step stages xh's
+// 16 SK_R x SK_BK and W's SK_N x SK_BK (SK_BK = 32, 64 or 128 k a step: with more, more
+// of W's bytes are in flight a thread and fewer barriers a product; workgroup memory
+// (16 SK_R + SK_N) (SK_BK + 8) halves + 4 KiB) as qmatmul_coop does, thread t decoding
+// row t of W's tile (RAW types: SK_BK / 32 runs of it). Every tile goes out through
+// `put` (rowf, RESIDUAL, SPLITK as there). Per output, the same sums in the same order as
+// qmatmul_coop with the same slices of k, at any SK_BK and SK_N (16 k a product, in
+// order; k past the end adds zeros).
+//                                   grid (ceil(n / SK_N), ceil(m / (16 SK_R)), splits)
 override SK_R: u32 = 1u;
 override SK_BK: u32 = 32u;
+override SK_N: u32 = 128u;             // columns of the tile (32, 64 or 128): threads, one a row of W
 override SKQ: u32 = SK_BK / 4u;        // slots (4 k) of a staged row
 override SKS: u32 = SK_BK / 4u + 2u;   // stride of a staged row (SK_BK + 8 halves, in vec4s)
 
 var<workgroup> ska: array<vec4<f16>, 16u * SK_R * SKS>;   // xh [m][k]: 16 SK_R rows of SKS
-var<workgroup> skb: array<vec4<f16>, 128u * SKS>;   // W [n][k]: 128 rows of SKS
+var<workgroup> skb: array<vec4<f16>, SK_N * SKS>;   // W [n][k]: SK_N rows of SKS
 
 // Slot q of a skinny step at k0: 4 consecutive k of one row of x (zero outside).
 fn skinny_a(q: u32, m0: u32, k0: u32, kz: u32) -> vec4<f16> {
@@ -442,10 +444,10 @@ fn skinny_raw(tid: u32, j: u32, k0: u32, r: array<vec4<u32>, RAW_V4>) {
     }
 }
 
-@compute @workgroup_size(128)
+@compute @workgroup_size(SK_N)
 fn qmatmul_coop_skinny(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
     let m0 = wid.y * 16u * SK_R;
-    let n0 = wid.x * T;
+    let n0 = wid.x * SK_N;
     var kb0 = 0u;
     var kz = p.k;
     if (SPLITK) {
@@ -458,7 +460,7 @@ fn qmatmul_coop_skinny(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
     let w = tid / 32u;
     let lane = tid % 32u;
     let wc = w * 32u;   // the subgroup's columns within the tile
-    let na = SK_R * SKQ / 8u;   // x's slots a thread a step (1 .. 16)
+    let na = 16u * SK_R * SKQ / SK_N;   // x's slots a thread a step (1 .. 16)
 
     var c00: coop_mat16x16<f32, C>;
     var c01: coop_mat16x16<f32, C>;
@@ -486,7 +488,7 @@ fn qmatmul_coop_skinny(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
     var raw2: array<vec4<u32>, RAW_V4>;
     var raw3: array<vec4<u32>, RAW_V4>;
     for (var i = 0u; i < na; i++) {
-        pa[i] = skinny_a(tid + 128u * i, m0, kb0, kz);
+        pa[i] = skinny_a(tid + SK_N * i, m0, kb0, kz);
     }
     if (RAW) {
         raw0 = fetch_w_raw(n0 + tid, kb0, kz);
@@ -499,12 +501,12 @@ fn qmatmul_coop_skinny(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
         }
     } else {
         for (var i = 0u; i < SKQ; i++) {
-            pb[i] = skinny_b(tid + 128u * i, n0, kb0, kz);
+            pb[i] = skinny_b(tid + SK_N * i, n0, kb0, kz);
         }
     }
     for (var k0 = kb0; k0 < kz; k0 += SK_BK) {
         for (var i = 0u; i < na; i++) {
-            ska[skinny_stash(tid + 128u * i)] = pa[i];
+            ska[skinny_stash(tid + SK_N * i)] = pa[i];
         }
         if (RAW) {
             skinny_raw(tid, 0u, k0, raw0);
@@ -517,14 +519,14 @@ fn qmatmul_coop_skinny(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
             }
         } else {
             for (var i = 0u; i < SKQ; i++) {
-                skb[skinny_stash(tid + 128u * i)] = pb[i];
+                skb[skinny_stash(tid + SK_N * i)] = pb[i];
             }
         }
         workgroupBarrier();
         let k1 = k0 + SK_BK;
         if (k1 < kz) {
             for (var i = 0u; i < na; i++) {
-                pa[i] = skinny_a(tid + 128u * i, m0, k1, kz);
+                pa[i] = skinny_a(tid + SK_N * i, m0, k1, kz);
             }
             if (RAW) {
                 raw0 = fetch_w_raw(n0 + tid, k1, kz);
@@ -537,7 +539,7 @@ fn qmatmul_coop_skinny(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
                 }
             } else {
                 for (var i = 0u; i < SKQ; i++) {
-                    pb[i] = skinny_b(tid + 128u * i, n0, k1, kz);
+                    pb[i] = skinny_b(tid + SK_N * i, n0, k1, kz);
                 }
             }
         }
