@@ -105,6 +105,15 @@ const SPIRV_VARIANTS: &[(&str, &[(&str, f64)])] = &[
         "quant_coop",
         &[("SK_BK", 64.0), ("SPLITK", 1.0), ("TYPE", 8.0)],
     ),
+    // Narrower skinny tiles: the workgroup's size is the SK_N override.
+    (
+        "quant_coop",
+        &[("SK_N", 32.0), ("SK_R", 4.0), ("TYPE", 14.0)],
+    ),
+    (
+        "quant_coop",
+        &[("SK_N", 64.0), ("SPLITK", 1.0), ("TYPE", 12.0)],
+    ),
     // qmatmul_t on cooperative matrices: W staged by rows (runs decoded, and 4 values).
     ("quant_coop", &[("TRANS_W", 1.0), ("TYPE", 12.0)]),
     (

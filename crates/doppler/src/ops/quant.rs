@@ -234,15 +234,16 @@ fn split_k_max(target: usize, tiles: usize, k: usize, max: usize) -> usize {
 
 /// How the skinny cooperative product (`qmatmul_coop_skinny`, batched decode steps) is
 /// laid out, for measuring the choices on a GPU: k a step (`DOPPLER_SKINNY_BK`: 32, 64
-/// or 128; default 32), the tile's columns (`DOPPLER_SKINNY_N`: 32, 64 or 128, one thread
-/// a column; default 128; below 128 the step stays at 32 k) and, for invariant products, the workgroups split k aims for and
-/// the most slices (`DOPPLER_INVARIANT_SPLITS=TARGET,MAX[,glu]`; default 512,8, as
-/// [`COOP_SPLITK_TARGET`] and [`MAX_SPLITS`]; `glu`: the gate/up product split too).
-/// Read once a process. Results are the same bits at every step size and tile width
-/// (the split is still chosen by 128-column tiles); the split changes
-/// an invariant product's slices of k (the same for every batch size, so still
-/// batch-invariant). On an H100 no other layout beat the defaults (docs/benchmarks.md,
-/// session 30).
+/// or 128; default 32), the tile's columns (`DOPPLER_SKINNY_N`: 32, 64 or 128, one
+/// thread a column; default 128; below 128 the step stays at 32 k) and, for invariant
+/// products, the workgroups split k aims for and the most slices
+/// (`DOPPLER_INVARIANT_SPLITS=TARGET,MAX[,glu]`; default 512,8, as [`COOP_SPLITK_TARGET`]
+/// and [`MAX_SPLITS`]; `glu`: the gate/up product split too). Read once a process.
+/// Results are the same bits at every step size and tile width (the split is still
+/// chosen by 128-column tiles); the split changes an invariant product's slices of k (the
+/// same for every batch size, so still batch-invariant). On an H100 no other step or
+/// split beat the defaults (docs/benchmarks.md, session 30); the tile width is not yet
+/// measured on a GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SkinnyLayout {
     pub bk: usize,

@@ -282,7 +282,8 @@ fn nib4(w: u32, high: bool) -> vec4<u32> {
 // Run values e (4 e .. 4 e + 3 of the run's 32) from fetch_raw's words; s: the run's
 // place in a K-quant block, (i % 256) / 32. Each quant is put together as an integer
 // (low bits | high bits << 4) and converted once, by u2f4 (no integer-to-float
-// conversions; the skinny product's Q4_K gate/up on the H200 0.231 -> 0.214 ms): a sum
+// conversions: the same decode written into the skinny product's Q4_K staging took the
+// 8B's gate/up from 0.231 to 0.214 ms on the H200, docs/benchmarks.md session 31): a sum
 // of u2f4's (2^23 + q) - 2^23 terms is exact only if the compiler keeps the subtractions
 // where they are, and the H200's did not (Q5_1, Q5_K and Q6_K decoded wrong; Q4_1 and
 // Q4_K, one term, right).
