@@ -765,7 +765,8 @@ fn parse_qshape(spec: &str) -> doppler::Result<QCase> {
     if parts.len() < 2 || parts.len() > 3 {
         return Err(bad("wrong number of fields"));
     }
-    let ty = QTYPES
+    let types = doppler::ops::quant::SUPPORTED;
+    let ty = types
         .iter()
         .find(|t| t.eq_ignore_ascii_case(parts[0]))
         .copied()
@@ -773,7 +774,7 @@ fn parse_qshape(spec: &str) -> doppler::Result<QCase> {
             bad(&format!(
                 "type {:?} is not one of {}",
                 parts[0],
-                QTYPES.join(", ")
+                types.join(", ")
             ))
         })?;
     let dims: Vec<usize> = parts[1]
@@ -798,11 +799,6 @@ fn parse_qshape(spec: &str) -> doppler::Result<QCase> {
     }
     Ok(QCase { ty, m, n, k, glu })
 }
-
-/// The block types `bench qmatmul` times.
-const QTYPES: [&str; 10] = [
-    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16",
-];
 
 /// Each `--qshape` as serving's batch-invariant product (x rounded to f16, the skinny
 /// cooperative kernel where the adapter has cooperative matrices, its split-k sum or GLU

@@ -311,20 +311,8 @@ fn lane_set(text: &str) -> Result<String, String> {
 /// in control flow that differs between a subgroup's invocations are refused there, and
 /// would not be once rewritten).
 pub(crate) fn rewrite(text: &str) -> Result<String, String> {
-    let module = naga::front::wgsl::parse_str(text).map_err(|e| e.emit_to_string(text))?;
-    naga::valid::Validator::new(
-        naga::valid::ValidationFlags::all(),
-        naga::valid::Capabilities::all(),
-    )
-    .subgroup_stages(naga::valid::ShaderStages::COMPUTE)
-    .subgroup_operations(naga::valid::SubgroupOperationSet::all())
-    .validate(&module)
-    .map_err(|e| {
-        format!(
-            "as written (with cooperative matrices): {}",
-            e.emit_to_string(text)
-        )
-    })?;
+    super::spirv::validated(text)
+        .map_err(|e| format!("as written (with cooperative matrices): {e}"))?;
     // Line comments out (they name the builtins too).
     let text: String = text
         .lines()

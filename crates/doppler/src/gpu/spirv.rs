@@ -88,6 +88,23 @@ pub(crate) fn module(
     }
 }
 
+/// `text` parsed and validated by naga as a driver with every capability (cooperative
+/// matrices, f16, compute subgroups) takes it, or naga's message.
+pub(crate) fn validated(
+    text: &str,
+) -> std::result::Result<(naga::Module, naga::valid::ModuleInfo), String> {
+    let module = naga::front::wgsl::parse_str(text).map_err(|e| e.emit_to_string(text))?;
+    let info = naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::all(),
+    )
+    .subgroup_stages(naga::valid::ShaderStages::COMPUTE)
+    .subgroup_operations(naga::valid::SubgroupOperationSet::all())
+    .validate(&module)
+    .map_err(|e| e.emit_to_string(text))?;
+    Ok((module, info))
+}
+
 /// The patched SPIR-V of `entry` in `text` with `constants` applied, or naga's message.
 /// `layout`: the WGSL binding numbers of the pipeline's bind group (group 0). wgpu's
 /// Vulkan backend numbers a bind group's descriptors 0, 1, 2 ... in the order of their
@@ -101,15 +118,7 @@ pub fn words(
     checks: ShaderChecks,
 ) -> std::result::Result<Vec<u32>, String> {
     use naga::back::spv;
-    let module = naga::front::wgsl::parse_str(text).map_err(|e| e.emit_to_string(text))?;
-    let info = naga::valid::Validator::new(
-        naga::valid::ValidationFlags::all(),
-        naga::valid::Capabilities::all(),
-    )
-    .subgroup_stages(naga::valid::ShaderStages::COMPUTE)
-    .subgroup_operations(naga::valid::SubgroupOperationSet::all())
-    .validate(&module)
-    .map_err(|e| e.emit_to_string(text))?;
+    let (module, info) = validated(text)?;
     let values: naga::back::PipelineConstants =
         constants.iter().map(|&(k, v)| (k.to_string(), v)).collect();
     let (module, info) = naga::back::pipeline_constants::process_overrides(

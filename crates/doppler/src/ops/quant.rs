@@ -271,25 +271,25 @@ impl Default for SkinnyLayout {
 impl SkinnyLayout {
     /// From the environment (see the type), warning about and ignoring bad values.
     pub fn from_env() -> SkinnyLayout {
-        let bk = std::env::var("DOPPLER_SKINNY_BK").ok();
-        let splits = std::env::var("DOPPLER_INVARIANT_SPLITS").ok();
-        let mut l = SkinnyLayout::parse(bk.as_deref(), splits.as_deref());
-        if let Ok(v) = std::env::var("DOPPLER_SKINNY_N") {
-            match v.trim().parse() {
-                Ok(n @ (32 | 64 | 128)) => l.n = n,
-                _ => tracing::warn!("DOPPLER_SKINNY_N={v:?} is not 32, 64 or 128: 128"),
-            }
-        }
-        l
+        let var = |name| std::env::var(name).ok();
+        let (bk, n) = (var("DOPPLER_SKINNY_BK"), var("DOPPLER_SKINNY_N"));
+        let splits = var("DOPPLER_INVARIANT_SPLITS");
+        SkinnyLayout::parse(bk.as_deref(), n.as_deref(), splits.as_deref())
     }
 
-    /// From the two variables' values (see the type).
-    pub fn parse(bk: Option<&str>, splits: Option<&str>) -> SkinnyLayout {
+    /// From the three variables' values (see the type).
+    pub fn parse(bk: Option<&str>, n: Option<&str>, splits: Option<&str>) -> SkinnyLayout {
         let mut l = SkinnyLayout::default();
         if let Some(v) = bk {
             match v.trim().parse() {
                 Ok(bk @ (32 | 64 | 128)) => l.bk = bk,
                 _ => tracing::warn!("DOPPLER_SKINNY_BK={v:?} is not 32, 64 or 128: 32"),
+            }
+        }
+        if let Some(v) = n {
+            match v.trim().parse() {
+                Ok(n @ (32 | 64 | 128)) => l.n = n,
+                _ => tracing::warn!("DOPPLER_SKINNY_N={v:?} is not 32, 64 or 128: 128"),
             }
         }
         if let Some(v) = splits {
@@ -2137,7 +2137,7 @@ mod tests {
 
     #[test]
     fn skinny_layouts_parse_and_default_to_the_measured_one() {
-        let d = SkinnyLayout::parse(None, None);
+        let d = SkinnyLayout::parse(None, None, None);
         assert_eq!(d, SkinnyLayout::default());
         // The default invariant split is the cooperative product's.
         for (gn, k) in [(224, 4096), (32, 14336), (48, 4096), (5, 576), (24, 576)] {
@@ -2146,17 +2146,26 @@ mod tests {
                 split_k_to(COOP_SPLITK_TARGET, gn, k)
             );
         }
-        let l = SkinnyLayout::parse(Some("128"), Some("2048, 32, glu"));
+        let l = SkinnyLayout::parse(Some("128"), Some("64"), Some("2048, 32, glu"));
         assert_eq!(
-            (l.bk, l.split_target, l.split_max, l.split_glu),
-            (128, 2048, 32, true)
+            (l.bk, l.n, l.split_target, l.split_max, l.split_glu),
+            (128, 64, 2048, 32, true)
         );
         assert_eq!(l.invariant_splits(224, 4096), 10);
-        let l = SkinnyLayout::parse(Some("64"), Some("1024,4"));
-        assert_eq!((l.bk, l.split_max, l.split_glu), (64, 4, false));
+        let l = SkinnyLayout::parse(Some("64"), Some(" 32 "), Some("1024,4"));
+        assert_eq!((l.bk, l.n, l.split_max, l.split_glu), (64, 32, 4, false));
         // Bad values: the default, not a panic.
-        for (bk, sp) in [("48", "1,0"), ("x", "512"), ("", "1,2,3"), ("256", "0,8")] {
-            assert_eq!(SkinnyLayout::parse(Some(bk), Some(sp)), d, "{bk} {sp}");
+        for (bk, n, sp) in [
+            ("48", "16", "1,0"),
+            ("x", "256", "512"),
+            ("", "", "1,2,3"),
+            ("256", "-64", "0,8"),
+        ] {
+            assert_eq!(
+                SkinnyLayout::parse(Some(bk), Some(n), Some(sp)),
+                d,
+                "{bk} {n} {sp}"
+            );
         }
     }
 
