@@ -399,14 +399,19 @@ fn qmatmul_coop(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
 // 16 SK_R x SK_BK and W's SK_N x SK_BK (SK_BK = 32, 64 or 128 k a step: with more, more
 // of W's bytes are in flight a thread and fewer barriers a product; workgroup memory
 // (16 SK_R + SK_N) (SK_BK + 8) halves + 4 KiB) as qmatmul_coop does, thread t decoding
-// row t of W's tile (RAW types: SK_BK / 32 runs of it). Every tile goes out through
-// `put` (rowf, RESIDUAL, SPLITK as there). Per output, the same sums in the same order as
-// qmatmul_coop with the same slices of k, at any SK_BK and SK_N (16 k a product, in
-// order; k past the end adds zeros).
+// row t of W's tile (RAW types: SK_BK / 32 runs of it). Tiles of 16 or 32 rows keep two
+// steps' values in registers, step s + 2's loads going out once step s is staged (on an
+// H100 the 8B's gate/up at 32 rows took 0.235 ms with one step ahead and 0.215 with two,
+// the 32-stream step 1,959 -> 2,094 tok/s); 64-row tiles keep one (two took their
+// 64-stream step from 2,971 to 2,440 tok/s: docs/benchmarks.md, session 32).
+// Every tile goes out through `put` (rowf, RESIDUAL, SPLITK as there). Per output, the
+// same sums in the same order as qmatmul_coop with the same slices of k, at any SK_BK
+// and SK_N (16 k a product, in order; k past the end adds zeros).
 //                                   grid (ceil(n / SK_N), ceil(m / (16 SK_R)), splits)
 override SK_R: u32 = 1u;
 override SK_BK: u32 = 32u;
 override SK_N: u32 = 128u;             // columns of the tile (32, 64 or 128): threads, one a row of W
+override SK_AHEAD2: bool = SK_R < 4u;  // two steps' loads in flight (else one)
 override SKQ: u32 = SK_BK / 4u;        // slots (4 k) of a staged row
 override SKS: u32 = SK_BK / 4u + 2u;   // stride of a staged row (SK_BK + 8 halves, in vec4s)
 
@@ -480,13 +485,20 @@ fn qmatmul_coop_skinny(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
     c31 = coop_mat16x16<f32, C>();
 
     // The next step's values in registers: x's slots, and W's (runs of raw words, or
-    // SKQ decoded slots).
+    // SKQ decoded slots); the q* the step after's (SK_AHEAD2), or the next step's
+    // as they arrive.
     var pa: array<vec4<f16>, 16>;
     var pb: array<vec4<f16>, 32>;
     var raw0: array<vec4<u32>, RAW_V4>;
     var raw1: array<vec4<u32>, RAW_V4>;
     var raw2: array<vec4<u32>, RAW_V4>;
     var raw3: array<vec4<u32>, RAW_V4>;
+    var qa: array<vec4<f16>, 16>;
+    var qb: array<vec4<f16>, 32>;
+    var qraw0: array<vec4<u32>, RAW_V4>;
+    var qraw1: array<vec4<u32>, RAW_V4>;
+    var qraw2: array<vec4<u32>, RAW_V4>;
+    var qraw3: array<vec4<u32>, RAW_V4>;
     for (var i = 0u; i < na; i++) {
         pa[i] = skinny_a(tid + SK_N * i, m0, kb0, kz);
     }
@@ -504,7 +516,42 @@ fn qmatmul_coop_skinny(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
             pb[i] = skinny_b(tid + SK_N * i, n0, kb0, kz);
         }
     }
+    if (SK_AHEAD2 && kb0 + SK_BK < kz) {
+        let k1 = kb0 + SK_BK;
+        for (var i = 0u; i < na; i++) {
+            qa[i] = skinny_a(tid + SK_N * i, m0, k1, kz);
+        }
+        if (RAW) {
+            qraw0 = fetch_w_raw(n0 + tid, k1, kz);
+            if (SK_BK > 32u) {
+                qraw1 = fetch_w_raw(n0 + tid, k1 + 32u, kz);
+            }
+            if (SK_BK > 64u) {
+                qraw2 = fetch_w_raw(n0 + tid, k1 + 64u, kz);
+                qraw3 = fetch_w_raw(n0 + tid, k1 + 96u, kz);
+            }
+        } else {
+            for (var i = 0u; i < SKQ; i++) {
+                qb[i] = skinny_b(tid + SK_N * i, n0, k1, kz);
+            }
+        }
+    }
     for (var k0 = kb0; k0 < kz; k0 += SK_BK) {
+        if (!SK_AHEAD2 && k0 > kb0) {   // the step loaded during the last one's products
+            pa = qa;
+            if (RAW) {
+                raw0 = qraw0;
+                if (SK_BK > 32u) {
+                    raw1 = qraw1;
+                }
+                if (SK_BK > 64u) {
+                    raw2 = qraw2;
+                    raw3 = qraw3;
+                }
+            } else {
+                pb = qb;
+            }
+        }
         for (var i = 0u; i < na; i++) {
             ska[skinny_stash(tid + SK_N * i)] = pa[i];
         }
@@ -523,23 +570,38 @@ fn qmatmul_coop_skinny(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
             }
         }
         workgroupBarrier();
-        let k1 = k0 + SK_BK;
-        if (k1 < kz) {
-            for (var i = 0u; i < na; i++) {
-                pa[i] = skinny_a(tid + SK_N * i, m0, k1, kz);
-            }
+        if (SK_AHEAD2) {   // q* to p*, then the loads of the step after next
+            pa = qa;
             if (RAW) {
-                raw0 = fetch_w_raw(n0 + tid, k1, kz);
+                raw0 = qraw0;
                 if (SK_BK > 32u) {
-                    raw1 = fetch_w_raw(n0 + tid, k1 + 32u, kz);
+                    raw1 = qraw1;
                 }
                 if (SK_BK > 64u) {
-                    raw2 = fetch_w_raw(n0 + tid, k1 + 64u, kz);
-                    raw3 = fetch_w_raw(n0 + tid, k1 + 96u, kz);
+                    raw2 = qraw2;
+                    raw3 = qraw3;
+                }
+            } else {
+                pb = qb;
+            }
+        }
+        let k2 = k0 + select(1u, 2u, SK_AHEAD2) * SK_BK;
+        if (k2 < kz) {
+            for (var i = 0u; i < na; i++) {
+                qa[i] = skinny_a(tid + SK_N * i, m0, k2, kz);
+            }
+            if (RAW) {
+                qraw0 = fetch_w_raw(n0 + tid, k2, kz);
+                if (SK_BK > 32u) {
+                    qraw1 = fetch_w_raw(n0 + tid, k2 + 32u, kz);
+                }
+                if (SK_BK > 64u) {
+                    qraw2 = fetch_w_raw(n0 + tid, k2 + 64u, kz);
+                    qraw3 = fetch_w_raw(n0 + tid, k2 + 96u, kz);
                 }
             } else {
                 for (var i = 0u; i < SKQ; i++) {
-                    pb[i] = skinny_b(tid + SK_N * i, n0, k1, kz);
+                    qb[i] = skinny_b(tid + SK_N * i, n0, k2, kz);
                 }
             }
         }
