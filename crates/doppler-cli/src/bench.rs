@@ -152,10 +152,16 @@ fn is_cpu(gpu: &Gpu) -> bool {
     gpu.info.device_type == doppler::wgpu::DeviceType::Cpu
 }
 
+/// Untimed batches before each op's measured ones, for at least this long, so that the
+/// GPU's clocks have risen (an H100 idles at 345 MHz). With a single warm-up batch, one
+/// product's median read 0.28 ms in one run and 1.2 ms in another on an H100
+/// (docs/benchmarks.md, session 32).
+const WARMUP_S: f64 = 0.25;
+
 /// Runs `record` (one op, possibly several dispatches) `batch` times per submission,
-/// `repeat` times after one warm-up. Returns the median wall time per op and, with
-/// timestamps, the median GPU time per op: from its first dispatch's start to its last
-/// dispatch's end.
+/// `repeat` times after a warm-up (one round, then untimed batches for [`WARMUP_S`]).
+/// Returns the median wall time per op and, with timestamps, the median GPU time per
+/// op: from its first dispatch's start to its last dispatch's end.
 fn time(
     gpu: &Gpu,
     args: &BenchArgs,
@@ -181,6 +187,16 @@ fn time(
             bounds.push(rec.dispatches());
         }
         let tr = rec.submit()?.wait(gpu)?;
+        if r == 0 {
+            let t0 = Instant::now();
+            while t0.elapsed().as_secs_f64() < WARMUP_S {
+                let mut rec = gpu.recorder("bench");
+                for _ in 0..args.batch {
+                    record(&mut rec)?;
+                }
+                rec.submit()?.wait(gpu)?;
+            }
+        }
         if r > 0 {
             walls.push(wall);
             if !tr.events.is_empty() {
