@@ -241,9 +241,9 @@ fn split_k_max(target: usize, tiles: usize, k: usize, max: usize) -> usize {
 /// and [`MAX_SPLITS`]; `glu`: the gate/up product split too). Read once a process.
 /// Results are the same bits at every step size and tile width (the split is still
 /// chosen by 128-column tiles); the split changes an invariant product's slices of k (the
-/// same for every batch size, so still batch-invariant). On an H100 no other step or
-/// split beat the defaults (docs/benchmarks.md, session 30); the tile width is not yet
-/// measured on a GPU.
+/// same for every batch size, so still batch-invariant). On an H100 no other step, split
+/// or tile width beat the defaults (docs/benchmarks.md, sessions 30 and 32: 64 columns
+/// as fast as 128, 32 columns 1.8x slower).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SkinnyLayout {
     pub bk: usize,
