@@ -59,6 +59,7 @@ pub(crate) fn module(
                 message,
             }
         })?;
+    dump(name, &words);
     let desc = wgpu::ShaderModuleDescriptorPassthrough {
         label: Some(name),
         entry_points: vec![wgpu::PassthroughShaderEntryPoint {
@@ -85,6 +86,28 @@ pub(crate) fn module(
             message,
         }),
         None => Ok(module),
+    }
+}
+
+/// `DOPPLER_DUMP_SPIRV=DIR` (diagnostics): each passthrough module is also written to
+/// `DIR/<pipeline name>.spv` (characters other than letters, digits, `_`, `-`, `=` and
+/// `.` replaced by `_`), for spirv-val, spirv-dis or a driver's own statistics. A failed
+/// write is logged and otherwise ignored.
+fn dump(name: &str, words: &[u32]) {
+    let Some(dir) = std::env::var_os("DOPPLER_DUMP_SPIRV") else {
+        return;
+    };
+    let file: String = name
+        .chars()
+        .map(|c| match c.is_ascii_alphanumeric() || "_-=.".contains(c) {
+            true => c,
+            false => '_',
+        })
+        .collect();
+    let path = std::path::Path::new(&dir).join(format!("{file}.spv"));
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    if let Err(e) = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, bytes)) {
+        tracing::warn!("DOPPLER_DUMP_SPIRV: {}: {e}", path.display());
     }
 }
 

@@ -1,0 +1,220 @@
+//! `vkstats FILE.spv...`: creates each compute module's pipeline on the first Vulkan
+//! device with VK_KHR_pipeline_executable_properties and prints the driver's statistics
+//! of it (NVIDIA: registers a thread, shared memory, binary size), one line a file:
+//! `name<TAB>[executable] stat=value ...`. The files are the modules Doppler writes with
+//! `DOPPLER_DUMP_SPIRV=DIR` (gpu/spirv.rs): binding 0 a uniform buffer, every other binding
+//! a storage buffer, as those modules are numbered.
+//!
+//! Build: `cargo build --release` in this folder (not part of the workspace). NVIDIA's
+//! `Local_Memory_Size` read 2^36 on the H100 for every kernel (not a size); `Stack_Size`
+//! is where spills would show.
+use ash::vk;
+use std::ffi::CString;
+
+fn parse(words: &[u32]) -> (String, u32) {
+    let mut at = 5;
+    let mut entry = String::from("main");
+    let mut max_binding = 0;
+    while at < words.len() {
+        let count = (words[at] >> 16) as usize;
+        let op = words[at] & 0xffff;
+        if count == 0 {
+            break;
+        }
+        let ins = &words[at..at + count];
+        if op == 15 && ins.len() > 3 {
+            let bytes: Vec<u8> = ins[3..].iter().flat_map(|w| w.to_le_bytes()).collect();
+            let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+            entry = String::from_utf8_lossy(&bytes[..end]).into_owned();
+        }
+        if op == 71 && ins.len() >= 4 && ins[2] == 33 {
+            max_binding = max_binding.max(ins[3]);
+        }
+        at += count;
+    }
+    (entry, max_binding)
+}
+
+fn main() {
+    let files: Vec<String> = std::env::args().skip(1).collect();
+    if files.is_empty() || files.iter().any(|f| f == "-h" || f == "--help") {
+        eprintln!("usage: vkstats FILE.spv...  (driver statistics of compute modules)");
+        std::process::exit(2);
+    }
+    unsafe {
+        let entry = ash::Entry::load().expect("libvulkan");
+        let app = vk::ApplicationInfo::default().api_version(vk::API_VERSION_1_3);
+        let instance = entry
+            .create_instance(
+                &vk::InstanceCreateInfo::default().application_info(&app),
+                None,
+            )
+            .expect("instance");
+        let pds = instance.enumerate_physical_devices().expect("devices");
+        let want = [
+            ash::khr::pipeline_executable_properties::NAME,
+            ash::khr::cooperative_matrix::NAME,
+        ];
+        let mut chosen = None;
+        for pd in pds {
+            let exts = instance.enumerate_device_extension_properties(pd).unwrap();
+            let has =
+                |n: &std::ffi::CStr| exts.iter().any(|e| e.extension_name_as_c_str() == Ok(n));
+            let props = instance.get_physical_device_properties(pd);
+            eprintln!(
+                "device {:?} pipeline_executable_properties={}",
+                props.device_name_as_c_str(),
+                has(want[0])
+            );
+            if has(want[0]) {
+                let names: Vec<*const i8> =
+                    want.iter().filter(|n| has(n)).map(|n| n.as_ptr()).collect();
+                chosen = Some((pd, names));
+                break;
+            }
+        }
+        let Some((pd, names)) = chosen else {
+            eprintln!("no device with VK_KHR_pipeline_executable_properties");
+            std::process::exit(2);
+        };
+        let qf = instance
+            .get_physical_device_queue_family_properties(pd)
+            .iter()
+            .position(|q| q.queue_flags.contains(vk::QueueFlags::COMPUTE))
+            .unwrap() as u32;
+        let mut v11 = vk::PhysicalDeviceVulkan11Features::default();
+        let mut v12 = vk::PhysicalDeviceVulkan12Features::default();
+        let mut v13 = vk::PhysicalDeviceVulkan13Features::default();
+        let mut coop = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default();
+        let mut pexe = vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default();
+        let mut f2 = vk::PhysicalDeviceFeatures2::default()
+            .push_next(&mut v11)
+            .push_next(&mut v12)
+            .push_next(&mut v13)
+            .push_next(&mut coop)
+            .push_next(&mut pexe);
+        instance.get_physical_device_features2(pd, &mut f2);
+        let prio = [1.0f32];
+        let qci = [vk::DeviceQueueCreateInfo::default()
+            .queue_family_index(qf)
+            .queue_priorities(&prio)];
+        let dci = vk::DeviceCreateInfo::default()
+            .queue_create_infos(&qci)
+            .enabled_extension_names(&names)
+            .push_next(&mut f2);
+        let device = instance.create_device(pd, &dci, None).expect("device");
+        let pe = ash::khr::pipeline_executable_properties::Device::new(&instance, &device);
+        for file in files {
+            let bytes = match std::fs::read(&file) {
+                Ok(b) if b.len() % 4 == 0 && b.len() >= 20 => b,
+                Ok(_) => {
+                    println!("{file}\tnot a SPIR-V module (size)");
+                    continue;
+                }
+                Err(e) => {
+                    println!("{file}\t{e}");
+                    continue;
+                }
+            };
+            let words: Vec<u32> = bytes
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            let (ep, maxb) = parse(&words);
+            let bindings: Vec<vk::DescriptorSetLayoutBinding> = (0..=maxb)
+                .map(|b| {
+                    vk::DescriptorSetLayoutBinding::default()
+                        .binding(b)
+                        .descriptor_type(if b == 0 {
+                            vk::DescriptorType::UNIFORM_BUFFER_DYNAMIC
+                        } else {
+                            vk::DescriptorType::STORAGE_BUFFER
+                        })
+                        .descriptor_count(1)
+                        .stage_flags(vk::ShaderStageFlags::COMPUTE)
+                })
+                .collect();
+            let dsl = device
+                .create_descriptor_set_layout(
+                    &vk::DescriptorSetLayoutCreateInfo::default().bindings(&bindings),
+                    None,
+                )
+                .unwrap();
+            let dsls = [dsl];
+            let pl = device
+                .create_pipeline_layout(
+                    &vk::PipelineLayoutCreateInfo::default().set_layouts(&dsls),
+                    None,
+                )
+                .unwrap();
+            let module = match device
+                .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None)
+            {
+                Ok(m) => m,
+                Err(e) => {
+                    println!("{file}\tmodule error {e:?}");
+                    continue;
+                }
+            };
+            let cname = CString::new(ep).unwrap();
+            let stage = vk::PipelineShaderStageCreateInfo::default()
+                .stage(vk::ShaderStageFlags::COMPUTE)
+                .module(module)
+                .name(&cname);
+            let ci = vk::ComputePipelineCreateInfo::default()
+                .flags(vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR)
+                .stage(stage)
+                .layout(pl);
+            let p = match device.create_compute_pipelines(vk::PipelineCache::null(), &[ci], None) {
+                Ok(v) => v[0],
+                Err((_, e)) => {
+                    println!("{file}\tpipeline error {e:?}");
+                    continue;
+                }
+            };
+            let execs = pe
+                .get_pipeline_executable_properties(&vk::PipelineInfoKHR::default().pipeline(p))
+                .unwrap();
+            let mut line = file.rsplit('/').next().unwrap().to_string();
+            for (i, x) in execs.iter().enumerate() {
+                line += &format!(
+                    "\t[{:?} sg={}]",
+                    x.name_as_c_str().unwrap_or_default(),
+                    x.subgroup_size
+                );
+                let stats = pe
+                    .get_pipeline_executable_statistics(
+                        &vk::PipelineExecutableInfoKHR::default()
+                            .pipeline(p)
+                            .executable_index(i as u32),
+                    )
+                    .unwrap();
+                for s in &stats {
+                    let n = s
+                        .name_as_c_str()
+                        .unwrap_or_default()
+                        .to_string_lossy()
+                        .replace(' ', "_");
+                    let v = match s.format {
+                        vk::PipelineExecutableStatisticFormatKHR::BOOL32 => {
+                            format!("{}", s.value.b32)
+                        }
+                        vk::PipelineExecutableStatisticFormatKHR::INT64 => {
+                            format!("{}", s.value.i64)
+                        }
+                        vk::PipelineExecutableStatisticFormatKHR::UINT64 => {
+                            format!("{}", s.value.u64)
+                        }
+                        _ => format!("{}", s.value.f64),
+                    };
+                    line += &format!(" {n}={v}");
+                }
+            }
+            println!("{line}");
+            device.destroy_pipeline(p, None);
+            device.destroy_shader_module(module, None);
+            device.destroy_pipeline_layout(pl, None);
+            device.destroy_descriptor_set_layout(dsl, None);
+        }
+    }
+}
