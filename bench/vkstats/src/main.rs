@@ -1,9 +1,10 @@
-//! `vkstats FILE.spv...`: creates each compute module's pipeline on the first Vulkan
+//! `vkstats [--ir DIR] FILE.spv...`: creates each compute module's pipeline on the first Vulkan
 //! device with VK_KHR_pipeline_executable_properties and prints the driver's statistics
 //! of it (NVIDIA: registers a thread, shared memory, binary size), one line a file:
 //! `name<TAB>[executable] stat=value ...`. The files are the modules Doppler writes with
 //! `DOPPLER_DUMP_SPIRV=DIR` (gpu/spirv.rs): binding 0 a uniform buffer, every other binding
-//! a storage buffer, as those modules are numbered.
+//! a storage buffer, as those modules are numbered. `--ir DIR` also writes whatever
+//! internal representations the driver offers for each executable (not yet run on a GPU).
 //!
 //! Build: `cargo build --release` in this folder (not part of the workspace). NVIDIA's
 //! `Local_Memory_Size` read 2^36 on the H100 for every kernel (not a size); `Stack_Size`
@@ -36,9 +37,24 @@ fn parse(words: &[u32]) -> (String, u32) {
 }
 
 fn main() {
-    let files: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    // `--ir DIR`: also write each executable's internal representations (whatever the
+    // driver offers: text or binary) to DIR/<file>.<executable>.<name>.
+    let ir_dir = match args.iter().position(|a| a == "--ir") {
+        Some(i) if i + 1 < args.len() => {
+            let dir = args.remove(i + 1);
+            args.remove(i);
+            Some(std::path::PathBuf::from(dir))
+        }
+        Some(_) => {
+            eprintln!("--ir needs a directory");
+            std::process::exit(2);
+        }
+        None => None,
+    };
+    let files = args;
     if files.is_empty() || files.iter().any(|f| f == "-h" || f == "--help") {
-        eprintln!("usage: vkstats FILE.spv...  (driver statistics of compute modules)");
+        eprintln!("usage: vkstats [--ir DIR] FILE.spv...  (driver statistics of compute modules)");
         std::process::exit(2);
     }
     unsafe {
@@ -162,7 +178,13 @@ fn main() {
                 .module(module)
                 .name(&cname);
             let ci = vk::ComputePipelineCreateInfo::default()
-                .flags(vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR)
+                .flags(match ir_dir {
+                    Some(_) => {
+                        vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR
+                            | vk::PipelineCreateFlags::CAPTURE_INTERNAL_REPRESENTATIONS_KHR
+                    }
+                    None => vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR,
+                })
                 .stage(stage)
                 .layout(pl);
             let p = match device.create_compute_pipelines(vk::PipelineCache::null(), &[ci], None) {
@@ -209,6 +231,13 @@ fn main() {
                     };
                     line += &format!(" {n}={v}");
                 }
+                if let Some(dir) = &ir_dir {
+                    let info = vk::PipelineExecutableInfoKHR::default()
+                        .pipeline(p)
+                        .executable_index(i as u32);
+                    let base = file.rsplit('/').next().unwrap_or(&file).to_string();
+                    line += &write_irs(&pe, &device, &info, dir, &format!("{base}.{i}"));
+                }
             }
             println!("{line}");
             device.destroy_pipeline(p, None);
@@ -217,4 +246,63 @@ fn main() {
             device.destroy_descriptor_set_layout(dsl, None);
         }
     }
+}
+
+/// Writes the internal representations of one executable (two calls: sizes, then data)
+/// to `dir/<stem>.<name>`; returns a note for the file's line.
+unsafe fn write_irs(
+    pe: &ash::khr::pipeline_executable_properties::Device,
+    device: &ash::Device,
+    info: &vk::PipelineExecutableInfoKHR,
+    dir: &std::path::Path,
+    stem: &str,
+) -> String {
+    let get = pe.fp().get_pipeline_executable_internal_representations_khr;
+    let mut count = 0u32;
+    if get(device.handle(), info, &mut count, std::ptr::null_mut()) != vk::Result::SUCCESS {
+        return " ir=error".into();
+    }
+    let mut reps = vec![vk::PipelineExecutableInternalRepresentationKHR::default(); count as usize];
+    if get(device.handle(), info, &mut count, reps.as_mut_ptr()) != vk::Result::SUCCESS {
+        return " ir=error".into();
+    }
+    let mut bufs: Vec<Vec<u8>> = reps.iter().map(|r| vec![0u8; r.data_size]).collect();
+    for (r, b) in reps.iter_mut().zip(bufs.iter_mut()) {
+        r.p_data = b.as_mut_ptr().cast();
+    }
+    let result = get(device.handle(), info, &mut count, reps.as_mut_ptr());
+    if result != vk::Result::SUCCESS && result != vk::Result::INCOMPLETE {
+        return format!(" ir=error({result:?})");
+    }
+    let _ = std::fs::create_dir_all(dir);
+    let mut note = String::new();
+    for (r, b) in reps.iter().zip(&bufs) {
+        let name: String = r
+            .name_as_c_str()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        let mut data = &b[..r.data_size.min(b.len())];
+        if r.is_text != 0 {
+            let end = data.iter().position(|&c| c == 0).unwrap_or(data.len());
+            data = &data[..end];
+        }
+        let path = dir.join(format!("{stem}.{name}"));
+        match std::fs::write(&path, data) {
+            Ok(()) => {
+                note += &format!(
+                    " ir:{name}={}B{}",
+                    data.len(),
+                    if r.is_text != 0 { "(text)" } else { "" }
+                )
+            }
+            Err(e) => note += &format!(" ir:{name}=error({e})"),
+        }
+    }
+    if reps.is_empty() {
+        note += " ir=none";
+    }
+    note
 }
