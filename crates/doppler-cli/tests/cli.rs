@@ -932,13 +932,18 @@ fn logs_are_plain_text_off_a_terminal_and_a_missing_shader_dir_is_named() {
 /// The SPIR-V the GPU layer writes itself for cooperative-matrix kernels on Vulkan
 /// (gpu/spirv.rs), run for every kernel of a few ops where lavapipe has no cooperative
 /// matrices: bindings renumbered as wgpu's Vulkan backend numbers descriptors (softmax and
-/// embedding read zeros before that), overrides and workgroup memory right.
+/// embedding read zeros before that), overrides and workgroup memory right. With
+/// `DOPPLER_DUMP_SPIRV`, each such module is also written out as a SPIR-V file.
 #[test]
 fn kernels_through_the_passthrough_spirv_path_pass_verify() {
     for op in ["softmax", "embedding"] {
+        let dump = tmp(&format!("spirv-dump-{op}"));
         let (ok, stdout, err) = doppler_env(
             &["verify", "--filter", op, "-vv"],
-            &[("DOPPLER_PASSTHROUGH", "all")],
+            &[
+                ("DOPPLER_PASSTHROUGH", "all"),
+                ("DOPPLER_DUMP_SPIRV", dump.to_str().unwrap()),
+            ],
         );
         assert!(ok, "{op}: {stdout}\n{err}");
         assert!(stdout.contains(" 0 failed"), "{op}: {stdout}");
@@ -946,6 +951,22 @@ fn kernels_through_the_passthrough_spirv_path_pass_verify() {
             err.contains("passthrough module"),
             "{op}: the path was not taken: {err}"
         );
+        let files: Vec<_> = std::fs::read_dir(&dump)
+            .unwrap_or_else(|e| panic!("{op}: no dump folder {}: {e}", dump.display()))
+            .map(|f| f.unwrap().path())
+            .collect();
+        assert!(
+            files
+                .iter()
+                .any(|f| f.file_name().unwrap().to_string_lossy().starts_with(op)),
+            "{op}: {files:?}"
+        );
+        for f in &files {
+            let bytes = std::fs::read(f).unwrap();
+            assert!(f.extension().is_some_and(|e| e == "spv"), "{}", f.display());
+            assert_eq!(bytes[..4], [0x03, 0x02, 0x23, 0x07], "{}", f.display());
+            assert_eq!(bytes.len() % 4, 0, "{}", f.display());
+        }
     }
 }
 
