@@ -90,23 +90,30 @@ pub(crate) fn module(
 }
 
 /// `DOPPLER_DUMP_SPIRV=DIR` (diagnostics): each passthrough module is also written to
-/// `DIR/<pipeline name>.spv` (characters other than letters, digits, `_`, `-`, `=` and
-/// `.` replaced by `_`), for spirv-val, spirv-dis or a driver's own statistics. A failed
-/// write is logged and otherwise ignored.
+/// `DIR/<pipeline name>.spv` (characters other than ASCII letters, digits, `_`, `-` and `.`
+/// replaced by `_`: `quant_coop.qmatmul_coop_TYPE_12_SPLITK_1_.spv`), through a temporary
+/// file renamed into place, for spirv-val, spirv-dis or a driver's own statistics
+/// (`bench/vkstats`). A failed write is logged and otherwise ignored.
 fn dump(name: &str, words: &[u32]) {
     let Some(dir) = std::env::var_os("DOPPLER_DUMP_SPIRV") else {
         return;
     };
     let file: String = name
         .chars()
-        .map(|c| match c.is_ascii_alphanumeric() || "_-=.".contains(c) {
+        .map(|c| match c.is_ascii_alphanumeric() || "_-.".contains(c) {
             true => c,
             false => '_',
         })
         .collect();
-    let path = std::path::Path::new(&dir).join(format!("{file}.spv"));
+    let dir = std::path::Path::new(&dir);
+    let path = dir.join(format!("{file}.spv"));
+    let partial = dir.join(format!(".{file}.spv.{}", std::process::id()));
     let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-    if let Err(e) = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, bytes)) {
+    let written = std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&partial, bytes))
+        .and_then(|()| std::fs::rename(&partial, &path));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&partial);
         tracing::warn!("DOPPLER_DUMP_SPIRV: {}: {e}", path.display());
     }
 }
