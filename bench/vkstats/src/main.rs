@@ -19,8 +19,8 @@ fn parse(words: &[u32]) -> (String, u32) {
     while at < words.len() {
         let count = (words[at] >> 16) as usize;
         let op = words[at] & 0xffff;
-        if count == 0 {
-            break;
+        if count == 0 || at + count > words.len() {
+            break; // malformed: the driver will say so when the module is created
         }
         let ins = &words[at..at + count];
         if op == 15 && ins.len() > 3 {
@@ -34,6 +34,12 @@ fn parse(words: &[u32]) -> (String, u32) {
         at += count;
     }
     (entry, max_binding)
+}
+
+/// Prints what failed and exits (no device, no driver, ...).
+fn fail(what: &str, e: impl std::fmt::Debug) -> ! {
+    eprintln!("vkstats: {what}: {e:?}");
+    std::process::exit(1);
 }
 
 fn main() {
@@ -58,22 +64,26 @@ fn main() {
         std::process::exit(2);
     }
     unsafe {
-        let entry = ash::Entry::load().expect("libvulkan");
+        let entry = ash::Entry::load().unwrap_or_else(|e| fail("loading libvulkan", e));
         let app = vk::ApplicationInfo::default().api_version(vk::API_VERSION_1_3);
         let instance = entry
             .create_instance(
                 &vk::InstanceCreateInfo::default().application_info(&app),
                 None,
             )
-            .expect("instance");
-        let pds = instance.enumerate_physical_devices().expect("devices");
+            .unwrap_or_else(|e| fail("vkCreateInstance", e));
+        let pds = instance
+            .enumerate_physical_devices()
+            .unwrap_or_else(|e| fail("vkEnumeratePhysicalDevices", e));
         let want = [
             ash::khr::pipeline_executable_properties::NAME,
             ash::khr::cooperative_matrix::NAME,
         ];
         let mut chosen = None;
         for pd in pds {
-            let exts = instance.enumerate_device_extension_properties(pd).unwrap();
+            let exts = instance
+                .enumerate_device_extension_properties(pd)
+                .unwrap_or_default();
             let has =
                 |n: &std::ffi::CStr| exts.iter().any(|e| e.extension_name_as_c_str() == Ok(n));
             let props = instance.get_physical_device_properties(pd);
@@ -97,7 +107,7 @@ fn main() {
             .get_physical_device_queue_family_properties(pd)
             .iter()
             .position(|q| q.queue_flags.contains(vk::QueueFlags::COMPUTE))
-            .unwrap() as u32;
+            .unwrap_or_else(|| fail("queue families", "none with compute")) as u32;
         let mut v11 = vk::PhysicalDeviceVulkan11Features::default();
         let mut v12 = vk::PhysicalDeviceVulkan12Features::default();
         let mut v13 = vk::PhysicalDeviceVulkan13Features::default();
@@ -118,7 +128,9 @@ fn main() {
             .queue_create_infos(&qci)
             .enabled_extension_names(&names)
             .push_next(&mut f2);
-        let device = instance.create_device(pd, &dci, None).expect("device");
+        let device = instance
+            .create_device(pd, &dci, None)
+            .unwrap_or_else(|e| fail("vkCreateDevice", e));
         let pe = ash::khr::pipeline_executable_properties::Device::new(&instance, &device);
         for file in files {
             let bytes = match std::fs::read(&file) {
@@ -155,14 +167,14 @@ fn main() {
                     &vk::DescriptorSetLayoutCreateInfo::default().bindings(&bindings),
                     None,
                 )
-                .unwrap();
+                .unwrap_or_else(|e| fail("vkCreateDescriptorSetLayout", e));
             let dsls = [dsl];
             let pl = device
                 .create_pipeline_layout(
                     &vk::PipelineLayoutCreateInfo::default().set_layouts(&dsls),
                     None,
                 )
-                .unwrap();
+                .unwrap_or_else(|e| fail("vkCreatePipelineLayout", e));
             let module = match device
                 .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None)
             {
@@ -172,7 +184,7 @@ fn main() {
                     continue;
                 }
             };
-            let cname = CString::new(ep).unwrap();
+            let cname = CString::new(ep).unwrap_or_default();
             let stage = vk::PipelineShaderStageCreateInfo::default()
                 .stage(vk::ShaderStageFlags::COMPUTE)
                 .module(module)
@@ -196,8 +208,8 @@ fn main() {
             };
             let execs = pe
                 .get_pipeline_executable_properties(&vk::PipelineInfoKHR::default().pipeline(p))
-                .unwrap();
-            let mut line = file.rsplit('/').next().unwrap().to_string();
+                .unwrap_or_default();
+            let mut line = file.rsplit('/').next().unwrap_or(&file).to_string();
             for (i, x) in execs.iter().enumerate() {
                 line += &format!(
                     "\t[{:?} sg={}]",
@@ -210,7 +222,7 @@ fn main() {
                             .pipeline(p)
                             .executable_index(i as u32),
                     )
-                    .unwrap();
+                    .unwrap_or_default();
                 for s in &stats {
                     let n = s
                         .name_as_c_str()
