@@ -12,6 +12,9 @@
 use ash::vk;
 use std::ffi::CString;
 
+/// The entry point's name and the highest binding number of a SPIR-V module (the same walk
+/// over instructions as gpu/spirv.rs's `instructions`, kept here so that this tool does not
+/// build the library).
 fn parse(words: &[u32]) -> (String, u32) {
     let mut at = 5;
     let mut entry = String::from("main");
@@ -132,6 +135,10 @@ fn main() {
             .create_device(pd, &dci, None)
             .unwrap_or_else(|e| fail("vkCreateDevice", e));
         let pe = ash::khr::pipeline_executable_properties::Device::new(&instance, &device);
+        let mut capture = vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR;
+        if ir_dir.is_some() {
+            capture |= vk::PipelineCreateFlags::CAPTURE_INTERNAL_REPRESENTATIONS_KHR;
+        }
         for file in files {
             let bytes = match std::fs::read(&file) {
                 Ok(b) if b.len() % 4 == 0 && b.len() >= 20 => b,
@@ -181,6 +188,8 @@ fn main() {
                 Ok(m) => m,
                 Err(e) => {
                     println!("{file}\tmodule error {e:?}");
+                    device.destroy_pipeline_layout(pl, None);
+                    device.destroy_descriptor_set_layout(dsl, None);
                     continue;
                 }
             };
@@ -190,26 +199,24 @@ fn main() {
                 .module(module)
                 .name(&cname);
             let ci = vk::ComputePipelineCreateInfo::default()
-                .flags(match ir_dir {
-                    Some(_) => {
-                        vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR
-                            | vk::PipelineCreateFlags::CAPTURE_INTERNAL_REPRESENTATIONS_KHR
-                    }
-                    None => vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR,
-                })
+                .flags(capture)
                 .stage(stage)
                 .layout(pl);
             let p = match device.create_compute_pipelines(vk::PipelineCache::null(), &[ci], None) {
                 Ok(v) => v[0],
                 Err((_, e)) => {
                     println!("{file}\tpipeline error {e:?}");
+                    device.destroy_shader_module(module, None);
+                    device.destroy_pipeline_layout(pl, None);
+                    device.destroy_descriptor_set_layout(dsl, None);
                     continue;
                 }
             };
             let execs = pe
                 .get_pipeline_executable_properties(&vk::PipelineInfoKHR::default().pipeline(p))
                 .unwrap_or_default();
-            let mut line = file.rsplit('/').next().unwrap_or(&file).to_string();
+            let base = file.rsplit('/').next().unwrap_or(&file).to_string();
+            let mut line = base.clone();
             for (i, x) in execs.iter().enumerate() {
                 line += &format!(
                     "\t[{:?} sg={}]",
@@ -247,7 +254,6 @@ fn main() {
                     let info = vk::PipelineExecutableInfoKHR::default()
                         .pipeline(p)
                         .executable_index(i as u32);
-                    let base = file.rsplit('/').next().unwrap_or(&file).to_string();
                     line += &write_irs(&pe, &device, &info, dir, &format!("{base}.{i}"));
                 }
             }
