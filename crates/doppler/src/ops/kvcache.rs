@@ -35,7 +35,7 @@ static WIDEN: Kernel = Kernel::new(&KVCACHE, "kv_widen", &[(4, ReadWrite), (6, R
 static ATTEND: Kernel = Kernel::new(
     &KVCACHE,
     "attend",
-    &[(1, Read), (2, Read), (3, Read), (4, ReadWrite), (18, Read)],
+    &[(1, Read), (2, Read), (3, Read), (4, ReadWrite)],
 );
 static ATTEND_PART: Kernel = Kernel::new(
     &KVCACHE,
@@ -49,6 +49,7 @@ static ATTEND_PART: Kernel = Kernel::new(
         (16, Read),
         (17, Read),
         (12, ReadWrite),
+        (18, Read),
     ],
 );
 static ATTEND_MERGE: Kernel =
@@ -435,15 +436,14 @@ pub fn kv_attend_parts(
         DType::F32,
         "kv_attend.part",
     )?;
-    // vec4s of keys and of values a thread holds: (D / 4) / 4 quarters, and 64 keys over
-    // 256 / (D / 4) groups: D / 16 each, at least 1, at most the kernel's 8.
-    let pre = (p.d as usize).div_ceil(16).clamp(1, 8);
+    let pre = part_preload(p.d as usize);
     let [c16, c8] = kv_consts("kv_attend", &[k, v])?;
+    // (Binding 18, the page lists, is read only with PAGED: q stands in.)
     rec.dispatch(
         &ATTEND_PART,
         &[("PRE", pre as f64), c16, c8],
         bytemuck::bytes_of(&p),
-        &[q, k, v, k, v, k, v, &part],
+        &[q, k, v, k, v, k, v, &part, q],
         Grid::Linear(rows as u64),
     )?;
     Ok(Some(AttnParts {
@@ -452,6 +452,13 @@ pub fn kv_attend_parts(
         d: p.d as usize,
         splits,
     }))
+}
+
+/// `attend_part`'s PRE: the vec4s of keys and of values a thread holds: (D / 4) / 4
+/// quarters, and 64 keys over 256 / (D / 4) groups: D / 16 each, at least 1, at most the
+/// kernel's 8.
+fn part_preload(d: usize) -> usize {
+    d.div_ceil(16).clamp(1, 8)
 }
 
 /// Causal attention of q (T, Hq, D), the tokens at pos..pos+T, over the cached keys and
@@ -513,8 +520,7 @@ pub fn kv_attend(
     let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend.o")?;
     let grid = Grid::Linear((p.t * p.hq) as u64);
     let c = kv_consts("kv_attend", &[k, v])?;
-    // (Binding 18, the page lists, is read only with PAGED: q stands in.)
-    rec.dispatch(&ATTEND, &c, bytemuck::bytes_of(&p), &[q, k, v, &o, q], grid)?;
+    rec.dispatch(&ATTEND, &c, bytemuck::bytes_of(&p), &[q, k, v, &o], grid)?;
     Ok(o)
 }
 
@@ -847,8 +853,11 @@ pub fn paged_pool(
 
 /// Causal attention of each row of `q` (M, Hq, D), a token of its own sequence, over that
 /// sequence's keys so far in the paged pool (`k`, `v`: (pages * PAGE, Hkv, D), the row's
-/// own key already stored): `attend` with PAGED, one workgroup per (row, head). Scale
-/// 1/sqrt(D). A row's result does not depend on the other rows.
+/// own key already stored), as a single sequence's decode attends: its keys split into
+/// ranges of 64 from key 0 (`attend_part` with PAGED, one workgroup per (row, head,
+/// range), as many ranges for every row as the longest row needs), then merged in range
+/// order (`attend_merge`). Scale 1/sqrt(D). A row's ranges past its own keys are empty and
+/// add exact zeros, so its result does not depend on the other rows.
 pub fn kv_attend_paged(
     rec: &mut Recorder<'_>,
     q: &Tensor,
@@ -870,16 +879,37 @@ pub fn kv_attend_paged(
             detail: format!("keys {cs:?} and values {:?} differ", v.shape()),
         });
     }
-    let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend_paged.o")?;
-    let grid = Grid::Linear((p.t * p.hq) as u64);
     let [c16, c8] = kv_consts("kv_attend_paged", &[k, v])?;
-    let c = [c16, c8, ("PAGED", 1.0)];
-    rec.dispatch(
-        &ATTEND,
-        &c,
-        bytemuck::bytes_of(&p),
-        &[q, k, v, &o, &rows.info],
-        grid,
+    let splits = rows.positions.div_ceil(SPLIT);
+    let heads = p.t as usize * p.hq as usize;
+    let part = Tensor::empty(
+        rec.gpu(),
+        &[heads * splits, p.d as usize + 2],
+        DType::F32,
+        "kv_attend_paged.part",
     )?;
-    Ok(o)
+    let c = [
+        ("PRE", part_preload(p.d as usize) as f64),
+        c16,
+        c8,
+        ("PAGED", 1.0),
+    ];
+    let pp = Params {
+        splits: splits as u32,
+        ..p
+    };
+    rec.dispatch(
+        &ATTEND_PART,
+        &c,
+        bytemuck::bytes_of(&pp),
+        &[q, k, v, k, v, k, v, &part, &rows.info],
+        Grid::Linear((heads * splits) as u64),
+    )?;
+    let parts = AttnParts {
+        part,
+        heads,
+        d: p.d as usize,
+        splits,
+    };
+    attend_merge(rec, &parts)?.reshape(q.shape())
 }

@@ -31,11 +31,14 @@
 // j % p.ring (p.ring = its rows), so a cache of window - 1 + T rows or more holds all a
 // step of T tokens needs (a ring of the last keys); without a ring, j < rows and the row
 // is j.
-// Pages (PAGED, `attend` and `rope_store`: continuous batching): each row t of q / qkv is
+// Pages (PAGED, `attend_part` and `rope_store`: continuous batching): each row t of q / qkv is
 // a token of its own sequence, whose keys live in pages of PAGE rows of one pool; the
 // u32 buffer `paged` (binding 18) holds per row its position (2 t) and where its page list
 // starts (2 t + 1): key j of row t is in pool row pages[j / PAGE] * PAGE + j % PAGE. No
-// windows then. A row's sums do not depend on the other rows.
+// windows then. attend_part splits each row's keys 0..=pos into ranges of 64 from key 0,
+// p.splits ranges for every row (enough for the longest); a row's ranges past its keys
+// are empty (m = -3e38, l = 0, acc = 0) and add exact zeros in the merge, so a row's sums
+// do not depend on the other rows.
 // Caches hold words (array<u32>): f32 bits, or with KV_F16 two f16 halves a word
 // (pack2x16float / unpack2x16float: core WGSL, no shader-f16 needed), or with KV_Q8
 // llama.cpp's q8_0 numbers: each head's D values of a token as D / 4 words of 8-bit
@@ -261,18 +264,18 @@ fn score(kb: u32) -> f32 {
 
 // sum over jj = first, first + step, ... < n of sc[jj] * (4 dims at vb of the cached value
 // row c0 + jj): a group's share of a chunk of keys.
-fn weighted_values(t: u32, c0: u32, first: u32, step: u32, n: u32, stride: u32, vb: u32) -> vec4<f32> {
+fn weighted_values(c0: u32, first: u32, step: u32, n: u32, stride: u32, vb: u32) -> vec4<f32> {
     var acc = vec4<f32>(0.0);
     var jj = first;
     for (; jj + 3u * step < n; jj += 4u * step) {
-        let a = v4(key_row(t, c0 + jj) * stride + vb);
-        let b = v4(key_row(t, c0 + jj + step) * stride + vb);
-        let c = v4(key_row(t, c0 + jj + 2u * step) * stride + vb);
-        let d = v4(key_row(t, c0 + jj + 3u * step) * stride + vb);
+        let a = v4(cache_row(c0 + jj) * stride + vb);
+        let b = v4(cache_row(c0 + jj + step) * stride + vb);
+        let c = v4(cache_row(c0 + jj + 2u * step) * stride + vb);
+        let d = v4(cache_row(c0 + jj + 3u * step) * stride + vb);
         acc += sc[jj] * a + sc[jj + step] * b + sc[jj + 2u * step] * c + sc[jj + 3u * step] * d;
     }
     for (; jj < n; jj += step) {
-        acc += sc[jj] * v4(key_row(t, c0 + jj) * stride + vb);
+        acc += sc[jj] * v4(cache_row(c0 + jj) * stride + vb);
     }
     return acc;
 }
@@ -304,8 +307,8 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     let dim4 = lid % d4;
     let stride = p.hkv * p.d;             // floats between consecutive cached tokens
     let base = kvh * p.d;
-    let nkeys = tok_pos(t) + 1u;          // causal: keys first_key(t)..=pos+t
-    let first = select(first_key(t), 0u, PAGED);
+    let nkeys = p.pos + t + 1u;           // causal: keys first_key(t)..=pos+t
+    let first = first_key(t);
     load_q(t, h, lid);
     var m = -3.0e38;                       // running max of the scores
     var l = 0.0;                           // running sum of exp(score - m)
@@ -315,7 +318,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
         let j = c0 + lid;
         var s = -3.0e38;
         if (j < nkeys) {
-            s = score(key_row(t, j) * stride + base);
+            s = score(cache_row(j) * stride + base);
         }
         red[lid] = s;
         reduce(lid, true);
@@ -330,7 +333,7 @@ fn attend(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
         m = m_new;
         acc *= alpha;
         if (grp < groups) {
-            acc += weighted_values(t, c0, grp, groups, min(WG, nkeys - c0), stride, base + 4u * dim4);
+            acc += weighted_values(c0, grp, groups, min(WG, nkeys - c0), stride, base + 4u * dim4);
         }
     }
     workgroupBarrier();
@@ -351,8 +354,12 @@ const SPLIT: u32 = 64u;
 @group(0) @binding(12) var<storage, read_write> part: array<f32>;
 var<workgroup> red64: array<vec4<f32>, 16>;   // a range's 64 scores
 
-// Ranges of 64 keys from first_key(0) (the first key any query sees) to pos + t.
+// Ranges of 64 keys from first_key(0) (the first key any query sees) to pos + t; with
+// PAGED, p.splits: enough ranges for the longest row (set by the host).
 fn splits() -> u32 {
+    if (PAGED) {
+        return p.splits;
+    }
     return (p.pos + p.t - first_key(0u) + SPLIT - 1u) / SPLIT;
 }
 
@@ -413,7 +420,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let dim4 = lid % d4;
     let stride4 = p.hkv * d4;             // vec4s between consecutive cached tokens
     let base4 = kvh * d4;
-    let nkeys = p.pos + t + 1u;
+    let nkeys = tok_pos(t) + 1u;
     let k0 = first_key(0u) + sp * SPLIT;
     let nk = select(0u, min(SPLIT, nkeys - k0), k0 < nkeys);   // keys in this range
     // Keys at the range's start before this query's window (later queries of a step).
@@ -421,7 +428,9 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let out = g * (p.d + 2u);
     // Quarter qtr of key k0 + lid / 4: vec4s qtr + 4 i of its row.
     let qtr = lid % 4u;
-    let kb4 = cache_row(k0 + lid / 4u) * stride4 + base4;
+    // (Keys past the row's own are never read: clamped to its last so that a paged row's
+    // page list is not read past its end.)
+    let kb4 = key_row(t, min(k0 + lid / 4u, nkeys - 1u)) * stride4 + base4;
     let kn = select(0u, (d4 + 3u - qtr) / 4u, lid / 4u < nk);
     var kq: array<vec4<f32>, 8>;
     for (var i = 0u; i < PRE; i++) {
@@ -435,7 +444,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     for (var i = 0u; i < PRE; i++) {
         let jj = grp + groups * i;
         if (on && jj < nk) {
-            vv[i] = val4(cache_row(k0 + jj) * stride4 + base4 + dim4);
+            vv[i] = val4(key_row(t, k0 + jj) * stride4 + base4 + dim4);
         }
     }
     load_q(t, h, lid);
@@ -480,7 +489,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
             }
         }
         for (var jj = grp + groups * PRE; jj < nk; jj += groups) {
-            acc += sc[jj] * val4(cache_row(k0 + jj) * stride4 + base4 + dim4);
+            acc += sc[jj] * val4(key_row(t, k0 + jj) * stride4 + base4 + dim4);
         }
     }
     red4[lid] = acc;

@@ -656,17 +656,37 @@ async fn merged_check(
 /// turned and v stored in the row's page) then `kv_attend_paged` (each row over its own
 /// sequence's keys), against f64: RoPE at each row's position, the pool's rows (noise
 /// elsewhere, which no row may read) and softmax attention. A sequence with two rows (a
-/// prompt's chunk) sees its first row's key from the second. f32 and f16 pools.
+/// prompt's chunk) sees its first row's key from the second. Rows of 5 to 262 keys: 1 to
+/// 5 ranges of 64, so short rows get empty ranges. Then batch invariance: each row's
+/// attention run alone (its own range count) must give the batch's bits. f32 and f16
+/// pools.
 pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::kvcache::{
         kv_attend_paged, paged_pool, rope_store, PagedRows, RopeStore, PAGE,
     };
     use crate::ops::rope::{Pairing, RopeTable};
-    let (hq, hkv, d, pages) = (4usize, 2usize, 32usize, 8usize);
+    let (hq, hkv, d, pages) = (4usize, 2usize, 32usize, 40usize);
     let width = (hq + 2 * hkv) * d;
-    let seqs: [&[u32]; 3] = [&[5], &[2, 6], &[7, 0, 3]];
-    // (sequence, position) of each row.
-    let rows_of = [(0usize, 4usize), (1, 19), (2, 35), (2, 36)];
+    // Pages 0..40 in a scattered order (7 is prime to 40), dealt to the sequences.
+    let order: Vec<u32> = (0..pages as u32)
+        .map(|i| (7 * i + 3) % pages as u32)
+        .collect();
+    let seqs: [&[u32]; 5] = [
+        &order[0..1],
+        &order[1..3],
+        &order[3..20],
+        &order[20..25],
+        &order[25..35],
+    ];
+    // (sequence, position) of each row: 5 to 262 keys, 1 to 5 ranges of 64.
+    let rows_of = [
+        (0usize, 4usize),
+        (1, 19),
+        (2, 260),
+        (2, 261),
+        (3, 70),
+        (4, 150),
+    ];
     for (ti, ty) in [KvType::F32, KvType::F16].into_iter().enumerate() {
         let mut rng = Rng::new(7700 + ti as u64);
         let n = pages * PAGE * hkv * d;
@@ -677,7 +697,7 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             _ => x,
         };
         let r = twice("kv_paged", async || {
-            let table = RopeTable::new(gpu, 64, d, 10000.0)?;
+            let table = RopeTable::new(gpu, 512, d, 10000.0)?;
             let pool = paged_pool(gpu, 1, pages, hkv, d, ty)?;
             let noise = |x: &[f32], name| match ty {
                 KvType::F16 => Tensor::from_f16(
@@ -718,7 +738,19 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     Ok((q, o))
                 })
                 .await?;
-            Ok(vec![q.to_vec_f32(gpu).await?, o.to_vec_f32(gpu).await?])
+            let qv = q.to_vec_f32(gpu).await?;
+            // Each row alone, over the keys the batch stored.
+            let mut alone = Vec::new();
+            for (r, &(pos, list)) in list.iter().enumerate() {
+                let one = PagedRows::new(gpu, &[(pos, list)])?;
+                let qr = &qv[r * hq * d..(r + 1) * hq * d];
+                let qr = Tensor::from_f32(gpu, &[1, hq, d], qr, "q row")?;
+                let o = gpu
+                    .run_async(|rec| kv_attend_paged(rec, &qr, &pool.k[0], &pool.v[0], &one))
+                    .await?;
+                alone.extend(o.to_vec_f32(gpu).await?);
+            }
+            Ok(vec![qv, o.to_vec_f32(gpu).await?, alone])
         })
         .await;
         // f64: the pool as stored, each row's k and v written at its position's row.
@@ -793,7 +825,7 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 rel: 1e-6,
             };
             compare("rope_store paged q", &got[0], &qwant, None, tol).map_err(s)?;
-            compare(
+            let stats = compare(
                 "kv_attend_paged",
                 &got[1],
                 &want,
@@ -803,12 +835,19 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     rel: 2e-5,
                 },
             )
-            .map_err(s)
+            .map_err(s)?;
+            crate::check::same_bits(
+                "kv_attend_paged: rows alone vs in the batch",
+                &got[2],
+                &got[1],
+            )
+            .map_err(s)?;
+            Ok(stats)
         });
         push(
             out,
             "kv_paged",
-            format!("{} rows of 3 sequences (positions 4, 19, 35 + 36) in {pages} scattered pages of {PAGE}, Hq {hq}/Hkv {hkv}, D {d}, {}", rows_of.len(), ty.name()),
+            format!("{} rows of 5 sequences (positions 4, 19, 260 + 261, 70, 150) in {pages} scattered pages of {PAGE}, Hq {hq}/Hkv {hkv}, D {d}, {}, each row alone the same bits", rows_of.len(), ty.name()),
             res,
         );
     }
