@@ -856,8 +856,9 @@ pub fn paged_pool(
 /// own key already stored), as a single sequence's decode attends: its keys split into
 /// ranges of 64 from key 0 (`attend_part` with PAGED, one workgroup per (row, head,
 /// range), as many ranges for every row as the longest row needs), then merged in range
-/// order (`attend_merge`). Scale 1/sqrt(D). A row's ranges past its own keys are empty and
-/// add exact zeros, so its result does not depend on the other rows.
+/// order (`attend_merge`; where every row has 64 keys or fewer, one dispatch writes each
+/// row's one range as the merge would). Scale 1/sqrt(D). A row's ranges past its own keys
+/// are empty and add exact zeros, so its result does not depend on the other rows.
 pub fn kv_attend_paged(
     rec: &mut Recorder<'_>,
     q: &Tensor,
@@ -882,9 +883,15 @@ pub fn kv_attend_paged(
     let [c16, c8] = kv_consts("kv_attend_paged", &[k, v])?;
     let splits = rows.positions.div_ceil(SPLIT);
     let heads = p.t as usize * p.hq as usize;
+    // Every row within one range: each row's output straight from its range (the merge
+    // of one range, the same bits), one dispatch.
+    let direct = splits == 1;
     let part = Tensor::empty(
         rec.gpu(),
-        &[heads * splits, p.d as usize + 2],
+        &match direct {
+            true => [heads, p.d as usize],
+            false => [heads * splits, p.d as usize + 2],
+        },
         DType::F32,
         "kv_attend_paged.part",
     )?;
@@ -893,6 +900,7 @@ pub fn kv_attend_paged(
         c16,
         c8,
         ("PAGED", 1.0),
+        ("DIRECT", direct as u32 as f64),
     ];
     let pp = Params {
         splits: splits as u32,
@@ -905,6 +913,9 @@ pub fn kv_attend_paged(
         &[q, k, v, k, v, k, v, &part, &rows.info],
         Grid::Linear((heads * splits) as u64),
     )?;
+    if direct {
+        return part.reshape(q.shape());
+    }
     let parts = AttnParts {
         part,
         heads,

@@ -400,6 +400,9 @@ fn val4(n: u32) -> vec4<f32> {
 // vec4s of keys and of values a thread loads up front: D / 16 up to 8 (set by the host;
 // arrays past it are never touched, so they take no registers).
 override PRE: u32 = 8u;
+// Every row's keys in one range (p.splits 1, PAGED): the row's output straight away, no
+// merge (binding 12 then holds o).
+override DIRECT: bool = false;
 
 @compute @workgroup_size(256)
 fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -494,6 +497,24 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     }
     red4[lid] = acc;
     workgroupBarrier();
+    if (DIRECT) {
+        // One range a row: what attend_merge makes of it (the range's weight is
+        // e^(m - m) = 1: sums of 0 and 1 x, the same bits), o = acc / l, written to
+        // `part` as o (T, Hq, D).
+        if (lid < d4) {
+            var l = 0.0;
+            for (var i = 0u; i < 64u; i++) {
+                l += sc[i];
+            }
+            let r = group_sum(lid, groups) / l;
+            let ob = th * p.d + 4u * lid;
+            part[ob] = r.x;
+            part[ob + 1u] = r.y;
+            part[ob + 2u] = r.z;
+            part[ob + 3u] = r.w;
+        }
+        return;
+    }
     if (lid < d4) {
         let sum = group_sum(lid, groups);
         part[out + 4u * lid] = sum.x;
