@@ -851,20 +851,56 @@ pub fn paged_pool(
     )
 }
 
+/// How [`kv_attend_paged`] spreads its work over workgroups; the same bits either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PagedWork {
+    /// One workgroup a (row, query heads, range of 64 keys), then `attend_merge` (two
+    /// dispatches, the most workgroups).
+    Split,
+    /// One workgroup a (row, query heads), walking the row's ranges and merging them as
+    /// `attend_merge` does (one dispatch).
+    Loop,
+}
+
+/// Workgroups from which [`kv_attend_paged`] walks a row's ranges in one workgroup rather
+/// than one a range: enough to fill the GPU without splitting the keys, and the merge's
+/// dispatch saved (docs/benchmarks.md, session 34).
+const LOOP_UNITS: usize = 256;
+
+/// Query heads `attend_part` takes a workgroup for `g` query heads a kv head: the largest
+/// divisor of g up to 8 (its keys and values then read once for them all).
+fn heads_per_workgroup(g: usize) -> usize {
+    (1..=g.clamp(1, 8)).rev().find(|n| g % n == 0).unwrap_or(1)
+}
+
 /// Causal attention of each row of `q` (M, Hq, D), a token of its own sequence, over that
 /// sequence's keys so far in the paged pool (`k`, `v`: (pages * PAGE, Hkv, D), the row's
-/// own key already stored), as a single sequence's decode attends: its keys split into
-/// ranges of 64 from key 0 (`attend_part` with PAGED, one workgroup per (row, head,
-/// range), as many ranges for every row as the longest row needs), then merged in range
-/// order (`attend_merge`; where every row has 64 keys or fewer, one dispatch writes each
-/// row's one range as the merge would). Scale 1/sqrt(D). A row's ranges past its own keys
-/// are empty and add exact zeros, so its result does not depend on the other rows.
+/// own key already stored), as a single sequence's decode attends: its keys in ranges of
+/// 64 from key 0 (as many ranges for every row as the longest row needs), each range's
+/// softmax sums, then the ranges merged in order (`attend_part` with PAGED). A workgroup
+/// takes the query heads that share a kv head (up to 8), so the keys and values are read
+/// once for them. One workgroup a range and `attend_merge`, or where there are enough
+/// rows and heads to fill the GPU ([`LOOP_UNITS`]) or a single range, one workgroup
+/// walking the row's ranges ([`PagedWork`]). Scale 1/sqrt(D). A row's ranges past its own
+/// keys are empty and add exact zeros, so its result does not depend on the other rows.
 pub fn kv_attend_paged(
     rec: &mut Recorder<'_>,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     rows: &PagedRows,
+) -> Result<Tensor> {
+    kv_attend_paged_as(rec, q, k, v, rows, None)
+}
+
+/// [`kv_attend_paged`] with its work laid out as `work` says (None: as it chooses).
+pub fn kv_attend_paged_as(
+    rec: &mut Recorder<'_>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    rows: &PagedRows,
+    work: Option<PagedWork>,
 ) -> Result<Tensor> {
     let cs = logical(k);
     rows.check(
@@ -883,15 +919,18 @@ pub fn kv_attend_paged(
     let [c16, c8] = kv_consts("kv_attend_paged", &[k, v])?;
     let splits = rows.positions.div_ceil(SPLIT);
     let heads = p.t as usize * p.hq as usize;
-    // Every row within one range: each row's output straight from its range (the merge
-    // of one range, the same bits), one dispatch.
-    let direct = splits == 1;
+    let per = heads_per_workgroup((p.hq / p.hkv) as usize);
+    let units = heads / per;
+    let work = work.unwrap_or(match splits == 1 || units >= LOOP_UNITS {
+        true => PagedWork::Loop,
+        false => PagedWork::Split,
+    });
+    // Looped, o comes first in `part`, the ranges' parts after it.
+    let looped = work == PagedWork::Loop;
+    let o_len = if looped { heads * p.d as usize } else { 0 };
     let part = Tensor::empty(
         rec.gpu(),
-        &match direct {
-            true => [heads, p.d as usize],
-            false => [heads * splits, p.d as usize + 2],
-        },
+        &[o_len + heads * splits * (p.d as usize + 2)],
         DType::F32,
         "kv_attend_paged.part",
     )?;
@@ -900,7 +939,8 @@ pub fn kv_attend_paged(
         c16,
         c8,
         ("PAGED", 1.0),
-        ("DIRECT", direct as u32 as f64),
+        ("LOOP", looped as u32 as f64),
+        ("HEADS", per as f64),
     ];
     let pp = Params {
         splits: splits as u32,
@@ -911,10 +951,10 @@ pub fn kv_attend_paged(
         &c,
         bytemuck::bytes_of(&pp),
         &[q, k, v, k, v, k, v, &part, &rows.info],
-        Grid::Linear((heads * splits) as u64),
+        Grid::Linear((units * if looped { 1 } else { splits }) as u64),
     )?;
-    if direct {
-        return part.reshape(q.shape());
+    if looped {
+        return part.prefix(q.shape());
     }
     let parts = AttnParts {
         part,
@@ -923,4 +963,17 @@ pub fn kv_attend_paged(
         splits,
     };
     attend_merge(rec, &parts)?.reshape(q.shape())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::heads_per_workgroup;
+
+    #[test]
+    fn query_heads_a_workgroup_divide_the_group() {
+        let got: Vec<usize> = [1, 2, 3, 4, 6, 7, 8, 12, 16, 0]
+            .map(heads_per_workgroup)
+            .to_vec();
+        assert_eq!(got, [1, 2, 3, 4, 6, 7, 8, 6, 8, 1]);
+    }
 }

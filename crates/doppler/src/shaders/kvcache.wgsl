@@ -400,23 +400,35 @@ fn val4(n: u32) -> vec4<f32> {
 // vec4s of keys and of values a thread loads up front: D / 16 up to 8 (set by the host;
 // arrays past it are never touched, so they take no registers).
 override PRE: u32 = 8u;
-// Every row's keys in one range (p.splits 1, PAGED): the row's output straight away, no
-// merge (binding 12 then holds o).
-override DIRECT: bool = false;
+// One workgroup a row (and head or heads) for all its ranges, merged at its end: o with
+// one dispatch, the same bits as a workgroup a range then attend_merge.
+override LOOP: bool = false;
+// Query heads a workgroup: 1, or up to 8 of the G = Hq / Hkv that share a kv head (HEADS
+// divides G): the keys and values read once for them, each head's sums in the same order
+// as alone; their queries in qh.
+override HEADS: u32 = 1u;
+var<workgroup> qh: array<vec4<f32>, 512>;
 
 @compute @workgroup_size(256)
 fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
     let ns = splits();
     let g = wid.x + wid.y * nwg.x;
-    if (g >= p.t * p.hq * ns) {
+    let per = HEADS;
+    let units = p.hq / per;
+    // Workgroups a (row, heads): one a range, or with LOOP one for all ranges.
+    let nwork = select(ns, 1u, LOOP);
+    if (g >= p.t * units * nwork) {
         return;
     }
-    let sp = g % ns;
-    let th = g / ns;
-    let t = th / p.hq;
-    let h = th % p.hq;
-    let kvh = h / (p.hq / p.hkv);
+    let tu = g / nwork;
+    let t = tu / units;
+    let h0 = (tu % units) * per;
+    let sp0 = select(g % nwork, 0u, LOOP);
+    let sp1 = select(sp0 + 1u, ns, LOOP);
+    // With LOOP the outputs o (T, Hq, D) come first in binding 12, the ranges' parts after.
+    let pb = select(0u, p.t * p.hq * p.d, LOOP);
+    let kvh = h0 / (p.hq / p.hkv);
     let d4 = p.d / 4u;
     let groups = 256u / d4;
     let grp = lid / d4;
@@ -424,114 +436,125 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let stride4 = p.hkv * d4;             // vec4s between consecutive cached tokens
     let base4 = kvh * d4;
     let nkeys = tok_pos(t) + 1u;
-    let k0 = first_key(0u) + sp * SPLIT;
-    let nk = select(0u, min(SPLIT, nkeys - k0), k0 < nkeys);   // keys in this range
-    // Keys at the range's start before this query's window (later queries of a step).
-    let skip = min(nk, select(0u, first_key(t) - k0, first_key(t) > k0));
-    let out = g * (p.d + 2u);
-    // Quarter qtr of key k0 + lid / 4: vec4s qtr + 4 i of its row.
-    let qtr = lid % 4u;
-    // (Keys past the row's own are never read: clamped to its last so that a paged row's
-    // page list is not read past its end.)
-    let kb4 = key_row(t, min(k0 + lid / 4u, nkeys - 1u)) * stride4 + base4;
-    let kn = select(0u, (d4 + 3u - qtr) / 4u, lid / 4u < nk);
-    var kq: array<vec4<f32>, 8>;
-    for (var i = 0u; i < PRE; i++) {
-        if (i < kn) {
-            kq[i] = key4(kb4 + qtr + 4u * i);
+    // The heads' queries (consecutive in q), read once.
+    for (var i = lid; i < per * d4; i += 256u) {
+        let qb = (t * p.hq + h0) * p.d + 4u * i;
+        qh[i] = vec4<f32>(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]);
+    }
+    // (Each range's and head's workgroup memory is written after the last barrier behind
+    // its reads in the one before.)
+    for (var sp = sp0; sp < sp1; sp++) {
+        let k0 = first_key(0u) + sp * SPLIT;
+        let nk = select(0u, min(SPLIT, nkeys - k0), k0 < nkeys);   // keys in this range
+        // Keys at the range's start before this query's window (later queries of a step).
+        let skip = min(nk, select(0u, first_key(t) - k0, first_key(t) > k0));
+        // Quarter qtr of key k0 + lid / 4: vec4s qtr + 4 i of its row.
+        let qtr = lid % 4u;
+        // (Keys past the row's own are never read: clamped to its last so that a paged row's
+        // page list is not read past its end.)
+        let kb4 = key_row(t, min(k0 + lid / 4u, nkeys - 1u)) * stride4 + base4;
+        let kn = select(0u, (d4 + 3u - qtr) / 4u, lid / 4u < nk);
+        var kq: array<vec4<f32>, 8>;
+        for (var i = 0u; i < PRE; i++) {
+            if (i < kn) {
+                kq[i] = key4(kb4 + qtr + 4u * i);
+            }
         }
-    }
-    // Group grp's keys grp + groups i, dims 4 dim4...
-    let on = grp < groups;
-    var vv: array<vec4<f32>, 8>;
-    for (var i = 0u; i < PRE; i++) {
-        let jj = grp + groups * i;
-        if (on && jj < nk) {
-            vv[i] = val4(key_row(t, k0 + jj) * stride4 + base4 + dim4);
-        }
-    }
-    load_q(t, h, lid);
-    workgroupBarrier();
-    var dq = vec4<f32>(0.0);
-    for (var i = 0u; i < PRE; i++) {
-        if (i < kn) {
-            dq += qs[qtr + 4u * i] * kq[i];
-        }
-    }
-    for (var i = PRE; i < kn; i++) {
-        dq += qs[qtr + 4u * i] * key4(kb4 + qtr + 4u * i);
-    }
-    part_dot[lid] = (dq.x + dq.y) + (dq.z + dq.w);
-    workgroupBarrier();
-    // Threads lid < 64: key k0 + lid's score; every thread reads the 64 for the max.
-    var s = -3.0e38;
-    let seen = lid < nk && lid >= skip;
-    if (seen) {
-        let b = 4u * lid;
-        s = ((part_dot[b] + part_dot[b + 1u]) + (part_dot[b + 2u] + part_dot[b + 3u])) * p.scale;
-    }
-    if (lid < SPLIT) {
-        red64[lid / 4u][lid % 4u] = s;
-    }
-    workgroupBarrier();
-    var m4 = red64[0];
-    for (var i = 1u; i < 16u; i++) {
-        m4 = max(m4, red64[i]);
-    }
-    let m = max(max(m4.x, m4.y), max(m4.z, m4.w));
-    if (lid < SPLIT) {
-        sc[lid] = select(0.0, exp(s - m), seen);
-    }
-    workgroupBarrier();
-    var acc = vec4<f32>(0.0);
-    if (on) {
+        // Group grp's keys grp + groups i, dims 4 dim4...
+        let on = grp < groups;
+        var vv: array<vec4<f32>, 8>;
         for (var i = 0u; i < PRE; i++) {
             let jj = grp + groups * i;
-            if (jj < nk) {
-                acc += sc[jj] * vv[i];
+            if (on && jj < nk) {
+                vv[i] = val4(key_row(t, k0 + jj) * stride4 + base4 + dim4);
             }
         }
-        for (var jj = grp + groups * PRE; jj < nk; jj += groups) {
-            acc += sc[jj] * val4(key_row(t, k0 + jj) * stride4 + base4 + dim4);
+        workgroupBarrier();
+        for (var hi = 0u; hi < per; hi++) {
+            let h = h0 + hi;
+            let th = t * p.hq + h;
+            let out = pb + (th * ns + sp) * (p.d + 2u);
+            let qo = hi * d4;
+            var dq = vec4<f32>(0.0);
+            for (var i = 0u; i < PRE; i++) {
+                if (i < kn) {
+                    dq += qh[qo + qtr + 4u * i] * kq[i];
+                }
+            }
+            for (var i = PRE; i < kn; i++) {
+                dq += qh[qo + qtr + 4u * i] * key4(kb4 + qtr + 4u * i);
+            }
+            part_dot[lid] = (dq.x + dq.y) + (dq.z + dq.w);
+            workgroupBarrier();
+            // Threads lid < 64: key k0 + lid's score; every thread reads the 64 for the max.
+            var s = -3.0e38;
+            let seen = lid < nk && lid >= skip;
+            if (seen) {
+                let b = 4u * lid;
+                s = ((part_dot[b] + part_dot[b + 1u]) + (part_dot[b + 2u] + part_dot[b + 3u])) * p.scale;
+            }
+            if (lid < SPLIT) {
+                red64[lid / 4u][lid % 4u] = s;
+            }
+            workgroupBarrier();
+            var m4 = red64[0];
+            for (var i = 1u; i < 16u; i++) {
+                m4 = max(m4, red64[i]);
+            }
+            let m = max(max(m4.x, m4.y), max(m4.z, m4.w));
+            if (lid < SPLIT) {
+                sc[lid] = select(0.0, exp(s - m), seen);
+            }
+            workgroupBarrier();
+            var acc = vec4<f32>(0.0);
+            if (on) {
+                for (var i = 0u; i < PRE; i++) {
+                    let jj = grp + groups * i;
+                    if (jj < nk) {
+                        acc += sc[jj] * vv[i];
+                    }
+                }
+                for (var jj = grp + groups * PRE; jj < nk; jj += groups) {
+                    acc += sc[jj] * val4(key_row(t, k0 + jj) * stride4 + base4 + dim4);
+                }
+            }
+            red4[lid] = acc;
+            workgroupBarrier();
+            if (lid < d4) {
+                let sum = group_sum(lid, groups);
+                part[out + 4u * lid] = sum.x;
+                part[out + 4u * lid + 1u] = sum.y;
+                part[out + 4u * lid + 2u] = sum.z;
+                part[out + 4u * lid + 3u] = sum.w;
+            }
+            if (lid == 255u) {
+                // The sum of the 64 weights, in order (on a thread not summing groups above).
+                // An empty range (past this query's keys, or before its window) has l = 0 and
+                // adds nothing.
+                var l = 0.0;
+                for (var i = 0u; i < 64u; i++) {
+                    l += sc[i];
+                }
+                part[out + p.d] = select(-3.0e38, m, nk > skip);
+                part[out + p.d + 1u] = select(0.0, l, nk > skip);
+            }
         }
     }
-    red4[lid] = acc;
-    workgroupBarrier();
-    if (DIRECT) {
-        // One range a row: what attend_merge makes of it (the range's weight is
-        // e^(m - m) = 1: sums of 0 and 1 x, the same bits), o = acc / l, written to
-        // `part` as o (T, Hq, D).
+    if (LOOP) {
+        // The ranges merged as attend_merge merges them (the same bits): thread lid < D/4
+        // reads the dims it wrote, and thread 255's m and l after the barrier.
+        storageBarrier();
         if (lid < d4) {
-            var l = 0.0;
-            for (var i = 0u; i < 64u; i++) {
-                l += sc[i];
+            for (var hi = 0u; hi < per; hi++) {
+                let th = t * p.hq + h0 + hi;
+                let r = merged(pb, th, lid);
+                let ob = th * p.d + 4u * lid;
+                part[ob] = r.x;
+                part[ob + 1u] = r.y;
+                part[ob + 2u] = r.z;
+                part[ob + 3u] = r.w;
             }
-            let r = group_sum(lid, groups) / l;
-            let ob = th * p.d + 4u * lid;
-            part[ob] = r.x;
-            part[ob + 1u] = r.y;
-            part[ob + 2u] = r.z;
-            part[ob + 3u] = r.w;
         }
-        return;
-    }
-    if (lid < d4) {
-        let sum = group_sum(lid, groups);
-        part[out + 4u * lid] = sum.x;
-        part[out + 4u * lid + 1u] = sum.y;
-        part[out + 4u * lid + 2u] = sum.z;
-        part[out + 4u * lid + 3u] = sum.w;
-    }
-    if (lid == 255u) {
-        // The sum of the 64 weights, in order (on a thread not summing groups above). An
-        // empty range (past this query's keys, or before its window) has l = 0 and adds
-        // nothing.
-        var l = 0.0;
-        for (var i = 0u; i < 64u; i++) {
-            l += sc[i];
-        }
-        part[out + p.d] = select(-3.0e38, m, nk > skip);
-        part[out + p.d + 1u] = select(0.0, l, nk > skip);
     }
 }
 
@@ -542,7 +565,7 @@ fn attend_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (th >= p.t * p.hq || lid >= p.d / 4u) {
         return;
     }
-    let r = merged(th, lid);
+    let r = merged(0u, th, lid);
     let ob = th * p.d + 4u * lid;
     o[ob] = r.x;
     o[ob + 1u] = r.y;
@@ -569,7 +592,7 @@ fn attend_merge_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     let on = lid < p.d / 4u;
     var r = vec4<f32>(0.0);
     if (on) {
-        r = merged(th, lid);
+        r = merged(0u, th, lid);
     }
     let a = abs(r);
     // A NaN or infinity marks the lane (as quant.wgsl's quantize_x8: the group's scale
@@ -596,25 +619,26 @@ fn attend_merge_x8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroup
     }
 }
 
-// Query-head th's output dims 4 lid.. merged over its key ranges.
-fn merged(th: u32, lid: u32) -> vec4<f32> {
+// Query-head th's output dims 4 lid.. merged over its key ranges, whose parts start at
+// part[pb].
+fn merged(pb: u32, th: u32, lid: u32) -> vec4<f32> {
     let ns = splits();
     let w = p.d + 2u;
     var mx = -3.0e38;
     var sp = 0u;
     for (; sp + 4u <= ns; sp += 4u) {
-        let b = (th * ns + sp) * w + p.d;
+        let b = pb + (th * ns + sp) * w + p.d;
         let m4 = vec4<f32>(part[b], part[b + w], part[b + 2u * w], part[b + 3u * w]);
         mx = max(mx, max(max(m4.x, m4.y), max(m4.z, m4.w)));
     }
     for (; sp < ns; sp++) {
-        mx = max(mx, part[(th * ns + sp) * w + p.d]);
+        mx = max(mx, part[pb + (th * ns + sp) * w + p.d]);
     }
     var l = 0.0;
     var acc = vec4<f32>(0.0);
     // 4 ranges' loads before their sums (in range order).
     for (sp = 0u; sp + 4u <= ns; sp += 4u) {
-        let b = (th * ns + sp) * w;
+        let b = pb + (th * ns + sp) * w;
         let f = exp(vec4<f32>(part[b + p.d], part[b + w + p.d], part[b + 2u * w + p.d], part[b + 3u * w + p.d]) - mx);
         let l4 = vec4<f32>(part[b + p.d + 1u], part[b + w + p.d + 1u], part[b + 2u * w + p.d + 1u], part[b + 3u * w + p.d + 1u]);
         var a: array<vec4<f32>, 4>;
@@ -632,7 +656,7 @@ fn merged(th: u32, lid: u32) -> vec4<f32> {
         acc += f.w * a[3];
     }
     for (; sp < ns; sp++) {
-        let b = (th * ns + sp) * w;
+        let b = pb + (th * ns + sp) * w;
         let f = exp(part[b + p.d] - mx);
         l += f * part[b + p.d + 1u];
         acc += f * vec4<f32>(part[b + 4u * lid], part[b + 4u * lid + 1u], part[b + 4u * lid + 2u], part[b + 4u * lid + 3u]);

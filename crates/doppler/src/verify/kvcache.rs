@@ -657,15 +657,17 @@ async fn merged_check(
 /// sequence's keys), against f64: RoPE at each row's position, the pool's rows (noise
 /// elsewhere, which no row may read) and softmax attention. A sequence with two rows (a
 /// prompt's chunk) sees its first row's key from the second. Rows of 5 to 262 keys: 1 to
-/// 5 ranges of 64, so short rows get empty ranges. Then batch invariance: each row's
-/// attention run alone (its own range count) must give the batch's bits. f32 and f16
-/// pools.
+/// 5 ranges of 64, so short rows get empty ranges; 3 query heads a kv head, taken by one
+/// workgroup. Then batch invariance: each row's attention run alone (its own range count)
+/// must give the batch's bits, and so must the batch with a workgroup a range and with a
+/// workgroup walking a row's ranges ([`PagedWork`]). f32 and f16 pools.
 pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::kvcache::{
-        kv_attend_paged, paged_pool, rope_store, PagedRows, RopeStore, PAGE,
+        kv_attend_paged, kv_attend_paged_as, paged_pool, rope_store, PagedRows, PagedWork,
+        RopeStore, PAGE,
     };
     use crate::ops::rope::{Pairing, RopeTable};
-    let (hq, hkv, d, pages) = (4usize, 2usize, 32usize, 40usize);
+    let (hq, hkv, d, pages) = (6usize, 2usize, 32usize, 40usize);
     let width = (hq + 2 * hkv) * d;
     // Pages 0..40 in a scattered order (7 is prime to 40), dealt to the sequences.
     let order: Vec<u32> = (0..pages as u32)
@@ -739,6 +741,16 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 })
                 .await?;
             let qv = q.to_vec_f32(gpu).await?;
+            // The batch again with its work laid out each way.
+            let mut laid = Vec::new();
+            for work in [PagedWork::Split, PagedWork::Loop] {
+                let o = gpu
+                    .run_async(|rec| {
+                        kv_attend_paged_as(rec, &q, &pool.k[0], &pool.v[0], &pg, Some(work))
+                    })
+                    .await?;
+                laid.push(o.to_vec_f32(gpu).await?);
+            }
             // Each row alone, over the keys the batch stored.
             let mut alone = Vec::new();
             for (r, &(pos, list)) in list.iter().enumerate() {
@@ -750,7 +762,9 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     .await?;
                 alone.extend(o.to_vec_f32(gpu).await?);
             }
-            Ok(vec![qv, o.to_vec_f32(gpu).await?, alone])
+            let mut got = vec![qv, o.to_vec_f32(gpu).await?, alone];
+            got.extend(laid);
+            Ok(got)
         })
         .await;
         // f64: the pool as stored, each row's k and v written at its position's row.
@@ -842,12 +856,20 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 &got[1],
             )
             .map_err(s)?;
+            for (i, how) in ["split", "looped"].iter().enumerate() {
+                crate::check::same_bits(
+                    &format!("kv_attend_paged: {how} vs as it chose"),
+                    &got[3 + i],
+                    &got[1],
+                )
+                .map_err(s)?;
+            }
             Ok(stats)
         });
         push(
             out,
             "kv_paged",
-            format!("{} rows of 5 sequences (positions 4, 19, 260 + 261, 70, 150) in {pages} scattered pages of {PAGE}, Hq {hq}/Hkv {hkv}, D {d}, {}, each row alone the same bits", rows_of.len(), ty.name()),
+            format!("{} rows of 5 sequences (positions 4, 19, 260 + 261, 70, 150) in {pages} scattered pages of {PAGE}, Hq {hq}/Hkv {hkv}, D {d}, {}, each row alone and split or looped the same bits", rows_of.len(), ty.name()),
             res,
         );
     }
