@@ -745,6 +745,14 @@ fn cached_attention_matches_full_attention() {
 }
 
 #[test]
+fn paged_attention_matches_reference_alone_and_in_any_layout() {
+    // Continuous batching's attention: rows of 5 sequences in scattered pages, 1 to 5
+    // ranges of 64 keys, f32 and f16 pools, against f64; each row alone, and the batch
+    // split or looped, the same bits.
+    assert_checks("kv_paged", 2);
+}
+
+#[test]
 fn llama_from_gguf_and_safetensors_agree() {
     // llama and qwen2, each in f32, f16 and bf16.
     assert_checks("llama gguf vs safetensors", 6);
