@@ -869,6 +869,10 @@ pub enum PagedWork {
 /// at 8 rows, 64 workgroups, 2.99 looped against 1.54 split.)
 const LOOP_UNITS: usize = 256;
 
+/// Bytes of partial results [`kv_attend_paged`] holds at once: rows beyond go in groups
+/// through the same buffer (the step keeps each layer's until it completes).
+pub const PAGED_SCRATCH: usize = 16 << 20;
+
 /// Query heads `attend_part` takes a workgroup for `g` query heads a kv head: the largest
 /// divisor of g up to 8 (its keys and values then read once for them all).
 fn heads_per_workgroup(g: usize) -> usize {
@@ -883,8 +887,9 @@ fn heads_per_workgroup(g: usize) -> usize {
 /// takes the query heads that share a kv head (up to 8), so the keys and values are read
 /// once for them. One workgroup a range and `attend_merge`, or where there are enough
 /// rows and heads to fill the GPU ([`LOOP_UNITS`]) or a single range, one workgroup
-/// walking the row's ranges ([`PagedWork`]). Scale 1/sqrt(D). A row's ranges past its own
-/// keys are empty and add exact zeros, so its result does not depend on the other rows.
+/// walking the row's ranges ([`PagedWork`]); rows in groups whose partial results fit
+/// [`PAGED_SCRATCH`]. Scale 1/sqrt(D). A row's ranges past its own keys are empty and add
+/// exact zeros, so its result does not depend on the other rows.
 pub fn kv_attend_paged(
     rec: &mut Recorder<'_>,
     q: &Tensor,
@@ -892,10 +897,11 @@ pub fn kv_attend_paged(
     v: &Tensor,
     rows: &PagedRows,
 ) -> Result<Tensor> {
-    kv_attend_paged_as(rec, q, k, v, rows, None)
+    kv_attend_paged_as(rec, q, k, v, rows, None, PAGED_SCRATCH)
 }
 
-/// [`kv_attend_paged`] with its work laid out as `work` says (None: as it chooses).
+/// [`kv_attend_paged`] with its work laid out as `work` says (None: as it chooses), its
+/// rows in groups whose partial results fit `scratch` bytes.
 pub fn kv_attend_paged_as(
     rec: &mut Recorder<'_>,
     q: &Tensor,
@@ -903,6 +909,7 @@ pub fn kv_attend_paged_as(
     v: &Tensor,
     rows: &PagedRows,
     work: Option<PagedWork>,
+    scratch: usize,
 ) -> Result<Tensor> {
     let cs = logical(k);
     rows.check(
@@ -919,52 +926,81 @@ pub fn kv_attend_paged_as(
         });
     }
     let [c16, c8] = kv_consts("kv_attend_paged", &[k, v])?;
+    let (m, hq, d) = (p.t as usize, p.hq as usize, p.d as usize);
     let splits = rows.positions.div_ceil(SPLIT);
-    let heads = p.t as usize * p.hq as usize;
-    let per = heads_per_workgroup((p.hq / p.hkv) as usize);
-    let units = heads / per;
-    let work = work.unwrap_or(match splits == 1 || units >= LOOP_UNITS {
-        true => PagedWork::Loop,
-        false => PagedWork::Split,
-    });
-    // Looped, o comes first in `part`, the ranges' parts after it.
-    let looped = work == PagedWork::Loop;
-    let o_len = if looped { heads * p.d as usize } else { 0 };
+    let per = heads_per_workgroup(hq / p.hkv as usize);
+    // A row's share of `part`: its ranges' parts, and looped its output before them. Rows
+    // go in groups whose parts fit `scratch` bytes, one `part` for all the groups (a
+    // prompt's 512 rows at a long context would otherwise need gigabytes a step).
+    let row_len = hq * (splits * (d + 2) + d);
+    let group = (scratch / (4 * row_len)).clamp(1, m);
     let part = Tensor::empty(
         rec.gpu(),
-        &[o_len + heads * splits * (p.d as usize + 2)],
+        &[group * row_len],
         DType::F32,
         "kv_attend_paged.part",
     )?;
-    let c = [
-        ("PRE", part_preload(p.d as usize) as f64),
-        c16,
-        c8,
-        ("PAGED", 1.0),
-        ("LOOP", looped as u32 as f64),
-        ("HEADS", per as f64),
-    ];
-    let pp = Params {
-        splits: splits as u32,
-        ..p
+    let o = match group < m {
+        true => Some(Tensor::empty(
+            rec.gpu(),
+            q.shape(),
+            DType::F32,
+            "kv_attend_paged.o",
+        )?),
+        false => None,
     };
-    rec.dispatch(
-        &ATTEND_PART,
-        &c,
-        bytemuck::bytes_of(&pp),
-        &[q, k, v, k, v, k, v, &part, &rows.info],
-        Grid::Linear((units * if looped { 1 } else { splits }) as u64),
-    )?;
-    if looped {
-        return part.prefix(q.shape());
+    for r0 in (0..m).step_by(group) {
+        let n = group.min(m - r0);
+        let units = n * hq / per;
+        let work = work.unwrap_or(match splits == 1 || units >= LOOP_UNITS {
+            true => PagedWork::Loop,
+            false => PagedWork::Split,
+        });
+        // Looped, o comes first in `part`, the ranges' parts after it.
+        let looped = work == PagedWork::Loop;
+        let c = [
+            ("PRE", part_preload(d) as f64),
+            c16,
+            c8,
+            ("PAGED", 1.0),
+            ("LOOP", looped as u32 as f64),
+            ("HEADS", per as f64),
+        ];
+        // Rows r0..r0 + n (the kernel reads pos as the first row with PAGED).
+        let pp = Params {
+            t: n as u32,
+            pos: r0 as u32,
+            splits: splits as u32,
+            ..p
+        };
+        rec.dispatch(
+            &ATTEND_PART,
+            &c,
+            bytemuck::bytes_of(&pp),
+            &[q, k, v, k, v, k, v, &part, &rows.info],
+            Grid::Linear((units * if looped { 1 } else { splits }) as u64),
+        )?;
+        let og = match looped {
+            true => part.prefix(&[n * hq * d])?,
+            false => {
+                let parts = AttnParts {
+                    part: part.prefix(&[n * hq * splits * (d + 2)])?,
+                    heads: n * hq,
+                    d,
+                    splits,
+                };
+                attend_merge(rec, &parts)?
+            }
+        };
+        match &o {
+            None => return og.reshape(q.shape()),
+            Some(o) => rec.copy_elements(&og, 0, o, r0 * hq * d, n * hq * d)?,
+        }
     }
-    let parts = AttnParts {
-        part,
-        heads,
-        d: p.d as usize,
-        splits,
-    };
-    attend_merge(rec, &parts)?.reshape(q.shape())
+    o.ok_or_else(|| Error::Invalid {
+        op: "kv_attend_paged",
+        detail: "no rows".into(),
+    })
 }
 
 #[cfg(test)]

@@ -435,10 +435,13 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let dim4 = lid % d4;
     let stride4 = p.hkv * d4;             // vec4s between consecutive cached tokens
     let base4 = kvh * d4;
-    let nkeys = tok_pos(t) + 1u;
+    // With PAGED, the dispatch's rows are rows p.pos.. of q and of the page lists (a group
+    // of them); `part` is the group's own.
+    let tg = t + select(0u, p.pos, PAGED);
+    let nkeys = tok_pos(tg) + 1u;
     // The heads' queries (consecutive in q), read once.
     for (var i = lid; i < per * d4; i += 256u) {
-        let qb = (t * p.hq + h0) * p.d + 4u * i;
+        let qb = (tg * p.hq + h0) * p.d + 4u * i;
         qh[i] = vec4<f32>(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]);
     }
     // (Each range's and head's workgroup memory is written after the last barrier behind
@@ -452,7 +455,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         let qtr = lid % 4u;
         // (Keys past the row's own are never read: clamped to its last so that a paged row's
         // page list is not read past its end.)
-        let kb4 = key_row(t, min(k0 + lid / 4u, nkeys - 1u)) * stride4 + base4;
+        let kb4 = key_row(tg, min(k0 + lid / 4u, nkeys - 1u)) * stride4 + base4;
         let kn = select(0u, (d4 + 3u - qtr) / 4u, lid / 4u < nk);
         var kq: array<vec4<f32>, 8>;
         for (var i = 0u; i < PRE; i++) {
@@ -466,7 +469,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         for (var i = 0u; i < PRE; i++) {
             let jj = grp + groups * i;
             if (on && jj < nk) {
-                vv[i] = val4(key_row(t, k0 + jj) * stride4 + base4 + dim4);
+                vv[i] = val4(key_row(tg, k0 + jj) * stride4 + base4 + dim4);
             }
         }
         workgroupBarrier();
@@ -515,7 +518,7 @@ fn attend_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
                     }
                 }
                 for (var jj = grp + groups * PRE; jj < nk; jj += groups) {
-                    acc += sc[jj] * val4(key_row(t, k0 + jj) * stride4 + base4 + dim4);
+                    acc += sc[jj] * val4(key_row(tg, k0 + jj) * stride4 + base4 + dim4);
                 }
             }
             red4[lid] = acc;

@@ -660,7 +660,8 @@ async fn merged_check(
 /// 5 ranges of 64, so short rows get empty ranges; 3 query heads a kv head, taken by one
 /// workgroup. Then batch invariance: each row's attention run alone (its own range count)
 /// must give the batch's bits, and so must the batch with a workgroup a range and with a
-/// workgroup walking a row's ranges ([`PagedWork`]). f32 and f16 pools.
+/// workgroup walking a row's ranges ([`PagedWork`]), whole and in groups of 2 rows (a
+/// small scratch). f32 and f16 pools.
 pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::kvcache::{
         kv_attend_paged, kv_attend_paged_as, paged_pool, rope_store, PagedRows, PagedWork,
@@ -741,15 +742,37 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 })
                 .await?;
             let qv = q.to_vec_f32(gpu).await?;
-            // The batch again with its work laid out each way.
+            // The batch again with its work laid out each way, whole and in groups of 2 rows
+            // (a scratch that holds 2).
+            let two = 2
+                * 4
+                * hq
+                * (rows_of
+                    .iter()
+                    .map(|r| r.1 + 1)
+                    .max()
+                    .unwrap_or(1)
+                    .div_ceil(64)
+                    * (d + 2)
+                    + d);
             let mut laid = Vec::new();
-            for work in [PagedWork::Split, PagedWork::Loop] {
-                let o = gpu
-                    .run_async(|rec| {
-                        kv_attend_paged_as(rec, &q, &pool.k[0], &pool.v[0], &pg, Some(work))
-                    })
-                    .await?;
-                laid.push(o.to_vec_f32(gpu).await?);
+            for scratch in [usize::MAX, two] {
+                for work in [PagedWork::Split, PagedWork::Loop] {
+                    let o = gpu
+                        .run_async(|rec| {
+                            kv_attend_paged_as(
+                                rec,
+                                &q,
+                                &pool.k[0],
+                                &pool.v[0],
+                                &pg,
+                                Some(work),
+                                scratch,
+                            )
+                        })
+                        .await?;
+                    laid.push(o.to_vec_f32(gpu).await?);
+                }
             }
             // Each row alone, over the keys the batch stored.
             let mut alone = Vec::new();
@@ -856,7 +879,8 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 &got[1],
             )
             .map_err(s)?;
-            for (i, how) in ["split", "looped"].iter().enumerate() {
+            let ways = ["split", "looped", "split in groups", "looped in groups"];
+            for (i, how) in ways.iter().enumerate() {
                 crate::check::same_bits(
                     &format!("kv_attend_paged: {how} vs as it chose"),
                     &got[3 + i],
@@ -869,7 +893,7 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         push(
             out,
             "kv_paged",
-            format!("{} rows of 5 sequences (positions 4, 19, 260 + 261, 70, 150) in {pages} scattered pages of {PAGE}, Hq {hq}/Hkv {hkv}, D {d}, {}, each row alone and split or looped the same bits", rows_of.len(), ty.name()),
+            format!("{} rows of 5 sequences (positions 4, 19, 260 + 261, 70, 150) in {pages} scattered pages of {PAGE}, Hq {hq}/Hkv {hkv}, D {d}, {}, each row alone, split or looped, whole or in groups the same bits", rows_of.len(), ty.name()),
             res,
         );
     }
