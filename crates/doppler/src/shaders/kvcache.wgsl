@@ -31,14 +31,16 @@
 // j % p.ring (p.ring = its rows), so a cache of window - 1 + T rows or more holds all a
 // step of T tokens needs (a ring of the last keys); without a ring, j < rows and the row
 // is j.
-// Pages (PAGED, `attend_part` and `rope_store`: continuous batching): each row t of q / qkv is
-// a token of its own sequence, whose keys live in pages of PAGE rows of one pool; the
+// Pages (PAGED, `attend_part` and `rope_store`: continuous batching): each row t of q / qkv
+// is a token of its own sequence, whose keys live in pages of PAGE rows of one pool; the
 // u32 buffer `paged` (binding 18) holds per row its position (2 t) and where its page list
 // starts (2 t + 1): key j of row t is in pool row pages[j / PAGE] * PAGE + j % PAGE. No
 // windows then. attend_part splits each row's keys 0..=pos into ranges of 64 from key 0,
 // p.splits ranges for every row (enough for the longest); a row's ranges past its keys
 // are empty (m = -3e38, l = 0, acc = 0) and add exact zeros in the merge, so a row's sums
-// do not depend on the other rows.
+// do not depend on the other rows. attend_part's dispatch covers p.t rows from row p.pos
+// (a group of rows; its `part` the group's own), and may take HEADS query heads of a kv
+// head a workgroup and (LOOP) walk a row's ranges and merge them itself: the same bits.
 // Caches hold words (array<u32>): f32 bits, or with KV_F16 two f16 halves a word
 // (pack2x16float / unpack2x16float: core WGSL, no shader-f16 needed), or with KV_Q8
 // llama.cpp's q8_0 numbers: each head's D values of a token as D / 4 words of 8-bit
