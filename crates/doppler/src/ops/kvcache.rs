@@ -940,17 +940,8 @@ pub fn kv_attend_paged_as(
         DType::F32,
         "kv_attend_paged.part",
     )?;
-    let o = match group < m {
-        true => Some(Tensor::empty(
-            rec.gpu(),
-            q.shape(),
-            DType::F32,
-            "kv_attend_paged.o",
-        )?),
-        false => None,
-    };
-    for r0 in (0..m).step_by(group) {
-        let n = group.min(m - r0);
+    // Rows r0..r0 + n into `part`: their outputs (a view of `part` or the merge's).
+    let rows_from = |rec: &mut Recorder<'_>, r0: usize, n: usize| -> Result<Tensor> {
         let units = n * hq / per;
         let work = work.unwrap_or(match splits == 1 || units >= LOOP_UNITS {
             true => PagedWork::Loop,
@@ -966,7 +957,7 @@ pub fn kv_attend_paged_as(
             ("LOOP", looped as u32 as f64),
             ("HEADS", per as f64),
         ];
-        // Rows r0..r0 + n (the kernel reads pos as the first row with PAGED).
+        // (The kernel reads pos as the first row with PAGED.)
         let pp = Params {
             t: n as u32,
             pos: r0 as u32,
@@ -980,27 +971,27 @@ pub fn kv_attend_paged_as(
             &[q, k, v, k, v, k, v, &part, &rows.info],
             Grid::Linear((units * if looped { 1 } else { splits }) as u64),
         )?;
-        let og = match looped {
-            true => part.prefix(&[n * hq * d])?,
-            false => {
-                let parts = AttnParts {
-                    part: part.prefix(&[n * hq * splits * (d + 2)])?,
-                    heads: n * hq,
-                    d,
-                    splits,
-                };
-                attend_merge(rec, &parts)?
-            }
-        };
-        match &o {
-            None => return og.reshape(q.shape()),
-            Some(o) => rec.copy_elements(&og, 0, o, r0 * hq * d, n * hq * d)?,
+        if looped {
+            return part.prefix(&[n * hq * d]);
         }
+        let parts = AttnParts {
+            part: part.prefix(&[n * hq * splits * (d + 2)])?,
+            heads: n * hq,
+            d,
+            splits,
+        };
+        attend_merge(rec, &parts)
+    };
+    if group == m {
+        return rows_from(rec, 0, m)?.reshape(q.shape());
     }
-    o.ok_or_else(|| Error::Invalid {
-        op: "kv_attend_paged",
-        detail: "no rows".into(),
-    })
+    let o = Tensor::empty(rec.gpu(), q.shape(), DType::F32, "kv_attend_paged.o")?;
+    for r0 in (0..m).step_by(group) {
+        let n = group.min(m - r0);
+        let og = rows_from(rec, r0, n)?;
+        rec.copy_elements(&og, 0, &o, r0 * hq * d, n * hq * d)?;
+    }
+    Ok(o)
 }
 
 #[cfg(test)]
