@@ -897,11 +897,62 @@ pub fn kv_attend_paged(
     v: &Tensor,
     rows: &PagedRows,
 ) -> Result<Tensor> {
-    kv_attend_paged_as(rec, q, k, v, rows, None, PAGED_SCRATCH)
+    let l = PagedLayout::get();
+    kv_attend_paged_as(rec, q, k, v, rows, l.work, l.heads, PAGED_SCRATCH)
 }
 
-/// [`kv_attend_paged`] with its work laid out as `work` says (None: as it chooses), its
+/// How [`kv_attend_paged`] lays out its work where the environment says so, for measuring
+/// the choices on a GPU (the same bits every way): `DOPPLER_PAGED_ATTEND=WORK[,HEADS]`,
+/// WORK `split`, `loop` or `auto` ([`PagedWork`]; auto: as it chooses), HEADS the query
+/// heads a workgroup (a divisor of the heads that share a kv head, else ignored). Read
+/// once a process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PagedLayout {
+    pub work: Option<PagedWork>,
+    pub heads: Option<usize>,
+}
+
+impl PagedLayout {
+    /// From the variable's value (see the type), warning about and ignoring a bad one.
+    pub fn parse(v: Option<&str>) -> PagedLayout {
+        let Some(v) = v else {
+            return PagedLayout::default();
+        };
+        let mut it = v.split(',').map(str::trim);
+        let work = match it.next() {
+            Some("split") => Some(Some(PagedWork::Split)),
+            Some("loop") => Some(Some(PagedWork::Loop)),
+            Some("auto") => Some(None),
+            _ => None,
+        };
+        let heads = match it.next() {
+            None => Some(None),
+            Some(h) => h.parse().ok().filter(|&h| (1..=8).contains(&h)).map(Some),
+        };
+        match (work, heads, it.next()) {
+            (Some(work), Some(heads), None) => PagedLayout { work, heads },
+            _ => {
+                tracing::warn!(
+                    "DOPPLER_PAGED_ATTEND={v:?} is not split|loop|auto[,HEADS 1 to 8]: auto"
+                );
+                PagedLayout::default()
+            }
+        }
+    }
+
+    /// This process's layout (read once).
+    pub fn get() -> PagedLayout {
+        static LAYOUT: std::sync::OnceLock<PagedLayout> = std::sync::OnceLock::new();
+        *LAYOUT.get_or_init(|| {
+            PagedLayout::parse(std::env::var("DOPPLER_PAGED_ATTEND").ok().as_deref())
+        })
+    }
+}
+
+/// [`kv_attend_paged`] with its work laid out as `work` says and `heads` query heads a
+/// workgroup where they divide the heads that share a kv head (None: as it chooses), its
 /// rows in groups whose partial results fit `scratch` bytes.
+#[allow(clippy::too_many_arguments)]
 pub fn kv_attend_paged_as(
     rec: &mut Recorder<'_>,
     q: &Tensor,
@@ -909,6 +960,7 @@ pub fn kv_attend_paged_as(
     v: &Tensor,
     rows: &PagedRows,
     work: Option<PagedWork>,
+    heads: Option<usize>,
     scratch: usize,
 ) -> Result<Tensor> {
     let cs = logical(k);
@@ -928,7 +980,11 @@ pub fn kv_attend_paged_as(
     let [c16, c8] = kv_consts("kv_attend_paged", &[k, v])?;
     let (m, hq, d) = (p.t as usize, p.hq as usize, p.d as usize);
     let splits = rows.positions.div_ceil(SPLIT);
-    let per = heads_per_workgroup(hq / p.hkv as usize);
+    let g = hq / p.hkv as usize;
+    let per = match heads {
+        Some(h) if h >= 1 && g % h == 0 => h,
+        _ => heads_per_workgroup(g),
+    };
     // A row's share of `part`: its ranges' parts, and looped its output before them. Rows
     // go in groups whose parts fit `scratch` bytes, one `part` for all the groups (a
     // prompt's 512 rows at a long context would otherwise need gigabytes a step).
@@ -996,7 +1052,21 @@ pub fn kv_attend_paged_as(
 
 #[cfg(test)]
 mod tests {
-    use super::heads_per_workgroup;
+    use super::{heads_per_workgroup, PagedLayout, PagedWork};
+
+    #[test]
+    fn paged_layouts_parse() {
+        let l = |v| PagedLayout::parse(v);
+        assert_eq!(l(None), PagedLayout::default());
+        assert_eq!(l(Some("auto")), PagedLayout::default());
+        let want = |work, heads| PagedLayout { work, heads };
+        assert_eq!(l(Some("loop,1")), want(Some(PagedWork::Loop), Some(1)));
+        assert_eq!(l(Some(" split ")), want(Some(PagedWork::Split), None));
+        assert_eq!(l(Some("auto,2")), want(None, Some(2)));
+        for bad in ["", "loops", "loop,0", "loop,9", "loop,x", "loop,1,2"] {
+            assert_eq!(l(Some(bad)), PagedLayout::default(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn query_heads_a_workgroup_divide_the_group() {

@@ -661,7 +661,7 @@ async fn merged_check(
 /// workgroup. Then batch invariance: each row's attention run alone (its own range count)
 /// must give the batch's bits, and so must the batch with a workgroup a range and with a
 /// workgroup walking a row's ranges ([`PagedWork`]), whole and in groups of 2 rows (a
-/// small scratch). f32 and f16 pools.
+/// small scratch), and with a workgroup a query head. f32 and f16 pools.
 pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::kvcache::{
         kv_attend_paged, kv_attend_paged_as, paged_pool, rope_store, PagedRows, PagedWork,
@@ -756,8 +756,16 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     * (d + 2)
                     + d);
             let mut laid = Vec::new();
-            for scratch in [usize::MAX, two] {
-                for work in [PagedWork::Split, PagedWork::Loop] {
+            let ways = [
+                (usize::MAX, PagedWork::Split, None),
+                (usize::MAX, PagedWork::Loop, None),
+                (two, PagedWork::Split, None),
+                (two, PagedWork::Loop, None),
+                (usize::MAX, PagedWork::Split, Some(1)),
+                (usize::MAX, PagedWork::Loop, Some(1)),
+            ];
+            for (scratch, work, heads) in ways {
+                {
                     let o = gpu
                         .run_async(|rec| {
                             kv_attend_paged_as(
@@ -767,6 +775,7 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                                 &pool.v[0],
                                 &pg,
                                 Some(work),
+                                heads,
                                 scratch,
                             )
                         })
@@ -879,7 +888,14 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 &got[1],
             )
             .map_err(s)?;
-            let ways = ["split", "looped", "split in groups", "looped in groups"];
+            let ways = [
+                "split",
+                "looped",
+                "split in groups",
+                "looped in groups",
+                "split a head a workgroup",
+                "looped a head a workgroup",
+            ];
             for (i, how) in ways.iter().enumerate() {
                 crate::check::same_bits(
                     &format!("kv_attend_paged: {how} vs as it chose"),
@@ -893,7 +909,7 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         push(
             out,
             "kv_paged",
-            format!("{} rows of 5 sequences (positions 4, 19, 260 + 261, 70, 150) in {pages} scattered pages of {PAGE}, Hq {hq}/Hkv {hkv}, D {d}, {}, each row alone, split or looped, whole or in groups the same bits", rows_of.len(), ty.name()),
+            format!("{} rows of 5 sequences (positions 4, 19, 260 + 261, 70, 150) in {pages} scattered pages of {PAGE}, Hq {hq}/Hkv {hkv}, D {d}, {}, each row alone, split or looped, whole or in groups, 3 or 1 heads a workgroup the same bits", rows_of.len(), ty.name()),
             res,
         );
     }
