@@ -52,6 +52,7 @@ const MATVEC_BINDINGS: &[(u32, crate::gpu::Binding)] = &[
 ];
 static QMATVEC: Kernel = Kernel::new(&QUANT, "qmatvec", MATVEC_BINDINGS);
 static QMATVEC1: Kernel = Kernel::new(&QUANT, "qmatvec1", MATVEC_BINDINGS);
+static QMATVEC_ROWS: Kernel = Kernel::new(&QUANT, "qmatvec_rows", MATVEC_BINDINGS);
 // The products with RoPE and the cache store (no residual): bias (9), RoPE table (10),
 // key and value caches (11, 12); dst (2) gets q.
 const ROPE_BINDINGS: &[(u32, crate::gpu::Binding)] = &[
@@ -1209,6 +1210,12 @@ fn qmatmul_out(
     if fuse.invariant {
         if invariant_on_coop(rec.gpu(), w.cols) {
             return qmatmul_coop(rec, x, w, fuse, y, next, keep_parts);
+        } else if w.cols % 32 == 0 {
+            let mr = rows_per_group(m, w.rows);
+            let mut cm = c.to_vec();
+            cm.push(("MR_X", mr as f64));
+            let grid = Grid::Xyz([w.rows.div_ceil(32) as u32, m.div_ceil(mr) as u32, 1]);
+            rec.dispatch(&QMATVEC_ROWS, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         } else {
             let (cm, grid) = matvec_grid(&c, m, w.rows, 8);
             rec.dispatch(&QMATVEC, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
@@ -1922,7 +1929,29 @@ fn qmatvec_x8rows(
 /// Whether products with [`Fuse::invariant`] run on cooperative matrices here (whatever
 /// the rows of x: adapters with them, rows of W a multiple of 4 long).
 pub fn invariant_on_coop(gpu: &Gpu, cols: usize) -> bool {
-    gpu.quant_coop && cols % 4 == 0
+    gpu.quant_coop && cols % 4 == 0 && !invariant_simt()
+}
+
+/// `DOPPLER_INVARIANT=simt`: the invariant products off cooperative matrices where the
+/// adapter has them (`qmatvec_rows`), for measuring (read once a process).
+fn invariant_simt() -> bool {
+    static SIMT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SIMT.get_or_init(|| {
+        std::env::var("DOPPLER_INVARIANT").is_ok_and(|v| v.trim().eq_ignore_ascii_case("simt"))
+    })
+}
+
+/// Rows of x a workgroup of `qmatvec_rows` takes for `m` rows through W with `rows` rows:
+/// up to 16 (W's runs decoded once for them all), fewer while the product would have
+/// fewer than 264 workgroups (two for each of the H200's 132 SMs). A row's sums are the
+/// same at any count (the batch's size may choose it).
+fn rows_per_group(m: usize, rows: usize) -> usize {
+    let gx = rows.div_ceil(32);
+    let mut r = m.next_power_of_two().clamp(1, 16);
+    while r > 2 && gx * m.div_ceil(r) < 264 {
+        r /= 2;
+    }
+    r
 }
 
 /// Whether a product of `m` rows of x with W (`rows`, `cols`) ([`qmatmul`],

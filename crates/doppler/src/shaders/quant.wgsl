@@ -871,6 +871,118 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     }
 }
 
+// qmatvec_rows: qmatvec for batched decode steps (the invariant product of a few rows of
+// x), k a multiple of 32. A workgroup: 32 rows of W (virtual columns v, a thread each) x
+// MR_X rows of x; its 8 sets (sg) of 32 threads take k's runs of 32 in turn (sg s: runs s,
+// s + 8, ...), each thread's MR_X sums in registers, every thread of a sg reading the
+// same x (one load serves the sg); then the sets' sums added in sg order, times the
+// row's norm factor (NORM: the rows' squares summed first, a fixed tree), the GLU or the
+// residual applied. A row's sums never depend on the other rows or on MR_X (how many rows
+// a workgroup takes), so the rows' bits do not depend on the batch. Grid: (ceil(W's rows
+// / 32), ceil(m / MR_X)); MR_X <= 16.
+override MR_X: u32 = 8u;
+var<workgroup> mr_part: array<f32, 4096>;   // [sg][row of x (16)][thread of the sg]
+var<workgroup> mr_ss: array<f32, 16>;       // NORM: [row of x] sum of x^2
+
+fn mr_at(sg: u32, r: u32, t: u32) -> u32 {
+    return (sg * 16u + r) * 32u + t;
+}
+
+@compute @workgroup_size(256)
+fn qmatvec_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r0 = wid.y * MR_X;
+    let nr = min(MR_X, p.m - min(r0, p.m));
+    let t = lid % 32u;
+    let sg = lid / 32u;
+    let wr = w_rows();
+    let v = wid.x * 32u + t;
+    if (NORM) {
+        // Row r's squares: sg r % 8 takes rows r, r + 8; its thread t columns 4 t + 128 i,
+        // then the 32 partials in a fixed tree.
+        for (var r = sg; r < 16u; r += 8u) {
+            var ss = 0.0;
+            if (r < nr) {
+                for (var c = t * 4u; c < p.k; c += 128u) {
+                    let xv = xv4[((r0 + r) * p.k + c) / 4u];
+                    ss += dot(xv, xv);
+                }
+            }
+            mr_part[mr_at(0u, r, t)] = ss;
+        }
+        workgroupBarrier();
+        for (var h = 16u; h > 0u; h >>= 1u) {
+            if (t < h) {
+                for (var r = sg; r < 16u; r += 8u) {
+                    mr_part[mr_at(0u, r, t)] += mr_part[mr_at(0u, r, t + h)];
+                }
+            }
+            workgroupBarrier();
+        }
+        if (t == 0u) {
+            for (var r = sg; r < 16u; r += 8u) {
+                mr_ss[r] = mr_part[mr_at(0u, r, 0u)];
+            }
+        }
+        workgroupBarrier();
+    }
+    var acc: array<f32, 16>;
+    let wbase = w_row(min(v, wr - 1u)) * p.k;
+    for (var c = sg * 32u; c < p.k; c += 256u) {
+        var w = run32(wbase + c);
+        if (NORM) {
+            for (var e = 0u; e < 8u; e++) {
+                w[e] *= nw4(run_col(c, e));
+            }
+        }
+        // Constant bounds: the loops unroll and the sums stay in registers.
+        for (var r = 0u; r < MR_X; r++) {
+            if (r < nr) {
+                let xb = ((r0 + r) * p.k) / 4u;
+                for (var e = 0u; e < 8u; e++) {
+                    acc[r] += dot(xv4[xb + run_col(c, e) / 4u], w[e]);
+                }
+            }
+        }
+    }
+    for (var r = 0u; r < MR_X; r++) {
+        mr_part[mr_at(sg, r, t)] = acc[r];
+    }
+    workgroupBarrier();
+    // Thread (sg, t) finishes rows sg, sg + 8 of column v: the 8 sets in order.
+    var tot: array<f32, 2>;
+    for (var i = 0u; i < 2u; i++) {
+        let r = sg + 8u * i;
+        var sum = 0.0;
+        if (r < nr) {
+            sum = mr_part[mr_at(0u, r, t)];
+            for (var s = 1u; s < 8u; s++) {
+                sum += mr_part[mr_at(s, r, t)];
+            }
+            if (NORM) {
+                sum *= rstd(mr_ss[r]);
+            }
+        }
+        tot[i] = sum;
+    }
+    workgroupBarrier();
+    for (var i = 0u; i < 2u; i++) {
+        mr_part[mr_at(0u, sg + 8u * i, t)] = tot[i];
+    }
+    workgroupBarrier();
+    for (var i = 0u; i < 2u; i++) {
+        let r = sg + 8u * i;
+        if (r < nr && v < wr) {
+            if (SWIGLU) {
+                if ((v & 1u) == 0u) {
+                    dst[(r0 + r) * p.n + v / 2u] = gate_act(tot[i]) * mr_part[mr_at(0u, r, t + 1u)];
+                }
+            } else {
+                dst[(r0 + r) * p.n + v] = finish(r0 + r, v, tot[i]);
+            }
+        }
+    }
+}
+
 // qmatvec with ROPE: columns (v, v + 1), v even, are a pair, in neighbouring groups.
 @compute @workgroup_size(256)
 fn qmatvec_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
