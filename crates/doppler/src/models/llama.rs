@@ -1034,8 +1034,10 @@ impl Llama {
             });
         }
         let (eps, d, hq) = (c.norm_eps as f32, c.head_dim, c.n_head);
+        let widest = c.n_embd.max(c.ffn_hidden).max(hq * d);
         let inv = Fuse {
             invariant: true,
+            simt: crate::ops::quant::invariant_simt(widest),
             ..Default::default()
         };
         let mut x = self.embd.get_rows(rec, ids)?; // (M, E)

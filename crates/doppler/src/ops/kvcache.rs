@@ -869,6 +869,14 @@ pub enum PagedWork {
 /// at 8 rows, 64 workgroups, 2.99 looped against 1.54 split.)
 const LOOP_UNITS: usize = 256;
 
+/// (Row, head) pairs up to which [`kv_attend_paged`] gives each its own workgroup walking
+/// its ranges, where rows have at most two ranges (128 keys): no merge dispatch, and more
+/// workgroups than heads shared. (docs/benchmarks.md, session 35, H100: SmolLM2 at 32 rows
+/// of 64-token prompts, 288 workgroups, 0.42 ms of attention a step against 0.57 sharing 3
+/// heads and merging; an 8B at 8 rows 0.62 against 0.78; at 64 SmolLM2 rows, 576, 0.65
+/// against 0.62.)
+const FEW_UNITS: usize = 512;
+
 /// Bytes of partial results [`kv_attend_paged`] holds at once: rows beyond go in groups
 /// through the same buffer (the step keeps each layer's until it completes).
 pub const PAGED_SCRATCH: usize = 16 << 20;
@@ -887,7 +895,8 @@ fn heads_per_workgroup(g: usize) -> usize {
 /// takes the query heads that share a kv head (up to 8), so the keys and values are read
 /// once for them. One workgroup a range and `attend_merge`, or where there are enough
 /// rows and heads to fill the GPU ([`LOOP_UNITS`]) or a single range, one workgroup
-/// walking the row's ranges ([`PagedWork`]); rows in groups whose partial results fit
+/// walking the row's ranges ([`PagedWork`]); few short rows ([`FEW_UNITS`]): a workgroup
+/// a head walking its ranges; rows in groups whose partial results fit
 /// [`PAGED_SCRATCH`]. Scale 1/sqrt(D). A row's ranges past its own keys are empty and add
 /// exact zeros, so its result does not depend on the other rows.
 pub fn kv_attend_paged(
@@ -998,8 +1007,11 @@ pub fn kv_attend_paged_as(
     )?;
     // Rows r0..r0 + n into `part`: their outputs (a view of `part` or the merge's).
     let rows_from = |rec: &mut Recorder<'_>, r0: usize, n: usize| -> Result<Tensor> {
+        // Short rows and few of them: a workgroup a head walking its ranges ([`FEW_UNITS`]).
+        let few = work.is_none() && heads.is_none() && splits <= 2 && n * hq <= FEW_UNITS;
+        let per = if few { 1 } else { per };
         let units = n * hq / per;
-        let work = work.unwrap_or(match splits == 1 || units >= LOOP_UNITS {
+        let work = work.unwrap_or(match few || splits == 1 || units >= LOOP_UNITS {
             true => PagedWork::Loop,
             false => PagedWork::Split,
         });

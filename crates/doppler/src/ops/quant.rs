@@ -781,9 +781,12 @@ pub struct Fuse<'a> {
     /// invariance): where cooperative products run ([`invariant_on_coop`]) the cooperative
     /// skinny product (tiles of 16 to 64 rows, each row's sums the same at every tile
     /// size), k split by W's shape alone (x rounded to f16 as there);
-    /// elsewhere the
-    /// matrix-vector kernel at 8 rows of x a workgroup (x read as f32).
+    /// elsewhere, and with `simt`, `qmatvec_rows` (x read as f32; the matrix-vector
+    /// kernel where W's rows are not whole runs of 32).
     pub invariant: bool,
+    /// With `invariant`: off cooperative matrices even where the adapter has them (a small
+    /// model's batched steps, [`invariant_simt`]).
+    pub simt: bool,
 }
 
 /// x rounded for the product that takes it, by the one that made it: one row rounded to 8
@@ -1208,7 +1211,7 @@ fn qmatmul_out(
     let res = fuse.residual.unwrap_or(x);
     let bind = [&w.raw, &y, x, nw, res, x, nw, &w.raw];
     if fuse.invariant {
-        if invariant_on_coop(rec.gpu(), w.cols) {
+        if invariant_on_coop(rec.gpu(), w.cols) && !fuse.simt {
             return qmatmul_coop(rec, x, w, fuse, y, next, keep_parts);
         } else if w.cols % 32 == 0 {
             let mr = rows_per_group(m, w.rows);
@@ -1929,16 +1932,35 @@ fn qmatvec_x8rows(
 /// Whether products with [`Fuse::invariant`] run on cooperative matrices here (whatever
 /// the rows of x: adapters with them, rows of W a multiple of 4 long).
 pub fn invariant_on_coop(gpu: &Gpu, cols: usize) -> bool {
-    gpu.quant_coop && cols % 4 == 0 && !invariant_simt()
+    gpu.quant_coop && cols % 4 == 0
 }
 
-/// `DOPPLER_INVARIANT=simt`: the invariant products off cooperative matrices where the
-/// adapter has them (`qmatvec_rows`), for measuring (read once a process).
-fn invariant_simt() -> bool {
-    static SIMT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SIMT.get_or_init(|| {
-        std::env::var("DOPPLER_INVARIANT").is_ok_and(|v| v.trim().eq_ignore_ascii_case("simt"))
-    })
+/// Longest row of W (columns) up to which a model's invariant products take `qmatvec_rows`
+/// ([`Fuse::simt`]) where cooperative matrices run too. A small model's batched step is
+/// made of fixed costs (the cooperative product's chain of k steps, and the f16 halves,
+/// split sums and GLU passes around it): on an H100, SmolLM2-135M (rows of 576 and 1536)
+/// stepped 1 / 8 / 32 / 64 rows at 731 / 4,782 / 12,349 / 17,323 tok/s this way against 378
+/// / 2,938 / 10,783 / 19,910 (docs/benchmarks.md, session 35); the 8B's products (4096 and
+/// 14336) are 3x slower this way from 8 rows.
+pub const SIMT_MAX_COLS: usize = 2048;
+
+/// Whether a model whose longest row of W is `max_cols` takes [`Fuse::simt`] for its
+/// invariant products: up to [`SIMT_MAX_COLS`], or as `DOPPLER_INVARIANT=simt|coop` says
+/// (read once a process; for measuring).
+pub fn invariant_simt(max_cols: usize) -> bool {
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = FORCED.get_or_init(|| {
+        let v = std::env::var("DOPPLER_INVARIANT").ok()?;
+        match v.trim() {
+            "simt" => Some(true),
+            "coop" => Some(false),
+            _ => {
+                tracing::warn!("DOPPLER_INVARIANT={v:?} is not simt or coop: ignored");
+                None
+            }
+        }
+    });
+    forced.unwrap_or(max_cols <= SIMT_MAX_COLS)
 }
 
 /// Rows of x a workgroup of `qmatvec_rows` takes for `m` rows through W with `rows` rows:

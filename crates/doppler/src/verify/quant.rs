@@ -1305,7 +1305,8 @@ pub(super) async fn split_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// Batch-invariant products ([`Fuse::invariant`], batched serving): 37 rows of x through W,
 /// and rows 0, 5, 20 and 36 each alone — every row the same bits both ways — and the 37
 /// rows against f64 sums over the CPU dequantizer (on cooperative matrices: x rounded to
-/// f16, 1.5e-3 of sum |x w|); plain, with the residual, and with the norm and SwiGLU.
+/// f16, 1.5e-3 of sum |x w|); plain, with the residual, and with the norm and SwiGLU; there
+/// also off them ([`Fuse::simt`]: `qmatvec_rows`, as elsewhere).
 pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::quant::{invariant_on_coop, qmatmul_fused, Fuse};
     let cases: [(&str, usize, usize, BatchFuse); 4] = [
@@ -1316,7 +1317,13 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     ];
     let m = 37usize;
     let alone = [0usize, 5, 20, 36];
-    for (ci, &(name, rows, cols, fuse)) in cases.iter().enumerate() {
+    // Where cooperative products run, each case again with `simt` (qmatvec_rows).
+    let ways = cases
+        .iter()
+        .enumerate()
+        .flat_map(|(ci, c)| [(ci, *c, false), (ci, *c, true)])
+        .filter(|&(_, (_, _, cols, _), simt)| !simt || invariant_on_coop(gpu, cols));
+    for (ci, (name, rows, cols, fuse), simt) in ways {
         let ty = GgmlType::from_name(name).expect("known type");
         let mut rng = Rng::new(6200 + ci as u64);
         let raw = random_blocks(name, rows * cols, &mut rng);
@@ -1339,6 +1346,7 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 let f = fuse.fuse(&rt, &nwt, eps);
                 let f = Fuse {
                     invariant: true,
+                    simt,
                     ..f
                 };
                 let y = gpu.run_async(|rec| qmatmul_fused(rec, &xt, &q, f)).await?;
@@ -1352,7 +1360,7 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         })
         .await;
         let (want, mag) = fuse.reference(&xv, &w, &nw, &resv, cols, eps, false);
-        let coop = invariant_on_coop(gpu, cols);
+        let coop = invariant_on_coop(gpu, cols) && !simt;
         let tol = match coop {
             true => Tolerance {
                 abs: 1e-30,
@@ -1385,7 +1393,7 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             "qmatmul invariant",
             format!(
                 "x [{m}, {cols}] @ ({rows}, {cols})^T {name}{how}, rows {alone:?} alone the same bits{}",
-                if coop { ", cooperative (f16)" } else { "" }
+                if coop { ", cooperative (f16)" } else if simt { ", off cooperative matrices (qmatvec_rows)" } else { "" }
             ),
             res,
         );
