@@ -17,6 +17,8 @@
 //   qmatvec      y[r, j] = sum_c x[r, c] * value(j * k + c)     (n / 8) * (m / MV_X) groups:
 //                8 rows of W x MV_X rows of x a workgroup (8; 1 for one row), 32 threads a
 //                row of W striding over k, then a fixed tree (a row's sum does not depend on m)
+//   qmatvec_rows qmatvec for batched steps (invariant): 32 rows of W x up to 16 rows of x a
+//                workgroup, k's runs over 8 sets of 32 threads, summed in set order
 //   qmatvec1     the same for one row of x and k a multiple of 32 (decode): 4 rows of W a
 //                set of 32 threads sharing their loads of x (or of 64 or 128 splitting k:
 //                long rows); 32, 16 or 8 rows a workgroup
