@@ -875,15 +875,15 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 
 // qmatvec_rows: qmatvec for batched decode steps (the invariant product of a few rows of
 // x), k a multiple of 32. A workgroup: 32 rows of W (virtual columns v, a thread each) x
-// MR_X rows of x; its 8 sets (sg) of 32 threads take k's runs of 32 in turn (sg s: runs s,
-// s + 8, ...), each thread's MR_X sums in registers, every thread of a sg reading the
-// same x (one load serves the sg); then the sets' sums added in sg order, times the
-// row's norm factor (NORM: the rows' squares summed first, a fixed tree), the GLU or the
-// residual applied. A row's sums never depend on the other rows or on MR_X (how many rows
-// a workgroup takes), so the rows' bits do not depend on the batch. Grid: (ceil(W's rows
-// / 32), ceil(m / MR_X)); MR_X <= 16.
+// MR_X rows of x; its 8 sets of 32 threads (set sg) take k's runs of 32 in turn (set sg:
+// runs sg, sg + 8, ...), each thread's MR_X sums in registers, every thread of a set
+// reading the same x (one load serves the set); then the sets' sums added in set order,
+// times the row's norm factor (NORM: the rows' squares summed first, a fixed tree), the
+// GLU or the residual applied. A row's sums never depend on the other rows or on MR_X (how
+// many rows a workgroup takes), so the rows' bits do not depend on the batch. Grid:
+// (ceil(W's rows / 32), ceil(m / MR_X)); MR_X <= 16.
 override MR_X: u32 = 8u;
-var<workgroup> mr_part: array<f32, 4096>;   // [sg][row of x (16)][thread of the sg]
+var<workgroup> mr_part: array<f32, 4096>;   // [set][row of x (16)][thread of the set]
 var<workgroup> mr_ss: array<f32, 16>;       // NORM: [row of x] sum of x^2
 
 fn mr_at(sg: u32, r: u32, t: u32) -> u32 {
@@ -899,7 +899,7 @@ fn qmatvec_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     let wr = w_rows();
     let v = wid.x * 32u + t;
     if (NORM) {
-        // Row r's squares: sg r % 8 takes rows r, r + 8; its thread t columns 4 t + 128 i,
+        // Row r's squares: set r % 8 takes rows r, r + 8; its thread t columns 4 t + 128 i,
         // then the 32 partials in a fixed tree.
         for (var r = sg; r < 16u; r += 8u) {
             var ss = 0.0;

@@ -765,23 +765,21 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 (usize::MAX, PagedWork::Loop, Some(1)),
             ];
             for (scratch, work, heads) in ways {
-                {
-                    let o = gpu
-                        .run_async(|rec| {
-                            kv_attend_paged_as(
-                                rec,
-                                &q,
-                                &pool.k[0],
-                                &pool.v[0],
-                                &pg,
-                                Some(work),
-                                heads,
-                                scratch,
-                            )
-                        })
-                        .await?;
-                    laid.push(o.to_vec_f32(gpu).await?);
-                }
+                let o = gpu
+                    .run_async(|rec| {
+                        kv_attend_paged_as(
+                            rec,
+                            &q,
+                            &pool.k[0],
+                            &pool.v[0],
+                            &pg,
+                            Some(work),
+                            heads,
+                            scratch,
+                        )
+                    })
+                    .await?;
+                laid.push(o.to_vec_f32(gpu).await?);
             }
             // Each row alone, over the keys the batch stored.
             let mut alone = Vec::new();
