@@ -852,10 +852,19 @@ fn qmatmul(
         let bytes = w.file_bytes() as f64;
         let flops = 2.0 * (m * n * k) as f64;
         let shape = format!("{ty} {m}x{n}x{k}{}", if glu { " glu" } else { "" });
-        for invariant in [true, false] {
+        // Invariant on cooperative matrices where they run, off them (`qmatvec_rows`, the
+        // small models' batched steps) there too, then the default path.
+        let coop = quant::invariant_on_coop(gpu, k);
+        let cases: &[(bool, bool)] = if coop {
+            &[(true, false), (true, true), (false, false)]
+        } else {
+            &[(true, false), (false, false)]
+        };
+        for &(invariant, simt) in cases {
             let fuse = quant::Fuse {
                 swiglu: glu,
                 invariant,
+                simt,
                 ..Default::default()
             };
             let (wall, g) = time(gpu, args, trace, |rec| {
@@ -865,10 +874,11 @@ fn qmatmul(
             rows.push(Row {
                 name: format!(
                     "qmatmul, {}",
-                    if invariant {
-                        "invariant"
-                    } else {
-                        "default path"
+                    match (invariant, simt) {
+                        (false, _) => "default path",
+                        (true, true) => "invariant (qmatvec_rows)",
+                        (true, false) if coop => "invariant (cooperative)",
+                        (true, false) => "invariant",
                     }
                 ),
                 shape: shape.clone(),

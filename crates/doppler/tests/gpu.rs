@@ -753,6 +753,13 @@ fn paged_attention_matches_reference_alone_and_in_any_layout() {
 }
 
 #[test]
+fn paged_rope_product_matches_the_two_steps_and_is_batch_invariant() {
+    // Serving's q/k/v product with RoPE and the paged store as its epilogue: adjacent and
+    // half-head pairs, f32 and f16 pools; each row alone the batch's bits.
+    assert_checks("qmatmul_rows_rope", 4);
+}
+
+#[test]
 fn llama_from_gguf_and_safetensors_agree() {
     // llama and qwen2, each in f32, f16 and bf16.
     assert_checks("llama gguf vs safetensors", 6);

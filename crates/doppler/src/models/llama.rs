@@ -49,8 +49,8 @@ use crate::ops::kvcache::{
 };
 use crate::ops::norm::{rms_norm, rms_norm_heads};
 use crate::ops::quant::{
-    qmatmul_chain, qmatmul_fused, qmatmul_rope_store, qmatmul_unsummed, qmatvec_parts, Fuse, Next,
-    QMatrix, RowSplit,
+    qmatmul_chain, qmatmul_fused, qmatmul_rope_store, qmatmul_rows_rope, qmatmul_unsummed,
+    qmatvec_parts, Fuse, Next, QMatrix, RowSplit,
 };
 use crate::ops::rope::{inv_freq, Pairing, RopeTable};
 
@@ -1053,23 +1053,30 @@ impl Llama {
                 x8: xh.as_ref(),
                 ..inv
             };
-            // q/k/v's partial sums over k (where the product splits k) go to rope_store,
-            // which sums them: one dispatch fewer a layer.
-            let (qkv, splits) = match (l.qkv.single(), &l.qk_norm) {
-                (Some(w), None) => qmatmul_unsummed(rec, &x, w, fuse)?,
+            let to = RopeStore {
+                paged: Some(rows),
+                ..self.rope_store_of(li, pool, 0)
+            };
+            let q = match (l.qkv.single(), &l.qk_norm) {
+                // Off cooperative matrices: bias, RoPE and the store in the product's
+                // epilogue where the adapter allows.
+                (Some(w), None) if inv.simt && xh.is_none() => {
+                    qmatmul_rows_rope(rec, &x, w, fuse.norm, &to)?
+                }
+                // q/k/v's partial sums over k (where the product splits k) go to
+                // rope_store, which sums them: one dispatch fewer a layer.
+                (Some(w), None) => {
+                    let (qkv, splits) = qmatmul_unsummed(rec, &x, w, fuse)?;
+                    rope_store_split(rec, &qkv, splits, &to)?
+                }
                 _ => {
                     let qkv = l.qkv.product(rec, &x, fuse)?;
                     if let Some(w) = &l.qk_norm {
                         rms_norm_heads(rec, &qkv, w, hq, c.n_kv_head, eps, false)?;
                     }
-                    (qkv, 1)
+                    rope_store_split(rec, &qkv, 1, &to)?
                 }
             };
-            let to = RopeStore {
-                paged: Some(rows),
-                ..self.rope_store_of(li, pool, 0)
-            };
-            let q = rope_store_split(rec, &qkv, splits, &to)?;
             let a =
                 kv_attend_paged(rec, &q, &pool.k[li], &pool.v[li], rows)?.reshape(&[m, hq * d])?;
             if let (Some(post_attn), Some(post_ffn)) = (&l.post_attn_norm, &l.post_ffn_norm) {

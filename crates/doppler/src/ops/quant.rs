@@ -69,6 +69,22 @@ const ROPE_BINDINGS: &[(u32, crate::gpu::Binding)] = &[
     (13, Read),
 ];
 static QMATVEC_ROPE: Kernel = Kernel::new(&QUANT, "qmatvec_rope", ROPE_BINDINGS);
+// `qmatvec_rows_rope`: the same and the paged rows' positions and page lists (4).
+const ROWS_ROPE_BINDINGS: &[(u32, crate::gpu::Binding)] = &[
+    (1, Read),
+    (2, ReadWrite),
+    (3, Read),
+    (4, Read),
+    (5, Read),
+    (7, Read),
+    (8, Read),
+    (9, Read),
+    (10, Read),
+    (11, ReadWrite),
+    (12, ReadWrite),
+    (13, Read),
+];
+static QMATVEC_ROWS_ROPE: Kernel = Kernel::new(&QUANT, "qmatvec_rows_rope", ROWS_ROPE_BINDINGS);
 static QMATVEC1_ROPE: Kernel = Kernel::new(&QUANT, "qmatvec1_rope", ROPE_BINDINGS);
 // The tiled product: the matrix-vector ones' bindings but W as 16-byte words.
 static QMATMUL: Kernel = Kernel::new(&QUANT, "qmatmul", MATVEC_BINDINGS.split_at(7).0);
@@ -1970,10 +1986,27 @@ pub fn invariant_simt(max_cols: usize) -> bool {
 fn rows_per_group(m: usize, rows: usize) -> usize {
     let gx = rows.div_ceil(32);
     let mut r = m.next_power_of_two().clamp(1, 16);
-    while r > 2 && gx * m.div_ceil(r) < 264 {
+    while r > 2 && gx * m.div_ceil(r) < rows_groups_target() {
         r /= 2;
     }
     r
+}
+
+/// The workgroups below which [`rows_per_group`] halves a workgroup's rows of x: 264, or
+/// `DOPPLER_ROWS_GROUPS=N` (read once a process; for measuring).
+fn rows_groups_target() -> usize {
+    static TARGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *TARGET.get_or_init(|| {
+        let v = std::env::var("DOPPLER_ROWS_GROUPS").ok();
+        match v.as_deref().map(|v| v.trim().parse::<usize>()) {
+            None => 264,
+            Some(Ok(n)) if n > 0 => n,
+            Some(_) => {
+                tracing::warn!("DOPPLER_ROWS_GROUPS={v:?} is not a positive count: 264");
+                264
+            }
+        }
+    })
 }
 
 /// Whether a product of `m` rows of x with W (`rows`, `cols`) ([`qmatmul`],
@@ -2154,6 +2187,96 @@ pub fn qmatmul_rope_store(
     Ok(q)
 }
 
+/// [`qmatmul_rope_store`] for the paged rows of a batched step taking [`Fuse::simt`]'s
+/// invariant product (`qmatvec_rows`): q (T, Hq, D) of x (T, cols) @ W^T with `norm` first,
+/// k and v into the pool's pages at each row's own position (`to.paged`). One dispatch
+/// (`qmatvec_rows_rope`: the product with bias, RoPE and the store as its epilogue) where
+/// the adapter allows 12 storage buffers a stage, W's rows are whole runs of 32 and the
+/// caches hold f32 or f16; otherwise the product, then [`rope_store`]. Which of the two
+/// runs depends on the model and the adapter only, so a row's bits do not depend on the
+/// batch.
+pub fn qmatmul_rows_rope(
+    rec: &mut Recorder<'_>,
+    x: &Tensor,
+    w: &QMatrix,
+    norm: Option<(&Tensor, f32)>,
+    to: &RopeStore<'_>,
+) -> Result<Tensor> {
+    let Some(paged) = to.paged else {
+        return Err(Error::Invalid {
+            op: "qmatmul_rows_rope",
+            detail: "rows without pages: use qmatmul_rope_store".into(),
+        });
+    };
+    let sh = x.shape();
+    let t = x.numel() / w.cols.max(1);
+    if !rows_rope_fused(rec.gpu(), w.cols, to.k_cache.dtype()) || sh.len() != 2 || sh[1] != w.cols {
+        let fuse = Fuse {
+            norm,
+            invariant: true,
+            simt: true,
+            ..Default::default()
+        };
+        let qkv = qmatmul_fused(rec, x, w, fuse)?;
+        return rope_store(rec, &qkv, to);
+    }
+    super::expect_f32("qmatmul_rows_rope", x)?;
+    let kv = to.params("qmatmul_rows_rope", t, w.rows)?;
+    let d = kv.d as usize;
+    let mut p = w.params(t);
+    if let Some((nwt, eps)) = norm {
+        super::expect_f32("qmatmul_rows_rope", nwt)?;
+        if nwt.shape() != [w.cols] {
+            return Err(Error::Shape {
+                op: "qmatmul_rows_rope",
+                detail: format!("norm weight {:?}, expected [{}]", nwt.shape(), w.cols),
+            });
+        }
+        p.eps = eps.to_bits();
+    }
+    p.d = d as u32;
+    p.heads = to.hq as u32;
+    let q = Tensor::empty(rec.gpu(), &[t, to.hq, d], DType::F32, "qmatmul_rows_rope.q")?;
+    let mr = rows_per_group(t, w.rows);
+    let c = [
+        ("TYPE", w.ty.0 as f64),
+        ("NORM", norm.is_some() as u32 as f64),
+        ("ROPE_HALF", (to.pairing == Pairing::Half) as u32 as f64),
+        ("ROPE_BIAS", to.bias.is_some() as u32 as f64),
+        (
+            "ROPE_KV_F16",
+            (to.k_cache.dtype() == DType::F16) as u32 as f64,
+        ),
+        ("MR_X", mr as f64),
+    ];
+    let nw = norm.map_or(x, |n| n.0);
+    let bind = [
+        &w.raw,
+        &q,
+        x,
+        &paged.info,
+        nw,
+        x,
+        nw,
+        to.bias.unwrap_or(x),
+        &to.table.table,
+        to.k_cache,
+        to.v_cache,
+        &w.raw,
+    ];
+    let grid = Grid::Xyz([w.rows.div_ceil(32) as u32, t.div_ceil(mr) as u32, 1]);
+    rec.dispatch(&QMATVEC_ROWS_ROPE, &c, bytemuck::bytes_of(&p), &bind, grid)?;
+    Ok(q)
+}
+
+/// Whether [`qmatmul_rows_rope`] runs as one dispatch here for rows of W `cols` long into
+/// caches of `kv` (see there).
+pub fn rows_rope_fused(gpu: &Gpu, cols: usize, kv: DType) -> bool {
+    cols % 32 == 0
+        && kv != DType::U32
+        && gpu.limits.max_storage_buffers_per_shader_stage >= ROWS_ROPE_BINDINGS.len() as u32
+}
+
 /// The matrix-vector kernel's constants (`c` and its rows of x a workgroup, MV_X: 1 for
 /// one row, so that its loops keep one sum in registers, else 8) and grid (8 rows of W by
 /// MV_X rows of x a workgroup) for `m` rows of x and `rows` of W.
@@ -2174,6 +2297,15 @@ fn matvec_grid(
 #[cfg(test)]
 mod tests {
     use super::{skinny_bk, split_k, split_k_to, SkinnyLayout, COOP_SPLITK_TARGET};
+
+    #[test]
+    fn rows_rope_pages_are_the_pools() {
+        // qmatvec_rows_rope finds a token's cache row with kvcache.wgsl's page size.
+        let want = format!("const ROWS_PAGE: u32 = {}u;", crate::ops::kvcache::PAGE);
+        assert!(crate::shaders::QUANT.source.contains(&want), "{want}");
+        let kv = format!("const PAGE: u32 = {}u;", crate::ops::kvcache::PAGE);
+        assert!(crate::shaders::KVCACHE.source.contains(&kv), "{kv}");
+    }
 
     #[test]
     fn skinny_steps_fit_the_workgroup_memory() {

@@ -18,7 +18,8 @@
 //                8 rows of W x MV_X rows of x a workgroup (8; 1 for one row), 32 threads a
 //                row of W striding over k, then a fixed tree (a row's sum does not depend on m)
 //   qmatvec_rows qmatvec for batched steps (invariant): 32 rows of W x up to 16 rows of x a
-//                workgroup, k's runs over 8 sets of 32 threads, summed in set order
+//                workgroup, k's runs over 8 sets of 32 threads, summed in set order;
+//                qmatvec_rows_rope the same with ROPE into paged caches (serving)
 //   qmatvec1     the same for one row of x and k a multiple of 32 (decode): 4 rows of W a
 //                set of 32 threads sharing their loads of x (or of 64 or 128 splitting k:
 //                long rows); 32, 16 or 8 rows a workgroup
@@ -488,11 +489,10 @@ fn rope_turned() -> u32 {
     return (p.heads + rope_kv_heads()) * p.d;
 }
 
-// Stores the pair of (virtual) columns (v, v + 1), v even, of row t of x: sums a and b.
-// The pair of (virtual) columns (v, v + 1), v even, of row t from their sums: bias added,
-// q and k turned by RoPE at position p.pos + t; values of the stacked row's columns
+// The pair of (virtual) columns (v, v + 1), v even, of a row of x from their sums: bias
+// added, q and k turned by RoPE at position pos; values of the stacked row's columns
 // (w_row(v), w_row(v + 1)).
-fn rope_vals(t: u32, v: u32, sa: f32, sb: f32) -> vec2<f32> {
+fn rope_vals(pos: u32, v: u32, sa: f32, sb: f32) -> vec2<f32> {
     var a = sa;
     var b = sb;
     if (ROPE_BIAS) {
@@ -500,18 +500,18 @@ fn rope_vals(t: u32, v: u32, sa: f32, sb: f32) -> vec2<f32> {
         b += rbias[w_row(v + 1u)];
     }
     if (v < rope_turned()) {
-        let cs = rtable[(p.pos + t) * (p.d / 2u) + (v % p.d) / 2u];
+        let cs = rtable[pos * (p.d / 2u) + (v % p.d) / 2u];
         return vec2<f32>(a * cs.x - b * cs.y, a * cs.y + b * cs.x);
     }
     return vec2<f32>(a, b);
 }
 
-// Stores the pair of (virtual) columns (v, v + 1), v even, of row t: sums a and b.
-fn rope_out(t: u32, v: u32, sa: f32, sb: f32) {
+// Stores the pair of (virtual) columns (v, v + 1), v even, of row t: sums a and b; the
+// token's position `pos`, its k and v in the caches' row `row`.
+fn rope_out(t: u32, pos: u32, row: u32, v: u32, sa: f32, sb: f32) {
     let i = w_row(v);        // column in the stacked q, k, v row
     let j = w_row(v + 1u);
-    let r = rope_vals(t, v, sa, sb);
-    let pos = p.pos + t;
+    let r = rope_vals(pos, v, sa, sb);
     let kv = rope_kv_heads() * p.d;
     let qw = p.heads * p.d;
     if (v < qw) {
@@ -520,7 +520,7 @@ fn rope_out(t: u32, v: u32, sa: f32, sb: f32) {
         return;
     }
     // Offset of the k cache's row (v's columns), or the v cache's.
-    let o = select(pos * kv - qw - kv, pos * kv - qw, v < qw + kv);
+    let o = select(row * kv - qw - kv, row * kv - qw, v < qw + kv);
     if (ROPE_KV_F16) {
         put_kv(v < qw + kv, (o + i) / 2u, pack2x16float(r));
     } else {
@@ -540,15 +540,14 @@ fn put_kv(is_k: bool, w: u32, val: u32) {
 // ROPE_HALF with ROPE_KV_F16, row t: in q and k heads the pairs (v, v + 1) and (v + 2,
 // v + 3), v a multiple of 4, hold head dims (e, e + d / 2) and (e + 1, e + 1 + d / 2), e
 // even: whole words of the cache, (e, e + 1) and (e + d / 2, e + d / 2 + 1); v heads'
-// columns v..v+4 are dims in order. `s`: the four columns' sums.
-fn rope_out_half16(t: u32, v: u32, s: vec4<f32>) {
+// columns v..v+4 are dims in order. `s`: the four columns' sums; pos and row as rope_out's.
+fn rope_out_half16(t: u32, pos: u32, row: u32, v: u32, s: vec4<f32>) {
     let i = w_row(v);        // dim e's column; e + d / 2 at w_row(v + 1)
     let j = w_row(v + 1u);
-    let r0 = rope_vals(t, v, s.x, s.y);
-    let r1 = rope_vals(t, v + 2u, s.z, s.w);
+    let r0 = rope_vals(pos, v, s.x, s.y);
+    let r1 = rope_vals(pos, v + 2u, s.z, s.w);
     let kv = rope_kv_heads() * p.d;
     let qw = p.heads * p.d;
-    let pos = p.pos + t;
     if (v < qw) {
         dst[t * qw + i] = r0.x;
         dst[t * qw + j] = r0.y;
@@ -558,12 +557,12 @@ fn rope_out_half16(t: u32, v: u32, s: vec4<f32>) {
     }
     if (v >= qw + kv) {
         // v heads are not turned: columns v..v+4 in order, two words.
-        let o = pos * kv - qw - kv;
+        let o = row * kv - qw - kv;
         put_kv(false, (o + i) / 2u, pack2x16float(r0));
         put_kv(false, (o + i) / 2u + 1u, pack2x16float(r1));
         return;
     }
-    let o = pos * kv - qw;
+    let o = row * kv - qw;
     put_kv(true, (o + i) / 2u, pack2x16float(vec2<f32>(r0.x, r1.x)));
     put_kv(true, (o + j) / 2u, pack2x16float(vec2<f32>(r0.y, r1.y)));
 }
@@ -890,8 +889,51 @@ fn mr_at(sg: u32, r: u32, t: u32) -> u32 {
     return (sg * 16u + r) * 32u + t;
 }
 
-@compute @workgroup_size(256)
-fn qmatvec_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+// W's run at column c of the row starting at wbase, times the norm weight (NORM).
+fn mr_w(wbase: u32, c: u32) -> array<vec4<f32>, 8> {
+    var w = run32(wbase + c);
+    if (NORM) {
+        for (var e = 0u; e < 8u; e++) {
+            w[e] *= nw4(run_col(c, e));
+        }
+    }
+    return w;
+}
+
+// Row r of x's sum `acc` after run c's 8 dots (w0), then run c1's (w1) where `two`.
+fn mr_row(acc: f32, r: u32, c: u32, w0: array<vec4<f32>, 8>, c1: u32, w1: array<vec4<f32>, 8>,
+          two: bool) -> f32 {
+    let xb = (r * p.k) / 4u;
+    var x0: array<vec4<f32>, 8>;
+    var x1: array<vec4<f32>, 8>;
+    for (var e = 0u; e < 8u; e++) {
+        x0[e] = xv4[xb + run_col(c, e) / 4u];
+        x1[e] = xv4[xb + run_col(select(c, c1, two), e) / 4u];
+    }
+    var a = acc;
+    for (var e = 0u; e < 8u; e++) {
+        a += dot(x0[e], w0[e]);
+    }
+    if (two) {
+        for (var e = 0u; e < 8u; e++) {
+            a += dot(x1[e], w1[e]);
+        }
+    }
+    return a;
+}
+
+// Rows r.. r + 4 of set sg's sums for thread t (rows past MR_X are not read).
+fn mr_put(sg: u32, r: u32, t: u32, a: vec4<f32>) {
+    mr_part[mr_at(sg, r, t)] = a.x;
+    mr_part[mr_at(sg, r + 1u, t)] = a.y;
+    mr_part[mr_at(sg, r + 2u, t)] = a.z;
+    mr_part[mr_at(sg, r + 3u, t)] = a.w;
+}
+
+// qmatvec_rows' sums: thread (sg, t) returns rows sg and sg + 8's sums of column v =
+// wid.x * 32 + t (times the norm factor; 0 past the rows), and mr_part[mr_at(0, r, t)]
+// holds row r's of column v for every thread to read.
+fn mr_sums(wid: vec3<u32>, lid: u32) -> vec2<f32> {
     let r0 = wid.y * MR_X;
     let nr = min(MR_X, p.m - min(r0, p.m));
     let t = lid % 32u;
@@ -904,9 +946,15 @@ fn qmatvec_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         for (var r = sg; r < 16u; r += 8u) {
             var ss = 0.0;
             if (r < nr) {
-                for (var c = t * 4u; c < p.k; c += 128u) {
-                    let xv = xv4[((r0 + r) * p.k + c) / 4u];
-                    ss += dot(xv, xv);
+                // Two loads a pass in flight, added in column order.
+                for (var c = t * 4u; c < p.k; c += 256u) {
+                    let c1 = c + 128u;
+                    let xa = xv4[((r0 + r) * p.k + c) / 4u];
+                    let xb = xv4[((r0 + r) * p.k + select(c, c1, c1 < p.k)) / 4u];
+                    ss += dot(xa, xa);
+                    if (c1 < p.k) {
+                        ss += dot(xb, xb);
+                    }
                 }
             }
             mr_part[mr_at(0u, r, t)] = ss;
@@ -927,60 +975,120 @@ fn qmatvec_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         }
         workgroupBarrier();
     }
-    var acc: array<f32, 16>;
+    // One named accumulator a row of x (an array indexed by the row may be kept in memory
+    // by the compiler); MR_X (a constant) drops the rows past it. Two of the set's runs a
+    // pass (c and c + 256), both runs' loads in flight together; each row adds run c's 8
+    // dots, then run c + 256's, as one run a pass would.
+    var a0 = vec4<f32>(0.0);   // rows 0..4
+    var a1 = vec4<f32>(0.0);   // rows 4..8
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
     let wbase = w_row(min(v, wr - 1u)) * p.k;
-    for (var c = sg * 32u; c < p.k; c += 256u) {
-        var w = run32(wbase + c);
-        if (NORM) {
-            for (var e = 0u; e < 8u; e++) {
-                w[e] *= nw4(run_col(c, e));
-            }
-        }
-        // Constant bounds: the loops unroll and the sums stay in registers.
-        for (var r = 0u; r < MR_X; r++) {
-            if (r < nr) {
-                let xb = ((r0 + r) * p.k) / 4u;
-                for (var e = 0u; e < 8u; e++) {
-                    acc[r] += dot(xv4[xb + run_col(c, e) / 4u], w[e]);
-                }
-            }
-        }
+    for (var c = sg * 32u; c < p.k; c += 512u) {
+        let c1 = c + 256u;
+        let two = c1 < p.k;
+        let w0 = mr_w(wbase, c);
+        let w1 = mr_w(wbase, select(c, c1, two));
+        a0.x = mr_row(a0.x, r0, c, w0, c1, w1, two);
+        if (MR_X > 1u && nr > 1u) { a0.y = mr_row(a0.y, r0 + 1u, c, w0, c1, w1, two); }
+        if (MR_X > 2u && nr > 2u) { a0.z = mr_row(a0.z, r0 + 2u, c, w0, c1, w1, two); }
+        if (MR_X > 3u && nr > 3u) { a0.w = mr_row(a0.w, r0 + 3u, c, w0, c1, w1, two); }
+        if (MR_X > 4u && nr > 4u) { a1.x = mr_row(a1.x, r0 + 4u, c, w0, c1, w1, two); }
+        if (MR_X > 5u && nr > 5u) { a1.y = mr_row(a1.y, r0 + 5u, c, w0, c1, w1, two); }
+        if (MR_X > 6u && nr > 6u) { a1.z = mr_row(a1.z, r0 + 6u, c, w0, c1, w1, two); }
+        if (MR_X > 7u && nr > 7u) { a1.w = mr_row(a1.w, r0 + 7u, c, w0, c1, w1, two); }
+        if (MR_X > 8u && nr > 8u) { a2.x = mr_row(a2.x, r0 + 8u, c, w0, c1, w1, two); }
+        if (MR_X > 9u && nr > 9u) { a2.y = mr_row(a2.y, r0 + 9u, c, w0, c1, w1, two); }
+        if (MR_X > 10u && nr > 10u) { a2.z = mr_row(a2.z, r0 + 10u, c, w0, c1, w1, two); }
+        if (MR_X > 11u && nr > 11u) { a2.w = mr_row(a2.w, r0 + 11u, c, w0, c1, w1, two); }
+        if (MR_X > 12u && nr > 12u) { a3.x = mr_row(a3.x, r0 + 12u, c, w0, c1, w1, two); }
+        if (MR_X > 13u && nr > 13u) { a3.y = mr_row(a3.y, r0 + 13u, c, w0, c1, w1, two); }
+        if (MR_X > 14u && nr > 14u) { a3.z = mr_row(a3.z, r0 + 14u, c, w0, c1, w1, two); }
+        if (MR_X > 15u && nr > 15u) { a3.w = mr_row(a3.w, r0 + 15u, c, w0, c1, w1, two); }
     }
-    for (var r = 0u; r < MR_X; r++) {
-        mr_part[mr_at(sg, r, t)] = acc[r];
-    }
+    mr_put(sg, 0u, t, a0);
+    if (MR_X > 4u) { mr_put(sg, 4u, t, a1); }
+    if (MR_X > 8u) { mr_put(sg, 8u, t, a2); }
+    if (MR_X > 12u) { mr_put(sg, 12u, t, a3); }
     workgroupBarrier();
     // Thread (sg, t) finishes rows sg, sg + 8 of column v: the 8 sets in order.
-    var tot: array<f32, 2>;
-    for (var i = 0u; i < 2u; i++) {
-        let r = sg + 8u * i;
-        var sum = 0.0;
-        if (r < nr) {
-            sum = mr_part[mr_at(0u, r, t)];
-            for (var s = 1u; s < 8u; s++) {
-                sum += mr_part[mr_at(s, r, t)];
-            }
-            if (NORM) {
-                sum *= rstd(mr_ss[r]);
-            }
+    let tot = vec2<f32>(mr_total(sg, t, nr), mr_total(sg + 8u, t, nr));
+    workgroupBarrier();
+    mr_part[mr_at(0u, sg, t)] = tot.x;
+    mr_part[mr_at(0u, sg + 8u, t)] = tot.y;
+    workgroupBarrier();
+    return tot;
+}
+
+// Row r's sum for thread t's column: the 8 sets' in order, times the norm factor.
+fn mr_total(r: u32, t: u32, nr: u32) -> f32 {
+    var sum = 0.0;
+    if (r < nr) {
+        sum = mr_part[mr_at(0u, r, t)];
+        for (var s = 1u; s < 8u; s++) {
+            sum += mr_part[mr_at(s, r, t)];
         }
-        tot[i] = sum;
+        if (NORM) {
+            sum *= rstd(mr_ss[r]);
+        }
     }
-    workgroupBarrier();
+    return sum;
+}
+
+@compute @workgroup_size(256)
+fn qmatvec_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let tot = mr_sums(wid, lid);
+    let r0 = wid.y * MR_X;
+    let nr = min(MR_X, p.m - min(r0, p.m));
+    let t = lid % 32u;
+    let v = wid.x * 32u + t;
     for (var i = 0u; i < 2u; i++) {
-        mr_part[mr_at(0u, sg + 8u * i, t)] = tot[i];
-    }
-    workgroupBarrier();
-    for (var i = 0u; i < 2u; i++) {
-        let r = sg + 8u * i;
-        if (r < nr && v < wr) {
+        let r = lid / 32u + 8u * i;
+        if (r < nr && v < w_rows()) {
+            let sum = select(tot.x, tot.y, i == 1u);
             if (SWIGLU) {
                 if ((v & 1u) == 0u) {
-                    dst[(r0 + r) * p.n + v / 2u] = gate_act(tot[i]) * mr_part[mr_at(0u, r, t + 1u)];
+                    dst[(r0 + r) * p.n + v / 2u] = gate_act(sum) * mr_part[mr_at(0u, r, t + 1u)];
                 }
             } else {
-                dst[(r0 + r) * p.n + v] = finish(r0 + r, v, tot[i]);
+                dst[(r0 + r) * p.n + v] = finish(r0 + r, v, sum);
             }
+        }
+    }
+}
+
+// qmatvec_rows with ROPE for paged rows (serving's batched steps): row r of x is a token of
+// its own sequence, its position and page list in `ids` as kvcache.wgsl's `paged` holds
+// them (per row: position (2 r), start of its page list (2 r + 1); a page ROWS_PAGE cache
+// rows, kvcache.wgsl's PAGE). q goes to dst (m, heads, d), k and v into the caches at the
+// token's row. Pairs (v, v + 1) are neighbouring threads' columns; with ROPE_HALF and f16
+// caches, columns v..v+4 (threads t % 4 = 0) give whole words.
+const ROWS_PAGE: u32 = 16u;
+
+@compute @workgroup_size(256)
+fn qmatvec_rows_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let tot = mr_sums(wid, lid);
+    let r0 = wid.y * MR_X;
+    let nr = min(MR_X, p.m - min(r0, p.m));
+    let t = lid % 32u;
+    let v = wid.x * 32u + t;
+    for (var i = 0u; i < 2u; i++) {
+        let r = lid / 32u + 8u * i;
+        if (r >= nr || v >= w_rows()) {
+            continue;
+        }
+        let row = r0 + r;
+        let pos = ids[2u * row];
+        let crow = ids[ids[2u * row + 1u] + pos / ROWS_PAGE] * ROWS_PAGE + pos % ROWS_PAGE;
+        let sum = select(tot.x, tot.y, i == 1u);
+        if (ROPE_HALF && ROPE_KV_F16) {
+            if (t % 4u == 0u) {
+                let s = vec4<f32>(sum, mr_part[mr_at(0u, r, t + 1u)], mr_part[mr_at(0u, r, t + 2u)],
+                                  mr_part[mr_at(0u, r, t + 3u)]);
+                rope_out_half16(row, pos, crow, v, s);
+            }
+        } else if ((v & 1u) == 0u) {
+            rope_out(row, pos, crow, v, sum, mr_part[mr_at(0u, r, t + 1u)]);
         }
     }
 }
@@ -1000,7 +1108,8 @@ fn qmatvec_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
             let gi = lid / 32u;
             for (var r = 0u; r < at.z; r++) {
                 let s = vec4<f32>(mv_tot[r][gi], mv_tot[r][gi + 1u], mv_tot[r][gi + 2u], mv_tot[r][gi + 3u]);
-                rope_out_half16(at.x + r, v, s * mv_scale(r));
+                let t = at.x + r;
+                rope_out_half16(t, p.pos + t, p.pos + t, v, s * mv_scale(r));
             }
         }
         return;
@@ -1008,7 +1117,8 @@ fn qmatvec_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     if (lid % 32u == 0u && v < w_rows() && (v & 1u) == 0u) {
         for (var r = 0u; r < at.z; r++) {
             let scale = mv_scale(r);
-            rope_out(at.x + r, v, mv_tot[r][lid / 32u] * scale, mv_tot[r][lid / 32u + 1u] * scale);
+            let t = at.x + r;
+            rope_out(t, p.pos + t, p.pos + t, v, mv_tot[r][lid / 32u] * scale, mv_tot[r][lid / 32u + 1u] * scale);
         }
     }
 }
@@ -1404,13 +1514,13 @@ fn qmatvec1_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
             // MV1_RW 4 (the default): a thread's 4 columns start at a multiple of 4.
             if (at.x < w_rows()) {
                 let s = vec4<f32>(mv1_get(lid, 0u), mv1_get(lid, 1u), mv1_get(lid, 2u), mv1_get(lid, 3u));
-                rope_out_half16(0u, at.x, s * scale);
+                rope_out_half16(0u, p.pos, p.pos, at.x, s * scale);
             }
             return;
         }
         for (var q = 0u; q < MV1_RW; q += 2u) {
             if (at.x + q < w_rows()) {
-                rope_out(0u, at.x + q, mv1_get(lid, q) * scale, mv1_get(lid, q + 1u) * scale);
+                rope_out(0u, p.pos, p.pos, at.x + q, mv1_get(lid, q) * scale, mv1_get(lid, q + 1u) * scale);
             }
         }
     }

@@ -651,6 +651,228 @@ async fn merged_check(
     }
 }
 
+/// The batched step's q/k/v product with RoPE and the paged store in one
+/// (`qmatmul_rows_rope`, serving's small models off cooperative matrices) against the two
+/// steps it replaces (the invariant product off cooperative matrices, with the norm, then
+/// `rope_store` into the pages, itself checked against f64 in kv_paged): q and both whole
+/// pools (noise first, so a stray write shows), then each row alone (its own workgroup of
+/// rows) the batch's bits. SmolLM2's heads and width (Q4_1); 13 rows of 5 sequences with
+/// scattered pages; adjacent pairs without a bias and pairs half a head apart with one
+/// (Qwen2's), into f32 and f16 pools.
+pub(super) async fn rows_rope_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
+    use crate::ops::kvcache::{paged_pool, rope_store, PagedRows, PAGE};
+    use crate::ops::quant::{qmatmul_rows_rope, rows_rope_fused};
+    use crate::ops::rope::{Pairing, RopeTable};
+    let (hq, hkv, d, cols, pages) = (9usize, 3usize, 64usize, 576usize, 30usize);
+    let rows = (hq + 2 * hkv) * d;
+    let order: Vec<u32> = (0..pages as u32)
+        .map(|i| (7 * i + 2) % pages as u32)
+        .collect();
+    let seqs: [&[u32]; 5] = [
+        &order[0..1],
+        &order[1..4],
+        &order[4..14],
+        &order[14..16],
+        &order[16..30],
+    ];
+    // (sequence, position): a prompt's chunk of 5 rows in sequence 2, single rows elsewhere.
+    let rows_of = [
+        (0usize, 3usize),
+        (1, 40),
+        (2, 100),
+        (2, 101),
+        (2, 102),
+        (2, 103),
+        (2, 104),
+        (3, 17),
+        (4, 0),
+        (4, 200),
+        (1, 41),
+        (3, 31),
+        (0, 15),
+    ];
+    let ty = GgmlType::from_name("Q4_1").expect("known type");
+    for (n, (dtype, half)) in [
+        (DType::F32, false),
+        (DType::F16, false),
+        (DType::F32, true),
+        (DType::F16, true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let pairing = if half {
+            Pairing::Half
+        } else {
+            Pairing::Interleaved
+        };
+        let kv_ty = if dtype == DType::F16 {
+            KvType::F16
+        } else {
+            KvType::F32
+        };
+        let mut rng = Rng::new(9100 + n as u64);
+        let raw = super::quant::random_blocks("Q4_1", rows * cols, &mut rng);
+        let m = rows_of.len();
+        let (x, nw, bias) = (rng.vec(m * cols), rng.vec(cols), rng.vec(rows));
+        let cells = pages * PAGE * hkv * d;
+        let (k0, v0) = (rng.vec(cells), rng.vec(cells));
+        let fused_here = rows_rope_fused(gpu, cols, dtype);
+        let r = twice("qmatmul_rows_rope", async || {
+            let w = QMatrix::new(gpu, "w", &raw, ty, rows, cols)?;
+            let table = RopeTable::new(gpu, 256, d, 10000.0)?;
+            let xt = Tensor::from_f32(gpu, &[m, cols], &x, "x")?;
+            let nwt = Tensor::from_f32(gpu, &[cols], &nw, "nw")?;
+            let b = Tensor::from_f32(gpu, &[rows], &bias, "bias")?;
+            let pool = paged_pool(gpu, 1, pages, hkv, d, kv_ty)?;
+            let noise = |v: &[f32], name| match dtype {
+                DType::F16 => Tensor::from_f16(
+                    gpu,
+                    &[pages * PAGE, hkv, d],
+                    &v.iter()
+                        .map(|&v| half::f16::from_f32(v))
+                        .collect::<Vec<_>>(),
+                    name,
+                ),
+                _ => Tensor::from_f32(gpu, &[pages * PAGE, hkv, d], v, name),
+            };
+            let (kn, vn) = (noise(&k0, "k noise")?, noise(&v0, "v noise")?);
+            let reset = async || {
+                gpu.run_async(|rec| {
+                    rec.copy_elements(&kn, 0, &pool.k[0], 0, kn.numel())?;
+                    rec.copy_elements(&vn, 0, &pool.v[0], 0, vn.numel())
+                })
+                .await
+            };
+            let read = async |c: &Tensor| -> crate::Result<Vec<f32>> {
+                match dtype {
+                    DType::F16 => Ok(c
+                        .to_vec_f16(gpu)
+                        .await?
+                        .iter()
+                        .map(|h| h.to_f32())
+                        .collect()),
+                    _ => c.to_vec_f32(gpu).await,
+                }
+            };
+            let list: Vec<(usize, &[u32])> =
+                rows_of.iter().map(|&(sq, pos)| (pos, seqs[sq])).collect();
+            let pg = PagedRows::new(gpu, &list)?;
+            let base = RopeStore {
+                bias: half.then_some(&b),
+                table: &table,
+                pairing,
+                hq,
+                k_cache: &pool.k[0],
+                v_cache: &pool.v[0],
+                pos: 0,
+                window: None,
+                paged: None,
+            };
+            let norm = Some((&nwt, 1e-5));
+            let mut got = Vec::new();
+            for fused in [true, false] {
+                reset().await?;
+                let to = RopeStore {
+                    paged: Some(&pg),
+                    ..base
+                };
+                let q = gpu
+                    .run_async(|rec| {
+                        if fused {
+                            qmatmul_rows_rope(rec, &xt, &w, norm, &to)
+                        } else {
+                            let fuse = Fuse {
+                                norm,
+                                invariant: true,
+                                simt: true,
+                                ..Default::default()
+                            };
+                            let qkv = qmatmul_fused(rec, &xt, &w, fuse)?;
+                            rope_store(rec, &qkv, &to)
+                        }
+                    })
+                    .await?;
+                got.extend([
+                    q.to_vec_f32(gpu).await?,
+                    read(&pool.k[0]).await?,
+                    read(&pool.v[0]).await?,
+                ]);
+            }
+            // Each row alone into fresh noise: its q, and the pools after all of them.
+            reset().await?;
+            let mut alone = Vec::new();
+            for (r, &(pos, list)) in list.iter().enumerate() {
+                let one = PagedRows::new(gpu, &[(pos, list)])?;
+                let xr = Tensor::from_f32(gpu, &[1, cols], &x[r * cols..(r + 1) * cols], "x row")?;
+                let to = RopeStore {
+                    paged: Some(&one),
+                    ..base
+                };
+                let q = gpu
+                    .run_async(|rec| qmatmul_rows_rope(rec, &xr, &w, norm, &to))
+                    .await?;
+                alone.extend(q.to_vec_f32(gpu).await?);
+            }
+            got.extend([alone, read(&pool.k[0]).await?, read(&pool.v[0]).await?]);
+            Ok(got)
+        })
+        .await;
+        // Two kernels of the same sums (multiply-adds fused differently by the compiler),
+        // then the rotation, which can cancel; into f16 pools values that close may round
+        // to neighbouring halves.
+        let tol = Tolerance {
+            abs: 1e-5,
+            rel: Tolerance::dot(cols).rel,
+        };
+        let f16_tol = Tolerance {
+            abs: 1e-5,
+            rel: 9.8e-4,
+        };
+        let res = r.and_then(|got| {
+            let mut worst = crate::check::Stats::default();
+            for (i, what) in ["q", "k pool", "v pool"].iter().enumerate() {
+                let want: Vec<f64> = got[i + 3].iter().map(|&v| v as f64).collect();
+                let tol = if i > 0 && dtype == DType::F16 {
+                    f16_tol
+                } else {
+                    tol
+                };
+                let st = compare(what, &got[i], &want, None, tol).map_err(s)?;
+                worst.max_abs = worst.max_abs.max(st.max_abs);
+                worst.max_rel = worst.max_rel.max(st.max_rel);
+                if got[i + 6] != got[i] {
+                    let at = got[i]
+                        .iter()
+                        .zip(&got[i + 6])
+                        .position(|(a, b)| a.to_bits() != b.to_bits())
+                        .unwrap_or(0);
+                    return Err(format!(
+                        "{what}: the rows one at a time differ from the batch at element {at} ({} against {})",
+                        got[i + 6].get(at).copied().unwrap_or(f32::NAN),
+                        got[i].get(at).copied().unwrap_or(f32::NAN)
+                    ));
+                }
+            }
+            Ok(worst)
+        });
+        let how = if fused_here {
+            "one dispatch"
+        } else {
+            "the two steps here (too few storage buffers a stage)"
+        };
+        push(
+            out,
+            "qmatmul_rows_rope",
+            format!(
+                "{m} paged rows @ ({rows}, {cols})^T Q4_1, Hq {hq}/Hkv {hkv}, D {d}, {pairing:?}, norm{}, {dtype:?} pool ({how}); rows alone the same bits",
+                if half { " + bias" } else { "" }
+            ),
+            res,
+        );
+    }
+}
+
 /// Paged rows (continuous batching): rows of different sequences, each at its own position
 /// with its own scattered pages of one pool, through `rope_store` (PAGED: q turned, k
 /// turned and v stored in the row's page) then `kv_attend_paged` (each row over its own

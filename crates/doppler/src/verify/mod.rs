@@ -136,6 +136,7 @@ const FAMILIES: &[Family] = &[
     (&["sample_rows"], family!(sample::checks)),
     (&["rope_store"], family!(kvcache::rope_store_checks)),
     (&["kv_paged"], family!(kvcache::paged_checks)),
+    (&["qmatmul_rows_rope"], family!(kvcache::rows_rope_checks)),
     (
         &["qmatmul_rope_store"],
         family!(kvcache::rope_product_checks),
