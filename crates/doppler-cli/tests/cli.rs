@@ -78,8 +78,8 @@ fn cooperative_kernels_pass_verify_emulated() {
         .iter()
         .filter(|c| c["shape"].as_str().unwrap().contains("cooperative (f16)"))
         .count();
-    // The four products ran on the (emulated) cooperative kernels, not the f32 ones.
-    assert_eq!(coop, 4, "{stdout}");
+    // The five products ran on the (emulated) cooperative kernels, not the f32 ones.
+    assert_eq!(coop, 5, "{stdout}");
 }
 
 #[test]

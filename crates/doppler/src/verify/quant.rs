@@ -1306,14 +1306,16 @@ pub(super) async fn split_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// and rows 0, 5, 20 and 36 each alone — every row the same bits both ways — and the 37
 /// rows against f64 sums over the CPU dequantizer (on cooperative matrices: x rounded to
 /// f16, 1.5e-3 of sum |x w|); plain, with the residual, and with the norm and SwiGLU; there
-/// also off them ([`Fuse::simt`]: `qmatvec_rows`, as elsewhere).
+/// also off them ([`Fuse::simt`]: `qmatvec_rows`, as elsewhere). Rows of W 68 long (not
+/// whole runs of 32) take the matrix-vector kernel `qmatvec` off cooperative matrices.
 pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::quant::{invariant_on_coop, qmatmul_fused, Fuse};
-    let cases: [(&str, usize, usize, BatchFuse); 4] = [
+    let cases: [(&str, usize, usize, BatchFuse); 5] = [
         ("Q4_1", 96, 576, BatchFuse::Plain),
         ("Q4_K", 64, 512, BatchFuse::NormSwiglu),
         ("Q6_K", 40, 256, BatchFuse::Residual),
         ("F16", 24, 64, BatchFuse::Plain),
+        ("F16", 24, 68, BatchFuse::NormSwiglu),
     ];
     let m = 37usize;
     let alone = [0usize, 5, 20, 36];
@@ -1393,7 +1395,11 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             "qmatmul invariant",
             format!(
                 "x [{m}, {cols}] @ ({rows}, {cols})^T {name}{how}, rows {alone:?} alone the same bits{}",
-                if coop { ", cooperative (f16)" } else if simt { ", off cooperative matrices (qmatvec_rows)" } else { "" }
+                match (coop, cols % 32 == 0) {
+                    (true, _) => ", cooperative (f16)",
+                    (false, true) => ", qmatvec_rows",
+                    (false, false) => ", qmatvec (rows not whole runs of 32)",
+                }
             ),
             res,
         );
