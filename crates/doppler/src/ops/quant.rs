@@ -1230,10 +1230,9 @@ fn qmatmul_out(
         if invariant_on_coop(rec.gpu(), w.cols) && !fuse.simt {
             return qmatmul_coop(rec, x, w, fuse, y, next, keep_parts);
         } else if w.cols % 32 == 0 {
-            let mr = rows_per_group(m, w.rows);
+            let (layout, grid) = rows_layout(m, w.rows);
             let mut cm = c.to_vec();
-            cm.push(("MR_X", mr as f64));
-            let grid = Grid::Xyz([w.rows.div_ceil(32) as u32, m.div_ceil(mr) as u32, 1]);
+            cm.extend(layout);
             rec.dispatch(&QMATVEC_ROWS, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         } else {
             let (cm, grid) = matvec_grid(&c, m, w.rows, 8);
@@ -1979,33 +1978,45 @@ pub fn invariant_simt(max_cols: usize) -> bool {
     forced.unwrap_or(max_cols <= SIMT_MAX_COLS)
 }
 
-/// Rows of x a workgroup of `qmatvec_rows` takes for `m` rows through W with `rows` rows:
-/// up to 16 (W's runs decoded once for them all), fewer while the product would have
-/// fewer than 264 workgroups (two for each of the H200's 132 SMs). A row's sums are the
-/// same at any count (the batch's size may choose it).
-fn rows_per_group(m: usize, rows: usize) -> usize {
-    let gx = rows.div_ceil(32);
+/// How `qmatvec_rows` lays out `m` rows of x through W with `rows` rows: rows of W a
+/// thread (MR_W: 1, or 2 with `DOPPLER_ROWS_W=2`, for measuring) and rows of x a workgroup
+/// (MR_X: up to 16, W's runs decoded once for them all, fewer while the product would have
+/// fewer workgroups than [`rows_groups_target`]), and its grid. A row's sums are the same
+/// in every layout (the batch's size may choose it).
+fn rows_layout(m: usize, rows: usize) -> ([(&'static str, f64); 2], Grid) {
+    let (target, mr_w) = rows_knobs();
+    let gx = rows.div_ceil(32 * mr_w);
     let mut r = m.next_power_of_two().clamp(1, 16);
-    while r > 2 && gx * m.div_ceil(r) < rows_groups_target() {
+    while r > 2 && gx * m.div_ceil(r) < target {
         r /= 2;
     }
-    r
+    (
+        [("MR_X", r as f64), ("MR_W", mr_w as f64)],
+        Grid::Xyz([gx as u32, m.div_ceil(r) as u32, 1]),
+    )
 }
 
-/// The workgroups below which [`rows_per_group`] halves a workgroup's rows of x: 264, or
-/// `DOPPLER_ROWS_GROUPS=N` (read once a process; for measuring).
-fn rows_groups_target() -> usize {
-    static TARGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *TARGET.get_or_init(|| {
-        let v = std::env::var("DOPPLER_ROWS_GROUPS").ok();
-        match v.as_deref().map(|v| v.trim().parse::<usize>()) {
-            None => 264,
-            Some(Ok(n)) if n > 0 => n,
-            Some(_) => {
-                tracing::warn!("DOPPLER_ROWS_GROUPS={v:?} is not a positive count: 264");
-                264
+/// `qmatvec_rows`' layout knobs, read once a process (for measuring): the workgroups below
+/// which a workgroup's rows of x are halved, 264 (two for each of the H200's 132 SMs) or
+/// `DOPPLER_ROWS_GROUPS=N`; rows of W a thread, 1 or `DOPPLER_ROWS_W=2`.
+fn rows_knobs() -> (usize, usize) {
+    static KNOBS: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    *KNOBS.get_or_init(|| {
+        let read = |name: &str, default: usize, ok: &dyn Fn(usize) -> bool| {
+            let v = std::env::var(name).ok();
+            match v.as_deref().map(|v| v.trim().parse::<usize>()) {
+                None => default,
+                Some(Ok(n)) if ok(n) => n,
+                Some(_) => {
+                    tracing::warn!("{name}={v:?} is not allowed: {default}");
+                    default
+                }
             }
-        }
+        };
+        (
+            read("DOPPLER_ROWS_GROUPS", 264, &|n| n > 0),
+            read("DOPPLER_ROWS_W", 1, &|n| n == 1 || n == 2),
+        )
     })
 }
 
@@ -2237,7 +2248,7 @@ pub fn qmatmul_rows_rope(
     p.d = d as u32;
     p.heads = to.hq as u32;
     let q = Tensor::empty(rec.gpu(), &[t, to.hq, d], DType::F32, "qmatmul_rows_rope.q")?;
-    let mr = rows_per_group(t, w.rows);
+    let (layout, grid) = rows_layout(t, w.rows);
     let c = [
         ("TYPE", w.ty.0 as f64),
         ("NORM", norm.is_some() as u32 as f64),
@@ -2247,7 +2258,8 @@ pub fn qmatmul_rows_rope(
             "ROPE_KV_F16",
             (to.k_cache.dtype() == DType::F16) as u32 as f64,
         ),
-        ("MR_X", mr as f64),
+        layout[0],
+        layout[1],
     ];
     let nw = norm.map_or(x, |n| n.0);
     let bind = [
@@ -2264,7 +2276,6 @@ pub fn qmatmul_rows_rope(
         to.v_cache,
         &w.raw,
     ];
-    let grid = Grid::Xyz([w.rows.div_ceil(32) as u32, t.div_ceil(mr) as u32, 1]);
     rec.dispatch(&QMATVEC_ROWS_ROPE, &c, bytemuck::bytes_of(&p), &bind, grid)?;
     Ok(q)
 }

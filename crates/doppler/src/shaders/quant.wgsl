@@ -873,15 +873,17 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 }
 
 // qmatvec_rows: qmatvec for batched decode steps (the invariant product of a few rows of
-// x), k a multiple of 32. A workgroup: 32 rows of W (virtual columns v, a thread each) x
-// MR_X rows of x; its 8 sets of 32 threads (set sg) take k's runs of 32 in turn (set sg:
-// runs sg, sg + 8, ...), each thread's MR_X sums in registers, every thread of a set
-// reading the same x (one load serves the set); then the sets' sums added in set order,
-// times the row's norm factor (NORM: the rows' squares summed first, a fixed tree), the
-// GLU or the residual applied. A row's sums never depend on the other rows or on MR_X (how
-// many rows a workgroup takes), so the rows' bits do not depend on the batch. Grid:
-// (ceil(W's rows / 32), ceil(m / MR_X)); MR_X <= 16.
+// x), k a multiple of 32. A workgroup: 32 MR_W rows of W (virtual columns; thread t of a
+// set takes columns v + 32 h, h < MR_W) x MR_X rows of x; its 8 sets of 32 threads (set
+// sg) take k's runs of 32 in turn (set sg: runs sg, sg + 8, ...), each thread's MR_W MR_X
+// sums in registers, every thread of a set reading the same x (one load serves the set and
+// its MR_W rows of W); then the sets' sums added in set order, times the row's norm factor
+// (NORM: the rows' squares summed first, a fixed tree), the GLU or the residual applied.
+// A column's sums never depend on the other rows of x, on MR_X (how many rows a workgroup
+// takes) or on MR_W, so the rows' bits do not depend on the batch. Grid: (ceil(W's rows /
+// (32 MR_W)), ceil(m / MR_X)); MR_X <= 16, MR_W 1 or 2.
 override MR_X: u32 = 8u;
+override MR_W: u32 = 1u;
 var<workgroup> mr_part: array<f32, 4096>;   // [set][row of x (16)][thread of the set]
 var<workgroup> mr_ss: array<f32, 16>;       // NORM: [row of x] sum of x^2
 
@@ -900,23 +902,19 @@ fn mr_w(wbase: u32, c: u32) -> array<vec4<f32>, 8> {
     return w;
 }
 
-// Row r of x's sum `acc` after run c's 8 dots (w0), then run c1's (w1) where `two`.
-fn mr_row(acc: f32, r: u32, c: u32, w0: array<vec4<f32>, 8>, c1: u32, w1: array<vec4<f32>, 8>,
-          two: bool) -> f32 {
+// Row r of x's sums `acc` (x: with W's run w0, y: with w1 where MR_W is 2) after run c's 8
+// dots, each x load serving both.
+fn mr_row(acc: vec2<f32>, r: u32, c: u32, w0: array<vec4<f32>, 8>, w1: array<vec4<f32>, 8>) -> vec2<f32> {
     let xb = (r * p.k) / 4u;
-    var x0: array<vec4<f32>, 8>;
-    var x1: array<vec4<f32>, 8>;
+    var xs: array<vec4<f32>, 8>;
     for (var e = 0u; e < 8u; e++) {
-        x0[e] = xv4[xb + run_col(c, e) / 4u];
-        x1[e] = xv4[xb + run_col(select(c, c1, two), e) / 4u];
+        xs[e] = xv4[xb + run_col(c, e) / 4u];
     }
     var a = acc;
     for (var e = 0u; e < 8u; e++) {
-        a += dot(x0[e], w0[e]);
-    }
-    if (two) {
-        for (var e = 0u; e < 8u; e++) {
-            a += dot(x1[e], w1[e]);
+        a.x += dot(xs[e], w0[e]);
+        if (MR_W > 1u) {
+            a.y += dot(xs[e], w1[e]);
         }
     }
     return a;
@@ -930,31 +928,41 @@ fn mr_put(sg: u32, r: u32, t: u32, a: vec4<f32>) {
     mr_part[mr_at(sg, r + 3u, t)] = a.w;
 }
 
-// qmatvec_rows' sums: thread (sg, t) returns rows sg and sg + 8's sums of column v =
-// wid.x * 32 + t (times the norm factor; 0 past the rows), and mr_part[mr_at(0, r, t)]
-// holds row r's of column v for every thread to read.
-fn mr_sums(wid: vec3<u32>, lid: u32) -> vec2<f32> {
+// Row r's sum for thread t's column: the 8 sets' in order, times the norm factor.
+fn mr_total(r: u32, t: u32, nr: u32) -> f32 {
+    var sum = 0.0;
+    if (r < nr) {
+        sum = mr_part[mr_at(0u, r, t)];
+        for (var s = 1u; s < 8u; s++) {
+            sum += mr_part[mr_at(s, r, t)];
+        }
+        if (NORM) {
+            sum *= rstd(mr_ss[r]);
+        }
+    }
+    return sum;
+}
+
+// qmatvec_rows' sums: thread (sg, t) returns rows sg and sg + 8's sums of columns v =
+// wid.x * 32 MR_W + t (xy) and v + 32 (zw, MR_W 2) (times the norm factor; 0 past the
+// rows), and mr_part[mr_at(h, r, t)] holds row r's of column v + 32 h for every thread to
+// read.
+fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
     let r0 = wid.y * MR_X;
     let nr = min(MR_X, p.m - min(r0, p.m));
     let t = lid % 32u;
     let sg = lid / 32u;
     let wr = w_rows();
-    let v = wid.x * 32u + t;
+    let v = wid.x * 32u * MR_W + t;
     if (NORM) {
         // Row r's squares: set r % 8 takes rows r, r + 8; its thread t columns 4 t + 128 i,
         // then the 32 partials in a fixed tree.
         for (var r = sg; r < 16u; r += 8u) {
             var ss = 0.0;
             if (r < nr) {
-                // Two loads a pass in flight, added in column order.
-                for (var c = t * 4u; c < p.k; c += 256u) {
-                    let c1 = c + 128u;
-                    let xa = xv4[((r0 + r) * p.k + c) / 4u];
-                    let xb = xv4[((r0 + r) * p.k + select(c, c1, c1 < p.k)) / 4u];
-                    ss += dot(xa, xa);
-                    if (c1 < p.k) {
-                        ss += dot(xb, xb);
-                    }
+                for (var c = t * 4u; c < p.k; c += 128u) {
+                    let xv = xv4[((r0 + r) * p.k + c) / 4u];
+                    ss += dot(xv, xv);
                 }
             }
             mr_part[mr_at(0u, r, t)] = ss;
@@ -976,63 +984,76 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec2<f32> {
         workgroupBarrier();
     }
     // One named accumulator a row of x (an array indexed by the row may be kept in memory
-    // by the compiler); MR_X (a constant) drops the rows past it. Two of the set's runs a
-    // pass (c and c + 256), both runs' loads in flight together; each row adds run c's 8
-    // dots, then run c + 256's, as one run a pass would.
-    var a0 = vec4<f32>(0.0);   // rows 0..4
-    var a1 = vec4<f32>(0.0);   // rows 4..8
-    var a2 = vec4<f32>(0.0);
-    var a3 = vec4<f32>(0.0);
-    let wbase = w_row(min(v, wr - 1u)) * p.k;
-    for (var c = sg * 32u; c < p.k; c += 512u) {
-        let c1 = c + 256u;
-        let two = c1 < p.k;
-        let w0 = mr_w(wbase, c);
-        let w1 = mr_w(wbase, select(c, c1, two));
-        a0.x = mr_row(a0.x, r0, c, w0, c1, w1, two);
-        if (MR_X > 1u && nr > 1u) { a0.y = mr_row(a0.y, r0 + 1u, c, w0, c1, w1, two); }
-        if (MR_X > 2u && nr > 2u) { a0.z = mr_row(a0.z, r0 + 2u, c, w0, c1, w1, two); }
-        if (MR_X > 3u && nr > 3u) { a0.w = mr_row(a0.w, r0 + 3u, c, w0, c1, w1, two); }
-        if (MR_X > 4u && nr > 4u) { a1.x = mr_row(a1.x, r0 + 4u, c, w0, c1, w1, two); }
-        if (MR_X > 5u && nr > 5u) { a1.y = mr_row(a1.y, r0 + 5u, c, w0, c1, w1, two); }
-        if (MR_X > 6u && nr > 6u) { a1.z = mr_row(a1.z, r0 + 6u, c, w0, c1, w1, two); }
-        if (MR_X > 7u && nr > 7u) { a1.w = mr_row(a1.w, r0 + 7u, c, w0, c1, w1, two); }
-        if (MR_X > 8u && nr > 8u) { a2.x = mr_row(a2.x, r0 + 8u, c, w0, c1, w1, two); }
-        if (MR_X > 9u && nr > 9u) { a2.y = mr_row(a2.y, r0 + 9u, c, w0, c1, w1, two); }
-        if (MR_X > 10u && nr > 10u) { a2.z = mr_row(a2.z, r0 + 10u, c, w0, c1, w1, two); }
-        if (MR_X > 11u && nr > 11u) { a2.w = mr_row(a2.w, r0 + 11u, c, w0, c1, w1, two); }
-        if (MR_X > 12u && nr > 12u) { a3.x = mr_row(a3.x, r0 + 12u, c, w0, c1, w1, two); }
-        if (MR_X > 13u && nr > 13u) { a3.y = mr_row(a3.y, r0 + 13u, c, w0, c1, w1, two); }
-        if (MR_X > 14u && nr > 14u) { a3.z = mr_row(a3.z, r0 + 14u, c, w0, c1, w1, two); }
-        if (MR_X > 15u && nr > 15u) { a3.w = mr_row(a3.w, r0 + 15u, c, w0, c1, w1, two); }
-    }
-    mr_put(sg, 0u, t, a0);
-    if (MR_X > 4u) { mr_put(sg, 4u, t, a1); }
-    if (MR_X > 8u) { mr_put(sg, 8u, t, a2); }
-    if (MR_X > 12u) { mr_put(sg, 12u, t, a3); }
-    workgroupBarrier();
-    // Thread (sg, t) finishes rows sg, sg + 8 of column v: the 8 sets in order.
-    let tot = vec2<f32>(mr_total(sg, t, nr), mr_total(sg + 8u, t, nr));
-    workgroupBarrier();
-    mr_part[mr_at(0u, sg, t)] = tot.x;
-    mr_part[mr_at(0u, sg + 8u, t)] = tot.y;
-    workgroupBarrier();
-    return tot;
-}
-
-// Row r's sum for thread t's column: the 8 sets' in order, times the norm factor.
-fn mr_total(r: u32, t: u32, nr: u32) -> f32 {
-    var sum = 0.0;
-    if (r < nr) {
-        sum = mr_part[mr_at(0u, r, t)];
-        for (var s = 1u; s < 8u; s++) {
-            sum += mr_part[mr_at(s, r, t)];
+    // by the compiler: SmolLM2's 32-row step 2.41 -> 2.32 ms of products on an H100); MR_X
+    // (a constant) drops the rows past it.
+    var a0 = vec2<f32>(0.0);
+    var a1 = vec2<f32>(0.0);
+    var a2 = vec2<f32>(0.0);
+    var a3 = vec2<f32>(0.0);
+    var a4 = vec2<f32>(0.0);
+    var a5 = vec2<f32>(0.0);
+    var a6 = vec2<f32>(0.0);
+    var a7 = vec2<f32>(0.0);
+    var a8 = vec2<f32>(0.0);
+    var a9 = vec2<f32>(0.0);
+    var a10 = vec2<f32>(0.0);
+    var a11 = vec2<f32>(0.0);
+    var a12 = vec2<f32>(0.0);
+    var a13 = vec2<f32>(0.0);
+    var a14 = vec2<f32>(0.0);
+    var a15 = vec2<f32>(0.0);
+    let wb0 = w_row(min(v, wr - 1u)) * p.k;
+    let wb1 = w_row(min(v + 32u, wr - 1u)) * p.k;
+    for (var c = sg * 32u; c < p.k; c += 256u) {
+        let w0 = mr_w(wb0, c);
+        var w1 = w0;
+        if (MR_W > 1u) {
+            w1 = mr_w(wb1, c);
         }
-        if (NORM) {
-            sum *= rstd(mr_ss[r]);
-        }
+        a0 = mr_row(a0, r0, c, w0, w1);
+        if (MR_X > 1u && nr > 1u) { a1 = mr_row(a1, r0 + 1u, c, w0, w1); }
+        if (MR_X > 2u && nr > 2u) { a2 = mr_row(a2, r0 + 2u, c, w0, w1); }
+        if (MR_X > 3u && nr > 3u) { a3 = mr_row(a3, r0 + 3u, c, w0, w1); }
+        if (MR_X > 4u && nr > 4u) { a4 = mr_row(a4, r0 + 4u, c, w0, w1); }
+        if (MR_X > 5u && nr > 5u) { a5 = mr_row(a5, r0 + 5u, c, w0, w1); }
+        if (MR_X > 6u && nr > 6u) { a6 = mr_row(a6, r0 + 6u, c, w0, w1); }
+        if (MR_X > 7u && nr > 7u) { a7 = mr_row(a7, r0 + 7u, c, w0, w1); }
+        if (MR_X > 8u && nr > 8u) { a8 = mr_row(a8, r0 + 8u, c, w0, w1); }
+        if (MR_X > 9u && nr > 9u) { a9 = mr_row(a9, r0 + 9u, c, w0, w1); }
+        if (MR_X > 10u && nr > 10u) { a10 = mr_row(a10, r0 + 10u, c, w0, w1); }
+        if (MR_X > 11u && nr > 11u) { a11 = mr_row(a11, r0 + 11u, c, w0, w1); }
+        if (MR_X > 12u && nr > 12u) { a12 = mr_row(a12, r0 + 12u, c, w0, w1); }
+        if (MR_X > 13u && nr > 13u) { a13 = mr_row(a13, r0 + 13u, c, w0, w1); }
+        if (MR_X > 14u && nr > 14u) { a14 = mr_row(a14, r0 + 14u, c, w0, w1); }
+        if (MR_X > 15u && nr > 15u) { a15 = mr_row(a15, r0 + 15u, c, w0, w1); }
     }
-    return sum;
+    // Column v's sums (x), then with MR_W 2 column v + 32's (y), through the same slots.
+    mr_put(sg, 0u, t, vec4<f32>(a0.x, a1.x, a2.x, a3.x));
+    if (MR_X > 4u) { mr_put(sg, 4u, t, vec4<f32>(a4.x, a5.x, a6.x, a7.x)); }
+    if (MR_X > 8u) { mr_put(sg, 8u, t, vec4<f32>(a8.x, a9.x, a10.x, a11.x)); }
+    if (MR_X > 12u) { mr_put(sg, 12u, t, vec4<f32>(a12.x, a13.x, a14.x, a15.x)); }
+    workgroupBarrier();
+    // Thread (sg, t) finishes rows sg, sg + 8 of its columns: the 8 sets in order.
+    let t0 = vec2<f32>(mr_total(sg, t, nr), mr_total(sg + 8u, t, nr));
+    var t1 = vec2<f32>(0.0);
+    if (MR_W > 1u) {
+        workgroupBarrier();
+        mr_put(sg, 0u, t, vec4<f32>(a0.y, a1.y, a2.y, a3.y));
+        if (MR_X > 4u) { mr_put(sg, 4u, t, vec4<f32>(a4.y, a5.y, a6.y, a7.y)); }
+        if (MR_X > 8u) { mr_put(sg, 8u, t, vec4<f32>(a8.y, a9.y, a10.y, a11.y)); }
+        if (MR_X > 12u) { mr_put(sg, 12u, t, vec4<f32>(a12.y, a13.y, a14.y, a15.y)); }
+        workgroupBarrier();
+        t1 = vec2<f32>(mr_total(sg, t, nr), mr_total(sg + 8u, t, nr));
+    }
+    workgroupBarrier();
+    mr_part[mr_at(0u, sg, t)] = t0.x;
+    mr_part[mr_at(0u, sg + 8u, t)] = t0.y;
+    if (MR_W > 1u) {
+        mr_part[mr_at(1u, sg, t)] = t1.x;
+        mr_part[mr_at(1u, sg + 8u, t)] = t1.y;
+    }
+    workgroupBarrier();
+    return vec4<f32>(t0, t1);
 }
 
 @compute @workgroup_size(256)
@@ -1041,17 +1062,19 @@ fn qmatvec_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     let r0 = wid.y * MR_X;
     let nr = min(MR_X, p.m - min(r0, p.m));
     let t = lid % 32u;
-    let v = wid.x * 32u + t;
-    for (var i = 0u; i < 2u; i++) {
-        let r = lid / 32u + 8u * i;
-        if (r < nr && v < w_rows()) {
-            let sum = select(tot.x, tot.y, i == 1u);
-            if (SWIGLU) {
-                if ((v & 1u) == 0u) {
-                    dst[(r0 + r) * p.n + v / 2u] = gate_act(sum) * mr_part[mr_at(0u, r, t + 1u)];
+    for (var h = 0u; h < MR_W; h++) {
+        let v = (wid.x * MR_W + h) * 32u + t;
+        for (var i = 0u; i < 2u; i++) {
+            let r = lid / 32u + 8u * i;
+            if (r < nr && v < w_rows()) {
+                let sum = select(select(tot.x, tot.y, i == 1u), select(tot.z, tot.w, i == 1u), h == 1u);
+                if (SWIGLU) {
+                    if ((v & 1u) == 0u) {
+                        dst[(r0 + r) * p.n + v / 2u] = gate_act(sum) * mr_part[mr_at(h, r, t + 1u)];
+                    }
+                } else {
+                    dst[(r0 + r) * p.n + v] = finish(r0 + r, v, sum);
                 }
-            } else {
-                dst[(r0 + r) * p.n + v] = finish(r0 + r, v, sum);
             }
         }
     }
@@ -1071,24 +1094,26 @@ fn qmatvec_rows_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
     let r0 = wid.y * MR_X;
     let nr = min(MR_X, p.m - min(r0, p.m));
     let t = lid % 32u;
-    let v = wid.x * 32u + t;
-    for (var i = 0u; i < 2u; i++) {
-        let r = lid / 32u + 8u * i;
-        if (r >= nr || v >= w_rows()) {
-            continue;
-        }
-        let row = r0 + r;
-        let pos = ids[2u * row];
-        let crow = ids[ids[2u * row + 1u] + pos / ROWS_PAGE] * ROWS_PAGE + pos % ROWS_PAGE;
-        let sum = select(tot.x, tot.y, i == 1u);
-        if (ROPE_HALF && ROPE_KV_F16) {
-            if (t % 4u == 0u) {
-                let s = vec4<f32>(sum, mr_part[mr_at(0u, r, t + 1u)], mr_part[mr_at(0u, r, t + 2u)],
-                                  mr_part[mr_at(0u, r, t + 3u)]);
-                rope_out_half16(row, pos, crow, v, s);
+    for (var h = 0u; h < MR_W; h++) {
+        let v = (wid.x * MR_W + h) * 32u + t;
+        for (var i = 0u; i < 2u; i++) {
+            let r = lid / 32u + 8u * i;
+            if (r >= nr || v >= w_rows()) {
+                continue;
             }
-        } else if ((v & 1u) == 0u) {
-            rope_out(row, pos, crow, v, sum, mr_part[mr_at(0u, r, t + 1u)]);
+            let row = r0 + r;
+            let pos = ids[2u * row];
+            let crow = ids[ids[2u * row + 1u] + pos / ROWS_PAGE] * ROWS_PAGE + pos % ROWS_PAGE;
+            let sum = select(select(tot.x, tot.y, i == 1u), select(tot.z, tot.w, i == 1u), h == 1u);
+            if (ROPE_HALF && ROPE_KV_F16) {
+                if (t % 4u == 0u) {
+                    let s = vec4<f32>(sum, mr_part[mr_at(h, r, t + 1u)], mr_part[mr_at(h, r, t + 2u)],
+                                      mr_part[mr_at(h, r, t + 3u)]);
+                    rope_out_half16(row, pos, crow, v, s);
+                }
+            } else if ((v & 1u) == 0u) {
+                rope_out(row, pos, crow, v, sum, mr_part[mr_at(h, r, t + 1u)]);
+            }
         }
     }
 }
