@@ -82,6 +82,24 @@ fn cooperative_kernels_pass_verify_emulated() {
     assert_eq!(coop, 5, "{stdout}");
 }
 
+/// `qmatvec_rows`' measuring layouts (two rows of W a thread, `DOPPLER_ROWS_W=2`; a
+/// smaller workgroup target, `DOPPLER_ROWS_GROUPS=66`, so more rows of x a workgroup): the
+/// invariant products and the paged q/k/v product with RoPE still pass, rows alone the
+/// batch's bits.
+#[test]
+fn batched_product_layouts_pass_verify() {
+    for filter in ["qmatmul invariant", "qmatmul_rows_rope"] {
+        let (ok, stdout, stderr) = doppler_env(
+            &["verify", "--filter", filter, "--json"],
+            &[("DOPPLER_ROWS_W", "2"), ("DOPPLER_ROWS_GROUPS", "66")],
+        );
+        assert!(ok, "{stdout}{stderr}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(v["failed"], 0, "{stdout}");
+        assert!(v["checks"].as_array().unwrap().len() >= 4, "{stdout}");
+    }
+}
+
 #[test]
 fn verify_with_no_matching_check_fails() {
     let (ok, _, err) = doppler(&["verify", "--filter", "no-such-op"]);
