@@ -2132,16 +2132,7 @@ pub fn qmatmul_rope_store(
     }
     let kv = to.params("qmatmul_rope_store", t, w.rows)?;
     let d = kv.d as usize;
-    if let Some((nwt, eps)) = norm {
-        super::expect_f32("qmatmul_rope_store", nwt)?;
-        if nwt.shape() != [w.cols] {
-            return Err(Error::Shape {
-                op: "qmatmul_rope_store",
-                detail: format!("norm weight {:?}, expected [{}]", nwt.shape(), w.cols),
-            });
-        }
-        p.eps = eps.to_bits();
-    }
+    p.eps = rope_norm_eps("qmatmul_rope_store", norm, w.cols)?;
     p.d = d as u32;
     p.pos = to.pos as u32;
     p.heads = to.hq as u32;
@@ -2235,16 +2226,7 @@ pub fn qmatmul_rows_rope(
     let kv = to.params("qmatmul_rows_rope", t, w.rows)?;
     let d = kv.d as usize;
     let mut p = w.params(t);
-    if let Some((nwt, eps)) = norm {
-        super::expect_f32("qmatmul_rows_rope", nwt)?;
-        if nwt.shape() != [w.cols] {
-            return Err(Error::Shape {
-                op: "qmatmul_rows_rope",
-                detail: format!("norm weight {:?}, expected [{}]", nwt.shape(), w.cols),
-            });
-        }
-        p.eps = eps.to_bits();
-    }
+    p.eps = rope_norm_eps("qmatmul_rows_rope", norm, w.cols)?;
     p.d = d as u32;
     p.heads = to.hq as u32;
     let q = Tensor::empty(rec.gpu(), &[t, to.hq, d], DType::F32, "qmatmul_rows_rope.q")?;
@@ -2278,6 +2260,22 @@ pub fn qmatmul_rows_rope(
     ];
     rec.dispatch(&QMATVEC_ROWS_ROPE, &c, bytemuck::bytes_of(&p), &bind, grid)?;
     Ok(q)
+}
+
+/// The q/k/v products with RoPE: their norm weight checked (f32, `cols` long) and its
+/// epsilon's bits (0 without a norm).
+fn rope_norm_eps(op: &'static str, norm: Option<(&Tensor, f32)>, cols: usize) -> Result<u32> {
+    let Some((nwt, eps)) = norm else {
+        return Ok(0);
+    };
+    super::expect_f32(op, nwt)?;
+    if nwt.shape() != [cols] {
+        return Err(Error::Shape {
+            op,
+            detail: format!("norm weight {:?}, expected [{cols}]", nwt.shape()),
+        });
+    }
+    Ok(eps.to_bits())
 }
 
 /// Whether [`qmatmul_rows_rope`] runs as one dispatch here for rows of W `cols` long into

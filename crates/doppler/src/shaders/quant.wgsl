@@ -943,13 +943,25 @@ fn mr_total(r: u32, t: u32, nr: u32) -> f32 {
     return sum;
 }
 
+// A workgroup's first row of x and its number of rows.
+fn mr_span(wid: vec3<u32>) -> vec2<u32> {
+    let r0 = wid.y * MR_X;
+    return vec2<u32>(r0, min(MR_X, p.m - min(r0, p.m)));
+}
+
+// From mr_sums' result: row sg + 8 i's sum of column v + 32 h.
+fn mr_pick(tot: vec4<f32>, h: u32, i: u32) -> f32 {
+    return select(select(tot.x, tot.y, i == 1u), select(tot.z, tot.w, i == 1u), h == 1u);
+}
+
 // qmatvec_rows' sums: thread (sg, t) returns rows sg and sg + 8's sums of columns v =
 // wid.x * 32 MR_W + t (xy) and v + 32 (zw, MR_W 2) (times the norm factor; 0 past the
 // rows), and mr_part[mr_at(h, r, t)] holds row r's of column v + 32 h for every thread to
 // read.
 fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
-    let r0 = wid.y * MR_X;
-    let nr = min(MR_X, p.m - min(r0, p.m));
+    let span = mr_span(wid);
+    let r0 = span.x;
+    let nr = span.y;
     let t = lid % 32u;
     let sg = lid / 32u;
     let wr = w_rows();
@@ -1059,15 +1071,16 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
 @compute @workgroup_size(256)
 fn qmatvec_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let tot = mr_sums(wid, lid);
-    let r0 = wid.y * MR_X;
-    let nr = min(MR_X, p.m - min(r0, p.m));
+    let span = mr_span(wid);
+    let r0 = span.x;
+    let nr = span.y;
     let t = lid % 32u;
     for (var h = 0u; h < MR_W; h++) {
         let v = (wid.x * MR_W + h) * 32u + t;
         for (var i = 0u; i < 2u; i++) {
             let r = lid / 32u + 8u * i;
             if (r < nr && v < w_rows()) {
-                let sum = select(select(tot.x, tot.y, i == 1u), select(tot.z, tot.w, i == 1u), h == 1u);
+                let sum = mr_pick(tot, h, i);
                 if (SWIGLU) {
                     if ((v & 1u) == 0u) {
                         dst[(r0 + r) * p.n + v / 2u] = gate_act(sum) * mr_part[mr_at(h, r, t + 1u)];
@@ -1091,8 +1104,9 @@ const ROWS_PAGE: u32 = 16u;
 @compute @workgroup_size(256)
 fn qmatvec_rows_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let tot = mr_sums(wid, lid);
-    let r0 = wid.y * MR_X;
-    let nr = min(MR_X, p.m - min(r0, p.m));
+    let span = mr_span(wid);
+    let r0 = span.x;
+    let nr = span.y;
     let t = lid % 32u;
     for (var h = 0u; h < MR_W; h++) {
         let v = (wid.x * MR_W + h) * 32u + t;
@@ -1104,7 +1118,7 @@ fn qmatvec_rows_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
             let row = r0 + r;
             let pos = ids[2u * row];
             let crow = ids[ids[2u * row + 1u] + pos / ROWS_PAGE] * ROWS_PAGE + pos % ROWS_PAGE;
-            let sum = select(select(tot.x, tot.y, i == 1u), select(tot.z, tot.w, i == 1u), h == 1u);
+            let sum = mr_pick(tot, h, i);
             if (ROPE_HALF && ROPE_KV_F16) {
                 if (t % 4u == 0u) {
                     let s = vec4<f32>(sum, mr_part[mr_at(h, r, t + 1u)], mr_part[mr_at(h, r, t + 2u)],

@@ -412,6 +412,66 @@ pub(super) async fn rope_store_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     }
 }
 
+/// A cache of `shape` holding `x`, as f16 halves where `f16`, else f32.
+fn cache_tensor(
+    gpu: &Gpu,
+    shape: &[usize],
+    x: &[f32],
+    f16: bool,
+    name: &str,
+) -> crate::Result<Tensor> {
+    match f16 {
+        true => {
+            let h: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
+            Tensor::from_f16(gpu, shape, &h, name)
+        }
+        false => Tensor::from_f32(gpu, shape, x, name),
+    }
+}
+
+/// An f32 or f16 cache's values as f32.
+async fn cache_values(gpu: &Gpu, c: &Tensor) -> crate::Result<Vec<f32>> {
+    match c.dtype() {
+        DType::F16 => Ok(c
+            .to_vec_f16(gpu)
+            .await?
+            .iter()
+            .map(|h| h.to_f32())
+            .collect()),
+        _ => c.to_vec_f32(gpu).await,
+    }
+}
+
+/// A fused q/k/v product with RoPE and the cache store (`got[0..3]`: q, k cache, v cache)
+/// against the two steps it replaces (`got[3..6]`). Two kernels of the same sums
+/// (multiply-adds fused differently by the compiler), RMSNorm's factor after them and then
+/// the rotation, which can cancel; into f16 caches values that close may round to
+/// neighbouring halves.
+fn fused_against_steps(
+    got: &[Vec<f32>],
+    names: [&str; 3],
+    cols: usize,
+    f16: bool,
+) -> std::result::Result<crate::check::Stats, String> {
+    let tol = Tolerance {
+        abs: 1e-5,
+        rel: Tolerance::dot(cols).rel,
+    };
+    let f16_tol = Tolerance {
+        abs: 1e-5,
+        rel: 9.8e-4,
+    };
+    let mut worst = crate::check::Stats::default();
+    for (i, what) in names.iter().enumerate() {
+        let want: Vec<f64> = got[i + 3].iter().map(|&v| v as f64).collect();
+        let tol = if i > 0 && f16 { f16_tol } else { tol };
+        let st = compare(what, &got[i], &want, None, tol).map_err(s)?;
+        worst.max_abs = worst.max_abs.max(st.max_abs);
+        worst.max_rel = worst.max_rel.max(st.max_rel);
+    }
+    Ok(worst)
+}
+
 /// (cap, Hq, Hkv, D, cols, type, tokens, position, pairing) of `qmatmul_rope_store`'s fused
 /// cases: SmolLM2's heads and width (Q4_1, the 8-rows kernel) one token with either pairing;
 /// three tokens at an offset over rows of 36 f32 (no 32-runs); a tall stack (6,144 rows,
@@ -471,24 +531,8 @@ pub(super) async fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let nwt = Tensor::from_f32(gpu, &[cols], &nw, "nw")?;
             let b = Tensor::from_f32(gpu, &[rows], &bias, "bias")?;
             let mut got = Vec::new();
-            let cache = |x: &[f32], name| match dtype {
-                DType::F16 => {
-                    let h: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
-                    Tensor::from_f16(gpu, &[cap, hkv, d], &h, name)
-                }
-                _ => Tensor::from_f32(gpu, &[cap, hkv, d], x, name),
-            };
-            let read = async |c: &Tensor| -> crate::Result<Vec<f32>> {
-                match dtype {
-                    DType::F16 => Ok(c
-                        .to_vec_f16(gpu)
-                        .await?
-                        .iter()
-                        .map(|h| h.to_f32())
-                        .collect()),
-                    _ => c.to_vec_f32(gpu).await,
-                }
-            };
+            let f16 = dtype == DType::F16;
+            let cache = |x: &[f32], name| cache_tensor(gpu, &[cap, hkv, d], x, f16, name);
             for fused in [true, false] {
                 let kc = cache(&k0, "k")?;
                 let vc = cache(&v0, "v")?;
@@ -518,36 +562,17 @@ pub(super) async fn rope_product_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                         }
                     })
                     .await?;
-                got.extend([q.to_vec_f32(gpu).await?, read(&kc).await?, read(&vc).await?]);
+                got.extend([
+                    q.to_vec_f32(gpu).await?,
+                    cache_values(gpu, &kc).await?,
+                    cache_values(gpu, &vc).await?,
+                ]);
             }
             Ok(got)
         })
         .await;
-        // Two kernels of the same sums (multiply-adds fused differently by the compiler),
-        // RMSNorm's factor after them and then the rotation, which can cancel.
-        let tol = Tolerance {
-            abs: 1e-5,
-            rel: Tolerance::dot(cols).rel,
-        };
-        // Into f16 caches: values that close may round to neighbouring halves.
-        let f16_tol = Tolerance {
-            abs: 1e-5,
-            rel: 9.8e-4,
-        };
         let res = r.and_then(|got| {
-            let mut worst = crate::check::Stats::default();
-            for (i, what) in ["q", "k cache", "v cache"].iter().enumerate() {
-                let want: Vec<f64> = got[i + 3].iter().map(|&v| v as f64).collect();
-                let tol = if i > 0 && dtype == DType::F16 {
-                    f16_tol
-                } else {
-                    tol
-                };
-                let st = compare(what, &got[i], &want, None, tol).map_err(s)?;
-                worst.max_abs = worst.max_abs.max(st.max_abs);
-                worst.max_rel = worst.max_rel.max(st.max_rel);
-            }
-            Ok(worst)
+            fused_against_steps(&got, ["q", "k cache", "v cache"], cols, dtype == DType::F16)
         });
         push(
             out,
@@ -725,17 +750,8 @@ pub(super) async fn rows_rope_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let nwt = Tensor::from_f32(gpu, &[cols], &nw, "nw")?;
             let b = Tensor::from_f32(gpu, &[rows], &bias, "bias")?;
             let pool = paged_pool(gpu, 1, pages, hkv, d, kv_ty)?;
-            let noise = |v: &[f32], name| match dtype {
-                DType::F16 => Tensor::from_f16(
-                    gpu,
-                    &[pages * PAGE, hkv, d],
-                    &v.iter()
-                        .map(|&v| half::f16::from_f32(v))
-                        .collect::<Vec<_>>(),
-                    name,
-                ),
-                _ => Tensor::from_f32(gpu, &[pages * PAGE, hkv, d], v, name),
-            };
+            let f16 = dtype == DType::F16;
+            let noise = |v: &[f32], name| cache_tensor(gpu, &[pages * PAGE, hkv, d], v, f16, name);
             let (kn, vn) = (noise(&k0, "k noise")?, noise(&v0, "v noise")?);
             let reset = async || {
                 gpu.run_async(|rec| {
@@ -743,17 +759,6 @@ pub(super) async fn rows_rope_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     rec.copy_elements(&vn, 0, &pool.v[0], 0, vn.numel())
                 })
                 .await
-            };
-            let read = async |c: &Tensor| -> crate::Result<Vec<f32>> {
-                match dtype {
-                    DType::F16 => Ok(c
-                        .to_vec_f16(gpu)
-                        .await?
-                        .iter()
-                        .map(|h| h.to_f32())
-                        .collect()),
-                    _ => c.to_vec_f32(gpu).await,
-                }
             };
             let list: Vec<(usize, &[u32])> =
                 rows_of.iter().map(|&(sq, pos)| (pos, seqs[sq])).collect();
@@ -795,8 +800,8 @@ pub(super) async fn rows_rope_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     .await?;
                 got.extend([
                     q.to_vec_f32(gpu).await?,
-                    read(&pool.k[0]).await?,
-                    read(&pool.v[0]).await?,
+                    cache_values(gpu, &pool.k[0]).await?,
+                    cache_values(gpu, &pool.v[0]).await?,
                 ]);
             }
             // Each row alone into fresh noise: its q, and the pools after all of them.
@@ -814,33 +819,19 @@ pub(super) async fn rows_rope_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                     .await?;
                 alone.extend(q.to_vec_f32(gpu).await?);
             }
-            got.extend([alone, read(&pool.k[0]).await?, read(&pool.v[0]).await?]);
+            got.extend([
+                alone,
+                cache_values(gpu, &pool.k[0]).await?,
+                cache_values(gpu, &pool.v[0]).await?,
+            ]);
             Ok(got)
         })
         .await;
-        // Two kernels of the same sums (multiply-adds fused differently by the compiler),
-        // then the rotation, which can cancel; into f16 pools values that close may round
-        // to neighbouring halves.
-        let tol = Tolerance {
-            abs: 1e-5,
-            rel: Tolerance::dot(cols).rel,
-        };
-        let f16_tol = Tolerance {
-            abs: 1e-5,
-            rel: 9.8e-4,
-        };
+        let names = ["q", "k pool", "v pool"];
         let res = r.and_then(|got| {
-            let mut worst = crate::check::Stats::default();
-            for (i, what) in ["q", "k pool", "v pool"].iter().enumerate() {
-                let want: Vec<f64> = got[i + 3].iter().map(|&v| v as f64).collect();
-                let tol = if i > 0 && dtype == DType::F16 {
-                    f16_tol
-                } else {
-                    tol
-                };
-                let st = compare(what, &got[i], &want, None, tol).map_err(s)?;
-                worst.max_abs = worst.max_abs.max(st.max_abs);
-                worst.max_rel = worst.max_rel.max(st.max_rel);
+            let worst = fused_against_steps(&got, names, cols, dtype == DType::F16)?;
+            // Rows alone (got[6..9]) against the batch, bit for bit.
+            for (i, what) in names.iter().enumerate() {
                 if got[i + 6] != got[i] {
                     let at = got[i]
                         .iter()
@@ -924,17 +915,8 @@ pub(super) async fn paged_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let r = twice("kv_paged", async || {
             let table = RopeTable::new(gpu, 512, d, 10000.0)?;
             let pool = paged_pool(gpu, 1, pages, hkv, d, ty)?;
-            let noise = |x: &[f32], name| match ty {
-                KvType::F16 => Tensor::from_f16(
-                    gpu,
-                    &[pages * PAGE, hkv, d],
-                    &x.iter()
-                        .map(|&v| half::f16::from_f32(v))
-                        .collect::<Vec<_>>(),
-                    name,
-                ),
-                _ => Tensor::from_f32(gpu, &[pages * PAGE, hkv, d], x, name),
-            };
+            let f16 = ty == KvType::F16;
+            let noise = |x: &[f32], name| cache_tensor(gpu, &[pages * PAGE, hkv, d], x, f16, name);
             let (kn, vn) = (noise(&k0, "k noise")?, noise(&v0, "v noise")?);
             gpu.run_async(|rec| {
                 rec.copy_elements(&kn, 0, &pool.k[0], 0, kn.numel())?;
