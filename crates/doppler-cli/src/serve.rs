@@ -82,6 +82,10 @@ pub struct ServeArgs {
     /// requests (continuous batching shares them by default).
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Start serving at once: no warm-up (by default a step of each power of two of rows is
+    /// recorded first, unrun, so that no request waits on a pipeline's compilation).
+    #[arg(long)]
+    no_warmup: bool,
     /// Require `Authorization: Bearer KEY` on every /v1 request.
     #[arg(long, env = "DOPPLER_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -248,6 +252,15 @@ pub fn serve_cmd(gpu: &Gpu, args: &ServeArgs) -> doppler::Result<ExitCode> {
             match Batch::new(gpu, &model.llama, pages, ty) {
                 Ok(mut b) => {
                     b.set_prefix_cache(!args.no_prefix_cache);
+                    if !args.no_warmup {
+                        let t = Instant::now();
+                        let steps = b.warm_up(gpu, n, STEP_PROMPT_ROWS + n)?;
+                        tracing::info!(
+                            "warmed up: {steps} steps of 1 to {} rows recorded in {:.0} ms",
+                            STEP_PROMPT_ROWS + n,
+                            t.elapsed().as_secs_f64() * 1e3
+                        );
+                    }
                     tracing::info!(
                         "continuous batching: {n} requests at once, KV pool of {pages} pages of {PAGE} tokens ({} {}, {:.1} MiB)",
                         ty.name(),

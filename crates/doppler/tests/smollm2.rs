@@ -937,3 +937,53 @@ fn shared_prefix_pages_give_the_same_bits() {
     assert_eq!(bits(&got), bits(&want));
     assert_eq!(small.pages_in_use(), 0);
 }
+
+/// `Batch::warm_up` (what `doppler serve` runs before it listens): afterwards, steps of
+/// other row counts and lengths (a prompt beside decoding rows, then those rows after it,
+/// tokens chosen on the GPU and on the host) compile no pipeline, and the pool is as it
+/// was.
+#[test]
+fn a_warmed_up_batch_compiles_nothing_more() {
+    use doppler::infer::batch::Batch;
+    use doppler::ops::kvcache::KvType;
+    use doppler::ops::sample::Pick;
+    // A GPU of its own: the pipelines compiled on it are this test's alone.
+    let gpu = Gpu::new_blocking(&GpuOptions::from_env()).unwrap();
+    let m = Model::open(&gpu, &model_path(), 256).unwrap();
+    let mut b = Batch::new(&gpu, &m.llama, 64, KvType::F32).unwrap();
+    assert_eq!(
+        b.warm_up(&gpu, 4, 160).unwrap(),
+        9 + 7,
+        "1, 2, 4, ..., 128 and 160 rows new, up to 64 rows after 192 tokens"
+    );
+    assert_eq!(
+        (b.pages_in_use(), b.sequences(), b.cached_pages()),
+        (0, 0, 0)
+    );
+    let compiled = gpu.pipelines.len();
+    // A prompt of 150 tokens: SmolLM2's q/k/v product takes 16 rows of x a workgroup.
+    let prompt: Vec<u32> = (0..150).map(|i| 1 + (i * 7919) % 4096).collect();
+    let seqs = [b.add(), b.add(), b.add()];
+    let mut feeds: Vec<Vec<u32>> = vec![prompt.clone(), vec![1], vec![2]];
+    for (rows, host) in [(3, [false, true, false]), (2, [true, false, false])] {
+        let refs: Vec<(u64, &[u32])> = seqs[..rows]
+            .iter()
+            .zip(&feeds)
+            .map(|(&id, f)| (id, f.as_slice()))
+            .collect();
+        let ahead = b.record_tokens_picking(&gpu, &refs, &host[..rows]).unwrap();
+        let picks: Vec<Pick> = host[..rows]
+            .iter()
+            .map(|&h| if h { Pick::Host } else { Pick::Greedy })
+            .collect();
+        let flight = b.submit_picking(&gpu, ahead, &refs, &picks).unwrap();
+        pollster::block_on(b.wait_chosen(&gpu, flight)).unwrap();
+        feeds = vec![vec![3]; 3];
+    }
+    assert_eq!(
+        gpu.pipelines.len(),
+        compiled,
+        "a step after the warm-up compiled a pipeline ({} rows)",
+        prompt.len() + 2
+    );
+}

@@ -109,6 +109,10 @@ pub struct StepTimes {
     pub trace: Trace,
 }
 
+/// Tokens [`Batch::warm_up`]'s second round of steps takes each sequence to hold: long
+/// enough that the attention splits a row's work into more than two ranges.
+pub const WARM_HISTORY: usize = 192;
+
 /// Sequences in one paged KV pool.
 pub struct Batch<'m> {
     pub llama: &'m Llama,
@@ -392,6 +396,52 @@ impl<'m> Batch<'m> {
     #[cfg(not(target_arch = "wasm32"))]
     pub fn step(&mut self, gpu: &Gpu, feeds: &[(SeqId, &[u32])]) -> Result<Vec<Vec<f32>>> {
         pollster::block_on(self.step_async(gpu, feeds))
+    }
+
+    /// Records, and drops unrun, a step of each power of two of rows up to `max_rows` (and
+    /// `max_rows` itself), made of up to `max_seqs` sequences (one row each, the first
+    /// taking the rest), tokens chosen on the GPU but every second sequence's (its logits
+    /// read back); each row count twice, the sequences new and then as if holding
+    /// [`WARM_HISTORY`] tokens (attention splits a long history's work). Every pipeline
+    /// such steps use, each layout the products and the attention take by row count and
+    /// length among them, is compiled before a request waits on one (a server's first
+    /// steps), at no GPU work. A step the pool's free pages or the model's context cannot
+    /// hold is skipped; the pool and the prefix cache are left as they were. Returns the
+    /// steps recorded.
+    pub fn warm_up(&mut self, gpu: &Gpu, max_seqs: usize, max_rows: usize) -> Result<usize> {
+        let mut counts: Vec<usize> = (0..usize::BITS)
+            .map(|b| 1usize << b)
+            .take_while(|&m| m < max_rows)
+            .collect();
+        counts.push(max_rows.max(1));
+        let ctx = self.llama.max_context;
+        let mut steps = 0;
+        for held in [0, WARM_HISTORY.min(ctx.saturating_sub(1))] {
+            for &m in &counts {
+                let seqs = m.min(max_seqs.max(1));
+                let first = m - (seqs - 1);
+                let pages = (held + first).div_ceil(PAGE) + (seqs - 1) * (held + 1).div_ceil(PAGE);
+                if held + first > ctx || pages > self.free.len() {
+                    continue;
+                }
+                let mut plan = Vec::with_capacity(seqs);
+                for i in 0..seqs {
+                    let id = self.add();
+                    // Never run: the pages' contents do not matter.
+                    let s = self.seqs.get_mut(&id).expect("added");
+                    (s.len, s.toks) = (held, vec![0; held]);
+                    plan.push((id, if i == 0 { first } else { 1 }));
+                }
+                let host: Vec<bool> = (0..seqs).map(|i| i % 2 == 1).collect();
+                let recorded = self.record_picking(gpu, &plan, &host).map(drop);
+                for &(id, _) in &plan {
+                    self.remove(id);
+                }
+                recorded?;
+                steps += 1;
+            }
+        }
+        Ok(steps)
     }
 
     /// Appends each feed's tokens to its sequence (a sequence at most once a step) in one
