@@ -82,21 +82,27 @@ fn cooperative_kernels_pass_verify_emulated() {
     assert_eq!(coop, 5, "{stdout}");
 }
 
-/// `qmatvec_rows`' measuring layouts (two rows of W a thread, `DOPPLER_ROWS_W=2`; a
-/// smaller workgroup target, `DOPPLER_ROWS_GROUPS=66`, so more rows of x a workgroup): the
-/// invariant products and the paged q/k/v product with RoPE still pass, rows alone the
-/// batch's bits.
+/// `qmatvec_rows`' layouts beside the default: two rows of W a thread
+/// (`DOPPLER_ROWS_W=2`) with a smaller workgroup target (`DOPPLER_ROWS_GROUPS=66`, so more
+/// rows of x a workgroup); every row of x a workgroup can take (`DOPPLER_ROWS_GROUPS=1`:
+/// up to 16, a ninth set of threads beside them where the adapter takes one); and 8 sets
+/// (`DOPPLER_ROWS_SETS=8`, adapters that take 256 threads a workgroup). The invariant
+/// products and the paged q/k/v product with RoPE still pass, rows alone the batch's bits.
 #[test]
 fn batched_product_layouts_pass_verify() {
-    for filter in ["qmatmul invariant", "qmatmul_rows_rope"] {
-        let (ok, stdout, stderr) = doppler_env(
-            &["verify", "--filter", filter, "--json"],
-            &[("DOPPLER_ROWS_W", "2"), ("DOPPLER_ROWS_GROUPS", "66")],
-        );
-        assert!(ok, "{stdout}{stderr}");
-        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-        assert_eq!(v["failed"], 0, "{stdout}");
-        assert!(v["checks"].as_array().unwrap().len() >= 4, "{stdout}");
+    let layouts: [&[(&str, &str)]; 3] = [
+        &[("DOPPLER_ROWS_W", "2"), ("DOPPLER_ROWS_GROUPS", "66")],
+        &[("DOPPLER_ROWS_GROUPS", "1")],
+        &[("DOPPLER_ROWS_GROUPS", "1"), ("DOPPLER_ROWS_SETS", "8")],
+    ];
+    for env in layouts {
+        for filter in ["qmatmul invariant", "qmatmul_rows_rope"] {
+            let (ok, stdout, stderr) = doppler_env(&["verify", "--filter", filter, "--json"], env);
+            assert!(ok, "{env:?}: {stdout}{stderr}");
+            let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+            assert_eq!(v["failed"], 0, "{env:?}: {stdout}");
+            assert!(v["checks"].as_array().unwrap().len() >= 4, "{stdout}");
+        }
     }
 }
 

@@ -1230,7 +1230,7 @@ fn qmatmul_out(
         if invariant_on_coop(rec.gpu(), w.cols) && !fuse.simt {
             return qmatmul_coop(rec, x, w, fuse, y, next, keep_parts);
         } else if w.cols % 32 == 0 {
-            let (layout, grid) = rows_layout(m, w.rows);
+            let (layout, grid) = rows_layout(rec.gpu(), m, w.rows);
             let mut cm = c.to_vec();
             cm.extend(layout);
             rec.dispatch(&QMATVEC_ROWS, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
@@ -1978,45 +1978,74 @@ pub fn invariant_simt(max_cols: usize) -> bool {
     forced.unwrap_or(max_cols <= SIMT_MAX_COLS)
 }
 
-/// How `qmatvec_rows` lays out `m` rows of x through W with `rows` rows: rows of W a
-/// thread (MR_W: 1, or 2 with `DOPPLER_ROWS_W=2`, for measuring) and rows of x a workgroup
+/// How `qmatvec_rows` lays out `m` rows of x through W with `rows` rows on `gpu`: rows of W
+/// a thread (MR_W: 1, or 2 with `DOPPLER_ROWS_W=2`, for measuring), rows of x a workgroup
 /// (MR_X: up to 16, W's runs decoded once for them all, fewer while the product would have
-/// fewer workgroups than [`rows_groups_target`]), and its grid. A row's sums are the same
-/// in every layout (the batch's size may choose it).
-fn rows_layout(m: usize, rows: usize) -> ([(&'static str, f64); 2], Grid) {
-    let (target, mr_w) = rows_knobs();
+/// fewer workgroups than the target of [`rows_knobs`]) and sets of 32 threads taking k's
+/// runs in turn (MR_SETS: [`rows_sets`]), and its grid. A row's sums are the same in every
+/// layout that keeps MR_SETS (the batch's size may choose it; MR_SETS it never does).
+fn rows_layout(gpu: &Gpu, m: usize, rows: usize) -> ([(&'static str, f64); 3], Grid) {
+    let knobs = rows_knobs();
+    let mr_w = knobs.rows_w;
     let gx = rows.div_ceil(32 * mr_w);
     let mut r = m.next_power_of_two().clamp(1, 16);
-    while r > 2 && gx * m.div_ceil(r) < target {
+    while r > 2 && gx * m.div_ceil(r) < knobs.groups {
         r /= 2;
     }
     (
-        [("MR_X", r as f64), ("MR_W", mr_w as f64)],
+        [
+            ("MR_X", r as f64),
+            ("MR_W", mr_w as f64),
+            ("MR_SETS", rows_sets(gpu) as f64),
+        ],
         Grid::Xyz([gx as u32, m.div_ceil(r) as u32, 1]),
     )
 }
 
-/// `qmatvec_rows`' layout knobs, read once a process (for measuring): the workgroups below
-/// which a workgroup's rows of x are halved, 264 (two for each of the H200's 132 SMs) or
-/// `DOPPLER_ROWS_GROUPS=N`; rows of W a thread, 1 or `DOPPLER_ROWS_W=2`.
-fn rows_knobs() -> (usize, usize) {
-    static KNOBS: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
-    *KNOBS.get_or_init(|| {
+/// `qmatvec_rows`' sets of 32 threads a workgroup: 9 (SmolLM2's 18 runs of k in two passes,
+/// not three) where the adapter takes 288 threads a workgroup, else 8; or
+/// `DOPPLER_ROWS_SETS=8|9` (for measuring and checking both).
+pub fn rows_sets(gpu: &Gpu) -> usize {
+    let fits = gpu.limits.max_compute_invocations_per_workgroup >= 9 * 32;
+    match rows_knobs().sets {
+        Some(9) if !fits => 8,
+        Some(n) => n,
+        None if fits => 9,
+        None => 8,
+    }
+}
+
+/// `qmatvec_rows`' layout knobs, read once a process (for measuring).
+struct RowsKnobs {
+    /// Workgroups below which a workgroup's rows of x are halved: 132 (one for each of an
+    /// H100's or H200's SMs; measured on an H100 against 66 and 264) or
+    /// `DOPPLER_ROWS_GROUPS=N`.
+    groups: usize,
+    /// Rows of W a thread: 1 or `DOPPLER_ROWS_W=2`.
+    rows_w: usize,
+    /// Sets a workgroup where forced: `DOPPLER_ROWS_SETS=8|9`.
+    sets: Option<usize>,
+}
+
+fn rows_knobs() -> &'static RowsKnobs {
+    static KNOBS: std::sync::OnceLock<RowsKnobs> = std::sync::OnceLock::new();
+    KNOBS.get_or_init(|| {
         let read = |name: &str, default: usize, ok: &dyn Fn(usize) -> bool| {
             let v = std::env::var(name).ok();
             match v.as_deref().map(|v| v.trim().parse::<usize>()) {
                 None => default,
                 Some(Ok(n)) if ok(n) => n,
                 Some(_) => {
-                    tracing::warn!("{name}={v:?} is not allowed: {default}");
+                    tracing::warn!("{name}={v:?} is not allowed: the default");
                     default
                 }
             }
         };
-        (
-            read("DOPPLER_ROWS_GROUPS", 264, &|n| n > 0),
-            read("DOPPLER_ROWS_W", 1, &|n| n == 1 || n == 2),
-        )
+        RowsKnobs {
+            groups: read("DOPPLER_ROWS_GROUPS", 132, &|n| n > 0),
+            rows_w: read("DOPPLER_ROWS_W", 1, &|n| n == 1 || n == 2),
+            sets: Some(read("DOPPLER_ROWS_SETS", 0, &|n| n == 8 || n == 9)).filter(|&n| n > 0),
+        }
     })
 }
 
@@ -2230,7 +2259,7 @@ pub fn qmatmul_rows_rope(
     p.d = d as u32;
     p.heads = to.hq as u32;
     let q = Tensor::empty(rec.gpu(), &[t, to.hq, d], DType::F32, "qmatmul_rows_rope.q")?;
-    let (layout, grid) = rows_layout(t, w.rows);
+    let (layout, grid) = rows_layout(rec.gpu(), t, w.rows);
     let c = [
         ("TYPE", w.ty.0 as f64),
         ("NORM", norm.is_some() as u32 as f64),

@@ -874,17 +874,20 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 
 // qmatvec_rows: qmatvec for batched decode steps (the invariant product of a few rows of
 // x), k a multiple of 32. A workgroup: 32 MR_W rows of W (virtual columns; thread t of a
-// set takes columns v + 32 h, h < MR_W) x MR_X rows of x; its 8 sets of 32 threads (set
-// sg) take k's runs of 32 in turn (set sg: runs sg, sg + 8, ...), each thread's MR_W MR_X
-// sums in registers, every thread of a set reading the same x (one load serves the set and
-// its MR_W rows of W); then the sets' sums added in set order, times the row's norm factor
-// (NORM: the rows' squares summed first, a fixed tree), the GLU or the residual applied.
-// A column's sums never depend on the other rows of x, on MR_X (how many rows a workgroup
-// takes) or on MR_W, so the rows' bits do not depend on the batch. Grid: (ceil(W's rows /
-// (32 MR_W)), ceil(m / MR_X)); MR_X <= 16, MR_W 1 or 2.
+// set takes columns v + 32 h, h < MR_W) x MR_X rows of x; its MR_SETS sets of 32 threads
+// (set sg) take k's runs of 32 in turn (set sg: runs sg, sg + MR_SETS, ...), each thread's
+// MR_W MR_X sums in registers, every thread of a set reading the same x (one load serves
+// the set and its MR_W rows of W); then the sets' sums added in set order, times the row's
+// norm factor (NORM: the rows' squares summed first, a fixed tree), the GLU or the
+// residual applied; sets 0..7 finish rows sg and sg + 8. A column's sums never depend on
+// the other rows of x, on MR_X (how many rows a workgroup takes) or on MR_W, so the rows'
+// bits do not depend on the batch (MR_SETS, chosen by the adapter's limits, does change
+// them). Grid: (ceil(W's rows / (32 MR_W)), ceil(m / MR_X)); MR_X <= 16, MR_W 1 or 2,
+// MR_SETS 8 or 9 (9: k's 18 runs at SmolLM2's width in two passes, not three).
 override MR_X: u32 = 8u;
 override MR_W: u32 = 1u;
-var<workgroup> mr_part: array<f32, 4096>;   // [set][row of x (16)][thread of the set]
+override MR_SETS: u32 = 8u;
+var<workgroup> mr_part: array<f32, 4608>;   // [set (9)][row of x (16)][thread of the set]
 var<workgroup> mr_ss: array<f32, 16>;       // NORM: [row of x] sum of x^2
 
 fn mr_at(sg: u32, r: u32, t: u32) -> u32 {
@@ -928,12 +931,12 @@ fn mr_put(sg: u32, r: u32, t: u32, a: vec4<f32>) {
     mr_part[mr_at(sg, r + 3u, t)] = a.w;
 }
 
-// Row r's sum for thread t's column: the 8 sets' in order, times the norm factor.
+// Row r's sum for thread t's column: the MR_SETS sets' in order, times the norm factor.
 fn mr_total(r: u32, t: u32, nr: u32) -> f32 {
     var sum = 0.0;
     if (r < nr) {
         sum = mr_part[mr_at(0u, r, t)];
-        for (var s = 1u; s < 8u; s++) {
+        for (var s = 1u; s < MR_SETS; s++) {
             sum += mr_part[mr_at(s, r, t)];
         }
         if (NORM) {
@@ -954,10 +957,10 @@ fn mr_pick(tot: vec4<f32>, h: u32, i: u32) -> f32 {
     return select(select(tot.x, tot.y, i == 1u), select(tot.z, tot.w, i == 1u), h == 1u);
 }
 
-// qmatvec_rows' sums: thread (sg, t) returns rows sg and sg + 8's sums of columns v =
-// wid.x * 32 MR_W + t (xy) and v + 32 (zw, MR_W 2) (times the norm factor; 0 past the
-// rows), and mr_part[mr_at(h, r, t)] holds row r's of column v + 32 h for every thread to
-// read.
+// qmatvec_rows' sums: thread (sg, t), sg < 8, returns rows sg and sg + 8's sums of
+// columns v = wid.x * 32 MR_W + t (xy) and v + 32 (zw, MR_W 2) (times the norm factor; 0
+// past the rows), and mr_part[mr_at(h, r, t)] holds row r's of column v + 32 h for every
+// thread to read.
 fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
     let span = mr_span(wid);
     let r0 = span.x;
@@ -967,9 +970,9 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
     let wr = w_rows();
     let v = wid.x * 32u * MR_W + t;
     if (NORM) {
-        // Row r's squares: set r % 8 takes rows r, r + 8; its thread t columns 4 t + 128 i,
-        // then the 32 partials in a fixed tree.
-        for (var r = sg; r < 16u; r += 8u) {
+        // Row r's squares: set r % 8 takes rows r, r + 8 (a ninth set none); its thread t
+        // columns 4 t + 128 i, then the 32 partials in a fixed tree.
+        for (var r = sg; r < 16u && sg < 8u; r += 8u) {
             var ss = 0.0;
             if (r < nr) {
                 for (var c = t * 4u; c < p.k; c += 128u) {
@@ -982,14 +985,14 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
         workgroupBarrier();
         for (var h = 16u; h > 0u; h >>= 1u) {
             if (t < h) {
-                for (var r = sg; r < 16u; r += 8u) {
+                for (var r = sg; r < 16u && sg < 8u; r += 8u) {
                     mr_part[mr_at(0u, r, t)] += mr_part[mr_at(0u, r, t + h)];
                 }
             }
             workgroupBarrier();
         }
         if (t == 0u) {
-            for (var r = sg; r < 16u; r += 8u) {
+            for (var r = sg; r < 16u && sg < 8u; r += 8u) {
                 mr_ss[r] = mr_part[mr_at(0u, r, 0u)];
             }
         }
@@ -1016,7 +1019,7 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
     var a15 = vec2<f32>(0.0);
     let wb0 = w_row(min(v, wr - 1u)) * p.k;
     let wb1 = w_row(min(v + 32u, wr - 1u)) * p.k;
-    for (var c = sg * 32u; c < p.k; c += 256u) {
+    for (var c = sg * 32u; c < p.k; c += MR_SETS * 32u) {
         let w0 = mr_w(wb0, c);
         var w1 = w0;
         if (MR_W > 1u) {
@@ -1045,7 +1048,8 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
     if (MR_X > 8u) { mr_put(sg, 8u, t, vec4<f32>(a8.x, a9.x, a10.x, a11.x)); }
     if (MR_X > 12u) { mr_put(sg, 12u, t, vec4<f32>(a12.x, a13.x, a14.x, a15.x)); }
     workgroupBarrier();
-    // Thread (sg, t) finishes rows sg, sg + 8 of its columns: the 8 sets in order.
+    // Thread (sg, t) finishes rows sg, sg + 8 of its columns: the sets in order (a ninth
+    // set's threads the same as set 0's, unused).
     let t0 = vec2<f32>(mr_total(sg, t, nr), mr_total(sg + 8u, t, nr));
     var t1 = vec2<f32>(0.0);
     if (MR_W > 1u) {
@@ -1058,19 +1062,24 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
         t1 = vec2<f32>(mr_total(sg, t, nr), mr_total(sg + 8u, t, nr));
     }
     workgroupBarrier();
-    mr_part[mr_at(0u, sg, t)] = t0.x;
-    mr_part[mr_at(0u, sg + 8u, t)] = t0.y;
-    if (MR_W > 1u) {
-        mr_part[mr_at(1u, sg, t)] = t1.x;
-        mr_part[mr_at(1u, sg + 8u, t)] = t1.y;
+    if (sg < 8u) {
+        mr_part[mr_at(0u, sg, t)] = t0.x;
+        mr_part[mr_at(0u, sg + 8u, t)] = t0.y;
+        if (MR_W > 1u) {
+            mr_part[mr_at(1u, sg, t)] = t1.x;
+            mr_part[mr_at(1u, sg + 8u, t)] = t1.y;
+        }
     }
     workgroupBarrier();
     return vec4<f32>(t0, t1);
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(MR_SETS * 32u)
 fn qmatvec_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let tot = mr_sums(wid, lid);
+    if (lid >= 256u) {
+        return;
+    }
     let span = mr_span(wid);
     let r0 = span.x;
     let nr = span.y;
@@ -1101,9 +1110,12 @@ fn qmatvec_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
 // caches, columns v..v+4 (threads t % 4 = 0) give whole words.
 const ROWS_PAGE: u32 = 16u;
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(MR_SETS * 32u)
 fn qmatvec_rows_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let tot = mr_sums(wid, lid);
+    if (lid >= 256u) {
+        return;
+    }
     let span = mr_span(wid);
     let r0 = span.x;
     let nr = span.y;
