@@ -2005,7 +2005,7 @@ fn rows_layout(gpu: &Gpu, m: usize, rows: usize) -> ([(&'static str, f64); 3], G
 /// `qmatvec_rows`' sets of 32 threads a workgroup: 9 (SmolLM2's 18 runs of k in two passes,
 /// not three) where the adapter takes 288 threads a workgroup, else 8; or
 /// `DOPPLER_ROWS_SETS=8|9` (for measuring and checking both).
-pub fn rows_sets(gpu: &Gpu) -> usize {
+fn rows_sets(gpu: &Gpu) -> usize {
     let fits = gpu.limits.max_compute_invocations_per_workgroup >= 9 * 32;
     match rows_knobs().sets {
         Some(9) if !fits => 8,
