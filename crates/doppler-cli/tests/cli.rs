@@ -85,15 +85,19 @@ fn cooperative_kernels_pass_verify_emulated() {
 /// `qmatvec_rows`' layouts beside the default: two rows of W a thread
 /// (`DOPPLER_ROWS_W=2`) with a smaller workgroup target (`DOPPLER_ROWS_GROUPS=66`, so more
 /// rows of x a workgroup); every row of x a workgroup can take (`DOPPLER_ROWS_GROUPS=1`:
-/// up to 16, a ninth set of threads beside them where the adapter takes one); and 8 sets
-/// (`DOPPLER_ROWS_SETS=8`, adapters that take 256 threads a workgroup). The invariant
-/// products and the paged q/k/v product with RoPE still pass, rows alone the batch's bits.
+/// up to 16, a ninth set of threads beside them where the adapter takes one, x staged in
+/// workgroup memory from 4 rows on); the same with 8 sets (`DOPPLER_ROWS_SETS=8`, adapters
+/// that take 256 threads a workgroup) and with x never staged (`DOPPLER_ROWS_STAGE=32`);
+/// and x staged at every count of rows (`DOPPLER_ROWS_STAGE=1`). The invariant products
+/// and the paged q/k/v product with RoPE still pass, rows alone the batch's bits.
 #[test]
 fn batched_product_layouts_pass_verify() {
-    let layouts: [&[(&str, &str)]; 3] = [
+    let layouts: [&[(&str, &str)]; 5] = [
         &[("DOPPLER_ROWS_W", "2"), ("DOPPLER_ROWS_GROUPS", "66")],
         &[("DOPPLER_ROWS_GROUPS", "1")],
         &[("DOPPLER_ROWS_GROUPS", "1"), ("DOPPLER_ROWS_SETS", "8")],
+        &[("DOPPLER_ROWS_GROUPS", "1"), ("DOPPLER_ROWS_STAGE", "32")],
+        &[("DOPPLER_ROWS_STAGE", "1")],
     ];
     for env in layouts {
         for filter in ["qmatmul invariant", "qmatmul_rows_rope"] {

@@ -1982,9 +1982,11 @@ pub fn invariant_simt(max_cols: usize) -> bool {
 /// a thread (MR_W: 1, or 2 with `DOPPLER_ROWS_W=2`, for measuring), rows of x a workgroup
 /// (MR_X: up to 16, W's runs decoded once for them all, fewer while the product would have
 /// fewer workgroups than the target of [`rows_knobs`]) and sets of 32 threads taking k's
-/// runs in turn (MR_SETS: [`rows_sets`]), and its grid. A row's sums are the same in every
-/// layout that keeps MR_SETS (the batch's size may choose it; MR_SETS it never does).
-fn rows_layout(gpu: &Gpu, m: usize, rows: usize) -> ([(&'static str, f64); 3], Grid) {
+/// runs in turn (MR_SETS: [`rows_sets`]), whether x is staged in workgroup memory
+/// (MR_STAGE: from the knobs' least MR_X that stages), and its grid. A row's sums are the
+/// same in every layout that keeps MR_SETS (the batch's size may choose it; MR_SETS it
+/// never does).
+fn rows_layout(gpu: &Gpu, m: usize, rows: usize) -> ([(&'static str, f64); 4], Grid) {
     let knobs = rows_knobs();
     let mr_w = knobs.rows_w;
     let gx = rows.div_ceil(32 * mr_w);
@@ -1997,6 +1999,7 @@ fn rows_layout(gpu: &Gpu, m: usize, rows: usize) -> ([(&'static str, f64); 3], G
             ("MR_X", r as f64),
             ("MR_W", mr_w as f64),
             ("MR_SETS", rows_sets(gpu) as f64),
+            ("MR_STAGE", (r >= knobs.stage) as u32 as f64),
         ],
         Grid::Xyz([gx as u32, m.div_ceil(r) as u32, 1]),
     )
@@ -2025,6 +2028,9 @@ struct RowsKnobs {
     rows_w: usize,
     /// Sets a workgroup where forced: `DOPPLER_ROWS_SETS=8|9`.
     sets: Option<usize>,
+    /// The least rows of x a workgroup (MR_X) that stage x in workgroup memory: 4 or
+    /// `DOPPLER_ROWS_STAGE=N` (32: never).
+    stage: usize,
 }
 
 fn rows_knobs() -> &'static RowsKnobs {
@@ -2045,6 +2051,7 @@ fn rows_knobs() -> &'static RowsKnobs {
             groups: read("DOPPLER_ROWS_GROUPS", 132, &|n| n > 0),
             rows_w: read("DOPPLER_ROWS_W", 1, &|n| n == 1 || n == 2),
             sets: Some(read("DOPPLER_ROWS_SETS", 0, &|n| n == 8 || n == 9)).filter(|&n| n > 0),
+            stage: read("DOPPLER_ROWS_STAGE", 4, &|n| n > 0),
         }
     })
 }

@@ -18,7 +18,7 @@
 //                8 rows of W x MV_X rows of x a workgroup (8; 1 for one row), 32 threads a
 //                row of W striding over k, then a fixed tree (a row's sum does not depend on m)
 //   qmatvec_rows qmatvec for batched steps (invariant): 32 rows of W x up to 16 rows of x a
-//                workgroup, k's runs over 8 sets of 32 threads, summed in set order;
+//                workgroup, k's runs over 8 or 9 sets of 32 threads, summed in set order;
 //                qmatvec_rows_rope the same with ROPE into paged caches (serving)
 //   qmatvec1     the same for one row of x and k a multiple of 32 (decode): 4 rows of W a
 //                set of 32 threads sharing their loads of x (or of 64 or 128 splitting k:
@@ -883,12 +883,42 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 // the other rows of x, on MR_X (how many rows a workgroup takes) or on MR_W, so the rows'
 // bits do not depend on the batch (MR_SETS, chosen by the adapter's limits, does change
 // them). Grid: (ceil(W's rows / (32 MR_W)), ceil(m / MR_X)); MR_X <= 16, MR_W 1 or 2,
-// MR_SETS 8 or 9 (9: k's 18 runs at SmolLM2's width in two passes, not three).
+// MR_SETS 8 or 9 (9: k's 18 runs at SmolLM2's width in two passes, not three); MR_STAGE
+// below.
 override MR_X: u32 = 8u;
 override MR_W: u32 = 1u;
 override MR_SETS: u32 = 8u;
-var<workgroup> mr_part: array<f32, 4608>;   // [set (9)][row of x (16)][thread of the set]
+// Whether each pass stages the sets' runs of x in workgroup memory (coalesced loads, one
+// barrier a pass) instead of each thread loading them: faster with many rows of x a
+// workgroup, slower with one or two (the host's choice by MR_X; the same bits).
+override MR_STAGE: bool = false;
 var<workgroup> mr_ss: array<f32, 16>;       // NORM: [row of x] sum of x^2
+// One buffer, two uses: x's staged runs ([set][row of x (16)][vec4 of the run (8)]) while
+// the sets sum, then the sets' partials as f32s ([set (9)][row of x (16)][thread of the set]).
+var<workgroup> mr_xs: array<vec4<f32>, 1152>;
+fn mr_get(i: u32) -> f32 {
+    return mr_xs[i / 4u][i % 4u];
+}
+fn mr_set(i: u32, v: f32) {
+    mr_xs[i / 4u][i % 4u] = v;
+}
+
+// Row r's sums after run c's 8 dots from the staged x (set sg), each load serving both.
+fn mr_row_s(acc: vec2<f32>, sg: u32, r: u32, w0: array<vec4<f32>, 8>, w1: array<vec4<f32>, 8>) -> vec2<f32> {
+    let xb = (sg * 16u + r) * 8u;
+    var xs: array<vec4<f32>, 8>;
+    for (var e = 0u; e < 8u; e++) {
+        xs[e] = mr_xs[xb + e];
+    }
+    var a = acc;
+    for (var e = 0u; e < 8u; e++) {
+        a.x += dot(xs[e], w0[e]);
+        if (MR_W > 1u) {
+            a.y += dot(xs[e], w1[e]);
+        }
+    }
+    return a;
+}
 
 fn mr_at(sg: u32, r: u32, t: u32) -> u32 {
     return (sg * 16u + r) * 32u + t;
@@ -925,19 +955,19 @@ fn mr_row(acc: vec2<f32>, r: u32, c: u32, w0: array<vec4<f32>, 8>, w1: array<vec
 
 // Rows r.. r + 4 of set sg's sums for thread t (rows past MR_X are not read).
 fn mr_put(sg: u32, r: u32, t: u32, a: vec4<f32>) {
-    mr_part[mr_at(sg, r, t)] = a.x;
-    mr_part[mr_at(sg, r + 1u, t)] = a.y;
-    mr_part[mr_at(sg, r + 2u, t)] = a.z;
-    mr_part[mr_at(sg, r + 3u, t)] = a.w;
+    mr_set(mr_at(sg, r, t), a.x);
+    mr_set(mr_at(sg, r + 1u, t), a.y);
+    mr_set(mr_at(sg, r + 2u, t), a.z);
+    mr_set(mr_at(sg, r + 3u, t), a.w);
 }
 
 // Row r's sum for thread t's column: the MR_SETS sets' in order, times the norm factor.
 fn mr_total(r: u32, t: u32, nr: u32) -> f32 {
     var sum = 0.0;
     if (r < nr) {
-        sum = mr_part[mr_at(0u, r, t)];
+        sum = mr_get(mr_at(0u, r, t));
         for (var s = 1u; s < MR_SETS; s++) {
-            sum += mr_part[mr_at(s, r, t)];
+            sum += mr_get(mr_at(s, r, t));
         }
         if (NORM) {
             sum *= rstd(mr_ss[r]);
@@ -959,7 +989,7 @@ fn mr_pick(tot: vec4<f32>, h: u32, i: u32) -> f32 {
 
 // qmatvec_rows' sums: thread (sg, t), sg < 8, returns rows sg and sg + 8's sums of
 // columns v = wid.x * 32 MR_W + t (xy) and v + 32 (zw, MR_W 2) (times the norm factor; 0
-// past the rows), and mr_part[mr_at(h, r, t)] holds row r's of column v + 32 h for every
+// past the rows), and mr_get(mr_at(h, r, t)) holds row r's of column v + 32 h for every
 // thread to read.
 fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
     let span = mr_span(wid);
@@ -980,20 +1010,20 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
                     ss += dot(xv, xv);
                 }
             }
-            mr_part[mr_at(0u, r, t)] = ss;
+            mr_set(mr_at(0u, r, t), ss);
         }
         workgroupBarrier();
         for (var h = 16u; h > 0u; h >>= 1u) {
             if (t < h) {
                 for (var r = sg; r < 16u && sg < 8u; r += 8u) {
-                    mr_part[mr_at(0u, r, t)] += mr_part[mr_at(0u, r, t + h)];
+                    mr_set(mr_at(0u, r, t), mr_get(mr_at(0u, r, t)) + mr_get(mr_at(0u, r, t + h)));
                 }
             }
             workgroupBarrier();
         }
         if (t == 0u) {
             for (var r = sg; r < 16u && sg < 8u; r += 8u) {
-                mr_ss[r] = mr_part[mr_at(0u, r, 0u)];
+                mr_ss[r] = mr_get(mr_at(0u, r, 0u));
             }
         }
         workgroupBarrier();
@@ -1019,28 +1049,73 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
     var a15 = vec2<f32>(0.0);
     let wb0 = w_row(min(v, wr - 1u)) * p.k;
     let wb1 = w_row(min(v + 32u, wr - 1u)) * p.k;
-    for (var c = sg * 32u; c < p.k; c += MR_SETS * 32u) {
-        let w0 = mr_w(wb0, c);
-        var w1 = w0;
-        if (MR_W > 1u) {
-            w1 = mr_w(wb1, c);
+    if (MR_STAGE) {
+        // Each pass, a set's run of x for the workgroup's rows staged in workgroup memory
+        // first (coalesced loads; the same values, so the same sums).
+        let passes = (p.k / 32u + MR_SETS - 1u) / MR_SETS;
+        for (var ps = 0u; ps < passes; ps++) {
+            let c = (ps * MR_SETS + sg) * 32u;
+            let live = c < p.k;
+            // Thread t stages vec4 t % 8 of the run for rows t / 8 + 4 i.
+            workgroupBarrier();
+            if (live) {
+                let e = t % 8u;
+                for (var r = t / 8u; r < MR_X; r += 4u) {
+                    if (r < nr) {
+                        mr_xs[(sg * 16u + r) * 8u + e] = xv4[((r0 + r) * p.k + run_col(c, e)) / 4u];
+                    }
+                }
+            }
+            workgroupBarrier();
+            if (live) {
+                let w0 = mr_w(wb0, c);
+                var w1 = w0;
+                if (MR_W > 1u) {
+                    w1 = mr_w(wb1, c);
+                }
+                a0 = mr_row_s(a0, sg, 0u, w0, w1);
+                if (MR_X > 1u && nr > 1u) { a1 = mr_row_s(a1, sg, 1u, w0, w1); }
+                if (MR_X > 2u && nr > 2u) { a2 = mr_row_s(a2, sg, 2u, w0, w1); }
+                if (MR_X > 3u && nr > 3u) { a3 = mr_row_s(a3, sg, 3u, w0, w1); }
+                if (MR_X > 4u && nr > 4u) { a4 = mr_row_s(a4, sg, 4u, w0, w1); }
+                if (MR_X > 5u && nr > 5u) { a5 = mr_row_s(a5, sg, 5u, w0, w1); }
+                if (MR_X > 6u && nr > 6u) { a6 = mr_row_s(a6, sg, 6u, w0, w1); }
+                if (MR_X > 7u && nr > 7u) { a7 = mr_row_s(a7, sg, 7u, w0, w1); }
+                if (MR_X > 8u && nr > 8u) { a8 = mr_row_s(a8, sg, 8u, w0, w1); }
+                if (MR_X > 9u && nr > 9u) { a9 = mr_row_s(a9, sg, 9u, w0, w1); }
+                if (MR_X > 10u && nr > 10u) { a10 = mr_row_s(a10, sg, 10u, w0, w1); }
+                if (MR_X > 11u && nr > 11u) { a11 = mr_row_s(a11, sg, 11u, w0, w1); }
+                if (MR_X > 12u && nr > 12u) { a12 = mr_row_s(a12, sg, 12u, w0, w1); }
+                if (MR_X > 13u && nr > 13u) { a13 = mr_row_s(a13, sg, 13u, w0, w1); }
+                if (MR_X > 14u && nr > 14u) { a14 = mr_row_s(a14, sg, 14u, w0, w1); }
+                if (MR_X > 15u && nr > 15u) { a15 = mr_row_s(a15, sg, 15u, w0, w1); }
+            }
         }
-        a0 = mr_row(a0, r0, c, w0, w1);
-        if (MR_X > 1u && nr > 1u) { a1 = mr_row(a1, r0 + 1u, c, w0, w1); }
-        if (MR_X > 2u && nr > 2u) { a2 = mr_row(a2, r0 + 2u, c, w0, w1); }
-        if (MR_X > 3u && nr > 3u) { a3 = mr_row(a3, r0 + 3u, c, w0, w1); }
-        if (MR_X > 4u && nr > 4u) { a4 = mr_row(a4, r0 + 4u, c, w0, w1); }
-        if (MR_X > 5u && nr > 5u) { a5 = mr_row(a5, r0 + 5u, c, w0, w1); }
-        if (MR_X > 6u && nr > 6u) { a6 = mr_row(a6, r0 + 6u, c, w0, w1); }
-        if (MR_X > 7u && nr > 7u) { a7 = mr_row(a7, r0 + 7u, c, w0, w1); }
-        if (MR_X > 8u && nr > 8u) { a8 = mr_row(a8, r0 + 8u, c, w0, w1); }
-        if (MR_X > 9u && nr > 9u) { a9 = mr_row(a9, r0 + 9u, c, w0, w1); }
-        if (MR_X > 10u && nr > 10u) { a10 = mr_row(a10, r0 + 10u, c, w0, w1); }
-        if (MR_X > 11u && nr > 11u) { a11 = mr_row(a11, r0 + 11u, c, w0, w1); }
-        if (MR_X > 12u && nr > 12u) { a12 = mr_row(a12, r0 + 12u, c, w0, w1); }
-        if (MR_X > 13u && nr > 13u) { a13 = mr_row(a13, r0 + 13u, c, w0, w1); }
-        if (MR_X > 14u && nr > 14u) { a14 = mr_row(a14, r0 + 14u, c, w0, w1); }
-        if (MR_X > 15u && nr > 15u) { a15 = mr_row(a15, r0 + 15u, c, w0, w1); }
+        workgroupBarrier();
+    } else {
+        for (var c = sg * 32u; c < p.k; c += MR_SETS * 32u) {
+            let w0 = mr_w(wb0, c);
+            var w1 = w0;
+            if (MR_W > 1u) {
+                w1 = mr_w(wb1, c);
+            }
+            a0 = mr_row(a0, r0, c, w0, w1);
+            if (MR_X > 1u && nr > 1u) { a1 = mr_row(a1, r0 + 1u, c, w0, w1); }
+            if (MR_X > 2u && nr > 2u) { a2 = mr_row(a2, r0 + 2u, c, w0, w1); }
+            if (MR_X > 3u && nr > 3u) { a3 = mr_row(a3, r0 + 3u, c, w0, w1); }
+            if (MR_X > 4u && nr > 4u) { a4 = mr_row(a4, r0 + 4u, c, w0, w1); }
+            if (MR_X > 5u && nr > 5u) { a5 = mr_row(a5, r0 + 5u, c, w0, w1); }
+            if (MR_X > 6u && nr > 6u) { a6 = mr_row(a6, r0 + 6u, c, w0, w1); }
+            if (MR_X > 7u && nr > 7u) { a7 = mr_row(a7, r0 + 7u, c, w0, w1); }
+            if (MR_X > 8u && nr > 8u) { a8 = mr_row(a8, r0 + 8u, c, w0, w1); }
+            if (MR_X > 9u && nr > 9u) { a9 = mr_row(a9, r0 + 9u, c, w0, w1); }
+            if (MR_X > 10u && nr > 10u) { a10 = mr_row(a10, r0 + 10u, c, w0, w1); }
+            if (MR_X > 11u && nr > 11u) { a11 = mr_row(a11, r0 + 11u, c, w0, w1); }
+            if (MR_X > 12u && nr > 12u) { a12 = mr_row(a12, r0 + 12u, c, w0, w1); }
+            if (MR_X > 13u && nr > 13u) { a13 = mr_row(a13, r0 + 13u, c, w0, w1); }
+            if (MR_X > 14u && nr > 14u) { a14 = mr_row(a14, r0 + 14u, c, w0, w1); }
+            if (MR_X > 15u && nr > 15u) { a15 = mr_row(a15, r0 + 15u, c, w0, w1); }
+        }
     }
     // Column v's sums (x), then with MR_W 2 column v + 32's (y), through the same slots.
     mr_put(sg, 0u, t, vec4<f32>(a0.x, a1.x, a2.x, a3.x));
@@ -1063,11 +1138,11 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
     }
     workgroupBarrier();
     if (sg < 8u) {
-        mr_part[mr_at(0u, sg, t)] = t0.x;
-        mr_part[mr_at(0u, sg + 8u, t)] = t0.y;
+        mr_set(mr_at(0u, sg, t), t0.x);
+        mr_set(mr_at(0u, sg + 8u, t), t0.y);
         if (MR_W > 1u) {
-            mr_part[mr_at(1u, sg, t)] = t1.x;
-            mr_part[mr_at(1u, sg + 8u, t)] = t1.y;
+            mr_set(mr_at(1u, sg, t), t1.x);
+            mr_set(mr_at(1u, sg + 8u, t), t1.y);
         }
     }
     workgroupBarrier();
@@ -1092,7 +1167,7 @@ fn qmatvec_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
                 let sum = mr_pick(tot, h, i);
                 if (SWIGLU) {
                     if ((v & 1u) == 0u) {
-                        dst[(r0 + r) * p.n + v / 2u] = gate_act(sum) * mr_part[mr_at(h, r, t + 1u)];
+                        dst[(r0 + r) * p.n + v / 2u] = gate_act(sum) * mr_get(mr_at(h, r, t + 1u));
                     }
                 } else {
                     dst[(r0 + r) * p.n + v] = finish(r0 + r, v, sum);
@@ -1133,12 +1208,12 @@ fn qmatvec_rows_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
             let sum = mr_pick(tot, h, i);
             if (ROPE_HALF && ROPE_KV_F16) {
                 if (t % 4u == 0u) {
-                    let s = vec4<f32>(sum, mr_part[mr_at(h, r, t + 1u)], mr_part[mr_at(h, r, t + 2u)],
-                                      mr_part[mr_at(h, r, t + 3u)]);
+                    let s = vec4<f32>(sum, mr_get(mr_at(h, r, t + 1u)), mr_get(mr_at(h, r, t + 2u)),
+                                      mr_get(mr_at(h, r, t + 3u)));
                     rope_out_half16(row, pos, crow, v, s);
                 }
             } else if ((v & 1u) == 0u) {
-                rope_out(row, pos, crow, v, sum, mr_part[mr_at(h, r, t + 1u)]);
+                rope_out(row, pos, crow, v, sum, mr_get(mr_at(h, r, t + 1u)));
             }
         }
     }
