@@ -903,13 +903,9 @@ fn mr_set(i: u32, v: f32) {
     mr_xs[i / 4u][i % 4u] = v;
 }
 
-// Row r's sums after run c's 8 dots from the staged x (set sg), each load serving both.
-fn mr_row_s(acc: vec2<f32>, sg: u32, r: u32, w0: array<vec4<f32>, 8>, w1: array<vec4<f32>, 8>) -> vec2<f32> {
-    let xb = (sg * 16u + r) * 8u;
-    var xs: array<vec4<f32>, 8>;
-    for (var e = 0u; e < 8u; e++) {
-        xs[e] = mr_xs[xb + e];
-    }
+// Sums `acc` after a run's 8 dots of x's `xs` (x: with W's run w0, y: with w1 where MR_W
+// is 2), each x load serving both.
+fn mr_dots(acc: vec2<f32>, xs: array<vec4<f32>, 8>, w0: array<vec4<f32>, 8>, w1: array<vec4<f32>, 8>) -> vec2<f32> {
     var a = acc;
     for (var e = 0u; e < 8u; e++) {
         a.x += dot(xs[e], w0[e]);
@@ -918,6 +914,16 @@ fn mr_row_s(acc: vec2<f32>, sg: u32, r: u32, w0: array<vec4<f32>, 8>, w1: array<
         }
     }
     return a;
+}
+
+// Row r's sums after run c's 8 dots from set sg's staged x (MR_STAGE).
+fn mr_row_s(acc: vec2<f32>, sg: u32, r: u32, w0: array<vec4<f32>, 8>, w1: array<vec4<f32>, 8>) -> vec2<f32> {
+    let xb = (sg * 16u + r) * 8u;
+    var xs: array<vec4<f32>, 8>;
+    for (var e = 0u; e < 8u; e++) {
+        xs[e] = mr_xs[xb + e];
+    }
+    return mr_dots(acc, xs, w0, w1);
 }
 
 fn mr_at(sg: u32, r: u32, t: u32) -> u32 {
@@ -935,22 +941,14 @@ fn mr_w(wbase: u32, c: u32) -> array<vec4<f32>, 8> {
     return w;
 }
 
-// Row r of x's sums `acc` (x: with W's run w0, y: with w1 where MR_W is 2) after run c's 8
-// dots, each x load serving both.
+// Row r of x's sums after run c's 8 dots, x loaded from memory.
 fn mr_row(acc: vec2<f32>, r: u32, c: u32, w0: array<vec4<f32>, 8>, w1: array<vec4<f32>, 8>) -> vec2<f32> {
     let xb = (r * p.k) / 4u;
     var xs: array<vec4<f32>, 8>;
     for (var e = 0u; e < 8u; e++) {
         xs[e] = xv4[xb + run_col(c, e) / 4u];
     }
-    var a = acc;
-    for (var e = 0u; e < 8u; e++) {
-        a.x += dot(xs[e], w0[e]);
-        if (MR_W > 1u) {
-            a.y += dot(xs[e], w1[e]);
-        }
-    }
-    return a;
+    return mr_dots(acc, xs, w0, w1);
 }
 
 // Rows r.. r + 4 of set sg's sums for thread t (rows past MR_X are not read).
@@ -1049,6 +1047,8 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
     var a15 = vec2<f32>(0.0);
     let wb0 = w_row(min(v, wr - 1u)) * p.k;
     let wb1 = w_row(min(v + 32u, wr - 1u)) * p.k;
+    // Two loops over the same runs in the same order: the unstaged one stepping c (one loop
+    // of passes with a `live` test for both cost 5% at one stream on an H100, session 37).
     if (MR_STAGE) {
         // Each pass, a set's run of x for the workgroup's rows staged in workgroup memory
         // first (coalesced loads; the same values, so the same sums).
