@@ -2011,7 +2011,16 @@ fn rows_layout(gpu: &Gpu, m: usize, rows: usize) -> ([(&'static str, f64); 4], G
 fn rows_sets(gpu: &Gpu) -> usize {
     let fits = gpu.limits.max_compute_invocations_per_workgroup >= 9 * 32;
     match rows_knobs().sets {
-        Some(9) if !fits => 8,
+        Some(9) if !fits => {
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| {
+                tracing::warn!(
+                    "DOPPLER_ROWS_SETS=9 needs 288 threads a workgroup; this adapter takes {}: 8",
+                    gpu.limits.max_compute_invocations_per_workgroup
+                )
+            });
+            8
+        }
         Some(n) => n,
         None if fits => 9,
         None => 8,
