@@ -876,7 +876,7 @@ fn qmatmul(
                     "qmatmul, {}",
                     match (invariant, simt) {
                         (false, _) => "default path",
-                        (true, true) => "invariant (qmatvec_rows)",
+                        (true, true) => "invariant (SIMT: qmatvec_rows, qmatvec_tall)",
                         (true, false) if coop => "invariant (cooperative)",
                         (true, false) => "invariant",
                     }

@@ -228,6 +228,8 @@ fn mix_bits(mut h: u64, v: &[f32]) -> u64 {
 
 /// Decode steps timed per `--streams` count.
 const STREAM_STEPS: usize = 24;
+/// Chained steps timed on the GPU whole after them.
+const TIMED_STEPS: usize = 8;
 
 /// `n` sequences decoded together as `doppler serve` runs them (`infer::batch`): each
 /// prefilled with its own prompt of `--prompt` tokens (a sequence a step, 512 rows at a
@@ -239,8 +241,10 @@ const STREAM_STEPS: usize = 24;
 /// submitted while that one runs), or with host sampling pipelined (the next step recorded
 /// while the GPU runs one). Host times per step (the whole step; recording the next,
 /// overlapped; submission to tokens or logits, which for a chained step includes the
-/// step before's GPU time; sampling or taking the GPU's tokens), then a few steps (not
-/// pipelined) timed on the GPU whole and one dispatch by dispatch.
+/// step before's GPU time; sampling or taking the GPU's tokens), the chained steps again
+/// each timed on the GPU whole (its time there, sampling included, and the GPU's idle time
+/// until the next one starts), then a few steps (not pipelined) timed on the GPU whole and
+/// one dispatch by dispatch.
 fn streams(
     gpu: &Gpu,
     llama: &Llama,
@@ -252,7 +256,7 @@ fn streams(
     use doppler::ops::sample::Pick;
     let v = llama.cfg.vocab_size;
     let whole = 4;
-    let per_seq = args.prompt + STREAM_STEPS + whole + 4;
+    let per_seq = args.prompt + STREAM_STEPS + TIMED_STEPS + whole + 4;
     let pages = n * per_seq.div_ceil(doppler::ops::kvcache::PAGE);
     let mut b = Batch::new(gpu, llama, pages, args.cache_type.kv_type(gpu))?;
     let mut seqs = Vec::new();
@@ -348,7 +352,18 @@ fn streams(
     // The pipelined steps' tokens, hashed: the same figure from two builds (and with
     // --host-sampling or not) means the same choices.
     let mut piped = 0xcbf2_9ce4_8422_2325u64;
-    if !args.host_sampling {
+    // The chained steps again, each timed on the GPU whole: its time there, and the GPU's
+    // idle time from its end to the next one's start.
+    let (mut chained_gpu, mut chained_gap) = (vec![], vec![]);
+    for timed in [false, true] {
+        if args.host_sampling {
+            break;
+        }
+        b.set_timing(match timed {
+            true => StepTiming::Whole,
+            false => StepTiming::Off,
+        });
+        let mut last_end: Option<f64> = None;
         // Chained as serve runs them: each step's tokens are the choices of the step
         // before, copied on the GPU, and it is submitted while that one runs.
         let feeds = feeds_of(&hist);
@@ -362,20 +377,21 @@ fn streams(
         let first = b.record_picking(gpu, &plan, &host)?;
         let p = picks(&mut samplers);
         let mut flight = b.submit_picking(gpu, first, &feeds, &p)?;
-        for i in 0..STREAM_STEPS {
+        let steps = if timed { TIMED_STEPS } else { STREAM_STEPS };
+        for i in 0..steps {
             let t0 = Instant::now();
-            let next = match i + 1 < STREAM_STEPS {
+            let next = match i + 1 < steps {
                 true => {
                     let a = b.record_chained(gpu, &flight, &seqs, &[], &[])?;
-                    record.push(a.record_ms());
+                    if !timed {
+                        record.push(a.record_ms());
+                    }
                     let p = picks(&mut samplers);
                     Some(b.submit_chained(gpu, a, &p)?)
                 }
                 false => None,
             };
             let out = pollster::block_on(b.wait_chosen(gpu, flight))?;
-            wait.push(b.last_times().wait_ms);
-            submit.push(b.last_times().submit_ms);
             let t1 = Instant::now();
             for ((c, s), h) in out.into_iter().zip(&mut samplers).zip(&mut hist) {
                 let Chosen::Token(t) = c else {
@@ -384,10 +400,24 @@ fn streams(
                 s.accept(t);
                 h.push(t);
             }
-            sample.push(t1.elapsed().as_secs_f64() * 1e3);
-            total.push(t0.elapsed().as_secs_f64() * 1e3);
-            for h in &hist {
-                piped = mix_bits(piped, &[f32::from_bits(*h.last().expect("a token"))]);
+            if timed {
+                let tr = &b.last_times().trace;
+                if let Some(e) = tr.events.first() {
+                    let start = tr.origin_ns + e.start_ns;
+                    if let Some(end) = last_end {
+                        chained_gap.push((start - end) / 1e6);
+                    }
+                    last_end = Some(start + e.dur_ns);
+                    chained_gpu.push(e.dur_ns / 1e6);
+                }
+            } else {
+                wait.push(b.last_times().wait_ms);
+                submit.push(b.last_times().submit_ms);
+                sample.push(t1.elapsed().as_secs_f64() * 1e3);
+                total.push(t0.elapsed().as_secs_f64() * 1e3);
+                for h in &hist {
+                    piped = mix_bits(piped, &[f32::from_bits(*h.last().expect("a token"))]);
+                }
             }
             match next {
                 Some(f) => flight = f,
@@ -459,6 +489,9 @@ fn streams(
         "gpu_and_readback_ms_p50": pct(&wait, 0.5),
         "sampling_ms_p50": pct(&sample, 0.5),
         "gpu_ms_p50": (!gpu_ms.is_empty()).then(|| pct(&gpu_ms, 0.5)),
+        "chained_gpu_ms_p50": (!chained_gpu.is_empty()).then(|| pct(&chained_gpu, 0.5)),
+        "chained_gap_ms_p50": (!chained_gap.is_empty()).then(|| pct(&chained_gap, 0.5)),
+        "chained_gap_ms_p95": (!chained_gap.is_empty()).then(|| pct(&chained_gap, 0.95)),
         "kernels": kernels,
     }))
 }
@@ -483,7 +516,7 @@ pub fn run(gpu: &Gpu, args: &GenBenchArgs) -> doppler::Result<ExitCode> {
     let mut ctx = args.prompt + args.gen + 24;
     if !args.streams.is_empty() {
         // --streams: the prompt, the first sampled token and every step's.
-        ctx = ctx.max(args.prompt + STREAM_STEPS + 16);
+        ctx = ctx.max(args.prompt + STREAM_STEPS + TIMED_STEPS + 16);
     }
     let t0 = Instant::now();
     let (llama, label): (Llama, String) = match &args.model {

@@ -716,6 +716,14 @@ fn bench_generate_times_streams() {
         }
         assert!(s["sampling_ms_p50"].as_f64().unwrap() >= 0.0, "{s}");
         assert!(!s["kernels"].as_array().unwrap().is_empty(), "{s}");
+        // The chained steps timed whole on the GPU where it has timestamps.
+        if s["gpu_ms_p50"].is_f64() {
+            assert!(s["chained_gpu_ms_p50"].as_f64().unwrap() > 0.0, "{s}");
+            assert!(s["chained_gap_ms_p50"].is_f64(), "{s}");
+        }
+    }
+    for s in host["streams"].as_array().unwrap() {
+        assert!(s["chained_gpu_ms_p50"].is_null(), "{s}");
     }
     for i in 0..2 {
         for k in ["logits_check", "tokens_check_pipelined"] {

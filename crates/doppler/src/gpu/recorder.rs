@@ -817,7 +817,8 @@ impl Submission {
         };
         let mut ticks: Vec<u64> = Vec::new();
         for buf in &q.readback {
-            let mapped = super::map_read(gpu, buf, buf.size(), None)
+            // (Only this submission waited for: later ones keep running.)
+            let mapped = super::map_read(gpu, buf, buf.size(), self.index.clone())
                 .await
                 .map_err(|reason| Error::Readback {
                     label: "timestamps".into(),
@@ -845,7 +846,10 @@ impl Submission {
                 }
             })
             .collect();
-        Ok(Trace { events })
+        Ok(Trace {
+            events,
+            origin_ns: t0 as f64 * period,
+        })
     }
 
     /// [`Submission::finish`] after all submitted work: the buffers it used are back in

@@ -15,6 +15,9 @@ pub struct TraceEvent {
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct Trace {
     pub events: Vec<TraceEvent>,
+    /// The GPU clock at the trace's first timestamp, in ns (comparable between the traces of
+    /// one device: the gap from one submission's end to the next one's start).
+    pub origin_ns: f64,
 }
 
 /// Totals per kernel name.
@@ -129,6 +132,7 @@ mod tests {
                 ev("mm", [6, 64, 1], 1.0),
                 ev("add", [10, 1, 1], 2.0),
             ],
+            origin_ns: 0.0,
         };
         let k = t.by_kernel();
         assert_eq!(

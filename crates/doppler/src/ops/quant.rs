@@ -53,6 +53,7 @@ const MATVEC_BINDINGS: &[(u32, crate::gpu::Binding)] = &[
 static QMATVEC: Kernel = Kernel::new(&QUANT, "qmatvec", MATVEC_BINDINGS);
 static QMATVEC1: Kernel = Kernel::new(&QUANT, "qmatvec1", MATVEC_BINDINGS);
 static QMATVEC_ROWS: Kernel = Kernel::new(&QUANT, "qmatvec_rows", MATVEC_BINDINGS);
+static QMATVEC_TALL: Kernel = Kernel::new(&QUANT, "qmatvec_tall", MATVEC_BINDINGS);
 // The products with RoPE and the cache store (no residual): bias (9), RoPE table (10),
 // key and value caches (11, 12); dst (2) gets q.
 const ROPE_BINDINGS: &[(u32, crate::gpu::Binding)] = &[
@@ -797,8 +798,9 @@ pub struct Fuse<'a> {
     /// invariance): where cooperative products run ([`invariant_on_coop`]) the cooperative
     /// skinny product (tiles of 16 to 64 rows, each row's sums the same at every tile
     /// size), k split by W's shape alone (x rounded to f16 as there);
-    /// elsewhere, and with `simt`, `qmatvec_rows` (x read as f32; the matrix-vector
-    /// kernel where W's rows are not whole runs of 32).
+    /// elsewhere, and with `simt`, `qmatvec_rows` (x read as f32; `qmatvec_tall` for a
+    /// head's tall W, [`TALL_MIN_ROWS`]; the matrix-vector kernel where W's rows are not
+    /// whole runs of 32).
     pub invariant: bool,
     /// With `invariant`: off cooperative matrices even where the adapter has them (a small
     /// model's batched steps, [`invariant_simt`]).
@@ -1229,6 +1231,11 @@ fn qmatmul_out(
     if fuse.invariant {
         if invariant_on_coop(rec.gpu(), w.cols) && !fuse.simt {
             return qmatmul_coop(rec, x, w, fuse, y, next, keep_parts);
+        } else if w.cols % 32 == 0 && takes_tall(rec.gpu(), w.rows, &fuse) {
+            let (layout, grid) = tall_layout(m, w.rows);
+            let mut cm = vec![c[0], c[1]];
+            cm.extend(layout);
+            rec.dispatch(&QMATVEC_TALL, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         } else if w.cols % 32 == 0 {
             let (layout, grid) = rows_layout(rec.gpu(), m, w.rows);
             let mut cm = c.to_vec();
@@ -2002,6 +2009,46 @@ fn rows_layout(gpu: &Gpu, m: usize, rows: usize) -> ([(&'static str, f64); 4], G
             ("MR_STAGE", (r >= knobs.stage) as u32 as f64),
         ],
         Grid::Xyz([gx as u32, m.div_ceil(r) as u32, 1]),
+    )
+}
+
+/// Rows of W from which an invariant SIMT product ([`Fuse::simt`]) takes `qmatvec_tall`
+/// instead of `qmatvec_rows`: a vocabulary's head (SmolLM2's 49,152 rows; no other
+/// product of a model comes near). Chosen by W's shape alone, so a row's bits never depend
+/// on the batch.
+pub const TALL_MIN_ROWS: usize = 16384;
+
+/// Workgroup memory `qmatvec_tall` takes (bytes).
+const TALL_SHARED: u32 = (4096 + 512 + 512) * 4;
+
+/// Whether an invariant SIMT product with W of `rows` rows takes `qmatvec_tall`: tall W,
+/// no residual or GLU (a head's product), and an adapter with the workgroup memory;
+/// `DOPPLER_TALL=off` keeps `qmatvec_rows` (read once a process; for measuring).
+fn takes_tall(gpu: &Gpu, rows: usize, fuse: &Fuse<'_>) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("DOPPLER_TALL").is_ok_and(|v| v.trim() == "off"));
+    !off && rows >= TALL_MIN_ROWS
+        && fuse.residual.is_none()
+        && !fuse.swiglu
+        && !fuse.geglu
+        && gpu.limits.max_compute_workgroup_storage_size >= TALL_SHARED
+}
+
+/// `qmatvec_tall`'s layout for `m` rows of x through W with `rows` rows: TL_TY threads
+/// along x (each TL_TY rows of W), TL_HX rows of x a thread, so TL_TY TL_HX rows of x a
+/// workgroup (1, 2 or 4 for one to four rows: a thread a row of W; 8; then 16, 4 x 4 a
+/// thread), and its grid. Every layout gives the same bits.
+fn tall_layout(m: usize, rows: usize) -> ([(&'static str, f64); 2], Grid) {
+    let (ty, hx) = match m {
+        0 | 1 => (1, 1),
+        2 => (1, 2),
+        3 | 4 => (1, 4),
+        5..=8 => (2, 4),
+        _ => (4, 4),
+    };
+    (
+        [("TL_TY", ty as f64), ("TL_HX", hx as f64)],
+        Grid::Xyz([rows.div_ceil(128) as u32, m.div_ceil(ty * hx) as u32, 1]),
     )
 }
 

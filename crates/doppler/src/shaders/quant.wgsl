@@ -20,6 +20,8 @@
 //   qmatvec_rows qmatvec for batched steps (invariant): 32 rows of W x up to 16 rows of x a
 //                workgroup, k's runs over 8 or 9 sets of 32 threads, summed in set order;
 //                qmatvec_rows_rope the same with ROPE into paged caches (serving)
+//   qmatvec_tall the same for tall W (a head): 128 rows of W x up to 16 rows of x a
+//                workgroup, each output summed over k in order by one thread
 //   qmatvec1     the same for one row of x and k a multiple of 32 (decode): 4 rows of W a
 //                set of 32 threads sharing their loads of x (or of 64 or 128 splitting k:
 //                long rows); 32, 16 or 8 rows a workgroup
@@ -1214,6 +1216,139 @@ fn qmatvec_rows_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
                 }
             } else if ((v & 1u) == 0u) {
                 rope_out(row, pos, crow, v, sum, mr_get(mr_at(h, r, t + 1u)));
+            }
+        }
+    }
+}
+
+// qmatvec_tall: the invariant product for tall W (a vocabulary's head: tens of thousands
+// of rows), every output summed by one thread over all of k in order, acc = fma(x_c,
+// w_c, acc) for c = 0, 1, ..., k - 1 (x times the norm weight with NORM), then times the
+// row's norm factor: no reduction across threads, so a row's bits depend neither on the
+// other rows of x nor on the layout. A workgroup of 128 threads takes 128 rows of W x
+// TL_TY TL_HX rows of x; thread (ty, tx) (ty < TL_TY, tx < 128 / TL_TY) sums rows of x
+// ty TL_HX .. + TL_HX against rows of W tx TL_TY .. + TL_TY (TL_HW = TL_TY), registers
+// for them all (a register tile: TL_TY + TL_HX loads of workgroup memory serve TL_TY TL_HX
+// multiply-adds). k steps a run of 32: thread t decodes row t's run of W (run32; Q4_K and
+// Q5_K, whose runs interleave two sub-blocks, 4 values at a time) into
+// tl_w[column][row], the rows of x's 32 values go to tl_x[column][row of x], one barrier
+// before the sums and one after. NORM: the rows' squares first, 32 threads a row (thread t
+// columns 4 t + 128 i) and a fixed tree, as in no other layout. No residual or GLU. k a
+// multiple of 32. Grid: (ceil(W's rows / 128), ceil(m / (TL_TY TL_HX))).
+override TL_TY: u32 = 4u;
+override TL_HX: u32 = 4u;
+const TL_HW_MAX: u32 = 4u;
+var<workgroup> tl_w: array<f32, 4096>;     // [column of the run (32)][row of W (128)]
+var<workgroup> tl_x: array<f32, 512>;      // [column of the run (32)][row of x (16)]
+var<workgroup> tl_ss: array<f32, 512>;     // NORM: [row of x (16)][thread (32)]
+
+// One row of x's multiply-adds against the thread's rows of W (vec4: up to 4 rows of W).
+fn tl_fma(acc: vec4<f32>, xv: f32, w: vec4<f32>) -> vec4<f32> {
+    return fma(vec4<f32>(xv), w, acc);
+}
+
+@compute @workgroup_size(128)
+fn qmatvec_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let bx = TL_TY * TL_HX;            // rows of x a workgroup
+    let tw = 128u / TL_TY;             // threads along W
+    let r0 = wid.y * bx;
+    let nr = min(bx, p.m - min(r0, p.m));
+    let col0 = wid.x * 128u;
+    let wr = w_rows();
+    let tx = lid % tw;
+    let ty = lid / tw;
+    if (NORM) {
+        // Rows lid / 32 + 4 i: thread t's squares, then 32 partials in a fixed tree.
+        let t = lid % 32u;
+        for (var r = lid / 32u; r < bx; r += 4u) {
+            var ss = 0.0;
+            if (r < nr) {
+                for (var c = t * 4u; c < p.k; c += 128u) {
+                    let xv = xv4[((r0 + r) * p.k + c) / 4u];
+                    ss += dot(xv, xv);
+                }
+            }
+            tl_ss[r * 32u + t] = ss;
+        }
+        workgroupBarrier();
+        for (var h = 16u; h > 0u; h >>= 1u) {
+            if (t < h) {
+                for (var r = lid / 32u; r < bx; r += 4u) {
+                    tl_ss[r * 32u + t] = tl_ss[r * 32u + t] + tl_ss[r * 32u + t + h];
+                }
+            }
+            workgroupBarrier();
+        }
+    }
+    var a0 = vec4<f32>(0.0);
+    var a1 = vec4<f32>(0.0);
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
+    let my_w = col0 + lid;              // the row of W this thread stages
+    let wbase = w_row(min(my_w, wr - 1u)) * p.k;
+    for (var c = 0u; c < p.k; c += 32u) {
+        // (A Q4_K / Q5_K run's values lie outside columns c .. c + 32: those by column.)
+        let by_col = TYPE == 12u || TYPE == 13u;
+        var run: array<vec4<f32>, 8>;
+        if (!by_col) {
+            run = run32(wbase + c);
+        }
+        for (var e = 0u; e < 8u; e++) {
+            let cc = 4u * e;
+            var v = run[e];
+            if (by_col) {
+                v = value4(wbase + c + cc);
+            }
+            if (my_w >= wr) {
+                v = vec4<f32>(0.0);
+            }
+            tl_w[(cc + 0u) * 128u + lid] = v.x;
+            tl_w[(cc + 1u) * 128u + lid] = v.y;
+            tl_w[(cc + 2u) * 128u + lid] = v.z;
+            tl_w[(cc + 3u) * 128u + lid] = v.w;
+        }
+        for (var i = lid; i < bx * 32u; i += 128u) {
+            let r = i / 32u;
+            let cc = i % 32u;
+            var xv = 0.0;
+            if (r < nr) {
+                xv = x[(r0 + r) * p.k + c + cc];
+                if (NORM) {
+                    xv *= nw[c + cc];
+                }
+            }
+            tl_x[cc * 16u + r] = xv;
+        }
+        workgroupBarrier();
+        for (var cc = 0u; cc < 32u; cc++) {
+            let wb = cc * 128u + tx * TL_TY;
+            var w = vec4<f32>(tl_w[wb], 0.0, 0.0, 0.0);
+            if (TL_TY > 1u) { w.y = tl_w[wb + 1u]; }
+            if (TL_TY > 2u) { w.z = tl_w[wb + 2u]; w.w = tl_w[wb + 3u]; }
+            let xb = cc * 16u + ty * TL_HX;
+            a0 = tl_fma(a0, tl_x[xb], w);
+            if (TL_HX > 1u) { a1 = tl_fma(a1, tl_x[xb + 1u], w); }
+            if (TL_HX > 2u) {
+                a2 = tl_fma(a2, tl_x[xb + 2u], w);
+                a3 = tl_fma(a3, tl_x[xb + 3u], w);
+            }
+        }
+        workgroupBarrier();
+    }
+    let accs = array<vec4<f32>, 4>(a0, a1, a2, a3);
+    for (var i = 0u; i < TL_HX; i++) {
+        let r = ty * TL_HX + i;
+        if (r >= nr) {
+            continue;
+        }
+        var f = 1.0;
+        if (NORM) {
+            f = rstd(tl_ss[r * 32u]);
+        }
+        for (var h = 0u; h < TL_TY; h++) {
+            let j = col0 + tx * TL_TY + h;
+            if (j < wr) {
+                dst[(r0 + r) * p.n + j] = accs[i][h] * f;
             }
         }
     }

@@ -826,6 +826,8 @@ pub(super) async fn decode_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 enum BatchFuse {
     Plain,
     Residual,
+    /// The norm alone (a head's product).
+    Norm,
     NormSwiglu,
 }
 
@@ -836,6 +838,10 @@ impl BatchFuse {
             BatchFuse::Plain => Fuse::default(),
             BatchFuse::Residual => Fuse {
                 residual: Some(rt),
+                ..Default::default()
+            },
+            BatchFuse::Norm => Fuse {
+                norm: Some((nwt, eps)),
                 ..Default::default()
             },
             BatchFuse::NormSwiglu => Fuse {
@@ -864,7 +870,7 @@ impl BatchFuse {
         let m = xv.len() / cols;
         let outs = resv.len() / m;
         let (mut want, mut mag) = (vec![0.0f64; m * outs], vec![0.0f64; m * outs]);
-        let norm = matches!(self, BatchFuse::NormSwiglu);
+        let norm = matches!(self, BatchFuse::Norm | BatchFuse::NormSwiglu);
         for a in 0..m {
             let xr = &xv[a * cols..(a + 1) * cols];
             let h: Vec<f32> = match norm {
@@ -890,7 +896,7 @@ impl BatchFuse {
             for j in 0..outs {
                 let at = a * outs + j;
                 (want[at], mag[at]) = match self {
-                    BatchFuse::Plain => dot(j),
+                    BatchFuse::Plain | BatchFuse::Norm => dot(j),
                     BatchFuse::Residual => {
                         let (d, dm) = dot(j);
                         (resv[at] as f64 + d, resv[at].abs() as f64 + dm)
@@ -998,6 +1004,7 @@ pub(super) async fn batch_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let how = match fuse {
             BatchFuse::Plain => "",
             BatchFuse::Residual => ", + residual",
+            BatchFuse::Norm => ", norm",
             BatchFuse::NormSwiglu => ", norm + SwiGLU",
         };
         let kernel = match (rounds, uses_coop(gpu, m, rows, cols)) {
@@ -1303,22 +1310,28 @@ pub(super) async fn split_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 }
 
 /// Batch-invariant products ([`Fuse::invariant`], batched serving): 37 rows of x through W,
-/// and rows 0, 5, 20 and 36 each alone — every row the same bits both ways — and the 37
-/// rows against f64 sums over the CPU dequantizer (on cooperative matrices: x rounded to
-/// f16, 1.5e-3 of sum |x w|); plain, with the residual, and with the norm and SwiGLU; there
-/// also off them ([`Fuse::simt`]: `qmatvec_rows`, as elsewhere). Rows of W 68 long (not
-/// whole runs of 32) take the matrix-vector kernel `qmatvec` off cooperative matrices.
+/// and rows 0, 5, 20 and 36 each alone and runs of 2, 3, 4, 8 and 16 of them (each size a
+/// layout of its own) — every row the same bits every way — and the 37 rows against f64
+/// sums over the CPU dequantizer (on cooperative matrices: x rounded to f16, 1.5e-3 of sum
+/// |x w|); plain, with the residual, and with the norm and SwiGLU; there also off them
+/// ([`Fuse::simt`]: `qmatvec_rows`, as elsewhere). Rows of W 68 long (not whole runs of
+/// 32) take the matrix-vector kernel `qmatvec` off cooperative matrices; tall W (a head's,
+/// [`TALL_MIN_ROWS`] rows and more: Q8_0 with the norm, a K-quant plain) `qmatvec_tall`.
 pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    use crate::ops::quant::{invariant_on_coop, qmatmul_fused, Fuse};
-    let cases: [(&str, usize, usize, BatchFuse); 5] = [
+    use crate::ops::quant::{invariant_on_coop, qmatmul_fused, Fuse, TALL_MIN_ROWS};
+    let cases: [(&str, usize, usize, BatchFuse); 7] = [
         ("Q4_1", 96, 576, BatchFuse::Plain),
         ("Q4_K", 64, 512, BatchFuse::NormSwiglu),
         ("Q6_K", 40, 256, BatchFuse::Residual),
         ("F16", 24, 64, BatchFuse::Plain),
         ("F16", 24, 68, BatchFuse::NormSwiglu),
+        ("Q8_0", TALL_MIN_ROWS + 77, 96, BatchFuse::Norm),
+        ("Q4_K", TALL_MIN_ROWS, 256, BatchFuse::Plain),
     ];
     let m = 37usize;
     let alone = [0usize, 5, 20, 36];
+    // (first row, rows): runs of the 37 run on their own.
+    let runs = [(10usize, 2usize), (3, 3), (12, 4), (16, 8), (21, 16)];
     // Where cooperative products run, each case again with `simt` (qmatvec_rows).
     let ways = cases
         .iter()
@@ -1358,6 +1371,9 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             for &a in &alone {
                 got.push(run(a, 1).await?);
             }
+            for &(a, n) in &runs {
+                got.push(run(a, n).await?);
+            }
             Ok(got)
         })
         .await;
@@ -1371,15 +1387,19 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             false => Tolerance::dot(cols),
         };
         let res = r.and_then(|got| {
-            for (k, &a) in alone.iter().enumerate() {
-                let batched = &got[0][a * outs..(a + 1) * outs];
+            let spans = alone.iter().map(|&a| (a, 1)).chain(runs);
+            for (k, (a, n)) in spans.enumerate() {
+                let batched = &got[0][a * outs..(a + n) * outs];
                 if let Some(j) =
-                    (0..outs).find(|&j| batched[j].to_bits() != got[k + 1][j].to_bits())
+                    (0..n * outs).find(|&j| batched[j].to_bits() != got[k + 1][j].to_bits())
                 {
                     return Err(format!(
-                        "row {a}, output {j}: {} in a batch of {m}, {} alone",
+                        "row {}, output {}: {} in a batch of {m}, {} in rows {a}..{}",
+                        a + j / outs,
+                        j % outs,
                         batched[j],
-                        got[k + 1][j]
+                        got[k + 1][j],
+                        a + n
                     ));
                 }
             }
@@ -1388,15 +1408,17 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         let how = match fuse {
             BatchFuse::Plain => "",
             BatchFuse::Residual => ", + residual",
+            BatchFuse::Norm => ", norm",
             BatchFuse::NormSwiglu => ", norm + SwiGLU",
         };
         push(
             out,
             "qmatmul invariant",
             format!(
-                "x [{m}, {cols}] @ ({rows}, {cols})^T {name}{how}, rows {alone:?} alone the same bits{}",
+                "x [{m}, {cols}] @ ({rows}, {cols})^T {name}{how}, rows {alone:?} alone and runs of 2 to 16 the same bits{}",
                 match (coop, cols % 32 == 0) {
                     (true, _) => ", cooperative (f16)",
+                    (false, true) if rows >= TALL_MIN_ROWS => ", qmatvec_tall (unless off)",
                     (false, true) => ", qmatvec_rows",
                     (false, false) => ", qmatvec (rows not whole runs of 32)",
                 }
