@@ -15,6 +15,7 @@ package is not installed.
 import argparse
 import http.client
 import json
+import multiprocessing
 import statistics
 import threading
 import time
@@ -71,10 +72,14 @@ def one(url, model, prompt, max_tokens, seed, key):
     return first, gaps, tokens, True
 
 
-def level(args, n):
-    todo = list(range(args.requests or 2 * n))
+def streams(args, todo, n, barrier=None):
+    """n threads taking requests from `todo` until it is empty or the deadline passes:
+    (start, end, ttft list, gaps list, tokens, done, failed), times from perf_counter
+    (CLOCK_MONOTONIC: comparable between processes)."""
     lock = threading.Lock()
     ttft, gaps, tokens, done, failed = [], [], 0, 0, 0
+    if barrier is not None:
+        barrier.wait()
     deadline = time.perf_counter() + args.deadline
 
     def worker():
@@ -106,10 +111,39 @@ def level(args, n):
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    return t0, time.perf_counter(), ttft, gaps, tokens, done, failed
+
+
+def in_process(args, todo, n, barrier, queue):
+    queue.put(streams(args, todo, n, barrier))
+
+
+def level(args, n):
+    todo = list(range(args.requests or 2 * n))
+    procs = max(1, min(args.processes, n))
+    if procs == 1:
+        parts = [streams(args, todo, n)]
+    else:
+        # The streams split over processes (one interpreter's lock would pace them all):
+        # process j takes requests j, j + procs, ... with its share of the streams.
+        ctx = multiprocessing.get_context("fork")
+        barrier, queue = ctx.Barrier(procs), ctx.Queue()
+        ps = [ctx.Process(target=in_process,
+                          args=(args, todo[j::procs], n // procs + (j < n % procs), barrier, queue))
+              for j in range(procs)]
+        for p in ps:
+            p.start()
+        parts = [queue.get() for _ in ps]
+        for p in ps:
+            p.join()
+    wall = max(p[1] for p in parts) - min(p[0] for p in parts)
+    ttft = [x for p in parts for x in p[2]]
+    gaps = [x for p in parts for x in p[3]]
+    tokens, done, failed = (sum(p[i] for p in parts) for i in (4, 5, 6))
     ms = lambda x: None if x is None else round(x * 1e3, 2)
-    return {"concurrency": n, "requests": done, "failed": failed, "tokens": tokens,
-            "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1) if wall else 0,
+    return {"concurrency": n, "processes": procs, "requests": done, "failed": failed,
+            "tokens": tokens, "wall_s": round(wall, 3),
+            "tok_s": round(tokens / wall, 1) if wall else 0,
             "ttft_ms_p50": ms(pct(ttft, 50)), "ttft_ms_p99": ms(pct(ttft, 99)),
             "tbt_ms_p50": ms(pct(gaps, 50)), "tbt_ms_p99": ms(pct(gaps, 99)),
             "tbt_ms_mean": ms(statistics.fmean(gaps)) if gaps else None}
@@ -128,6 +162,9 @@ def main():
                     help="prefix every prompt with this many copies of a ~25-word sentence, "
                          "the same for all requests (a shared prefix), then its own words")
     ap.add_argument("--deadline", type=float, default=120, help="seconds a level, at most")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="client processes the streams are split over (each a share of the "
+                         "threads): one Python process can pace fast servers by itself")
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args()
     host = urllib.parse.urlparse(args.url).hostname

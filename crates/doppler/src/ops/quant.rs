@@ -1231,9 +1231,9 @@ fn qmatmul_out(
     if fuse.invariant {
         if invariant_on_coop(rec.gpu(), w.cols) && !fuse.simt {
             return qmatmul_coop(rec, x, w, fuse, y, next, keep_parts);
-        } else if w.cols % 32 == 0 && takes_tall(rec.gpu(), w.rows, &fuse) {
-            let (layout, grid) = tall_layout(m, w.rows);
-            let mut cm = vec![c[0], c[1]];
+        } else if w.cols % 32 == 0 && takes_tall(rec.gpu(), w.rows) {
+            let (layout, grid) = tall_layout(m, w.rows, fuse.swiglu);
+            let mut cm = c.to_vec();
             cm.extend(layout);
             rec.dispatch(&QMATVEC_TALL, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         } else if w.cols % 32 == 0 {
@@ -2021,29 +2021,41 @@ pub const TALL_MIN_ROWS: usize = 16384;
 /// Workgroup memory `qmatvec_tall` takes (bytes).
 const TALL_SHARED: u32 = (4096 + 512 + 512) * 4;
 
-/// Whether an invariant SIMT product with W of `rows` rows takes `qmatvec_tall`: tall W,
-/// no residual or GLU (a head's product), and an adapter with the workgroup memory;
-/// `DOPPLER_TALL=off` keeps `qmatvec_rows` (read once a process; for measuring).
-fn takes_tall(gpu: &Gpu, rows: usize, fuse: &Fuse<'_>) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("DOPPLER_TALL").is_ok_and(|v| v.trim() == "off"));
-    !off && rows >= TALL_MIN_ROWS
-        && fuse.residual.is_none()
-        && !fuse.swiglu
-        && !fuse.geglu
-        && gpu.limits.max_compute_workgroup_storage_size >= TALL_SHARED
+/// Whether an invariant SIMT product with W of `rows` rows takes `qmatvec_tall`: tall W
+/// (from [`TALL_MIN_ROWS`], or `DOPPLER_TALL_MIN_ROWS=N`; `DOPPLER_TALL=off` never: read
+/// once a process, for measuring) on an adapter with the workgroup memory.
+fn takes_tall(gpu: &Gpu, rows: usize) -> bool {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let min = *MIN.get_or_init(|| {
+        if std::env::var("DOPPLER_TALL").is_ok_and(|v| v.trim() == "off") {
+            return usize::MAX;
+        }
+        let v = std::env::var("DOPPLER_TALL_MIN_ROWS").ok();
+        match v.as_deref().map(|v| v.trim().parse::<usize>()) {
+            None => TALL_MIN_ROWS,
+            Some(Ok(n)) => n,
+            Some(Err(_)) => {
+                tracing::warn!("DOPPLER_TALL_MIN_ROWS={v:?} is not a number: the default");
+                TALL_MIN_ROWS
+            }
+        }
+    });
+    rows >= min && gpu.limits.max_compute_workgroup_storage_size >= TALL_SHARED
 }
 
 /// `qmatvec_tall`'s layout for `m` rows of x through W with `rows` rows: TL_TY threads
 /// along x (each TL_TY rows of W), TL_HX rows of x a thread, so TL_TY TL_HX rows of x a
-/// workgroup (1, 2 or 4 for one to four rows: a thread a row of W; 8; then 16, 4 x 4 a
-/// thread), and its grid. Every layout gives the same bits.
-fn tall_layout(m: usize, rows: usize) -> ([(&'static str, f64); 2], Grid) {
-    let (ty, hx) = match m {
-        0 | 1 => (1, 1),
-        2 => (1, 2),
-        3 | 4 => (1, 4),
-        5..=8 => (2, 4),
+/// workgroup (1, 2 or 4 for one to four rows: a thread a row of W, or two with a GLU; 8;
+/// then 16, 4 x 4 a thread), and its grid. Every layout gives the same bits.
+fn tall_layout(m: usize, rows: usize, glu: bool) -> ([(&'static str, f64); 2], Grid) {
+    let (ty, hx) = match (m, glu) {
+        (0 | 1, false) => (1, 1),
+        (2, false) => (1, 2),
+        (3 | 4, false) => (1, 4),
+        // (A GLU's pairs of columns in one thread: two rows of W a thread at least.)
+        (0..=2, true) => (2, 1),
+        (3 | 4, true) => (2, 2),
+        (5..=8, _) => (2, 4),
         _ => (4, 4),
     };
     (

@@ -1233,7 +1233,8 @@ fn qmatvec_rows_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
 // Q5_K, whose runs interleave two sub-blocks, 4 values at a time) into
 // tl_w[column][row], the rows of x's 32 values go to tl_x[column][row of x], one barrier
 // before the sums and one after. NORM: the rows' squares first, 32 threads a row (thread t
-// columns 4 t + 128 i) and a fixed tree, as in no other layout. No residual or GLU. k a
+// columns 4 t + 128 i) and a fixed tree, as in no other layout. RESIDUAL as finish adds
+// it; SWIGLU (TL_TY >= 2: a pair's gate and up columns in one thread) as qmatvec_rows. k a
 // multiple of 32. Grid: (ceil(W's rows / 128), ceil(m / (TL_TY TL_HX))).
 override TL_TY: u32 = 4u;
 override TL_HX: u32 = 4u;
@@ -1347,8 +1348,16 @@ fn qmatvec_tall(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         }
         for (var h = 0u; h < TL_TY; h++) {
             let j = col0 + tx * TL_TY + h;
-            if (j < wr) {
-                dst[(r0 + r) * p.n + j] = accs[i][h] * f;
+            if (j >= wr) {
+                continue;
+            }
+            if (SWIGLU) {
+                // (TL_TY >= 2: a thread holds both of a pair's columns.)
+                if ((h & 1u) == 0u) {
+                    dst[(r0 + r) * p.n + j / 2u] = gate_act(accs[i][h] * f) * (accs[i][h + 1u] * f);
+                }
+            } else {
+                dst[(r0 + r) * p.n + j] = finish(r0 + r, j, accs[i][h] * f);
             }
         }
     }
