@@ -798,9 +798,8 @@ pub struct Fuse<'a> {
     /// invariance): where cooperative products run ([`invariant_on_coop`]) the cooperative
     /// skinny product (tiles of 16 to 64 rows, each row's sums the same at every tile
     /// size), k split by W's shape alone (x rounded to f16 as there);
-    /// elsewhere, and with `simt`, `qmatvec_rows` (x read as f32; `qmatvec_tall` for a
-    /// head's tall W, [`TALL_MIN_ROWS`]; the matrix-vector kernel where W's rows are not
-    /// whole runs of 32).
+    /// elsewhere, and with `simt`, `qmatvec_rows` (x read as f32; `qmatvec_tall` where
+    /// [`takes_tall`]; the matrix-vector kernel where W's rows are not whole runs of 32).
     pub invariant: bool,
     /// With `invariant`: off cooperative matrices even where the adapter has them (a small
     /// model's batched steps, [`invariant_simt`]).
@@ -2013,30 +2012,34 @@ fn rows_layout(gpu: &Gpu, m: usize, rows: usize) -> ([(&'static str, f64); 4], G
 }
 
 /// Rows of W from which an invariant SIMT product ([`Fuse::simt`]) takes `qmatvec_tall`
-/// instead of `qmatvec_rows`: a vocabulary's head (SmolLM2's 49,152 rows; no other
-/// product of a model comes near). Chosen by W's shape alone, so a row's bits never depend
-/// on the batch.
+/// instead of `qmatvec_rows` where it is on ([`takes_tall`]): a vocabulary's head
+/// (SmolLM2's 49,152 rows; no other product of a model comes near). Chosen by W's shape
+/// alone, so a row's bits never depend on the batch.
 pub const TALL_MIN_ROWS: usize = 16384;
 
 /// Workgroup memory `qmatvec_tall` takes (bytes).
 const TALL_SHARED: u32 = (4096 + 512 + 512) * 4;
 
-/// Whether an invariant SIMT product with W of `rows` rows takes `qmatvec_tall`: tall W
-/// (from [`TALL_MIN_ROWS`], or `DOPPLER_TALL_MIN_ROWS=N`; `DOPPLER_TALL=off` never: read
-/// once a process, for measuring) on an adapter with the workgroup memory.
-fn takes_tall(gpu: &Gpu, rows: usize) -> bool {
+/// Whether an invariant SIMT product with W of `rows` rows takes `qmatvec_tall` (on an
+/// adapter with the workgroup memory): off by default until it is timed on a GPU (session
+/// 38 had no device time left; docs/benchmarks.md); `DOPPLER_TALL=on` for W from
+/// [`TALL_MIN_ROWS`] rows, `DOPPLER_TALL_MIN_ROWS=N` from N (0: every product). Read once
+/// a process.
+pub fn takes_tall(gpu: &Gpu, rows: usize) -> bool {
     static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let min = *MIN.get_or_init(|| {
-        if std::env::var("DOPPLER_TALL").is_ok_and(|v| v.trim() == "off") {
-            return usize::MAX;
-        }
         let v = std::env::var("DOPPLER_TALL_MIN_ROWS").ok();
         match v.as_deref().map(|v| v.trim().parse::<usize>()) {
-            None => TALL_MIN_ROWS,
-            Some(Ok(n)) => n,
-            Some(Err(_)) => {
-                tracing::warn!("DOPPLER_TALL_MIN_ROWS={v:?} is not a number: the default");
-                TALL_MIN_ROWS
+            Some(Ok(n)) => return n,
+            Some(Err(_)) => tracing::warn!("DOPPLER_TALL_MIN_ROWS={v:?} is not a number: ignored"),
+            None => {}
+        }
+        match std::env::var("DOPPLER_TALL").ok().as_deref().map(str::trim) {
+            Some("on") => TALL_MIN_ROWS,
+            None | Some("off") => usize::MAX,
+            Some(other) => {
+                tracing::warn!("DOPPLER_TALL={other:?} is not on or off: off");
+                usize::MAX
             }
         }
     });

@@ -20,8 +20,9 @@
 //   qmatvec_rows qmatvec for batched steps (invariant): 32 rows of W x up to 16 rows of x a
 //                workgroup, k's runs over 8 or 9 sets of 32 threads, summed in set order;
 //                qmatvec_rows_rope the same with ROPE into paged caches (serving)
-//   qmatvec_tall the same for tall W (a head): 128 rows of W x up to 16 rows of x a
-//                workgroup, each output summed over k in order by one thread
+//   qmatvec_tall the same for tall W (a head; off by default, ops::quant::takes_tall): 128
+//                rows of W x up to 16 rows of x a workgroup, each output summed over k in
+//                order by one thread
 //   qmatvec1     the same for one row of x and k a multiple of 32 (decode): 4 rows of W a
 //                set of 32 threads sharing their loads of x (or of 64 or 128 splitting k:
 //                long rows); 32, 16 or 8 rows a workgroup

@@ -1316,9 +1316,10 @@ pub(super) async fn split_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// |x w|); plain, with the residual, and with the norm and SwiGLU; there also off them
 /// ([`Fuse::simt`]: `qmatvec_rows`, as elsewhere). Rows of W 68 long (not whole runs of
 /// 32) take the matrix-vector kernel `qmatvec` off cooperative matrices; tall W (a head's,
-/// [`TALL_MIN_ROWS`] rows and more: Q8_0 with the norm, a K-quant plain) `qmatvec_tall`.
+/// [`TALL_MIN_ROWS`] rows and more: Q8_0 with the norm, a K-quant plain) `qmatvec_tall`
+/// where it is on ([`takes_tall`]).
 pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    use crate::ops::quant::{invariant_on_coop, qmatmul_fused, Fuse, TALL_MIN_ROWS};
+    use crate::ops::quant::{invariant_on_coop, qmatmul_fused, takes_tall, Fuse, TALL_MIN_ROWS};
     let cases: [(&str, usize, usize, BatchFuse); 7] = [
         ("Q4_1", 96, 576, BatchFuse::Plain),
         ("Q4_K", 64, 512, BatchFuse::NormSwiglu),
@@ -1418,7 +1419,7 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 "x [{m}, {cols}] @ ({rows}, {cols})^T {name}{how}, rows {alone:?} alone and runs of 2 to 16 the same bits{}",
                 match (coop, cols % 32 == 0) {
                     (true, _) => ", cooperative (f16)",
-                    (false, true) if rows >= TALL_MIN_ROWS => ", qmatvec_tall (unless off)",
+                    (false, true) if takes_tall(gpu, rows) => ", qmatvec_tall",
                     (false, true) => ", qmatvec_rows",
                     (false, false) => ", qmatvec (rows not whole runs of 32)",
                 }
