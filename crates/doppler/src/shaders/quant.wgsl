@@ -1234,12 +1234,11 @@ fn qmatvec_rows_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
 // Q5_K, whose runs interleave two sub-blocks, 4 values at a time) into
 // tl_w[column][row], the rows of x's 32 values go to tl_x[column][row of x], one barrier
 // before the sums and one after. NORM: the rows' squares first, 32 threads a row (thread t
-// columns 4 t + 128 i) and a fixed tree, as in no other layout. RESIDUAL as finish adds
+// columns 4 t + 128 i) and a fixed tree, the same in every layout. RESIDUAL as finish adds
 // it; SWIGLU (TL_TY >= 2: a pair's gate and up columns in one thread) as qmatvec_rows. k a
 // multiple of 32. Grid: (ceil(W's rows / 128), ceil(m / (TL_TY TL_HX))).
 override TL_TY: u32 = 4u;
 override TL_HX: u32 = 4u;
-const TL_HW_MAX: u32 = 4u;
 var<workgroup> tl_w: array<f32, 4096>;     // [column of the run (32)][row of W (128)]
 var<workgroup> tl_x: array<f32, 512>;      // [column of the run (32)][row of x (16)]
 var<workgroup> tl_ss: array<f32, 512>;     // NORM: [row of x (16)][thread (32)]
