@@ -133,7 +133,8 @@ def level(args, n):
               for j in range(procs)]
         for p in ps:
             p.start()
-        parts = [queue.get() for _ in ps]
+        # (A process that died sends nothing: give up on it after the level's deadline.)
+        parts = [queue.get(timeout=args.deadline + 60) for _ in ps]
         for p in ps:
             p.join()
     wall = max(p[1] for p in parts) - min(p[0] for p in parts)

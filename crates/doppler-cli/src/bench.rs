@@ -874,11 +874,13 @@ fn qmatmul(
             rows.push(Row {
                 name: format!(
                     "qmatmul, {}",
-                    match (invariant, simt) {
+                    // (Off cooperative matrices the invariant product is a SIMT kernel.)
+                    match (invariant, simt || !coop) {
                         (false, _) => "default path",
-                        (true, true) => "invariant (SIMT: qmatvec_rows, qmatvec_tall)",
-                        (true, false) if coop => "invariant (cooperative)",
-                        (true, false) => "invariant",
+                        (true, false) => "invariant (cooperative)",
+                        _ if k % 32 != 0 => "invariant (qmatvec)",
+                        _ if quant::takes_tall(gpu, n) => "invariant (qmatvec_tall)",
+                        _ => "invariant (qmatvec_rows)",
                     }
                 ),
                 shape: shape.clone(),

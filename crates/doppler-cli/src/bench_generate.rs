@@ -355,10 +355,12 @@ fn streams(
     // The chained steps again, each timed on the GPU whole: its time there, and the GPU's
     // idle time from its end to the next one's start.
     let (mut chained_gpu, mut chained_gap) = (vec![], vec![]);
-    for timed in [false, true] {
-        if args.host_sampling {
-            break;
-        }
+    let passes: &[bool] = if args.host_sampling {
+        &[]
+    } else {
+        &[false, true]
+    };
+    for &timed in passes {
         b.set_timing(match timed {
             true => StepTiming::Whole,
             false => StepTiming::Off,
