@@ -13,8 +13,13 @@
 //                 (a b) >> 31 in that order), the weights' exact sum S (64-bit integers),
 //                 the target floor(r S / 2^64), the token the first index whose running sum
 //                 passes it; mode 2: 0 written (the host chooses that row).
-//                 One workgroup of 256 threads a row, thread t the t-th run of ceil(V / 256)
-//                 logits; sums are exact, so the chunking changes nothing.
+//                 One workgroup of 256 threads a row. The largest logit (and greedy's
+//                 choice) from strided, coalesced reads; the weights' sums by thread t over
+//                 the t-th run of ceil(V / 256) logits, the runs' running sums by a parallel
+//                 scan, the run holding the target found by every thread at once, then its
+//                 weights again 256 at a time, scanned, the first past the target taken.
+//                 Sums are exact, so none of this changes which token comes out; the tables
+//                 are copied into workgroup memory first (three lookups a weight).
 
 struct Params {
     rows: u32,
@@ -33,15 +38,19 @@ struct Params {
 const MID: u32 = 737u;
 const LOW: u32 = 1761u;
 
+// infer::sample::DRAW_TABLE_LEN: the tables, copied here for a draw.
+const TABLE_LEN: u32 = 1793u;
+var<workgroup> wg_table: array<u32, TABLE_LEN>;
+// Greedy's keys and ids; a draw's largest logits (as bits) in wg_key.
 var<workgroup> wg_key: array<u32, 256>;
 var<workgroup> wg_idx: array<u32, 256>;
-var<workgroup> wg_max: array<f32, 256>;
+// 64-bit sums being scanned, (lo, hi).
 var<workgroup> wg_lo: array<u32, 256>;
 var<workgroup> wg_hi: array<u32, 256>;
-// The run holding the target, the sum before it, the target.
+// The run holding the target, the sum before it; the token (a draw's last step).
 var<workgroup> wg_run: u32;
 var<workgroup> wg_before: vec2<u32>;
-var<workgroup> wg_target: vec2<u32>;
+var<workgroup> wg_pick: u32;
 
 fn finite(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u;
@@ -83,7 +92,8 @@ fn weight(x: f32, m: f32, inv: f32) -> u32 {
     }
     let yc = select(-23.0, y, y > -23.0);
     let n = u32(-(yc * 1048576.0));
-    return mul31(mul31(table[n >> 15u], table[MID + ((n >> 5u) & 1023u)]), table[LOW + (n & 31u)]);
+    return mul31(mul31(wg_table[n >> 15u], wg_table[MID + ((n >> 5u) & 1023u)]),
+                 wg_table[LOW + (n & 31u)]);
 }
 
 fn add64(a: vec2<u32>, b: vec2<u32>) -> vec2<u32> {
@@ -117,6 +127,26 @@ fn mulhi64(r: vec2<u32>, s: vec2<u32>) -> vec2<u32> {
     return vec2<u32>(col[4] | (col[5] << 16u), col[6] | (col[7] << 16u));
 }
 
+// The inclusive running sums of the 256 threads' v in thread order, also left in wg_lo /
+// wg_hi (every thread calls it).
+fn scan64(lid: u32, v: vec2<u32>) -> vec2<u32> {
+    var s = v;
+    for (var d = 1u; d < 256u; d <<= 1u) {
+        wg_lo[lid] = s.x;
+        wg_hi[lid] = s.y;
+        workgroupBarrier();
+        if (lid >= d) {
+            s = add64(s, vec2<u32>(wg_lo[lid - d], wg_hi[lid - d]));
+        }
+        workgroupBarrier();
+    }
+    // (Left in wg_lo / wg_hi for every thread to read.)
+    wg_lo[lid] = s.x;
+    wg_hi[lid] = s.y;
+    workgroupBarrier();
+    return s;
+}
+
 @compute @workgroup_size(256)
 fn sample_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_index) lid: u32) {
@@ -131,15 +161,13 @@ fn sample_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         }
         return;
     }
-    let per = (p.vocab + 255u) / 256u;
-    let c0 = min(lid * per, p.vocab);
-    let c1 = min(c0 + per, p.vocab);
     let base = row * p.vocab;
     if (h.x == 0u) {
         // Greedy: the largest key, the lowest index among equal ones (key 0: none finite).
+        // A thread meets its indices in increasing order and keeps the first of a key.
         var best = 0u;
         var at = 0xffffffffu;
-        for (var i = c0; i < c1; i++) {
+        for (var i = lid; i < p.vocab; i += 256u) {
             let x = logits[base + i];
             if (finite(x) && key(x) > best) {
                 best = key(x);
@@ -165,67 +193,87 @@ fn sample_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         }
         return;
     }
-    // The draw: the largest finite logit (flushed).
-    var m = bitcast<f32>(0xff800000u);   // -inf: none yet
-    for (var i = c0; i < c1; i++) {
+    // The draw's tables into workgroup memory (read after the barriers below).
+    for (var i = lid; i < TABLE_LEN; i += 256u) {
+        wg_table[i] = table[i];
+    }
+    // The largest finite logit (flushed), as a total_cmp key (keys of finite values are
+    // ordered as the values; 0: none).
+    var best = 0u;
+    for (var i = lid; i < p.vocab; i += 256u) {
         let x = logits[base + i];
         if (finite(x)) {
-            m = max(m, flush(x));
+            best = max(best, key(flush(x)));
         }
     }
-    wg_max[lid] = m;
+    wg_key[lid] = best;
     workgroupBarrier();
     for (var s = 128u; s > 0u; s >>= 1u) {
         if (lid < s) {
-            wg_max[lid] = max(wg_max[lid], wg_max[lid + s]);
+            wg_key[lid] = max(wg_key[lid], wg_key[lid + s]);
         }
         workgroupBarrier();
     }
-    m = workgroupUniformLoad(&wg_max[0]);
-    if (!finite(m)) {
+    let top = workgroupUniformLoad(&wg_key[0]);
+    if (top == 0u) {
         if (lid == 0u) {
             ids[row] = 0u;   // no finite logit
         }
         return;
     }
+    // (key's inverse for a finite value: its sign bit was set for x >= 0.)
+    let m = bitcast<f32>(select(~top, top & 0x7fffffffu, (top & 0x80000000u) != 0u));
     let inv = bitcast<f32>(h.y);
+    // Thread t's run of logits and its weights' sum.
+    let per = (p.vocab + 255u) / 256u;
+    let c0 = min(lid * per, p.vocab);
+    let c1 = min(c0 + per, p.vocab);
     var sum = vec2<u32>(0u, 0u);
     for (var i = c0; i < c1; i++) {
         sum = add64(sum, vec2<u32>(weight(logits[base + i], m, inv), 0u));
     }
-    wg_lo[lid] = sum.x;
-    wg_hi[lid] = sum.y;
-    workgroupBarrier();
-    if (lid == 0u) {
-        var total = vec2<u32>(0u, 0u);
-        for (var t = 0u; t < 256u; t++) {
-            total = add64(total, vec2<u32>(wg_lo[t], wg_hi[t]));
-        }
-        let goal = mulhi64(h.zw, total);
-        var run = vec2<u32>(0u, 0u);
-        var t = 0u;
-        for (; t < 255u; t++) {
-            let next = add64(run, vec2<u32>(wg_lo[t], wg_hi[t]));
-            if (gt64(next, goal)) {
-                break;
-            }
-            run = next;
-        }
-        wg_run = t;
-        wg_before = run;
-        wg_target = goal;
+    // Running sums to the end of each run: S the last; the run holding the target is the
+    // first whose end passes it (the last run if none does, as the serial search had it).
+    let end = scan64(lid, sum);
+    let goal = mulhi64(h.zw, vec2<u32>(wg_lo[255], wg_hi[255]));
+    var before = vec2<u32>(0u, 0u);
+    if (lid > 0u) {
+        before = vec2<u32>(wg_lo[lid - 1u], wg_hi[lid - 1u]);
     }
-    workgroupBarrier();
-    if (lid == wg_run) {
-        var run = wg_before;
-        var pick = c1 - 1u;
-        for (var i = c0; i < c1; i++) {
-            run = add64(run, vec2<u32>(weight(logits[base + i], m, inv), 0u));
-            if (gt64(run, wg_target)) {
-                pick = i;
-                break;
-            }
+    let past = lid == 255u || gt64(end, goal);
+    let past_before = lid > 0u && gt64(before, goal);
+    if (past && !past_before) {
+        wg_run = lid;
+        wg_before = before;
+    }
+    let run_t = workgroupUniformLoad(&wg_run);
+    // That run's weights 256 at a time, scanned: the first index whose running sum passes
+    // the target (its last index if none does).
+    let r0 = min(run_t * per, p.vocab);
+    let r1 = min(r0 + per, p.vocab);
+    if (lid == 0u) {
+        wg_pick = r1 - 1u;
+    }
+    var run = workgroupUniformLoad(&wg_before);
+    for (var b = r0; b < r1; b += 256u) {
+        let i = b + lid;
+        var w = 0u;
+        if (i < r1) {
+            w = weight(logits[base + i], m, inv);
         }
-        ids[row] = pick;
+        let inc = add64(run, scan64(lid, vec2<u32>(w, 0u)));
+        var prev = run;
+        if (lid > 0u) {
+            prev = add64(run, vec2<u32>(wg_lo[lid - 1u], wg_hi[lid - 1u]));
+        }
+        if (i < r1 && gt64(inc, goal) && !gt64(prev, goal)) {
+            wg_pick = i;
+        }
+        run = add64(run, vec2<u32>(wg_lo[255], wg_hi[255]));
+        // (Every thread read the block's sums before the next block writes them.)
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        ids[row] = wg_pick;
     }
 }

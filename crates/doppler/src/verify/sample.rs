@@ -65,8 +65,9 @@ async fn gpu_ids(
 }
 
 pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    // (rows, vocabulary): a vocabulary smaller than the workgroup, an odd one, SmolLM2's.
-    for (ci, (n, vocab)) in [(23usize, 5usize), (37, 1001), (16, 49152)]
+    // (rows, vocabulary): a vocabulary smaller than the workgroup, an odd one, SmolLM2's,
+    // one past Llama 3's (runs of 502 logits a thread: the last run's scan in two blocks).
+    for (ci, (n, vocab)) in [(23usize, 5usize), (37, 1001), (16, 49152), (9, 128257)]
         .into_iter()
         .enumerate()
     {
@@ -136,9 +137,23 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         })
         .collect();
     let mut draws = Vec::new();
-    for frac in [0.001, 0.3, 0.5, 0.77, 0.999] {
-        let k = ends.partition_point(|&e| (e as f64) < frac * total as f64);
-        for t in [ends[k] - 1, ends[k]] {
+    // Indices a fraction of the way through the sum, then the ends and starts of threads'
+    // runs (192 logits each at this vocabulary), the first weighed and the one before the
+    // last (its end: the last).
+    let at_fracs = [0.001, 0.3, 0.5, 0.77, 0.999]
+        .map(|frac| ends.partition_point(|&e| (e as f64) < frac * total as f64));
+    let first = w.iter().position(|&v| v > 0).expect("a weight");
+    let at_runs = [
+        first,
+        191,
+        192,
+        128 * 192 - 1,
+        255 * 192 - 1,
+        255 * 192,
+        vocab - 2,
+    ];
+    for k in at_fracs.into_iter().chain(at_runs) {
+        for t in [ends[k].max(1) - 1, ends[k]] {
             if t < total {
                 let r = ((t as u128) << 64).div_ceil(total as u128) as u64;
                 draws.push(r);
