@@ -669,8 +669,16 @@ impl<'m> Batch<'m> {
             held.push((id, s.len, n));
         }
         let rows = PagedRows::new(gpu, &list)?;
+        // A chained step whose rows are the step before's, in its order: the ids are its
+        // choices as they stand (no copy).
+        let same = chain.as_ref().is_some_and(|c| {
+            c.rows.len() == list.len()
+                && c.chosen.numel() == list.len()
+                && c.rows.iter().enumerate().all(|(i, &r)| r == i)
+        });
         // The token ids are written at the submission, unless known now.
         let ids = match known {
+            _ if same => chain.as_ref().expect("chained").chosen.clone(),
             Some(k) if k.len() == list.len() => Tensor::from_u32(gpu, &[k.len()], k, "batch.ids")?,
             Some(k) => {
                 return Err(bad(format!(
@@ -681,7 +689,12 @@ impl<'m> Batch<'m> {
             }
             None => Tensor::empty(gpu, &[list.len()], DType::U32, "batch.ids")?,
         };
-        let last_t = Tensor::from_u32(gpu, &[last.len()], &last, "batch.last")?;
+        // (Every row a sequence's last, in order: the logits of every row, no gather.)
+        let every = last.iter().enumerate().all(|(i, &r)| r as usize == i);
+        let last_t = match every {
+            true => None,
+            false => Some(Tensor::from_u32(gpu, &[last.len()], &last, "batch.last")?),
+        };
         let mut rec = match self.timing {
             StepTiming::Off => gpu.recorder("batch"),
             StepTiming::Whole => gpu.timed_recorder("batch"),
@@ -691,7 +704,7 @@ impl<'m> Batch<'m> {
         if known.is_some() && chain.is_none() && list.len() > 1 {
             rec.set_flush_every(FLUSH_EVERY); // (no-op when timed)
         }
-        if let Some(c) = &chain {
+        if let Some(c) = chain.as_ref().filter(|_| !same) {
             // ids[j] = chosen[rows[j]]: a copy a run of consecutive rows.
             let mut j = 0;
             while j < c.rows.len() {
@@ -703,7 +716,7 @@ impl<'m> Batch<'m> {
                 j += n;
             }
         }
-        let logits = llama.forward_paged(&mut rec, &ids, &self.pool, &rows, &last_t)?;
+        let logits = llama.forward_paged(&mut rec, &ids, &self.pool, &rows, last_t.as_ref())?;
         if logits.dtype() != DType::F32 {
             return Err(bad("logits are not f32".into()));
         }

@@ -996,7 +996,8 @@ impl Llama {
     /// own sequence, at the position and in the pages `rows` gives ([`PagedRows`]: the
     /// pool `pool` of pages, [`kvcache::paged_pool`], holds every sequence's keys and
     /// values; a prompt's chunk is several rows of one sequence). Returns logits (S, V) of
-    /// the rows `out_rows` (u32, (S)), e.g. each sequence's last row. Every product runs one
+    /// the rows `out_rows` (u32, (S)), e.g. each sequence's last row, or of every row where
+    /// it is None (a step of one row a sequence: no gather). Every product runs one
     /// kernel whatever the number of rows ([`Fuse::invariant`]) and each row attends over
     /// its own pages only, so a row's logits are the same bits whatever else the step
     /// holds (batch invariance). The caller keeps the rows' pages and positions valid.
@@ -1006,7 +1007,7 @@ impl Llama {
         ids: &Tensor,
         pool: &KvCache,
         rows: &PagedRows,
-        out_rows: &Tensor,
+        out_rows: Option<&Tensor>,
     ) -> Result<Tensor> {
         let c = &self.cfg;
         if let Some(why) = self.paged_unsupported() {
@@ -1121,7 +1122,10 @@ impl Llama {
             };
             (x, xh) = qmatmul_chain(rec, &g, &l.down, fuse, next)?;
         }
-        let last = crate::ops::embedding::embedding(rec, &x, out_rows)?; // (S, E)
+        let last = match out_rows {
+            Some(r) => crate::ops::embedding::embedding(rec, &x, r)?, // (S, E)
+            None => x,
+        };
         let mut logits = self.output.product(
             rec,
             &last,
