@@ -879,7 +879,6 @@ fn qmatmul(
                         (false, _) => "default path",
                         (true, false) => "invariant (cooperative)",
                         _ if k % 32 != 0 => "invariant (qmatvec)",
-                        _ if quant::takes_tall(gpu, n) => "invariant (qmatvec_tall)",
                         _ => "invariant (qmatvec_rows)",
                     }
                 ),

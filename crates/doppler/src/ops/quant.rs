@@ -53,7 +53,6 @@ const MATVEC_BINDINGS: &[(u32, crate::gpu::Binding)] = &[
 static QMATVEC: Kernel = Kernel::new(&QUANT, "qmatvec", MATVEC_BINDINGS);
 static QMATVEC1: Kernel = Kernel::new(&QUANT, "qmatvec1", MATVEC_BINDINGS);
 static QMATVEC_ROWS: Kernel = Kernel::new(&QUANT, "qmatvec_rows", MATVEC_BINDINGS);
-static QMATVEC_TALL: Kernel = Kernel::new(&QUANT, "qmatvec_tall", MATVEC_BINDINGS);
 // The products with RoPE and the cache store (no residual): bias (9), RoPE table (10),
 // key and value caches (11, 12); dst (2) gets q.
 const ROPE_BINDINGS: &[(u32, crate::gpu::Binding)] = &[
@@ -798,8 +797,8 @@ pub struct Fuse<'a> {
     /// invariance): where cooperative products run ([`invariant_on_coop`]) the cooperative
     /// skinny product (tiles of 16 to 64 rows, each row's sums the same at every tile
     /// size), k split by W's shape alone (x rounded to f16 as there);
-    /// elsewhere, and with `simt`, `qmatvec_rows` (x read as f32; `qmatvec_tall` where
-    /// [`takes_tall`]; the matrix-vector kernel where W's rows are not whole runs of 32).
+    /// elsewhere, and with `simt`, `qmatvec_rows` (x read as f32; the matrix-vector kernel
+    /// where W's rows are not whole runs of 32).
     pub invariant: bool,
     /// With `invariant`: off cooperative matrices even where the adapter has them (a small
     /// model's batched steps, [`invariant_simt`]).
@@ -1230,11 +1229,6 @@ fn qmatmul_out(
     if fuse.invariant {
         if invariant_on_coop(rec.gpu(), w.cols) && !fuse.simt {
             return qmatmul_coop(rec, x, w, fuse, y, next, keep_parts);
-        } else if w.cols % 32 == 0 && takes_tall(rec.gpu(), w.rows) {
-            let (layout, grid) = tall_layout(m, w.rows, fuse.swiglu);
-            let mut cm = c.to_vec();
-            cm.extend(layout);
-            rec.dispatch(&QMATVEC_TALL, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         } else if w.cols % 32 == 0 {
             let (layout, grid) = rows_layout(rec.gpu(), m, w.rows);
             let mut cm = c.to_vec();
@@ -2008,62 +2002,6 @@ fn rows_layout(gpu: &Gpu, m: usize, rows: usize) -> ([(&'static str, f64); 4], G
             ("MR_STAGE", (r >= knobs.stage) as u32 as f64),
         ],
         Grid::Xyz([gx as u32, m.div_ceil(r) as u32, 1]),
-    )
-}
-
-/// Rows of W from which an invariant SIMT product ([`Fuse::simt`]) takes `qmatvec_tall`
-/// instead of `qmatvec_rows` where it is on ([`takes_tall`]): a vocabulary's head
-/// (SmolLM2's 49,152 rows; no other product of a model comes near). Chosen by W's shape
-/// alone, so a row's bits never depend on the batch.
-pub const TALL_MIN_ROWS: usize = 16384;
-
-/// Workgroup memory `qmatvec_tall` takes (bytes).
-const TALL_SHARED: u32 = (4096 + 512 + 512) * 4;
-
-/// Whether an invariant SIMT product with W of `rows` rows takes `qmatvec_tall` (on an
-/// adapter with the workgroup memory): off by default until it is timed on a GPU (session
-/// 38 had no device time left; docs/benchmarks.md); `DOPPLER_TALL=on` for W from
-/// [`TALL_MIN_ROWS`] rows, `DOPPLER_TALL_MIN_ROWS=N` from N (0: every product). Read once
-/// a process.
-pub fn takes_tall(gpu: &Gpu, rows: usize) -> bool {
-    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let min = *MIN.get_or_init(|| {
-        let v = std::env::var("DOPPLER_TALL_MIN_ROWS").ok();
-        match v.as_deref().map(|v| v.trim().parse::<usize>()) {
-            Some(Ok(n)) => return n,
-            Some(Err(_)) => tracing::warn!("DOPPLER_TALL_MIN_ROWS={v:?} is not a number: ignored"),
-            None => {}
-        }
-        match std::env::var("DOPPLER_TALL").ok().as_deref().map(str::trim) {
-            Some("on") => TALL_MIN_ROWS,
-            None | Some("off") => usize::MAX,
-            Some(other) => {
-                tracing::warn!("DOPPLER_TALL={other:?} is not on or off: off");
-                usize::MAX
-            }
-        }
-    });
-    rows >= min && gpu.limits.max_compute_workgroup_storage_size >= TALL_SHARED
-}
-
-/// `qmatvec_tall`'s layout for `m` rows of x through W with `rows` rows: TL_TY threads
-/// along x (each TL_TY rows of W), TL_HX rows of x a thread, so TL_TY TL_HX rows of x a
-/// workgroup (1, 2 or 4 for one to four rows: a thread a row of W, or two with a GLU; 8;
-/// then 16, 4 x 4 a thread), and its grid. Every layout gives the same bits.
-fn tall_layout(m: usize, rows: usize, glu: bool) -> ([(&'static str, f64); 2], Grid) {
-    let (ty, hx) = match (m, glu) {
-        (0 | 1, false) => (1, 1),
-        (2, false) => (1, 2),
-        (3 | 4, false) => (1, 4),
-        // (A GLU's pairs of columns in one thread: two rows of W a thread at least.)
-        (0..=2, true) => (2, 1),
-        (3 | 4, true) => (2, 2),
-        (5..=8, _) => (2, 4),
-        _ => (4, 4),
-    };
-    (
-        [("TL_TY", ty as f64), ("TL_HX", hx as f64)],
-        Grid::Xyz([rows.div_ceil(128) as u32, m.div_ceil(ty * hx) as u32, 1]),
     )
 }
 

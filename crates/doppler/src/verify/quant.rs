@@ -1315,19 +1315,18 @@ pub(super) async fn split_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// sums over the CPU dequantizer (on cooperative matrices: x rounded to f16, 1.5e-3 of sum
 /// |x w|); plain, with the residual, and with the norm and SwiGLU; there also off them
 /// ([`Fuse::simt`]: `qmatvec_rows`, as elsewhere). Rows of W 68 long (not whole runs of
-/// 32) take the matrix-vector kernel `qmatvec` off cooperative matrices; tall W (a head's,
-/// [`TALL_MIN_ROWS`] rows and more: Q8_0 with the norm, a K-quant plain) `qmatvec_tall`
-/// where it is on ([`takes_tall`]).
+/// 32) take the matrix-vector kernel `qmatvec` off cooperative matrices; two are tall (a
+/// head's 16,384 rows and more: Q8_0 with the norm, a K-quant plain).
 pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
-    use crate::ops::quant::{invariant_on_coop, qmatmul_fused, takes_tall, Fuse, TALL_MIN_ROWS};
+    use crate::ops::quant::{invariant_on_coop, qmatmul_fused, Fuse};
     let cases: [(&str, usize, usize, BatchFuse); 7] = [
         ("Q4_1", 96, 576, BatchFuse::Plain),
         ("Q4_K", 64, 512, BatchFuse::NormSwiglu),
         ("Q6_K", 40, 256, BatchFuse::Residual),
         ("F16", 24, 64, BatchFuse::Plain),
         ("F16", 24, 68, BatchFuse::NormSwiglu),
-        ("Q8_0", TALL_MIN_ROWS + 77, 96, BatchFuse::Norm),
-        ("Q4_K", TALL_MIN_ROWS, 256, BatchFuse::Plain),
+        ("Q8_0", 16384 + 77, 96, BatchFuse::Norm),
+        ("Q4_K", 16384, 256, BatchFuse::Plain),
     ];
     let m = 37usize;
     let alone = [0usize, 5, 20, 36];
@@ -1419,7 +1418,6 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
                 "x [{m}, {cols}] @ ({rows}, {cols})^T {name}{how}, rows {alone:?} alone and runs of 2 to 16 the same bits{}",
                 match (coop, cols % 32 == 0) {
                     (true, _) => ", cooperative (f16)",
-                    (false, true) if takes_tall(gpu, rows) => ", qmatvec_tall",
                     (false, true) => ", qmatvec_rows",
                     (false, false) => ", qmatvec (rows not whole runs of 32)",
                 }
