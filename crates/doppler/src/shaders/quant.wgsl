@@ -1056,23 +1056,38 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
         for (var ps = 0u; ps < passes; ps++) {
             let c = (ps * MR_SETS + sg) * 32u;
             let live = c < p.k;
-            // Thread t stages vec4 t % 8 of the run for rows t / 8 + 4 i.
+            // Thread t stages vec4 t % 8 of the run for rows t / 8 + 4 i: loaded into
+            // registers first, then W's run loaded, so that both wait on memory together.
+            let e = t % 8u;
+            var xr: array<vec4<f32>, 4>;
+            if (live) {
+                for (var i = 0u; i < 4u; i++) {
+                    let r = t / 8u + 4u * i;
+                    if (r < MR_X && r < nr) {
+                        xr[i] = xv4[((r0 + r) * p.k + run_col(c, e)) / 4u];
+                    }
+                }
+            }
+            var w0: array<vec4<f32>, 8>;
+            var w1: array<vec4<f32>, 8>;
+            if (live) {
+                w0 = mr_w(wb0, c);
+                w1 = w0;
+                if (MR_W > 1u) {
+                    w1 = mr_w(wb1, c);
+                }
+            }
             workgroupBarrier();
             if (live) {
-                let e = t % 8u;
-                for (var r = t / 8u; r < MR_X; r += 4u) {
-                    if (r < nr) {
-                        mr_xs[(sg * 16u + r) * 8u + e] = xv4[((r0 + r) * p.k + run_col(c, e)) / 4u];
+                for (var i = 0u; i < 4u; i++) {
+                    let r = t / 8u + 4u * i;
+                    if (r < MR_X && r < nr) {
+                        mr_xs[(sg * 16u + r) * 8u + e] = xr[i];
                     }
                 }
             }
             workgroupBarrier();
             if (live) {
-                let w0 = mr_w(wb0, c);
-                var w1 = w0;
-                if (MR_W > 1u) {
-                    w1 = mr_w(wb1, c);
-                }
                 a0 = mr_row_s(a0, sg, 0u, w0, w1);
                 if (MR_X > 1u && nr > 1u) { a1 = mr_row_s(a1, sg, 1u, w0, w1); }
                 if (MR_X > 2u && nr > 2u) { a2 = mr_row_s(a2, sg, 2u, w0, w1); }
