@@ -677,17 +677,19 @@ impl<'m> Batch<'m> {
                 && c.rows.iter().enumerate().all(|(i, &r)| r == i)
         });
         // The token ids are written at the submission, unless known now.
-        let ids = match known {
-            _ if same => chain.as_ref().expect("chained").chosen.clone(),
-            Some(k) if k.len() == list.len() => Tensor::from_u32(gpu, &[k.len()], k, "batch.ids")?,
-            Some(k) => {
+        let ids = match (known, &chain) {
+            (_, Some(c)) if same => c.chosen.clone(),
+            (Some(k), _) if k.len() == list.len() => {
+                Tensor::from_u32(gpu, &[k.len()], k, "batch.ids")?
+            }
+            (Some(k), _) => {
                 return Err(bad(format!(
                     "{} token ids for {} rows",
                     k.len(),
                     list.len()
                 )));
             }
-            None => Tensor::empty(gpu, &[list.len()], DType::U32, "batch.ids")?,
+            (None, _) => Tensor::empty(gpu, &[list.len()], DType::U32, "batch.ids")?,
         };
         // (Every row a sequence's last, in order: the logits of every row, no gather.)
         let every = last.iter().enumerate().all(|(i, &r)| r as usize == i);

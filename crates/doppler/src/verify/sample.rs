@@ -138,18 +138,19 @@ pub(super) async fn checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
         .collect();
     let mut draws = Vec::new();
     // Indices a fraction of the way through the sum, then the ends and starts of threads'
-    // runs (192 logits each at this vocabulary), the first weighed and the one before the
-    // last (its end: the last).
+    // runs (sample.wgsl: ceil(V / 256) logits a thread), the first weighed and the one
+    // before the last (its end: the last).
     let at_fracs = [0.001, 0.3, 0.5, 0.77, 0.999]
         .map(|frac| ends.partition_point(|&e| (e as f64) < frac * total as f64));
     let first = w.iter().position(|&v| v > 0).expect("a weight");
+    let per = vocab.div_ceil(256);
     let at_runs = [
         first,
-        191,
-        192,
-        128 * 192 - 1,
-        255 * 192 - 1,
-        255 * 192,
+        per - 1,
+        per,
+        128 * per - 1,
+        255 * per - 1,
+        255 * per,
         vocab - 2,
     ];
     for k in at_fracs.into_iter().chain(at_runs) {
