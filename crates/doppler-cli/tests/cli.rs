@@ -89,11 +89,17 @@ fn cooperative_kernels_pass_verify_emulated() {
 /// up to 16, a ninth set of threads beside them where the adapter takes one, x staged in
 /// workgroup memory from 4 rows on); the same with 8 sets (`DOPPLER_ROWS_SETS=8`, adapters
 /// that take 256 threads a workgroup) and with x never staged (`DOPPLER_ROWS_STAGE=32`);
-/// and x staged at every count of rows (`DOPPLER_ROWS_STAGE=1`). The invariant products and
-/// the paged q/k/v product with RoPE still pass, rows alone the batch's bits.
+/// and x staged at every count of rows (`DOPPLER_ROWS_STAGE=1`); and up to 32 sets for long
+/// rows of W (`DOPPLER_ROWS_MAX_SETS=32`, fewer rows of x a workgroup where the workgroup
+/// memory runs out). The invariant products and the paged q/k/v product with RoPE still
+/// pass, rows alone the batch's bits.
 #[test]
 fn batched_product_layouts_pass_verify() {
-    let layouts: [&[(&str, &str)]; 5] = [
+    let layouts: [&[(&str, &str)]; 6] = [
+        &[
+            ("DOPPLER_ROWS_GROUPS", "1"),
+            ("DOPPLER_ROWS_MAX_SETS", "32"),
+        ],
         &[("DOPPLER_ROWS_W", "2"), ("DOPPLER_ROWS_GROUPS", "66")],
         &[("DOPPLER_ROWS_GROUPS", "1")],
         &[("DOPPLER_ROWS_GROUPS", "1"), ("DOPPLER_ROWS_SETS", "8")],

@@ -1230,7 +1230,7 @@ fn qmatmul_out(
         if invariant_on_coop(rec.gpu(), w.cols) && !fuse.simt {
             return qmatmul_coop(rec, x, w, fuse, y, next, keep_parts);
         } else if w.cols % 32 == 0 {
-            let (layout, grid) = rows_layout(rec.gpu(), m, w.rows);
+            let (layout, grid) = rows_layout(rec.gpu(), m, w.rows, w.cols);
             let mut cm = c.to_vec();
             cm.extend(layout);
             rec.dispatch(&QMATVEC_ROWS, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
@@ -1978,19 +1978,20 @@ pub fn invariant_simt(max_cols: usize) -> bool {
     forced.unwrap_or(max_cols <= SIMT_MAX_COLS)
 }
 
-/// How `qmatvec_rows` lays out `m` rows of x through W with `rows` rows on `gpu`: rows of W
-/// a thread (MR_W: 1, or 2 with `DOPPLER_ROWS_W=2`, for measuring), rows of x a workgroup
-/// (MR_X: up to 16, W's runs decoded once for them all, fewer while the product would have
-/// fewer workgroups than the target of [`rows_knobs`]) and sets of 32 threads taking k's
-/// runs in turn (MR_SETS: [`rows_sets`]), whether x is staged in workgroup memory
-/// (MR_STAGE: from the knobs' least MR_X that stages), and its grid. A row's sums are the
-/// same in every layout that keeps MR_SETS (the batch's size may choose it; MR_SETS it
-/// never does).
-fn rows_layout(gpu: &Gpu, m: usize, rows: usize) -> ([(&'static str, f64); 4], Grid) {
+/// How `qmatvec_rows` lays out `m` rows of x through W with `rows` rows of `cols` on `gpu`:
+/// rows of W a thread (MR_W: 1, or 2 with `DOPPLER_ROWS_W=2`, for measuring), rows of x a
+/// workgroup (MR_X: up to 16 and what the workgroup memory holds for its sets, W's runs
+/// decoded once for them all, fewer while the product would have fewer workgroups than the
+/// target of [`rows_knobs`]) and sets of 32 threads taking k's runs in turn (MR_SETS:
+/// [`rows_sets`]), whether x is staged in workgroup memory (MR_STAGE: from the knobs' least
+/// MR_X that stages), and its grid. A row's sums are the same in every layout that keeps
+/// MR_SETS (the batch's size may choose it; MR_SETS it never does).
+fn rows_layout(gpu: &Gpu, m: usize, rows: usize, cols: usize) -> ([(&'static str, f64); 4], Grid) {
     let knobs = rows_knobs();
     let mr_w = knobs.rows_w;
+    let sets = rows_sets(gpu, cols);
     let gx = rows.div_ceil(32 * mr_w);
-    let mut r = m.next_power_of_two().clamp(1, 16);
+    let mut r = m.next_power_of_two().clamp(1, rows_max_x(gpu, sets));
     while r > 2 && gx * m.div_ceil(r) < knobs.groups {
         r /= 2;
     }
@@ -1998,17 +1999,53 @@ fn rows_layout(gpu: &Gpu, m: usize, rows: usize) -> ([(&'static str, f64); 4], G
         [
             ("MR_X", r as f64),
             ("MR_W", mr_w as f64),
-            ("MR_SETS", rows_sets(gpu) as f64),
+            ("MR_SETS", sets as f64),
             ("MR_STAGE", (r >= knobs.stage) as u32 as f64),
         ],
         Grid::Xyz([gx as u32, m.div_ceil(r) as u32, 1]),
     )
 }
 
-/// `qmatvec_rows`' sets of 32 threads a workgroup: 9 (SmolLM2's 18 runs of k in two passes,
-/// not three) where the adapter takes 288 threads a workgroup, else 8; or
-/// `DOPPLER_ROWS_SETS=8|9` (for measuring and checking both).
-fn rows_sets(gpu: &Gpu) -> usize {
+/// The most rows of x a `qmatvec_rows` workgroup of `sets` sets takes: 16, or the largest
+/// power of two whose staged runs and partial sums (`mr_xs`: 128 bytes a set and row, beside
+/// `mr_ss`' 64) fit the adapter's workgroup memory.
+fn rows_max_x(gpu: &Gpu, sets: usize) -> usize {
+    let room = (gpu.limits.max_compute_workgroup_storage_size as usize).saturating_sub(64);
+    let mut r = 16;
+    while r > 1 && sets * r * 128 > room {
+        r /= 2;
+    }
+    r
+}
+
+/// `qmatvec_rows`' sets of 32 threads a workgroup for rows of W `cols` long: where k's runs
+/// of 32 take more than two passes of the base sets, as many more sets as bring the passes
+/// down to what [`rows_sets_max`] sets would need (SmolLM2's down product, 48 runs: 24 sets
+/// in 2 passes, not 9 in 6), else the base: 9 (SmolLM2's 18 runs in two passes, not three)
+/// where the adapter takes 288 threads a workgroup, else 8; or `DOPPLER_ROWS_SETS=8|9` (for
+/// measuring and checking both). W's shape and the adapter choose it, never the batch.
+fn rows_sets(gpu: &Gpu, cols: usize) -> usize {
+    let base = rows_sets_base(gpu);
+    let runs = cols.div_ceil(32);
+    let most = rows_sets_max(gpu).max(base);
+    if runs <= 2 * base {
+        return base;
+    }
+    let passes = runs.div_ceil(most);
+    runs.div_ceil(passes).max(base)
+}
+
+/// The most sets a `qmatvec_rows` workgroup takes: 24 (768 threads), or
+/// `DOPPLER_ROWS_MAX_SETS=N` (for measuring; 8 or 9 keeps every product on the base), within
+/// the adapter's threads a workgroup and a workgroup memory of at least one row of x.
+fn rows_sets_max(gpu: &Gpu) -> usize {
+    let threads = gpu.limits.max_compute_invocations_per_workgroup as usize / 32;
+    let room = (gpu.limits.max_compute_workgroup_storage_size as usize).saturating_sub(64) / 128;
+    rows_knobs().max_sets.min(threads).min(room)
+}
+
+/// The base sets: 9 where the adapter takes 288 threads a workgroup, else 8, or as forced.
+fn rows_sets_base(gpu: &Gpu) -> usize {
     let fits = gpu.limits.max_compute_invocations_per_workgroup >= 9 * 32;
     match rows_knobs().sets {
         Some(9) if !fits => {
@@ -2037,6 +2074,8 @@ struct RowsKnobs {
     rows_w: usize,
     /// Sets a workgroup where forced: `DOPPLER_ROWS_SETS=8|9`.
     sets: Option<usize>,
+    /// The most sets a workgroup for long rows of W: 24 or `DOPPLER_ROWS_MAX_SETS=N`.
+    max_sets: usize,
     /// The least rows of x a workgroup (MR_X) that stage x in workgroup memory: 4 or
     /// `DOPPLER_ROWS_STAGE=N` (32: never).
     stage: usize,
@@ -2061,6 +2100,7 @@ fn rows_knobs() -> &'static RowsKnobs {
             rows_w: read("DOPPLER_ROWS_W", 1, &|n| n == 1 || n == 2),
             sets: Some(read("DOPPLER_ROWS_SETS", 0, &|n| n == 8 || n == 9)).filter(|&n| n > 0),
             stage: read("DOPPLER_ROWS_STAGE", 4, &|n| n > 0),
+            max_sets: read("DOPPLER_ROWS_MAX_SETS", 24, &|n| (1..=32).contains(&n)),
         }
     })
 }
@@ -2275,7 +2315,7 @@ pub fn qmatmul_rows_rope(
     p.d = d as u32;
     p.heads = to.hq as u32;
     let q = Tensor::empty(rec.gpu(), &[t, to.hq, d], DType::F32, "qmatmul_rows_rope.q")?;
-    let (layout, grid) = rows_layout(rec.gpu(), t, w.rows);
+    let (layout, grid) = rows_layout(rec.gpu(), t, w.rows, w.cols);
     let c = [
         ("TYPE", w.ty.0 as f64),
         ("NORM", norm.is_some() as u32 as f64),

@@ -881,10 +881,11 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 // norm factor (NORM: the rows' squares summed first, a fixed tree), the GLU or the
 // residual applied; sets 0..7 finish rows sg and sg + 8. A column's sums never depend on
 // the other rows of x, on MR_X (how many rows a workgroup takes) or on MR_W, so the rows'
-// bits do not depend on the batch (MR_SETS, chosen by the adapter's limits, does change
-// them). Grid: (ceil(W's rows / (32 MR_W)), ceil(m / MR_X)); MR_X <= 16, MR_W 1 or 2,
-// MR_SETS 8 or 9 (9: k's 18 runs at SmolLM2's width in two passes, not three); MR_STAGE
-// below.
+// bits do not depend on the batch (MR_SETS, chosen by W's shape and the adapter's limits,
+// does change them). Grid: (ceil(W's rows / (32 MR_W)), ceil(m / MR_X)); MR_X <= 16, MR_W
+// 1 or 2, MR_SETS 8 or 9 (9: k's 18 runs at SmolLM2's width in two passes, not three) or,
+// for longer rows of W, more (SmolLM2's down product: 24 sets, 2 passes of k's 48 runs, not
+// 6); MR_STAGE below.
 override MR_X: u32 = 8u;
 override MR_W: u32 = 1u;
 override MR_SETS: u32 = 8u;
@@ -893,9 +894,10 @@ override MR_SETS: u32 = 8u;
 // workgroup, slower with one or two (the host's choice by MR_X; the same bits).
 override MR_STAGE: bool = false;
 var<workgroup> mr_ss: array<f32, 16>;       // NORM: [row of x] sum of x^2
-// One buffer, two uses: x's staged runs ([set][row of x (16)][vec4 of the run (8)]) while
-// the sets sum, then the sets' partials as f32s ([set (9)][row of x (16)][thread of the set]).
-var<workgroup> mr_xs: array<vec4<f32>, 1152>;
+// One buffer, two uses: x's staged runs ([set][row of x (MR_X)][vec4 of the run (8)]) while
+// the sets sum, then the sets' partials as f32s ([set][row of x (MR_X)][thread of the set]).
+override MR_LEN: u32 = MR_SETS * MR_X * 8u;
+var<workgroup> mr_xs: array<vec4<f32>, MR_LEN>;
 fn mr_get(i: u32) -> f32 {
     return mr_xs[i / 4u][i % 4u];
 }
@@ -918,7 +920,7 @@ fn mr_dots(acc: vec2<f32>, xs: array<vec4<f32>, 8>, w0: array<vec4<f32>, 8>, w1:
 
 // Row r's sums after run c's 8 dots from set sg's staged x (MR_STAGE).
 fn mr_row_s(acc: vec2<f32>, sg: u32, r: u32, w0: array<vec4<f32>, 8>, w1: array<vec4<f32>, 8>) -> vec2<f32> {
-    let xb = (sg * 16u + r) * 8u;
+    let xb = (sg * MR_X + r) * 8u;
     var xs: array<vec4<f32>, 8>;
     for (var e = 0u; e < 8u; e++) {
         xs[e] = mr_xs[xb + e];
@@ -927,7 +929,7 @@ fn mr_row_s(acc: vec2<f32>, sg: u32, r: u32, w0: array<vec4<f32>, 8>, w1: array<
 }
 
 fn mr_at(sg: u32, r: u32, t: u32) -> u32 {
-    return (sg * 16u + r) * 32u + t;
+    return (sg * MR_X + r) * 32u + t;
 }
 
 // W's run at column c of the row starting at wbase, times the norm weight (NORM).
@@ -951,12 +953,12 @@ fn mr_row(acc: vec2<f32>, r: u32, c: u32, w0: array<vec4<f32>, 8>, w1: array<vec
     return mr_dots(acc, xs, w0, w1);
 }
 
-// Rows r.. r + 4 of set sg's sums for thread t (rows past MR_X are not read).
+// Rows r.. r + 4 of set sg's sums for thread t (rows past MR_X have no slots).
 fn mr_put(sg: u32, r: u32, t: u32, a: vec4<f32>) {
     mr_set(mr_at(sg, r, t), a.x);
-    mr_set(mr_at(sg, r + 1u, t), a.y);
-    mr_set(mr_at(sg, r + 2u, t), a.z);
-    mr_set(mr_at(sg, r + 3u, t), a.w);
+    if (r + 1u < MR_X) { mr_set(mr_at(sg, r + 1u, t), a.y); }
+    if (r + 2u < MR_X) { mr_set(mr_at(sg, r + 2u, t), a.z); }
+    if (r + 3u < MR_X) { mr_set(mr_at(sg, r + 3u, t), a.w); }
 }
 
 // Row r's sum for thread t's column: the MR_SETS sets' in order, times the norm factor.
@@ -1000,7 +1002,7 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
     if (NORM) {
         // Row r's squares: set r % 8 takes rows r, r + 8 (a ninth set none); its thread t
         // columns 4 t + 128 i, then the 32 partials in a fixed tree.
-        for (var r = sg; r < 16u && sg < 8u; r += 8u) {
+        for (var r = sg; r < MR_X && sg < 8u; r += 8u) {
             var ss = 0.0;
             if (r < nr) {
                 for (var c = t * 4u; c < p.k; c += 128u) {
@@ -1013,14 +1015,14 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
         workgroupBarrier();
         for (var h = 16u; h > 0u; h >>= 1u) {
             if (t < h) {
-                for (var r = sg; r < 16u && sg < 8u; r += 8u) {
+                for (var r = sg; r < MR_X && sg < 8u; r += 8u) {
                     mr_set(mr_at(0u, r, t), mr_get(mr_at(0u, r, t)) + mr_get(mr_at(0u, r, t + h)));
                 }
             }
             workgroupBarrier();
         }
         if (t == 0u) {
-            for (var r = sg; r < 16u && sg < 8u; r += 8u) {
+            for (var r = sg; r < MR_X && sg < 8u; r += 8u) {
                 mr_ss[r] = mr_get(mr_at(0u, r, 0u));
             }
         }
@@ -1082,7 +1084,7 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
                 for (var i = 0u; i < 4u; i++) {
                     let r = t / 8u + 4u * i;
                     if (r < MR_X && r < nr) {
-                        mr_xs[(sg * 16u + r) * 8u + e] = xr[i];
+                        mr_xs[(sg * MR_X + r) * 8u + e] = xr[i];
                     }
                 }
             }
@@ -1152,11 +1154,15 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
         t1 = vec2<f32>(mr_total(sg, t, nr), mr_total(sg + 8u, t, nr));
     }
     workgroupBarrier();
-    if (sg < 8u) {
+    if (sg < MR_X) {
         mr_set(mr_at(0u, sg, t), t0.x);
-        mr_set(mr_at(0u, sg + 8u, t), t0.y);
         if (MR_W > 1u) {
             mr_set(mr_at(1u, sg, t), t1.x);
+        }
+    }
+    if (sg + 8u < MR_X) {
+        mr_set(mr_at(0u, sg + 8u, t), t0.y);
+        if (MR_W > 1u) {
             mr_set(mr_at(1u, sg + 8u, t), t1.y);
         }
     }

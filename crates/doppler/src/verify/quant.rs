@@ -1316,11 +1316,16 @@ pub(super) async fn split_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// |x w|); plain, with the residual, and with the norm and SwiGLU; there also off them
 /// ([`Fuse::simt`]: `qmatvec_rows`, as elsewhere). Rows of W 68 long (not whole runs of
 /// 32) take the matrix-vector kernel `qmatvec` off cooperative matrices; two are tall (a
-/// head's 16,384 rows and more: Q8_0 with the norm, a K-quant plain).
+/// head's 16,384 rows and more: Q8_0 with the norm, a K-quant plain); two long (1536 and
+/// 1600 columns: `qmatvec_rows` with more sets of threads than the base).
 pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::quant::{invariant_on_coop, qmatmul_fused, Fuse};
-    let cases: [(&str, usize, usize, BatchFuse); 7] = [
+    let cases: [(&str, usize, usize, BatchFuse); 9] = [
         ("Q4_1", 96, 576, BatchFuse::Plain),
+        // Rows longer than two passes of the base sets: more sets (24 in 2 passes, and 17
+        // in 3 with a short last pass, where the adapter takes them).
+        ("Q4_1", 64, 1536, BatchFuse::Residual),
+        ("Q8_0", 40, 1600, BatchFuse::NormSwiglu),
         ("Q4_K", 64, 512, BatchFuse::NormSwiglu),
         ("Q6_K", 40, 256, BatchFuse::Residual),
         ("F16", 24, 64, BatchFuse::Plain),
