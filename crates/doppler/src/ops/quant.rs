@@ -2019,19 +2019,17 @@ fn rows_max_x(gpu: &Gpu, sets: usize) -> usize {
 }
 
 /// `qmatvec_rows`' sets of 32 threads a workgroup for rows of W `cols` long: where k's runs
-/// of 32 take more than two passes of the base sets, as many more sets as bring the passes
-/// down to what [`rows_sets_max`] sets would need (SmolLM2's down product, 48 runs: 24 sets
-/// in 2 passes, not 9 in 6), else the base: 9 (SmolLM2's 18 runs in two passes, not three)
-/// where the adapter takes 288 threads a workgroup, else 8; or `DOPPLER_ROWS_SETS=8|9` (for
-/// measuring and checking both). W's shape and the adapter choose it, never the batch.
+/// of 32 take more passes of the base sets than the knobs' target (2), the fewest sets that
+/// bring them down to it, or to what [`rows_sets_max`] sets need (SmolLM2's down product,
+/// 48 runs: 24 sets in 2 passes, not 9 in 6), else the base: 9 (SmolLM2's 18 runs in two
+/// passes, not three) where the adapter takes 288 threads a workgroup, else 8; or
+/// `DOPPLER_ROWS_SETS=8|9` (for measuring and checking both). W's shape and the adapter
+/// choose it, never the batch.
 fn rows_sets(gpu: &Gpu, cols: usize) -> usize {
     let base = rows_sets_base(gpu);
     let runs = cols.div_ceil(32);
     let most = rows_sets_max(gpu).max(base);
-    if runs <= 2 * base {
-        return base;
-    }
-    let passes = runs.div_ceil(most);
+    let passes = rows_knobs().passes.max(runs.div_ceil(most));
     runs.div_ceil(passes).max(base)
 }
 
@@ -2076,6 +2074,9 @@ struct RowsKnobs {
     sets: Option<usize>,
     /// The most sets a workgroup for long rows of W: 24 or `DOPPLER_ROWS_MAX_SETS=N`.
     max_sets: usize,
+    /// The passes over k's runs above which a product takes more sets than the base: 2 or
+    /// `DOPPLER_ROWS_PASSES=N`.
+    passes: usize,
     /// The least rows of x a workgroup (MR_X) that stage x in workgroup memory: 4 or
     /// `DOPPLER_ROWS_STAGE=N` (32: never).
     stage: usize,
@@ -2101,6 +2102,7 @@ fn rows_knobs() -> &'static RowsKnobs {
             sets: Some(read("DOPPLER_ROWS_SETS", 0, &|n| n == 8 || n == 9)).filter(|&n| n > 0),
             stage: read("DOPPLER_ROWS_STAGE", 4, &|n| n > 0),
             max_sets: read("DOPPLER_ROWS_MAX_SETS", 24, &|n| (1..=32).contains(&n)),
+            passes: read("DOPPLER_ROWS_PASSES", 2, &|n| n > 0),
         }
     })
 }
