@@ -2021,7 +2021,7 @@ fn rows_max_x(gpu: &Gpu, sets: usize) -> usize {
 /// `qmatvec_rows`' sets of 32 threads a workgroup for rows of W `cols` long: where k's runs
 /// of 32 take more passes of the base sets than the knobs' target (2), the fewest sets that
 /// bring them down to it, or to what [`rows_sets_max`] sets need (SmolLM2's down product,
-/// 48 runs: 24 sets in 2 passes, not 9 in 6), else the base: 9 (SmolLM2's 18 runs in two
+/// 48 runs: 16 sets in 3 passes, not 9 in 6), else the base: 9 (SmolLM2's 18 runs in two
 /// passes, not three) where the adapter takes 288 threads a workgroup, else 8; or
 /// `DOPPLER_ROWS_SETS=8|9` (for measuring and checking both). W's shape and the adapter
 /// choose it, never the batch.
@@ -2033,7 +2033,9 @@ fn rows_sets(gpu: &Gpu, cols: usize) -> usize {
     runs.div_ceil(passes).max(base)
 }
 
-/// The most sets a `qmatvec_rows` workgroup takes: 24 (768 threads), or
+/// The most sets a `qmatvec_rows` workgroup takes: 16 (512 threads; on an H100 SmolLM2's
+/// 32-row step ran 2.3% faster with 16 sets for its down product than with 9, 1.4% slower
+/// with 24, and 8% slower with 18 sets in one pass for its other products), or
 /// `DOPPLER_ROWS_MAX_SETS=N` (for measuring; 8 or 9 keeps every product on the base), within
 /// the adapter's threads a workgroup and a workgroup memory of at least one row of x.
 fn rows_sets_max(gpu: &Gpu) -> usize {
@@ -2072,7 +2074,7 @@ struct RowsKnobs {
     rows_w: usize,
     /// Sets a workgroup where forced: `DOPPLER_ROWS_SETS=8|9`.
     sets: Option<usize>,
-    /// The most sets a workgroup for long rows of W: 24 or `DOPPLER_ROWS_MAX_SETS=N`.
+    /// The most sets a workgroup for long rows of W: 16 or `DOPPLER_ROWS_MAX_SETS=N`.
     max_sets: usize,
     /// The passes over k's runs above which a product takes more sets than the base: 2 or
     /// `DOPPLER_ROWS_PASSES=N`.
@@ -2101,7 +2103,7 @@ fn rows_knobs() -> &'static RowsKnobs {
             rows_w: read("DOPPLER_ROWS_W", 1, &|n| n == 1 || n == 2),
             sets: Some(read("DOPPLER_ROWS_SETS", 0, &|n| n == 8 || n == 9)).filter(|&n| n > 0),
             stage: read("DOPPLER_ROWS_STAGE", 4, &|n| n > 0),
-            max_sets: read("DOPPLER_ROWS_MAX_SETS", 24, &|n| (1..=32).contains(&n)),
+            max_sets: read("DOPPLER_ROWS_MAX_SETS", 16, &|n| (1..=32).contains(&n)),
             passes: read("DOPPLER_ROWS_PASSES", 2, &|n| n > 0),
         }
     })

@@ -884,7 +884,7 @@ fn qmatvec(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 // bits do not depend on the batch (MR_SETS, chosen by W's shape and the adapter's limits,
 // does change them). Grid: (ceil(W's rows / (32 MR_W)), ceil(m / MR_X)); MR_X <= 16, MR_W
 // 1 or 2, MR_SETS 8 or 9 (9: k's 18 runs at SmolLM2's width in two passes, not three) or,
-// for longer rows of W, more (SmolLM2's down product: 24 sets, 2 passes of k's 48 runs, not
+// for longer rows of W, more (SmolLM2's down product: 16 sets, 3 passes of k's 48 runs, not
 // 6); MR_STAGE below.
 override MR_X: u32 = 8u;
 override MR_W: u32 = 1u;

@@ -1322,8 +1322,8 @@ pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::quant::{invariant_on_coop, qmatmul_fused, Fuse};
     let cases: [(&str, usize, usize, BatchFuse); 9] = [
         ("Q4_1", 96, 576, BatchFuse::Plain),
-        // Rows longer than two passes of the base sets: more sets (24 in 2 passes, and 17
-        // in 3 with a short last pass, where the adapter takes them).
+        // Rows longer than two passes of the base sets: more sets (16 in 3 passes, and 13
+        // in 4 with a short last pass, where the adapter takes them).
         ("Q4_1", 64, 1536, BatchFuse::Residual),
         ("Q8_0", 40, 1600, BatchFuse::NormSwiglu),
         ("Q4_K", 64, 512, BatchFuse::NormSwiglu),
