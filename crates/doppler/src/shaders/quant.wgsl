@@ -1154,7 +1154,8 @@ fn mr_sums(wid: vec3<u32>, lid: u32) -> vec4<f32> {
         t1 = vec2<f32>(mr_total(sg, t, nr), mr_total(sg + 8u, t, nr));
     }
     workgroupBarrier();
-    if (sg < MR_X) {
+    // Rows sg and sg + 8 by sets 0..7 only: one writer a slot.
+    if (sg < 8u && sg < MR_X) {
         mr_set(mr_at(0u, sg, t), t0.x);
         if (MR_W > 1u) {
             mr_set(mr_at(1u, sg, t), t1.x);
