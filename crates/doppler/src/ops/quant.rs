@@ -2006,13 +2006,18 @@ fn rows_layout(gpu: &Gpu, m: usize, rows: usize, cols: usize) -> ([(&'static str
     )
 }
 
+/// How many (set, row of x) slots of `qmatvec_rows`' `mr_xs` (128 bytes each: a row's staged
+/// run, or a set's 32 partial sums) the adapter's workgroup memory holds beside `mr_ss`' 64
+/// bytes.
+fn rows_slots(gpu: &Gpu) -> usize {
+    (gpu.limits.max_compute_workgroup_storage_size as usize).saturating_sub(64) / 128
+}
+
 /// The most rows of x a `qmatvec_rows` workgroup of `sets` sets takes: 16, or the largest
-/// power of two whose staged runs and partial sums (`mr_xs`: 128 bytes a set and row, beside
-/// `mr_ss`' 64) fit the adapter's workgroup memory.
+/// power of two whose slots ([`rows_slots`]) fit.
 fn rows_max_x(gpu: &Gpu, sets: usize) -> usize {
-    let room = (gpu.limits.max_compute_workgroup_storage_size as usize).saturating_sub(64);
     let mut r = 16;
-    while r > 1 && sets * r * 128 > room {
+    while r > 1 && sets * r > rows_slots(gpu) {
         r /= 2;
     }
     r
@@ -2040,8 +2045,7 @@ fn rows_sets(gpu: &Gpu, cols: usize) -> usize {
 /// the adapter's threads a workgroup and a workgroup memory of at least one row of x.
 fn rows_sets_max(gpu: &Gpu) -> usize {
     let threads = gpu.limits.max_compute_invocations_per_workgroup as usize / 32;
-    let room = (gpu.limits.max_compute_workgroup_storage_size as usize).saturating_sub(64) / 128;
-    rows_knobs().max_sets.min(threads).min(room)
+    rows_knobs().max_sets.min(threads).min(rows_slots(gpu))
 }
 
 /// The base sets: 9 where the adapter takes 288 threads a workgroup, else 8, or as forced.
