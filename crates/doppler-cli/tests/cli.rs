@@ -78,9 +78,9 @@ fn cooperative_kernels_pass_verify_emulated() {
         .iter()
         .filter(|c| c["shape"].as_str().unwrap().contains("cooperative (f16)"))
         .count();
-    // The nine products (two of them a head's tall W, two long rows) ran on the (emulated)
+    // The ten products (two of them a head's tall W, two long rows) ran on the (emulated)
     // cooperative kernels, not the f32 ones.
-    assert_eq!(coop, 9, "{stdout}");
+    assert_eq!(coop, 10, "{stdout}");
 }
 
 /// `qmatvec_rows`' layouts beside the default: two rows of W a thread

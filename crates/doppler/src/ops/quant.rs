@@ -2335,6 +2335,8 @@ pub fn qmatmul_rows_rope(
         ),
         layout[0],
         layout[1],
+        layout[2],
+        layout[3],
     ];
     let nw = norm.map_or(x, |n| n.0);
     let bind = [

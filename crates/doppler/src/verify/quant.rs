@@ -1317,11 +1317,13 @@ pub(super) async fn split_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
 /// ([`Fuse::simt`]: `qmatvec_rows`, as elsewhere). Rows of W 68 long (not whole runs of
 /// 32) take the matrix-vector kernel `qmatvec` off cooperative matrices; two are tall (a
 /// head's 16,384 rows and more: Q8_0 with the norm, a K-quant plain); two long (1536 and
-/// 1600 columns: `qmatvec_rows` with more sets of threads than the base).
+/// 1600 columns: `qmatvec_rows` with more sets of threads than the base); the Q4_0 case's
+/// 70 rows end inside a `qmatvec_rows` workgroup's 32.
 pub(super) async fn invariant_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
     use crate::ops::quant::{invariant_on_coop, qmatmul_fused, Fuse};
-    let cases: [(&str, usize, usize, BatchFuse); 9] = [
+    let cases: [(&str, usize, usize, BatchFuse); 10] = [
         ("Q4_1", 96, 576, BatchFuse::Plain),
+        ("Q4_0", 70, 320, BatchFuse::Residual),
         // Rows longer than two passes of the base sets: more sets (16 in 3 passes, and 13
         // in 4 with a short last pass, where the adapter takes them).
         ("Q4_1", 64, 1536, BatchFuse::Residual),
