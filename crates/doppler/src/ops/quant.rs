@@ -2324,7 +2324,9 @@ pub fn qmatmul_rows_rope(
     p.heads = to.hq as u32;
     let q = Tensor::empty(rec.gpu(), &[t, to.hq, d], DType::F32, "qmatmul_rows_rope.q")?;
     let (layout, grid) = rows_layout(rec.gpu(), t, w.rows, w.cols);
-    let c = [
+    // The whole layout, as `qmatvec_rows` takes it (until session 41 this kernel was given
+    // only its first two entries and ran the shader's default sets, unstaged).
+    let mut c = vec![
         ("TYPE", w.ty.0 as f64),
         ("NORM", norm.is_some() as u32 as f64),
         ("ROPE_HALF", (to.pairing == Pairing::Half) as u32 as f64),
@@ -2333,11 +2335,8 @@ pub fn qmatmul_rows_rope(
             "ROPE_KV_F16",
             (to.k_cache.dtype() == DType::F16) as u32 as f64,
         ),
-        layout[0],
-        layout[1],
-        layout[2],
-        layout[3],
     ];
+    c.extend(layout);
     let nw = norm.map_or(x, |n| n.0);
     let bind = [
         &w.raw,
