@@ -803,6 +803,10 @@ pub struct Fuse<'a> {
     /// With `invariant`: off cooperative matrices even where the adapter has them (a small
     /// model's batched steps, [`invariant_simt`]).
     pub simt: bool,
+    /// Without `invariant`: the cooperative product's 128 x 128 tiles wherever they run,
+    /// even for a small model's narrow prompt product ([`prompt_rows_simt`]); for checking
+    /// that kernel on such shapes.
+    pub tiled: bool,
 }
 
 /// x rounded for the product that takes it, by the one that made it: one row rounded to 8
@@ -1238,6 +1242,13 @@ fn qmatmul_out(
             let (cm, grid) = matvec_grid(&c, m, w.rows, 8);
             rec.dispatch(&QMATVEC, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         }
+        return Ok(Coop::Done(y, None));
+    }
+    if !fuse.tiled && prompt_rows_simt(rec.gpu(), m, w) {
+        let (layout, grid) = rows_layout(rec.gpu(), m, w.rows, w.cols);
+        let mut cm = c.to_vec();
+        cm.extend(layout);
+        rec.dispatch(&QMATVEC_ROWS, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
         return Ok(Coop::Done(y, None));
     }
     if uses_coop(rec.gpu(), m, w.rows, w.cols) {
@@ -2122,6 +2133,40 @@ pub fn uses_coop(gpu: &Gpu, m: usize, rows: usize, cols: usize) -> bool {
     shape && gpu.quant_coop && cols % 4 == 0
 }
 
+/// Whether a product of `m` rows of x (a prompt's: more than [`SKINNY_MAX_ROWS`]) that
+/// would take the cooperative product's 128 x 128 tiles takes `qmatvec_rows` instead: a
+/// small model's narrow product (rows of W at most [`SIMT_MAX_COLS`] long, whole runs of
+/// 32) whose tiles would number fewer than [`prompt_simt_tiles`], leaving most of a large
+/// GPU idle. On an H100 at 404 rows SmolLM2's q/k/v, o and down products (32, 20 and 20
+/// tiles) took 40.6, 29.0 and 66.1 us this way against 77.2, 69.3 and 89.1 tiled; its
+/// gate/up (96 tiles) 113.1 against 71.7 (docs/benchmarks.md, session 42).
+fn prompt_rows_simt(gpu: &Gpu, m: usize, w: &QMatrix) -> bool {
+    prompt_simt_shape(m, w.rows, w.cols, prompt_simt_tiles()) && uses_coop(gpu, m, w.rows, w.cols)
+}
+
+/// [`prompt_rows_simt`]'s test of the shape, with tiles below `limit`.
+fn prompt_simt_shape(m: usize, rows: usize, cols: usize, limit: usize) -> bool {
+    let tiles = rows.div_ceil(COOP_TILE) * m.div_ceil(COOP_TILE);
+    m > SKINNY_MAX_ROWS && cols % 32 == 0 && cols <= SIMT_MAX_COLS && tiles < limit
+}
+
+/// The tiles of 128 x 128 below which [`prompt_rows_simt`] holds: 64, or
+/// `DOPPLER_PROMPT_SIMT_TILES=N` (0: never; for measuring). Read once a process.
+fn prompt_simt_tiles() -> usize {
+    static TILES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *TILES.get_or_init(|| {
+        let v = std::env::var("DOPPLER_PROMPT_SIMT_TILES").ok();
+        match v.as_deref().map(|v| v.trim().parse::<usize>()) {
+            None => 64,
+            Some(Ok(n)) => n,
+            Some(Err(_)) => {
+                tracing::warn!("DOPPLER_PROMPT_SIMT_TILES={v:?} is not a number: 64");
+                64
+            }
+        }
+    })
+}
+
 /// Rows of x from and up to which a cooperative product takes tiles of 16, 32 or 64 rows
 /// (`qmatmul_coop_skinny`: batched decode steps); more rows take 128-row tiles. Below,
 /// the batched decode kernel or the matrix-vector kernel is faster: on the H200 an 8B
@@ -2399,7 +2444,28 @@ fn matvec_grid(
 
 #[cfg(test)]
 mod tests {
-    use super::{skinny_bk, split_k, split_k_to, SkinnyLayout, COOP_SPLITK_TARGET};
+    use super::{
+        prompt_simt_shape, skinny_bk, split_k, split_k_to, SkinnyLayout, COOP_SPLITK_TARGET,
+    };
+
+    #[test]
+    fn small_models_narrow_prompt_products_take_qmatvec_rows() {
+        // SmolLM2-135M at 512 rows: q/k/v, o and down (32, 20, 20 tiles) do, gate/up (96)
+        // does not; at 65 rows all do, at 64 (the skinny product's) none; 8 x 512 rows of
+        // LoRA fine-tuning none; the 8B (rows of W 4096 long) never.
+        let smol = [(960, 576), (576, 576), (576, 1536), (3072, 576)];
+        let at = |m: usize| smol.map(|(r, c)| prompt_simt_shape(m, r, c, 64));
+        assert_eq!(at(512), [true, true, true, false]);
+        assert_eq!(at(65), [true; 4]);
+        assert_eq!(at(64), [false; 4]);
+        assert_eq!(at(4096), [false; 4]);
+        assert!(!prompt_simt_shape(512, 1024, 4096, 64));
+        assert!(
+            !prompt_simt_shape(512, 576, 68, 64),
+            "rows of W not whole runs of 32"
+        );
+        assert!(!prompt_simt_shape(512, 960, 576, 0), "0: never");
+    }
 
     #[test]
     fn rows_rope_pages_are_the_pools() {

@@ -595,17 +595,23 @@ pub(super) async fn coop_checks(gpu: &Gpu, out: &mut Vec<CheckResult>) {
             let xt = Tensor::from_f32(gpu, &xs, &xv, "x")?;
             let nwt = Tensor::from_f32(gpu, &[cols], &nw, "nw")?;
             let rt = Tensor::from_f32(gpu, &ys, &resv, "res")?;
+            // The tiled cooperative product even where a small model's prompt product
+            // would take qmatvec_rows (which `qmatmul fused` and the invariant checks check).
+            let tiled = Fuse {
+                tiled: true,
+                ..Default::default()
+            };
             let f = match fuse {
-                CoopFuse::Plain => Fuse::default(),
+                CoopFuse::Plain => tiled,
                 CoopFuse::Residual => Fuse {
                     residual: Some(&rt),
-                    ..Default::default()
+                    ..tiled
                 },
                 CoopFuse::NormGlu { geglu } => Fuse {
                     norm: Some((&nwt, eps)),
                     swiglu: true,
                     geglu,
-                    ..Default::default()
+                    ..tiled
                 },
             };
             let y = gpu.run_async(|rec| qmatmul_fused(rec, &xt, &q, f)).await?;
