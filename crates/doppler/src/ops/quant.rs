@@ -2136,32 +2136,36 @@ pub fn uses_coop(gpu: &Gpu, m: usize, rows: usize, cols: usize) -> bool {
 /// Whether a product of `m` rows of x (a prompt's: more than [`SKINNY_MAX_ROWS`]) that
 /// would take the cooperative product's 128 x 128 tiles takes `qmatvec_rows` instead: a
 /// small model's narrow product (rows of W at most [`SIMT_MAX_COLS`] long, whole runs of
-/// 32) whose tiles would number fewer than [`prompt_simt_tiles`], leaving most of a large
-/// GPU idle. On an H100 at 404 rows SmolLM2's q/k/v, o and down products (32, 20 and 20
-/// tiles) took 40.6, 29.0 and 66.1 us this way against 77.2, 69.3 and 89.1 tiled; its
-/// gate/up (96 tiles) 113.1 against 71.7 (docs/benchmarks.md, session 42).
+/// 32) of at most [`prompt_simt_tiles`] tiles each way, which leaves most of a large GPU
+/// idle. On an H100 at 512 rows SmolLM2's q/k/v, o and down products (8, 5 and 5 tiles of
+/// W's rows) took 51, 35 and 81 us this way against 81, 72 and 95 tiled (at 1,024 rows 90,
+/// 57 and 140 against 117, 92 and 144); its gate/up (24) 139 against 73; a prompt of 128
+/// tokens 4.6 ms against 6.6 (docs/benchmarks.md, session 42).
 fn prompt_rows_simt(gpu: &Gpu, m: usize, w: &QMatrix) -> bool {
     prompt_simt_shape(m, w.rows, w.cols, prompt_simt_tiles()) && uses_coop(gpu, m, w.rows, w.cols)
 }
 
-/// [`prompt_rows_simt`]'s test of the shape, with tiles below `limit`.
-fn prompt_simt_shape(m: usize, rows: usize, cols: usize, limit: usize) -> bool {
-    let tiles = rows.div_ceil(COOP_TILE) * m.div_ceil(COOP_TILE);
-    m > SKINNY_MAX_ROWS && cols % 32 == 0 && cols <= SIMT_MAX_COLS && tiles < limit
+/// [`prompt_rows_simt`]'s test of the shape, with at most `most` tiles each way.
+fn prompt_simt_shape(m: usize, rows: usize, cols: usize, most: usize) -> bool {
+    m > SKINNY_MAX_ROWS
+        && cols % 32 == 0
+        && cols <= SIMT_MAX_COLS
+        && rows.div_ceil(COOP_TILE) <= most
+        && m.div_ceil(COOP_TILE) <= most
 }
 
-/// The tiles of 128 x 128 below which [`prompt_rows_simt`] holds: 64, or
-/// `DOPPLER_PROMPT_SIMT_TILES=N` (0: never; for measuring). Read once a process.
+/// [`prompt_rows_simt`]'s most tiles each way: 8, or `DOPPLER_PROMPT_SIMT=N` (0: never;
+/// for measuring). Read once a process.
 fn prompt_simt_tiles() -> usize {
-    static TILES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *TILES.get_or_init(|| {
-        let v = std::env::var("DOPPLER_PROMPT_SIMT_TILES").ok();
+    static MOST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MOST.get_or_init(|| {
+        let v = std::env::var("DOPPLER_PROMPT_SIMT").ok();
         match v.as_deref().map(|v| v.trim().parse::<usize>()) {
-            None => 64,
+            None => 8,
             Some(Ok(n)) => n,
             Some(Err(_)) => {
-                tracing::warn!("DOPPLER_PROMPT_SIMT_TILES={v:?} is not a number: 64");
-                64
+                tracing::warn!("DOPPLER_PROMPT_SIMT={v:?} is not a number: 8");
+                8
             }
         }
     })
@@ -2450,18 +2454,20 @@ mod tests {
 
     #[test]
     fn small_models_narrow_prompt_products_take_qmatvec_rows() {
-        // SmolLM2-135M at 512 rows: q/k/v, o and down (32, 20, 20 tiles) do, gate/up (96)
-        // does not; at 65 rows all do, at 64 (the skinny product's) none; 8 x 512 rows of
-        // LoRA fine-tuning none; the 8B (rows of W 4096 long) never.
+        // SmolLM2-135M from 65 to 1,024 rows: q/k/v, o and down (8, 5, 5 tiles of W's
+        // rows) do, gate/up (24) does not; at 64 rows (the skinny product's), past 1,024
+        // rows (8 x 512 of LoRA fine-tuning) none; the 8B (rows of W 4096 long) never.
         let smol = [(960, 576), (576, 576), (576, 1536), (3072, 576)];
-        let at = |m: usize| smol.map(|(r, c)| prompt_simt_shape(m, r, c, 64));
-        assert_eq!(at(512), [true, true, true, false]);
-        assert_eq!(at(65), [true; 4]);
+        let at = |m: usize| smol.map(|(r, c)| prompt_simt_shape(m, r, c, 8));
+        for m in [65, 128, 512, 1024] {
+            assert_eq!(at(m), [true, true, true, false], "{m} rows");
+        }
         assert_eq!(at(64), [false; 4]);
+        assert_eq!(at(1025), [false; 4]);
         assert_eq!(at(4096), [false; 4]);
-        assert!(!prompt_simt_shape(512, 1024, 4096, 64));
+        assert!(!prompt_simt_shape(512, 1024, 4096, 8));
         assert!(
-            !prompt_simt_shape(512, 576, 68, 64),
+            !prompt_simt_shape(512, 576, 68, 8),
             "rows of W not whole runs of 32"
         );
         assert!(!prompt_simt_shape(512, 960, 576, 0), "0: never");
