@@ -83,6 +83,27 @@ fn cooperative_kernels_pass_verify_emulated() {
     assert_eq!(coop, 10, "{stdout}");
 }
 
+/// A small model's prompt products on an adapter with cooperative matrices (emulated):
+/// more than 64 rows of x with a narrow W take `qmatvec_rows` (`prompt_rows_simt`), the
+/// norm, SwiGLU and residual fused as in the tiled product; `verify`'s fused products (2 x
+/// 67 rows of x among them) still pass against f64.
+#[test]
+fn prompt_products_pass_verify_emulated() {
+    let (ok, stdout, stderr) = doppler_env(
+        &["verify", "--filter", "qmatmul fused", "--json"],
+        &[("DOPPLER_EMULATE_COOP", "on")],
+    );
+    assert!(ok, "{stdout}{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["failed"], 0, "{stdout}");
+    let checks = v["checks"].as_array().unwrap();
+    let prompts = checks
+        .iter()
+        .filter(|c| c["shape"].as_str().unwrap().starts_with("x [2, 67, "))
+        .count();
+    assert_eq!(prompts, 3, "{stdout}");
+}
+
 /// `qmatvec_rows`' layouts beside the default: two rows of W a thread
 /// (`DOPPLER_ROWS_W=2`) with a smaller workgroup target (`DOPPLER_ROWS_GROUPS=66`, so more
 /// rows of x a workgroup); every row of x a workgroup can take (`DOPPLER_ROWS_GROUPS=1`:
