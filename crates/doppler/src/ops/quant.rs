@@ -2140,7 +2140,7 @@ pub fn uses_coop(gpu: &Gpu, m: usize, rows: usize, cols: usize) -> bool {
 /// idle. On an H100 at 512 rows SmolLM2's q/k/v, o and down products (8, 5 and 5 tiles of
 /// W's rows) took 51, 35 and 81 us this way against 81, 72 and 95 tiled (at 1,024 rows 90,
 /// 57 and 140 against 117, 92 and 144); its gate/up (24) 139 against 73; a prompt of 128
-/// tokens 4.6 ms against 6.6 (docs/benchmarks.md, session 42).
+/// tokens 4.7 ms against 6.6 (docs/benchmarks.md, session 42).
 fn prompt_rows_simt(gpu: &Gpu, m: usize, w: &QMatrix) -> bool {
     prompt_simt_shape(m, w.rows, w.cols, prompt_simt_tiles()) && uses_coop(gpu, m, w.rows, w.cols)
 }
