@@ -1234,10 +1234,7 @@ fn qmatmul_out(
         if invariant_on_coop(rec.gpu(), w.cols) && !fuse.simt {
             return qmatmul_coop(rec, x, w, fuse, y, next, keep_parts);
         } else if w.cols % 32 == 0 {
-            let (layout, grid) = rows_layout(rec.gpu(), m, w.rows, w.cols);
-            let mut cm = c.to_vec();
-            cm.extend(layout);
-            rec.dispatch(&QMATVEC_ROWS, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
+            rows_product(rec, &c, &p, &bind, m, w)?;
         } else {
             let (cm, grid) = matvec_grid(&c, m, w.rows, 8);
             rec.dispatch(&QMATVEC, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
@@ -1245,10 +1242,7 @@ fn qmatmul_out(
         return Ok(Coop::Done(y, None));
     }
     if !fuse.tiled && prompt_rows_simt(rec.gpu(), m, w) {
-        let (layout, grid) = rows_layout(rec.gpu(), m, w.rows, w.cols);
-        let mut cm = c.to_vec();
-        cm.extend(layout);
-        rec.dispatch(&QMATVEC_ROWS, &cm, bytemuck::bytes_of(&p), &bind, grid)?;
+        rows_product(rec, &c, &p, &bind, m, w)?;
         return Ok(Coop::Done(y, None));
     }
     if uses_coop(rec.gpu(), m, w.rows, w.cols) {
@@ -2131,6 +2125,22 @@ pub fn uses_coop(gpu: &Gpu, m: usize, rows: usize, cols: usize) -> bool {
     let shape = matches!(Path::of_shape(m, rows, cols), Path::Tiled)
         || (SKINNY_MIN_ROWS..=SKINNY_MAX_ROWS).contains(&m);
     shape && gpu.quant_coop && cols % 4 == 0
+}
+
+/// `qmatvec_rows` of m rows of x with `qmatmul_out`'s constants (type and fusions),
+/// parameters and bindings, laid out by [`rows_layout`].
+fn rows_product(
+    rec: &mut Recorder<'_>,
+    c: &[(&'static str, f64)],
+    p: &Params,
+    bind: &[&Tensor],
+    m: usize,
+    w: &QMatrix,
+) -> Result<()> {
+    let (layout, grid) = rows_layout(rec.gpu(), m, w.rows, w.cols);
+    let mut cm = c.to_vec();
+    cm.extend(layout);
+    rec.dispatch(&QMATVEC_ROWS, &cm, bytemuck::bytes_of(p), bind, grid)
 }
 
 /// Whether a product of `m` rows of x (a prompt's: more than [`SKINNY_MAX_ROWS`]) that
